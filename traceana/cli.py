@@ -1,0 +1,71 @@
+"""The ``traceana`` command line: thin, each command calls library functions.
+
+Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported
+cheaply to build the help, and their heavy imports (torch, holoviews) happen inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from traceana.errors import TraceanaError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("reports.demo_command", "collect a tiny CPU pipeline with and without BPipe, analyse it, write a report"),
+    "collect": ("collectors.command", "run the reference pipeline trainer under the profiler and write a run directory"),
+    "analyze": ("traceana.commands.analyze", "attribute each stage's step time (compute, P2P, BPipe, bubbles)"),
+    "merge": ("traceana.commands.merge", "merge all ranks into one Perfetto trace with phase and bubble tracks"),
+    "report": ("reports.command", "render a self-contained HTML report of one or more runs"),
+    "estimate": ("traceana.commands.estimate", "estimate memory per stage, step time and BPipe's benefit"),
+    "validate": ("traceana.commands.validate", "compare the model's estimate with what a run measured"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="traceana",
+        description="Profile and explain pipeline-parallel training from Kineto traces.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue  # a command whose module is not built yet is simply not offered
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip())
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except TraceanaError as e:
+        print(f"traceana: error: {e.line()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("traceana: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:  # an internal bug: one line by default, the traceback with --debug
+        if args.debug:
+            raise
+        print(
+            f"traceana: internal error: {type(e).__name__}: {e} — rerun with --debug and report it",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

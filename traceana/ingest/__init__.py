@@ -1,0 +1,33 @@
+"""Ingest: Kineto JSON → schema-checked polars tables. Knows JSON, nothing of pipelines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from traceana.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything read from one run directory (or a single trace file)."""
+
+    path: Path
+    events: pl.DataFrame  # schema.EVENTS, all ranks
+    memory: pl.DataFrame  # schema.MEMORY, all ranks
+    traces: pl.DataFrame  # schema.TRACES, one row per rank
+    manifest: Manifest | None = None  # run.json when present
+    warnings: tuple[str, ...] = field(default_factory=tuple)  # e.g. truncated traces, facts inferred
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.traces["rank"].sort().to_list()
+
+    @property
+    def world_size(self) -> int:
+        if self.manifest is not None:
+            return self.manifest.world_size
+        ws = self.traces["world_size"].drop_nulls()
+        return int(ws.max()) if len(ws) else len(self.traces)

@@ -1,0 +1,100 @@
+"""The annotation contract between collectors and analysers: the only module that spells these names.
+
+We follow PyTorch's own pipelining convention ``PP:{stage}{ACTION}{microbatch}`` (torch.distributed.pipelining's
+runtime schedules emit e.g. ``PP:1F0``, ``PP:1RECV_F0``, ``PP:5SEND_B2``, ``PP:4W3``) and add our own actions for
+recompute, blocking waits and BPipe transfers. PyTorch's GPipe schedule emits ``Forward {i}`` / ``Backward {i}``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import polars as pl
+
+# --- PyTorch's actions -------------------------------------------------------------------------------------------
+FORWARD = "F"
+BACKWARD = "B"  # full backward (input + weight gradients)
+BACKWARD_INPUT = "I"  # zero-bubble schedules split B into I and W
+BACKWARD_WEIGHT = "W"
+SEND_F = "SEND_F"
+RECV_F = "RECV_F"
+SEND_B = "SEND_B"
+RECV_B = "RECV_B"
+# --- ours -------------------------------------------------------------------------------------------------------
+RECOMPUTE = "RECOMPUTE"  # nested inside B
+WAIT_F = "WAIT_F"  # blocked waiting for an incoming activation
+WAIT_B = "WAIT_B"  # blocked waiting for an incoming gradient
+EVICT = "EVICT"  # BPipe evictor sends a micro-batch's saved activations to its partner
+LOAD = "LOAD"  # BPipe evictor gets them back before the backward
+ACCEPT = "ACCEPT"  # BPipe acceptor receives and stores a partner's activations
+RETURN = "RETURN"  # BPipe acceptor sends them back
+OPTIMIZER = "OPT"  # optimizer step (no micro-batch)
+
+ACTIONS = (
+    FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_F, RECV_F, SEND_B, RECV_B,
+    RECOMPUTE, WAIT_F, WAIT_B, EVICT, LOAD, ACCEPT, RETURN, OPTIMIZER,
+)
+COMPUTE_ACTIONS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, RECOMPUTE, OPTIMIZER)
+P2P_ACTIONS = (SEND_F, RECV_F, SEND_B, RECV_B, WAIT_F, WAIT_B)
+BPIPE_ACTIONS = (EVICT, LOAD, ACCEPT, RETURN)
+
+# Phase names used in tables (schedule.phase, attribution categories): one word per compute action.
+PHASE_OF_ACTION = {
+    FORWARD: "forward",
+    BACKWARD: "backward",
+    BACKWARD_INPUT: "backward",
+    BACKWARD_WEIGHT: "backward",
+    RECOMPUTE: "recompute",
+    OPTIMIZER: "optimizer",
+}
+
+PP_PATTERN = r"^PP:(\d+)([A-Z_]+)(\d*)$"
+_PP_RE = re.compile(PP_PATTERN)
+GPIPE_PATTERN = r"^(Forward|Backward) (\d+)$"  # torch.distributed.pipelining ScheduleGPipe
+STEP_PATTERN = r"^ProfilerStep#(\d+)$"
+
+# Communication op names seen in Kineto traces (FIELD-NOTES.md).
+GLOO_SEND = "gloo:send"
+GLOO_RECV = "gloo:recv"
+C10D_SEND = "c10d::send"
+C10D_RECV = "c10d::recv_"
+RECORD_PARAM_COMMS = "record_param_comms"
+NCCL_KERNEL_PREFIXES = ("ncclDevKernel", "ncclKernel")
+NCCL_P2P_KERNEL_MARKER = "SendRecv"
+
+# Process-group descriptions our collector gives to BPipe's own group, so its traffic is told apart from P2P.
+BPIPE_GROUP_DESC = "traceana_bpipe"
+
+
+def pp_label(stage: int, action: str, microbatch: int | None = None) -> str:
+    """The annotation name for one pipeline action, e.g. ``pp_label(1, "F", 0) == "PP:1F0"``."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown pipeline action {action!r}; known: {', '.join(ACTIONS)}")
+    return f"PP:{stage}{action}{'' if microbatch is None else microbatch}"
+
+
+def parse_pp_label(name: str) -> tuple[int, str, int | None] | None:
+    """``"PP:1F0" -> (1, "F", 0)``; None when the name is not a pipeline annotation."""
+    m = _PP_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
+    """Vectorised parse of PP: and GPipe names: expressions for ``pp_stage``, ``pp_action``, ``pp_microbatch``.
+
+    GPipe's ``Forward {i}`` / ``Backward {i}`` carry no stage (null) and map to actions F / B.
+    """
+    gp_kind = name.str.extract(GPIPE_PATTERN, 1)
+    gp_mb = name.str.extract(GPIPE_PATTERN, 2)
+    return {
+        "pp_stage": name.str.extract(PP_PATTERN, 1).cast(pl.Int32),
+        "pp_action": pl.coalesce(
+            name.str.extract(PP_PATTERN, 2),
+            pl.when(gp_kind == "Forward").then(pl.lit(FORWARD)).when(gp_kind == "Backward").then(pl.lit(BACKWARD)),
+        ),
+        "pp_microbatch": pl.coalesce(
+            name.str.extract(PP_PATTERN, 3).replace("", None), gp_mb
+        ).cast(pl.Int32),
+    }

@@ -1,0 +1,160 @@
+"""Every table traceana passes between stages, declared once and checked at boundaries.
+
+Times are int64 nanoseconds on the trace's wall clock (Kineto µs floats are converted once, at ingest).
+Sparse columns are null where they do not apply.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana.errors import TraceanaError
+
+# Event kinds assigned by traceana.classify.
+KINDS = (
+    "compute", "p2p_send", "p2p_recv", "bpipe_transfer", "collective", "memcpy", "memset",
+    "annotation", "step", "runtime", "other",
+)
+Kind = pl.Enum(list(KINDS))
+
+# Attribution categories of one (rank, step): disjoint, summing to the step's wall time.
+CATEGORIES = (
+    "forward", "backward", "recompute", "optimizer", "other_compute",
+    "p2p", "bpipe", "collective",
+    "bubble_warmup", "bubble_cooldown", "bubble_stall", "host",
+)
+Category = pl.Enum(list(CATEGORIES))
+COMPUTE_CATEGORIES = CATEGORIES[:5]
+BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
+
+PHASES = ("forward", "backward", "recompute", "optimizer")
+
+# --- ingest ------------------------------------------------------------------------------------------------------
+# One row per complete ("X") trace event. GPU events (kernels, memcpy, memset, gpu annotations) have device/stream.
+EVENTS = {
+    "rank": pl.Int32,
+    "pid": pl.String,  # OS pid as text (Kineto also uses strings such as "Spans")
+    "tid": pl.String,
+    "track": pl.String,  # "cpu:{pid}:{tid}" or "gpu:{device}:{stream}"
+    "is_gpu": pl.Boolean,
+    "cat": pl.String,  # Kineto category: cpu_op, user_annotation, kernel, gpu_memcpy, cuda_runtime, …
+    "name": pl.String,
+    "ts_ns": pl.Int64,
+    "dur_ns": pl.Int64,
+    "corr_id": pl.Int64,  # args.correlation (GPU op ↔ runtime launch)
+    "ext_id": pl.Int64,  # args["External id"] (GPU op / launch ↔ cpu_op)
+    "device": pl.Int32,
+    "stream": pl.Int32,
+    "peer": pl.Int32,  # P2P peer rank (c10d Concrete Inputs[2], or record_param_comms src/dst)
+    "tag": pl.Int32,  # P2P tag (c10d Concrete Inputs[3])
+    "nbytes": pl.Int64,  # message size where the trace says it
+    "coll": pl.String,  # record_param_comms "Collective name" (send, recv, allreduce, …)
+    "pg": pl.String,  # process group name or description, where the trace says it
+}
+
+# One row per allocator instant ("[memory]").
+MEMORY = {
+    "rank": pl.Int32,
+    "ts_ns": pl.Int64,
+    "device": pl.Int32,  # -1 = CPU
+    "allocated_bytes": pl.Int64,
+    "delta_bytes": pl.Int64,
+}
+
+# One row per trace file (rank).
+TRACES = {
+    "rank": pl.Int32,
+    "path": pl.String,
+    "world_size": pl.Int32,
+    "backend": pl.String,
+    "base_time_ns": pl.Int64,
+    "n_events": pl.Int64,
+    "n_bytes": pl.Int64,  # raw (uncompressed) JSON bytes
+    "truncated": pl.Boolean,
+    "stage": pl.Int32,  # from the trace's own traceana metadata, if a collector wrote it
+    "rank_source": pl.String,  # distributedInfo | traceana_meta | filename | single
+    "devices": pl.String,  # JSON of deviceProperties
+    "pg_config": pl.String,  # JSON of distributedInfo.pg_config
+    "meta": pl.String,  # JSON of the trace's top-level "traceana" metadata
+}
+
+# --- analysis ----------------------------------------------------------------------------------------------------
+STEPS = {
+    "rank": pl.Int32,
+    "step": pl.Int32,
+    "start_ns": pl.Int64,
+    "end_ns": pl.Int64,
+    "dur_ns": pl.Int64,
+}
+
+P2P = {
+    "src": pl.Int32,
+    "dst": pl.Int32,
+    "tag": pl.Int32,
+    "seq": pl.Int32,  # k-th message src→dst (per tag) in the step
+    "step": pl.Int32,
+    "channel": pl.String,  # "p2p" or "bpipe"
+    "nbytes": pl.Int64,
+    "send_start": pl.Int64,
+    "recv_post": pl.Int64,
+    "data_ready": pl.Int64,  # max(recv_post, send_start): the data could exist from here on
+    "recv_end": pl.Int64,
+    "wait_ns": pl.Int64,  # data_ready − recv_post: waiting for the peer
+    "transfer_ns": pl.Int64,  # recv_end − data_ready: moving bytes
+}
+
+SCHEDULE = {
+    "rank": pl.Int32,
+    "step": pl.Int32,
+    "stage": pl.Int32,
+    "microbatch": pl.Int32,
+    "phase": pl.String,  # forward | backward | recompute | optimizer
+    "start_ns": pl.Int64,
+    "end_ns": pl.Int64,
+    "source": pl.String,  # annotated | inferred | simulated
+}
+
+ATTRIBUTION = {
+    "rank": pl.Int32,
+    "step": pl.Int32,
+    "stage": pl.Int32,
+    "category": Category,
+    "ns": pl.Int64,
+    "fraction": pl.Float64,
+}
+
+STAGE_MEMORY = {
+    "rank": pl.Int32,
+    "stage": pl.Int32,
+    "step": pl.Int32,
+    "baseline_bytes": pl.Int64,  # allocated at the step's start
+    "peak_bytes": pl.Int64,
+    "activation_peak_bytes": pl.Int64,  # peak − baseline
+}
+
+
+class SchemaError(TraceanaError):
+    """A table does not have the declared columns or types: a bug in traceana, not bad input."""
+
+
+def empty(schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    return pl.DataFrame(schema=schema)
+
+
+def conform(frame: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    """Select the schema's columns in order, adding missing ones as nulls and casting to the declared types."""
+    return frame.select(
+        [
+            (pl.col(c) if c in frame.columns else pl.lit(None)).cast(t).alias(c)
+            for c, t in schema.items()
+        ]
+    )
+
+
+def check(frame: pl.DataFrame, schema: dict[str, pl.DataType], where: str) -> pl.DataFrame:
+    """Raise SchemaError unless ``frame`` has exactly the schema's columns and types (extra columns allowed)."""
+    got = frame.schema
+    bad = [f"{c}: expected {t}, got {got.get(c, 'missing')}" for c, t in schema.items() if got.get(c) != t]
+    if bad:
+        raise SchemaError(f"table {where} does not match its schema: " + "; ".join(bad))
+    return frame
