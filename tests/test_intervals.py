@@ -1,0 +1,115 @@
+"""Interval algebra: tiny hand-made cases with expected tables, and hypothesis properties against a brute-force grid."""
+
+from __future__ import annotations
+
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
+
+from traceana import intervals as iv
+
+
+def frame(rows, keys=("g",)):
+    cols = [*keys, "start", "end"]
+    return pl.DataFrame([dict(zip(cols, r)) for r in rows], schema={c: pl.Int64 for c in cols}, orient="row")
+
+
+def test_merge_joins_overlapping_and_touching_and_keeps_groups_apart():
+    got = iv.merge(frame([(0, 0, 5), (0, 3, 7), (0, 7, 9), (0, 12, 13), (1, 1, 2), (1, 0, 1)]), "g")
+    assert_frame_equal(got, frame([(0, 0, 9), (0, 12, 13), (1, 0, 2)]))
+
+
+def test_merge_drops_empty_intervals():
+    assert iv.merge(frame([(0, 5, 5), (0, 6, 4)]), "g").height == 0
+
+
+def test_nested_intervals_merge_to_the_outer():
+    assert_frame_equal(iv.merge(frame([(0, 0, 10), (0, 2, 3), (0, 4, 9)]), "g"), frame([(0, 0, 10)]))
+
+
+def test_intersect():
+    a = frame([(0, 0, 10), (0, 20, 30)])
+    b = frame([(0, 5, 25), (1, 0, 100)])
+    assert_frame_equal(iv.intersect(a, b, "g"), frame([(0, 5, 10), (0, 20, 25)]))
+
+
+def test_subtract():
+    a = frame([(0, 0, 10), (1, 0, 4)])
+    b = frame([(0, 2, 3), (0, 8, 12)])
+    assert_frame_equal(iv.subtract(a, b, "g"), frame([(0, 0, 2), (0, 3, 8), (1, 0, 4)]))
+
+
+def test_gaps_are_the_idle_parts_of_the_window():
+    busy = frame([(0, 1, 3), (0, 2, 4), (0, 6, 7)])
+    assert_frame_equal(iv.gaps(busy, frame([(0, 0, 10)]), "g"), frame([(0, 0, 1), (0, 4, 6), (0, 7, 10)]))
+
+
+def test_total():
+    got = iv.total(frame([(0, 0, 5), (0, 3, 7), (1, 0, 1)]), "g")
+    assert_frame_equal(got, pl.DataFrame({"g": [0, 1], "ns": [7, 1]}))
+
+
+def test_clip_cuts_intervals_to_each_window_they_overlap():
+    steps = pl.DataFrame({"g": [0, 0], "step": [1, 2], "start": [0, 10], "end": [10, 20]})
+    got = iv.clip(frame([(0, 8, 12), (0, 25, 30), (1, 0, 5)]), steps, on="g", window_keys="step")
+    assert_frame_equal(got.sort("start"), pl.DataFrame({"g": [0, 0], "start": [8, 10], "end": [10, 12],
+                                                        "step": [1, 2]}))
+
+
+def test_partition_gives_priority_to_earlier_layers_and_default_to_the_rest():
+    windows = frame([(0, 0, 10)])
+    got = iv.partition(
+        windows,
+        [("compute", frame([(0, 2, 4)])), ("p2p", frame([(0, 3, 6), (0, 9, 12)]))],
+        by="g", default="idle",
+    )
+    expected = pl.DataFrame(
+        {"g": [0] * 5, "label": ["idle", "compute", "p2p", "idle", "p2p"], "start": [0, 2, 4, 6, 9],
+         "end": [2, 4, 6, 9, 10]}
+    )
+    assert_frame_equal(got, expected)
+
+
+# --- properties against a brute-force unit grid ------------------------------------------------------------------
+ivl = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12)).map(lambda t: (t[0], t[1], t[1] + t[2]))
+sets = st.lists(ivl, max_size=12)
+
+
+def cover(rows, g):
+    return {t for gg, s, e in rows if gg == g for t in range(s, e)}
+
+
+def grid(df: pl.DataFrame, g):
+    return cover(df.select("g", "start", "end").rows(), g)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sets, sets)
+def test_set_operations_match_a_brute_force_grid(a_rows, b_rows):
+    a, b = frame(a_rows), frame(b_rows)
+    for g in range(3):
+        ca, cb = cover(a_rows, g), cover(b_rows, g)
+        assert grid(iv.merge(a, "g"), g) == ca
+        assert grid(iv.intersect(a, b, "g"), g) == ca & cb
+        assert grid(iv.subtract(a, b, "g"), g) == ca - cb
+    m = iv.merge(a, "g")
+    # merged intervals of a group are disjoint and do not touch
+    assert m.filter(pl.col("start") <= pl.col("end").shift(1).over("g")).height == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(sets, sets, st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(1, 20)), max_size=3,
+                            unique_by=lambda t: t[0]))
+def test_partition_covers_each_window_exactly_once(a_rows, b_rows, w_rows):
+    windows = frame([(g, s, s + d) for g, s, d in w_rows])
+    segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by="g", default="rest")
+    for g, s, d in w_rows:
+        mine = segs.filter(pl.col("g") == g)
+        assert int((mine["end"] - mine["start"]).sum()) == d
+        covered = [t for r in mine.rows(named=True) for t in range(r["start"], r["end"])]
+        assert sorted(covered) == list(range(s, s + d))
+        ca, cb = cover(a_rows, g), cover(b_rows, g)
+        for r in mine.rows(named=True):
+            for t in range(r["start"], r["end"]):
+                assert r["label"] == ("a" if t in ca else "b" if t in cb else "rest")
