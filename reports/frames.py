@@ -1,0 +1,271 @@
+"""Shape traceana's analysis tables into the small frames the figures draw. Polars in, polars out; no plotting.
+
+Everything here reads the tables of ``traceana.analysis.Analysis`` (schemas in ``traceana/schema.py``) and never the
+trace events, so a report's cost does not grow with the number of kernels: the timeline is drawn from the schedule
+table (one row per rank, step, phase and micro-batch) plus the gaps between its spans.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana import schema
+from traceana.analysis import Analysis
+
+NS_PER_MS = 1_000_000
+MIB = 2**20
+
+BUBBLE_KINDS = schema.BUBBLE_CATEGORIES
+
+
+def origin_ns(a: Analysis) -> int:
+    """The report's time zero for one run: the first step's start (or the first scheduled span)."""
+    starts = [f["start_ns"].min() for f in (a.steps, a.schedule) if f.height and f["start_ns"].null_count() < f.height]
+    return int(min(starts)) if starts else 0
+
+
+def _ms(col: str, origin: int) -> pl.Expr:
+    return ((pl.col(col) - origin) / NS_PER_MS).alias(col.replace("_ns", "_ms"))
+
+
+def _step_bounds(a: Analysis) -> pl.DataFrame:
+    """(rank, step, step_start, step_end): from the steps table, else from the schedule's own extent."""
+    from_schedule = a.schedule.group_by("rank", "step").agg(
+        step_start=pl.col("start_ns").min(), step_end=pl.col("end_ns").max()
+    )
+    from_steps = a.steps.select("rank", "step", step_start="start_ns", step_end="end_ns")
+    return (
+        from_schedule.join(from_steps, on=["rank", "step"], how="left", suffix="_s")
+        .select(
+            "rank",
+            "step",
+            step_start=pl.coalesce("step_start_s", "step_start"),
+            step_end=pl.coalesce("step_end_s", "step_end"),
+        )
+    )
+
+
+def bubble_spans(a: Analysis) -> pl.DataFrame:
+    """Idle gaps between a rank's scheduled spans, per step, labelled warm-up / stall / cool-down.
+
+    Same rule as the attribution's bubble categories (ARCHITECTURE.md): before the stage's first forward is warm-up,
+    after its last backward is cool-down, anything between is a stall. The gaps also hold exposed P2P and host time,
+    which the timeline draws on top from the p2p table; the exact split per category is the attribution table's.
+    """
+    sched = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null())
+    if sched.height == 0:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int32, "kind": pl.String,
+                                    "start_ns": pl.Int64, "end_ns": pl.Int64})
+    bounds = _step_bounds(a)
+    marks = sched.group_by("rank", "step").agg(
+        first_forward=pl.col("start_ns").filter(pl.col("phase") == "forward").min(),
+        last_backward=pl.col("end_ns").filter(pl.col("phase").is_in(["backward", "recompute"])).max(),
+        last_end=pl.col("end_ns").max(),
+        first_start=pl.col("start_ns").min(),
+    )
+    inner = (
+        sched.sort("rank", "step", "start_ns")
+        .with_columns(prev_end=pl.col("end_ns").cum_max().shift(1).over("rank", "step"))
+        .filter(pl.col("start_ns") > pl.col("prev_end"))
+        .select("rank", "step", start_ns="prev_end", end_ns="start_ns")
+    )
+    edges = marks.join(bounds, on=["rank", "step"]).select(
+        "rank",
+        "step",
+        head_start="step_start",
+        head_end="first_start",
+        tail_start="last_end",
+        tail_end="step_end",
+    )
+    head = edges.select("rank", "step", start_ns="head_start", end_ns="head_end")
+    tail = edges.select("rank", "step", start_ns="tail_start", end_ns="tail_end")
+    gaps = pl.concat([head, inner, tail]).filter(pl.col("end_ns") > pl.col("start_ns"))
+    return (
+        gaps.join(marks, on=["rank", "step"])
+        .with_columns(
+            kind=pl.when(pl.col("first_forward").is_not_null() & (pl.col("end_ns") <= pl.col("first_forward")))
+            .then(pl.lit("bubble_warmup"))
+            .when(pl.col("last_backward").is_not_null() & (pl.col("start_ns") >= pl.col("last_backward")))
+            .then(pl.lit("bubble_cooldown"))
+            .otherwise(pl.lit("bubble_stall"))
+        )
+        .select("rank", "step", "kind", "start_ns", "end_ns")
+        .sort("rank", "step", "start_ns")
+    )
+
+
+def rank_stage(a: Analysis) -> pl.DataFrame:
+    """(rank, stage) for every rank the analysis knows, stage null where it could not be determined."""
+    frames = [
+        f.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
+        for f in (a.schedule, a.attribution, a.stage_memory)
+        if {"rank", "stage"} <= set(f.columns)
+    ]
+    known = pl.concat(frames).drop_nulls().unique("rank", keep="first") if frames else None
+    ranks = a.run.traces.select(pl.col("rank").cast(pl.Int32))
+    if known is None:
+        return ranks.with_columns(stage=pl.lit(None, pl.Int32))
+    return pl.concat([ranks, known.select("rank")]).unique().join(known, on="rank", how="left").sort("rank")
+
+
+def timeline_blocks(a: Analysis) -> pl.DataFrame:
+    """One row per drawn block: rank, stage, step, kind (phase or bubble kind), microbatch, start/end/dur in ms."""
+    origin = origin_ns(a)
+    work = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null()).select(
+        "rank", "step", pl.col("phase").alias("kind"), "microbatch", "start_ns", "end_ns"
+    )
+    gaps = bubble_spans(a).with_columns(microbatch=pl.lit(None, pl.Int32)).select(work.columns)
+    return (
+        pl.concat([work, gaps])
+        .join(rank_stage(a), on="rank", how="left")
+        .with_columns(
+            _ms("start_ns", origin),
+            _ms("end_ns", origin),
+            dur_ms=(pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS,
+        )
+        .select("rank", "stage", "step", "kind", "microbatch", "start_ms", "end_ms", "dur_ms")
+        .sort("rank", "start_ms")
+    )
+
+
+def timeline_transfers(a: Analysis) -> pl.DataFrame:
+    """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received) and the wait before it."""
+    origin = origin_ns(a)
+    p2p = a.p2p.filter(pl.col("data_ready").is_not_null() & pl.col("recv_end").is_not_null())
+    return p2p.select(
+        pl.col("dst").alias("rank"),
+        pl.col("src").alias("peer"),
+        "step",
+        pl.when(pl.col("channel") == "bpipe").then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("kind"),
+        pl.col("nbytes"),
+        ((pl.col("data_ready") - origin) / NS_PER_MS).alias("start_ms"),
+        ((pl.col("recv_end") - origin) / NS_PER_MS).alias("end_ms"),
+        (pl.col("transfer_ns") / NS_PER_MS).alias("transfer_ms"),
+        (pl.col("wait_ns") / NS_PER_MS).alias("wait_ms"),
+    ).sort("rank", "start_ms")
+
+
+def stage_attribution(a: Analysis) -> pl.DataFrame:
+    """Mean milliseconds per step in each (stage, category), averaged over the ranks of a stage; and its percentage.
+
+    Stage is the rank's pipeline stage; ranks whose stage is unknown are shown under their rank number (stage = rank)
+    so that nothing measured silently disappears.
+    """
+    attr = a.attribution.with_columns(stage=pl.coalesce("stage", "rank"))
+    per_rank = attr.group_by("rank", "stage", "category").agg(ms=pl.col("ns").mean() / NS_PER_MS)
+    out = (
+        per_rank.group_by("stage", "category")
+        .agg(ms=pl.col("ms").mean())
+        .with_columns(percent=100 * pl.col("ms") / pl.col("ms").sum().over("stage"))
+        .with_columns(category=pl.col("category").cast(pl.String))
+    )
+    order = {c: i for i, c in enumerate(schema.CATEGORIES)}
+    return out.with_columns(_o=pl.col("category").replace_strict(order, default=len(order))).sort("stage", "_o").drop(
+        "_o"
+    )
+
+
+def step_time_ms(a: Analysis) -> float | None:
+    """The run's step time: per step, the slowest rank's step; averaged over the profiled steps (ms)."""
+    if a.steps.height == 0:
+        return None
+    return float(a.steps.group_by("step").agg(pl.col("dur_ns").max())["dur_ns"].mean() / NS_PER_MS)
+
+
+def stage_summary(a: Analysis) -> pl.DataFrame:
+    """One row per stage: ranks, step time, compute / P2P / BPipe / bubble ms per step, bubble %, peak memory."""
+    rs = rank_stage(a).with_columns(stage=pl.coalesce("stage", "rank"))
+    per_rank_step = a.steps.group_by("rank").agg(step_ms=pl.col("dur_ns").mean() / NS_PER_MS)
+    cats = stage_attribution(a)
+
+    def cat_sum(name: str, members: tuple[str, ...]) -> pl.DataFrame:
+        return (
+            cats.filter(pl.col("category").is_in(members))
+            .group_by("stage")
+            .agg(pl.col("ms").sum().alias(name))
+        )
+
+    mem = (
+        a.stage_memory.join(rs.rename({"stage": "stage_r"}), on="rank", how="left")
+        .with_columns(stage=pl.coalesce("stage", "stage_r"))
+        .group_by("stage")
+        .agg(
+            peak_mib=pl.col("peak_bytes").max() / MIB,
+            activation_mib=pl.col("activation_peak_bytes").max() / MIB,
+        )
+    )
+    out = (
+        rs.join(per_rank_step, on="rank", how="left")
+        .group_by("stage")
+        .agg(ranks=pl.col("rank").sort().cast(pl.String).str.join(", "), step_ms=pl.col("step_ms").mean())
+    )
+    for name, members in (
+        ("compute_ms", schema.COMPUTE_CATEGORIES),
+        ("p2p_ms", ("p2p",)),
+        ("bpipe_ms", ("bpipe",)),
+        ("bubble_ms", schema.BUBBLE_CATEGORIES),
+    ):
+        out = out.join(cat_sum(name, members), on="stage", how="left")
+    total = cats.group_by("stage").agg(total_ms=pl.col("ms").sum())
+    return (
+        out.join(total, on="stage", how="left")
+        .join(mem, on="stage", how="left")
+        .with_columns(bubble_pct=100 * pl.col("bubble_ms") / pl.col("total_ms"))
+        .drop("total_ms")
+        .sort("stage")
+    )
+
+
+def bubble_breakdown(a: Analysis) -> pl.DataFrame:
+    """Per stage: warm-up, stall and cool-down bubble in ms per step (from the attribution table)."""
+    return stage_attribution(a).filter(pl.col("category").is_in(BUBBLE_KINDS))
+
+
+def memory_curves(a: Analysis, *, bins: int = 400) -> pl.DataFrame:
+    """Allocated memory over time per rank, downsampled to at most ``bins`` points per rank (max in each bin).
+
+    Taking the bin's maximum keeps every peak visible, which is what a memory plot is for. For each rank the
+    accelerator (highest device id) is shown when the trace has one, otherwise the CPU allocator (device -1).
+    """
+    mem = a.run.memory.filter(pl.col("allocated_bytes").is_not_null())
+    if mem.height == 0:
+        return pl.DataFrame(schema={"rank": pl.Int32, "stage": pl.Int32, "t_ms": pl.Float64, "mib": pl.Float64})
+    origin = origin_ns(a) or int(mem["ts_ns"].min())
+    lo, hi = int(mem["ts_ns"].min()), int(mem["ts_ns"].max())
+    width = max((hi - lo) // bins + 1, 1)
+    return (
+        mem.filter(pl.col("device") == pl.col("device").max().over("rank"))
+        .with_columns(bin=(pl.col("ts_ns") - lo) // width)
+        .group_by("rank", "bin")
+        .agg(ts_ns=pl.col("ts_ns").min(), mib=pl.col("allocated_bytes").max() / MIB)
+        .join(rank_stage(a), on="rank", how="left")
+        .select("rank", "stage", ((pl.col("ts_ns") - origin) / NS_PER_MS).alias("t_ms"), "mib")
+        .sort("rank", "t_ms")
+    )
+
+
+def compare_stages(runs: list[tuple[str, Analysis]]) -> pl.DataFrame:
+    """Per stage, each run's step time, bubble and peak memory side by side, with the change against the first run."""
+    frames = [
+        stage_summary(a).select("stage", "step_ms", "bubble_ms", "bpipe_ms", "peak_mib").with_columns(run=pl.lit(name))
+        for name, a in runs
+    ]
+    both = pl.concat(frames, how="vertical_relaxed")
+    base = frames[0].select("stage", base_step_ms="step_ms", base_bubble_ms="bubble_ms", base_peak_mib="peak_mib")
+    return (
+        both.join(base, on="stage", how="left")
+        .with_columns(
+            d_step_ms=pl.col("step_ms") - pl.col("base_step_ms"),
+            d_bubble_ms=pl.col("bubble_ms") - pl.col("base_bubble_ms"),
+            d_peak_mib=pl.col("peak_mib") - pl.col("base_peak_mib"),
+        )
+        .drop("base_step_ms", "base_bubble_ms", "base_peak_mib")
+    )
+
+
+def memory_balance(a: Analysis) -> float | None:
+    """max / min of the stages' peak memory: 1.0 is perfectly balanced (BPipe's goal)."""
+    peaks = stage_summary(a)["peak_mib"].drop_nulls()
+    if len(peaks) == 0 or peaks.min() <= 0:
+        return None
+    return float(peaks.max() / peaks.min())

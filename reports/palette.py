@@ -1,0 +1,56 @@
+"""The report's colours, in one place, so every figure speaks the same visual language.
+
+Based on the Okabe–Ito palette (Okabe & Ito 2008, "Color Universal Design"; also Wong 2011, Nature Methods 8:441),
+which stays distinguishable under the common forms of colour-vision deficiency. It has eight colours; the three
+bubble categories use greys of different lightness, since bubbles are "absence of work" and should recede.
+"""
+
+from __future__ import annotations
+
+BLACK = "#000000"
+ORANGE = "#E69F00"
+SKY_BLUE = "#56B4E9"
+BLUISH_GREEN = "#009E73"
+YELLOW = "#F0E442"
+BLUE = "#0072B2"
+VERMILLION = "#D55E00"
+REDDISH_PURPLE = "#CC79A7"
+
+# One colour per attribution category (traceana.schema.CATEGORIES) and per timeline kind.
+CATEGORY_COLOURS = {
+    "forward": BLUE,
+    "backward": ORANGE,
+    "recompute": REDDISH_PURPLE,
+    "optimizer": BLUISH_GREEN,
+    "other_compute": SKY_BLUE,
+    "p2p": VERMILLION,
+    "bpipe": BLACK,
+    "collective": YELLOW,
+    "bubble_warmup": "#DDDDDD",
+    "bubble_stall": "#AAAAAA",
+    "bubble_cooldown": "#777777",
+    "host": "#E5D8BD",
+}
+
+# Human labels for categories, used in legends, hovers and tables.
+CATEGORY_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "recompute": "recompute",
+    "optimizer": "optimizer",
+    "other_compute": "other compute",
+    "p2p": "P2P (exposed)",
+    "bpipe": "BPipe transfer (exposed)",
+    "collective": "collective (exposed)",
+    "bubble_warmup": "bubble: warm-up",
+    "bubble_stall": "bubble: stall",
+    "bubble_cooldown": "bubble: cool-down",
+    "host": "host / unexplained idle",
+}
+
+# Runs in an A/B comparison: first run (usually the baseline) blue, second (e.g. BPipe) orange, then the rest.
+RUN_COLOURS = (BLUE, ORANGE, BLUISH_GREEN, REDDISH_PURPLE, SKY_BLUE, VERMILLION, YELLOW, BLACK)
+
+
+def run_colour(i: int) -> str:
+    return RUN_COLOURS[i % len(RUN_COLOURS)]
