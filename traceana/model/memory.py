@@ -1,0 +1,297 @@
+"""Memory per pipeline stage: weights, gradients, optimizer state and saved activations.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv 2205.05198, §4.1, Table 2): one GPT layer with 16-bit activations and 1-byte dropout masks saves
+
+    s·b·h·(34 + 5·a·s/h) bytes
+      attention 11sbh + 5as²b: QKV input 2sbh, Q and K 4sbh, softmax output 2as²b, softmax-dropout mask as²b,
+                               dropout output 2as²b, V 2sbh, output-projection input 2sbh, dropout mask sbh
+      MLP       19sbh:         first linear input 2sbh, GELU input 8sbh, GELU output 8sbh, dropout mask sbh
+      2 LayerNorms 4sbh:       their inputs
+
+With tensor parallelism t the attention and MLP interiors split (24sbh/t + 5as²b/t) while LayerNorm inputs, the QKV and
+MLP inputs and the dropout masks stay replicated (10sbh); sequence parallelism splits those too: sbh(34 + 5as/h)/t.
+
+What this module adds, each derived term by term in :func:`layer_activation_terms`:
+- ``ffn`` ≠ 4h and grouped-query attention (K and V are kv_heads·head_dim wide);
+- flash / SDPA attention keeps no s×s tensor: only the output and one fp32 log-sum-exp per (head, token) (Dao et al.
+  2022, FlashAttention §3.1; dropout is regenerated from the RNG state, no mask);
+- LLaMA: RMSNorm, SwiGLU, no dropout, so no masks and the softmax output is the only s×s tensor (naive attention);
+- the element size (2 bytes for bf16/fp16, 4 for the fp32 CPU trainer).
+Recompute: full keeps only each layer's input (Korthikanti Table 2, "2sbh"); selective drops the s×s core (§5).
+
+Micro-batches in flight: GPipe holds all m; 1F1B stage s holds min(p−s, m) (Narayanan et al. 2021 §2.2.1); interleaved
+1F1B holds (p−s−1)·2 + (v−1)·p + 1 chunks of L/(p·v) layers on device s (Megatron-LM's warm-up count; for s = 0 this is
+Korthikanti's p·(1 + (p−1)/(p·v)) micro-batches of a whole stage). BPipe (Kim et al. 2023, "BPipe: Memory-Balanced
+Pipeline Parallelism for Training Large Language Models", ICML) pairs stage s with p−1−s: the evictor sends the
+activations of its extra micro-batches to the acceptor, and each ends up holding about ⌈(n_s + n_{p−1−s})/2⌉.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from traceana.errors import ConfigError
+from traceana.manifest import ModelShape
+from traceana.model.config import TrainingConfig
+
+LSE_BYTES = 4  # flash attention saves one fp32 log-sum-exp per (head, query token)
+LOGIT_BYTES = 4  # cross-entropy keeps fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
+
+
+# --- parameters ----------------------------------------------------------------------------------------------------
+def layer_params(model: ModelShape) -> int:
+    """Parameters of one Transformer block.
+
+    GPT (biases everywhere, two LayerNorms): 4h² + 4h attention, 2·h·f + f + h MLP, 4h norms = 12h² + 13h for f = 4h
+    (Narayanan et al. 2021 §5.1). LLaMA (no biases, RMSNorm): h·(h + 2·kv) + h² attention, 3·h·f SwiGLU, 2h norms.
+    """
+    h, f, kv = model.hidden, model.ffn_dim, model.n_kv_heads * model.head_dim
+    if model.family == "gpt":
+        return (h * (h + 2 * kv) + (h + 2 * kv)) + (h * h + h) + (2 * h * f + f + h) + 4 * h
+    return h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+
+
+def embedding_params(model: ModelShape) -> int:
+    """Token embedding V·h, plus learned positions s·h for GPT (LLaMA uses RoPE: no parameters)."""
+    return model.vocab * model.hidden + (model.seq * model.hidden if model.family == "gpt" else 0)
+
+
+def head_params(model: ModelShape, *, tied: bool) -> int:
+    """Final norm plus the output projection h×V (a second copy on the last stage even when tied: Megatron keeps the
+    embedding on both ends of the pipeline and all-reduces its gradient)."""
+    norm = 2 * model.hidden if model.family == "gpt" else model.hidden
+    del tied  # tied or not, the last stage holds an h×V matrix
+    return norm + model.vocab * model.hidden
+
+
+def stage_params(model: ModelShape, *, layers: int, first: bool, last: bool) -> int:
+    n = layers * layer_params(model)
+    if first:
+        n += embedding_params(model)
+    if last:
+        n += head_params(model, tied=model.family == "gpt")
+    return n
+
+
+# --- activations -----------------------------------------------------------------------------------------------------
+def layer_activation_terms(
+    model: ModelShape,
+    *,
+    microbatch_size: int,
+    attention: str = "sdpa",
+    recompute: str = "none",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    activation_bytes: int = 2,
+    dropout: bool | None = None,
+) -> dict[str, float]:
+    """Bytes one layer saves for its backward, per micro-batch on one tensor-parallel rank, term by term.
+
+    With GPT, MHA, ffn 4h, dropout, 2-byte activations, naive attention and t = 1 the terms sum to Korthikanti's
+    sbh(34 + 5as/h). ``replicated`` terms are divided by t only with sequence parallelism.
+    """
+    b, s, h, a, f = microbatch_size, model.seq, model.hidden, model.heads, model.ffn_dim
+    e = activation_bytes
+    sbh = s * b * h
+    kv_frac = model.n_kv_heads / model.heads
+    drop = (model.family == "gpt") if dropout is None else dropout
+    split = tp
+    repl = tp if sequence_parallel else 1
+
+    if recompute == "full":
+        # Only the layer's input survives the forward (Korthikanti Table 2: 2sbh; sharded by sequence parallelism).
+        return {"layer_input": e * sbh / repl}
+
+    terms: dict[str, float] = {}
+    # Norm inputs (LayerNorm / RMSNorm backward needs x; mean/rstd are O(s·b), ignored as in Korthikanti).
+    terms["norm_inputs"] = 2 * e * sbh / repl
+    terms["qkv_input"] = e * sbh / repl
+    terms["q"] = e * sbh / split
+    terms["k_v"] = 2 * e * sbh * kv_frac / split
+    terms["out_proj_input"] = e * sbh / split  # the attention output (flash keeps it as its own output too)
+    if attention == "naive" and recompute != "selective":
+        # softmax output (a·s²·b elements); with dropout also its 1-byte mask and the dropped-out copy that the
+        # attention·V product saves. Without dropout the softmax output is what attention·V saves: one copy.
+        terms["softmax_out"] = e * a * s * s * b / split
+        if drop:
+            terms["softmax_dropout_mask"] = a * s * s * b / split
+            terms["softmax_dropout_out"] = e * a * s * s * b / split
+    elif attention == "sdpa":
+        terms["softmax_lse"] = LSE_BYTES * a * s * b / split
+    if model.family == "gpt":
+        terms["mlp_input"] = e * sbh / repl
+        terms["gelu_input"] = e * s * b * f / split
+        terms["gelu_output"] = e * s * b * f / split  # input of the second linear
+    else:
+        # SwiGLU: down(silu(gate(x)) · up(x)). Saved: x (shared input of gate and up), gate(x) for silu's backward,
+        # up(x) and silu(gate(x)) for the product's backward, and the product as the down projection's input.
+        terms["mlp_input"] = e * sbh / repl
+        terms["swiglu_gate_up_act_prod"] = 4 * e * s * b * f / split
+    if drop:
+        terms["dropout_masks"] = 2 * sbh / repl  # after attention and after the MLP, 1 byte each
+    return terms
+
+
+def layer_activation_bytes(model: ModelShape, **kwargs) -> float:
+    return sum(layer_activation_terms(model, **kwargs).values())
+
+
+def korthikanti_layer_bytes(model: ModelShape, *, microbatch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Korthikanti et al. 2022 Table 2 verbatim (GPT, MHA, ffn 4h, naive attention): a cross-check."""
+    s, b, h, a, t = model.seq, microbatch_size, model.hidden, model.heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh
+    core = 0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + core)
+    return sbh * (10 + 24 / t + core / t)
+
+
+def stage_extra_activation_bytes(cfg: TrainingConfig, *, first: bool, last: bool) -> float:
+    """Per micro-batch activations outside the Transformer layers (Korthikanti et al. 2022 §4.3).
+
+    First stage: the embedding dropout mask (GPT). Last stage: the final norm's input, the logit projection's input and
+    fp32 logits for the cross-entropy (4·s·b·V, split by tensor parallelism).
+    """
+    m, b, e = cfg.model, cfg.microbatch_size, cfg.precision.activation_bytes
+    sbh = m.seq * b * m.hidden
+    repl = cfg.tp if cfg.sequence_parallel else 1
+    extra = 0.0
+    if first and cfg.has_dropout:
+        extra += sbh / repl
+    if last:
+        extra += 2 * e * sbh / repl + LOGIT_BYTES * m.seq * b * m.vocab / cfg.tp
+    return extra
+
+
+# --- micro-batches in flight ------------------------------------------------------------------------------------------
+def microbatches_in_flight(schedule: str, *, pp: int, stage: int, num_microbatches: int,
+                           virtual_stages: int = 1) -> float:
+    """Peak number of micro-batches whose activations a device holds, in units of its whole share of layers.
+
+    For interleaved 1F1B a "micro-batch" of a chunk is 1/v of the device's layers, so the count may be fractional.
+    """
+    p, s, m, v = pp, stage, num_microbatches, virtual_stages
+    if not 0 <= s < p:
+        raise ConfigError(f"stage {s} is outside 0..{p - 1}", fix="check the pipeline degree")
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - s, m))
+    if schedule == "interleaved-1f1b":
+        chunks = min((p - s - 1) * 2 + (v - 1) * p + 1, m * v)
+        return chunks / v
+    raise ConfigError(f"no in-flight rule for schedule {schedule!r}", fix="use gpipe, 1f1b or interleaved-1f1b")
+
+
+def bpipe_pairs(pp: int) -> tuple[tuple[int, int], ...]:
+    """BPipe's (evictor, acceptor) pairs: stage s with p−1−s for s < p/2 (the middle stage of an odd p is unpaired)."""
+    return tuple((s, pp - 1 - s) for s in range(pp // 2))
+
+
+def bpipe_balance(in_flight: list[float], pairs: tuple[tuple[int, int], ...]) -> list[tuple[float, float]]:
+    """(own, foreign) micro-batches each stage holds with BPipe.
+
+    The evictor keeps ⌈(n_e + n_a)/2⌉ of its own and sends the rest to the acceptor, which then holds its own n_a plus
+    those. With 1F1B, n_s + n_{p−1−s} = p + 1 for every pair, so every stage holds about ⌈(p+1)/2⌉.
+    """
+    held = [(n, 0.0) for n in in_flight]
+    for evictor, acceptor in pairs:
+        n_e, n_a = in_flight[evictor], in_flight[acceptor]
+        if n_e < n_a:
+            raise ConfigError(
+                f"BPipe pair ({evictor}, {acceptor}): the evictor holds fewer micro-batches ({n_e}) than the acceptor "
+                f"({n_a})",
+                fix="list pairs as (evictor, acceptor) with the evictor nearer the pipeline's start",
+            )
+        keep = math.ceil((n_e + n_a) / 2)
+        moved = n_e - keep
+        held[evictor] = (keep, 0.0)
+        held[acceptor] = (n_a, moved)
+    return held
+
+
+# --- per stage ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one pipeline device, in bytes, on one tensor/data-parallel rank."""
+
+    stage: int
+    layers: int
+    params: int  # parameters on this rank (after tensor parallelism)
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_per_microbatch: float  # one micro-batch through all of this device's layers (+ stage extras)
+    in_flight: float  # micro-batches of its own the device holds at its peak
+    foreign_in_flight: float  # micro-batches accepted from its BPipe partner
+    activation_bytes: float  # peak saved activations
+    recompute_working_bytes: float  # one layer re-materialised during the backward (full recompute)
+
+    @property
+    def state_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes + self.recompute_working_bytes
+
+
+def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
+    """Peak memory of every pipeline device for a configuration (see the module docstring for the rules)."""
+    model, p = cfg.model, cfg.pp
+    layers = cfg.stage_layers()
+    kw = dict(
+        microbatch_size=cfg.microbatch_size,
+        attention=cfg.attention,
+        tp=cfg.tp,
+        sequence_parallel=cfg.sequence_parallel,
+        activation_bytes=cfg.precision.activation_bytes,
+        dropout=cfg.has_dropout,
+    )
+    per_layer = layer_activation_bytes(model, recompute=cfg.recompute, **kw)
+    full_layer = layer_activation_bytes(model, recompute="none", **kw)
+    # With interleaving, device s holds chunks s, s+p, …: the first chunk of the model is on device 0 and the last on
+    # device p−1, as without interleaving.
+    per_mb = [
+        layers[s] * per_layer + stage_extra_activation_bytes(cfg, first=s == 0, last=s == p - 1) for s in range(p)
+    ]
+    in_flight = [
+        microbatches_in_flight(cfg.schedule, pp=p, stage=s, num_microbatches=cfg.num_microbatches,
+                               virtual_stages=cfg.virtual_stages)
+        for s in range(p)
+    ]
+    held = bpipe_balance(in_flight, bpipe_pairs(p)) if cfg.bpipe else [(n, 0.0) for n in in_flight]
+    partner = {a: e for e, a in bpipe_pairs(p)} if cfg.bpipe else {}
+    prec = cfg.precision
+    shard = cfg.dp if cfg.distributed_optimizer else 1
+    out = []
+    for s in range(p):
+        params = stage_params(model, layers=layers[s], first=s == 0, last=s == p - 1) / cfg.tp
+        own, foreign = held[s]
+        foreign_bytes = foreign * per_mb[partner[s]] if foreign else 0.0
+        out.append(
+            StageMemory(
+                stage=s,
+                layers=layers[s],
+                params=int(params),
+                weight_bytes=params * prec.weight_bytes,
+                grad_bytes=params * prec.grad_bytes,
+                optimizer_bytes=params * prec.optimizer_bytes / shard,
+                activation_per_microbatch=per_mb[s],
+                in_flight=own,
+                foreign_in_flight=foreign,
+                activation_bytes=own * per_mb[s] + foreign_bytes,
+                recompute_working_bytes=full_layer if cfg.recompute == "full" else 0.0,
+            )
+        )
+    return tuple(out)
+
+
+def fits(stages: tuple[StageMemory, ...], *, device_bytes: float, reserve_bytes: float = 0.0) -> bool:
+    """Whether every stage's peak fits in the device memory minus a reserve (allocator slack, workspaces, context)."""
+    return all(st.total_bytes <= device_bytes - reserve_bytes for st in stages)
