@@ -1,4 +1,8 @@
-"""The result of analysing one run: every derived table, plus what could and could not be determined."""
+"""The result of analysing one run: every derived table, plus what could and could not be determined.
+
+``analyze(run)`` chains the pure steps of the flow: classify → steps → P2P messages and pairs → clocks → stages →
+schedule (annotated, else inferred) → busy timeline → attribution → memory → per-stage summary.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,175 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana import attribution as attr
+from traceana import classify as cls
+from traceana import memory as mem
+from traceana import names, pipeline, timeline
 from traceana.ingest import Run
+from traceana.schema import CATEGORIES, SCHEDULE, conform
 
 
 @dataclass(frozen=True)
 class Analysis:
     run: Run
     steps: pl.DataFrame  # schema.STEPS
-    p2p: pl.DataFrame  # schema.P2P
+    p2p: pl.DataFrame  # schema.P2P (+ send_end)
     schedule: pl.DataFrame  # schema.SCHEDULE
     attribution: pl.DataFrame  # schema.ATTRIBUTION
     stage_memory: pl.DataFrame  # schema.STAGE_MEMORY
     stages: pl.DataFrame  # one row per rank: rank, stage, stage_source, step time, category ms/%, peak memory, MFU
     clock_offsets: pl.DataFrame  # rank, offset_ns, source
     notes: tuple[str, ...] = field(default_factory=tuple)  # what was inferred, what could not be determined
+    # --- additions (attribution engineer) ---
+    segments: pl.DataFrame | None = None  # attribution.SEGMENTS: the category of every instant (timelines, merge)
+    events: pl.DataFrame | None = None  # classified events on the aligned clock (kind, step, comm_dir, channel, …)
+    memory_balance: float | None = None  # max/min over stages of the per-stage peak memory
+
+    def tables(self) -> dict[str, pl.DataFrame]:
+        """Every table by name (for export)."""
+        out = {"steps": self.steps, "p2p": self.p2p, "schedule": self.schedule, "attribution": self.attribution,
+               "stage_memory": self.stage_memory, "stages": self.stages, "clock_offsets": self.clock_offsets}
+        if self.segments is not None:
+            out["segments"] = self.segments
+        return out
+
+
+def _same_host(run: Run) -> bool | None:
+    m = run.manifest
+    if m is not None:
+        hosts = m.extra.get("hosts")
+        if isinstance(hosts, list) and len(set(hosts)) == 1:
+            return True
+        if m.extra.get("nnodes") == 1:
+            return True
+    if "host" in run.traces.columns:
+        hosts = run.traces["host"].drop_nulls()
+        if len(hosts) == run.traces.height and hosts.n_unique() == 1:
+            return True
+    return None
+
+
+def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
+    notes: list[str] = []
+    events = cls.classify(run.events)
+    steps, n = timeline.steps(events)
+    notes += n
+    events = timeline.assign_steps(events, steps)
+    msgs = pipeline.messages(events)
+    pairs, unmatched, pair_notes = pipeline.pair(msgs)
+    ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
+    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
+    notes += n
+    if offsets["offset_ns"].abs().max() or 0:
+        events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
+        steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
+        msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns"])
+        pairs, unmatched, pair_notes = pipeline.pair(msgs)
+    notes += pair_notes
+    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs)
+    notes += n
+
+    annotated = pipeline.annotated_schedule(events, stages)
+    fb = annotated.filter(pl.col("phase").is_in(["forward", "backward"]))
+    unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
+    inferred = conform(pl.DataFrame(), SCHEDULE).clear()
+    if unannotated:
+        inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=unannotated)
+        notes += n
+        got = sorted(set(inferred["rank"].to_list()))
+        if got:
+            notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
+                         "annotations)")
+    schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
+
+    busy = timeline.busy_events(events)
+    segs = attr.segments(events=events, steps=steps, busy=busy, schedule=schedule, pairs=pairs,
+                         unmatched=unmatched, msgs=msgs)
+    attribution = attr.attribute(segs, steps, stages)
+    stage_mem = mem.stage_memory(run.memory, steps, stages)
+    if run.memory.height == 0:
+        notes.append("no allocator samples ([memory] events): profile with profile_memory=True for memory per stage")
+    mfu, n = _mfu(run, stages, steps, peak_flops)
+    notes += n
+    return Analysis(
+        run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
+        stages=stage_table(attribution, stages, stage_mem, mfu), clock_offsets=offsets, notes=tuple(notes),
+        segments=segs, events=events, memory_balance=mem.balance(stage_mem),
+    )
+
+
+def stage_table(
+    attribution: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
+) -> pl.DataFrame:
+    """One row per rank: mean over its steps of the step time and of every category (ms and % of the step)."""
+    per_step = attribution.group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
+    means = (
+        attribution.pivot(on="category", index=["rank", "step"], values="ns")
+        .join(per_step, on=["rank", "step"])
+        .group_by("rank")
+        .agg(pl.len().alias("steps"), pl.col("step_ns").mean().alias("_step"),
+             *(pl.col(c).mean().alias(f"_{c}") for c in CATEGORIES))
+    )
+    out = means.with_columns(
+        (pl.col("_step") / 1e6).alias("step_ms"),
+        *((pl.col(f"_{c}") / 1e6).alias(f"{c}_ms") for c in CATEGORIES),
+        *(pl.when(pl.col("_step") > 0).then(100 * pl.col(f"_{c}") / pl.col("_step")).otherwise(0.0).alias(f"{c}_pct")
+          for c in CATEGORIES),
+    )
+    memory = stage_mem.group_by("rank").agg(pl.col("peak_bytes").max().alias("peak_memory_bytes"),
+                                            pl.col("activation_peak_bytes").max())
+    return (
+        stages.join(out, on="rank", how="left")
+        .join(memory, on="rank", how="left")
+        .join(mfu, on="rank", how="left")
+        .select("rank", "stage", "stage_source", "steps", "step_ms",
+                *(f"{c}_ms" for c in CATEGORIES), *(f"{c}_pct" for c in CATEGORIES),
+                "peak_memory_bytes", "activation_peak_bytes", "mfu", "hfu")
+        .sort("stage", "rank", nulls_last=True)
+    )
+
+
+def _stage_flops(model, *, layers: int, microbatch_size: int, recompute: str, last: bool) -> float:
+    """FLOPs of one micro-batch (forward + backward) on a stage: the model engineer's formula when present."""
+    try:
+        from traceana.model.flops import stage_flops
+    except ImportError:  # fallback: Narayanan et al. 2021, eq. (3) per layer, plus the logit layer on the last stage
+        b, s, h, v = microbatch_size, model.seq, model.hidden, model.vocab
+        passes = 4 if recompute == "full" else 3
+        per_layer = passes * 24 * b * s * h * h * (1 + s / (6 * h))
+        return layers * per_layer + (6 * b * s * h * v if last else 0)
+    return float(stage_flops(model, layers=layers, microbatch_size=microbatch_size, recompute=recompute, last=last))
+
+
+def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
+    """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak."""
+    empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
+    m = run.manifest
+    peak = peak_flops or (m.peak_flops if m else None)
+    missing = [what for what, ok in (
+        ("run.json", m is not None), ("model shape", m is not None and m.model is not None),
+        ("pp", m is not None and bool(m.pp)), ("micro-batch size", m is not None and bool(m.microbatch_size)),
+        ("number of micro-batches", m is not None and bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
+    ) if not ok]
+    if missing:
+        return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    model, pp = m.model, m.pp
+    base, extra = divmod(model.layers, pp)
+    rows = []
+    step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
+    secs = dict(step_s.rows())
+    for rank, stage in stages.select("rank", "stage").rows():
+        if stage is None or rank not in secs or not secs[rank]:
+            continue
+        layers = base + (1 if stage < extra else 0)
+        kw = dict(layers=layers, microbatch_size=m.microbatch_size, last=stage == pp - 1)
+        model_f = _stage_flops(model, recompute="none", **kw) * m.num_microbatches
+        hw_f = _stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
+        rows.append((rank, model_f / (secs[rank] * peak * m.tp), hw_f / (secs[rank] * peak * m.tp)))
+    return pl.DataFrame(rows, schema=empty.schema, orient="row"), []
+
+
+def strip_annotations(events: pl.DataFrame) -> pl.DataFrame:
+    """The events without any pipeline annotation (PP:…, Forward/Backward {i}): what inference starts from."""
+    pp = names.pp_columns(pl.col("name"))
+    return events.filter(pp["pp_action"].is_null() | (pl.col("cat") != "user_annotation"))

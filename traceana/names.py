@@ -62,6 +62,18 @@ RECORD_PARAM_COMMS = "record_param_comms"
 NCCL_KERNEL_PREFIXES = ("ncclDevKernel", "ncclKernel")
 NCCL_P2P_KERNEL_MARKER = "SendRecv"
 
+NCCL_SEND = "nccl:send"
+NCCL_RECV = "nccl:recv"
+GLOO_PREFIX = "gloo:"  # every gloo collective/P2P span (gloo:all_reduce, gloo:broadcast, …)
+C10D_PREFIX = "c10d::"  # c10d dispatcher ops (c10d::allreduce_, c10d::barrier, …)
+NCCL_OP_PREFIX = "nccl:"  # NCCL's own cpu-side record_function names (nccl:all_reduce, …)
+P2P_COLL_NAMES = ("send", "recv", "isend", "irecv")  # record_param_comms "Collective name" of P2P ops
+# Names PyTorch itself records without any annotation from us (torch.optim wraps step/zero_grad in
+# record_function("Optimizer.step#{cls}.step"); autograd records one op per backward node).
+OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
+OPTIMIZER_ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
+AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
+
 # Process-group descriptions our collector gives to BPipe's own group, so its traffic is told apart from P2P.
 BPIPE_GROUP_DESC = "traceana_bpipe"
 

@@ -1,0 +1,131 @@
+"""Where each (rank, step)'s wall time goes: schema.CATEGORIES, disjoint, summing exactly to the step.
+
+Every instant of a step gets the first category (in this priority order) whose intervals cover it
+(ARCHITECTURE.md: compute > collective > bpipe > p2p > idle):
+
+1. compute — the rank is busy (timeline.busy_events); split by the schedule window the work was launched in:
+   ``recompute`` (inside B) > ``optimizer`` > ``backward`` > ``forward`` > ``other_compute`` (no window);
+2. ``collective`` — a collective op, span or kernel of the rank is running;
+3. ``bpipe`` — an EVICT/LOAD/ACCEPT/RETURN span or a BPipe-channel message is in flight;
+4. ``p2p`` — a P2P message is moving bytes (after ``data_ready``: the peer's send had started and the receiver
+   had posted);
+5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): ``bubble_warmup``
+   before the stage's first forward of the step, ``bubble_cooldown`` after its last forward (the drain: only
+   backward work is left, so waits are the pipeline emptying), ``bubble_stall`` in between;
+6. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
+
+Deviation from ARCHITECTURE.md, on purpose: cooldown starts after the stage's last *forward*, not its last
+backward. In 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would
+leave it no cooldown at all, while its waits between the final p−1 backwards are exactly the drain bubble
+(Narayanan et al. 2021, §2.2, Fig. 4).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana import intervals as iv
+from traceana import names
+from traceana.schema import ATTRIBUTION, CATEGORIES, Category, conform
+
+SEGMENTS = {"rank": pl.Int32, "step": pl.Int32, "category": Category, "start_ns": pl.Int64, "end_ns": pl.Int64}
+
+
+def _span(frame: pl.DataFrame, start: str = "ts_ns", end: pl.Expr | None = None) -> pl.DataFrame:
+    e = (pl.col("ts_ns") + pl.col("dur_ns")) if end is None else end
+    return frame.select("rank", pl.col(start).alias("start"), e.alias("end"))
+
+
+def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
+    """Add ``phase`` to busy events: the schedule window (same rank) containing the launch time, recompute winning
+    over the backward it is nested in; ``other_compute`` when none contains it."""
+    def containing(windows: pl.DataFrame, name: str) -> pl.Series:
+        if windows.height == 0:
+            return pl.Series(name, [None] * busy.height, dtype=pl.String)
+        idx = busy.select("rank", "launch_ns").with_row_index("_i").sort("launch_ns")
+        hit = (
+            idx.join_asof(windows.sort("start_ns"), left_on="launch_ns", right_on="start_ns", by="rank",
+                          strategy="backward", check_sortedness=False)
+            .select("_i", pl.when(pl.col("launch_ns") < pl.col("end_ns")).then(pl.col("phase")).alias(name))
+        )
+        return idx.select("_i").join(hit, on="_i", how="left").sort("_i")[name]
+
+    w = schedule.select("rank", "start_ns", "end_ns", "phase")
+    outer = containing(w.filter(pl.col("phase") != "recompute"), "_outer")
+    inner = containing(w.filter(pl.col("phase") == "recompute"), "_inner")
+    return busy.with_columns(pl.coalesce(inner, outer, pl.lit("other_compute")).alias("phase"))
+
+
+def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair."""
+    p = pairs.filter(pl.col("channel") == "p2p")
+    # Sender: waiting until the receiver posted, then moving bytes until its wait() returned.
+    send_ready = pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end")
+    transfer = pl.concat([
+        p.select(pl.col("dst").alias("rank"), pl.col("data_ready").alias("start"), pl.col("recv_end").alias("end")),
+        p.select(pl.col("src").alias("rank"), send_ready.alias("start"), pl.col("send_end").alias("end")),
+    ])
+    wait = pl.concat([
+        p.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("data_ready").alias("end")),
+        p.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), send_ready.alias("end")),
+        unmatched.filter(pl.col("channel") == "p2p").select("rank", "start", "end"),
+    ])
+    return transfer, wait
+
+
+def segments(
+    *,
+    events: pl.DataFrame,
+    steps: pl.DataFrame,
+    busy: pl.DataFrame,
+    schedule: pl.DataFrame,
+    pairs: pl.DataFrame,
+    unmatched: pl.DataFrame,
+    msgs: pl.DataFrame,
+) -> pl.DataFrame:
+    """The partition of every step into category segments (SEGMENTS columns)."""
+    windows = steps.select("rank", "step", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    labelled = label_busy(busy, schedule)
+
+    def clip(frame: pl.DataFrame) -> pl.DataFrame:
+        return iv.clip(frame.select("rank", "start", "end"), windows, on="rank", window_keys="step")
+
+    compute = {ph: clip(labelled.filter(pl.col("phase") == ph)) for ph in
+               ("recompute", "optimizer", "backward", "forward", "other_compute")}
+    collective = clip(_span(events.filter(pl.col("kind") == "collective")))
+    bpipe = clip(pl.concat([
+        _span(events.filter((pl.col("kind") == "bpipe_transfer")
+                            | pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))),
+        msgs.filter(pl.col("channel") == "bpipe").select("rank", pl.col("post_ns").alias("start"),
+                                                          pl.col("end_ns").alias("end")),
+    ]))
+    transfer, wait = p2p_intervals(pairs, unmatched)
+    explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
+    transfer, wait = clip(transfer), clip(pl.concat([wait, explicit_wait]))
+    fwd = schedule.filter(pl.col("phase") == "forward").group_by("rank", "step").agg(
+        pl.col("start_ns").min().alias("_f0"), pl.col("end_ns").max().alias("_f1"))
+    edges = windows.join(fwd, on=["rank", "step"])
+    warm = iv.intersect(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), ["rank", "step"])
+    cool = iv.intersect(wait, edges.select("rank", "step", pl.col("_f1").alias("start"), "end"), ["rank", "step"])
+    layers = [
+        *((ph, compute[ph]) for ph in ("recompute", "optimizer", "backward", "forward", "other_compute")),
+        ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
+        ("bubble_warmup", warm), ("bubble_cooldown", cool), ("bubble_stall", wait),
+    ]
+    segs = iv.partition(windows, layers, by=["rank", "step"], default="host", label="category")
+    return conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)
+
+
+def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
+    """schema.ATTRIBUTION: nanoseconds per (rank, step, category), every category present (zero when absent)."""
+    sums = segs.group_by("rank", "step", "category").agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns"))
+    grid = steps.select("rank", "step", "dur_ns").join(
+        pl.DataFrame({"category": list(CATEGORIES)}, schema={"category": Category}), how="cross")
+    out = (
+        grid.join(sums, on=["rank", "step", "category"], how="left")
+        .join(stages.select("rank", "stage"), on="rank", how="left")
+        .with_columns(pl.col("ns").fill_null(0))
+        .with_columns(pl.when(pl.col("dur_ns") > 0).then(pl.col("ns") / pl.col("dur_ns")).otherwise(0.0)
+                      .alias("fraction"))
+    )
+    return conform(out, ATTRIBUTION).sort("rank", "step", "category")

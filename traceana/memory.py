@@ -1,0 +1,64 @@
+"""Memory per stage from the allocator's ``[memory]`` instants (ARCHITECTURE.md "Memory").
+
+Per rank and step: the baseline (allocated bytes when the step starts: the last sample before it, else the first
+sample in it minus its own delta), the peak within the step and the activation peak (peak − baseline; weights,
+gradients and optimizer state are in the baseline). A rank with GPU samples is measured on its GPU (the device
+with most samples); a CPU-only rank on the CPU allocator (device −1). Balance across stages is max/min of the
+per-stage peak: BPipe's claim is that it moves towards 1.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana.schema import STAGE_MEMORY, conform
+
+
+def device_samples(memory: pl.DataFrame) -> pl.DataFrame:
+    """Samples of the device that carries each rank's model: its GPU if it has one, else the CPU."""
+    counts = memory.group_by("rank", "device").agg(pl.len().alias("n"))
+    chosen = (
+        counts.with_columns((pl.col("device") >= 0).alias("gpu"))
+        .sort("rank", "gpu", "n", descending=[False, True, True])
+        .unique("rank", keep="first")
+        .select("rank", "device")
+    )
+    return memory.join(chosen, on=["rank", "device"])
+
+
+def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
+    """schema.STAGE_MEMORY: one row per (rank, step) that has allocator samples or a baseline before it."""
+    if memory.height == 0:
+        return conform(pl.DataFrame(), STAGE_MEMORY).clear()
+    samples = device_samples(memory).sort("ts_ns")
+    w = steps.select("rank", "step", "start_ns", "end_ns").sort("start_ns")
+    before = (
+        w.join_asof(samples.select("rank", "ts_ns", "allocated_bytes"), left_on="start_ns", right_on="ts_ns",
+                    by="rank", strategy="backward", allow_exact_matches=False, check_sortedness=False)
+        .select("rank", "step", pl.col("allocated_bytes").alias("_before"))
+    )
+    inside = (
+        samples.join(w, on="rank")
+        .filter((pl.col("ts_ns") >= pl.col("start_ns")) & (pl.col("ts_ns") < pl.col("end_ns")))
+        .sort("ts_ns")
+        .group_by("rank", "step")
+        .agg(pl.col("allocated_bytes").max().alias("_peak"),
+             (pl.col("allocated_bytes") - pl.col("delta_bytes")).first().alias("_first_before"))
+    )
+    out = (
+        before.join(inside, on=["rank", "step"], how="full", coalesce=True)
+        .with_columns(pl.coalesce("_before", "_first_before").alias("baseline_bytes"))
+        .filter(pl.col("baseline_bytes").is_not_null())
+        .with_columns(pl.max_horizontal("_peak", "baseline_bytes").alias("peak_bytes"))
+        .with_columns((pl.col("peak_bytes") - pl.col("baseline_bytes")).alias("activation_peak_bytes"))
+        .join(stages.select("rank", "stage"), on="rank", how="left")
+    )
+    return conform(out, STAGE_MEMORY).sort("rank", "step")
+
+
+def balance(stage_mem: pl.DataFrame) -> float | None:
+    """max/min over stages of each stage's peak (its worst step); None when fewer than two stages have data."""
+    per = stage_mem.filter(pl.col("stage").is_not_null()).group_by("stage").agg(pl.col("peak_bytes").max())
+    if per.height < 2 or per["peak_bytes"].min() <= 0:
+        return None
+    return float(per["peak_bytes"].max() / per["peak_bytes"].min())

@@ -1,0 +1,335 @@
+"""The pipeline seen from the traces: P2P messages and their pairing, the stage of each rank, and the schedule.
+
+P2P pairing (ARCHITECTURE.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
+For each pair, ``data_ready = max(recv_post, send_start)``: before it the receiver waited for its peer, after it
+bytes were moving. The schedule comes from annotations (``PP:{stage}{ACTION}{mb}``, PyTorch's ``Forward {i}`` /
+``Backward {i}``) or, for ranks without any, is inferred from P2P order (see ``infer_schedule``). Nothing is invented:
+a rank whose stage or micro-batches cannot be determined gets no schedule rows and a note says why.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana import names
+from traceana.manifest import Manifest
+from traceana.schema import P2P, SCHEDULE, conform
+
+# Extra columns kept beside schema.P2P for the sender's side of each pair.
+P2P_EXTRA = {"send_end": pl.Int64}
+
+MESSAGE = {
+    "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
+    "nbytes": pl.Int64, "step": pl.Int32, "post_ns": pl.Int64, "end_ns": pl.Int64, "on_gpu": pl.Boolean,
+}
+
+
+# --- messages and pairs --------------------------------------------------------------------------------------
+def messages(events: pl.DataFrame) -> pl.DataFrame:
+    """One row per P2P message a rank sent or received (MESSAGE columns).
+
+    GPU ranks: the NCCL SendRecv kernel (start = when the GPU began the transfer, end = when it completed). CPU ranks:
+    the post op (``c10d::send``/``c10d::recv_``, else record_param_comms / ``nccl:*``) extended to the end of the
+    matching ``gloo:send``/``gloo:recv`` span, which lasts until wait() returned.
+    """
+    comm = events.filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null())
+    end = pl.col("ts_ns") + pl.col("dur_ns")
+    kernels = comm.filter(pl.col("is_gpu") & (pl.col("cat") == "kernel"))
+    cpu = comm.filter(~pl.col("is_gpu"))
+    posts = cpu.filter(pl.col("cat") != "user_annotation").with_columns(
+        pl.when(pl.col("name").str.starts_with(names.C10D_PREFIX)).then(0)
+        .when(pl.col("name") == names.RECORD_PARAM_COMMS).then(1).otherwise(2).alias("_prio")
+    )
+    # One post source per rank (c10d ops contain record_param_comms on some builds: do not count twice).
+    posts = posts.filter(pl.col("_prio") == pl.col("_prio").min().over("rank")).with_row_index("_post")
+    spans = cpu.filter(pl.col("cat") == "user_annotation").select(
+        "rank", "track", "comm_dir", pl.col("ts_ns").alias("_span_start"), end.alias("_span_end"))
+    if spans.height and posts.height:
+        attached = (
+            spans.sort("_span_start")
+            .join_asof(posts.select("rank", "track", "comm_dir", "ts_ns", "_post").sort("ts_ns"),
+                       left_on="_span_start", right_on="ts_ns", by=["rank", "track", "comm_dir"],
+                       strategy="backward", check_sortedness=False)
+            .filter(pl.col("_post").is_not_null())
+            .group_by("_post").agg(pl.col("_span_end").max())
+        )
+        posts = posts.join(attached, on="_post", how="left")
+    else:
+        posts = posts.with_columns(pl.lit(None, pl.Int64).alias("_span_end"))
+    gpu_msg_ranks = kernels.select("rank").unique()
+    cpu_msgs = posts.join(gpu_msg_ranks, on="rank", how="anti").with_columns(
+        pl.max_horizontal(end, pl.col("_span_end")).alias("end_ns"), pl.lit(False).alias("on_gpu"))
+    gpu_msgs = kernels.with_columns(end.alias("end_ns"), pl.lit(True).alias("on_gpu"))
+    out = pl.concat(
+        [m.select("rank", pl.col("comm_dir").alias("dir"), "channel", "peer", "tag", "nbytes", "step",
+                  pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu") for m in (cpu_msgs, gpu_msgs)],
+        how="vertical_relaxed",
+    )
+    return conform(out, MESSAGE).sort("rank", "post_ns")
+
+
+def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, list[str]]:
+    """Match sends with recvs. Returns (pairs: schema.P2P + send_end, unmatched messages, notes)."""
+    keys = ["src", "dst", "tag", "step", "channel"]
+    m = msgs.with_columns(pl.col("tag").fill_null(-1))
+    sends = (
+        m.filter(pl.col("dir") == "send").rename({"rank": "src", "peer": "dst"})
+        .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
+        .select(*keys, "seq", pl.col("nbytes").alias("send_nbytes"), pl.col("post_ns").alias("send_start"),
+                pl.col("end_ns").alias("send_end"))
+    )
+    recvs = (
+        m.filter(pl.col("dir") == "recv").rename({"rank": "dst", "peer": "src"})
+        .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
+        .select(*keys, "seq", pl.col("nbytes").alias("recv_nbytes"), pl.col("post_ns").alias("recv_post"),
+                pl.col("end_ns").alias("recv_end"))
+    )
+    joined = sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
+    matched = joined.filter(pl.col("send_start").is_not_null() & pl.col("recv_post").is_not_null())
+    # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
+    ready = pl.min_horizontal(pl.max_horizontal("recv_post", "send_start"), "recv_end")
+    pairs = matched.with_columns(
+        ready.alias("data_ready"), pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
+    ).with_columns(
+        (pl.col("data_ready") - pl.col("recv_post")).alias("wait_ns"),
+        (pl.col("recv_end") - pl.col("data_ready")).alias("transfer_ns"),
+    )
+    pairs = pl.concat([conform(pairs, P2P), conform(pairs, P2P_EXTRA)], how="horizontal").sort(
+        "step", "src", "dst", "tag", "seq")
+    unmatched_sends = joined.filter(pl.col("recv_post").is_null() & pl.col("send_start").is_not_null())
+    unmatched_recvs = joined.filter(pl.col("send_start").is_null() & pl.col("recv_post").is_not_null())
+    notes = []
+    # Whether a peer's trace is missing or its messages just do not line up, each rank's side is reported.
+    for label, frame, rank_col, peer_col in (("sends", unmatched_sends, "src", "dst"),
+                                             ("recvs", unmatched_recvs, "dst", "src")):
+        if frame.height:
+            per = frame.group_by(rank_col, peer_col).agg(pl.len()).sort(rank_col, peer_col)
+            desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
+                             for a, b, n in per.rows())
+            notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace ({desc}); "
+                         "their time counts as waiting, with no wait/transfer split")
+    unmatched = pl.concat([
+        unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
+                               pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
+        unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
+                               pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
+    ])
+    return pairs, unmatched, notes
+
+
+# --- stages --------------------------------------------------------------------------------------------------
+def stage_map(
+    events: pl.DataFrame, traces: pl.DataFrame, manifest: Manifest | None, pairs: pl.DataFrame
+) -> tuple[pl.DataFrame, list[str]]:
+    """``rank, stage, stage_source`` for every rank: run.json, else the trace's own metadata, else the stage in
+    its PP: annotations, else the position in the P2P neighbour chain. Unknown stays null (with a note)."""
+    ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
+    known: dict[int, tuple[int, str]] = {}
+    if manifest is not None and manifest.stage_of_rank is not None:
+        for r in ranks:
+            if r < len(manifest.stage_of_rank):
+                known[r] = (manifest.stage_of_rank[r], "run.json")
+    if "stage" in traces.columns:
+        for r, s in traces.select("rank", "stage").drop_nulls().rows():
+            known.setdefault(r, (s, "trace metadata"))
+    annotated = (
+        events.filter(pl.col("pp_stage").is_not_null() & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS)))
+        .group_by("rank").agg(pl.col("pp_stage").min())
+    )
+    for r, s in annotated.rows():
+        known.setdefault(r, (s, "annotations"))
+    notes: list[str] = []
+    if len(known) < len(ranks):
+        chain, chain_notes = _chain_positions(pairs.filter(pl.col("channel") == "p2p"))
+        notes += chain_notes
+        for r in ranks:
+            if r not in known and r in chain:
+                known[r] = (chain[r], "inferred from P2P chain")
+    unknown = [r for r in ranks if r not in known]
+    if unknown:
+        notes.append(f"stage of ranks {', '.join(map(str, unknown))} could not be determined (no run.json, no "
+                     "annotations, not on a P2P chain): they get no schedule")
+    return pl.DataFrame(
+        {"rank": ranks, "stage": [known.get(r, (None, None))[0] for r in ranks],
+         "stage_source": [known.get(r, (None, "unknown"))[1] for r in ranks]},
+        schema={"rank": pl.Int32, "stage": pl.Int32, "stage_source": pl.String},
+    ), notes
+
+
+def _chain_positions(pairs: pl.DataFrame) -> tuple[dict[int, int], list[str]]:
+    """Position of each rank on its P2P neighbour chain. The first message between two neighbours in a step is an
+    activation (every schedule runs micro-batch 0's forward before any backward), so it points downstream.
+    Works over rank pairs, not events."""
+    if pairs.height == 0:
+        return {}, []
+    first = (
+        pairs.with_columns(pl.min_horizontal("src", "dst").alias("a"), pl.max_horizontal("src", "dst").alias("b"))
+        .sort("send_start").group_by("step", "a", "b", maintain_order=True).first()
+        .group_by("src", "dst").agg(pl.len().alias("n"))
+    )
+    # Per neighbour pair, the direction most steps agree on.
+    votes: dict[tuple[int, int], int] = {}
+    for src, dst, n in first.rows():
+        key = (min(src, dst), max(src, dst))
+        votes[key] = votes.get(key, 0) + (n if src < dst else -n)
+    upstream: dict[int, list[int]] = {}
+    downstream: dict[int, list[int]] = {}
+    for (a, b), vote in votes.items():
+        u, d = (a, b) if vote >= 0 else (b, a)
+        downstream.setdefault(u, []).append(d)
+        upstream.setdefault(d, []).append(u)
+    nodes = set(upstream) | set(downstream)
+    if any(len(v) > 1 for v in upstream.values()) or any(len(v) > 1 for v in downstream.values()):
+        return {}, ["the P2P neighbour graph is not a chain (a rank talks to several up- or downstream peers, as in "
+                    "interleaved schedules): stages cannot be inferred from it"]
+    pos: dict[int, int] = {}
+    for head in sorted(n for n in nodes if n not in upstream):
+        r, k = head, 0
+        while r is not None and r not in pos:
+            pos[r] = k
+            k += 1
+            r = downstream.get(r, [None])[0]
+    if len(pos) < len(nodes):
+        return {}, ["the P2P neighbour graph has a cycle (e.g. an interleaved schedule's wrap-around): stages "
+                    "cannot be inferred from it"]
+    return pos, []
+
+
+# --- schedule ------------------------------------------------------------------------------------------------
+def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
+    """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges."""
+    pp = events.filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
+    opt = events.filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
+                        & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX) & pl.col("step").is_not_null())
+    rows = pl.concat([
+        pp.select("rank", "step", "pp_stage", "pp_microbatch",
+                  pl.col("pp_action").replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String).alias("phase"),
+                  "ts_ns", "dur_ns"),
+        opt.select("rank", "step", pl.lit(None, pl.Int32).alias("pp_stage"),
+                   pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
+                   "ts_ns", "dur_ns"),
+    ])
+    # A rank annotated both ways (our PP: names and PyTorch's GPipe names) keeps the PP: rows, which carry a stage.
+    has_pp = rows.filter(pl.col("pp_stage").is_not_null() & (pl.col("phase") != "optimizer")).select("rank").unique()
+    gpipe_dup = (pl.col("pp_stage").is_null() & (pl.col("phase") != "optimizer")
+                 & pl.col("rank").is_in(has_pp["rank"].implode()))
+    rows = rows.filter(~gpipe_dup)
+    return conform(
+        rows.join(stages.select("rank", "stage"), on="rank", how="left").select(
+            "rank", "step", pl.coalesce("pp_stage", "stage").alias("stage"),
+            pl.col("pp_microbatch").alias("microbatch"), "phase", pl.col("ts_ns").alias("start_ns"),
+            (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), pl.lit("annotated").alias("source"),
+        ),
+        SCHEDULE,
+    )
+
+
+def _backward_like(name: pl.Expr) -> pl.Expr:
+    return name.str.starts_with(names.AUTOGRAD_PREFIX) | name.str.contains(r"Backward\d*$")
+
+
+def infer_schedule(
+    events: pl.DataFrame, msgs: pl.DataFrame, stages: pl.DataFrame, *, ranks: list[int]
+) -> tuple[pl.DataFrame, list[str]]:
+    """Schedule rows for ``ranks`` from P2P order, for runs without forward/backward annotations.
+
+    A message to/from a lower stage is upstream traffic (recv = activation in, send = gradient out), to/from a higher
+    stage downstream (send = activation out, recv = gradient in). The k-th message of a role in a step belongs to
+    micro-batch k. Compute is split into forward-like and backward-like work by the ops autograd records for every
+    backward node (``autograd::engine::evaluate_function: …``); then (the rules of ARCHITECTURE.md):
+    forward work is micro-batch k's if it precedes the k-th activation sent downstream, or — on the last stage —
+    follows the k-th activation received and precedes the k-th gradient sent; backward work is micro-batch k's if it
+    precedes the k-th gradient sent upstream, or — on the first stage — follows the k-th gradient received.
+    """
+    notes: list[str] = []
+    st = stages.filter(pl.col("rank").is_in(ranks) & pl.col("stage").is_not_null())
+    if st.height == 0:
+        return conform(pl.DataFrame(), SCHEDULE).clear(), notes
+    stage_of = stages.select(pl.col("rank").alias("peer"), pl.col("stage").alias("peer_stage"))
+    roles = (
+        msgs.filter((pl.col("channel") == "p2p") & pl.col("peer").is_not_null())
+        .join(st.select("rank", "stage"), on="rank").join(stage_of, on="peer", how="left")
+        .filter(pl.col("peer_stage").is_not_null() & (pl.col("peer_stage") != pl.col("stage")))
+        .with_columns(
+            pl.when(pl.col("peer_stage") < pl.col("stage"))
+            .then(pl.when(pl.col("dir") == "recv").then(pl.lit("recv_act")).otherwise(pl.lit("send_grad")))
+            .otherwise(pl.when(pl.col("dir") == "send").then(pl.lit("send_act")).otherwise(pl.lit("recv_grad")))
+            .alias("role"))
+        .sort("post_ns")
+        .with_columns(pl.int_range(pl.len()).over("rank", "step", "role").cast(pl.Int32).alias("mb"))
+    )
+    has = roles.group_by("rank").agg(
+        (pl.col("role") == "send_act").any().alias("has_down"), (pl.col("role") == "recv_act").any().alias("has_up"))
+    lonely = sorted(set(st["rank"].to_list()) - set(has.filter(pl.col("has_down") | pl.col("has_up"))["rank"]
+                                                   .to_list()))
+    if lonely:
+        notes.append(f"ranks {', '.join(map(str, lonely))} have no P2P traffic with other stages: their forward and "
+                     "backward micro-batches cannot be inferred")
+    # Top-level compute ops on the rank's CPU threads, each tagged forward- or backward-like by its outermost op.
+    from traceana.timeline import training_tracks  # local: timeline imports nothing from here, keep it that way
+
+    tracks = training_tracks(events)
+    cpu = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
+                        & pl.col("rank").is_in(ranks)).join(tracks, on=["rank", "track"])
+    ops = (
+        cpu.sort("rank", "ts_ns")
+        .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
+        .with_columns(pl.col("end").cum_max().shift(1).over("rank").alias("_reach"))
+        .with_columns((pl.col("_reach").is_null() | (pl.col("ts_ns") >= pl.col("_reach"))).cum_sum().over("rank")
+                      .alias("_top"))
+        .group_by("rank", "_top")
+        .agg(pl.col("step").first(), pl.col("ts_ns").min().alias("start"), pl.col("end").max(),
+             _backward_like(pl.col("name")).any().alias("is_bwd"))
+        .join(has, on="rank")
+        .sort("start")
+    )
+    # Optimizer work is not a micro-batch's: drop ops inside torch.optim's step ranges.
+    from traceana.classify import inside
+    from traceana import intervals as iv
+
+    opt = iv.merge(events.filter(pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX)).select(
+        "rank", pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")), "rank")
+    ops = ops.filter(~inside(ops, "start", opt))
+
+    def role(name: str, at: str) -> pl.DataFrame:
+        return roles.filter(pl.col("role") == name).select(
+            "rank", "step", pl.col(at).alias(f"{name}_at"), pl.col("mb").alias(f"{name}_mb")).sort(f"{name}_at")
+
+    fwd, bwd = ops.filter(~pl.col("is_bwd")), ops.filter(pl.col("is_bwd"))
+    send_grad_post = roles.filter(pl.col("role") == "send_grad").select(
+        "rank", "step", pl.col("mb").alias("recv_act_mb"), pl.col("post_ns").alias("_grad_out"))
+    fwd = (
+        fwd.join_asof(role("send_act", "post_ns"), left_on="end", right_on="send_act_at", by=["rank", "step"],
+                      strategy="forward", check_sortedness=False)
+        .join_asof(role("recv_act", "end_ns"), left_on="start", right_on="recv_act_at", by=["rank", "step"],
+                   strategy="backward", check_sortedness=False)
+        .join(send_grad_post, on=["rank", "step", "recv_act_mb"], how="left")
+        .with_columns(
+            pl.when(pl.col("has_down")).then(pl.col("send_act_mb"))
+            .when(pl.col("has_up") & (pl.col("_grad_out").is_null() | (pl.col("end") <= pl.col("_grad_out"))))
+            .then(pl.col("recv_act_mb")).alias("microbatch"),
+            pl.lit("forward").alias("phase"))
+    )
+    bwd = (
+        bwd.join_asof(role("send_grad", "post_ns"), left_on="end", right_on="send_grad_at", by=["rank", "step"],
+                      strategy="forward", check_sortedness=False)
+        .join_asof(role("recv_grad", "end_ns"), left_on="start", right_on="recv_grad_at", by=["rank", "step"],
+                   strategy="backward", check_sortedness=False)
+        .with_columns(
+            pl.when(pl.col("has_up")).then(pl.col("send_grad_mb"))
+            .when(pl.col("has_down")).then(pl.col("recv_grad_mb")).alias("microbatch"),
+            pl.lit("backward").alias("phase"))
+    )
+    cols = ["rank", "step", "microbatch", "phase", "start", "end"]
+    labelled = pl.concat([fwd.select(cols), bwd.select(cols)]).filter(pl.col("microbatch").is_not_null())
+    rows = (
+        labelled.group_by("rank", "step", "microbatch", "phase")
+        .agg(pl.col("start").min().alias("start_ns"), pl.col("end").max().alias("end_ns"))
+        .join(st.select("rank", "stage"), on="rank")
+        .with_columns(pl.lit("inferred").alias("source"))
+    )
+    no_bwd = sorted(set(ranks) - set(bwd["rank"].to_list()) - set(lonely))
+    if no_bwd:
+        notes.append(f"ranks {', '.join(map(str, no_bwd))}: no autograd backward ops found on the CPU, so forward "
+                     "and backward work could not be told apart there")
+    return conform(rows, SCHEDULE).sort("rank", "step", "start_ns"), notes

@@ -1,0 +1,148 @@
+"""Per-rank time structure: steps, the training thread, the busy timeline and clock alignment.
+
+- Steps are ``ProfilerStep#N`` spans on the CPU (the profiler's own step markers). A rank without any gets the whole
+  trace as one step ``-1``, and a note says so.
+- Busy: on a rank with GPU work, kernels/memcpy/memset on the GPU (NCCL kernels are communication, not busy);
+  on a CPU-only rank, the training thread's compute cpu_ops (communication posts and blocking waits excluded —
+  gloo's wait() records no cpu_op, so the gap it leaves is idle and is explained later by the P2P spans).
+- Clocks: ranks on one host share the wall clock (FIELD-NOTES.md), so offsets are zero. Across hosts a per-rank
+  offset is estimated from matched P2P pairs: a receive cannot complete before its send started, i.e.
+  ``send_start + o[src] <= recv_end + o[dst]``; the smallest corrections satisfying all pairs are the shortest
+  paths of that difference-constraint system (Bellman–Ford over ranks, not events).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana import names
+from traceana.schema import STEPS, conform
+
+WHOLE_TRACE_STEP = -1
+
+
+def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+    """schema.STEPS from ProfilerStep spans, with a whole-trace fallback per rank that has none."""
+    notes: list[str] = []
+    marked = (
+        events.filter((pl.col("kind") == "step") & ~pl.col("is_gpu"))
+        .with_columns(pl.col("name").str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
+        .group_by("rank", "step")
+        .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
+    )
+    all_ranks = events.select("rank").unique()
+    missing = all_ranks.join(marked.select("rank").unique(), on="rank", how="anti")
+    if missing.height:
+        extent = (
+            events.join(missing, on="rank")
+            .group_by("rank")
+            .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
+            .with_columns(pl.lit(WHOLE_TRACE_STEP, pl.Int32).alias("step"))
+        )
+        ranks = ", ".join(str(r) for r in sorted(missing["rank"].to_list()))
+        if marked.height:
+            notes.append(f"ranks {ranks} have no ProfilerStep spans while others do: each is analysed as one "
+                         f"step {WHOLE_TRACE_STEP} covering its whole trace, not comparable step by step")
+        else:
+            notes.append(f"no ProfilerStep spans in any trace: each rank's whole trace is analysed as one step "
+                         f"{WHOLE_TRACE_STEP} (profile with torch.profiler.schedule and prof.step() for per-step results)")
+        marked = pl.concat([marked, extent.select(marked.columns)], how="vertical_relaxed")
+    out = conform(marked.with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("dur_ns")), STEPS)
+    numbered = out.filter(pl.col("step") != WHOLE_TRACE_STEP)
+    if numbered.height:
+        per_rank = numbered.group_by("rank").agg(pl.col("step").sort().alias("s"))
+        if per_rank["s"].n_unique() > 1:
+            notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
+    return out.sort("rank", "step"), notes
+
+
+def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame:
+    """Add ``step``: the step window (of the same rank) containing the event's start; null outside all steps."""
+    w = step_table.select("rank", "step", "start_ns", "end_ns").sort("start_ns")
+    idx = events.select("rank", "ts_ns").with_row_index("_i").sort("ts_ns")
+    hit = (
+        idx.join_asof(w, left_on="ts_ns", right_on="start_ns", by="rank", strategy="backward", check_sortedness=False)
+        .select("_i", pl.when(pl.col("ts_ns") < pl.col("end_ns")).then(pl.col("step")).alias("step"))
+        .sort("_i")
+    )
+    return events.with_columns(hit["step"].cast(pl.Int32))
+
+
+def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
+    """``rank, track``: the CPU thread driving training — the one holding ProfilerStep spans, else the busiest."""
+    cpu = events.filter(~pl.col("is_gpu"))
+    by_steps = (
+        cpu.filter(pl.col("kind") == "step").group_by("rank", "track").agg(pl.len().alias("n"))
+        .sort("rank", "n", "track", descending=[False, True, False]).unique("rank", keep="first")
+        .select("rank", "track")
+    )
+    busiest = (
+        cpu.filter(pl.col("kind") == "compute").group_by("rank", "track").agg(pl.col("dur_ns").sum().alias("n"))
+        .sort("rank", "n", "track", descending=[False, True, False]).unique("rank", keep="first")
+        .select("rank", "track")
+    )
+    return pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank")
+
+
+def gpu_ranks(events: pl.DataFrame) -> pl.DataFrame:
+    """``rank``s whose traces hold GPU kernels: their busy timeline is the GPU's."""
+    return events.filter(pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"])).select(
+        "rank").unique().sort("rank")
+
+
+def busy_events(events: pl.DataFrame) -> pl.DataFrame:
+    """The events that make a rank busy (see module doc), with ``start``/``end`` columns and ``launch_ns``."""
+    gpu = gpu_ranks(events)
+    on_gpu = events.join(gpu, on="rank").filter(
+        pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"]))
+    tracks = training_tracks(events.join(gpu, on="rank", how="anti"))
+    on_cpu = events.join(tracks, on=["rank", "track"]).filter(pl.col("kind") == "compute")
+    return pl.concat([on_gpu, on_cpu]).with_columns(
+        pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")
+    )
+
+
+def shift(frame: pl.DataFrame, offsets: pl.DataFrame, columns: list[str], *, rank: str = "rank") -> pl.DataFrame:
+    """Add each rank's clock offset to the given time columns."""
+    if offsets.height == 0 or offsets["offset_ns"].abs().max() == 0:
+        return frame
+    o = offsets.select(pl.col("rank").alias(rank), "offset_ns")
+    return (
+        frame.join(o, on=rank, how="left")
+        .with_columns(pl.col(c) + pl.col("offset_ns").fill_null(0) for c in columns)
+        .drop("offset_ns")
+    )
+
+
+def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | None) -> tuple[pl.DataFrame, list[str]]:
+    """``rank, offset_ns, source`` from matched P2P pairs (schema.P2P) — see module doc."""
+    schema = {"rank": pl.Int32, "offset_ns": pl.Int64, "source": pl.String}
+    zero = pl.DataFrame({"rank": ranks, "offset_ns": [0] * len(ranks)}, schema={"rank": pl.Int32,
+                                                                                 "offset_ns": pl.Int64})
+    if same_host:
+        return zero.with_columns(pl.lit("same host").alias("source")), []
+    if pairs.height == 0:
+        return zero.with_columns(pl.lit("none (no matched P2P pairs)").alias("source")), []
+    # Tightest constraint per directed rank pair: o[src] - o[dst] <= min(recv_end - send_start).
+    edges = pairs.group_by("src", "dst").agg((pl.col("recv_end") - pl.col("send_start")).min().alias("c"))
+    if edges["c"].min() >= 0:
+        return zero.with_columns(pl.lit("consistent (no correction needed)").alias("source")), []
+    dist = {r: 0 for r in ranks}
+    rows = edges.rows()
+    for _ in range(len(ranks)):
+        changed = False
+        for src, dst, c in rows:
+            if src in dist and dst in dist and dist[dst] + c < dist[src]:
+                dist[src] = dist[dst] + c
+                changed = True
+        if not changed:
+            break
+    else:
+        return zero.with_columns(pl.lit("inconsistent (left uncorrected)").alias("source")), [
+            "P2P timings contradict each other across ranks (a cycle of impossible orderings): clocks left as recorded"]
+    base = dist[min(ranks)]
+    out = pl.DataFrame({"rank": ranks, "offset_ns": [dist[r] - base for r in ranks]},
+                       schema={"rank": pl.Int32, "offset_ns": pl.Int64})
+    worst = int(out["offset_ns"].abs().max())
+    return out.with_columns(pl.lit("p2p constraints").alias("source")).select(schema), [
+        f"clocks differ across ranks: corrected by up to {worst / 1e6:.3f} ms from P2P ordering constraints"]
