@@ -384,12 +384,16 @@ def build_report(
         page.add("</section>")
 
     body, script = page.render()
+    # Only bokeh's own bundle, inline. Resources.render_js() would also add a <script src> that panel (imported by
+    # holoviews) registers for its extensions: a relative path that does not exist beside the report, and that
+    # plain holoviews plots do not need.
     resources = Resources(mode="inline", components=["bokeh"])
+    inline_js = "".join(f"<script>\n{js}\n</script>\n" for js in resources.js_raw)
     subtitle = (f"{len(runs)} run{'s' if len(runs) > 1 else ''}: " + ", ".join(names)
                 + f" · generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     return H.page(
         title=title or "traceana report", subtitle=subtitle, nav=nav, body=body,
-        resources=resources.render_js() + resources.render_css(), script=script,
+        resources=inline_js, script=script,
     )
 
 

@@ -1,0 +1,69 @@
+"""Render a self-contained HTML report of one or more runs.
+
+Each RUN_DIR (or single trace file) is read and analysed; with two or more, the report adds an A/B comparison
+against the first (e.g. `traceana report baseline/ bpipe/ -o report.html`). The file needs no network to open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from traceana.errors import BadInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or trace files); the first is the baseline")
+    parser.add_argument("-o", "--output", default="report.html", metavar="FILE", help="where to write the report (default: report.html)")
+    parser.add_argument("--name", action="append", default=None, metavar="NAME",
+                        help="a label per run, in order (default: the directory names)")
+    parser.add_argument("--title", default=None, help="the report's title")
+    parser.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
+                        help="peak FLOP/s per device for MFU, when run.json does not say")
+    parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None, progress: bool = True) -> list:
+    """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    for p in paths:
+        if not Path(p).exists():
+            raise BadInputError("no such run directory or trace file", path=p, fix="check the path")
+    out = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress,
+                  transient=True) as bar:
+        for p in paths:
+            task = bar.add_task(f"reading {p}", total=None)
+            run = load_run(p)
+            bar.update(task, description=f"analysing {p}")
+            out.append(analyze(run, peak_flops=peak_flops))
+            bar.remove_task(task)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=args.quiet)
+    if args.name and len(args.name) != len(args.runs):
+        raise BadInputError(f"{len(args.name)} --name labels for {len(args.runs)} runs",
+                            fix="give one --name per run, or none")
+    t0 = time.perf_counter()
+    analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet)
+    with console.status("rendering the report (holoviews + bokeh)"):
+        from reports.build import write_report
+
+        kwargs = {"names": args.name, "title": args.title}
+        if args.no_validate:
+            kwargs["validation"] = None
+        path = write_report(args.output, analyses, **kwargs)
+    size = path.stat().st_size / 2**20
+    print(f"report: {path} ({size:.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+    return 0
