@@ -1,0 +1,387 @@
+"""traceana vs Holistic Trace Analysis on the same files, in the same run: wall time, MB/s, peak RSS, ratios.
+
+Not a test: it prints figures (docs/performance.md records them). Every measured job runs in a fresh subprocess;
+the parent samples the summed RSS of the job's whole process tree from /proc (both tools fork workers, and
+``ru_maxrss`` only sees the largest single process) and also reports that largest process from ``wait4``.
+
+Sections (``--only`` picks some; sizes are flags so a quick run stays quick):
+- ``third``: the third-party Kineto traces in ../shared/traces/third_party/hta that carry GPU kernels.
+- ``vs``: a generated GPU pipeline run (``--ranks`` × ``--mb`` MB raw JSON per rank, gzipped like real runs):
+  traceana ingest + analyze vs HTA TraceAnalysis(...) + get_temporal_breakdown(); cached re-analysis vs the first;
+  traceana's single-process ingest vs the raw decode limit (isal gunzip + msgspec scan of the same bytes, and orjson).
+- ``parallel``: ingest of ``--par-ranks`` ranks with workers=2 vs workers=1.
+- ``big``: one rank of ``--big-gb`` GB raw JSON analysed with progress; reports time and peak RSS (deleted afterwards).
+
+HTA lives in its own virtual environment (it pulls Jupyter): ``python3 -m venv /work/hta-venv &&
+/work/hta-venv/bin/pip install HolisticTraceAnalysis 'pandas<3'`` (HTA 0.5.0 fails on pandas 3 for traces with
+more than 32767 events: an int16-downcast correlation column rejects larger indices).
+
+    .venv/bin/python benchmarks/bench_vs_hta.py --work /work/bench                      # everything, default sizes
+    .venv/bin/python benchmarks/bench_vs_hta.py --only vs --ranks 2 --mb 50             # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+THIRD_PARTY = ROOT.parent / "shared" / "traces" / "third_party" / "hta"
+# Third-party traces with GPU kernels (HTA's temporal breakdown needs them), by folder.
+THIRD_PARTY_GPU = ("trace_filter", "nccl_parser_config", "ns_resolution_trace")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# --- measuring a job ---------------------------------------------------------------------------------------------
+def _tree_rss(root: int) -> int:
+    """Summed RSS (bytes) of ``root`` and all its descendants, read from /proc (no psutil here)."""
+    parent: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)": state ppid … ; rss is field 24 overall
+        pid = int(entry)
+        parent[pid] = int(fields[1])
+        rss[pid] = int(fields[21]) * PAGE
+    total, todo = 0, [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, stderr_to: Path | None = None) -> dict:
+    """Run ``cmd``; return wall seconds, peak summed tree RSS, largest single-process RSS and its stdout JSON."""
+    t0 = time.perf_counter()
+    err = open(stderr_to, "wb") if stderr_to else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss(proc.pid))
+            done.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out_chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    err_chunks: list[bytes] = []
+    if stderr_to is None:
+        ereader = threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True)
+        ereader.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    reader.join()
+    if stderr_to is None:
+        ereader.join()
+    else:
+        err.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stdout = b"".join(out_chunks).decode(errors="replace")
+    result: dict = {}
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+    if proc.returncode != 0 or not result:
+        tail = b"".join(err_chunks).decode(errors="replace")[-3000:] if err_chunks else f"see {stderr_to}"
+        raise RuntimeError(f"{' '.join(cmd[:4])}… exited {proc.returncode}:\n{tail}")
+    return {"wall": wall, "peak_rss": max(peak, usage.ru_maxrss * 1024), "max_proc_rss": usage.ru_maxrss * 1024,
+            **result}
+
+
+# --- the jobs, each run as ``python bench_vs_hta.py --job NAME …`` in a fresh process -----------------------------
+def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: bool) -> dict:
+    t0 = time.perf_counter()
+    from traceana.ingest.run_dir import load_run
+
+    t1 = time.perf_counter()
+    run = load_run(path, workers=workers, cache=cache, progress=progress)
+    t2 = time.perf_counter()
+    out = {"import_s": t1 - t0, "ingest_s": t2 - t1, "events": run.events.height, "memory_rows": run.memory.height,
+           "ranks": run.traces.height}
+    if analyze:
+        from traceana.analysis import analyze as analyze_run
+
+        t3 = time.perf_counter()
+        result = analyze_run(run)
+        t4 = time.perf_counter()
+        out |= {"analyze_s": t4 - t3, "import_s": out["import_s"] + (t3 - t2),
+                "attribution_rows": result.attribution.height}
+    return out
+
+
+def job_hta(trace_dir: str) -> dict:
+    import logging
+
+    t0 = time.perf_counter()
+    from hta.trace_analysis import TraceAnalysis
+
+    logging.disable(logging.WARNING)  # HTA logs a warning per parse phase; keep stderr readable
+    t1 = time.perf_counter()
+    analysis = TraceAnalysis(trace_dir=trace_dir)
+    t2 = time.perf_counter()
+    breakdown = analysis.get_temporal_breakdown(visualize=False)
+    t3 = time.perf_counter()
+    return {"import_s": t1 - t0, "ingest_s": t2 - t1, "analyze_s": t3 - t2, "ranks": len(breakdown),
+            "events": int(sum(len(df) for df in analysis.t.traces.values()))}
+
+
+def job_decode(paths: list[str], decoder: str) -> dict:
+    """The raw decode limit: gunzip (isal) and parse every byte, building as little as the decoder allows."""
+    from isal import igzip
+
+    t0 = time.perf_counter()
+    raw = [igzip.decompress(Path(p).read_bytes()) if p.endswith(".gz") else Path(p).read_bytes() for p in paths]
+    t1 = time.perf_counter()
+    n = 0
+    if decoder == "msgspec":
+        import msgspec
+
+        # An event struct with no fields: msgspec parses and validates every byte but skips each key's value
+        # without building it, the least work a full decode can do.
+        event = msgspec.defstruct("Event", [])
+        dec = msgspec.json.Decoder(msgspec.defstruct("Trace", [("traceEvents", list[event])]))
+        for data in raw:
+            n += len(dec.decode(data).traceEvents)
+    elif decoder == "orjson":
+        import orjson
+
+        for data in raw:
+            n += len(orjson.loads(data)["traceEvents"])
+    t2 = time.perf_counter()
+    return {"gunzip_s": t1 - t0, "decode_s": t2 - t1, "events": n, "raw_bytes": sum(len(d) for d in raw)}
+
+
+def _run_job(a: argparse.Namespace) -> None:
+    if a.job == "traceana":
+        out = job_traceana(a.path, a.workers, a.cache, a.analyze, a.progress)
+    elif a.job == "hta":
+        out = job_hta(a.path)
+    else:
+        out = job_decode(a.paths, a.decoder)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# --- orchestration -----------------------------------------------------------------------------------------------
+def traceana_cmd(path: Path, *, workers: int, cache: bool, analyze: bool = True, progress: bool = False) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--job", "traceana", "--path", str(path),
+           "--workers", str(workers)]
+    return cmd + (["--cache"] if cache else []) + (["--analyze"] if analyze else []) + (["--progress"] if progress else [])
+
+
+def hta_cmd(hta_python: str, path: Path) -> list[str]:
+    return [hta_python, str(Path(__file__).resolve()), "--job", "hta", "--path", str(path)]
+
+
+def decode_cmd(paths: list[Path], decoder: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--job", "decode", "--decoder", decoder,
+            "--paths", *map(str, paths)]
+
+
+def raw_bytes(paths: list[Path]) -> int:
+    from isal import igzip
+
+    total = 0
+    for p in paths:
+        if p.name.endswith(".gz"):
+            with igzip.open(p, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    total += len(chunk)
+        else:
+            total += p.stat().st_size
+    return total
+
+
+def clear_cache(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / ".traceana", ignore_errors=True)
+
+
+def mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def line(label: str, r: dict, nbytes: int) -> str:
+    inner = r.get("ingest_s", 0) + r.get("analyze_s", 0)
+    return (f"  {label:<34} wall {r['wall']:7.2f} s  (work {inner:7.2f} s)  {nbytes / 1e6 / r['wall']:7.1f} MB/s  "
+            f"peak RSS {mb(r['peak_rss']):>10} (largest process {mb(r['max_proc_rss'])})")
+
+
+def compare(label: str, ours: dict, theirs: dict) -> str:
+    return (f"  => {label}: traceana {theirs['wall'] / ours['wall']:.1f}x faster wall "
+            f"({(theirs.get('ingest_s', 0) + theirs.get('analyze_s', 0)) / max(1e-9, ours.get('ingest_s', 0) + ours.get('analyze_s', 0)):.1f}x on work), "
+            f"RSS {ours['peak_rss'] / theirs['peak_rss']:.2f} of HTA's")
+
+
+def section_third(a, results: dict) -> None:
+    print("\n## third-party traces (HolisticTraceAnalysis tests/data): traceana ingest+analyze vs HTA load+breakdown")
+    for name in THIRD_PARTY_GPU:
+        src = THIRD_PARTY / name
+        if not src.is_dir():
+            print(f"  {name}: absent, skipped")
+            continue
+        files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
+        nbytes = raw_bytes(files)
+        ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
+        theirs = measure(hta_cmd(a.hta_python, src))
+        print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
+        print(line("traceana", ours, nbytes))
+        print(line("HTA", theirs, nbytes))
+        print(compare(name, ours, theirs))
+        results.setdefault("third", {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
+
+
+def _generate(out: Path, ranks: int, size_mb: float, *, gz: bool = True) -> list[Path]:
+    sys.path.insert(0, str(HERE))
+    from gen_big_trace import write_run
+
+    t0 = time.perf_counter()
+    facts = write_run(out, ranks=ranks, mb=size_mb, gz=gz)
+    print(f"  generated {ranks} rank(s) x {facts[0]['raw_bytes'] / 1e6:.0f} MB raw in {time.perf_counter() - t0:.1f} s "
+          f"-> {out}")
+    return [Path(f["path"]) for f in facts]
+
+
+def section_vs(a, results: dict) -> None:
+    run_dir = Path(a.work) / f"vs_{a.ranks}x{a.mb:g}"
+    print(f"\n## generated GPU pipeline run: {a.ranks} ranks x {a.mb:g} MB raw JSON per rank (gzipped)")
+    files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
+    if len(files) != a.ranks:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        files = _generate(run_dir, a.ranks, a.mb)
+    nbytes = raw_bytes(files)
+    clear_cache(run_dir)
+    first = measure(traceana_cmd(run_dir, workers=a.workers, cache=True))
+    cached = measure(traceana_cmd(run_dir, workers=a.workers, cache=True))
+    clear_cache(run_dir)
+    cold = measure(traceana_cmd(run_dir, workers=a.workers, cache=False))
+    theirs = measure(hta_cmd(a.hta_python, run_dir))
+    ingest1 = measure(traceana_cmd(run_dir, workers=1, cache=False, analyze=False))
+    limit = {d: measure(decode_cmd(files, d)) for d in ("msgspec", "orjson")}
+    print(f"  {len(files)} files, {nbytes / 1e6:.0f} MB raw JSON, {sum(p.stat().st_size for p in files) / 1e6:.0f} MB gz")
+    print(line(f"traceana (no cache, workers={a.workers})", cold, nbytes))
+    print(line("HTA (its default: fork pool)", theirs, nbytes))
+    print(compare("ingest+analysis", cold, theirs))
+    print(line("traceana first run (writes cache)", first, nbytes))
+    print(line("traceana cached re-analysis", cached, nbytes))
+    print(f"  => cached re-analysis {first['wall'] / cached['wall']:.1f}x faster than the first (wall; "
+          f"{(first['ingest_s'] + first.get('analyze_s', 0)) / (cached['ingest_s'] + cached.get('analyze_s', 0)):.1f}x on work)")
+    print(line("traceana ingest only, workers=1", ingest1, nbytes))
+    for d, r in limit.items():
+        work = r["gunzip_s"] + r["decode_s"]
+        print(f"  raw decode limit ({d:7}) gunzip {r['gunzip_s']:.2f} s + decode {r['decode_s']:.2f} s = {work:.2f} s "
+              f"({nbytes / 1e6 / work:.0f} MB/s), peak RSS {mb(r['peak_rss'])}")
+    best = min(r["gunzip_s"] + r["decode_s"] for r in limit.values())
+    print(f"  => traceana single-process ingest is {ingest1['ingest_s'] / best:.2f}x the raw decode limit "
+          f"(work; {ingest1['wall'] / best:.2f}x counting interpreter start and imports)")
+    results["vs"] = {"raw_bytes": nbytes, "files": len(files), "traceana": cold, "hta": theirs, "first": first,
+                     "cached": cached, "ingest_workers1": ingest1, "decode": limit}
+    if not a.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def section_parallel(a, results: dict) -> None:
+    run_dir = Path(a.work) / f"par_{a.par_ranks}x{a.par_mb:g}"
+    print(f"\n## parallel ingest: {a.par_ranks} ranks x {a.par_mb:g} MB raw, workers=1 vs workers=2 (no cache, ingest only)")
+    files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
+    if len(files) != a.par_ranks:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        files = _generate(run_dir, a.par_ranks, a.par_mb)
+    nbytes = raw_bytes(files)
+    clear_cache(run_dir)
+    one = measure(traceana_cmd(run_dir, workers=1, cache=False, analyze=False))
+    two = measure(traceana_cmd(run_dir, workers=2, cache=False, analyze=False))
+    print(line("workers=1", one, nbytes))
+    print(line("workers=2", two, nbytes))
+    print(f"  => speed-up {one['ingest_s'] / two['ingest_s']:.2f}x on work, {one['wall'] / two['wall']:.2f}x wall "
+          f"(ideal on 2 cores: 2x; os.cpu_count()={os.cpu_count()}, load average now {os.getloadavg()[0]:.1f})")
+    results["parallel"] = {"raw_bytes": nbytes, "workers1": one, "workers2": two}
+    if not a.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def section_big(a, results: dict) -> None:
+    run_dir = Path(a.work) / f"big_{a.big_gb:g}"
+    gz = not a.big_plain
+    print(f"\n## one rank of {a.big_gb:g} GB raw JSON ({'gzipped' if gz else 'plain'}), analysed with progress")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    files = _generate(run_dir, 1, a.big_gb * 1000, gz=gz)
+    nbytes = raw_bytes(files)
+    log = Path(a.work) / "big_progress.log"
+    try:
+        r = measure(traceana_cmd(run_dir, workers=1, cache=False, progress=True), stderr_to=log, interval=0.1)
+        progress_text = log.read_bytes().decode(errors="replace")
+        print(line("traceana ingest+analyze", r, nbytes))
+        print(f"  ingest {r['ingest_s']:.1f} s, analyze {r.get('analyze_s', float('nan')):.1f} s, {r['events']:,} events; "
+              f"progress output: {len(progress_text)} chars on stderr ({log})")
+        results["big"] = {"raw_bytes": nbytes, "traceana": r, "progress_chars": len(progress_text)}
+    except RuntimeError as e:
+        print(f"  FAILED: {e}")
+        results["big"] = {"raw_bytes": nbytes, "error": str(e)}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # multi-GB: never leave it on the shared disk
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", choices=("traceana", "hta", "decode"), help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--paths", nargs="*", help=argparse.SUPPRESS)
+    p.add_argument("--decoder", default="msgspec", help=argparse.SUPPRESS)
+    p.add_argument("--cache", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--analyze", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", default="/work/bench", help="scratch folder for generated runs (outside the repo)")
+    p.add_argument("--hta-python", default="/work/hta-venv/bin/python", help="python of HTA's own venv")
+    p.add_argument("--only", nargs="*", default=["third", "vs", "parallel"],
+                   choices=("third", "vs", "parallel", "big"), help="sections to run (big is opt-in)")
+    p.add_argument("--workers", type=int, default=2, help="traceana ingest workers in the comparisons")
+    p.add_argument("--ranks", type=int, default=4, help="vs: ranks of the generated run")
+    p.add_argument("--mb", type=float, default=200.0, help="vs: raw JSON MB per rank")
+    p.add_argument("--par-ranks", type=int, default=8, help="parallel: ranks")
+    p.add_argument("--par-mb", type=float, default=100.0, help="parallel: raw JSON MB per rank")
+    p.add_argument("--big-gb", type=float, default=4.2, help="big: raw JSON GB of the single rank")
+    p.add_argument("--big-plain", action="store_true", help="big: write plain .json instead of .json.gz")
+    p.add_argument("--keep", action="store_true", help="keep generated runs (vs, parallel) for a rerun")
+    p.add_argument("--json", help="also write every measurement to this JSON file")
+    a = p.parse_args()
+    if a.job:
+        _run_job(a)
+        return
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    print(f"bench_vs_hta: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, "
+          f"python {sys.version.split()[0]}, HTA from {a.hta_python}")
+    results: dict = {}
+    t0 = time.perf_counter()
+    for name in a.only:
+        {"third": section_third, "vs": section_vs, "parallel": section_parallel, "big": section_big}[name](a, results)
+    print(f"\nbench_vs_hta: {time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.1f} at end")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
