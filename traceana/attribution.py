@@ -102,8 +102,9 @@ def segments(
     transfer, wait = p2p_intervals(pairs, unmatched)
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
     transfer, wait = clip(transfer), clip(pl.concat([wait, explicit_wait]))
-    fwd = schedule.filter(pl.col("phase") == "forward").group_by("rank", "step").agg(
-        pl.col("start_ns").min().alias("_f0"), pl.col("end_ns").max().alias("_f1"))
+    # The stage's first and last forward *work* (on a GPU, kernels run later than the CPU annotation says).
+    fwd = compute["forward"].group_by("rank", "step").agg(
+        pl.col("start").min().alias("_f0"), pl.col("end").max().alias("_f1"))
     edges = windows.join(fwd, on=["rank", "step"])
     warm = iv.intersect(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), ["rank", "step"])
     cool = iv.intersect(wait, edges.select("rank", "step", pl.col("_f1").alias("start"), "end"), ["rank", "step"])

@@ -144,5 +144,5 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
     out = pl.DataFrame({"rank": ranks, "offset_ns": [dist[r] - base for r in ranks]},
                        schema={"rank": pl.Int32, "offset_ns": pl.Int64})
     worst = int(out["offset_ns"].abs().max())
-    return out.with_columns(pl.lit("p2p constraints").alias("source")).select(schema), [
+    return out.with_columns(pl.lit("p2p constraints").alias("source")).select(list(schema)), [
         f"clocks differ across ranks: corrected by up to {worst / 1e6:.3f} ms from P2P ordering constraints"]

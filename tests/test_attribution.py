@@ -1,0 +1,310 @@
+"""Attribution on tiny synthetic traces whose answer is known exactly (times in µs; tables in ns).
+
+Each test builds one behaviour with tests/attribution_builder.py and compares the non-zero categories of every
+(rank, step) with an expected table worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from attribution_builder import US, EventsBuilder
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
+
+from traceana import timeline
+from traceana.analysis import analyze, strip_annotations
+from traceana.manifest import Manifest
+
+BWD = "autograd::engine::evaluate_function: MmBackward0"
+
+
+def cats(analysis, rank: int | None = None) -> pl.DataFrame:
+    a = analysis.attribution.filter(pl.col("ns") > 0)
+    if rank is not None:
+        a = a.filter(pl.col("rank") == rank)
+    return a.select("rank", "step", pl.col("category").cast(pl.String), "ns").sort("rank", "step", "category")
+
+
+def expected(rows: list[tuple[int, int, str, float]]) -> pl.DataFrame:
+    return pl.DataFrame(
+        [(r, s, c, int(us * US)) for r, s, c, us in rows],
+        schema={"rank": pl.Int32, "step": pl.Int32, "category": pl.String, "ns": pl.Int64}, orient="row",
+    ).sort("rank", "step", "category")
+
+
+def two_stage_cpu(annotated: bool = True) -> EventsBuilder:
+    """Stage 0 runs F0, sends the activation, waits for the gradient, runs B0; stage 1 the mirror image."""
+    b = EventsBuilder()
+    b.step(0, 1, 0, 100)
+    if annotated:
+        b.ann(0, "PP:0F0", 0, 20)
+        b.ann(0, "PP:0B0", 70, 90)
+        b.ann(1, "PP:1F0", 26, 40)
+        b.ann(1, "PP:1B0", 40, 60)
+    b.op(0, "aten::mm", 2, 18)
+    b.send(0, 1, 20, 25)
+    b.recv(0, 1, 30, 70)  # rank 1 sends the gradient at 60: waiting 30→60, moving 60→70
+    b.op(0, BWD, 72, 88)
+    b.step(1, 1, 0, 100)
+    b.recv(1, 0, 5, 26)  # rank 0 sends at 20: waiting 5→20, moving 20→26
+    b.op(1, "aten::mm", 27, 39)
+    b.op(1, BWD, 41, 59)
+    b.send(1, 0, 60, 65)
+    return b
+
+
+CPU_TWO_STAGE = [
+    # rank 0: F work 2–18; activation out 20–25 (rank 1 had posted: all transfer); the gradient wait 30–60 comes
+    # after the last forward: cooldown; transfer 60–70; B work 72–88; the rest is host.
+    (0, 1, "forward", 16), (0, 1, "backward", 16), (0, 1, "p2p", 5 + 10), (0, 1, "bubble_cooldown", 30),
+    (0, 1, "host", 2 + 2 + 5 + 2 + 12),
+    # rank 1: waits 5–20 before its first forward: warmup; transfer 20–26 and 60–65; F 27–39, B 41–59.
+    (1, 1, "forward", 12), (1, 1, "backward", 18), (1, 1, "p2p", 6 + 5), (1, 1, "bubble_warmup", 15),
+    (1, 1, "host", 5 + 1 + 2 + 1 + 35),
+]
+
+
+def test_cpu_two_stage_annotated():
+    a = analyze(two_stage_cpu().run())
+    assert_frame_equal(cats(a), expected(CPU_TWO_STAGE))
+
+
+def test_p2p_pairs_split_wait_and_transfer():
+    a = analyze(two_stage_cpu().run())
+    got = a.p2p.select("src", "dst", "seq", "channel", "send_start", "recv_post", "data_ready", "recv_end",
+                       "wait_ns", "transfer_ns")
+    want = pl.DataFrame(
+        [(0, 1, 0, "p2p", 20, 5, 20, 26, 15, 6), (1, 0, 0, "p2p", 60, 30, 60, 70, 30, 10)],
+        schema=got.columns, orient="row",
+    ).with_columns(pl.col(c) * US for c in got.columns[4:]).cast(got.schema)
+    assert_frame_equal(got, want)
+
+
+def test_inferred_schedule_matches_annotations_and_gives_the_same_attribution():
+    annotated = analyze(two_stage_cpu().run())
+    inferred = analyze(two_stage_cpu(annotated=False).run())
+    assert set(inferred.schedule["source"]) == {"inferred"}
+    key = ["rank", "step", "stage", "microbatch", "phase"]
+    assert_frame_equal(inferred.schedule.select(key), annotated.schedule.select(key))
+    assert_frame_equal(cats(inferred), expected(CPU_TWO_STAGE))
+    assert inferred.stages["stage_source"].to_list() == ["inferred from P2P chain"] * 2
+
+
+def test_strip_annotations_removes_only_pipeline_names():
+    ev = two_stage_cpu().events()
+    stripped = strip_annotations(ev)
+    assert ev.height - stripped.height == 4
+    assert not stripped["name"].str.starts_with("PP:").any()
+
+
+def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
+    b = EventsBuilder()
+    b.step(0, 1, 0, 100)
+    b.ann(0, "PP:0F0", 0, 10)
+    b.kernel(0, "sgemm", 5, 25, launch=2)
+    b.nccl(0, "send", 1, launch=12, start=25, end=35)
+    b.nccl(0, "recv", 1, launch=45, start=40, end=70)
+    b.ann(0, "PP:0B0", 50, 60)
+    b.kernel(0, "sgemm_bwd", 70, 90, launch=52)
+    b.step(1, 1, 0, 100)
+    b.nccl(1, "recv", 0, launch=1, start=10, end=36)
+    b.ann(1, "PP:1F0", 30, 40)
+    b.kernel(1, "sgemm", 36, 50, launch=31)
+    b.ann(1, "PP:1B0", 40, 55)
+    b.kernel(1, "sgemm_bwd", 50, 60, launch=41)
+    b.nccl(1, "send", 0, launch=56, start=60, end=68)
+    a = analyze(b.run())
+    assert_frame_equal(cats(a), expected([
+        # rank 0: kernels 5–25 (launched in F0) and 70–90 (in B0); send kernel 25–35 all transfer (rank 1's recv
+        # kernel was already up); recv kernel 40–70 waits until rank 1's send kernel starts at 60, after the last
+        # forward kernel: cooldown 20, then transfer 10.
+        (0, 1, "forward", 20), (0, 1, "backward", 20), (0, 1, "p2p", 10 + 10), (0, 1, "bubble_cooldown", 20),
+        (0, 1, "host", 5 + 5 + 10),
+        # rank 1: recv kernel 10–36 waits until 25 (before its first forward kernel at 36: warmup), moves 25–36.
+        (1, 1, "forward", 14), (1, 1, "backward", 10), (1, 1, "p2p", 11 + 8), (1, 1, "bubble_warmup", 15),
+        (1, 1, "host", 10 + 32),
+    ]))
+    assert a.p2p.select("src", "dst", "wait_ns", "transfer_ns").rows() == [(0, 1, 15 * US, 11 * US),
+                                                                             (1, 0, 20 * US, 10 * US)]
+
+
+def test_collectives_and_the_optimizer_on_a_single_cpu_rank():
+    b = EventsBuilder()
+    b.step(0, 3, 0, 100)
+    b.op(0, "aten::mm", 0, 30)
+    b.op(0, "c10d::allreduce_", 30, 35)
+    b.ann(0, "gloo:all_reduce", 32, 60, tid="runloop")  # gloo runs collectives on its own thread
+    b.op(0, "aten::mm", 60, 70)
+    b.ann(0, "Optimizer.step#SGD.step", 70, 90)
+    b.op(0, "aten::add_", 72, 88)
+    a = analyze(b.run())
+    assert_frame_equal(cats(a), expected([
+        (0, 3, "other_compute", 40), (0, 3, "collective", 30), (0, 3, "optimizer", 16), (0, 3, "host", 14),
+    ]))
+    assert any("stage of ranks 0 could not be determined" in n for n in a.notes)
+
+
+def test_recompute_inside_backward_is_its_own_category():
+    b = EventsBuilder()
+    b.step(0, 1, 0, 50)
+    b.ann(0, "PP:0B0", 0, 50)
+    b.op(0, BWD, 0, 20)
+    b.ann(0, "PP:0RECOMPUTE0", 20, 40)
+    b.op(0, "aten::mm", 22, 38)
+    b.op(0, BWD, 40, 50)
+    a = analyze(b.run())
+    assert_frame_equal(cats(a), expected([(0, 1, "backward", 30), (0, 1, "recompute", 16), (0, 1, "host", 4)]))
+
+
+def test_bpipe_transfers_count_as_bpipe_not_p2p():
+    b = EventsBuilder()
+    b.step(0, 1, 0, 100)
+    b.ann(0, "PP:0F0", 0, 10)
+    b.op(0, "aten::mm", 0, 10)
+    b.ann(0, "PP:0EVICT0", 10, 20)
+    b.op(0, "aten::copy_", 10, 11)
+    b.send(0, 1, 11, 19)
+    b.step(1, 1, 0, 100)
+    b.ann(1, "PP:3ACCEPT0", 5, 25)
+    b.recv(1, 0, 6, 20)
+    a = analyze(b.run())
+    assert_frame_equal(cats(a), expected([
+        (0, 1, "forward", 10), (0, 1, "bpipe", 10), (0, 1, "host", 80), (1, 1, "bpipe", 20), (1, 1, "host", 80),
+    ]))
+    assert a.p2p["channel"].to_list() == ["bpipe"]
+
+
+def test_bpipe_group_traffic_is_bpipe_even_without_annotations():
+    b = EventsBuilder()
+    b.step(0, 1, 0, 100)
+    b.send(0, 1, 10, 30)
+    b.rows[-2]["pg"] = "traceana_bpipe"
+    b.step(1, 1, 0, 100)
+    b.recv(1, 0, 10, 30)
+    b.rows[-2]["pg"] = "traceana_bpipe"
+    a = analyze(b.run())
+    assert a.p2p["channel"].to_list() == ["bpipe"]
+    assert cats(a).filter(pl.col("category") == "bpipe")["ns"].to_list() == [20 * US, 20 * US]
+
+
+def test_unmatched_recv_counts_as_waiting_and_is_reported():
+    b = EventsBuilder()  # rank 0's trace is missing
+    b.step(1, 1, 0, 100)
+    b.recv(1, 0, 10, 50)
+    b.ann(1, "PP:1F0", 50, 60)
+    b.op(1, "aten::mm", 50, 60)
+    a = analyze(b.run())
+    assert_frame_equal(cats(a), expected([(1, 1, "forward", 10), (1, 1, "bubble_warmup", 40), (1, 1, "host", 50)]))
+    assert any("no counterpart" in n and "rank 1←0: 1" in n for n in a.notes)
+    assert a.p2p.height == 0
+
+
+def test_no_steps_means_one_whole_trace_step_and_a_note():
+    b = EventsBuilder()
+    b.op(0, "aten::mm", 10, 30)
+    b.op(0, "aten::mm", 40, 50)
+    a = analyze(b.run())
+    assert a.steps.rows() == [(0, timeline.WHOLE_TRACE_STEP, 10 * US, 50 * US, 40 * US)]
+    assert_frame_equal(cats(a), expected([(0, -1, "other_compute", 30), (0, -1, "host", 10)]))
+    assert any("no ProfilerStep" in n for n in a.notes)
+
+
+def test_steps_on_some_ranks_only_are_reported():
+    b = two_stage_cpu()
+    b.rows = [r for r in b.rows if not (r["rank"] == 1 and r["name"].startswith("ProfilerStep"))]
+    a = analyze(b.run())
+    assert sorted(a.steps.select("rank", "step").rows()) == [(0, 1), (1, -1)]
+    assert any("ranks 1 have no ProfilerStep" in n for n in a.notes)
+
+
+def test_memory_per_stage_baseline_peak_and_balance():
+    b = two_stage_cpu()
+    b.memory(0, -10, 1000, 1000)
+    b.memory(0, 10, 1500, 500)
+    b.memory(0, 50, 3000, 1500)
+    b.memory(0, 90, 1200, -1800)
+    b.memory(1, 20, 600, 100)  # no sample before the step: baseline = 600 − 100
+    a = analyze(b.run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1))))
+    assert a.stage_memory.select("rank", "stage", "baseline_bytes", "peak_bytes", "activation_peak_bytes").rows() == [
+        (0, 0, 1000, 3000, 2000), (1, 1, 500, 600, 100)]
+    assert a.memory_balance == pytest.approx(5.0)
+    assert a.stages["peak_memory_bytes"].to_list() == [3000, 600]
+
+
+def test_clock_offsets_from_pairs_that_would_receive_before_sending():
+    pairs = pl.DataFrame({"src": [0, 1], "dst": [1, 2], "send_start": [1000, 5000], "recv_end": [500, 5200]})
+    got, notes = timeline.clock_offsets(pairs, [0, 1, 2], same_host=None)
+    # rank 1's clock reads at least 500 ns early relative to rank 0; every pair must be possible afterwards.
+    o = dict(got.select("rank", "offset_ns").rows())
+    assert o[0] == 0 and o[1] == 500
+    for src, dst, send, recv in pairs.rows():
+        assert send + o[src] <= recv + o[dst]
+    assert got["source"].unique().to_list() == ["p2p constraints"] and notes
+
+
+def test_clock_offsets_are_zero_on_one_host():
+    pairs = pl.DataFrame({"src": [0], "dst": [1], "send_start": [1000], "recv_end": [500]})
+    got, _ = timeline.clock_offsets(pairs, [0, 1], same_host=True)
+    assert got["offset_ns"].to_list() == [0, 0] and got["source"][0] == "same host"
+
+
+def test_mfu_from_the_manifest():
+    from traceana.manifest import ModelShape
+
+    model = ModelShape(family="gpt", layers=2, hidden=64, heads=4, vocab=128, seq=16)
+    m = Manifest(world_size=2, pp=2, stage_of_rank=(0, 1), microbatch_size=2, num_microbatches=1, model=model,
+                 peak_flops=1e12)
+    a = analyze(two_stage_cpu().run(m))
+    mfu = a.stages["mfu"].to_list()
+    assert all(x is not None and 0 < x < 1 for x in mfu)
+    assert mfu[1] > mfu[0]  # the last stage also runs the logit layer, in the same step time
+
+
+# --- property: categories of every (rank, step) are non-negative and sum to the step --------------------------
+@st.composite
+def random_trace(draw):
+    b = EventsBuilder()
+    n_ranks = draw(st.integers(1, 3))
+    for r in range(n_ranks):
+        steps = draw(st.integers(0, 2))
+        for s in range(steps):
+            b.step(r, s, s * 100, s * 100 + draw(st.integers(1, 100)))
+        for _ in range(draw(st.integers(0, 6))):
+            t0 = draw(st.integers(-20, 220))
+            t1 = t0 + draw(st.integers(0, 40))
+            kind = draw(st.sampled_from(["op", "bwd", "F", "B", "R", "EVICT", "send", "recv", "coll", "opt", "ker"]))
+            peer = draw(st.integers(0, 2))
+            if kind == "op":
+                b.op(r, "aten::mm", t0, t1)
+            elif kind == "bwd":
+                b.op(r, BWD, t0, t1)
+            elif kind in ("F", "B", "R", "EVICT"):
+                action = {"R": "RECOMPUTE"}.get(kind, kind)
+                b.ann(r, f"PP:{r}{action}{draw(st.integers(0, 2))}", t0, t1)
+            elif kind == "send":
+                b.send(r, peer, t0, t1)
+            elif kind == "recv":
+                b.recv(r, peer, t0, t1)
+            elif kind == "coll":
+                b.op(r, "c10d::allreduce_", t0, t1)
+            elif kind == "opt":
+                b.ann(r, "Optimizer.step#SGD.step", t0, t1)
+            else:
+                b.kernel(r, "sgemm", t0, t1, launch=t0 - 1)
+    if not b.rows:
+        b.op(0, "aten::mm", 0, 1)
+    return b
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_trace())
+def test_categories_are_non_negative_and_sum_to_the_step(b):
+    a = analyze(b.run())
+    assert (a.attribution["ns"] >= 0).all()
+    sums = a.attribution.group_by("rank", "step").agg(pl.col("ns").sum())
+    check = a.steps.join(sums, on=["rank", "step"], how="left")
+    assert (check["ns"] == check["dur_ns"]).all(), check
+    seg = a.segments
+    assert (seg["end_ns"] > seg["start_ns"]).all()
