@@ -1,0 +1,253 @@
+"""Does BPipe help? The question of Huang et al. 2024, "Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe"
+(arXiv 2401.02088), answered by the model.
+
+BPipe (Kim et al. 2023) does not make any kernel faster. It lowers the peak activation memory of the first stages, and
+that freed memory can buy one of two things: turning recomputation off, or a larger micro-batch (which, at a fixed
+global batch, means fewer micro-batches). So whether it helps is a trade between terms of the step time:
+
+    step ≈ (m + p − 1) · t(b)            1F1B with uniform stages (Narayanan et al. 2021 §2.2.1)
+    t(b) = FLOPs(b) / (E(b) · peak)      E(b): the compute efficiency (MFU of the busy time) at micro-batch b
+
+- compute: m·t(b) shrinks only if E grows with b (bigger matrices use the device better);
+- recompute: an extra forward (full) or attention core (selective) per micro-batch that BPipe may make unnecessary;
+- bubble: (p − 1)·t(b) grows with b because m = G/(b·dp) falls;
+- transfer: evicting and reloading activations costs bandwidth, exposed when it cannot hide behind compute.
+
+We compute every candidate with the memory model (does it fit?) and the simulator (how long?), and compare the best
+BPipe configuration with both the user's configuration and the best configuration that fits without BPipe — the fair
+baseline the re-evaluation asks for. With flash attention the s×s activations are gone (see model/memory.py), so
+configurations that needed BPipe to fit usually fit without it, and the verdict turns on E(b) alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana.errors import ConfigError
+from traceana.model import flops
+from traceana.model.config import TrainingConfig
+from traceana.model.memory import bpipe_pairs, estimate_stage_memory
+from traceana.model.presets import Device
+from traceana.model.simulate import Costs, StageTimes, simulate
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """Compute efficiency E(b) (model FLOP/s during compute over peak) by micro-batch size.
+
+    Between measured points it is interpolated linearly in log2(b); outside them it is held at the nearest point.
+    Without points it follows an assumed saturating curve E(b) = e_max · n/(n + n_half) in tokens n = b·s per
+    tensor-parallel rank, which says only "bigger matrices are used better, with diminishing returns".
+    """
+
+    points: tuple[tuple[float, float], ...] = ()  # (micro-batch size, efficiency)
+    e_max: float = 0.6
+    tokens_half: float = 512.0
+    source: str = "assumed"
+
+    def __post_init__(self) -> None:
+        if any(b <= 0 or not 0 < e <= 1 for b, e in self.points):
+            raise ConfigError("efficiency points need b > 0 and 0 < efficiency ≤ 1", fix="check --efficiency")
+
+    def at(self, microbatch_size: float, *, seq: int) -> float:
+        if not self.points:
+            n = microbatch_size * seq
+            return self.e_max * n / (n + self.tokens_half)
+        pts = sorted(self.points)
+        if microbatch_size <= pts[0][0]:
+            return pts[0][1]
+        if microbatch_size >= pts[-1][0]:
+            return pts[-1][1]
+        for (b0, e0), (b1, e1) in zip(pts, pts[1:]):
+            if b0 <= microbatch_size <= b1:
+                w = (math.log2(microbatch_size) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                return e0 + w * (e1 - e0)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Bandwidths (bytes/s) for pipeline messages and BPipe transfers; assumptions unless measured."""
+
+    p2p_bytes_per_s: float = 25e9  # one 200 Gb/s InfiniBand HDR port per GPU (inter-node pipeline stages)
+    bpipe_bytes_per_s: float = 25e9  # evictor → acceptor crosses the same fabric (pairs s, p−1−s are far apart)
+    bpipe_overlap: bool = True
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    config: TrainingConfig
+    step_s: float
+    mfu: float
+    fits: bool | None  # None when no device memory was given
+    peak_bytes: float  # the largest stage's total
+    terms: dict[str, float]  # seconds on the busiest stage: compute, recompute, bubble, transfer
+    efficiency: float
+
+    def describe(self) -> str:
+        c = self.config
+        rc = "" if c.recompute == "none" else f", {c.recompute} recompute"
+        return f"b={c.microbatch_size}, m={c.num_microbatches}{rc}{', BPipe' if c.bpipe else ''}"
+
+
+def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) -> StageTimes:
+    """Per-stage durations (ns) of one micro-batch from FLOPs at a given efficiency (the backward is 2× the forward)."""
+    layers = cfg.stage_layers()
+    rate = peak_flops * efficiency * cfg.tp  # the stage's tensor-parallel group works together
+    fwd, bwd, rec = [], [], []
+    for s, n in enumerate(layers):
+        last = s == cfg.pp - 1
+        total = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last)
+        extra = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last,
+                                  recompute=cfg.recompute) - total
+        fwd.append(total / 3 / rate * 1e9)
+        bwd.append(2 * total / 3 / rate * 1e9)
+        rec.append(extra / rate * 1e9)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp)
+
+
+def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve,
+                  network: Network = Network(), peak_flops: float | None = None) -> StepEstimate:
+    """Step time, MFU, memory fit and the step's terms for one configuration."""
+    peak = peak_flops or (device.peak_flops if device else None)
+    if not peak:
+        raise ConfigError("a step-time estimate needs the device's peak FLOP/s", fix="pass --device or --peak-flops")
+    eff = curve.at(cfg.microbatch_size, seq=cfg.model.seq)
+    mem = estimate_stage_memory(cfg)
+    act = cfg.precision.activation_bytes
+    msg_bytes = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * act / (cfg.tp if cfg.sequence_parallel else 1)
+    evict_bytes = max((m.activation_per_microbatch for m in mem[: max(1, cfg.pp // 2)]), default=0.0)
+    costs = Costs(
+        p2p_ns=msg_bytes / network.p2p_bytes_per_s * 1e9,
+        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * 1e9 if cfg.bpipe else 0.0,
+        bpipe_overlap=network.bpipe_overlap,
+    )
+    times = stage_times(cfg, peak_flops=peak, efficiency=eff)
+    sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
+                   virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False)
+    step_s = sim.step_ns / 1e9
+    model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
+    devices = cfg.pp * cfg.tp * cfg.dp
+    terms = _terms(sim.attribution)
+    peak_bytes = max(m.total_bytes for m in mem)
+    return StepEstimate(
+        config=cfg,
+        step_s=step_s,
+        mfu=flops.mfu(model_flops, seconds=step_s, peak_flops=peak, devices=devices),
+        fits=None if device is None else peak_bytes <= device.memory_bytes,
+        peak_bytes=peak_bytes,
+        terms=terms,
+        efficiency=eff,
+    )
+
+
+def _terms(attribution: pl.DataFrame) -> dict[str, float]:
+    """Seconds per term on the stage with the most compute (the one that sets the pace)."""
+    groups = {
+        "compute": ("forward", "backward", "optimizer", "other_compute"),
+        "recompute": ("recompute",),
+        "bubble": ("bubble_warmup", "bubble_cooldown", "bubble_stall", "host"),
+        "transfer": ("p2p", "bpipe", "collective"),
+    }
+    per = attribution.with_columns(
+        group=pl.col("category").cast(pl.String).replace_strict(
+            {c: g for g, cs in groups.items() for c in cs}, default="compute"
+        )
+    )
+    busiest = (
+        per.filter(pl.col("group").is_in(["compute", "recompute"]))
+        .group_by("rank").agg(pl.col("ns").sum()).sort("ns", "rank", descending=[True, False])["rank"][0]
+    )
+    sums = per.filter(pl.col("rank") == busiest).group_by("group").agg(pl.col("ns").sum())
+    got = dict(zip(sums["group"].to_list(), sums["ns"].to_list()))
+    return {g: got.get(g, 0) / 1e9 for g in groups}
+
+
+# --- the verdict -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Verdict:
+    helps: bool
+    speedup: float  # reference step / best BPipe step (> 1: BPipe is faster)
+    reference: StepEstimate  # what BPipe is compared with (the best fitting configuration without BPipe)
+    given: StepEstimate  # the user's configuration as given
+    with_bpipe: StepEstimate | None  # the best fitting BPipe configuration
+    deciding_term: str
+    deltas: dict[str, float]  # seconds, BPipe − reference, per term
+    sentence: str
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+
+
+def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64) -> list[TrainingConfig]:
+    """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode."""
+    per_pipeline = cfg.microbatch_size * cfg.num_microbatches
+    out = []
+    b = 1
+    while b <= min(per_pipeline, max_microbatch):
+        if per_pipeline % b == 0:
+            for rc in ("none", "selective", "full"):
+                if rc == "selective" and cfg.attention != "naive":
+                    continue  # nothing s×s to drop: selective equals none with flash attention
+                out.append(cfg.replace(microbatch_size=b, num_microbatches=per_pipeline // b, recompute=rc,
+                                       bpipe=bpipe))
+        b *= 2
+    return out
+
+
+def _best(estimates: list[StepEstimate]) -> StepEstimate | None:
+    ok = [e for e in estimates if e.fits is not False]
+    return min(ok, key=lambda e: e.step_s) if ok else None
+
+
+def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve = EfficiencyCurve(),
+                  network: Network = Network(), reserve_bytes: float = 0.0) -> Verdict:
+    """Compare the best BPipe configuration with the best one without it, at the same global batch and parallelism."""
+    if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
+        raise ConfigError("the BPipe verdict compares plain 1F1B schedules", fix="use --schedule 1f1b")
+    dev = Device(device.name, device.memory_bytes - reserve_bytes, device.peak_flops, device.source)
+    est = lambda c: estimate_step(c, device=dev, curve=curve, network=network)  # noqa: E731
+    given = est(cfg.replace(bpipe=False))
+    plain = [est(c) for c in candidates(cfg, bpipe=False)]
+    balanced = [est(c) for c in candidates(cfg, bpipe=True)] if cfg.pp > 1 else []
+    reference = _best(plain) or given
+    best = _best(balanced)
+    assumptions = (
+        f"compute efficiency E(b) {curve.source}"
+        + ("" if curve.points else f" (saturating, e_max={curve.e_max}, n_half={curve.tokens_half:g} tokens)"),
+        f"P2P {network.p2p_bytes_per_s / 1e9:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / 1e9:g} GB/s "
+        f"({'overlapped' if network.bpipe_overlap else 'blocking'})",
+        f"device memory {dev.memory_bytes / 2**30:.0f} GiB usable",
+    )
+    if best is None:
+        return Verdict(False, 1.0, reference, given, None, "memory", {},
+                       "BPipe does not help: no configuration fits even with balanced activations.", assumptions)
+    deltas = {k: best.terms[k] - reference.terms[k] for k in reference.terms}
+    speedup = reference.step_s / best.step_s
+    helps = speedup > 1.005
+    deciding = max(deltas, key=lambda k: abs(deltas[k]))
+    sentence = _sentence(helps, speedup, reference, best, deltas, deciding,
+                         fits_without=_best(plain) is not None)
+    return Verdict(helps, speedup, reference, given, best, deciding, deltas, sentence, assumptions)
+
+
+def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate, deltas: dict[str, float],
+              deciding: str, *, fits_without: bool) -> str:
+    def fmt(k: str) -> str:
+        d = deltas[k]
+        return f"{k} {'+' if d >= 0 else '−'}{abs(d) * 1e3:.0f} ms"
+
+    changed = ", ".join(fmt(k) for k in sorted(deltas, key=lambda k: -abs(deltas[k])) if abs(deltas[k]) > 5e-4)
+    if not fits_without:
+        return (f"BPipe helps: without it nothing fits in memory; with it {best.describe()} runs at "
+                f"{best.step_s:.2f} s per step (MFU {best.mfu:.1%}).")
+    if not helps:
+        why = ("the best configuration without BPipe already fits"
+               if best.config.microbatch_size == ref.config.microbatch_size
+               and best.config.recompute == ref.config.recompute else f"{changed or 'no term changes'}")
+        return (f"BPipe does not help ({speedup:.3f}×): best without it {ref.describe()} "
+                f"{ref.step_s:.2f} s vs with it {best.describe()} {best.step_s:.2f} s; {why}. "
+                f"Deciding term: {deciding}.")
+    return (f"BPipe helps by {speedup:.3f}×: {ref.describe()} {ref.step_s:.2f} s → {best.describe()} "
+            f"{best.step_s:.2f} s per step; {changed}. Deciding term: {deciding}.")
