@@ -145,25 +145,20 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
 
 
 def _terms(attribution: pl.DataFrame) -> dict[str, float]:
-    """Seconds per term on the stage with the most compute (the one that sets the pace)."""
+    """Seconds per term on stage 0. It is BPipe's evictor, so waiting for its loads shows there as transfer, and its
+    window spans the whole step like every stage's, so its terms add up to the step time."""
     groups = {
         "compute": ("forward", "backward", "optimizer", "other_compute"),
         "recompute": ("recompute",),
         "bubble": ("bubble_warmup", "bubble_cooldown", "bubble_stall", "host"),
         "transfer": ("p2p", "bpipe", "collective"),
     }
-    per = attribution.with_columns(
-        group=pl.col("category").cast(pl.String).replace_strict(
-            {c: g for g, cs in groups.items() for c in cs}, default="compute"
-        )
-    )
-    busiest = (
-        per.filter(pl.col("group").is_in(["compute", "recompute"]))
-        .group_by("rank").agg(pl.col("ns").sum()).sort("ns", "rank", descending=[True, False])["rank"][0]
-    )
-    sums = per.filter(pl.col("rank") == busiest).group_by("group").agg(pl.col("ns").sum())
-    got = dict(zip(sums["group"].to_list(), sums["ns"].to_list()))
-    return {g: got.get(g, 0) / 1e9 for g in groups}
+    group_of = {c: g for g, cs in groups.items() for c in cs}
+    first = attribution.filter(pl.col("stage") == pl.col("stage").min())
+    got: dict[str, float] = {g: 0.0 for g in groups}
+    for category, ns in zip(first["category"].cast(pl.String).to_list(), first["ns"].to_list()):
+        got[group_of[category]] += ns / 1e9
+    return got
 
 
 # --- the verdict -----------------------------------------------------------------------------------------------------
