@@ -1,0 +1,727 @@
+"""One Kineto (torch.profiler) JSON trace → the ``events`` and ``memory`` tables plus one ``traces`` row.
+
+The importer owns every quirk of the format; nothing downstream knows JSON exists.
+
+How it decodes, and why (FIELD-NOTES.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson):
+1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
+2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is a list of ``msgspec.Raw``:
+   one fast pass that only finds each event's bytes (zero-copy views), so a trace of many GB never exists as
+   Python objects all at once;
+3. events are decoded in batches of ``BATCH`` into typed Structs that name only the fields we use (``args``
+   keeps only the keys we need; the three record_shapes lists stay ``msgspec.Raw`` and are decoded only for the
+   few ``c10d::send``/``c10d::recv_``/``gloo:*`` events); each batch becomes a polars frame;
+4. the frames are concatenated and finished with polars expressions (times, tracks, peers, sizes).
+
+Times: Kineto writes ``ts``/``dur`` as float microseconds. A float64 cannot hold an absolute µs wall clock
+(~1.7e15) to the nanosecond (its spacing there is 0.25 µs), so ``ts`` is decoded as ``decimal.Decimal`` (exactly
+the digits in the file) and converted to int64 ns from its text. Kineto writes ``ts`` relative to
+``baseTimeNanoseconds`` (checked on a torch 2.13 trace: base + ts = wall clock); when the base is present and the
+``ts`` values are not already epoch-scale we add it, so ``ts_ns`` is absolute on every rank.
+
+Bad input raises a one-line ``TraceFormatError`` (or ``BadInputError`` for a path that cannot be read). A trace cut
+short while being written keeps every complete event, is marked ``truncated`` and says so in a warning.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+import os
+import re
+import zlib
+from itertools import compress
+from operator import attrgetter
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import polars as pl
+
+from traceana import names, schema
+from traceana.errors import BadInputError, TraceFormatError
+
+try:  # isal is ~1.6x faster than zlib at gunzip (FIELD-NOTES.md); zlib keeps us working without it.
+    from isal import isal_zlib as _zlib
+
+    _ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
+except ImportError:  # pragma: no cover - isal is a core dependency
+    _zlib = zlib
+    _ZLIB_ERRORS = (zlib.error,)
+
+BATCH = 100_000  # events decoded into Python objects at a time (bounds the transient memory)
+GZIP_MAGIC = b"\x1f\x8b"
+EPOCH_US = 1e14  # ts above this (µs) is already an epoch wall clock (1e14 µs ≈ 3 years after 1970)
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+# Kineto categories of events that run on a GPU stream (newer Kineto writes lower case, older "Kernel", "Memcpy").
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "memcpy", "memset")
+
+# Element sizes. record_param_comms writes c10::ScalarType names ("Float"); record_shapes "Input type" writes C++
+# type names ("float", "c10::Half"). Sources: c10/core/ScalarType.h and the traces in FIELD-NOTES.md.
+SCALAR_TYPE_BYTES = {
+    "Byte": 1, "Char": 1, "Short": 2, "Int": 4, "Long": 8, "Half": 2, "Float": 4, "Double": 8,
+    "ComplexHalf": 4, "ComplexFloat": 8, "ComplexDouble": 16, "Bool": 1, "BFloat16": 2,
+    "Float8_e5m2": 1, "Float8_e4m3fn": 1, "Float8_e5m2fnuz": 1, "Float8_e4m3fnuz": 1, "UInt16": 2, "UInt32": 4,
+    "UInt64": 8,
+}
+CPP_TYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4, "short int": 2,
+    "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8, "c10::complex<double>": 16,
+    "c10::complex<c10::Half>": 4, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fn": 1, "unsigned short": 2,
+    "unsigned int": 4, "unsigned long": 8,
+}
+
+_Num = int | float | str | None  # lenient: a wrong type becomes null in the table instead of losing the event
+
+
+class _Args(msgspec.Struct, gc=False):
+    """The only ``args`` keys ingest reads (Kineto names; see torch/csrc/profiler/util.h for the NCCL ones)."""
+
+    correlation: _Num = None
+    external_id: _Num = msgspec.field(default=None, name="External id")
+    device: _Num = None
+    stream: _Num = None
+    total_allocated: _Num = msgspec.field(default=None, name="Total Allocated")
+    delta_bytes: _Num = msgspec.field(default=None, name="Bytes")
+    device_id: _Num = msgspec.field(default=None, name="Device Id")
+    collective: _Num = msgspec.field(default=None, name="Collective name")
+    in_nelems: _Num = msgspec.field(default=None, name="In msg nelems")
+    dtype: _Num = None
+    src_rank: _Num = msgspec.field(default=None, name="Src Rank")
+    dst_rank: _Num = msgspec.field(default=None, name="Dst Rank")
+    pg_name: _Num = msgspec.field(default=None, name="Process Group Name")
+    pg_desc: _Num = msgspec.field(default=None, name="Process Group Description")
+    concrete_inputs: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Concrete Inputs")
+    input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input Dims")
+    input_type: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input type")
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    name: str = ""
+    cat: str | None = None
+    pid: int | str | None = None
+    tid: int | str | None = None
+    ts: float | None = None  # exact to the ns below FLOAT_EXACT_US; see _ExactEvent and the module docstring
+    dur: float | None = None
+    args: _Args = msgspec.field(default_factory=_Args)
+
+
+class _ExactEvent(_Event):
+    """Same fields, ``ts`` kept as the exact decimal digits: for traces whose µs values a float cannot hold."""
+
+    ts: decimal.Decimal | None = None
+
+
+class _Top(msgspec.Struct):
+    """Top level of a Kineto trace; everything but the event list stays raw and is decoded leniently later."""
+
+    traceEvents: list[msgspec.Raw] | None = None
+    distributedInfo: msgspec.Raw = msgspec.Raw(b"")
+    deviceProperties: msgspec.Raw = msgspec.Raw(b"")
+    baseTimeNanoseconds: msgspec.Raw = msgspec.Raw(b"")
+    traceana: msgspec.Raw = msgspec.Raw(b"")
+
+
+_TOP = msgspec.json.Decoder(_Top)
+_DECODERS = {
+    False: (msgspec.json.Decoder(list[_Event]), msgspec.json.Decoder(_Event)),
+    True: (msgspec.json.Decoder(list[_ExactEvent]), msgspec.json.Decoder(_ExactEvent)),
+}
+# Below 2**43 µs (~100 days: Kineto's base-relative ts) a float64's spacing is < 1 ns, so floor + rounded fraction
+# gives the exact ns of a 3-decimal µs value. Above it (absolute epoch µs ~1.7e15: spacing 0.25 µs) we decode the
+# digits exactly instead.
+FLOAT_EXACT_US = 2.0**43
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+_STREAM_IN_TID = r"(\d+)\s*$"
+
+# Events whose record_shapes args we decode (few per step): peers, tags and message sizes of gloo P2P.
+_SHAPES_NAMES = (names.C10D_SEND, names.C10D_RECV)
+_GLOO_PREFIX = "gloo:"
+
+
+def shown(path: Path | str) -> str:
+    """A path as printable text (file names need not be UTF-8; a message must still print)."""
+    return os.fsencode(str(path)).decode("utf-8", "replace")
+
+
+# --- reading bytes -----------------------------------------------------------------------------------------------
+def read_bytes(path: Path) -> tuple[bytes, bool]:
+    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short."""
+    try:
+        if not path.exists():
+            raise BadInputError("no such file", path=shown(path), fix="check the path")
+        if path.is_dir():
+            raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
+        data = path.read_bytes()
+    except BadInputError:
+        raise
+    except PermissionError:
+        raise BadInputError("permission denied", path=shown(path), fix="make the file readable (chmod +r)") from None
+    except OSError as e:  # symlink loops (ELOOP), I/O errors, names the OS rejects
+        raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
+                            fix="check the file and any symlinks to it") from None
+    if not data:
+        raise TraceFormatError("empty file (0 bytes)", path=shown(path),
+                               fix="the profiler did not write this trace; re-collect it or remove the file")
+    if data[:2] != GZIP_MAGIC:
+        return data, False
+    return _gunzip(data, path)
+
+
+def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
+    out: list[bytes] = []
+    rest = data
+    try:
+        while rest[:2] == GZIP_MAGIC:  # concatenated gzip members are one stream
+            d = _zlib.decompressobj(16 + zlib.MAX_WBITS)
+            out.append(d.decompress(rest))
+            out.append(d.flush())
+            if not d.eof:
+                # The stream ended early: a writer killed mid-file. Keep what decompressed; the JSON is truncated.
+                return b"".join(out), True
+            rest = d.unused_data
+    except _ZLIB_ERRORS as e:
+        raise TraceFormatError(f"corrupt gzip data ({e})", path=shown(path),
+                               fix="the file is damaged; copy it again from where it was written") from None
+    return b"".join(out), False
+
+
+# --- top level ---------------------------------------------------------------------------------------------------
+def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
+    """Decode the top level; on a cut-off file recover every complete event. Returns (top, truncated)."""
+    head = buf[:64].lstrip()
+    if not head:
+        raise TraceFormatError("file holds only whitespace", path=shown(path), fix="re-collect the trace")
+    if head[:1] != b"{":
+        what = "a JSON array" if head[:1] == b"[" else "not JSON"
+        raise TraceFormatError(f"{what}, not a Kineto trace object", path=shown(path),
+                               fix="pass the JSON file torch.profiler wrote (export_chrome_trace / tensorboard_trace_handler)")
+    try:
+        return _TOP.decode(buf), False
+    except msgspec.ValidationError as e:
+        raise TraceFormatError(f"not a Kineto trace ({e})", path=shown(path),
+                               fix="pass a torch.profiler trace whose traceEvents is a list") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        msg = str(e)
+    # A killed writer leaves a prefix (sometimes followed by NUL padding from the file system).
+    body = buf.rstrip(b"\x00 \t\r\n")
+    try:
+        _TOP.decode(body)
+    except msgspec.DecodeError as e:
+        if "truncated" not in str(e):
+            raise TraceFormatError(f"not valid JSON ({msg})", path=shown(path),
+                                   fix="the file is damaged or not a trace; re-collect it") from None
+    except (msgspec.ValidationError, RecursionError):
+        raise TraceFormatError(f"not valid JSON ({msg})", path=shown(path), fix="re-collect the trace") from None
+    else:  # only trailing NULs/whitespace were wrong
+        return _TOP.decode(body), True
+    return _recover(body, path), True
+
+
+def _recover(body: bytes, path: Path, max_tries: int = 64) -> _Top:
+    """Close a cut-off trace after its last complete event: try each '}' from the end, writing ']}' after it."""
+    start = body.find(b'"traceEvents"')
+    if start < 0:
+        raise TraceFormatError("truncated before any trace event was written", path=shown(path),
+                               fix="the job was killed while writing; re-collect the trace")
+    lb = body.find(b"[", start)
+    buf = bytearray(body)
+    buf += b"  "  # room to write ']}' in place (must happen before a memoryview pins the size)
+    view = memoryview(buf)
+    pos = len(body)
+    for _ in range(max_tries):
+        p = buf.rfind(b"}", lb, pos)
+        if p < 0:
+            break
+        saved = bytes(buf[p + 1 : p + 3])
+        buf[p + 1 : p + 3] = b"]}"
+        try:
+            top = _TOP.decode(view[: p + 3])
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            buf[p + 1 : p + 3] = saved
+            pos = p
+            continue
+        # Raw values point into ``buf``; keep it alive with the result.
+        return top
+    raise TraceFormatError("truncated and no complete trace event could be recovered", path=shown(path),
+                           fix="the job was killed while writing; re-collect the trace")
+
+
+def _loads(raw: msgspec.Raw) -> Any:
+    if not len(raw):
+        return None
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+# --- events ------------------------------------------------------------------------------------------------------
+def _decode_batch(raws: list[msgspec.Raw], problems: list[str], *, exact: bool) -> list[_Event]:
+    many, one = _DECODERS[exact]
+    try:
+        return many.decode(b"[" + b",".join(raws) + b"]")
+    except _DECODE_ERRORS:
+        pass
+    # Some event in this batch is malformed: decode one by one, keep the good ones, count the rest.
+    out: list[_Event] = []
+    for raw in raws:
+        try:
+            out.append(one.decode(raw))
+            continue
+        except msgspec.DecodeError as e:
+            if "UTF-8" in str(e):  # a non-UTF-8 name: keep the event, with U+FFFD in place of the bad bytes
+                try:
+                    out.append(one.decode(bytes(raw).decode("utf-8", "replace").encode()))
+                    continue
+                except _DECODE_ERRORS as e2:
+                    problems.append(str(e2))
+                    continue
+            problems.append(str(e))
+        except (msgspec.ValidationError, RecursionError) as e:
+            problems.append(f"{type(e).__name__}: {e}"[:200])
+    return out
+
+
+def _series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
+    """A typed column from decoded values; mixed or wrong types (rare) become null instead of failing."""
+    try:
+        return pl.Series(name, values, dtype=dtype)
+    except (TypeError, ValueError, OverflowError, pl.exceptions.PolarsError):
+        return pl.Series(name, values, dtype=dtype, strict=False)
+
+
+def _text_series(name: str, values: list[Any]) -> pl.Series:
+    """pid/tid: ints or strings ("Spans", "stream 7") → text."""
+    try:
+        s = pl.Series(name, values)
+    except (TypeError, ValueError, OverflowError, pl.exceptions.PolarsError):
+        return pl.Series(name, values, dtype=pl.String, strict=False)
+    if s.dtype == pl.String:
+        return s
+    if s.dtype.is_integer() or s.dtype == pl.Null:
+        return s.cast(pl.String)
+    return pl.Series(name, values, dtype=pl.String, strict=False)
+
+
+def _ts_ns(evs: list[_Event]) -> pl.Series:
+    """Relative ns of each event's ts (see FLOAT_EXACT_US); null where missing or not a number."""
+    ts = list(map(attrgetter("ts"), evs))
+    if evs and isinstance(evs[0], _ExactEvent):
+        text = pl.Series("t", list(map(str, ts)), dtype=pl.String)
+        return pl.select(_us_text_to_ns(pl.lit(text))).to_series().alias("ts_rel")
+    f = _series("t", ts, pl.Float64)
+    whole = f.floor()
+    ns = whole.cast(pl.Int64, strict=False) * 1000 + ((f - whole) * 1000.0).round(0).cast(pl.Int64, strict=False)
+    return ns.alias("ts_rel")
+
+
+def _needs_exact(evs: list[_Event]) -> bool:
+    ts = _series("t", list(map(attrgetter("ts"), evs)), pl.Float64)
+    big = ts.abs().max()
+    return big is not None and big >= FLOAT_EXACT_US  # type: ignore[operator]
+
+
+def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...]) -> dict[str, pl.Series]:
+    args = list(map(attrgetter("args"), evs))
+    return {col: _series(col, list(map(attrgetter(f), args)), dtype) for col, f, dtype in fields}
+
+
+_X_ARGS = (
+    ("corr_id", "correlation", pl.Int64),
+    ("ext_id", "external_id", pl.Int64),
+    ("arg_device", "device", pl.Int64),
+    ("arg_stream", "stream", pl.Int64),
+)
+_MEM_ARGS = (
+    ("allocated_bytes", "total_allocated", pl.Int64),
+    ("delta_bytes", "delta_bytes", pl.Int64),
+    ("device", "device_id", pl.Int64),
+)
+_COMM_ARGS = (
+    ("coll", "collective", pl.String),
+    ("in_nelems", "in_nelems", pl.Int64),
+    ("dtype", "dtype", pl.String),
+    ("src_rank", "src_rank", pl.Int64),
+    ("dst_rank", "dst_rank", pl.Int64),
+    ("pg_name", "pg_name", pl.String),
+    ("pg_desc", "pg_desc", pl.String),
+)
+
+
+class _Batches:
+    """Accumulates per-batch frames: X events, memory instants, and the sparse comm/shape facts (by row)."""
+
+    def __init__(self) -> None:
+        self.x: list[pl.DataFrame] = []
+        self.mem: list[pl.DataFrame] = []
+        self.comm: list[pl.DataFrame] = []
+        self.shapes: list[pl.DataFrame] = []
+        self.rows = 0
+
+    def add(self, evs: list[_Event]) -> None:
+        ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
+        name = pl.Series(list(map(attrgetter("name"), evs)), dtype=pl.String)
+        is_x = ph == "X"
+        is_mem = (ph == "i") & (name == "[memory]")
+        mem = list(compress(evs, is_mem.to_list()))
+        if mem:
+            self.mem.append(pl.DataFrame({"ts_rel": _ts_ns(mem), **_args_of(mem, _MEM_ARGS)}))
+        xs = list(compress(evs, is_x.to_list()))
+        if not xs:
+            return
+        xname = name.filter(is_x).alias("name")
+        frame = pl.DataFrame({
+            "name": xname,
+            "cat": _series("cat", list(map(attrgetter("cat"), xs)), pl.String),
+            "pid": _text_series("pid", list(map(attrgetter("pid"), xs))),
+            "tid": _text_series("tid", list(map(attrgetter("tid"), xs))),
+            "ts_rel": _ts_ns(xs),
+            "dur_us": _series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64),
+            **_args_of(xs, _X_ARGS),
+        })
+        self.x.append(frame)
+        # Sparse facts, decoded only for the few events that carry them.
+        rpc = (xname == names.RECORD_PARAM_COMMS).arg_true()
+        if len(rpc):
+            sub = [xs[i] for i in rpc.to_list()]
+            self.comm.append(pl.DataFrame({"row": (rpc + self.rows).cast(pl.UInt32), **_args_of(sub, _COMM_ARGS)}))
+        shaped = (xname.is_in(list(_SHAPES_NAMES)) | xname.str.starts_with(_GLOO_PREFIX)).arg_true()
+        if len(shaped):
+            self.shapes.append(_shape_facts([xs[i] for i in shaped.to_list()], shaped + self.rows))
+        self.rows += frame.height
+
+
+def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
+    """Exact µs text ("1712195495519689.047", "12", "1.5E+3") → int64 ns; null when not a usable number.
+
+    Digits below 1 ns are truncated. Exponent forms (rare) go through float64, exact enough for them.
+    """
+    parts = text.str.extract_groups(r"^(-?)(\d{1,16})(?:\.(\d*))?$")
+    sign = pl.when(parts.struct.field("1") == "-").then(-1).otherwise(1)
+    whole = parts.struct.field("2").cast(pl.Int64, strict=False)
+    whole = pl.when(whole < 9_000_000_000_000_000).then(whole)  # keeps whole * 1000 inside int64
+    frac = parts.struct.field("3").fill_null("").str.slice(0, 3).str.pad_end(3, "0").cast(pl.Int64, strict=False)
+    exact = sign * (whole * 1000 + frac)
+    as_float = text.cast(pl.Float64, strict=False) * 1000.0
+    fallback = pl.when(as_float.is_finite() & (as_float.abs() < 9.0e18)).then(as_float.round(0).cast(pl.Int64))
+    return pl.when(whole.is_not_null()).then(exact).otherwise(fallback)
+
+
+def _shape_facts(evs: list[_Event], rows: pl.Series) -> pl.DataFrame:
+    """peer/tag/nbytes of the few gloo P2P events, from their record_shapes args (decoded only here).
+
+    ``c10d::send``/``c10d::recv_`` carry (tensors, process group, peer, tag) in "Concrete Inputs": the peer is a
+    rank of the process group passed (a global rank in the default group). Their "Input type" is "TensorList", so
+    the dtype comes from the ``gloo:*`` annotation, whose "Input type" is the element type ("float").
+    """
+    rows_peer: list[int | None] = []
+    rows_tag: list[int | None] = []
+    rows_numel: list[int | None] = []
+    rows_elem: list[int | None] = []
+    for ev in evs:  # a handful per step, not per event
+        a = ev.args
+        concrete, dims, types = _loads(a.concrete_inputs), _loads(a.input_dims), _loads(a.input_type)
+        peer = tag = numel = elem = None
+        if isinstance(concrete, list) and len(concrete) >= 4:
+            peer, tag = _as_int(concrete[2]), _as_int(concrete[3])
+        if isinstance(dims, list) and dims:
+            numel = _numel(dims[0])
+        if isinstance(types, list) and types and isinstance(types[0], str):
+            elem = CPP_TYPE_BYTES.get(types[0]) or SCALAR_TYPE_BYTES.get(types[0])
+        rows_peer.append(peer)
+        rows_tag.append(tag)
+        rows_numel.append(numel)
+        rows_elem.append(elem)
+    return pl.DataFrame(
+        {"row": rows.cast(pl.UInt32), "shape_peer": rows_peer, "shape_tag": rows_tag, "shape_numel": rows_numel,
+         "shape_elem": rows_elem},
+        schema={"row": pl.UInt32, "shape_peer": pl.Int64, "shape_tag": pl.Int64, "shape_numel": pl.Int64,
+                "shape_elem": pl.Int64},
+    )
+
+
+def _as_int(v: Any) -> int | None:
+    try:
+        i = int(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return i if -(2**31) <= i < 2**31 else None
+
+
+def _numel(dims: Any) -> int | None:
+    """Elements of one argument's shape: [4, 8] → 32; a TensorList [[4, 8], [2]] → 34; a scalar [] → None."""
+    if not isinstance(dims, list) or not dims:
+        return None
+    if all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        n = 1
+        for d in dims:
+            n *= d
+        return n if 0 <= n < 2**62 else None
+    if all(isinstance(d, list) for d in dims):
+        parts = [_numel(d) for d in dims]
+        return sum(parts) if parts and all(p is not None for p in parts) else None  # type: ignore[misc]
+    return None
+
+
+# --- whole trace -------------------------------------------------------------------------------------------------
+def _meta_json(raw: msgspec.Raw) -> tuple[Any, str | None]:
+    obj = _loads(raw)
+    return obj, (None if obj is None else json.dumps(obj, sort_keys=True))
+
+
+def rank_from_filename(path: Path) -> int | None:
+    m = _RANK_IN_NAME.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_trace_name(path: Path) -> bool:
+    return path.name.endswith(TRACE_SUFFIXES)
+
+
+def read_trace(
+    path: str | Path,
+    *,
+    rank: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Read one Kineto trace file: (events per schema.EVENTS, memory per schema.MEMORY, a schema.TRACES row).
+
+    The row also holds ``warnings`` (a list of one-line strings) beyond the TRACES columns. ``rank`` overrides the
+    rank found in the trace. ``on_progress(done, total)`` is called after each batch of events.
+    """
+    path = Path(path)
+    buf, gz_truncated = read_bytes(path)
+    n_bytes = len(buf)
+    top, json_truncated = _decode_top(buf, path)
+    if top.traceEvents is None:
+        raise TraceFormatError("JSON object without traceEvents: not a Kineto trace", path=shown(path),
+                               fix="pass a trace written by torch.profiler (export_chrome_trace)")
+    truncated = gz_truncated or json_truncated
+    warnings: list[str] = []
+    if truncated:
+        warnings.append(f"{shown(path)}: trace is truncated (the writer stopped mid-file); kept its "
+                        f"{len(top.traceEvents)} complete events — re-collect it for a full analysis")
+
+    dist, _ = _meta_json(top.distributedInfo)
+    dist = dist if isinstance(dist, dict) else {}
+    devices_obj, devices_json = _meta_json(top.deviceProperties)
+    meta, meta_json = _meta_json(top.traceana)
+    meta = meta if isinstance(meta, dict) else {}
+    base = _loads(top.baseTimeNanoseconds)
+    base_ns = base if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < 2**62 else None
+    pg_config = dist.get("pg_config")
+    pg_json = None if pg_config is None else json.dumps(pg_config, sort_keys=True)
+
+    # Rank: an explicit override, distributedInfo, our collector's metadata, the file name, else unknown.
+    if rank is not None:
+        rank_source = "given"
+    elif _as_int(dist.get("rank")) is not None:
+        rank, rank_source = _as_int(dist.get("rank")), "distributedInfo"
+    elif _as_int(meta.get("rank")) is not None:
+        rank, rank_source = _as_int(meta.get("rank")), "traceana_meta"
+    elif rank_from_filename(path) is not None:
+        rank, rank_source = rank_from_filename(path), "filename"
+    else:
+        rank, rank_source = 0, "single"
+    world_size = _as_int(dist.get("world_size"))
+    if world_size is None:
+        world_size = _as_int(meta.get("world_size"))
+
+    raws = top.traceEvents
+    total = len(raws)
+    batches = _Batches()
+    problems: list[str] = []
+    for start in range(0, total, BATCH):
+        chunk = raws[start : start + BATCH]
+        evs = _decode_batch(chunk, problems, exact=False)
+        if _needs_exact(evs):
+            evs = _decode_batch(chunk, [], exact=True)
+        batches.add(evs)
+        del evs, chunk
+        if on_progress is not None:
+            on_progress(min(start + BATCH, total), total)
+    del raws, top, buf  # the raw JSON is no longer needed: free it before building the tables
+    if problems:
+        warnings.append(f"{shown(path)}: skipped {len(problems)} malformed trace events (first: {problems[0]}) — "
+                        "the rest of the trace is used")
+
+    events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
+    if dropped:
+        warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or out-of-range "
+                        "ts/dur — the rest of the trace is used")
+    row = {
+        "rank": rank, "path": shown(path), "world_size": world_size,
+        "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
+        "base_time_ns": base_ns, "n_events": events.height, "n_bytes": n_bytes, "truncated": truncated,
+        "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
+        "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
+        "warnings": warnings,
+    }
+    return events, memory, row
+
+
+_X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,
+             "dur_us": pl.Float64, **{c: t for c, _, t in _X_ARGS}}
+_MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
+
+
+def _absolute(ts_rel: pl.Expr, base_ns: int | None, sample: pl.Series | None) -> pl.Expr:
+    """Kineto writes ts relative to baseTimeNanoseconds; synthetic or old traces may already hold epoch µs."""
+    if base_ns is not None and sample is not None and len(sample):
+        med = sample.median()
+        if med is not None and med < EPOCH_US * 1000:  # type: ignore[operator]
+            ts_rel = ts_rel + base_ns
+    return pl.when(ts_rel.is_between(0, 2**62)).then(ts_rel)
+
+
+def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any) -> tuple[pl.DataFrame, pl.DataFrame, int]:
+    """Per-batch columns → EVENTS and MEMORY tables (whole-column polars expressions only)."""
+    x = pl.concat(batches.x, how="vertical") if batches.x else pl.DataFrame(schema=_X_SCHEMA)
+    batches.x.clear()
+    mem = pl.concat(batches.mem, how="vertical") if batches.mem else pl.DataFrame(schema=_MEM_SCHEMA)
+    sample = x["ts_rel"].drop_nulls() if x.height else mem["ts_rel"].drop_nulls()
+    rank_lit = pl.lit(rank, dtype=pl.Int32)
+
+    memory = schema.conform(
+        mem.with_columns(ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample), rank=rank_lit)
+        .filter(pl.col("ts_ns").is_not_null() & pl.col("allocated_bytes").is_not_null())
+        .with_columns(pl.when(pl.col("device").is_between(-(2**31), 2**31 - 1)).then(pl.col("device")).alias("device"))
+        .sort("ts_ns", maintain_order=True),
+        schema.MEMORY,
+    )
+
+    dur = (pl.col("dur_us") * 1000.0).round(0)
+    x = x.with_row_index("row").with_columns(
+        ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
+        dur_ns=pl.when(pl.col("dur_us").is_finite() & (dur >= 0) & (dur < 2.0**62)).then(dur).cast(pl.Int64),
+        rank=rank_lit,
+    )
+    n_x = x.height
+    x = x.filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
+                 & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
+    dropped = n_x - x.height
+
+    is_gpu = pl.col("cat").str.to_lowercase().is_in(list(GPU_CATS)).fill_null(False)
+    stream_from_tid = pl.coalesce(pl.col("tid").cast(pl.Int64, strict=False),
+                                  pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
+    x = x.with_columns(is_gpu=is_gpu, pid=pl.col("pid").fill_null(""), tid=pl.col("tid").fill_null("")).with_columns(
+        device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"), pl.col("pid").cast(pl.Int64, strict=False))),
+        stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), stream_from_tid)),
+    )
+    x = x.with_columns(
+        track=pl.when("is_gpu")
+        .then(pl.format("gpu:{}:{}", pl.coalesce(pl.col("device").cast(pl.String), pl.col("pid")),
+                        pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))))
+        .otherwise(pl.format("cpu:{}:{}", pl.col("pid"), pl.col("tid"))),
+    )
+    x = _comms(x, batches, pg_config)
+    in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
+              for c in ("device", "stream", "peer", "tag")]
+    x = x.with_columns(*in_i32)
+    # Deterministic order: by time, enclosing spans before the spans they contain, then file order.
+    x = x.sort(["ts_ns", "dur_ns", "row"], descending=[False, True, False])
+    events = schema.conform(x, schema.EVENTS)
+    return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+
+
+_COMM_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _COMM_ARGS}}
+
+
+def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any) -> pl.DataFrame:
+    """peer, tag, nbytes, coll and pg for communication events (joined from the sparse per-batch facts).
+
+    NCCL: ``record_param_comms`` gives "Collective name", "In msg nelems" × "dtype", and for P2P "Dst Rank"/"Src
+    Rank" (a rank within its process group; mapped to a global rank through distributedInfo.pg_config by
+    "Process Group Name" when the trace has it).
+    gloo: ``c10d::send``/``c10d::recv_`` carry peer and tag; the ``gloo:send``/``gloo:recv`` annotation that starts
+    inside them on the same thread carries the element type. Each side gets the other's facts, so both the op and
+    the annotation (which spans post → wait return) have peer, tag and nbytes.
+    """
+    comm = pl.concat(batches.comm) if batches.comm else pl.DataFrame(schema=_COMM_SCHEMA)
+    elem = pl.col("dtype").replace_strict(SCALAR_TYPE_BYTES, default=None, return_dtype=pl.Int64)
+    comm = _group_to_global(
+        comm.select("row", "coll", "pg_name", nbytes=pl.col("in_nelems") * elem,
+                    peer=pl.coalesce(pl.col("dst_rank"), pl.col("src_rank")),
+                    pg=pl.coalesce(pl.col("pg_desc"), pl.col("pg_name"))),
+        pg_config,
+    ).drop("pg_name")
+    shapes = pl.concat(batches.shapes) if batches.shapes else None
+    if shapes is not None and shapes.height:
+        shaped = x.select("row", "name", "track", "ts_ns", "dur_ns").join(shapes, on="row", how="inner")
+        comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
+    facts = {"peer": pl.Int64, "tag": pl.Int64, "nbytes": pl.Int64, "coll": pl.String, "pg": pl.String}
+    if comm.height == 0:
+        return x.with_columns(pl.lit(None, t).alias(c) for c, t in facts.items())
+    comm = comm.select("row", *[(pl.col(c) if c in comm.columns else pl.lit(None)).cast(t).alias(c)
+                                for c, t in facts.items()])
+    return x.join(comm, on="row", how="left")
+
+
+def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
+    """Facts of gloo events: own record_shapes facts, plus those of the c10d op ↔ gloo annotation pair.
+
+    A ``gloo:send``/``gloo:recv`` annotation starts inside its ``c10d::send``/``c10d::recv_`` op on the same thread
+    (op.ts <= ann.ts <= op end): the op knows peer and tag, the annotation knows the element type.
+    """
+    direction = (
+        pl.when(pl.col("name").is_in([names.C10D_SEND, names.GLOO_SEND])).then(pl.lit("send"))
+        .when(pl.col("name").is_in([names.C10D_RECV, names.GLOO_RECV])).then(pl.lit("recv"))
+    )
+    own = shaped.with_columns(
+        direction=direction,
+        peer=pl.col("shape_peer"),
+        tag=pl.col("shape_tag"),
+        nbytes=pl.col("shape_numel") * pl.col("shape_elem"),
+    )
+    ops = (
+        own.filter(pl.col("name").is_in([names.C10D_SEND, names.C10D_RECV]))
+        .select("track", "direction", op_ts=pl.col("ts_ns"), op_end=pl.col("ts_ns") + pl.col("dur_ns"),
+                op_row=pl.col("row"), op_peer=pl.col("peer"), op_tag=pl.col("tag"))
+        .sort("op_ts")
+    )
+    anns = (
+        own.filter(pl.col("name").is_in([names.GLOO_SEND, names.GLOO_RECV]))
+        .select("track", "direction", "ts_ns", ann_row=pl.col("row"), ann_nbytes=pl.col("nbytes"))
+        .sort("ts_ns")
+    )
+    out = own.select("row", "peer", "tag", "nbytes")
+    if ops.height == 0 or anns.height == 0:
+        return out
+    pairs = (
+        anns.join_asof(ops, left_on="ts_ns", right_on="op_ts", by=["track", "direction"], strategy="backward",
+                       check_sortedness=False)
+        .filter(pl.col("op_row").is_not_null() & (pl.col("ts_ns") <= pl.col("op_end")))
+    )
+    to_ann = pairs.select(row=pl.col("ann_row"), p_peer=pl.col("op_peer"), p_tag=pl.col("op_tag"))
+    to_op = pairs.group_by("op_row").agg(p_nbytes=pl.col("ann_nbytes").sort_by("ts_ns").first()).rename(
+        {"op_row": "row"})
+    return (
+        out.join(to_ann, on="row", how="left")
+        .join(to_op, on="row", how="left")
+        .select("row", peer=pl.coalesce("peer", "p_peer"), tag=pl.coalesce("tag", "p_tag"),
+                nbytes=pl.coalesce("nbytes", "p_nbytes"))
+    )
+
+
+def _group_to_global(comm: pl.DataFrame, pg_config: Any) -> pl.DataFrame:
+    """Map record_param_comms P2P peers from group ranks to global ranks using distributedInfo.pg_config."""
+    if not isinstance(pg_config, list) or comm.height == 0:
+        return comm
+    rows = []
+    for pg in pg_config:  # one entry per process group: tiny
+        if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
+            for group_rank, global_rank in enumerate(pg["ranks"]):
+                if isinstance(global_rank, int) and not isinstance(global_rank, bool):
+                    rows.append((str(pg.get("pg_name")), group_rank, global_rank))
+    if not rows:
+        return comm
+    table = pl.DataFrame(rows, schema={"pg_name": pl.String, "peer": pl.Int64, "global_peer": pl.Int64},
+                         orient="row").unique(["pg_name", "peer"], keep="first")
+    return (
+        comm.join(table, on=["pg_name", "peer"], how="left")
+        .with_columns(peer=pl.coalesce("global_peer", "peer"))
+        .drop("global_peer")
+    )

@@ -1,0 +1,340 @@
+"""A run directory (or one trace file) → a ``Run``: every rank parsed, checked against the others and run.json.
+
+    run = load_run("runs/1f1b_pp4")            # parallel over ranks, Parquet cache under runs/1f1b_pp4/.traceana
+    run.events, run.memory, run.traces, run.manifest, run.warnings
+
+Ranks are parsed in separate processes (all cores; serially when there is one file to parse) and the result does
+not depend on how: every rank's table is sorted the same way and ranks are concatenated in rank order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import sys
+import warnings as pywarnings
+from pathlib import Path
+from typing import Any, Callable
+
+import polars as pl
+
+from traceana import names, schema
+from traceana.errors import BadInputError, RunDirError, TraceanaError
+from traceana.ingest import Run
+from traceana.ingest.cache import CACHE_DIR, TraceCache
+from traceana.ingest.kineto import is_trace_name, read_trace, shown
+from traceana.manifest import MANIFEST_NAME, Manifest
+
+Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
+
+
+def find_traces(directory: Path) -> list[Path]:
+    """Kineto trace files directly in ``directory`` (``*.json``, ``*.json.gz``; run.json and hidden files excluded)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except PermissionError:
+        raise BadInputError("permission denied listing the directory", path=shown(directory),
+                            fix="make it readable (chmod +rx)") from None
+    except OSError as e:
+        raise BadInputError(f"cannot list the directory ({e.strerror or e})", path=shown(directory),
+                            fix="check the path") from None
+    return [p for p in entries
+            if is_trace_name(p) and p.name != MANIFEST_NAME and not p.name.startswith(".")
+            and not (p.is_dir() and not p.is_symlink())]
+
+
+def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True, progress: bool = False) -> Run:
+    """Load a run directory or a single trace file into one ``Run`` (see the module docstring).
+
+    ``workers``: processes parsing ranks in parallel (None: all cores when the traces are big enough to pay for
+    starting them, else 1). ``cache``: read and write the Parquet cache under RUN_DIR/.traceana. ``progress``: a
+    progress bar on stderr.
+    """
+    path = Path(path)
+    try:
+        exists = path.exists() or path.is_symlink()
+    except OSError:
+        exists = False
+    if not exists:
+        raise BadInputError("no such file or directory", path=shown(path),
+                            fix="pass a run directory or a Kineto trace file")
+    manifest: Manifest | None = None
+    if path.is_dir():
+        run_dir = path
+        files = find_traces(path)
+        if not files:
+            raise RunDirError("no Kineto traces (*.json, *.json.gz) in this directory", path=shown(path),
+                              fix="point at the directory the profiler wrote rank*.pt.trace.json.gz into")
+        if (path / MANIFEST_NAME).exists():
+            manifest = Manifest.read(path / MANIFEST_NAME)
+    else:
+        run_dir = path.parent
+        files = [path]
+
+    trace_cache = TraceCache(run_dir, enabled=cache)
+    warnings: list[str] = []
+    parsed: dict[Path, Parsed] = {}
+    misses = []
+    for f in files:
+        hit = trace_cache.load(f)
+        if hit is not None:
+            parsed[f] = hit
+        else:
+            misses.append(f)
+    for f, result in zip(misses, _parse_all(misses, workers=workers, progress=progress)):
+        parsed[f] = result
+        note = trace_cache.store(f, *result)
+        if note:
+            warnings.append(note)
+
+    results = [parsed[f] for f in files]
+    warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
+    warnings.extend(_check_ranks(results, manifest, run_dir))
+    results.sort(key=lambda r: r[2]["rank"])
+    events = pl.concat([r[0] for r in results], how="vertical") if results else schema.empty(schema.EVENTS)
+    memory = pl.concat([r[1] for r in results], how="vertical") if results else schema.empty(schema.MEMORY)
+    traces = schema.conform(
+        pl.DataFrame([{k: v for k, v in r[2].items() if k in schema.TRACES} for r in results],
+                     schema=schema.TRACES),
+        schema.TRACES,
+    )
+    for w in warnings:
+        pywarnings.warn(w, stacklevel=2)
+    return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
+               memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
+               warnings=tuple(warnings))
+
+
+# --- parsing, serial or parallel -----------------------------------------------------------------------------------
+def _parse_one(path: Path) -> tuple[str, Any]:
+    """Worker entry point: ("ok", parsed) or ("error", (class name, what, path, fix)) — errors cross processes."""
+    try:
+        return "ok", read_trace(path)
+    except TraceanaError as e:
+        return "error", (type(e).__name__, e.what, e.path, e.fix)
+
+
+def _raise(payload: tuple[str, str, str | None, str | None]) -> None:
+    import traceana.errors as errors
+
+    cls = getattr(errors, payload[0], TraceanaError)
+    raise cls(payload[1], path=payload[2], fix=payload[3])
+
+
+def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> list[Parsed]:
+    if not files:
+        return []
+    if workers is None:
+        # Starting a worker costs ~1 s (a fresh interpreter importing polars): worth it only for big traces.
+        big = _raw_size_estimate(files) >= PARALLEL_MIN_BYTES
+        workers = (os.cpu_count() or 1) if big else 1
+    n_workers = min(max(workers, 1), len(files))
+    with _Progress(progress, files) as bar:
+        if n_workers <= 1:
+            out = []
+            for f in files:
+                out.append(_unwrap(_parse_serial(f, bar.per_event(f))))
+                bar.file_done()
+            return out
+        results: dict[Path, Any] = {}
+        if _can_start_workers():
+            try:
+                # forkserver, not fork: polars' thread pool does not survive a fork of a process that used it.
+                ctx = multiprocessing.get_context("forkserver")
+                with cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+                    futures = {pool.submit(_parse_one, f): f for f in files}
+                    for fut in cf.as_completed(futures):
+                        results[futures[fut]] = fut.result()
+                        bar.file_done()
+            except (cf.process.BrokenProcessPool, OSError, RuntimeError):
+                results.clear()  # workers could not start here (see _can_start_workers): parse serially
+        for f in files:
+            if f not in results:
+                results[f] = _parse_serial(f, None)
+                bar.file_done()
+        return [_unwrap(results[f]) for f in files]
+
+
+PARALLEL_MIN_BYTES = 64_000_000  # raw JSON bytes (estimated) of all files to parse before workers pay off
+
+
+def _raw_size_estimate(files: list[Path]) -> int:
+    total = 0
+    for f in files:
+        try:
+            size = f.stat().st_size
+        except OSError:
+            continue
+        total += size * (10 if f.name.endswith(".gz") else 1)  # Kineto JSON gzips about 10:1
+    return total
+
+
+def _can_start_workers() -> bool:
+    """Worker processes re-import the main module by path; a main read from stdin or ``-c`` has none to import."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is None or Path(main_file).exists()
+
+
+def _parse_serial(path: Path, on_progress: Callable[[int, int], None] | None) -> tuple[str, Any]:
+    try:
+        return "ok", read_trace(path, on_progress=on_progress)
+    except TraceanaError as e:
+        return "error", (type(e).__name__, e.what, e.path, e.fix)
+
+
+def _unwrap(result: tuple[str, Any]) -> Parsed:
+    status, value = result
+    if status == "error":
+        _raise(value)
+    return value
+
+
+class _Progress:
+    """A rich progress bar on stderr (files, and events of the file being read when parsing serially)."""
+
+    def __init__(self, enabled: bool, files: list[Path]) -> None:
+        self.enabled = enabled
+        self.files = files
+        self.bar = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("reading traces", total=len(self.files))
+            self.event_task = None
+        return self
+
+    def per_event(self, path: Path) -> Callable[[int, int], None] | None:
+        if self.bar is None:
+            return None
+        if self.event_task is not None:
+            self.bar.remove_task(self.event_task)
+        self.event_task = self.bar.add_task(f"  {path.name}: events", total=None)
+
+        def update(done: int, total: int) -> None:
+            self.bar.update(self.event_task, completed=done, total=total)
+
+        return update
+
+    def file_done(self) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# --- consistency -------------------------------------------------------------------------------------------------
+def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path) -> list[str]:
+    """Raise RunDirError for contradictions; return warnings for what is merely incomplete."""
+    notes: list[str] = []
+    rows = [r[2] for r in results]
+    if len(rows) == 1 and rows[0]["rank_source"] == "single":
+        notes.append(f"{shown(rows[0]['path'])}: the trace does not say its rank (no distributedInfo.rank, traceana "
+                     "metadata or rankN in the file name); assuming rank 0")
+    unnamed = [r for r in rows if r["rank_source"] == "single"]
+    if len(rows) > 1 and unnamed:
+        raise RunDirError(
+            f"{len(unnamed)} of {len(rows)} traces do not say their rank (e.g. {shown(unnamed[0]['path'])})",
+            path=shown(run_dir), fix="name the files rank{R}.pt.trace.json.gz or collect with torch.distributed initialised",
+        )
+    by_rank: dict[int, str] = {}
+    for r in rows:
+        if r["rank"] in by_rank:
+            raise RunDirError(
+                f"two traces claim rank {r['rank']}: {shown(by_rank[r['rank']])} and {shown(r['path'])}",
+                path=shown(run_dir), fix="keep one trace per rank (traces of different runs mixed up?)",
+            )
+        by_rank[r["rank"]] = r["path"]
+    sizes: dict[int, str] = {}
+    for r in rows:
+        if r["world_size"] is not None:
+            sizes.setdefault(r["world_size"], r["path"])
+    if len(sizes) > 1:
+        (w1, p1), (w2, p2) = list(sizes.items())[:2]
+        raise RunDirError(
+            f"traces from runs of different world sizes: {shown(p1)} has {w1}, {shown(p2)} has {w2}",
+            path=shown(run_dir), fix="put each run's traces in its own directory",
+        )
+    world = next(iter(sizes), None)
+    if manifest is not None:
+        if world is not None and world != manifest.world_size:
+            raise RunDirError(
+                f"run.json says world_size {manifest.world_size} but the traces say {world}",
+                path=shown(run_dir / MANIFEST_NAME), fix="fix or delete run.json (it belongs to another run?)",
+            )
+        world = manifest.world_size
+    if world is not None:
+        outside = sorted(r for r in by_rank if not 0 <= r < world)
+        if outside:
+            raise RunDirError(f"rank {outside[0]} is outside world size {world}", path=shown(by_rank[outside[0]]),
+                              fix="the trace belongs to another run; move it out of this directory")
+        missing = sorted(set(range(world)) - set(by_rank))
+        if missing:
+            listed = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
+            notes.append(f"{shown(run_dir)}: {len(missing)} of {world} ranks have no trace ({listed}); analysing the "
+                         f"{len(by_rank)} present")
+    if manifest is not None and manifest.ranks_written is not None:
+        unwritten = sorted(set(by_rank) - set(manifest.ranks_written))
+        if unwritten:
+            notes.append(f"{shown(run_dir / MANIFEST_NAME)}: ranks {unwritten} did not finish writing their trace "
+                         "according to run.json; their data may be partial")
+    return notes
+
+
+# --- per-rank summary ----------------------------------------------------------------------------------------------
+def summarize_ranks(run: Run) -> pl.DataFrame:
+    """One row per rank: devices, steps found and their mean duration, events, kernels, P2P and collective ops.
+
+    P2P ops are ``c10d::send``/``c10d::recv_`` (any backend), else NCCL ``record_param_comms`` send/recv.
+    Collective ops are the CPU-side ``nccl:*``/``gloo:*`` spans c10d records around each collective, P2P excluded.
+    """
+    ev = run.events
+    step_no = pl.col("name").str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False)
+    cpu = ~pl.col("is_gpu")
+    coll_prefix = pl.col("name").str.extract(r"^(nccl|gloo):(.+)$", 2)
+    c10d_p2p = pl.col("name").is_in([names.C10D_SEND, names.C10D_RECV])
+    rpc_p2p = (pl.col("name") == names.RECORD_PARAM_COMMS) & pl.col("coll").is_in(["send", "recv"])
+    per_rank = (
+        ev.lazy()
+        .group_by("rank")
+        .agg(
+            n_events=pl.len(),
+            devices=pl.col("device").filter(pl.col("is_gpu")).drop_nulls().unique().sort().cast(pl.String)
+            .str.join(","),
+            steps=step_no.filter(cpu).drop_nulls().n_unique(),
+            first_step=step_no.filter(cpu).min(),
+            last_step=step_no.filter(cpu).max(),
+            mean_step_ms=(pl.col("dur_ns").filter(cpu & step_no.is_not_null()).mean() / 1e6),
+            kernels=(pl.col("cat") == "kernel").sum(),
+            nccl_kernels=(pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[0])
+                          | pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[1])).sum(),
+            c10d_p2p=c10d_p2p.sum(),
+            rpc_p2p=rpc_p2p.sum(),
+            collectives=(cpu & coll_prefix.is_not_null() & ~coll_prefix.is_in(["send", "recv"])).sum(),
+        )
+        .with_columns(p2p_ops=pl.when(pl.col("c10d_p2p") > 0).then("c10d_p2p").otherwise("rpc_p2p"))
+        .drop("c10d_p2p", "rpc_p2p")
+    )
+    traces = run.traces.lazy().select("rank", "world_size", "backend", "truncated", "path")
+    return (
+        traces.join(per_rank, on="rank", how="left")
+        .with_columns(devices=pl.when(pl.col("devices").fill_null("") == "").then(pl.lit("cpu"))
+                      .otherwise(pl.col("devices")))
+        .with_columns(pl.col("n_events", "steps", "kernels", "nccl_kernels", "p2p_ops", "collectives")
+                      .fill_null(0).cast(pl.Int64))
+        .select("rank", "world_size", "backend", "devices", "steps", "first_step", "last_step", "mean_step_ms",
+                "n_events", "kernels", "nccl_kernels", "p2p_ops", "collectives", "truncated", "path")
+        .sort("rank")
+        .collect()
+    )
+
+
+__all__ = ["load_run", "read_trace", "find_traces", "summarize_ranks", "CACHE_DIR"]
