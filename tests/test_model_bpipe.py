@@ -30,13 +30,15 @@ def test_estimate_step_with_uniform_efficiency_is_flops_over_rate_times_pipeline
                          layers_per_stage=(10, 10, 10, 10))
     flat = EfficiencyCurve(points=((1, 0.5),))
     est = estimate_step(cfg, device=None, curve=flat, network=Network(p2p_bytes_per_s=1e30), peak_flops=1e15)
-    # the last stage also does the logits: it is the slowest, and 1F1B's step is (m + p − 1) of the slowest stage
-    # only approximately; the busiest stage's compute is exactly m · its FLOPs / rate.
+    # terms are stage 0's: its compute is exactly m · its FLOPs / rate; the last stage also does the logits, so the
+    # step is between (m + p − 1) micro-batches of stage 0 and of the last stage.
     from traceana.model.flops import stage_flops
 
+    first = stage_flops(model, layers=10, microbatch_size=1) / (0.5 * 1e15)
     last = stage_flops(model, layers=10, microbatch_size=1, last=True) / (0.5 * 1e15)
-    assert est.terms["compute"] == pytest.approx(8 * last, rel=1e-6)
-    assert 8 * last < est.step_s < 11 * last
+    assert est.terms["compute"] == pytest.approx(8 * first, rel=1e-6)
+    assert sum(est.terms.values()) == pytest.approx(est.step_s, rel=1e-6)
+    assert 11 * first < est.step_s < 11 * last
     assert est.fits is None
 
 

@@ -22,7 +22,8 @@ Orders:
 
 The output has the measured tables' schemas (schema.SCHEDULE with source "simulated", schema.ATTRIBUTION with the same
 categories and rules: per device the categories tile the step window and sum to the step time; idle time before the
-device's first forward is ``bubble_warmup``, after its last backward ``bubble_cooldown``, in between ``bubble_stall``;
+device's first forward is ``bubble_warmup``, after its last forward ``bubble_cooldown`` (the drain), in between
+``bubble_stall``;
 waiting while a message is in flight is ``p2p``, waiting for a BPipe load is ``bpipe``).
 """
 
@@ -343,7 +344,7 @@ def simulate(
         w0, w1 = (opt_end[d] - step_ns, opt_end[d]) if window == "rolling" else (0.0, step_ns)
         segs = sorted(segments[d])
         first_f = min((r[4] for r in rows if r[0] == d and r[3] == "forward"), default=w0)
-        last_b = max((r[5] for r in rows if r[0] == d and r[3] == "backward"), default=w1)
+        last_f = max((r[5] for r in rows if r[0] == d and r[3] == "forward"), default=w1)
         tiles: list[tuple[float, float, str]] = []
         cursor = w0
         for a, b, c in segs:
@@ -353,15 +354,16 @@ def simulate(
             cursor = b
         if cursor < w1:
             tiles.append((cursor, w1, "idle"))
-        # Idle → bubble by position relative to the first forward and the last backward (split spans that straddle).
+        # Idle → bubble by position relative to the first and the last forward (split spans that straddle), as the
+        # measured attribution does (traceana/attribution.py: after the last forward only the drain is left).
         acc: dict[str, int] = {c: 0 for c in schema.CATEGORIES}
         for a, b, c in tiles:
             ia, ib = round(a), round(b)
             if c != "idle":
                 acc[c] += ib - ia
                 continue
-            for lo, hi, cat in ((-math.inf, first_f, "bubble_warmup"), (first_f, last_b, "bubble_stall"),
-                                (last_b, math.inf, "bubble_cooldown")):
+            for lo, hi, cat in ((-math.inf, first_f, "bubble_warmup"), (first_f, last_f, "bubble_stall"),
+                                (last_f, math.inf, "bubble_cooldown")):
                 lo_, hi_ = max(a, lo), min(b, hi)
                 if hi_ > lo_:
                     acc[cat] += round(hi_) - round(lo_)
