@@ -298,9 +298,16 @@ def infer_schedule(
     fwd, bwd = ops.filter(~pl.col("is_bwd")), ops.filter(pl.col("is_bwd"))
     send_grad_post = roles.filter(pl.col("role") == "send_grad").select(
         "rank", "step", pl.col("mb").alias("recv_act_mb"), pl.col("post_ns").alias("_grad_out"))
+    # Forward work sent downstream must not have backward work between it and the send: what runs before a
+    # backward (autograd's setup, the next input being made) is not that micro-batch's forward.
+    next_bwd = bwd.select("rank", "step", pl.col("start").alias("_next_bwd")).sort("_next_bwd")
     fwd = (
-        fwd.join_asof(role("send_act", "post_ns"), left_on="end", right_on="send_act_at", by=["rank", "step"],
-                      strategy="forward", check_sortedness=False)
+        fwd.join_asof(next_bwd, left_on="end", right_on="_next_bwd", by=["rank", "step"], strategy="forward",
+                      check_sortedness=False)
+        .join_asof(role("send_act", "post_ns"), left_on="end", right_on="send_act_at", by=["rank", "step"],
+                   strategy="forward", check_sortedness=False)
+        .with_columns(pl.when(pl.col("_next_bwd") < pl.col("send_act_at")).then(None)
+                      .otherwise(pl.col("send_act_mb")).alias("send_act_mb"))
         .join_asof(role("recv_act", "end_ns"), left_on="start", right_on="recv_act_at", by=["rank", "step"],
                    strategy="backward", check_sortedness=False)
         .join(send_grad_post, on=["rank", "step", "recv_act_mb"], how="left")
