@@ -104,7 +104,7 @@ def test_attribution_tiles_the_step(schedule, p, rounds, fwd, bwd, rec, p2p, sen
     v = 2 if schedule == "interleaved-1f1b" else 1
     m = p * rounds
     n = p * v
-    times = StageTimes(tuple(fwd[:n]), tuple(bwd[:n]), tuple(rec[:n]), tuple(rec[:p]))
+    times = StageTimes(tuple(fwd[:n]), tuple(bwd[:n]), tuple(rec[:n]), tuple(rec[:p]), tuple(bwd[:p]))
     sim = simulate("1f1b" if schedule == "bpipe" else schedule, pp=p, num_microbatches=m, times=times,
                    virtual_stages=v, bpipe=schedule == "bpipe",
                    costs=Costs(p2p_ns=p2p, send_ns=send, bpipe_ns=bp, bpipe_overlap=overlap), window=window)

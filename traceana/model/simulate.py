@@ -52,6 +52,7 @@ class StageTimes:
     backward_ns: tuple[float, ...]
     recompute_ns: tuple[float, ...] = ()
     optimizer_ns: tuple[float, ...] = ()
+    host_ns: tuple[float, ...] = ()  # per device: host time (Python, launches) before each operation
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -60,7 +61,8 @@ class StageTimes:
                 "stage times need one forward, backward (and recompute) duration per stage",
                 fix="give equally long tuples",
             )
-        if any(x < 0 for x in (*self.forward_ns, *self.backward_ns, *self.recompute_ns, *self.optimizer_ns)):
+        if any(x < 0 for x in (*self.forward_ns, *self.backward_ns, *self.recompute_ns, *self.optimizer_ns,
+                               *self.host_ns)):
             raise ConfigError("stage times must not be negative", fix="check the durations")
 
     @classmethod
@@ -248,6 +250,10 @@ def simulate(
                         ready, windows = arrival(vs + 1, d, b_end[(vs + 1, mb)])
                     else:
                         break
+                if times.host_ns and times.host_ns[d]:
+                    # Host work (Python, launching) happens before the device can post and wait for its input.
+                    busy(d, free[d], free[d] + times.host_ns[d], "host")
+                    free[d] += times.host_ns[d]
                 start = max(free[d], ready)
                 if action == "B" and (d, mb) in evicted_at:
                     if costs.bpipe_overlap:

@@ -1,0 +1,80 @@
+"""Validation joins model and measurement: a run made by the simulator validates against itself exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from traceana import schema
+from traceana.analysis import Analysis
+from traceana.ingest import Run
+from traceana.manifest import Manifest, ModelShape
+from traceana.model.config import FP32_ADAM, TrainingConfig
+from traceana.model.simulate import StageTimes, simulate
+from traceana.pipeline import P2P_EXTRA
+from traceana.validate import activation_peak_estimate, cross_run, validate
+
+TINY = ModelShape("gpt", layers=4, hidden=32, heads=4, vocab=64, seq=16, name="tiny")
+
+
+def fake_analysis(tmp: Path, *, schedule: str, pp: int, m: int, times: StageTimes, recompute: str = "none",
+                  steps: int = 2, act_bytes: list[int] | None = None) -> Analysis:
+    """An Analysis whose tables are what the simulator says: a run with known truth."""
+    manifest = Manifest(world_size=pp, pp=pp, stage_of_rank=tuple(range(pp)), schedule=schedule, microbatch_size=1,
+                        num_microbatches=m, model=TINY, dtype="float32", attention="sdpa", recompute=recompute)
+    scheds, atts = [], []
+    for k in range(steps):
+        sim = simulate(schedule, pp=pp, num_microbatches=m, times=times, step=k)
+        scheds.append(sim.schedule)
+        atts.append(sim.attribution)
+    empty_events = schema.empty(schema.EVENTS)
+    run = Run(path=tmp, events=empty_events, memory=schema.empty(schema.MEMORY), traces=schema.empty(schema.TRACES),
+              manifest=manifest)
+    mem = pl.DataFrame(
+        {"rank": [r for r in range(pp) for _ in range(steps)], "stage": [r for r in range(pp) for _ in range(steps)],
+         "step": [k for _ in range(pp) for k in range(steps)], "baseline_bytes": [0] * (pp * steps),
+         "peak_bytes": [b for b in (act_bytes or [0] * pp) for _ in range(steps)],
+         "activation_peak_bytes": [b for b in (act_bytes or [0] * pp) for _ in range(steps)]},
+        schema=schema.STAGE_MEMORY)
+    stages = pl.DataFrame({"rank": list(range(pp)), "stage": list(range(pp))}, schema={"rank": pl.Int32,
+                                                                                       "stage": pl.Int32})
+    return Analysis(
+        run=run, steps=schema.empty(schema.STEPS), p2p=schema.empty({**schema.P2P, **P2P_EXTRA}),
+        schedule=pl.concat(scheds), attribution=pl.concat(atts), stage_memory=mem, stages=stages,
+        clock_offsets=pl.DataFrame(),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_simulated_run_validates_against_itself(tmp_path, schedule):
+    times = StageTimes(forward_ns=(100e3, 120e3, 90e3), backward_ns=(200e3, 250e3, 180e3),
+                       recompute_ns=(0, 0, 0), optimizer_ns=(50e3, 60e3, 40e3), host_ns=(10e3, 5e3, 20e3))
+    a = fake_analysis(tmp_path, schedule=schedule, pp=3, m=6, times=times)
+    v = validate(a)
+    assert v.summary["step_error"] == pytest.approx(0, abs=1e-6)
+    assert v.per_stage["step_error"].abs().max() == pytest.approx(0, abs=1e-6)
+    assert v.per_stage["bubble_error"].abs().max() == pytest.approx(0, abs=1e-6)
+    assert v.summary["steps_used"] == 1  # the first of two steps is dropped as warm-up
+
+
+def test_cross_run_predicts_dropping_recompute(tmp_path):
+    with_rc = StageTimes.uniform(2, forward=100e3, backward=200e3, recompute=100e3)
+    without = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    base = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=with_rc, recompute="full")
+    target = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=without)
+    out = cross_run(base, target)
+    assert out["error"] == pytest.approx(0, abs=1e-6)
+    assert out["measured_speedup"] == pytest.approx(out["predicted_speedup"])
+    assert out["predicted_speedup"] == pytest.approx(5 * 400 / (5 * 300))
+
+
+def test_memory_error_against_the_models_own_estimate(tmp_path):
+    cfg = TrainingConfig(model=TINY, pp=2, microbatch_size=1, num_microbatches=4, precision=FP32_ADAM)
+    est = activation_peak_estimate(cfg, grads_in_step=True)
+    measured = [int(e * 1.1) for e in est]  # the "run" used 10% more than the model says
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=StageTimes.uniform(2, forward=1e5, backward=2e5),
+                      act_bytes=measured)
+    v = validate(a)
+    assert v.per_stage["memory_error"].to_list() == pytest.approx([1 / 1.1 - 1] * 2, rel=1e-3)

@@ -1,0 +1,275 @@
+"""Model versus measurement: does the simulator reproduce a measured run, and does the model predict another run?
+
+- ``validate(analysis)``: feed the simulator with the run's own measured busy time per (stage, phase) per micro-batch,
+  host time per operation and P2P costs, and compare its step time and per-stage bubble with the measured ones; compare
+  the memory model's per-stage activation peak with the measured one (peak − step-start allocation).
+- ``cross_run(baseline, target)``: measure the baseline run, predict the target run (e.g. the same pipeline with BPipe,
+  or without recompute) from the baseline's durations only, and compare with the target's measured step time.
+
+Every figure is a pure function of Analysis tables; errors are (estimate − measured) / measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana import schema
+from traceana.analysis import Analysis
+from traceana.errors import AnalysisError
+from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.model.memory import estimate_stage_memory, layer_activation_bytes
+from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
+
+PHASE_CATEGORIES = ("forward", "backward", "recompute", "optimizer")
+OVERHEAD_CATEGORIES = ("host", "other_compute")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the simulator is fed with, measured: per-device durations and communication costs."""
+
+    times: StageTimes
+    costs: Costs
+    step_ns: dict[int, float]  # per stage: mean step time
+    bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall
+    rank_of_stage: dict[int, int]
+    steps_used: int
+
+
+@dataclass(frozen=True)
+class Validation:
+    per_stage: pl.DataFrame  # one row per stage: measured, estimated and error for step, bubble, activation peak
+    summary: dict[str, float | str | None]
+    simulation: Simulation | None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _rel(est: pl.Expr, meas: pl.Expr) -> pl.Expr:
+    return pl.when(meas != 0).then((est - meas) / meas).otherwise(None)
+
+
+def _steady_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
+    """Steps worth measuring: those with forward work on every rank, dropping the first step when there are more
+    (it pays one-off costs: allocator growth, optimizer state creation, lazy initialisation)."""
+    have = schedule.filter(pl.col("phase") == "forward").select("rank", "step").unique()
+    ranks = attribution["rank"].n_unique()
+    full = have.group_by("step").agg(pl.len().alias("n")).filter(pl.col("n") == ranks).sort("step")["step"]
+    if full.len() > 1:
+        full = full.slice(1)
+    return pl.DataFrame({"step": full}, schema={"step": pl.Int32})
+
+
+def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
+    """Per-stage durations per micro-batch from the measured attribution (busy time only, so waits inside annotation
+    spans do not count as compute) and P2P costs from the matched pairs."""
+    att, sched = analysis.attribution, analysis.schedule
+    steps = _steady_steps(att, sched)
+    if steps.height == 0:
+        raise AnalysisError("no step has forward work on every rank", path=analysis.run.path,
+                            fix="profile at least one complete step on all ranks")
+    att = att.join(steps, on="step")
+    sched = sched.join(steps, on="step")
+    stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
+    p = cfg.pp
+    rank_of_stage: dict[int, int] = {}
+    for r, s in sorted(stage_of.items()):
+        rank_of_stage.setdefault(s % p, r)  # the first data-parallel replica of each stage
+    missing = [s for s in range(p) if s not in rank_of_stage]
+    if missing:
+        raise AnalysisError(f"no rank found for stages {missing}", path=analysis.run.path,
+                            fix="check run.json's stage_of_rank or the traces' P2P chain")
+    per_rank = (
+        att.group_by("rank", "step", "category").agg(pl.col("ns").sum())
+        .with_columns(pl.col("category").cast(pl.String))
+        .pivot(on="category", index=["rank", "step"], values="ns")
+        .fill_null(0)
+    )
+    for c in schema.CATEGORIES:
+        if c not in per_rank.columns:
+            per_rank = per_rank.with_columns(pl.lit(0, pl.Int64).alias(c))
+    counts = (
+        sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .group_by("rank", "step").agg(
+            (pl.col("phase") == "forward").sum().alias("n_f"), (pl.col("phase") == "backward").sum().alias("n_b"))
+    )
+    per_rank = per_rank.join(counts, on=["rank", "step"], how="left").fill_null(0)
+    means = per_rank.group_by("rank").agg(
+        (pl.col("forward") / pl.col("n_f")).mean().alias("f"),
+        (pl.col("backward") / pl.col("n_b")).mean().alias("b"),
+        (pl.col("recompute") / pl.col("n_b")).mean().alias("r"),
+        pl.col("optimizer").mean().alias("o"),
+        ((pl.col("host") + pl.col("other_compute")) / (pl.col("n_f") + pl.col("n_b"))).mean().alias("h"),
+        pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
+        pl.sum_horizontal(*schema.BUBBLE_CATEGORIES).mean().alias("bubble"),
+    )
+    row = {r: d for r, *d in means.select("rank", "f", "b", "r", "o", "h", "step", "bubble").iter_rows()}
+    order = [rank_of_stage[s] for s in range(p)]
+    times = StageTimes(
+        forward_ns=tuple(float(row[r][0] or 0) for r in order),
+        backward_ns=tuple(float(row[r][1] or 0) for r in order),
+        recompute_ns=tuple(float(row[r][2] or 0) for r in order),
+        optimizer_ns=tuple(float(row[r][3] or 0) for r in order),
+        host_ns=tuple(float(row[r][4] or 0) for r in order),
+    )
+    pairs = analysis.p2p.join(steps, on="step")
+    p2p = pairs.filter(pl.col("channel") == "p2p")
+    bp = pairs.filter(pl.col("channel") == "bpipe")
+    send = p2p.select(
+        (pl.col("send_end") - pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end"))
+        .alias("s")
+    ) if "send_end" in p2p.columns else pl.DataFrame({"s": []})
+    costs = Costs(
+        p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
+        send_ns=float(send["s"].median() or 0) if send.height else 0.0,
+        bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
+        bpipe_overlap=True,
+    )
+    return Measured(
+        times=times, costs=costs,
+        step_ns={s: float(row[rank_of_stage[s]][5]) for s in range(p)},
+        bubble_ns={s: float(row[rank_of_stage[s]][6]) for s in range(p)},
+        rank_of_stage=rank_of_stage, steps_used=steps.height,
+    )
+
+
+def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool) -> list[float]:
+    """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage.
+
+    Saved activations of the micro-batches in flight (own and, with BPipe, accepted), plus the gradients when the
+    trainer frees them between steps (zero_grad(set_to_none=True): they are allocated inside the step), plus one
+    layer's activations of working memory during a backward (its gradient tensors) — an allowance, not a derivation.
+    """
+    out = []
+    work = layer_activation_bytes(cfg.model, microbatch_size=cfg.microbatch_size, attention=cfg.attention,
+                                  activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout)
+    for st in estimate_stage_memory(cfg):
+        out.append(st.activation_bytes + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0)
+                   + work)
+    return out
+
+
+def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: str = "rolling") -> Validation:
+    """Simulate the run from its own measured durations and compare step time, bubble and activation memory."""
+    run = analysis.run
+    if cfg is None:
+        if run.manifest is None:
+            raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
+                                fix="collect with `traceana collect`, or write run.json")
+        cfg = config_from_manifest(run.manifest)
+    meas = measure(analysis, cfg)
+    bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
+    sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
+                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, window=window)
+    sim_per = (
+        sim.attribution.group_by("stage").agg(
+            pl.col("ns").sum().alias("sim_step"),
+            pl.col("ns").filter(pl.col("category").is_in(schema.BUBBLE_CATEGORIES)).sum().alias("sim_bubble"))
+    )
+    grads_in_step = bool(run.manifest.extra.get("grads_set_to_none", True)) if run.manifest else True
+    est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
+    mem = (
+        analysis.stage_memory.join(_steady_steps(analysis.attribution, analysis.schedule), on="step")
+        .filter(pl.col("rank").is_in(list(meas.rank_of_stage.values())))
+        .group_by("stage").agg(pl.col("activation_peak_bytes").max().alias("measured_act"))
+    )
+    per_stage = (
+        pl.DataFrame({
+            "stage": list(range(cfg.pp)),
+            "rank": [meas.rank_of_stage[s] for s in range(cfg.pp)],
+            "measured_step_ms": [meas.step_ns[s] / 1e6 for s in range(cfg.pp)],
+            "measured_bubble_ms": [meas.bubble_ns[s] / 1e6 for s in range(cfg.pp)],
+            "estimated_activation_bytes": est_mem,
+        }, schema_overrides={"stage": pl.Int32, "rank": pl.Int32})
+        .join(sim_per.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
+        .join(mem.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
+        .select(
+            "stage", "rank",
+            "measured_step_ms", (pl.col("sim_step") / 1e6).alias("simulated_step_ms"),
+            "measured_bubble_ms", (pl.col("sim_bubble") / 1e6).alias("simulated_bubble_ms"),
+            pl.col("measured_act").cast(pl.Float64).alias("measured_activation_bytes"),
+            "estimated_activation_bytes",
+        )
+        .with_columns(
+            _rel(pl.col("simulated_step_ms"), pl.col("measured_step_ms")).alias("step_error"),
+            _rel(pl.col("simulated_bubble_ms"), pl.col("measured_bubble_ms")).alias("bubble_error"),
+            _rel(pl.col("estimated_activation_bytes"), pl.col("measured_activation_bytes")).alias("memory_error"),
+        )
+        .sort("stage")
+    )
+    measured_step = sum(meas.step_ns.values()) / len(meas.step_ns) / 1e6
+    summary = {
+        "run": str(run.path),
+        "schedule": cfg.schedule,
+        "pp": cfg.pp,
+        "microbatches": cfg.num_microbatches,
+        "bpipe": bool(bpipe),
+        "recompute": cfg.recompute,
+        "attention": cfg.attention,
+        "measured_step_ms": measured_step,
+        "simulated_step_ms": sim.step_ns / 1e6,
+        "step_error": (sim.step_ns / 1e6 - measured_step) / measured_step if measured_step else None,
+        "median_abs_memory_error": per_stage["memory_error"].abs().median(),
+        "steps_used": meas.steps_used,
+    }
+    notes = (
+        f"simulator fed with measured busy time per micro-batch, host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms"
+        f" per operation, P2P transfer {meas.costs.p2p_ns / 1e6:.3f} ms, sender {meas.costs.send_ns / 1e6:.3f} ms"
+        + (f", BPipe transfer {meas.costs.bpipe_ns / 1e6:.3f} ms" if bpipe else ""),
+        "memory estimate: saved activations in flight"
+        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer of backward working memory",
+    )
+    return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)
+
+
+def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingConfig | None = None,
+            bpipe_ns: float | None = None) -> Simulation:
+    """Predict a target configuration's step from a baseline run's measured durations.
+
+    The same pipeline and micro-batch size are assumed (durations do not transfer across shapes); recompute is dropped
+    or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default the evictor's activation bytes per
+    micro-batch over the bandwidth the baseline's P2P messages achieved).
+    """
+    base_cfg = base_cfg or config_from_manifest(baseline.run.manifest)
+    if (target.pp, target.microbatch_size, target.model) != (base_cfg.pp, base_cfg.microbatch_size, base_cfg.model):
+        raise AnalysisError("the cross-run prediction needs the same model, pp and micro-batch size",
+                            path=baseline.run.path, fix="compare runs that differ only in schedule, BPipe, recompute")
+    meas = measure(baseline, base_cfg)
+    t = meas.times
+    if target.recompute == "none":
+        t = StageTimes(t.forward_ns, t.backward_ns, (), t.optimizer_ns, t.host_ns)
+    costs = meas.costs
+    if target.bpipe:
+        if bpipe_ns is None:
+            p2p = baseline.p2p.filter((pl.col("channel") == "p2p") & (pl.col("transfer_ns") > 0))
+            rate = float((p2p["nbytes"].sum() / p2p["transfer_ns"].sum())) if p2p.height else 0.0
+            evict = estimate_stage_memory(target)[0].activation_per_microbatch
+            bpipe_ns = evict / rate if rate else 0.0
+        costs = Costs(costs.p2p_ns, costs.send_ns, bpipe_ns, costs.bpipe_overlap)
+    return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
+                    virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
+
+
+def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | None]:
+    """Measure the baseline, predict the target from it, compare with the target's measured step time."""
+    if baseline.run.manifest is None or target.run.manifest is None:
+        raise AnalysisError("cross-run validation needs run.json in both runs", path=target.run.path,
+                            fix="collect both with `traceana collect`")
+    base_cfg = config_from_manifest(baseline.run.manifest)
+    tgt_cfg = config_from_manifest(target.run.manifest)
+    sim = predict(baseline, tgt_cfg, base_cfg=base_cfg)
+    meas_t = measure(target, tgt_cfg)
+    measured = sum(meas_t.step_ns.values()) / len(meas_t.step_ns) / 1e6
+    meas_b = measure(baseline, base_cfg)
+    base_ms = sum(meas_b.step_ns.values()) / len(meas_b.step_ns) / 1e6
+    return {
+        "baseline": str(baseline.run.path),
+        "target": str(target.run.path),
+        "baseline_step_ms": base_ms,
+        "predicted_step_ms": sim.step_ns / 1e6,
+        "measured_step_ms": measured,
+        "error": (sim.step_ns / 1e6 - measured) / measured if measured else None,
+        "predicted_speedup": base_ms / (sim.step_ns / 1e6) if sim.step_ns else None,
+        "measured_speedup": base_ms / measured if measured else None,
+    }
