@@ -1,0 +1,88 @@
+"""`traceana merge` and `traceana analyze` end to end on a tiny two-rank run written with tests/tracebuilder.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import polars as pl
+import pytest
+from tracebuilder import TraceBuilder
+
+from traceana.cli import main
+
+
+@pytest.fixture
+def two_rank_run(tmp_path):
+    """Stage 0: F0 then send; stage 1: recv, F0, B0, send grad; stage 0: recv grad, B0 (µs)."""
+    r0 = TraceBuilder(rank=0, world_size=2, pid=10, tid=10)
+    r0.step(5, 0, 100)
+    r0.annotation("PP:0F0", 0, 20)
+    r0.cpu_op("aten::mm", 2, 16)
+    r0.send(peer=1, ts=20, dur=5)
+    r0.recv(peer=1, ts=30, dur=40)
+    r0.annotation("PP:0B0", 70, 20)
+    r0.cpu_op("autograd::engine::evaluate_function: MmBackward0", 72, 16)
+    r0.memory(1, 4096, 4096)
+    r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11)
+    r1.step(5, 0, 100)
+    r1.recv(peer=0, ts=5, dur=21)
+    r1.annotation("PP:1F0", 26, 14)
+    r1.cpu_op("aten::mm", 27, 12)
+    r1.annotation("PP:1B0", 40, 20)
+    r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", 41, 18)
+    r1.send(peer=0, ts=60, dur=5)
+    r0.write(tmp_path / "rank0.pt.trace.json.gz")
+    r1.write(tmp_path / "rank1.pt.trace.json.gz")
+    return tmp_path
+
+
+def test_merge_writes_one_perfetto_trace_with_added_tracks(two_rank_run, tmp_path):
+    out = tmp_path / "merged.json.gz"
+    assert main(["merge", str(two_rank_run), "-o", str(out), "--no-cache", "--quiet"]) == 0
+    trace = json.loads(gzip.decompress(out.read_bytes()))
+    ev = trace["traceEvents"]
+    x = [e for e in ev if e["ph"] == "X"]
+    assert {e["pid"] for e in x} == {0, 1}
+    assert all(isinstance(e["tid"], int) and e["dur"] >= 0 for e in x)
+    names = {(e["cat"], e["name"]) for e in x}
+    assert ("traceana.phase", "forward 0") in names and ("traceana.phase", "backward 0") in names
+    assert ("traceana.microbatch", "mb 0") in names
+    assert ("traceana.attribution", "bubble_warmup") in names  # rank 1 waits for the first activation
+    procs = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
+    # one clock: rank 0's forward (annotation at 0 µs) starts before rank 1's (26 µs)
+    f = {e["pid"]: e["ts"] for e in x if e["cat"] == "traceana.phase" and e["name"] == "forward 0"}
+    assert f[1] - f[0] == pytest.approx(26.0)
+
+
+def test_merge_plain_json(two_rank_run, tmp_path):
+    out = tmp_path / "merged.json"
+    assert main(["merge", str(two_rank_run), "-o", str(out), "--no-cache", "--quiet"]) == 0
+    assert json.loads(out.read_text())["otherData"]["producer"] == "traceana merge"
+
+
+def test_analyze_json_and_export(two_rank_run, tmp_path, capsys):
+    assert main(["analyze", str(two_rank_run), "--json", "--per-step", "--no-cache",
+                 "--export", str(tmp_path / "tables")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["stage"] for s in out["stages"]] == [0, 1]
+    assert out["stages"][1]["bubble_warmup_ms"] == pytest.approx(0.015)  # recv posted at 5 µs, send at 20
+    assert {r["step"] for r in out["per_step"]} == {5}
+    attribution = pl.read_parquet(tmp_path / "tables" / "attribution.parquet")
+    assert attribution.group_by("rank").agg(pl.col("ns").sum())["ns"].to_list() == [100_000, 100_000]
+    assert (tmp_path / "tables" / "schedule.parquet").exists() and (tmp_path / "tables" / "notes.txt").exists()
+
+
+def test_analyze_csv_export_and_tables(two_rank_run, tmp_path, capsys):
+    assert main(["analyze", str(two_rank_run), "--no-cache", "--per-step", "--quiet",
+                 "--export", str(tmp_path / "csv"), "--format", "csv"]) == 0
+    text = capsys.readouterr().out
+    assert "Where each stage's step time goes" in text and "bubble warmup" in text
+    assert pl.read_csv(tmp_path / "csv" / "attribution.csv")["category"].n_unique() == 12
+
+
+def test_analyze_bad_path_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such run directory" in err

@@ -1,0 +1,186 @@
+"""Write an Analysis out: every table as Parquet/CSV for notebooks, a JSON summary for scripts, and one merged
+Chrome/Perfetto trace of all ranks with added schedule, micro-batch and bubble tracks.
+
+The merged trace is built column-wise: polars writes the events as NDJSON (in Rust), and the lines are joined into
+the ``traceEvents`` array, so no per-event Python dict is ever made.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from traceana.errors import BadInputError
+from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES
+
+FORMATS = ("parquet", "csv")
+
+
+def write_tables(analysis, directory: str | Path, *, fmt: str = "parquet") -> list[Path]:
+    """One file per table (``steps.parquet``, ``attribution.parquet``, …) plus ``notes.txt``."""
+    if fmt not in FORMATS:
+        raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInputError(f"cannot create the export folder ({e.strerror})", path=out,
+                            fix="choose a writable folder") from None
+    written = []
+    for name, table in analysis.tables().items():
+        path = out / f"{name}.{fmt}"
+        if fmt == "parquet":
+            table.write_parquet(path)
+        else:  # CSV has no enum or nested types: write them as text
+            table.with_columns(pl.col(pl.Enum, pl.Categorical).cast(pl.String)).write_csv(path)
+        written.append(path)
+    notes = out / "notes.txt"
+    notes.write_text("".join(f"{n}\n" for n in analysis.notes))
+    written.append(notes)
+    return written
+
+
+def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
+    """A JSON-ready summary: per-stage table, notes, clocks, memory balance (and per-step attribution)."""
+    out: dict[str, Any] = {
+        "run": str(analysis.run.path),
+        "stages": analysis.stages.to_dicts(),
+        "clock_offsets": analysis.clock_offsets.to_dicts(),
+        "memory_balance": analysis.memory_balance,
+        "notes": list(analysis.notes),
+    }
+    if per_step:
+        out["per_step"] = per_step_table(analysis).to_dicts()
+    return out
+
+
+def per_step_table(analysis) -> pl.DataFrame:
+    """One row per (rank, step): stage, step ms and every category in ms."""
+    wide = analysis.attribution.with_columns(pl.col("category").cast(pl.String)).pivot(
+        on="category", index=["rank", "stage", "step"], values="ns")
+    return (
+        wide.join(analysis.steps.select("rank", "step", "dur_ns"), on=["rank", "step"])
+        .select("rank", "stage", "step", (pl.col("dur_ns") / 1e6).alias("step_ms"),
+                *((pl.col(c) / 1e6).alias(f"{c}_ms") for c in CATEGORIES if c in wide.columns))
+        .sort("stage", "rank", "step", nulls_last=True)
+    )
+
+
+# --- merged Perfetto trace -----------------------------------------------------------------------------------
+def _tids(frame: pl.DataFrame) -> pl.DataFrame:
+    """Integer thread ids per (rank, track), stable and dense."""
+    return (
+        frame.select("rank", "track").unique().sort("rank", "track")
+        .with_columns((pl.int_range(pl.len()).over("rank") + 1).alias("tid"))
+    )
+
+
+def merged_trace_events(analysis) -> pl.DataFrame:
+    """Columns ph, name, cat, pid, tid, ts, dur (µs, from the run's first instant), args (JSON text): all ranks."""
+    ev = analysis.events
+    if ev is None:
+        raise BadInputError("this analysis kept no events", fix="run analyze() again")
+    origin = int(ev["ts_ns"].min() or 0)
+    tids = _tids(ev)
+    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731 — one conversion, used for every table
+    base = (
+        ev.drop("tid").join(tids, on=["rank", "track"])
+        .select(pl.lit("X").alias("ph"), "name", pl.col("cat").fill_null(""), pl.col("rank").alias("pid"), "tid",
+                us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
+                pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
+    )
+    first_extra = int(tids["tid"].max() or 0) + 1
+    sched = analysis.schedule.filter(pl.col("end_ns") > pl.col("start_ns"))
+    phase_track = sched.select(
+        pl.lit("X").alias("ph"),
+        pl.concat_str(pl.col("phase"), pl.lit(" "), pl.col("microbatch").cast(pl.String).fill_null("")).alias("name"),
+        pl.lit("traceana.phase").alias("cat"), pl.col("rank").alias("pid"), pl.lit(first_extra).alias("tid"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        pl.struct("stage", "microbatch", "step", "source").alias("args"),
+    )
+    mb = (
+        sched.filter(pl.col("microbatch").is_not_null())
+        .group_by("rank", "step", "stage", "microbatch")
+        .agg(pl.col("start_ns").min(), pl.col("end_ns").max())
+        .sort("rank", "start_ns")
+    )
+    # Micro-batches overlap in time (1F1B keeps several in flight): give each its own lane, as Perfetto wants
+    # complete events on one thread to nest.
+    mb_track = mb.select(
+        pl.lit("X").alias("ph"), pl.concat_str(pl.lit("mb "), pl.col("microbatch").cast(pl.String)).alias("name"),
+        pl.lit("traceana.microbatch").alias("cat"), pl.col("rank").alias("pid"),
+        (first_extra + 2 + pl.col("microbatch")).alias("tid"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        pl.struct("stage", "microbatch", "step").alias("args"),
+    )
+    segs = analysis.segments if analysis.segments is not None else pl.DataFrame()
+    bubble_track = segs.filter(pl.col("category").cast(pl.String).is_in(
+        [*BUBBLE_CATEGORIES, "p2p", "bpipe", "collective", "host"])).select(
+        pl.lit("X").alias("ph"), pl.col("category").cast(pl.String).alias("name"),
+        pl.lit("traceana.attribution").alias("cat"), pl.col("rank").alias("pid"),
+        pl.lit(first_extra + 1).alias("tid"), us("start_ns").alias("ts"),
+        ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"), pl.struct("step").alias("args"),
+    )
+    frames = [base, phase_track, mb_track, bubble_track]
+    cols = ["ph", "name", "cat", "pid", "tid", "ts", "dur"]
+    plain = pl.concat([f.select(cols) for f in frames], how="vertical_relaxed")
+    args = [f.select(pl.col("args").struct.json_encode()) for f in frames]
+    return plain.with_columns(pl.concat(args)["args"].alias("args"))
+
+
+def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, Any]) -> list[dict[str, Any]]:
+    """Process and thread names: one small dict per rank and track (rank-sized, not event-sized)."""
+    meta: list[dict[str, Any]] = []
+    for rank in sorted(tids["rank"].unique().to_list()):
+        stage = stages.get(rank)
+        label = f"rank {rank}" + ("" if stage is None else f" (stage {stage})")
+        meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
+        meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1)):
+            meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name.strip()}})
+    for rank, track, tid in tids.rows():
+        meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
+    return meta
+
+
+def write_merged_trace(analysis, path: str | Path) -> Path:
+    """Write all ranks into one Chrome/Perfetto JSON trace (gzip when the name ends in .gz)."""
+    path = Path(path)
+    events = merged_trace_events(analysis)
+    tids = _tids(analysis.events)
+    first_extra = int(tids["tid"].max() or 0) + 1
+    stages = dict(analysis.stages.select("rank", "stage").rows())
+    mb_lanes = events.filter(pl.col("cat") == "traceana.microbatch").select("pid", "tid", "name").unique()
+    meta = _metadata(analysis, tids, first_extra, stages)
+    meta += [{"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": f"micro-batch {n[3:]}"}}
+             for p, t, n in mb_lanes.rows()]
+    # One JSON object per event, built as strings by polars; the args column is already JSON text.
+    cols = ["ph", "name", "cat", "pid", "tid", "ts", "dur"]
+    lines = events.select(
+        pl.concat_str(pl.struct(cols).struct.json_encode().str.head(-1), pl.lit(',"args":'),
+                      pl.col("args").fill_null("{}"), pl.lit("}")).alias("line")
+    )["line"]
+    body = lines.str.join(",\n")[0] if len(lines) else ""
+    header = {"displayTimeUnit": "ns", "otherData": {"producer": "traceana merge", "run": str(analysis.run.path),
+                                                     "clock_offsets": analysis.clock_offsets.to_dicts(),
+                                                     "notes": list(analysis.notes)}}
+    text = (json.dumps(header)[:-1] + ', "traceEvents": [' + ",\n".join(json.dumps(m) for m in meta)
+            + (",\n" if meta and body else "") + body + "]}")
+    data = text.encode()
+    try:
+        if path.suffix == ".gz":
+            try:
+                from isal import igzip
+
+                data = igzip.compress(data, compresslevel=1)
+            except ImportError:
+                data = gzip.compress(data, compresslevel=1)
+        path.write_bytes(data)
+    except OSError as e:
+        raise BadInputError(f"cannot write the merged trace ({e.strerror})", path=path,
+                            fix="choose a writable path") from None
+    return path
