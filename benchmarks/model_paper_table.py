@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict
+from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import DEVICES, MODELS
@@ -52,19 +52,21 @@ def main() -> None:
                        ("free (infinite bandwidth)", Network(bpipe_bytes_per_s=1e30))):
         print(f"\nBPipe transfers {label}, overlapped with compute:\n")
         print("| model | attention | best without BPipe | step s | best with BPipe | step s | speedup | "
-              "Δ compute | Δ recompute | Δ bubble | Δ transfer | deciding |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "Δ compute | Δ recompute | Δ bubble | Δ transfer | deciding | vs b=1 full recompute |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, tp, pp, per_pipe in SETUPS:
             for att in ("naive", "sdpa"):
                 cfg = TrainingConfig(model=MODELS[name], tp=tp, pp=pp, microbatch_size=1, num_microbatches=per_pipe,
                                      attention=att, sequence_parallel=sp)
                 v = bpipe_verdict(cfg, device=dev, curve=curve, network=net)
                 wb = v.with_bpipe
+                full = estimate_step(cfg.replace(recompute="full"), device=dev, curve=curve, network=net)
                 d = v.deltas
                 print(f"| {MODELS[name].name} | {att} | {v.reference.describe()} | {v.reference.step_s:.2f} | "
                       f"{wb.describe() if wb else '—'} | {wb.step_s if wb else float('nan'):.2f} | "
                       f"{v.speedup:.3f}× | {d.get('compute', 0):+.2f} | {d.get('recompute', 0):+.2f} | "
-                      f"{d.get('bubble', 0):+.2f} | {d.get('transfer', 0):+.2f} | {v.deciding_term} |")
+                      f"{d.get('bubble', 0):+.2f} | {d.get('transfer', 0):+.2f} | {v.deciding_term} | "
+                      f"{full.step_s / wb.step_s if wb else float('nan'):.3f}× |")
     print("\nassumptions: " + "; ".join(v.assumptions[:1] + v.assumptions[2:]) + "; P2P 25 GB/s")
 
 

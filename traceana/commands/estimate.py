@@ -174,7 +174,7 @@ def render(out: dict) -> str:
         "",
         f"fits: {'yes' if out['fits'] else 'NO'}",
         f"step time {st['seconds']:.3f} s, MFU {st['mfu']:.1%} (compute efficiency {st['efficiency']:.1%}, "
-        f"{st['efficiency_source']}); busiest stage: {terms}",
+        f"{st['efficiency_source']}); stage 0: {terms}",
     ]
     if "bpipe" in out:
         lines += ["", out["bpipe"]["sentence"], "assumptions: " + "; ".join(out["bpipe"]["assumptions"])]
