@@ -269,20 +269,22 @@ def build_report(
 
     # Timeline
     page.add('<section id="timeline"><h2>Pipeline timeline</h2>')
-    page.add(H.para("One row per rank. Blocks are forward / backward / recompute / optimizer per micro-batch (the "
-                    "number on a block); grey is idle time (bubbles). A thin band at the bottom of a row is a P2P or "
-                    "BPipe message arriving on that rank. Drag to pan, scroll or box-select to zoom, hover for "
-                    "details.", css_class="lead"))
-    page.add(H.legend_swatches(["forward", "backward", "recompute", "optimizer", "bubble_warmup", "bubble_stall",
-                                "bubble_cooldown", "p2p", "bpipe"]))
+    page.add(H.para("One row per rank. Upper band: the schedule — forward / backward / recompute / optimizer, with the "
+                    "micro-batch number. Lower band: what each instant was spent on (the attribution, same colours as "
+                    "the bars below; grey is bubble). The hairline between them marks P2P or BPipe messages arriving "
+                    "on that rank. Drag to pan, scroll or box-select to zoom, hover for details.", css_class="lead"))
+    page.add(H.legend_swatches(list(palette.CATEGORY_COLOURS)))
     for name, a in runs:
-        page.figure(G.timeline(F.timeline_blocks(a), F.timeline_transfers(a), title=f"{name}: pipeline timeline"))
+        page.figure(G.timeline(F.timeline_blocks(a), F.attribution_strip(a), F.timeline_transfers(a),
+                               title=f"{name}: pipeline timeline"))
     page.add("</section>")
 
     # Attribution
     page.add('<section id="attribution"><h2>Where each stage\'s step time goes</h2>')
     page.add(H.para("Mean time per profiled step in each category, per pipeline stage. The categories of one step are "
                     "disjoint and add up to the step's wall time.", css_class="lead"))
+    present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
+    page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
     for name, a in runs:
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
@@ -293,7 +295,10 @@ def build_report(
     page.add('<section id="bubbles"><h2>Bubble breakdown</h2>')
     page.add(H.para("Idle time split into warm-up (before the stage's first forward), stall (waiting on a neighbour "
                     "in the steady state) and cool-down (after its last backward).", css_class="lead"))
+    page.add(H.legend_swatches(F.BUBBLE_KINDS))
+    page.add('<div class="grid">')
     for name, a in runs:
+        page.add("<div>")
         bub = F.bubble_breakdown(a)
         page.figure(G.stacked_by_stage(bub, title=f"{name}: bubble per step", ylabel="bubble per step (ms)"))
         wide = (
@@ -304,7 +309,8 @@ def build_report(
             (c, f"{palette.CATEGORY_LABELS[c]} (ms)") for c in F.BUBBLE_KINDS if c in wide.columns
         ]
         page.add(H.table(wide.sort("stage") if wide.height else wide, cols, formats={"stage": "int"}))
-    page.add("</section>")
+        page.add("</div>")
+    page.add("</div></section>")
 
     # Memory
     page.add('<section id="memory"><h2>Memory per stage</h2>')
@@ -318,13 +324,17 @@ def build_report(
     balance = ", ".join(
         f"{n}: {H.num(b)}×" if (b := F.memory_balance(a)) else f"{n}: –" for n, a in runs
     )
+    page.add(H.run_swatches(names))
     page.figure(G.grouped_by_stage(mem, value="peak_mib", title=f"peak memory per stage (imbalance {balance})",
                                    ylabel="peak allocated (MiB)", runs=names))
     page.figure(G.grouped_by_stage(mem, value="activation_mib", title="activation peak per stage (peak − step start)",
                                    ylabel="activation peak (MiB)", runs=names))
+    page.add('<div class="grid">')
     for name, a in runs:
+        page.add("<div>")
         page.figure(G.memory_over_time(F.memory_curves(a), title=f"{name}: allocated memory over time"))
-    page.add("</section>")
+        page.add("</div>")
+    page.add("</div></section>")
 
     # Estimate vs measured
     page.add('<section id="validation"><h2>Estimate vs measured</h2>')
@@ -336,6 +346,8 @@ def build_report(
             page.add(H.para(v.message or "no validation available", css_class="warn"))
             continue
         items = _validation_items(v.table)
+        page.add('<div class="key"><span class="swatch"><i style="background:' + palette.BLUE + '"></i>measured</span>'
+                 '<span class="swatch"><i style="background:' + palette.ORANGE + '"></i>estimated</span></div>')
         for unit in items["unit"].unique(maintain_order=True).to_list():
             part = items.filter(pl.col("unit") == unit)
             page.figure(G.estimate_vs_measured(part, title=f"{name}: estimate vs measured",
@@ -364,6 +376,7 @@ def build_report(
         overview = overview.with_columns(
             d_step_pct=100 * (pl.col("step_ms") - b0) / b0 if b0 else pl.lit(None, pl.Float64),
         )
+        page.add(H.run_swatches(names))
         page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
         page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
                                     ("d_step_pct", f"change vs {base} (%)"), ("peak_mib", "largest stage peak (MiB)"),

@@ -128,6 +128,69 @@ def timeline_blocks(a: Analysis) -> pl.DataFrame:
     )
 
 
+def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
+    """What every instant of each rank was spent on (the attribution's segments), at most ``bins`` blocks per rank.
+
+    ``Analysis.segments`` partitions every step into categories; on a real trace that is one segment per kernel or
+    operator gap, far more than a browser should draw. The run's time range is cut into ``bins`` equal bins; each bin
+    takes the category that covers most of it, and runs of equal bins merge into one block (Perfetto's "summary
+    track" idea). Without segments, the schedule's phases and the gaps between them stand in.
+    """
+    origin = origin_ns(a)
+    if a.segments is not None and a.segments.height:
+        segs = a.segments.select("rank", "step", pl.col("category").cast(pl.String), "start_ns", "end_ns")
+    else:
+        work = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null()).select(
+            "rank", "step", pl.col("phase").alias("category"), "start_ns", "end_ns"
+        )
+        segs = pl.concat([work, bubble_spans(a).rename({"kind": "category"})])
+    segs = segs.filter(pl.col("end_ns") > pl.col("start_ns"))
+    empty = {"rank": pl.Int32, "category": pl.String, "start_ms": pl.Float64, "end_ms": pl.Float64,
+             "dur_ms": pl.Float64, "share": pl.Float64}
+    if segs.height == 0:
+        return pl.DataFrame(schema=empty)
+    lo, hi = int(segs["start_ns"].min()), int(segs["end_ns"].max())
+    width = max(-(-(hi - lo) // bins), 1)
+    per_bin = (
+        segs.with_columns(
+            b0=(pl.col("start_ns") - lo) // width, b1=(pl.col("end_ns") - 1 - lo) // width
+        )
+        .with_columns(bin=pl.int_ranges("b0", pl.col("b1") + 1))
+        .explode("bin")
+        .with_columns(
+            ns=pl.min_horizontal("end_ns", lo + (pl.col("bin") + 1) * width)
+            - pl.max_horizontal("start_ns", lo + pl.col("bin") * width)
+        )
+        .group_by("rank", "bin", "category")
+        .agg(pl.col("ns").sum())
+        .sort("rank", "bin", "ns", "category", descending=[False, False, True, False])
+        .group_by("rank", "bin", maintain_order=True)
+        .agg(pl.col("category").first(), pl.col("ns").first(), covered=pl.col("ns").sum())
+        .sort("rank", "bin")
+    )
+    runs = per_bin.with_columns(
+        run=(
+            (pl.col("category") != pl.col("category").shift(1)) | (pl.col("bin") != pl.col("bin").shift(1) + 1)
+        ).fill_null(True).cum_sum().over("rank")
+    )
+    return (
+        runs.group_by("rank", "run")
+        .agg(
+            pl.col("category").first(),
+            b0=pl.col("bin").min(), b1=pl.col("bin").max(), ns=pl.col("ns").sum(), covered=pl.col("covered").sum()
+        )
+        .select(
+            "rank",
+            "category",
+            start_ms=(lo + pl.col("b0") * width - origin) / NS_PER_MS,
+            end_ms=(lo + (pl.col("b1") + 1) * width - origin) / NS_PER_MS,
+            dur_ms=pl.col("ns") / NS_PER_MS,
+            share=100 * pl.col("ns") / pl.col("covered"),
+        )
+        .sort("rank", "start_ms")
+    )
+
+
 def timeline_transfers(a: Analysis) -> pl.DataFrame:
     """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received) and the wait before it."""
     origin = origin_ns(a)

@@ -94,6 +94,15 @@ def para(text: str, *, css_class: str | None = None) -> str:
     return f"<p{cls}>{esc(text)}</p>"
 
 
+def run_swatches(names: Sequence[str]) -> str:
+    """The colour key of the runs in comparison figures."""
+    items = "".join(
+        f'<span class="swatch"><i style="background:{esc(palette.run_colour(i))}"></i>{esc(n)}</span>'
+        for i, n in enumerate(names)
+    )
+    return f'<div class="key">{items}</div>'
+
+
 def legend_swatches(kinds: Iterable[str]) -> str:
     """A small HTML colour key, so the palette is explained once, above the figures."""
     items = "".join(
@@ -140,6 +149,8 @@ ul.notes { margin:4px 0 12px; padding-left:20px; color:var(--muted); }
 .key { display:flex; flex-wrap:wrap; gap:14px; font-size:13px; margin:6px 0 10px; }
 .swatch i { display:inline-block; width:14px; height:14px; margin-right:5px; vertical-align:-2px; border:1px solid #999; }
 .plot { margin:6px 0 18px; min-height:120px; }
+.grid { display:grid; grid-template-columns:repeat(auto-fit, minmax(520px, 1fr)); gap:24px; }
+.grid > div { min-width:0; }
 footer { color:var(--muted); font-size:12px; padding:0 40px 30px; }
 """
 
