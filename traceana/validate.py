@@ -120,9 +120,13 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         (pl.col("send_end") - pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end"))
         .alias("s")
     ) if "send_end" in p2p.columns else pl.DataFrame({"s": []})
+    send_ns = float(send["s"].median() or 0) if send.height else 0.0
+    # The receiver's transfer starts when the send starts, so it contains the sender's own time: the simulator's
+    # message arrives send_ns + p2p_ns after the producing operation ends.
+    transfer = float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0
     costs = Costs(
-        p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
-        send_ns=float(send["s"].median() or 0) if send.height else 0.0,
+        p2p_ns=max(0.0, transfer - send_ns),
+        send_ns=send_ns,
         bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
         bpipe_overlap=True,
     )
