@@ -84,3 +84,53 @@ def test_simulated_trace_round_trips_through_the_analysis(schedule, pp, m, recom
     assert v.per_stage["step_error"].abs().max() < 0.01
     bubble = v.per_stage.filter(pl.col("measured_bubble_ms") > 0.05)
     assert (bubble["bubble_error"].abs() < 0.05).all(), v.per_stage
+
+
+class KinetoWriter:
+    """The EventsBuilder calls used above, written as one Kineto trace per rank (tests/tracebuilder.py)."""
+
+    def __init__(self, pp: int) -> None:
+        from tracebuilder import TraceBuilder
+
+        self.tb = {r: TraceBuilder(rank=r, world_size=pp) for r in range(pp)}
+
+    def step(self, r, n, s, e):
+        self.tb[r].step(n, s, e)
+
+    def ann(self, r, name, s, e):
+        self.tb[r].annotation(name, s, e - s)
+
+    def op(self, r, name, s, e):
+        self.tb[r].cpu_op(name, s, e - s)
+
+    def send(self, r, peer, s, e, *, tag=0):
+        self.tb[r].send(peer=peer, tag=tag, ts=s, dur=e - s)
+
+    def recv(self, r, peer, s, e, *, tag=0):
+        self.tb[r].recv(peer=peer, tag=tag, ts=s, dur=e - s)
+
+
+def test_validate_command_on_a_written_run(tmp_path, capsys, monkeypatch):
+    import json
+
+    import test_validate_roundtrip as me
+    from traceana.cli import main
+
+    pp, m = 2, 4
+    times = StageTimes.uniform(2, forward=100 * US, backward=200 * US, optimizer=30 * US)
+    writer = KinetoWriter(pp)
+    monkeypatch.setattr(me, "EventsBuilder", lambda: writer)
+    me.pipeline_events("1f1b", pp=pp, m=m, times=times)
+    for r, tb in writer.tb.items():
+        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
+    manifest = Manifest(world_size=pp, pp=pp, stage_of_rank=(0, 1), schedule="1f1b", microbatch_size=1,
+                        num_microbatches=m, model=TINY, dtype="float32", attention="sdpa", recompute="none",
+                        extra={"nnodes": 1})
+    (tmp_path / "run.json").write_text(manifest.to_json())
+    assert main(["validate", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["summary"]["step_error"]) < 0.02
+    assert main(["validate", str(tmp_path), "--baseline", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "cross-run" in text and "step time: measured" in text
+    assert main(["validate", str(tmp_path / "nope")]) == 2
