@@ -65,7 +65,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     notes += n
     events = timeline.assign_steps(events, steps)
     msgs = pipeline.messages(events)
-    pairs, unmatched, pair_notes = pipeline.pair(msgs)
+    pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
     notes += n
@@ -73,7 +73,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns"])
-        pairs, unmatched, pair_notes = pipeline.pair(msgs)
+        pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     notes += pair_notes
     stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs)
     notes += n
@@ -93,7 +93,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
 
     busy = timeline.busy_events(events)
     segs = attr.segments(events=events, steps=steps, busy=busy, schedule=schedule, pairs=pairs,
-                         unmatched=unmatched, msgs=msgs)
+                         unmatched=unmatched)
     attribution = attr.attribute(segs, steps, stages)
     stage_mem = mem.stage_memory(run.memory, steps, stages)
     if run.memory.height == 0:
@@ -178,7 +178,12 @@ def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float 
     return pl.DataFrame(rows, schema=empty.schema, orient="row"), []
 
 
-def strip_annotations(events: pl.DataFrame) -> pl.DataFrame:
-    """The events without any pipeline annotation (PP:…, Forward/Backward {i}): what inference starts from."""
-    pp = names.pp_columns(pl.col("name"))
-    return events.filter(pp["pp_action"].is_null() | (pl.col("cat") != "user_annotation"))
+def strip_annotations(events: pl.DataFrame, *, keep_bpipe: bool = True) -> pl.DataFrame:
+    """The events without the schedule's annotations (PP: compute and P2P actions, Forward/Backward {i}): what
+    inference starts from, e.g. to check inference against the annotated truth. BPipe's EVICT/LOAD/ACCEPT/RETURN
+    spans say which traffic is BPipe's, not what the schedule did, so they stay unless ``keep_bpipe`` is False."""
+    action = names.pp_columns(pl.col("name"))["pp_action"]
+    keep = action.is_null() | (pl.col("cat") != "user_annotation")
+    if keep_bpipe:
+        keep = keep | action.is_in(list(names.BPIPE_ACTIONS))
+    return events.filter(keep)

@@ -6,7 +6,7 @@ Every instant of a step gets the first category (in this priority order) whose i
 1. compute — the rank is busy (timeline.busy_events); split by the schedule window the work was launched in:
    ``recompute`` (inside B) > ``optimizer`` > ``backward`` > ``forward`` > ``other_compute`` (no window);
 2. ``collective`` — a collective op, span or kernel of the rank is running;
-3. ``bpipe`` — an EVICT/LOAD/ACCEPT/RETURN span or a BPipe-channel message is in flight;
+3. ``bpipe`` — an EVICT/LOAD/ACCEPT/RETURN span or a BPipe message (either side classified as BPipe) is in flight;
 4. ``p2p`` — a P2P message is moving bytes (after ``data_ready``: the peer's send had started and the receiver
    had posted);
 5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): ``bubble_warmup``
@@ -81,7 +81,6 @@ def segments(
     schedule: pl.DataFrame,
     pairs: pl.DataFrame,
     unmatched: pl.DataFrame,
-    msgs: pl.DataFrame,
 ) -> pl.DataFrame:
     """The partition of every step into category segments (SEGMENTS columns)."""
     windows = steps.select("rank", "step", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
@@ -93,11 +92,13 @@ def segments(
     compute = {ph: clip(labelled.filter(pl.col("phase") == ph)) for ph in
                ("recompute", "optimizer", "backward", "forward", "other_compute")}
     collective = clip(_span(events.filter(pl.col("kind") == "collective")))
+    bp = pairs.filter(pl.col("channel") == "bpipe")
     bpipe = clip(pl.concat([
         _span(events.filter((pl.col("kind") == "bpipe_transfer")
                             | pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))),
-        msgs.filter(pl.col("channel") == "bpipe").select("rank", pl.col("post_ns").alias("start"),
-                                                          pl.col("end_ns").alias("end")),
+        bp.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
+        bp.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
+        unmatched.filter(pl.col("channel") == "bpipe").select("rank", "start", "end"),
     ]))
     transfer, wait = p2p_intervals(pairs, unmatched)
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))

@@ -68,23 +68,32 @@ def messages(events: pl.DataFrame) -> pl.DataFrame:
     return conform(out, MESSAGE).sort("rank", "post_ns")
 
 
-def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, list[str]]:
-    """Match sends with recvs. Returns (pairs: schema.P2P + send_end, unmatched messages, notes)."""
-    keys = ["src", "dst", "tag", "step", "channel"]
-    m = msgs.with_columns(pl.col("tag").fill_null(-1))
+def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
+    """Match sends with recvs. Returns (pairs: schema.P2P + send_end, unmatched messages, the messages with the
+    channel of their pair, notes)."""
+    # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
+    # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
+    keys = ["src", "dst", "tag", "step"]
+    m = msgs.with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
     sends = (
         m.filter(pl.col("dir") == "send").rename({"rank": "src", "peer": "dst"})
         .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
-        .select(*keys, "seq", pl.col("nbytes").alias("send_nbytes"), pl.col("post_ns").alias("send_start"),
-                pl.col("end_ns").alias("send_end"))
+        .select(*keys, "seq", pl.col("_row").alias("_send_row"), pl.col("channel").alias("send_channel"),
+                pl.col("nbytes").alias("send_nbytes"),
+                pl.col("post_ns").alias("send_start"), pl.col("end_ns").alias("send_end"))
     )
     recvs = (
         m.filter(pl.col("dir") == "recv").rename({"rank": "dst", "peer": "src"})
         .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
-        .select(*keys, "seq", pl.col("nbytes").alias("recv_nbytes"), pl.col("post_ns").alias("recv_post"),
-                pl.col("end_ns").alias("recv_end"))
+        .select(*keys, "seq", pl.col("_row").alias("_recv_row"), pl.col("channel").alias("recv_channel"),
+                pl.col("nbytes").alias("recv_nbytes"),
+                pl.col("post_ns").alias("recv_post"), pl.col("end_ns").alias("recv_end"))
     )
-    joined = sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
+    joined = (
+        sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
+        .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
+                      .then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"))
+    )
     matched = joined.filter(pl.col("send_start").is_not_null() & pl.col("recv_post").is_not_null())
     # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
     ready = pl.min_horizontal(pl.max_horizontal("recv_post", "send_start"), "recv_end")
@@ -114,7 +123,13 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, list[str]]:
         unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
                                pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
     ])
-    return pairs, unmatched, notes
+    rows = pl.concat([joined.select(pl.col("_send_row").alias("_row"), "channel"),
+                      joined.select(pl.col("_recv_row").alias("_row"), "channel")]).drop_nulls("_row")
+    msgs = (
+        msgs.with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
+        .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
+    )
+    return pairs, unmatched, msgs, notes
 
 
 # --- stages --------------------------------------------------------------------------------------------------
@@ -255,6 +270,9 @@ def infer_schedule(
             .then(pl.when(pl.col("dir") == "recv").then(pl.lit("recv_act")).otherwise(pl.lit("send_grad")))
             .otherwise(pl.when(pl.col("dir") == "send").then(pl.lit("send_act")).otherwise(pl.lit("recv_grad")))
             .alias("role"))
+        # Pipeline traffic goes to the neighbouring stages; anything else (an un-annotated side channel) is not
+        # the schedule's.
+        .filter((pl.col("peer_stage") - pl.col("stage")).abs() == 1)
         .sort("post_ns")
         .with_columns(pl.int_range(pl.len()).over("rank", "step", "role").cast(pl.Int32).alias("mb"))
     )
