@@ -203,7 +203,10 @@ def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
     except msgspec.ValidationError as e:
         raise TraceFormatError(f"not a Kineto trace ({e})", path=shown(path),
                                fix="pass a torch.profiler trace whose traceEvents is a list") from None
-    except (msgspec.DecodeError, RecursionError) as e:
+    except RecursionError:
+        raise TraceFormatError("JSON nested too deeply to decode (over ~1000 levels)", path=shown(path),
+                               fix="this is not a profiler trace as torch writes it; re-collect it") from None
+    except msgspec.DecodeError as e:
         msg = str(e)
     # A killed writer leaves a prefix (sometimes followed by NUL padding from the file system).
     body = buf.rstrip(b"\x00 \t\r\n")
@@ -310,8 +313,8 @@ def _ts_ns(evs: list[_Event]) -> pl.Series:
     """Relative ns of each event's ts (see FLOAT_EXACT_US); null where missing or not a number."""
     ts = list(map(attrgetter("ts"), evs))
     if evs and isinstance(evs[0], _ExactEvent):
-        text = pl.Series("t", list(map(str, ts)), dtype=pl.String)
-        return pl.select(_us_text_to_ns(pl.lit(text))).to_series().alias("ts_rel")
+        text = pl.DataFrame({"t": pl.Series("t", list(map(str, ts)), dtype=pl.String)})
+        return text.select(_us_text_to_ns(pl.col("t"))).to_series().alias("ts_rel")
     f = _series("t", ts, pl.Float64)
     whole = f.floor()
     ns = whole.cast(pl.Int64, strict=False) * 1000 + ((f - whole) * 1000.0).round(0).cast(pl.Int64, strict=False)
@@ -536,9 +539,12 @@ def read_trace(
     problems: list[str] = []
     for start in range(0, total, BATCH):
         chunk = raws[start : start + BATCH]
-        evs = _decode_batch(chunk, problems, exact=False)
+        batch_problems: list[str] = []
+        evs = _decode_batch(chunk, batch_problems, exact=False)
         if _needs_exact(evs):
-            evs = _decode_batch(chunk, [], exact=True)
+            batch_problems = []
+            evs = _decode_batch(chunk, batch_problems, exact=True)
+        problems.extend(batch_problems)
         batches.add(evs)
         del evs, chunk
         if on_progress is not None:
