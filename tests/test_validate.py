@@ -78,3 +78,29 @@ def test_memory_error_against_the_models_own_estimate(tmp_path):
                       act_bytes=measured)
     v = validate(a)
     assert v.per_stage["memory_error"].to_list() == pytest.approx([1 / 1.1 - 1] * 2, rel=1e-3)
+
+
+def test_bpipe_verdict_from_a_measured_run_with_recompute(tmp_path):
+    from traceana.validate import bpipe_verdict_from_run
+
+    base = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, recompute="full",
+                         times=StageTimes.uniform(2, forward=100e3, backward=200e3, recompute=100e3))
+    v = bpipe_verdict_from_run(base, bpipe_ns=0.0)
+    assert v.helps and v.speedup == pytest.approx(5 * 400 / (5 * 300))
+    assert v.deciding_term == "recompute" and v.deltas["recompute"] == pytest.approx(-4 * 100e3 / 1e9)
+    assert "would help" in v.sentence
+    # pp = 2 holds 2 + 1 micro-batches: the cap ⌈3/2⌉ = 2 evicts nothing, so transfers cannot cost anything
+    assert bpipe_verdict_from_run(base, bpipe_ns=2e6).speedup == v.speedup
+    deep = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8, recompute="full",
+                         times=StageTimes.uniform(4, forward=100e3, backward=200e3, recompute=100e3))
+    fast, slow = bpipe_verdict_from_run(deep, bpipe_ns=0.0), bpipe_verdict_from_run(deep, bpipe_ns=2e6)
+    assert slow.speedup < fast.speedup and slow.deltas["transfer"] > 0
+
+
+def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
+    from traceana.errors import AnalysisError
+    from traceana.validate import bpipe_verdict_from_run
+
+    g = fake_analysis(tmp_path, schedule="gpipe", pp=2, m=4, times=StageTimes.uniform(2, forward=1e5, backward=2e5))
+    with pytest.raises(AnalysisError):
+        bpipe_verdict_from_run(g)

@@ -133,4 +133,5 @@ def test_validate_command_on_a_written_run(tmp_path, capsys, monkeypatch):
     assert main(["validate", str(tmp_path), "--baseline", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "cross-run" in text and "step time: measured" in text
+    assert "BPipe would not help this run (1.000×" in text  # pp 2 without recompute: nothing to evict or drop
     assert main(["validate", str(tmp_path / "nope")]) == 2

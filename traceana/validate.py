@@ -20,6 +20,7 @@ from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import estimate_stage_memory, layer_activation_bytes
+from traceana.model.bpipe import Verdict, terms_of
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 
 PHASE_CATEGORIES = ("forward", "backward", "recompute", "optimizer")
@@ -105,6 +106,10 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         pl.sum_horizontal(*schema.BUBBLE_CATEGORIES).mean().alias("bubble"),
     )
     row = {r: d for r, *d in means.select("rank", "f", "b", "r", "o", "h", "step", "bubble").iter_rows()}
+    if cfg.virtual_stages > 1:
+        # Means are per chunk operation; the simulator takes a device's whole share and splits it over its chunks.
+        v = cfg.virtual_stages
+        row = {r: [x * v if i < 3 and x is not None else x for i, x in enumerate(d)] for r, d in row.items()}
     order = [rank_of_stage[s] for s in range(p)]
     times = StageTimes(
         forward_ns=tuple(float(row[r][0] or 0) for r in order),
@@ -277,3 +282,47 @@ def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | N
         "predicted_speedup": base_ms / (sim.step_ns / 1e6) if sim.step_ns else None,
         "measured_speedup": base_ms / measured if measured else None,
     }
+
+
+def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = None,
+                           bpipe_ns: float | None = None) -> Verdict:
+    """Would BPipe help this measured (plain 1F1B) run? Predict the same run with BPipe and without recompute from its
+    own measured durations; the terms (stage 0) say what decides. Memory: BPipe's point is that the first stage's
+    activation peak falls to the pair average, which is what lets recompute go; the sentence gives the model's
+    estimate of that peak before and after."""
+    cfg = cfg or config_from_manifest(baseline.run.manifest)
+    if cfg.schedule != "1f1b" or cfg.bpipe or cfg.pp < 2:
+        raise AnalysisError("a BPipe verdict needs a plain 1F1B run with pp ≥ 2", path=baseline.run.path,
+                            fix="collect a 1F1B run without BPipe")
+    meas = measure(baseline, cfg)
+    ref = simulate("1f1b", pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times, costs=meas.costs)
+    target = cfg.replace(bpipe=True, recompute="none")
+    sim = predict(baseline, target, base_cfg=cfg, bpipe_ns=bpipe_ns)
+    ref_terms, new_terms = terms_of(ref.attribution), terms_of(sim.attribution)
+    deltas = {k: new_terms[k] - ref_terms[k] for k in ref_terms}
+    speedup = ref.step_ns / sim.step_ns
+    deciding = max(deltas, key=lambda k: abs(deltas[k]))
+    before = estimate_stage_memory(cfg)
+    after = estimate_stage_memory(target)
+    changed = ", ".join(f"{k} {deltas[k] * 1e3:+.1f} ms" for k in sorted(deltas, key=lambda k: -abs(deltas[k]))
+                        if abs(deltas[k]) > 1e-5)
+    helps = speedup > 1.005
+    sentence = (
+        f"BPipe {'would help' if helps else 'would not help'} this run ({speedup:.3f}×: "
+        f"{ref.step_ns / 1e6:.1f} → {sim.step_ns / 1e6:.1f} ms per step"
+        + (", dropping recompute" if cfg.recompute != "none" else "")
+        + f"); {changed or 'no term changes'}; deciding term: {deciding}. Model: stage 0 activations "
+        f"{before[0].activation_bytes / 2**20:.1f} → {after[0].activation_bytes / 2**20:.1f} MiB, "
+        f"largest stage {max(s.activation_bytes for s in before) / 2**20:.1f} → "
+        f"{max(s.activation_bytes for s in after) / 2**20:.1f} MiB."
+    )
+    from traceana.model.bpipe import StepEstimate
+
+    def est(c: TrainingConfig, s: Simulation, terms: dict[str, float], mem) -> StepEstimate:
+        return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,
+                            peak_bytes=max(m.total_bytes for m in mem), terms=terms, efficiency=float("nan"))
+
+    r = est(cfg, ref, ref_terms, before)
+    return Verdict(helps, speedup, r, r, est(target, sim, new_terms, after), deciding, deltas, sentence,
+                   ("durations measured on the baseline run; BPipe transfer = stage 0's activation bytes per "
+                    "micro-batch over the baseline's P2P bandwidth, overlapped",))

@@ -55,16 +55,25 @@ def render(v, cross: dict | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
-    from traceana.validate import cross_run, validate
+    from traceana.errors import AnalysisError
+    from traceana.validate import bpipe_verdict_from_run, cross_run, validate
 
     analysis = analyze(load_run(args.run_dir), peak_flops=args.peak_flops)
     v = validate(analysis)
     cross = None
     if args.baseline:
         cross = cross_run(analyze(load_run(args.baseline), peak_flops=args.peak_flops), analysis)
+    try:
+        verdict = bpipe_verdict_from_run(analysis)
+    except AnalysisError:
+        verdict = None  # not a plain 1F1B run: nothing to say about BPipe
     if args.json:
         print(json.dumps({"summary": v.summary, "per_stage": v.per_stage.to_dicts(), "notes": list(v.notes),
-                          "cross_run": cross}, indent=2, default=str))
+                          "cross_run": cross,
+                          "bpipe": None if verdict is None else {
+                              "helps": verdict.helps, "speedup": verdict.speedup,
+                              "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
+                              "sentence": verdict.sentence}}, indent=2, default=str))
     else:
-        print(render(v, cross))
+        print(render(v, cross) + ("" if verdict is None else "\n\n" + verdict.sentence))
     return 0

@@ -131,7 +131,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     step_s = sim.step_ns / 1e9
     model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
     devices = cfg.pp * cfg.tp * cfg.dp
-    terms = _terms(sim.attribution)
+    terms = terms_of(sim.attribution)
     peak_bytes = max(m.total_bytes for m in mem)
     return StepEstimate(
         config=cfg,
@@ -144,7 +144,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     )
 
 
-def _terms(attribution: pl.DataFrame) -> dict[str, float]:
+def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
     """Seconds per term on stage 0. It is BPipe's evictor, so waiting for its loads shows there as transfer, and its
     window spans the whole step like every stage's, so its terms add up to the step time."""
     groups = {
