@@ -1,0 +1,158 @@
+"""Fuzzing ingest with hypothesis: whatever the bytes, only TraceanaError escapes, and whatever is returned is a
+schema-correct table with sane times. Bounded example counts keep this CI-sized."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_ingest import gloo_pair
+from tracebuilder import TraceBuilder
+
+from traceana import schema
+from traceana.errors import TraceanaError
+from traceana.ingest.kineto import read_trace
+
+THIRD_PARTY_SEED = Path(__file__).resolve().parent.parent.parent / "shared/traces/third_party/hta/call_stack/backward_thread.json"
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _seed_bytes() -> bytes:
+    tb = TraceBuilder(rank=1, world_size=2)
+    tb.step(0, 0.0, 100.0)
+    tb.cpu_op("aten::mm", 1.0, 5.0)
+    gloo_pair(tb, "send", peer=0, tag=1, ts=10.0, dur=20.0)
+    tb.memory(2.0, 1024, 1024)
+    tb.kernel("k", 3.0, 4.0, correlation=5)
+    tb.nccl_p2p("recv", peer=0, ts=40.0, dur=2.0, kernel_ts=43.0, kernel_dur=9.0)
+    return tb.to_bytes()
+
+
+SEEDS = [_seed_bytes()] + ([THIRD_PARTY_SEED.read_bytes()] if THIRD_PARTY_SEED.exists() else [])
+
+
+def _check(path: Path) -> None:
+    try:
+        events, memory, row = read_trace(path)
+    except TraceanaError as e:
+        line = e.line()
+        assert "\n" not in line and line
+        return
+    schema.check(events, schema.EVENTS, "events")
+    schema.check(memory, schema.MEMORY, "memory")
+    assert events["ts_ns"].null_count() == 0 and events["dur_ns"].null_count() == 0
+    assert (events["dur_ns"] >= 0).all() and (events["ts_ns"] >= 0).all()
+    assert row["n_events"] == events.height
+    assert events.select(pl.col("track").is_null().any()).item() is False
+
+
+mutation = st.one_of(
+    st.tuples(st.just("truncate"), st.floats(0, 1)),
+    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
+    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("delete"), st.floats(0, 1), st.integers(1, 40)),
+    st.tuples(st.just("replace_token"), st.sampled_from([b'"X"', b'"i"', b"1.0", b"{", b"}", b"[", b'"ts"',
+                                                        b'"args"', b"null", b","]),
+              st.sampled_from([b'"Q"', b"-1", b"1e999", b'"NaN"', b"[]", b"{}", b"null", b'"\xff"', b"", b"]]"])),
+)
+
+
+def _mutate(data: bytes, muts: list) -> bytes:
+    buf = bytearray(data)
+    for m in muts:
+        if not buf:
+            break
+        kind = m[0]
+        if kind == "truncate":
+            del buf[int(m[1] * len(buf)):]
+        elif kind == "flip":
+            i = min(int(m[1] * len(buf)), len(buf) - 1)
+            buf[i] ^= m[2]
+        elif kind == "insert":
+            i = int(m[1] * len(buf))
+            buf[i:i] = m[2]
+        elif kind == "delete":
+            i = int(m[1] * len(buf))
+            del buf[i:i + m[2]]
+        else:
+            buf = bytearray(bytes(buf).replace(m[1], m[2], 1))
+    return bytes(buf)
+
+
+@FUZZ
+@given(seed=st.sampled_from(range(len(SEEDS))), muts=st.lists(mutation, min_size=1, max_size=4),
+       gz=st.booleans())
+def test_mutated_bytes_only_raise_traceana_errors(tmp_path, seed, muts, gz):
+    data = _mutate(SEEDS[seed], muts)
+    f = tmp_path / ("t.json.gz" if gz else "t.json")
+    f.write_bytes(gzip.compress(data) if gz else data)
+    _check(f)
+
+
+@FUZZ
+@given(cut=st.floats(0, 1))
+def test_truncated_gzip_stream_only_raises_traceana_errors(tmp_path, cut):
+    data = gzip.compress(SEEDS[0])
+    f = tmp_path / "t.json.gz"
+    f.write_bytes(data[: int(cut * len(data))])
+    _check(f)
+
+
+json_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = ["ph", "name", "cat", "pid", "tid", "ts", "dur", "args", "s", "id"]
+ARG_KEYS = ["correlation", "External id", "device", "stream", "Total Allocated", "Bytes", "Device Id",
+            "Collective name", "In msg nelems", "dtype", "Src Rank", "Dst Rank", "Process Group Name",
+            "Concrete Inputs", "Input Dims", "Input type"]
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 20), st.sampled_from(FIELDS + ARG_KEYS), json_value),
+                      min_size=1, max_size=6),
+       top=st.dictionaries(st.sampled_from(["distributedInfo", "deviceProperties", "baseTimeNanoseconds",
+                                            "traceana"]), json_value, max_size=2))
+def test_wrong_typed_fields_only_raise_traceana_errors(tmp_path, edits, top):
+    trace = json.loads(SEEDS[0])
+    events = trace["traceEvents"]
+    for i, key, value in edits:
+        ev = events[i % len(events)]
+        if key in ARG_KEYS:
+            if not isinstance(ev.get("args"), dict):
+                ev["args"] = {}
+            ev["args"][key] = value
+        else:
+            ev[key] = value
+    trace.update(top)
+    f = tmp_path / "rank1.json"
+    f.write_text(json.dumps(trace))
+    _check(f)
+
+
+@pytest.mark.parametrize("seed", range(len(SEEDS)))
+def test_every_prefix_of_a_small_trace(tmp_path, seed):
+    """Truncation of a small trace every 11 bytes: a killed writer can stop anywhere."""
+    data = SEEDS[seed]
+    f = tmp_path / "t.json"
+    complete = read_trace(_write(f, data))[0].height
+    for cut in range(0, len(data), 11):
+        _write(f, data[:cut])
+        try:
+            events, _, row = read_trace(f)
+        except TraceanaError:
+            continue
+        assert row["truncated"] or cut >= len(data.rstrip())
+        assert events.height <= complete
+
+
+def _write(f: Path, data: bytes) -> Path:
+    f.write_bytes(data)
+    return f
