@@ -27,11 +27,15 @@ Validation = Callable[[Analysis], object]
 
 @dataclass
 class Validated:
-    """What ``traceana.validate`` said about one run: a table (item, measured, estimated, …) or why there is none."""
+    """What ``traceana.validate`` said about one run, for the report.
+
+    ``table``: one row per compared quantity — item, unit, measured, estimated, error_pct — or None with ``message``
+    saying why there is no comparison. ``notes``: how the estimate was made, in the model's own words.
+    """
 
     table: pl.DataFrame | None = None
     message: str | None = None
-    extra: list[tuple[str, pl.DataFrame]] = field(default_factory=list)
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 def check_analysable(a: Analysis) -> None:
@@ -145,56 +149,43 @@ STAGE_COLUMNS = [
 ]
 
 
+def _one_line(e: Exception) -> str:
+    return e.line() if hasattr(e, "line") else f"{type(e).__name__}: {e}"
+
+
 def default_validation(a: Analysis) -> Validated:
     """Ask ``traceana.validate`` for estimate vs measured; any failure becomes one line in the report, not a crash."""
     try:
         from traceana import validate as v
     except ImportError:
         return Validated(message="estimate vs measured: traceana.validate is not available in this installation")
-    fn = getattr(v, "validate", None)
-    if fn is None:
-        return Validated(message="estimate vs measured: traceana.validate has no validate() function")
     try:
-        result = fn(a)
-    except Exception as e:  # noqa: BLE001 — any failure of the model must not cost the user the rest of the report
-        what = e.line() if hasattr(e, "line") else f"{type(e).__name__}: {e}"
-        return Validated(message=f"estimate vs measured could not be computed: {what}")
-    return coerce_validation(result)
+        return coerce_validation(v.validate(a))
+    except Exception as e:  # noqa: BLE001 — a failure of the model must not cost the user the rest of the report
+        return Validated(message=f"estimate vs measured could not be computed: {_one_line(e)}")
 
 
 def coerce_validation(result: object) -> Validated:
-    """Accept validate()'s result as a frame with measured/estimated columns or an object holding such frames."""
+    """Turn ``traceana.validate.Validation`` (per_stage frame + summary dict + notes) into the report's table."""
     if isinstance(result, Validated):
         return result
-    tables: list[tuple[str, pl.DataFrame]] = []
-    if isinstance(result, pl.DataFrame):
-        tables.append(("validation", result))
-    else:
-        fields = getattr(result, "__dataclass_fields__", None) or getattr(result, "__dict__", {})
-        for name in fields:
-            value = getattr(result, name, None)
-            if isinstance(value, pl.DataFrame):
-                tables.append((name, value))
-    usable = [(n, t) for n, t in tables if {"measured", "estimated"} <= set(t.columns)]
-    if not usable:
-        return Validated(message="estimate vs measured: validate() returned no table with measured and estimated values")
-    return Validated(table=usable[0][1], extra=usable[1:])
+    per_stage = getattr(result, "per_stage", None)
+    if not isinstance(per_stage, pl.DataFrame):
+        raise TypeError(f"validate() returned {type(result).__name__} without a per_stage table")
+    table = F.validation_items(per_stage, getattr(result, "summary", None) or {})
+    return Validated(table=table, notes=tuple(getattr(result, "notes", ()) or ()))
 
 
-def _validation_items(t: pl.DataFrame) -> pl.DataFrame:
-    """(item, unit, measured, estimated, error %) with a readable item name built from whatever keys the table has."""
-    keys = [c for c in ("metric", "quantity", "what", "name", "stage", "rank") if c in t.columns]
-    item = pl.concat_str([pl.format(f"{k} {{}}", pl.col(k)) if k in ("stage", "rank") else pl.col(k).cast(pl.String)
-                          for k in keys], separator=" · ", ignore_nulls=True) if keys else pl.int_range(pl.len())
-    unit = pl.col("unit").cast(pl.String) if "unit" in t.columns else pl.lit("")
-    err = pl.col("rel_error") * 100 if "rel_error" in t.columns else (
-        100 * (pl.col("estimated") - pl.col("measured")) / pl.col("measured")
-    )
-    return t.select(
-        item=item.cast(pl.String), unit=unit,
-        measured=pl.col("measured").cast(pl.Float64), estimated=pl.col("estimated").cast(pl.Float64),
-        error_pct=err.cast(pl.Float64),
-    )
+def default_cross_run(baseline: Analysis, target: Analysis) -> dict | str:
+    """``traceana.validate.cross_run``: predict the target run from the baseline's measurements; a string if it fails."""
+    try:
+        from traceana.validate import cross_run
+    except ImportError:
+        return "the cross-run prediction is not available in this installation"
+    try:
+        return cross_run(baseline, target)
+    except Exception as e:  # noqa: BLE001 — as above: one line in the report
+        return f"could not predict this run from {baseline.run.path.name}: {_one_line(e)}"
 
 
 class Page:
@@ -231,6 +222,7 @@ def build_report(
     *,
     names: Sequence[str] | None = None,
     validation: Validation | None = default_validation,
+    cross_run: Callable[[Analysis, Analysis], dict | str] | None = default_cross_run,
     title: str | None = None,
 ) -> str:
     """Return the report for ``analyses`` as one HTML string. Raises AnalysisError for a run with nothing to show."""
@@ -345,16 +337,20 @@ def build_report(
         if v.table is None:
             page.add(H.para(v.message or "no validation available", css_class="warn"))
             continue
-        items = _validation_items(v.table)
+        items = v.table
         page.add('<div class="key"><span class="swatch"><i style="background:' + palette.BLUE + '"></i>measured</span>'
-                 '<span class="swatch"><i style="background:' + palette.ORANGE + '"></i>estimated</span></div>')
+                 '<span class="swatch"><i style="background:' + palette.ORANGE + '"></i>estimated (model)</span></div>')
+        page.add('<div class="grid">')
         for unit in items["unit"].unique(maintain_order=True).to_list():
-            part = items.filter(pl.col("unit") == unit)
-            page.figure(G.estimate_vs_measured(part, title=f"{name}: estimate vs measured",
-                                               ylabel=unit or "value"))
+            page.add("<div>")
+            page.figure(G.estimate_vs_measured(items.filter(pl.col("unit") == unit),
+                                               title=f"{name}: estimate vs measured ({unit})", ylabel=unit))
+            page.add("</div>")
+        page.add("</div>")
         page.add(H.table(items, [("item", "what"), ("unit", "unit"), ("measured", "measured"),
                                  ("estimated", "estimated"), ("error_pct", "error (%)")],
                          formats={"error_pct": "signed_pct"}))
+        page.add(H.bullet_list(v.notes))
     page.add("</section>")
 
     # A/B comparison
@@ -382,6 +378,31 @@ def build_report(
                                     ("d_step_pct", f"change vs {base} (%)"), ("peak_mib", "largest stage peak (MiB)"),
                                     ("balance", "memory imbalance (max/min)")],
                          formats={"d_step_pct": "signed_pct"}))
+        if cross_run is not None:
+            page.add("<h3>Predicted from the first run, then measured</h3>")
+            page.add(H.para("The model measures the first run's durations and predicts each other run's step time "
+                            "from them (e.g. the same pipeline with BPipe); the measured step time is what the run "
+                            "actually took.", css_class="lead"))
+            predicted, failures = [], []
+            for name, a in runs[1:]:
+                r = cross_run(analyses[0], a)
+                if isinstance(r, str):
+                    failures.append(f"{name}: {r}")
+                else:
+                    predicted.append({"run": name, **{k: r.get(k) for k in (
+                        "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
+                        "predicted_speedup", "measured_speedup")}})
+            if predicted:
+                pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
+                    (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
+                page.add(H.table(pt, [("run", "run"), ("baseline_step_ms", f"{base} step (ms)"),
+                                      ("predicted_step_ms", "predicted step (ms)"),
+                                      ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
+                                      ("predicted_speedup", "predicted speed-up (×)"),
+                                      ("measured_speedup", "measured speed-up (×)")],
+                                 formats={"error_pct": "signed_pct"}))
+            for f in failures:
+                page.add(H.para(f, css_class="warn"))
         cmp_ = F.compare_stages(runs)
         page.figure(G.grouped_by_stage(cmp_, value="step_ms", title="step time per stage",
                                        ylabel="step time (ms)", runs=names))

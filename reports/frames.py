@@ -332,3 +332,46 @@ def memory_balance(a: Analysis) -> float | None:
     if len(peaks) == 0 or peaks.min() <= 0:
         return None
     return float(peaks.max() / peaks.min())
+
+
+_UNITS = {"_ms": ("ms", 1.0), "_bytes": ("MiB", 1 / MIB)}
+
+
+def validation_items(per_stage: pl.DataFrame, summary: dict) -> pl.DataFrame:
+    """``traceana.validate``'s per-stage table (measured_X next to simulated_X or estimated_X) in long form:
+    item, unit, measured, estimated, error_pct — plus the whole pipeline's step time from its summary."""
+    parts = []
+    measured_step, simulated_step = summary.get("measured_step_ms"), summary.get("simulated_step_ms")
+    if measured_step is not None and simulated_step is not None:
+        parts.append(pl.DataFrame({"order": [0], "item": ["step time, whole pipeline"], "unit": ["ms"],
+                                   "measured": [float(measured_step)], "estimated": [float(simulated_step)]}))
+    for k, col in enumerate(c for c in per_stage.columns if c.startswith("measured_")):
+        rest = col.removeprefix("measured_")
+        est = next((f"{p}_{rest}" for p in ("simulated", "estimated") if f"{p}_{rest}" in per_stage.columns), None)
+        unit = next((u for suffix, u in _UNITS.items() if rest.endswith(suffix)), None)
+        if est is None or unit is None:
+            continue
+        what = rest.removesuffix("_ms").removesuffix("_bytes")
+        what = {"step": "step time", "activation": "activation peak"}.get(what, what.replace("_", " "))
+        parts.append(
+            per_stage.select(
+                order=pl.lit(k + 1) * 1000 + pl.col("stage"),
+                item=pl.format("stage {} · {}", pl.col("stage"), pl.lit(what)),
+                unit=pl.lit(unit[0]),
+                measured=pl.col(col).cast(pl.Float64) * unit[1],
+                estimated=pl.col(est).cast(pl.Float64) * unit[1],
+            )
+        )
+    if not parts:
+        return pl.DataFrame(schema={"item": pl.String, "unit": pl.String, "measured": pl.Float64,
+                                    "estimated": pl.Float64, "error_pct": pl.Float64})
+    return (
+        pl.concat(parts, how="vertical_relaxed")
+        .sort("order")
+        .drop("order")
+        .with_columns(
+            error_pct=pl.when(pl.col("measured") != 0)
+            .then(100 * (pl.col("estimated") - pl.col("measured")) / pl.col("measured"))
+            .otherwise(None)
+        )
+    )

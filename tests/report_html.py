@@ -77,3 +77,10 @@ def table_in(parsed: ReportParser, section: str, first_header: str, *, index: in
     tables = [t for t in parsed.tables if t["section"] == section and t["header"][:1] == [first_header]]
     assert len(tables) > index, f"no table #{index} starting with {first_header!r} in section {section!r}"
     return tables[index]
+
+
+def table_with(parsed: ReportParser, section: str, header: str) -> dict:
+    """The only table of ``section`` having a column headed ``header``."""
+    tables = [t for t in parsed.tables if t["section"] == section and header in t["header"]]
+    assert len(tables) == 1, f"{len(tables)} tables with column {header!r} in section {section!r}"
+    return tables[0]

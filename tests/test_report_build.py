@@ -7,10 +7,10 @@ import dataclasses
 import polars as pl
 import pytest
 from report_fixtures import make_analysis
-from report_html import parse, table_in
+from report_html import parse, table_in, table_with
 
 from reports import html as H
-from reports.build import Validated, build_report, write_report
+from reports.build import Validated, build_report, coerce_validation, write_report
 from traceana import schema
 from traceana.errors import AnalysisError
 
@@ -22,21 +22,34 @@ def two_runs():
     return [make_analysis(path="/runs/baseline"), make_analysis(path="/runs/bpipe", bpipe=True)]
 
 
+class FakeValidation:
+    """Shaped like traceana.validate.Validation: a per-stage table, a summary and notes."""
+
+    def __init__(self, a):
+        step = a.steps["dur_ns"].mean() / 1e6
+        stages = sorted(a.stage_memory["stage"].unique().to_list())
+        self.per_stage = pl.DataFrame({
+            "stage": stages, "measured_step_ms": [step] * len(stages), "simulated_step_ms": [step * 1.1] * len(stages),
+            "measured_activation_bytes": [2.0**20] * len(stages), "estimated_activation_bytes": [2.0**19] * len(stages),
+        })
+        self.summary = {"measured_step_ms": step, "simulated_step_ms": step * 1.1}
+        self.notes = ("simulator fed with <measured> busy time",)
+
+
 @pytest.fixture(scope="module")
 def ab_report(two_runs):
-    def validation(a):
-        measured = a.steps["dur_ns"].mean() / 1e6
-        return Validated(table=pl.DataFrame({"metric": ["step time"], "unit": ["ms"], "measured": [measured],
-                                             "estimated": [measured * 1.1]}))
+    def cross_run(base, target):
+        return {"baseline_step_ms": 70.0, "predicted_step_ms": 66.0, "measured_step_ms": 60.0, "error": 0.1,
+                "predicted_speedup": 70 / 66, "measured_speedup": 70 / 60}
 
-    return build_report(two_runs, validation=validation)
+    return build_report(two_runs, validation=lambda a: coerce_validation(FakeValidation(a)), cross_run=cross_run)
 
 
 def test_report_has_every_section(ab_report):
     p = parse(ab_report)
     assert p.section_ids == ["summary", "timeline", "attribution", "bubbles", "memory", "validation", "comparison"]
-    # timeline ×2, attribution ×2, bubbles ×2, memory peak + activation + 2 over time, validation ×2, A/B ×3
-    assert p.plot_divs == 15
+    # timeline ×2, attribution ×2, bubbles ×2, memory peak + activation + 2 over time, validation ×2×2 (ms, MiB), A/B ×3
+    assert p.plot_divs == 17
 
 
 def test_single_run_has_no_comparison():
@@ -73,7 +86,7 @@ def test_bubble_table_matches_attribution(two_runs, ab_report):
 
 def test_memory_and_comparison_numbers(two_runs, ab_report):
     p = parse(ab_report)
-    overview = table_in(p, "comparison", "run")
+    overview = table_with(p, "comparison", "largest stage peak (MiB)")
     peaks = [a.stage_memory["peak_bytes"].max() / 2**20 for a in two_runs]
     col = overview["header"].index("largest stage peak (MiB)")
     assert [r[col] for r in overview["rows"]] == [H.num(x) for x in peaks]
@@ -84,8 +97,15 @@ def test_memory_and_comparison_numbers(two_runs, ab_report):
 
 def test_validation_table_shows_error(ab_report):
     table = table_in(parse(ab_report), "validation", "what")
-    assert table["rows"][0][0] == "step time"
-    assert table["rows"][0][-1] == "+10 %"
+    rows = {r[0]: r for r in table["rows"]}
+    assert rows["step time, whole pipeline"][1:] == ["ms", "70.0", "77.0", "+10 %"]
+    assert rows["stage 2 · activation peak"][1:] == ["MiB", "1.00", "0.500", "-50 %"]
+    assert "simulator fed with &lt;measured&gt; busy time" in ab_report
+
+
+def test_cross_run_prediction_in_comparison(ab_report):
+    table = table_with(parse(ab_report), "comparison", "predicted step (ms)")
+    assert table["rows"][0][-3:] == ["+10 %", "1.06", "1.17"]
 
 
 def test_validation_failure_is_one_line_not_a_crash():
