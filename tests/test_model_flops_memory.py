@@ -170,3 +170,26 @@ def test_config_rejects_impossible_settings():
         TrainingConfig(model=GPT3, pp=4, tp=7)
     with pytest.raises(ConfigError):
         TrainingConfig(model=GPT3, pp=200)
+
+
+def test_eager_trainer_terms_by_hand():
+    # collectors/trainer/model.py, tiny-llama (h 64, 4 heads, 2 kv heads, ffn 176), b = 2, s = 64, fp32, naive:
+    # RMSNorm saves x and x·rsqrt (2 norms: 4Th), QKV input Th, rotated Q Th, repeated K and V 2Th, output-projection
+    # input Th, MLP input Th, SwiGLU 4Tf, softmax output a·s²·b.
+    m = MODELS["tiny-llama"]
+    T, h, f = 2 * 64, 64, 176
+    got = memory.layer_activation_bytes(m, microbatch_size=2, attention="naive", activation_bytes=4, eager=True)
+    assert got == 4 * (11 * T * h + 4 * T * f + 4 * 64 * 64 * 2)
+    # tiny-gpt without dropout: LayerNorm inputs 2Th, QKV input Th, Q Th, K/V projection output 2Th, output
+    # projection input Th, MLP input Th, GELU in/out 8Th, softmax output: 16Th + a·s²·b (Korthikanti minus dropout).
+    g = MODELS["tiny-gpt"]
+    got = memory.layer_activation_bytes(g, microbatch_size=2, attention="naive", activation_bytes=4, eager=True,
+                                        dropout=False)
+    assert got == 4 * (16 * T * h + 4 * 64 * 64 * 2)
+
+
+def test_tiny_presets_match_the_reference_trainer():
+    trainer = pytest.importorskip("collectors.trainer.config")
+    from traceana.model.presets import TINY_MODELS
+
+    assert {k: v for k, v in trainer.PRESETS.items()} == TINY_MODELS

@@ -152,7 +152,8 @@ def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool) -> lis
     """
     out = []
     work = layer_activation_bytes(cfg.model, microbatch_size=cfg.microbatch_size, attention=cfg.attention,
-                                  activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout)
+                                  activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout,
+                                  eager=cfg.eager)
     for st in estimate_stage_memory(cfg):
         out.append(st.activation_bytes + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0)
                    + work)

@@ -70,6 +70,7 @@ class TrainingConfig:
     precision: Precision = MIXED_ADAM
     dropout: bool | None = None  # None: GPT has dropout, LLaMA does not
     layers_per_stage: tuple[int, ...] | None = None  # per device; None = as even as possible, the rest to the front
+    eager: bool = False  # activations as the reference trainer's plain PyTorch saves them (see layer_activation_terms)
 
     def __post_init__(self) -> None:
         for f in ("pp", "tp", "dp", "microbatch_size", "num_microbatches", "virtual_stages"):
@@ -141,6 +142,9 @@ def config_from_manifest(manifest: Manifest, *, precision: Precision | None = No
     virtual = int(manifest.extra.get("virtual_stages", 1) or 1)
     if precision is None:
         precision = MIXED_ADAM if manifest.dtype in ("bfloat16", "float16", "bf16", "fp16") else FP32_ADAM
+    # The reference trainer (collectors/trainer) is eager PyTorch without dropout; say so in run.json's extra to
+    # override ("dropout": true, "eager": false).
+    trainer = manifest.extra.get("trainer", "traceana") == "traceana" and manifest.device in (None, "cpu")
     layers = manifest.extra.get("layers_per_stage")
     return TrainingConfig(
         model=manifest.model,
@@ -156,4 +160,6 @@ def config_from_manifest(manifest: Manifest, *, precision: Precision | None = No
         virtual_stages=virtual,
         precision=precision,
         layers_per_stage=tuple(layers) if layers else None,
+        dropout=manifest.extra.get("dropout", False if trainer else None),
+        eager=bool(manifest.extra.get("eager", trainer)),
     )

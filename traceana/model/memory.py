@@ -86,11 +86,18 @@ def layer_activation_terms(
     sequence_parallel: bool = False,
     activation_bytes: int = 2,
     dropout: bool | None = None,
+    eager: bool = False,
 ) -> dict[str, float]:
     """Bytes one layer saves for its backward, per micro-batch on one tensor-parallel rank, term by term.
 
     With GPT, MHA, ffn 4h, dropout, 2-byte activations, naive attention and t = 1 the terms sum to Korthikanti's
     sbh(34 + 5as/h). ``replicated`` terms are divided by t only with sequence parallelism.
+
+    ``eager``: what autograd saves in the reference trainer's plain PyTorch blocks (collectors/trainer/model.py)
+    where it differs from fused kernels: its RMSNorm is written out (x · rsqrt(mean(x²)) · w), so the product
+    x · rsqrt is saved beside x; grouped-query K and V are repeated to all heads before the attention core, which then
+    saves them at full width; with as many K/V heads as query heads the core saves the rotated K and V, a view that
+    keeps the whole fused K/V projection output alive.
     """
     b, s, h, a, f = microbatch_size, model.seq, model.hidden, model.heads, model.ffn_dim
     e = activation_bytes
@@ -110,6 +117,10 @@ def layer_activation_terms(
     terms["qkv_input"] = e * sbh / repl
     terms["q"] = e * sbh / split
     terms["k_v"] = 2 * e * sbh * kv_frac / split
+    if eager and model.family == "llama":
+        terms["rmsnorm_normalized"] = 2 * e * sbh / repl
+        # repeated K, V (Th each); or rotated K (Th) + the K/V projection output kept alive by V's view (2Th)
+        terms["k_v"] = (2 if model.n_kv_heads < model.heads else 3) * e * sbh / split
     terms["out_proj_input"] = e * sbh / split  # the attention output (flash keeps it as its own output too)
     if attention == "naive" and recompute != "selective":
         # softmax output (a·s²·b elements); with dropout also its 1-byte mask and the dropped-out copy that the
@@ -165,6 +176,8 @@ def stage_extra_activation_bytes(cfg: TrainingConfig, *, first: bool, last: bool
         extra += sbh / repl
     if last:
         extra += 2 * e * sbh / repl + LOGIT_BYTES * m.seq * b * m.vocab / cfg.tp
+        if cfg.eager and m.family == "llama":
+            extra += e * sbh / repl  # the written-out RMSNorm's x · rsqrt
     return extra
 
 
@@ -252,6 +265,7 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
         sequence_parallel=cfg.sequence_parallel,
         activation_bytes=cfg.precision.activation_bytes,
         dropout=cfg.has_dropout,
+        eager=cfg.eager,
     )
     per_layer = layer_activation_bytes(model, recompute=cfg.recompute, **kw)
     full_layer = layer_activation_bytes(model, recompute="none", **kw)

@@ -12,7 +12,18 @@ from traceana.manifest import ModelShape
 
 GiB = 1024**3
 
+# The reference trainer's CPU models (collectors/trainer/config.py PRESETS; a test keeps the two in step).
+TINY_MODELS: dict[str, ModelShape] = {
+    "tiny-gpt": ModelShape(family="gpt", layers=8, hidden=64, heads=4, vocab=256, seq=64, name="tiny-gpt"),
+    "tiny-llama": ModelShape(family="llama", layers=8, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256, seq=64,
+                             name="tiny-llama"),
+    "small-gpt": ModelShape(family="gpt", layers=8, hidden=128, heads=4, vocab=512, seq=128, name="small-gpt"),
+    "small-llama": ModelShape(family="llama", layers=8, hidden=128, heads=4, kv_heads=2, ffn=352, vocab=512,
+                              seq=128, name="small-llama"),
+}
+
 MODELS: dict[str, ModelShape] = {
+    **TINY_MODELS,
     # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1.
     "gpt3-175b": ModelShape("gpt", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048, name="GPT-3 175B"),
     # Table 2.1 lists d_model 5140 with 40 heads of 128; 40 × 128 = 5120 is what Megatron-LM trains as "13B".
