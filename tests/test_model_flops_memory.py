@@ -179,7 +179,7 @@ def test_eager_trainer_terms_by_hand():
     m = MODELS["tiny-llama"]
     T, h, f = 2 * 64, 64, 176
     got = memory.layer_activation_bytes(m, microbatch_size=2, attention="naive", activation_bytes=4, eager=True)
-    assert got == 4 * (11 * T * h + 4 * T * f + 4 * 64 * 64 * 2)
+    assert got == 4 * (10 * T * h + 4 * T * f + 4 * 64 * 64 * 2)
     # tiny-gpt without dropout: LayerNorm inputs 2Th, QKV input Th, Q Th, K/V projection output 2Th, output
     # projection input Th, MLP input Th, GELU in/out 8Th, softmax output: 16Th + a·s²·b (Korthikanti minus dropout).
     g = MODELS["tiny-gpt"]
