@@ -133,23 +133,19 @@ def write_trace(path: str | Path, *, mb: float, style: str = "gpu", rank: int = 
     backend = "nccl" if style == "gpu" else "gloo"
     make = _gpu_events if style == "gpu" else _cpu_events
     target = int(mb * 1e6)
-    parts = [_header(rank, world_size, backend)]
-    size = len(parts[0])
-    t, ext, corr, step, first = 5_173_640_931_213.347 + rank * 3.0, 1, 1, 0, True
-    while size < target:
-        events, t, ext, corr = make(rng, step, t, ext, corr, rank, world_size)
-        chunk = ",\n".join(events)
-        if not first:
-            chunk = ",\n" + chunk
-        first = False
-        parts.append(chunk)
-        size += len(chunk)
-        step += 1
-    parts.append('\n  ],\n  "traceName": "rank%d.pt.trace.json"\n}\n' % rank)
-    data = "".join(parts).encode()
-    if path.suffix == ".gz":
-        data = gzip.compress(data, compresslevel=1)
-    path.write_bytes(data)
+    opener = (lambda: gzip.open(path, "wt", compresslevel=1)) if path.suffix == ".gz" else (lambda: open(path, "w"))
+    with opener() as out:  # streamed: the generator itself stays small, so it does not skew RSS measurements
+        head = _header(rank, world_size, backend)
+        out.write(head)
+        size = len(head)
+        t, ext, corr, step = 5_173_640_931_213.347 + rank * 3.0, 1, 1, 0
+        while size < target:
+            events, t, ext, corr = make(rng, step, t, ext, corr, rank, world_size)
+            chunk = ("" if step == 0 else ",\n") + ",\n".join(events)
+            out.write(chunk)
+            size += len(chunk)
+            step += 1
+        out.write('\n  ],\n  "traceName": "rank%d.pt.trace.json"\n}\n' % rank)
     return path
 
 
