@@ -89,22 +89,24 @@ def segments(
     def clip(frame: pl.DataFrame) -> pl.DataFrame:
         return iv.clip(frame.select("rank", "start", "end"), windows, on="rank", window_keys="step")
 
-    compute = {ph: clip(labelled.filter(pl.col("phase") == ph)) for ph in
+    # Big layers stay keyed by rank and are cut into steps once, inside partition.
+    busy_iv = labelled.select("rank", "start", "end", "phase")
+    compute = {ph: busy_iv.filter(pl.col("phase") == ph).drop("phase") for ph in
                ("recompute", "optimizer", "backward", "forward", "other_compute")}
-    collective = clip(_span(events.filter(pl.col("kind") == "collective")))
+    collective = _span(events.filter(pl.col("kind") == "collective"))
     bp = pairs.filter(pl.col("channel") == "bpipe")
-    bpipe = clip(pl.concat([
+    bpipe = pl.concat([
         _span(events.filter((pl.col("kind") == "bpipe_transfer")
                             | pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))),
         bp.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
         bp.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
         unmatched.filter(pl.col("channel") == "bpipe").select("rank", "start", "end"),
-    ]))
+    ])
     transfer, wait = p2p_intervals(pairs, unmatched)
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
-    transfer, wait = clip(transfer), clip(pl.concat([wait, explicit_wait]))
+    wait = clip(pl.concat([wait, explicit_wait]))
     # The stage's first and last forward *work* (on a GPU, kernels run later than the CPU annotation says).
-    fwd = compute["forward"].group_by("rank", "step").agg(
+    fwd = clip(compute["forward"]).group_by("rank", "step").agg(
         pl.col("start").min().alias("_f0"), pl.col("end").max().alias("_f1"))
     edges = windows.join(fwd, on=["rank", "step"])
     warm = iv.intersect(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), ["rank", "step"])
@@ -114,7 +116,7 @@ def segments(
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
         ("bubble_warmup", warm), ("bubble_cooldown", cool), ("bubble_stall", wait),
     ]
-    segs = iv.partition(windows, layers, by=["rank", "step"], default="host", label="category")
+    segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category")
     return conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)
 
 

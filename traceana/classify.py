@@ -58,16 +58,30 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``)."""
     name, cat = pl.col("name"), pl.col("cat")
     is_nccl_kernel = (cat == "kernel") & _starts_with_any(name, names.NCCL_KERNEL_PREFIXES)
-    pp = names.pp_columns(name)
-    ev = events.with_columns(
-        _cpu_comm_dir(name, pl.col("coll")).alias("_cpu_dir"),
-        # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
-        *(pl.when(~pl.col("is_gpu") & (cat == "user_annotation")).then(e).alias(k) for k, e in pp.items()),
+    # Names repeat a lot: parse the PP: annotation names once per distinct name, not once per event.
+    pp = (
+        events.filter(~pl.col("is_gpu") & (cat == "user_annotation")).select("name").unique()
+        .with_columns(**names.pp_columns(name)).filter(pl.col("pp_action").is_not_null())
+        .with_columns(pl.lit(True).alias("_pp"))
+    )
+    ev = (
+        events.join(pp, on="name", how="left")
+        .with_columns(
+            _cpu_comm_dir(name, pl.col("coll")).alias("_cpu_dir"),
+            # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
+            *(pl.when(pl.col("_pp") & ~pl.col("is_gpu") & (cat == "user_annotation")).then(pl.col(k)).alias(k)
+              for k in ("pp_stage", "pp_action", "pp_microbatch")),
+        )
+        .drop("_pp")
     )
     # GPU work: the cpu op that launched it (same External id) and the launch call (same correlation id).
+    # Only ids that some GPU event carries matter: a semi-join keeps the group-bys small on CPU-only runs.
+    gpu_ext = ev.filter(pl.col("is_gpu") & pl.col("ext_id").is_not_null()).select("rank", "ext_id").unique()
+    gpu_corr = ev.filter(pl.col("is_gpu") & pl.col("corr_id").is_not_null()).select("rank", "corr_id").unique()
     cpu_by_ext = (
         ev.filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
                   & cat.is_in(["cpu_op", "user_annotation"]))
+        .join(gpu_ext, on=["rank", "ext_id"], how="semi")
         .group_by("rank", "ext_id")
         .agg(pl.col("_cpu_dir").drop_nulls().first().alias("_launch_dir"),
              pl.col("coll").drop_nulls().first().alias("_launch_coll"),
@@ -77,6 +91,7 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
     )
     launches = (
         ev.filter(cat.is_in(_RUNTIME_CATS) & pl.col("corr_id").is_not_null() & (pl.col("corr_id") != 0))
+        .join(gpu_corr, on=["rank", "corr_id"], how="semi")
         .group_by("rank", "corr_id")
         .agg(pl.col("ts_ns").min().alias("_launch_ts"))
     )

@@ -56,25 +56,35 @@ def total(frame: pl.DataFrame, by: Sequence[str] | str | None = None, *, name: s
 
 
 def _sweep(sets: Sequence[pl.DataFrame], keys: list[str]) -> pl.LazyFrame:
-    """Elementary segments ``[start, end)`` between consecutive boundaries of all sets, with a coverage count
-    ``_c{i}`` per input set (each set merged first, so counts are 0 or 1)."""
+    """Elementary segments ``[start, end)`` between consecutive boundaries of all sets, with ``_mask``: bit i is set
+    where set i covers the segment.
+
+    Each set is merged first, so its coverage is 0 or 1 and a boundary of set i adds ±2^i: the running sum over the
+    sorted boundaries *is* the bitmask of the sets covering each segment — one cumulative sum for any number of
+    sets. Each merged interval adds and removes its bit inside its own group, so the running sum returns to 0 at
+    every group's end (no per-group window needed); the step from one group's last boundary to the next group's
+    first has mask 0, and callers keep only segments with some bit set. Several boundaries may share an instant:
+    the zero-length steps between them are dropped.
+    """
+    if len(sets) > 62:
+        raise ValueError("at most 62 interval sets per sweep")
     deltas = []
     for i, s in enumerate(sets):
         m = merge(s, keys).lazy()
-        zero = {f"_d{j}": pl.lit(0, pl.Int32) for j in range(len(sets)) if j != i}
-        deltas.append(m.select(*keys, pl.col(START).alias("_t"), pl.lit(1, pl.Int32).alias(f"_d{i}"), **zero))
-        deltas.append(m.select(*keys, pl.col(END).alias("_t"), pl.lit(-1, pl.Int32).alias(f"_d{i}"), **zero))
-    cols = [f"_d{i}" for i in range(len(sets))]
+        bit = 1 << i
+        deltas.append(m.select(*keys, pl.col(START).alias("_t"), pl.lit(bit, pl.Int64).alias("_d")))
+        deltas.append(m.select(*keys, pl.col(END).alias("_t"), pl.lit(-bit, pl.Int64).alias("_d")))
     return (
-        pl.concat([d.select(*keys, "_t", *cols) for d in deltas], how="vertical_relaxed")
-        .group_by([*keys, "_t"])
-        .agg(pl.col(c).sum() for c in cols)
+        pl.concat(deltas, how="vertical_relaxed")
         .sort([*keys, "_t"])
-        .with_columns(*(_over(pl.col(f"_d{i}").cum_sum(), keys).alias(f"_c{i}") for i in range(len(sets))),
-                      _over(pl.col("_t").shift(-1), keys).alias("_next"))
-        .filter(pl.col("_next").is_not_null())
-        .select(*keys, pl.col("_t").alias(START), pl.col("_next").alias(END), *(f"_c{i}" for i in range(len(sets))))
+        .with_columns(pl.col("_d").cum_sum().alias("_mask"), pl.col("_t").shift(-1).alias("_next"))
+        .filter((pl.col("_next") > pl.col("_t")) & (pl.col("_mask") != 0))
+        .select(*keys, pl.col("_t").alias(START), pl.col("_next").alias(END), "_mask")
     )
+
+
+def _has(i: int) -> pl.Expr:
+    return (pl.col("_mask") & (1 << i)) != 0
 
 
 def _combine(a: pl.DataFrame, b: pl.DataFrame, by, keep: pl.Expr) -> pl.DataFrame:
@@ -85,12 +95,12 @@ def _combine(a: pl.DataFrame, b: pl.DataFrame, by, keep: pl.Expr) -> pl.DataFram
 
 def intersect(a: pl.DataFrame, b: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
     """Time covered by both ``a`` and ``b`` (per group)."""
-    return _combine(a, b, by, (pl.col("_c0") > 0) & (pl.col("_c1") > 0))
+    return _combine(a, b, by, _has(0) & _has(1))
 
 
 def subtract(a: pl.DataFrame, b: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
     """Time covered by ``a`` and not by ``b`` (per group)."""
-    return _combine(a, b, by, (pl.col("_c0") > 0) & (pl.col("_c1") == 0))
+    return _combine(a, b, by, _has(0) & ~_has(1))
 
 
 def gaps(a: pl.DataFrame, windows: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
@@ -115,15 +125,25 @@ def clip(
     """
     on_, wk = _keys(on), _keys(window_keys)
     w = windows.select(*on_, *wk, pl.col(window_start).alias("_ws"), pl.col(window_end).alias("_we"))
-    return (
-        frame.lazy()
-        .join(w.lazy(), on=on_)
+    if frame.height == 0 or w.height == 0:
+        return frame.join(w.drop("_ws", "_we"), on=on_).head(0) if on_ else frame.head(0)
+    # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
+    # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
+    f = frame.with_row_index("_clip_row")
+    located = f.sort(START).join_asof(w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None,
+                                      strategy="backward", check_sortedness=False)
+    inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
+    simple = located.filter(inside & (pl.col(END) > pl.col(START))).drop("_ws", "_we")
+    rest = f.join(located.filter(~inside).select("_clip_row"), on="_clip_row")
+    spanning = (
+        (rest.lazy().join(w.lazy(), on=on_) if on_ else rest.lazy().join(w.lazy(), how="cross"))
         .filter((pl.col(START) < pl.col("_we")) & (pl.col(END) > pl.col("_ws")))
         .with_columns(pl.max_horizontal(START, "_ws").alias(START), pl.min_horizontal(END, "_we").alias(END))
         .filter(pl.col(END) > pl.col(START))
         .drop("_ws", "_we")
         .collect()
     )
+    return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
 
 
 def partition(
@@ -133,28 +153,41 @@ def partition(
     by: Sequence[str] | str,
     default: str,
     label: str = "label",
+    on: Sequence[str] | str | None = None,
 ) -> pl.DataFrame:
     """Split every window into segments labelled by the first layer (in priority order) covering each instant.
 
     ``windows`` has ``by + [start, end]`` with one window per group; every layer is an interval set with the ``by``
-    columns. Time covered by no layer gets ``default``. The segments of a window are disjoint and their lengths sum
+    columns (or only the ``on`` subset of them, e.g. rank for layers not yet cut into steps: each is then clipped to
+    the windows of its group). Time covered by no layer gets ``default``. The segments of a window are disjoint and their lengths sum
     exactly to the window's length. Returns ``by + [label, start, end]`` with adjacent same-label segments merged.
     """
     keys = _keys(by)
     names = [n for n, _ in layers]
     w = windows.select(*keys, START, END)
-    clipped = [
-        clip(layer.select(*keys, START, END), w, on=keys, window_keys=[], window_start=START, window_end=END)
-        for _, layer in layers
-    ]
-    segs = _sweep([w, *clipped], keys).filter(pl.col("_c0") > 0)
-    choice = pl.lit(default)
-    for i in reversed(range(len(names))):
-        choice = pl.when(pl.col(f"_c{i + 1}") > 0).then(pl.lit(names[i])).otherwise(choice)
-    segs = segs.select(*keys, choice.alias(label), START, END).collect()
-    # Merge runs of one label that touch (sweep boundaries of lower layers split them needlessly).
+    on_ = keys if on is None else _keys(on)
+
+    def cut(layer: pl.DataFrame) -> pl.DataFrame:
+        lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
+        rest = [k for k in keys if k not in lk]
+        return clip(layer.select(*lk, START, END), w, on=lk, window_keys=rest).select(*keys, START, END)
+
+    clipped = [cut(layer) for _, layer in layers]
+    segs = _sweep([w, *clipped], keys).filter(_has(0))
+    # The first layer covering a segment is the lowest set bit above the window's bit 0.
+    layer_bits = pl.col("_mask") & ~pl.lit(1, pl.Int64)
+    lowest = layer_bits & (-layer_bits)
+    index = lowest.log(2).round().cast(pl.Int64) - 1
+    labels = pl.Series([*names, default])
+    choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
+    choice = choice.replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=pl.String)
+    # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
+    # them needlessly) with a run-length id instead of another sort.
     return (
-        merge(segs, [*keys, label])
-        .sort([*keys, START])
+        segs.select(*keys, choice.alias(label), START, END)
+        .with_columns(_over(pl.col(label).rle_id(), keys).alias("_run"))
+        .group_by([*keys, "_run"], maintain_order=True)
+        .agg(pl.col(label).first(), pl.col(START).first(), pl.col(END).last())
         .select(*keys, label, START, END)
+        .collect()
     )

@@ -38,10 +38,10 @@ def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame
         .select("rank", "step", pl.col("allocated_bytes").alias("_before"))
     )
     inside = (
-        samples.join(w, on="rank")
-        .filter((pl.col("ts_ns") >= pl.col("start_ns")) & (pl.col("ts_ns") < pl.col("end_ns")))
-        .sort("ts_ns")
-        .group_by("rank", "step")
+        samples.join_asof(w, left_on="ts_ns", right_on="start_ns", by="rank", strategy="backward",
+                          check_sortedness=False)
+        .filter(pl.col("end_ns").is_not_null() & (pl.col("ts_ns") < pl.col("end_ns")))
+        .group_by("rank", "step", maintain_order=True)
         .agg(pl.col("allocated_bytes").max().alias("_peak"),
              (pl.col("allocated_bytes") - pl.col("delta_bytes")).first().alias("_first_before"))
     )

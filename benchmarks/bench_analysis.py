@@ -1,0 +1,62 @@
+"""How much attribution adds on top of ingest, for an 8-rank run (target: at most +50%).
+
+Generates an 8-rank run with benchmarks/gen_trace.py (GPU/NCCL or CPU/gloo style) into a scratch folder outside the
+repo, then times, in this process: ingest (``load_run`` without cache), and ``analyze`` on the loaded run. Prints
+figures; asserts nothing (benchmarks are not tests).
+
+    .venv/bin/python benchmarks/bench_analysis.py --mb 25 --style cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gen_trace import write_trace  # noqa: E402
+
+from traceana.analysis import analyze  # noqa: E402
+from traceana.ingest.run_dir import load_run  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--mb", type=float, default=25.0, help="raw JSON MB per rank")
+    p.add_argument("--style", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--workers", type=int, default=None, help="ingest workers (default: automatic)")
+    p.add_argument("--work", default="/tmp/traceana-bench-analysis", help="scratch folder for the generated run")
+    p.add_argument("--repeat", type=int, default=2, help="best of N for each phase")
+    a = p.parse_args()
+
+    run_dir = Path(a.work) / f"{a.style}_{a.ranks}x{a.mb:g}mb"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for r in range(a.ranks):
+        path = run_dir / f"rank{r}.pt.trace.json.gz"
+        if not path.exists():
+            write_trace(path, mb=a.mb, style=a.style, rank=r, world_size=a.ranks)
+    print(f"run: {run_dir} ({a.ranks} ranks × {a.mb:g} MB raw, {a.style}); ready in {time.perf_counter() - t0:.1f} s")
+
+    ingest_s, analyze_s = [], []
+    for _ in range(a.repeat):
+        t = time.perf_counter()
+        run = load_run(run_dir, workers=a.workers, cache=False)
+        ingest_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        result = analyze(run)
+        analyze_s.append(time.perf_counter() - t)
+    ing, ana = min(ingest_s), min(analyze_s)
+    print(f"events: {run.events.height:,}  steps: {result.steps.height}  p2p pairs: {result.p2p.height:,}  "
+          f"schedule rows: {result.schedule.height:,}  segments: {result.segments.height:,}")
+    print(f"ingest  (load_run, no cache): {ing:7.2f} s")
+    print(f"analyze (attribution etc.):   {ana:7.2f} s   = +{100 * ana / ing:.0f}% on top of ingest (target ≤ +50%)")
+    for n in result.notes:
+        print(f"  note: {n}")
+
+
+if __name__ == "__main__":
+    main()
