@@ -198,7 +198,8 @@ class Page:
         self.parts.append(markup)
 
     def figure(self, element) -> None:
-        self.parts.append(element)
+        """A holoviews element, or the sentence a figure function returns when there is nothing to draw."""
+        self.parts.append(H.para(element, css_class="warn") if isinstance(element, str) else element)
 
     def render(self) -> tuple[str, str]:
         from bokeh.embed import components

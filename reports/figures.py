@@ -28,14 +28,14 @@ def _pd(frame: pl.DataFrame):
     return frame.to_pandas()
 
 
-def _empty(title: str, message: str) -> hv.Element:
-    return hv.Text(0, 0, message).opts(title=title, height=120, xaxis=None, yaxis=None, toolbar=None,
-                                       responsive=True)
+def _empty(title: str, message: str) -> str:
+    """A figure with nothing to draw is a sentence instead (``reports.build.Page`` shows it as a note)."""
+    return f"{title}: {message}"
 
 
 def timeline(
     blocks: pl.DataFrame, strip: pl.DataFrame, transfers: pl.DataFrame, *, title: str
-) -> hv.Overlay | hv.Element:
+) -> hv.Overlay | str:
     """Pipeline timeline, one row per rank, in two bands.
 
     Upper band: what the schedule says the rank works on — forward / backward / recompute / optimizer blocks with the
@@ -127,8 +127,8 @@ def stacked_by_stage(
     segments when the category order was set (seen with holoviews 1.23). The key above the figure names them.
     """
     df = stage_attr if categories is None else stage_attr.filter(pl.col("category").is_in(categories))
-    if df.height == 0:
-        return _empty(title, "no attribution for this run")
+    if df.height == 0 or not (df["ms"] > 0).any():
+        return _empty(title, "nothing measured in these categories")
     df = df.with_columns(
         stage=pl.format("stage {}", pl.col("stage")),
         colour=pl.col("category").replace_strict(palette.CATEGORY_COLOURS, default="#999999"),
@@ -147,7 +147,7 @@ def stacked_by_stage(
 def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str, runs: list[str]) -> hv.Element:
     """Bars per stage, one bar per run side by side (e.g. peak memory with and without BPipe), in run colours."""
     if frame.height == 0 or frame[value].null_count() == frame.height:
-        return _empty(title, "not measured in these runs")
+        return _empty(title, "not measured in these runs (profile with profile_memory=True for memory)")
     colour = {r: palette.run_colour(i) for i, r in enumerate(runs)}
     df = (
         frame.filter(pl.col(value).is_not_null())

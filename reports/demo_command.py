@@ -1,0 +1,93 @@
+"""The whole job on a tiny example: collect a CPU pipeline with and without BPipe, analyse, validate, report.
+
+Trains a tiny GPT split into 4 pipeline stages (4 processes, gloo) under the profiler, once with plain 1F1B and
+once with BPipe's activation eviction, then writes one HTML report comparing the two. Needs torch; takes a few
+minutes on 2 cores. Open the printed report in a browser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from traceana.errors import BadInputError
+
+DEFAULT_OUT = Path("traceana-demo")
+# Small enough for a 2-core laptop in a few minutes, big enough that the pipeline has a steady state to look at:
+# 4 stages, 8 micro-batches (1F1B needs at least as many micro-batches as stages), 2 profiled steps.
+DEMO = {"preset": "tiny-gpt", "pp": 4, "microbatches": 8, "microbatch_size": 2, "schedule": "1f1b", "steps": 2,
+        "warmup_steps": 1, "attention": "naive", "recompute": "none"}
+RUNS = (("baseline", False), ("bpipe", True))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                        help=f"folder for the runs and report.html (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the collected run directories (by default only the report stays)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def collect_run(out: Path, *, bpipe: bool, **overrides) -> Path:
+    """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory."""
+    try:
+        from collectors.trainer.config import CollectConfig
+    except ImportError as e:  # torch (or collectors) is missing: say how to get it
+        raise BadInputError(
+            f"traceana demo needs the collectors and torch ({e.name or e} is missing)",
+            fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
+                "traceana report RUN_DIR",
+        ) from None
+    from collectors.launch import collect
+
+    config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
+    return Path(collect(config, out))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, quiet=args.quiet)
+    out: Path = args.out
+    report = out / "report.html"
+    runs_dir = out / "runs"
+    t0 = time.perf_counter()
+    console.print(f"[bold]traceana demo[/]: tiny GPT, {DEMO['pp']} pipeline stages × {DEMO['microbatches']} "
+                  f"micro-batches, 1F1B with and without BPipe, on the CPU")
+    analyses = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  disable=args.quiet) as progress:
+        for name, bpipe in RUNS:
+            task = progress.add_task(f"collecting {name} ({DEMO['pp']} processes under the profiler)", total=None)
+            run_dir = runs_dir / name
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            collect_run(run_dir, bpipe=bpipe)
+            progress.update(task, description=f"collected {name}", completed=1, total=1)
+        from reports.command import analyse_runs
+
+        task = progress.add_task("analysing both runs", total=None)
+        analyses = analyse_runs([runs_dir / n for n, _ in RUNS], progress=False)
+        progress.update(task, description="analysed both runs", completed=1, total=1)
+
+        task = progress.add_task("validating against the model and rendering the report", total=None)
+        from reports.build import write_report
+
+        write_report(report, analyses, names=[n for n, _ in RUNS], title="traceana demo: 1F1B with and without BPipe")
+        progress.update(task, description="report written", completed=1, total=1)
+
+    if not args.keep:
+        shutil.rmtree(runs_dir, ignore_errors=True)
+    from reports import frames as F
+
+    for (name, _), a in zip(RUNS, analyses, strict=True):
+        step, balance = F.step_time_ms(a), F.memory_balance(a)
+        console.print(f"  {name:9s} step {step:,.1f} ms · memory imbalance across stages "
+                      + (f"{balance:.2f}×" if balance else "–"))
+    kept = f" (runs kept in {runs_dir})" if args.keep else ""
+    console.print(f"done in {time.perf_counter() - t0:.0f} s{kept}")
+    print(f"report: {report.resolve()}")
+    return 0
