@@ -97,7 +97,8 @@ def layer_activation_terms(
     where it differs from fused kernels: its RMSNorm is written out (x · rsqrt(mean(x²)) · w), so the product
     x · rsqrt is saved beside x; grouped-query K and V are repeated to all heads before the attention core, which then
     saves them at full width; with as many K/V heads as query heads the core saves the rotated K and V, a view that
-    keeps the whole fused K/V projection output alive.
+    keeps the whole fused K/V projection output alive; SDPA's output and the projection input are separate tensors
+    when Q was rotated. tests/test_model_autograd.py checks these terms against what autograd really saves.
     """
     b, s, h, a, f = microbatch_size, model.seq, model.hidden, model.heads, model.ffn_dim
     e = activation_bytes
@@ -129,8 +130,13 @@ def layer_activation_terms(
         if drop:
             terms["softmax_dropout_mask"] = a * s * s * b / split
             terms["softmax_dropout_out"] = e * a * s * s * b / split
-    elif attention == "sdpa":
+    elif attention == "sdpa" and recompute != "selective":  # selective re-runs the core: keeps only q, k, v
         terms["softmax_lse"] = LSE_BYTES * a * s * b / split
+        if eager and model.family == "llama":
+            # The rotated Q is (b, a, s, d)-contiguous, so SDPA's saved output is too and the output projection's
+            # input (b, s, h) is a separate copy. (GPT's Q is a transposed view, the output comes out (b, s, a, d)
+            # and the projection input is a view of it: one tensor.)
+            terms["attention_output"] = e * sbh / split
     if model.family == "gpt":
         terms["mlp_input"] = e * sbh / repl
         terms["gelu_input"] = e * s * b * f / split
