@@ -1,0 +1,170 @@
+"""Run the reference trainer: one process per stage, spawned here, or in-process under torchrun.
+
+Python API (``traceana demo`` uses it)::
+
+    from collectors.launch import collect
+    from collectors.trainer.config import CollectConfig
+    run_dir = collect(CollectConfig(preset="tiny-gpt", pp=4, microbatches=8, schedule="1f1b", bpipe=True),
+                      "runs/bpipe", progress=print)
+
+``collect`` validates the configuration (``ConfigError`` before any process starts), spawns ``pp`` processes
+(gloo on CPU; NCCL when each rank has its own GPU; gloo with host staging when ranks share a GPU), waits for them and
+(re)writes ``run.json`` with the ranks whose trace is really on disk. It returns the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from collectors.manifest import finalize_manifest
+from collectors.trainer.config import CollectConfig
+from traceana.errors import ConfigError
+
+Progress = Callable[[str], None]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (parallel tests and runs must not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """``traceana collect`` refuses, before spawning, a directory it cannot write (the profiler itself would only warn)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".traceana-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out_dir,
+                          fix="choose a writable -o/--out directory") from None
+
+
+def collect(config: CollectConfig, out_dir: str | Path, *, progress: Progress | None = None,
+            timeout_s: float = 600.0) -> Path:
+    """Train and profile ``config`` into ``out_dir``; returns ``out_dir`` (a run directory: run.json + traces)."""
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir)
+    started = time.time()
+    say = progress or (lambda _msg: None)
+    say(f"collecting {describe(config)} into {out_dir}")
+    try:
+        launch(config, out_dir, progress=say, timeout_s=timeout_s)
+    finally:
+        if config.profile:  # rank 0 wrote run.json; rewrite it from what is on disk in case a rank (or rank 0) died
+            from collectors.trainer.train import choose_device, manifest_for
+
+            manifest = manifest_for(config, choose_device(0, config.world_size))
+            finalize_manifest(out_dir, manifest, since=started)
+    say(f"collected {out_dir} in {time.time() - started:.1f} s")
+    return out_dir
+
+
+def describe(config: CollectConfig) -> str:
+    bp = " + BPipe" if config.bpipe else ""
+    return (f"{config.preset} pp={config.pp} {config.schedule}{bp}, {config.microbatches}×{config.microbatch_size} "
+            f"micro-batches, attention={config.attention}, recompute={config.recompute}, "
+            f"{config.steps} profiled step(s)")
+
+
+def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | None = None,
+           results_dir: Path | None = None, configs: list[CollectConfig] | None = None,
+           timeout_s: float = 600.0) -> None:
+    """Spawn ``config.pp`` worker processes and wait for them.
+
+    ``configs`` runs several configurations (same ``pp``) one after the other in the same processes (tests use it to
+    check many configurations for the cost of one start-up); ``results_dir`` receives each rank's ``RankResult``
+    as ``{index}-rank{R}.pt``.
+    """
+    configs = configs or [config]
+    if any(c.pp != config.pp for c in configs):
+        raise ConfigError("all configurations of one launch need the same --pp", fix="launch them separately")
+    method = _start_method()
+    ctx = multiprocessing.get_context(method)
+    events = ctx.SimpleQueue() if progress else None
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    args = (configs, config.pp, init_method, out_dir, results_dir, events)
+    pc = mp.start_processes(_worker, args=args, nprocs=config.pp, join=False, start_method=method)
+    deadline = time.monotonic() + timeout_s
+    while not pc.join(timeout=0.25):
+        if events is not None:
+            while not events.empty():
+                progress(events.get())
+        if time.monotonic() > deadline:
+            for p in pc.processes:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError(f"the trainer did not finish within {timeout_s:.0f} s; its processes were killed")
+    if events is not None:
+        while not events.empty():
+            progress(events.get())
+
+
+def _start_method() -> str:
+    """forkserver with torch preloaded: one torch import for all ranks instead of one each (seconds on 2 cores)."""
+    if "forkserver" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+        try:
+            multiprocessing.set_forkserver_preload(["torch", "collectors.trainer.train"])
+        except Exception:
+            pass
+        return "forkserver"
+    return "spawn"
+
+
+def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_method: str, out_dir: Path | None,
+            results_dir: Path | None, events) -> None:
+    import torch.distributed as dist
+
+    from collectors.trainer.train import choose_device, init_process_group, train
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    setup = choose_device(rank, world_size)
+    init_process_group(setup, init_method)
+    try:
+        for index, config in enumerate(configs):
+            report = None
+            if events is not None and rank == 0:
+                report = lambda step, total: events.put(f"step {step}/{total}")  # noqa: E731
+            result = train(config, setup, out_dir, progress=report)
+            if results_dir is not None:
+                torch.save(dataclasses.asdict(result), Path(results_dir) / f"{index}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def in_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_under_torchrun(config: CollectConfig, out_dir: Path, *, progress: Progress | None = None) -> Path:
+    """``torchrun --nproc-per-node P -m traceana collect …``: this process is one rank."""
+    import torch.distributed as dist
+
+    from collectors.trainer.train import choose_device, init_process_group, train
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != config.pp:
+        raise ConfigError(f"torchrun started {world_size} processes for --pp {config.pp}",
+                          fix=f"use --nproc-per-node {config.pp} (one stage per rank) or --pp {world_size}")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    setup = choose_device(rank, world_size, local)
+    init_process_group(setup, "env://")
+    try:
+        report = (lambda step, total: progress(f"step {step}/{total}")) if progress and rank == 0 else None
+        train(config, setup, out_dir, progress=report)
+    finally:
+        dist.destroy_process_group()
+    return out_dir
+
+

@@ -1,0 +1,98 @@
+"""What to train and how: presets and one validated, frozen configuration.
+
+Impossible configurations raise ``ConfigError`` here, in the launching process, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from traceana.errors import ConfigError
+from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
+
+# Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
+# benchmarks. Published shapes live in traceana.model.presets; these are for collecting.
+PRESETS: dict[str, ModelShape] = {
+    "tiny-gpt": ModelShape(family="gpt", layers=8, hidden=64, heads=4, vocab=256, seq=64, name="tiny-gpt"),
+    "tiny-llama": ModelShape(
+        family="llama", layers=8, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256, seq=64, name="tiny-llama"
+    ),
+    "small-gpt": ModelShape(family="gpt", layers=8, hidden=128, heads=4, vocab=512, seq=128, name="small-gpt"),
+    "small-llama": ModelShape(
+        family="llama", layers=8, hidden=128, heads=4, kv_heads=2, ffn=352, vocab=512, seq=128, name="small-llama"
+    ),
+}
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    """One reference-trainer run. Every field is a command-line flag of ``traceana collect``."""
+
+    preset: str = "tiny-gpt"  # a key of PRESETS
+    pp: int = 4  # pipeline stages = processes (one stage per rank)
+    microbatches: int = 8  # micro-batches per step
+    microbatch_size: int = 2  # sequences per micro-batch
+    schedule: str = "1f1b"  # gpipe | 1f1b
+    bpipe: bool = False  # evict activations from stage s to stage p-1-s (Kim et al. 2023, BPipe)
+    bpipe_inflight: int | None = None  # micro-batches an evictor keeps; None = the pair's balanced level
+    attention: str = "naive"  # naive (keeps s×s scores) | sdpa
+    recompute: str = "none"  # none | selective | full
+    steps: int = 2  # profiled training steps
+    warmup_steps: int = 1  # unprofiled steps before them (profiler warm-up)
+    lr: float = 1e-3  # AdamW learning rate
+    seed: int = 1234
+    profile: bool = True  # False: train without the profiler (tests, overhead benchmark)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r}", fix=f"use one of {', '.join(PRESETS)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"unknown attention {self.attention!r}", fix=f"use one of {', '.join(ATTENTIONS)}")
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(f"unknown recompute {self.recompute!r}", fix=f"use one of {', '.join(RECOMPUTES)}")
+        for name in ("pp", "microbatches", "microbatch_size", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
+                                  fix=f"pass a positive --{name.replace('_', '-')}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
+        layers = self.shape.layers
+        if self.pp > layers:
+            raise ConfigError(
+                f"{self.pp} pipeline stages for a {layers}-layer model ({self.preset})",
+                fix=f"use --pp {layers} or fewer",
+            )
+        if self.bpipe and self.pp < 2:
+            raise ConfigError("BPipe needs at least 2 pipeline stages (an evictor and an acceptor)",
+                              fix="use --pp 2 or more, or drop --bpipe")
+        if self.schedule == "1f1b" and self.microbatches < self.pp:
+            raise ConfigError(
+                f"1F1B with {self.microbatches} micro-batches for {self.pp} stages never reaches its steady state",
+                fix=f"use --microbatches {self.pp} or more, or --schedule gpipe",
+            )
+        if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
+            raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
+
+    @property
+    def shape(self) -> ModelShape:
+        return PRESETS[self.preset]
+
+    @property
+    def world_size(self) -> int:
+        return self.pp
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+    @property
+    def bpipe_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(evictor, acceptor) stage pairs: s with p-1-s for s < p/2 (the middle stage of an odd p has no partner)."""
+        return tuple((s, self.pp - 1 - s) for s in range(self.pp // 2)) if self.bpipe else ()
+
+    def replace(self, **changes: object) -> CollectConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,184 @@
+"""The reference pipeline trainer: one process per stage. Reads top to bottom: set up → build → train → close.
+
+``train(config, dist=...)`` runs in each rank's process (spawned by ``collectors.launch`` or started by torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from collectors import annotations as ann
+from collectors.bpipe import Acceptor, Evictor, new_groups, pair_of, plan_for
+from collectors.profiler import PipelineProfiler
+from collectors.trainer import data
+from collectors.trainer.comm import Transport
+from collectors.trainer.config import CollectConfig
+from collectors.trainer.model import GPT, Stage
+from collectors.trainer.pipeline import StageRunner
+from collectors.trainer.schedules import actions_for
+from traceana.manifest import Manifest
+
+
+@dataclass
+class DistSetup:
+    """How this process talks to the others."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str  # gloo | nccl
+    host_staged: bool  # GPU tensors sent over gloo through host memory (several stages on one GPU)
+
+
+@dataclass
+class RankResult:
+    """What one rank hands back (tests compare it with single-process training)."""
+
+    rank: int
+    stage: int
+    losses: list[float] = field(default_factory=list)  # per step, last stage only
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # last step's gradients, global parameter names
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters after the last step
+    warnings: list[str] = field(default_factory=list)  # profiler warnings
+
+
+def choose_device(rank: int, world_size: int, local_rank: int | None = None) -> DistSetup:
+    """gloo on CPU; NCCL when each rank has its own GPU; gloo with host staging when ranks share GPUs."""
+    if not torch.cuda.is_available():
+        return DistSetup(rank, world_size, torch.device("cpu"), "gloo", host_staged=False)
+    n = torch.cuda.device_count()
+    local = rank if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local_world <= n:
+        return DistSetup(rank, world_size, torch.device("cuda", local), "nccl", host_staged=False)
+    return DistSetup(rank, world_size, torch.device("cuda", local % n), "gloo", host_staged=True)
+
+
+def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
+    device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else platform.processor() or "cpu"
+    return Manifest(
+        world_size=setup.world_size,
+        pp=config.pp,
+        stage_of_rank=tuple(range(config.pp)),
+        schedule=config.schedule,
+        microbatch_size=config.microbatch_size,
+        num_microbatches=config.microbatches,
+        global_batch=config.microbatch_size * config.microbatches,
+        model=config.shape,
+        dtype="float32",
+        attention=config.attention,
+        recompute=config.recompute,
+        bpipe=config.bpipe_pairs or None,
+        device=device_name,
+        profiler={"wait": 0, "warmup": min(config.warmup_steps, 1), "active": config.steps, "repeat": 1},
+        torch_version=torch.__version__,
+        extra={"collector": "collectors.trainer", "backend": setup.backend, "host_staged": setup.host_staged,
+               "preset": config.preset, "bpipe_inflight": config.bpipe_inflight},
+    )
+
+
+def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> StageRunner:
+    stage, stages, shape = setup.rank, config.pp, config.shape
+    torch.manual_seed(config.seed)  # the whole model on every rank from one seed: identical weights everywhere
+    model = GPT(shape, attention=config.attention, recompute_mode=config.recompute)
+    module = Stage(model, stage=stage, stages=stages).to(setup.device)
+    rank_of_stage = list(range(stages))
+    actions = actions_for(config.schedule, stage, stages, config.microbatches)
+    transport = Transport(setup.device, setup.host_staged)
+    act_shape = (config.microbatch_size, shape.seq, shape.hidden)
+    runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage)
+    pair = pair_of(stage, stages) if config.bpipe else None
+    if pair is not None:
+        evictor, acceptor = pair
+        plan = plan_for(config.schedule, evictor, acceptor, stages, config.microbatches, config.bpipe_inflight)
+        bp = Transport(setup.device, setup.host_staged, group=groups[pair])
+        if stage == evictor:
+            runner.evictor = Evictor(stage=stage, acceptor_rank=rank_of_stage[acceptor], plan=plan, module=module,
+                                     transport=bp)
+            layout = _measure_layout(runner, config)
+            _send_layout(layout, rank_of_stage[acceptor], bp)
+        else:
+            layout = _recv_layout(rank_of_stage[evictor], bp)
+            runner.acceptor = Acceptor(stage=stage, evictor_stage=evictor, evictor_rank=rank_of_stage[evictor],
+                                       plan=plan, layout=layout, actions=actions, transport=bp)
+    return runner
+
+
+def _measure_layout(runner: StageRunner, config: CollectConfig) -> list[int]:
+    """One throw-away forward under the capture hooks tells the storage sizes every eviction will send."""
+    shape, dev = config.shape, runner.transport.device
+    if runner.first:
+        x = torch.zeros(config.microbatch_size, shape.seq, dtype=torch.int64, device=dev)
+    else:
+        x = torch.zeros(runner.activation_shape, device=dev, requires_grad=True)
+    with runner.evictor.capture(-1):
+        y = runner.stage_module(x)
+    return runner.evictor.measure_layout(-1, held=(x, y))
+
+
+def _send_layout(layout: list[int], dst: int, transport: Transport) -> None:
+    header = torch.tensor([len(layout), *layout], dtype=torch.int64)
+    for t in (header[:1].clone(), header[1:].clone()):
+        work, _ = transport.isend(t, dst)
+        work.wait()
+
+
+def _recv_layout(src: int, transport: Transport) -> list[int]:
+    n = int(transport.irecv((1,), torch.int64, src).wait().cpu()[0])
+    return [int(v) for v in transport.irecv((n,), torch.int64, src).wait().cpu()] if n else []
+
+
+def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, progress=None) -> RankResult:
+    """Train ``config.total_steps`` steps on this rank's stage; profile the last ``config.steps`` into ``out_dir``."""
+    torch.set_num_threads(1)  # one stage per process; on a small CPU more threads only fight each other
+    groups = new_groups(config.pp, list(range(config.pp))) if config.bpipe else {}
+    runner = build_runner(config, setup, groups)
+    module, stage = runner.stage_module, runner.stage
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr)
+    result = RankResult(rank=setup.rank, stage=stage)
+    profiler = PipelineProfiler(
+        out_dir or ".", rank=setup.rank, stage=stage, world_size=setup.world_size, pp=config.pp,
+        schedule=config.schedule, bpipe=config.bpipe_pairs,
+        manifest=manifest_for(config, setup) if setup.rank == 0 else None,
+        wait=0, warmup=min(config.warmup_steps, 1), active=config.steps, repeat=1,
+        metadata={"microbatches": config.microbatches, "microbatch_size": config.microbatch_size,
+                  "preset": config.preset, "attention": config.attention, "recompute": config.recompute},
+        enabled=config.profile and out_dir is not None,
+    )
+    # The profiler's warm-up starts at the last unprofiled step; earlier warm-up steps run before it.
+    for step in range(config.warmup_steps - 1):
+        _train_step(config, runner, optimizer, step, result)
+    with profiler:
+        for step in range(max(config.warmup_steps - 1, 0), config.total_steps):
+            _train_step(config, runner, optimizer, step, result)
+            profiler.step()
+            if progress is not None:
+                progress(step + 1, config.total_steps)
+    result.warnings = profiler.warnings
+    result.grads = {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters() if p.grad is not None}
+    result.params = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    return result
+
+
+def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int, result: RankResult) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    inputs, targets = data.batch(seed=config.seed, step=step, microbatches=config.microbatches,
+                                 microbatch_size=config.microbatch_size, seq=config.shape.seq,
+                                 vocab=config.shape.vocab)
+    loss = runner.step(inputs, targets)
+    with ann.optimizer(runner.stage):
+        optimizer.step()
+    if loss is not None:
+        result.losses.append(loss)
+
+
+def init_process_group(setup: DistSetup, init_method: str | None) -> None:
+    kwargs = {"device_id": setup.device} if setup.backend == "nccl" else {}
+    dist.init_process_group(setup.backend, init_method=init_method, rank=setup.rank, world_size=setup.world_size,
+                            **kwargs)
