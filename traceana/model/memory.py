@@ -285,15 +285,25 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
                                virtual_stages=cfg.virtual_stages)
         for s in range(p)
     ]
+    # The reference trainer's runner keeps each in-flight micro-batch's stage output (sent downstream, needed for
+    # its backward); no layer saves it. BPipe cannot evict it (collectors/bpipe.py), so it stays on the evictor.
+    pinned = [
+        cfg.precision.activation_bytes * model.seq * cfg.microbatch_size * model.hidden
+        if cfg.eager and s < p - 1 else 0.0
+        for s in range(p)
+    ]
+    per_mb = [x + pin for x, pin in zip(per_mb, pinned)]
     held = bpipe_balance(in_flight, bpipe_pairs(p)) if cfg.bpipe else [(n, 0.0) for n in in_flight]
     partner = {a: e for e, a in bpipe_pairs(p)} if cfg.bpipe else {}
+    evicted = {e: in_flight[e] - held[e][0] for e in partner.values()}
     prec = cfg.precision
     shard = cfg.dp if cfg.distributed_optimizer else 1
     out = []
     for s in range(p):
         params = stage_params(model, layers=layers[s], first=s == 0, last=s == p - 1) / cfg.tp
         own, foreign = held[s]
-        foreign_bytes = foreign * per_mb[partner[s]] if foreign else 0.0
+        foreign_bytes = foreign * (per_mb[partner[s]] - pinned[partner[s]]) if foreign else 0.0
+        foreign_bytes += evicted.get(s, 0.0) * pinned[s]  # an evictor still holds the pinned part of what it sent
         out.append(
             StageMemory(
                 stage=s,
