@@ -165,19 +165,35 @@ def test_concatenated_gzip_members_are_one_stream(tmp_path):
     assert events["name"].to_list() == ["op"] and row["truncated"] is False
 
 
-def test_many_events_span_several_batches(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["compact", "kineto", "indent4", "one_line"])
+def test_traces_are_decoded_in_chunks_cut_between_events(tmp_path, monkeypatch, layout):
     import traceana.ingest.kineto as kineto
 
-    monkeypatch.setattr(kineto, "BATCH", 7)
     tb = TraceBuilder()
-    for i in range(50):
-        tb.cpu_op(f"op{i}", float(i), 0.5)
+    for i in range(60):
+        tb.cpu_op(f"op{i}", float(i), 0.5, args={"nested": [{"a": i}, {"b": [{"c": 1}, {"d": 2}]}]})
         tb.memory(float(i) + 0.25, i, 1)
+    d = tb.to_dict()
+    text = {
+        "compact": json.dumps(d),
+        "one_line": json.dumps(d, separators=(",", ":")),
+        "indent4": json.dumps(d, indent=4),
+        # Kineto's layout: one event per "  {" … "  }" block.
+        "kineto": json.dumps({k: v for k, v in d.items() if k != "traceEvents"})[:-1]
+        + ', "traceEvents": [\n' + ",\n".join("  " + json.dumps(e).replace("{", "{\n    ", 1)[:-1] + "\n  }"
+                                           for e in d["traceEvents"]) + "\n]}",
+    }[layout]
+    f = tmp_path / "t.json"
+    f.write_text(text)
+    whole = read_trace(f)
+    monkeypatch.setattr(kineto, "CHUNK_BYTES", 150)  # many chunks; some candidate cuts fall inside "nested"
     seen = []
-    events, memory, _ = read_trace(tb.write(tmp_path / "t.json"), on_progress=lambda d, t: seen.append((d, t)))
-    assert events["name"].to_list() == [f"op{i}" for i in range(50)]
-    assert memory["allocated_bytes"].to_list() == list(range(50))
-    assert seen[-1] == (100, 100) and len(seen) == 15
+    chunked = read_trace(f, on_progress=lambda done, total: seen.append((done, total)))
+    assert_frame_equal(whole[0], chunked[0])
+    assert_frame_equal(whole[1], chunked[1])
+    assert chunked[0]["name"].to_list() == [f"op{i}" for i in range(60)]
+    assert chunked[1]["allocated_bytes"].to_list() == list(range(60))
+    assert len(seen) > 3 and seen[-1][0] == seen[-1][1]
 
 
 # --- real third-party traces -----------------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ The importer owns every quirk of the format; nothing downstream knows JSON exist
 
 How it decodes, and why (FIELD-NOTES.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson):
 1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
-2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is a list of ``msgspec.Raw``:
-   one fast pass that only finds each event's bytes (zero-copy views), so a trace of many GB never exists as
-   Python objects all at once;
-3. events are decoded in batches of ``BATCH`` into typed Structs that name only the fields we use (``args``
+2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is one ``msgspec.Raw``: a fast
+   validating pass that builds no per-event objects; the array is then cut between events (``bytes.find`` of the
+   separator Kineto writes, checked by the decode itself), so a trace of many GB never exists as Python objects
+   all at once;
+3. events are decoded in chunks of ``CHUNK_BYTES`` into typed Structs that name only the fields we use (``args``
    keeps only the keys we need; the three record_shapes lists stay ``msgspec.Raw`` and are decoded only for the
    few ``c10d::send``/``c10d::recv_``/``gloo:*`` events); each batch becomes a polars frame;
 4. the frames are concatenated and finished with polars expressions (times, tracks, peers, sizes).
@@ -48,7 +49,6 @@ except ImportError:  # pragma: no cover - isal is a core dependency
     _zlib = zlib
     _ZLIB_ERRORS = (zlib.error,)
 
-BATCH = 100_000  # events decoded into Python objects at a time (bounds the transient memory)
 GZIP_MAGIC = b"\x1f\x8b"
 EPOCH_US = 1e14  # ts above this (µs) is already an epoch wall clock (1e14 µs ≈ 3 years after 1970)
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -116,7 +116,7 @@ class _ExactEvent(_Event):
 class _Top(msgspec.Struct):
     """Top level of a Kineto trace; everything but the event list stays raw and is decoded leniently later."""
 
-    traceEvents: list[msgspec.Raw] | None = None
+    traceEvents: msgspec.Raw = msgspec.Raw(b"")  # the whole array, validated but not decoded (one zero-copy view)
     distributedInfo: msgspec.Raw = msgspec.Raw(b"")
     deviceProperties: msgspec.Raw = msgspec.Raw(b"")
     baseTimeNanoseconds: msgspec.Raw = msgspec.Raw(b"")
@@ -262,13 +262,111 @@ def _loads(raw: msgspec.Raw) -> Any:
 
 
 # --- events ------------------------------------------------------------------------------------------------------
-def _decode_batch(raws: list[msgspec.Raw], problems: list[str], *, exact: bool) -> list[_Event]:
+CHUNK_BYTES = 16_000_000  # raw JSON decoded into Python objects at a time (bounds the transient memory)
+# Between two events of the traceEvents array: Kineto's pretty printer writes exactly the first; any writer the second.
+_KINETO_SEPARATOR = re.compile(re.escape(b"\n  },\n  {"))
+_ANY_SEPARATOR = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
+
+
+def _array_span(buf: bytes | bytearray, events: msgspec.Raw) -> tuple[int, int] | None:
+    """Where the traceEvents array lies in ``buf`` (msgspec.Raw is a view into it, but does not say where)."""
+    view = memoryview(events)
+    n = view.nbytes
+    edge = min(n, 1 << 16)
+    head, tail = view[:edge].tobytes(), view[n - edge :].tobytes()
+    key = buf.find(b'"traceEvents"')
+    while key >= 0:
+        lb = buf.find(b"[", key)
+        if lb >= 0 and buf[lb : lb + edge] == head and buf[lb + n - edge : lb + n] == tail:
+            return lb, lb + n
+        key = buf.find(b'"traceEvents"', key + 1)
+    return None
+
+
+class _BadSplit(Exception):
+    """A chunk was not cut between two events (its brackets do not balance)."""
+
+
+def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
+    """Yield (JSON array of whole events, bytes done, bytes total), about CHUNK_BYTES each.
+
+    The array is cut only at a separator between two events, found with bytes.find (no per-event Python objects).
+    A cut anywhere else leaves unbalanced brackets, so the chunk fails to decode (the whole array was validated by
+    the top-level decode, so nothing else can fail that way) and we fall back to letting msgspec find each event's
+    bounds: always correct, a little slower.
+    """
+    span = _array_span(buf, events)
+    if span is None:
+        yield from _raw_chunks(events, 0)
+        return
+    lo, hi = span  # buf[lo] == "[", buf[hi - 1] == "]"
+    total = hi - lo
+    sep = _KINETO_SEPARATOR if _KINETO_SEPARATOR.search(buf, lo, min(hi, lo + (1 << 20))) else _ANY_SEPARATOR
+    start = lo + 1
+    while start < hi - 1:
+        m = sep.search(buf, start + CHUNK_BYTES, hi) if hi - start > 2 * CHUNK_BYTES else None
+        if m is None:
+            end, nxt = hi - 1, hi
+        else:
+            comma = buf.index(b",", m.start())
+            end, nxt = comma, comma + 1
+        yield b"[" + buf[start:end] + b"]", nxt - lo, total
+        start = nxt
+
+
+def _raw_chunks(events: msgspec.Raw, skip_events: int):
+    """The always-correct splitter: msgspec finds each event's bounds (one Raw object per event)."""
+    raws = msgspec.json.decode(events, type=list[msgspec.Raw])
+    total = memoryview(events).nbytes
+    i, done = skip_events, 0
+    while i < len(raws):
+        j, size = i, 0
+        while j < len(raws) and size < CHUNK_BYTES:
+            size += memoryview(raws[j]).nbytes + 1
+            j += 1
+        done = total if j == len(raws) else min(done + size, total)  # sizes ignore whitespace: approximate
+        yield b"[" + b",".join(raws[i:j]) + b"]", done, total
+        i = j
+
+
+def _decoded_chunks(buf: bytes | bytearray, events: msgspec.Raw, problems: list[str]):
+    """Typed events of the traceEvents array, chunk by chunk: (events, bytes done, bytes total)."""
+    n_events = 0
+    for chunk, done, total in _event_chunks(buf, events):
+        try:
+            evs, n = _decode_chunk(chunk, problems)
+        except _BadSplit:
+            for chunk2, done2, total2 in _raw_chunks(events, n_events):
+                evs, n = _decode_chunk(chunk2, problems)
+                yield evs, done2, total2
+            return
+        n_events += n
+        yield evs, done, total
+
+
+def _decode_chunk(chunk: bytes, problems: list[str]) -> tuple[list[_Event], int]:
+    """Typed events of one chunk (times exact, see FLOAT_EXACT_US) and how many events the chunk held."""
+    batch_problems: list[str] = []
+    evs, n = _decode_batch(chunk, batch_problems, exact=False)
+    if _needs_exact(evs):
+        batch_problems = []
+        evs, n = _decode_batch(chunk, batch_problems, exact=True)
+    problems.extend(batch_problems)
+    return evs, n
+
+
+def _decode_batch(chunk: bytes, problems: list[str], *, exact: bool) -> tuple[list[_Event], int]:
     many, one = _DECODERS[exact]
     try:
-        return many.decode(b"[" + b",".join(raws) + b"]")
+        evs = many.decode(chunk)
+        return evs, len(evs)
     except _DECODE_ERRORS:
         pass
-    # Some event in this batch is malformed: decode one by one, keep the good ones, count the rest.
+    # Some event in this chunk is malformed: decode one by one, keep the good ones, count the rest.
+    try:
+        raws = msgspec.json.decode(chunk, type=list[msgspec.Raw])
+    except msgspec.DecodeError:
+        raise _BadSplit from None
     out: list[_Event] = []
     for raw in raws:
         try:
@@ -285,7 +383,7 @@ def _decode_batch(raws: list[msgspec.Raw], problems: list[str], *, exact: bool) 
             problems.append(str(e))
         except (msgspec.ValidationError, RecursionError) as e:
             problems.append(f"{type(e).__name__}: {e}"[:200])
-    return out
+    return out, len(raws)
 
 
 def _series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
@@ -362,7 +460,8 @@ class _Batches:
         self.mem: list[pl.DataFrame] = []
         self.comm: list[pl.DataFrame] = []
         self.shapes: list[pl.DataFrame] = []
-        self.rows = 0
+        self.rows = 0  # X events so far
+        self.n_mem = 0  # [memory] instants so far
 
     def add(self, evs: list[_Event]) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
@@ -372,6 +471,7 @@ class _Batches:
         mem = list(compress(evs, is_mem.to_list()))
         if mem:
             self.mem.append(pl.DataFrame({"ts_rel": _ts_ns(mem), **_args_of(mem, _MEM_ARGS)}))
+            self.n_mem += len(mem)
         xs = list(compress(evs, is_x.to_list()))
         if not xs:
             return
@@ -499,14 +599,13 @@ def read_trace(
     buf, gz_truncated = read_bytes(path)
     n_bytes = len(buf)
     top, json_truncated = _decode_top(buf, path)
-    if top.traceEvents is None:
-        raise TraceFormatError("JSON object without traceEvents: not a Kineto trace", path=shown(path),
+    first = bytes(memoryview(top.traceEvents)[:1])
+    if first != b"[":
+        what = "without traceEvents" if not first else "whose traceEvents is not a list"
+        raise TraceFormatError(f"JSON object {what}: not a Kineto trace", path=shown(path),
                                fix="pass a trace written by torch.profiler (export_chrome_trace)")
     truncated = gz_truncated or json_truncated
     warnings: list[str] = []
-    if truncated:
-        warnings.append(f"{shown(path)}: trace is truncated (the writer stopped mid-file); kept its "
-                        f"{len(top.traceEvents)} complete events — re-collect it for a full analysis")
 
     dist, _ = _meta_json(top.distributedInfo)
     dist = dist if isinstance(dist, dict) else {}
@@ -533,23 +632,17 @@ def read_trace(
     if world_size is None:
         world_size = _as_int(meta.get("world_size"))
 
-    raws = top.traceEvents
-    total = len(raws)
     batches = _Batches()
     problems: list[str] = []
-    for start in range(0, total, BATCH):
-        chunk = raws[start : start + BATCH]
-        batch_problems: list[str] = []
-        evs = _decode_batch(chunk, batch_problems, exact=False)
-        if _needs_exact(evs):
-            batch_problems = []
-            evs = _decode_batch(chunk, batch_problems, exact=True)
-        problems.extend(batch_problems)
+    for evs, done, total in _decoded_chunks(buf, top.traceEvents, problems):
         batches.add(evs)
-        del evs, chunk
+        del evs
         if on_progress is not None:
-            on_progress(min(start + BATCH, total), total)
-    del raws, top, buf  # the raw JSON is no longer needed: free it before building the tables
+            on_progress(done, total)
+    del top, buf  # the raw JSON is no longer needed: free it before building the tables
+    if truncated:
+        warnings.append(f"{shown(path)}: trace is truncated (the writer stopped mid-file); kept its "
+                        f"{batches.rows + batches.n_mem} complete events — re-collect it for a full analysis")
     if problems:
         warnings.append(f"{shown(path)}: skipped {len(problems)} malformed trace events (first: {problems[0]}) — "
                         "the rest of the trace is used")
