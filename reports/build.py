@@ -96,7 +96,8 @@ def summary_facts(a: Analysis) -> list[tuple[str, object]]:
     if m.profiler:
         rows.append(("profiler schedule", ", ".join(f"{k}={v}" for k, v in sorted(m.profiler.items()))))
     for k, v in sorted(m.extra.items()):
-        rows.append((k, json.dumps(v) if not isinstance(v, str) else v))
+        if v is not None:
+            rows.append((k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)))
     return rows
 
 
@@ -340,12 +341,12 @@ def build_report(
             continue
         items = v.table
         page.add('<div class="key"><span class="swatch"><i style="background:' + palette.BLUE + '"></i>measured</span>'
-                 '<span class="swatch"><i style="background:' + palette.ORANGE + '"></i>estimated (model)</span></div>')
+                 '<span class="swatch"><i style="background:' + palette.ORANGE + '"></i>estimated by the model</span></div>')
         page.add('<div class="grid">')
         for unit in items["unit"].unique(maintain_order=True).to_list():
             page.add("<div>")
             page.figure(G.estimate_vs_measured(items.filter(pl.col("unit") == unit),
-                                               title=f"{name}: estimate vs measured ({unit})", ylabel=unit))
+                                               title=f"{name}: estimate vs measured ({unit})", xlabel=unit))
             page.add("</div>")
         page.add("</div>")
         page.add(H.table(items, [("item", "what"), ("unit", "unit"), ("measured", "measured"),

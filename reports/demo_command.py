@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def collect_run(out: Path, *, bpipe: bool, **overrides) -> Path:
-    """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory."""
+def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
+    """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory.
+
+    ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step)."""
     try:
         from collectors.trainer.config import CollectConfig
     except ImportError as e:  # torch (or collectors) is missing: say how to get it
@@ -43,7 +45,12 @@ def collect_run(out: Path, *, bpipe: bool, **overrides) -> Path:
     from collectors.launch import collect
 
     config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
-    return Path(collect(config, out))
+    return Path(collect(config, out, progress=progress))
+
+
+def _short(msg: str, width: int = 90) -> str:
+    msg = " ".join(str(msg).split())
+    return msg if len(msg) <= width else msg[: width - 1] + "…"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             run_dir = runs_dir / name
             if run_dir.exists():
                 shutil.rmtree(run_dir)
-            collect_run(run_dir, bpipe=bpipe)
+            collect_run(run_dir, bpipe=bpipe, progress=lambda msg, task=task, name=name: progress.update(
+                task, description=f"collecting {name}: {_short(msg)}"))
             progress.update(task, description=f"collected {name}", completed=1, total=1)
         from reports.command import analyse_runs
 

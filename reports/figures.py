@@ -16,6 +16,7 @@ hv.extension("bokeh", logo=False)
 WIDTH_OPTS = {"responsive": True, "toolbar": "above", "default_tools": ["pan", "box_zoom", "wheel_zoom", "reset",
                                                                          "save"]}
 PHASE_KINDS = ("forward", "backward", "recompute", "optimizer")
+LABEL_MIN_FRACTION = 0.012  # a block narrower than this share of the timeline gets no label (they would overlap)
 MAX_LABELS = 3000  # beyond this many blocks micro-batch labels would only be ink; hover still tells
 
 
@@ -95,7 +96,10 @@ def timeline(
                     color=palette.CATEGORY_COLOURS[kind], line_width=3, tools=[_hover(hover_xfer)])
             )
 
-    work = b.filter(pl.col("kind").is_in(["forward", "backward", "recompute"]))
+    # Labels only on blocks wide enough to hold one at full view; the others tell their micro-batch on hover.
+    span = max(float(b["end_ms"].max() - b["start_ms"].min()), 1e-9) if b.height else 1.0
+    work = b.filter(pl.col("kind").is_in(["forward", "backward", "recompute"])
+                    & (pl.col("dur_ms") >= LABEL_MIN_FRACTION * span))
     if 0 < work.height <= MAX_LABELS:
         labels = work.with_columns(x=(pl.col("start_ms") + pl.col("end_ms")) / 2, yl=pl.col("y") - 0.18)
         layers.append(
@@ -178,7 +182,8 @@ def memory_over_time(curves: pl.DataFrame, *, title: str) -> hv.Element:
         )
     return hv.Overlay(lines).opts(
         hv.opts.Overlay(title=title, height=320, xlabel="time since the first profiled step (ms)",
-                        ylabel="allocated memory (MiB, max per bin)", legend_position="right", **WIDTH_OPTS)
+                        ylabel="allocated memory (MiB, max per bin)", legend_position="top",
+                        **WIDTH_OPTS)
     )
 
 
@@ -193,17 +198,24 @@ def run_bars(frame: pl.DataFrame, *, value: str, title: str, ylabel: str) -> hv.
     )
 
 
-def estimate_vs_measured(frame: pl.DataFrame, *, title: str, ylabel: str) -> hv.Element:
-    """Measured and estimated side by side per item (e.g. per-stage bubble or peak memory)."""
-    long = (
-        frame.unpivot(index="item", on=["measured", "estimated"], variable_name="source", value_name="value")
-        .with_columns(colour=pl.col("source").replace_strict({"measured": palette.BLUE,
-                                                              "estimated": palette.ORANGE}))
-    )
-    return hv.Bars(_pd(long), kdims=["item", "source"], vdims=["value", "colour"]).opts(
-        color="colour", title=title, ylabel=ylabel, xlabel="", height=300, multi_level=True, show_legend=False,
-        tools=[_hover([("item", "@item"), ("", "@source"), (ylabel, "@value{0,0.00}")])],
-        **WIDTH_OPTS,
+def estimate_vs_measured(frame: pl.DataFrame, *, title: str, xlabel: str) -> hv.Element:
+    """A dot plot: one row per item (e.g. "stage 1 · bubble"), the measured value and the model's estimate as two
+    markers on the same row, so the gap between them is the error. Rows read top to bottom in the table's order."""
+    items = frame["item"].to_list()
+    layers = []
+    for source, colour, marker in (("measured", palette.BLUE, "circle"), ("estimated", palette.ORANGE, "diamond")):
+        part = frame.select("item", pl.col(source).alias("value"), "error_pct").with_columns(source=pl.lit(source))
+        layers.append(
+            hv.Scatter(_pd(part), kdims=["item"], vdims=["value", "source", "error_pct"]).opts(
+                color=colour, marker=marker, size=11, line_color="white",
+                tools=[_hover([("", "@item"), ("", "@source"), (xlabel, "@value{0,0.00}"),
+                               ("error", "@error_pct{+0.0}%")])],
+            )
+        )
+    return hv.Overlay(layers).redim.values(item=items[::-1]).opts(
+        # with invert_axes the value axis is drawn horizontally but keeps the y label
+        hv.opts.Overlay(title=title, invert_axes=True, height=70 + 26 * len(items), xlabel="", ylabel=xlabel,
+                        show_legend=False, show_grid=True, **WIDTH_OPTS)
     )
 
 
