@@ -74,7 +74,7 @@ def test_memory_error_against_the_models_own_estimate(tmp_path):
     # what config_from_manifest makes of the reference trainer's CPU run: eager PyTorch, no dropout, fp32 Adam
     cfg = TrainingConfig(model=TINY, pp=2, microbatch_size=1, num_microbatches=4, precision=FP32_ADAM, dropout=False,
                          eager=True)
-    est = activation_peak_estimate(cfg, grads_in_step=True)
+    est = activation_peak_estimate(cfg)
     measured = [int(e * 1.1) for e in est]  # the "run" used 10% more than the model says
     a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=StageTimes.uniform(2, forward=1e5, backward=2e5),
                       act_bytes=measured)

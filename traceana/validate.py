@@ -24,6 +24,9 @@ from traceana.model.bpipe import Verdict, terms_of
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 
 PHASE_CATEGORIES = ("forward", "backward", "recompute", "optimizer")
+# "Waiting on the pipeline": the bubbles plus exposed P2P. Measured attribution labels idle time during which one of
+# the rank's own sends is still in flight as p2p, which the simulator cannot tell from a bubble; their sum compares.
+WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
 OVERHEAD_CATEGORIES = ("host", "other_compute")
 
 
@@ -34,7 +37,7 @@ class Measured:
     times: StageTimes
     costs: Costs
     step_ns: dict[int, float]  # per stage: mean step time
-    bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall
+    bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall + exposed P2P
     rank_of_stage: dict[int, int]
     steps_used: int
 
@@ -103,7 +106,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         pl.col("optimizer").mean().alias("o"),
         ((pl.col("host") + pl.col("other_compute")) / (pl.col("n_f") + pl.col("n_b"))).mean().alias("h"),
         pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
-        pl.sum_horizontal(*schema.BUBBLE_CATEGORIES).mean().alias("bubble"),
+        pl.sum_horizontal(*schema.BUBBLE_CATEGORIES, "p2p").mean().alias("bubble"),
     )
     row = {r: d for r, *d in means.select("rank", "f", "b", "r", "o", "h", "step", "bubble").iter_rows()}
     if cfg.virtual_stages > 1:
@@ -121,17 +124,11 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     pairs = analysis.p2p.join(steps, on="step")
     p2p = pairs.filter(pl.col("channel") == "p2p")
     bp = pairs.filter(pl.col("channel") == "bpipe")
-    send = p2p.select(
-        (pl.col("send_end") - pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end"))
-        .alias("s")
-    ) if "send_end" in p2p.columns else pl.DataFrame({"s": []})
-    send_ns = float(send["s"].median() or 0) if send.height else 0.0
-    # The receiver's transfer starts when the send starts, so it contains the sender's own time: the simulator's
-    # message arrives send_ns + p2p_ns after the producing operation ends.
-    transfer = float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0
+    # Sends are posted without blocking (isend; the post is host time, already in host_ns), so the sender pays
+    # nothing in line; a message is in flight from the send's start to the receive's end: the receiver's transfer.
     costs = Costs(
-        p2p_ns=max(0.0, transfer - send_ns),
-        send_ns=send_ns,
+        p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
+        send_ns=0.0,
         bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
         bpipe_overlap=True,
     )
@@ -143,21 +140,36 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     )
 
 
-def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool) -> list[float]:
+def backward_working_bytes(cfg: TrainingConfig) -> float:
+    """Gradient tensors alive at once while one layer's backward runs, on top of the saved activations.
+
+    MLP: the incoming gradient (T·h) and the gradients of the hidden activations (GELU: 2·T·f; SwiGLU: gate, up,
+    product and their concatenation, 4·T·f). Attention: the incoming gradient plus, naive, the gradients of the
+    probabilities and of the scores (2·a·s²·b), or, flash, the gradients of q, k and v (3·T·h). The larger one counts.
+    """
+    m, e = cfg.model, cfg.precision.activation_bytes
+    T = cfg.microbatch_size * m.seq
+    mlp = T * m.hidden + (4 if m.family == "llama" else 2) * T * m.ffn_dim
+    if cfg.attention == "naive" and cfg.recompute != "selective":
+        attn = T * m.hidden + 2 * m.heads * m.seq * m.seq * cfg.microbatch_size
+    else:
+        attn = 4 * T * m.hidden
+    return e * max(mlp, attn) / cfg.tp
+
+
+def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
     """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage.
 
-    Saved activations of the micro-batches in flight (own and, with BPipe, accepted), plus the gradients when the
-    trainer frees them between steps (zero_grad(set_to_none=True): they are allocated inside the step), plus one
-    layer's activations of working memory during a backward (its gradient tensors) — an allowance, not a derivation.
+    Saved activations of the micro-batches in flight (own and, with BPipe, accepted) plus one layer's backward
+    working memory. Gradients count only when they are allocated inside the measured step window: a loop that calls
+    zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference trainer)
+    frees last step's gradients after the window's start and allocates new ones before its end: net zero.
     """
-    out = []
-    work = layer_activation_bytes(cfg.model, microbatch_size=cfg.microbatch_size, attention=cfg.attention,
-                                  activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout,
-                                  eager=cfg.eager)
-    for st in estimate_stage_memory(cfg):
-        out.append(st.activation_bytes + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0)
-                   + work)
-    return out
+    work = backward_working_bytes(cfg)
+    return [
+        st.activation_bytes + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
+        for st in estimate_stage_memory(cfg)
+    ]
 
 
 def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: str = "rolling") -> Validation:
@@ -175,9 +187,9 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     sim_per = (
         sim.attribution.group_by("stage").agg(
             pl.col("ns").sum().alias("sim_step"),
-            pl.col("ns").filter(pl.col("category").is_in(schema.BUBBLE_CATEGORIES)).sum().alias("sim_bubble"))
+            pl.col("ns").filter(pl.col("category").is_in(WAIT_CATEGORIES)).sum().alias("sim_bubble"))
     )
-    grads_in_step = bool(run.manifest.extra.get("grads_set_to_none", True)) if run.manifest else True
+    grads_in_step = bool(run.manifest.extra.get("grads_in_step", False)) if run.manifest else False
     est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
     mem = (
         analysis.stage_memory.join(_steady_steps(analysis.attribution, analysis.schedule), on="step")
@@ -225,10 +237,11 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     }
     notes = (
         f"simulator fed with measured busy time per micro-batch, host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms"
-        f" per operation, P2P transfer {meas.costs.p2p_ns / 1e6:.3f} ms, sender {meas.costs.send_ns / 1e6:.3f} ms"
+        f" per operation, P2P in flight {meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + "
+        "stall + exposed P2P"
         + (f", BPipe transfer {meas.costs.bpipe_ns / 1e6:.3f} ms" if bpipe else ""),
         "memory estimate: saved activations in flight"
-        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer of backward working memory",
+        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
     )
     return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)
 

@@ -28,7 +28,7 @@ def render(v, cross: dict | None) -> str:
         f"step time: measured {s['measured_step_ms']:.1f} ms, simulated {s['simulated_step_ms']:.1f} ms, "
         f"error {_fmt(s['step_error'], '+.1%')}",
         "",
-        f"{'stage':>5} {'rank':>4} {'step ms':>8} {'sim ms':>8} {'err':>7} {'bubble ms':>9} {'sim':>8} {'err':>7} "
+        f"{'stage':>5} {'rank':>4} {'step ms':>8} {'sim ms':>8} {'err':>7} {'wait ms':>9} {'sim':>8} {'err':>7} "
         f"{'act MB':>8} {'est MB':>8} {'err':>7}",
     ]
     for r in v.per_stage.iter_rows(named=True):
