@@ -59,11 +59,13 @@ def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
 def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair."""
     p = pairs.filter(pl.col("channel") == "p2p")
-    # Sender: waiting until the receiver posted, then moving bytes until its wait() returned.
+    # Sender: waiting until the receiver posted, then moving bytes until the receiver had them (or its own wait()
+    # returned, if earlier). An asynchronous send waited on much later would otherwise count its whole span.
     send_ready = pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end")
+    send_done = pl.max_horizontal(send_ready, pl.min_horizontal("send_end", "recv_end"))
     transfer = pl.concat([
         p.select(pl.col("dst").alias("rank"), pl.col("data_ready").alias("start"), pl.col("recv_end").alias("end")),
-        p.select(pl.col("src").alias("rank"), send_ready.alias("start"), pl.col("send_end").alias("end")),
+        p.select(pl.col("src").alias("rank"), send_ready.alias("start"), send_done.alias("end")),
     ])
     wait = pl.concat([
         p.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("data_ready").alias("end")),

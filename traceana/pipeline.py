@@ -319,6 +319,7 @@ def infer_schedule(
     # Forward work sent downstream must not have backward work between it and the send: what runs before a
     # backward (autograd's setup, the next input being made) is not that micro-batch's forward.
     next_bwd = bwd.select("rank", "step", pl.col("start").alias("_next_bwd")).sort("_next_bwd")
+    prev_bwd = bwd.select("rank", "step", pl.col("end").alias("_prev_bwd")).sort("_prev_bwd")
     fwd = (
         fwd.join_asof(next_bwd, left_on="end", right_on="_next_bwd", by=["rank", "step"], strategy="forward",
                       check_sortedness=False)
@@ -329,9 +330,13 @@ def infer_schedule(
         .join_asof(role("recv_act", "end_ns"), left_on="start", right_on="recv_act_at", by=["rank", "step"],
                    strategy="backward", check_sortedness=False)
         .join(send_grad_post, on=["rank", "step", "recv_act_mb"], how="left")
+        # On the last stage, forward work after backward work began (grad accumulation, bookkeeping) is not F.
+        .join_asof(prev_bwd, left_on="start", right_on="_prev_bwd", by=["rank", "step"], strategy="backward",
+                   check_sortedness=False)
         .with_columns(
             pl.when(pl.col("has_down")).then(pl.col("send_act_mb"))
-            .when(pl.col("has_up") & (pl.col("_grad_out").is_null() | (pl.col("end") <= pl.col("_grad_out"))))
+            .when(pl.col("has_up") & (pl.col("_grad_out").is_null() | (pl.col("end") <= pl.col("_grad_out")))
+                  & (pl.col("_prev_bwd").is_null() | (pl.col("_prev_bwd") <= pl.col("recv_act_at"))))
             .then(pl.col("recv_act_mb")).alias("microbatch"),
             pl.lit("forward").alias("phase"))
     )
