@@ -1,0 +1,133 @@
+"""Reports from real runs collected here (tiny CPU pipelines, with and without BPipe): content against the analysis
+tables, self-containment, the `traceana report` and `traceana demo` commands."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from report_html import parse, table_with
+
+from reports import html as H
+
+pytest.importorskip("torch")
+pytest.importorskip("collectors.launch")
+
+# 2 stages keep the session's collection short; 4 micro-batches give 1F1B a steady state; one profiled step.
+TINY = {"pp": 2, "microbatches": 4, "steps": 1, "warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    from reports.demo_command import collect_run
+
+    root = tmp_path_factory.mktemp("real_runs")
+    return {name: collect_run(root / name, bpipe=bpipe, **TINY) for name, bpipe in (("baseline", False),
+                                                                                   ("bpipe", True))}
+
+
+@pytest.fixture(scope="module")
+def analyses(runs):
+    from reports.command import analyse_runs
+
+    return analyse_runs([runs["baseline"], runs["bpipe"]], progress=False)
+
+
+@pytest.fixture(scope="module")
+def report(analyses, tmp_path_factory) -> tuple[Path, str]:
+    from reports.build import write_report
+
+    path = write_report(tmp_path_factory.mktemp("real_report") / "report.html", analyses)
+    return path, path.read_text()
+
+
+def test_sections_present(report):
+    p = parse(report[1])
+    assert p.section_ids == ["summary", "timeline", "attribution", "bubbles", "memory", "validation", "comparison"]
+    assert p.network_refs == []
+    assert "schedule" in report[1] and "1f1b" in report[1]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_stage_table_matches_analysis_tables(analyses, report, which):
+    a = analyses[which]
+    tables = [t for t in parse(report[1]).tables if t["section"] == "attribution" and "bubble (ms)" in t["header"]]
+    table = tables[which]
+    head = table["header"]
+    rows = {int(r[0]): r for r in table["rows"]}
+    # step time: the steps table, per rank; bubble: the attribution table's bubble categories; peak: stage_memory
+    step = a.steps.group_by("rank").agg(ms=pl.col("dur_ns").mean() / 1e6)
+    bubble = (
+        a.attribution.filter(pl.col("category").cast(pl.String).str.starts_with("bubble"))
+        .group_by("rank", "step").agg(pl.col("ns").sum())
+        .group_by("rank").agg(ms=pl.col("ns").mean() / 1e6)
+    )
+    peak = a.stage_memory.group_by("rank").agg(mib=pl.col("peak_bytes").max() / 2**20)
+    stage_of = dict(a.stages.select("rank", "stage").iter_rows())
+    assert sorted(rows) == sorted(stage_of.values())
+    for rank, ms in step.iter_rows():
+        assert rows[stage_of[rank]][head.index("step (ms)")] == H.num(ms)
+    for rank, ms in bubble.iter_rows():
+        assert rows[stage_of[rank]][head.index("bubble (ms)")] == H.num(ms)
+    for rank, mib in peak.iter_rows():
+        assert rows[stage_of[rank]][head.index("peak memory (MiB)")] == H.num(mib)
+
+
+def test_comparison_step_times_match(analyses, report):
+    overview = table_with(parse(report[1]), "comparison", "step time (ms)")
+    expected = [a.steps.group_by("step").agg(pl.col("dur_ns").max())["dur_ns"].mean() / 1e6 for a in analyses]
+    col = overview["header"].index("step time (ms)")
+    assert [r[col] for r in overview["rows"]] == [H.num(x) for x in expected]
+
+
+def test_validation_section_shows_the_model(analyses, report):
+    from traceana.validate import validate
+
+    v = validate(analyses[0])
+    table = [t for t in parse(report[1]).tables if t["section"] == "validation" and "error (%)" in t["header"]][0]
+    row = {r[0]: r for r in table["rows"]}["step time, whole pipeline"]
+    assert row[2:4] == [H.num(v.summary["measured_step_ms"]), H.num(v.summary["simulated_step_ms"])]
+
+
+def test_report_command_writes_a_file(runs, tmp_path, capsys):
+    from traceana.cli import main
+
+    out = tmp_path / "r.html"
+    assert main(["report", str(runs["baseline"]), "-o", str(out), "--quiet", "--no-validate"]) == 0
+    assert f"report: {out}" in capsys.readouterr().out
+    assert "timeline" in parse(out.read_text()).section_ids
+
+
+def test_report_command_bad_input_is_one_line(tmp_path, capsys):
+    from traceana.cli import main
+
+    assert main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "r.html"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such run directory" in err[0]
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "r.html"), "--quiet"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_demo_writes_the_report_and_says_where(runs, tmp_path, monkeypatch, capsys):
+    """The demo's own flow (progress, analysis, validation, report, clean-up) on the runs collected above; collecting
+    itself is what the `runs` fixture exercised through the same `collect_run`."""
+    import reports.demo_command as demo
+
+    def copy_run(out: Path, *, bpipe: bool, progress=None, **_):
+        if progress:
+            progress("rank 0 finished step 0")
+        shutil.copytree(runs["bpipe" if bpipe else "baseline"], out)
+        return out
+
+    monkeypatch.setattr(demo, "collect_run", copy_run)
+    out = tmp_path / "demo"
+    assert demo.run(argparse.Namespace(out=out, keep=False, quiet=True)) == 0
+    assert capsys.readouterr().out.strip() == f"report: {(out / 'report.html').resolve()}"
+    assert (out / "report.html").stat().st_size > 100_000
+    assert not (out / "runs").exists()
+    assert "comparison" in parse((out / "report.html").read_text()).section_ids
