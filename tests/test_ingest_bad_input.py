@@ -340,3 +340,25 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     code = cli_main(["analyze", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "rank0.json" in err and "empty file" in err
+
+
+def test_other_json_files_in_a_run_directory_are_ignored_with_a_warning(tmp_path):
+    good_trace(rank=0, world_size=1).write(tmp_path / "rank0.pt.trace.json.gz")
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 0.1}))
+    (tmp_path / "results.json").write_text("[1, 2]")
+    with pytest.warns(UserWarning, match="config.json: ignored"):
+        run = load_run(tmp_path)
+    assert run.ranks == [0] and len(run.warnings) == 2
+
+
+def test_a_directory_of_only_other_json_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 0.1}))
+    with pytest.raises(RunDirError, match="only other JSON files"):
+        load_run(tmp_path)
+
+
+def test_a_trace_named_file_that_is_not_a_trace_is_an_error(tmp_path):
+    good_trace(rank=0, world_size=2).write(tmp_path / "rank0.json")
+    (tmp_path / "rank1.json").write_text(json.dumps({"lr": 0.1}))
+    with pytest.raises(TraceFormatError, match="rank1.json.*without traceEvents"):
+        load_run(tmp_path)

@@ -71,6 +71,10 @@ CPP_TYPE_BYTES = {
     "unsigned int": 4, "unsigned long": 8,
 }
 
+class NotATraceError(TraceFormatError):
+    """Valid JSON, but not a Kineto trace (a config or results file that happens to end in .json)."""
+
+
 _Num = int | float | str | None  # lenient: a wrong type becomes null in the table instead of losing the event
 
 
@@ -196,12 +200,13 @@ def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
         raise TraceFormatError("file holds only whitespace", path=shown(path), fix="re-collect the trace")
     if head[:1] != b"{":
         what = "a JSON array" if head[:1] == b"[" else "not JSON"
-        raise TraceFormatError(f"{what}, not a Kineto trace object", path=shown(path),
+        raise (NotATraceError if head[:1] == b"[" else TraceFormatError)(
+            f"{what}, not a Kineto trace object", path=shown(path),
                                fix="pass the JSON file torch.profiler wrote (export_chrome_trace / tensorboard_trace_handler)")
     try:
         return _TOP.decode(buf), False
     except msgspec.ValidationError as e:
-        raise TraceFormatError(f"not a Kineto trace ({e})", path=shown(path),
+        raise NotATraceError(f"not a Kineto trace ({e})", path=shown(path),
                                fix="pass a torch.profiler trace whose traceEvents is a list") from None
     except RecursionError:
         raise TraceFormatError("JSON nested too deeply to decode (over ~1000 levels)", path=shown(path),
@@ -602,7 +607,7 @@ def read_trace(
     first = bytes(memoryview(top.traceEvents)[:1])
     if first != b"[":
         what = "without traceEvents" if not first else "whose traceEvents is not a list"
-        raise TraceFormatError(f"JSON object {what}: not a Kineto trace", path=shown(path),
+        raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
                                fix="pass a trace written by torch.profiler (export_chrome_trace)")
     truncated = gz_truncated or json_truncated
     warnings: list[str] = []

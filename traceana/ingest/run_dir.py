@@ -23,10 +23,18 @@ from traceana import names, schema
 from traceana.errors import BadInputError, RunDirError, TraceanaError
 from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
-from traceana.ingest.kineto import is_trace_name, read_trace, shown
+from traceana.ingest.kineto import NotATraceError, is_trace_name, rank_from_filename, read_trace, shown
 from traceana.manifest import MANIFEST_NAME, Manifest
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
+
+
+class IngestWarning(UserWarning):
+    """A usable but incomplete input (truncated trace, missing ranks, no cache): also listed in ``Run.warnings``.
+
+    Commands that print ``Run.warnings`` themselves can silence these with
+    ``warnings.simplefilter("ignore", IngestWarning)``.
+    """
 
 
 def find_traces(directory: Path) -> list[Path]:
@@ -83,10 +91,20 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         else:
             misses.append(f)
     for f, result in zip(misses, _parse_all(misses, workers=workers, progress=progress)):
-        parsed[f] = result
-        note = trace_cache.store(f, *result)
+        if result[0] == "error":
+            cls, what = result[1][0], result[1][1]
+            if path.is_dir() and cls is NotATraceError and not _named_like_a_trace(f):
+                warnings.append(f"{shown(f)}: ignored ({what})")  # e.g. a config or results file in the run dir
+                continue
+            _raise(result[1])
+        parsed[f] = result[1]
+        note = trace_cache.store(f, *result[1])
         if note:
             warnings.append(note)
+    files = [f for f in files if f in parsed]
+    if not files:
+        raise RunDirError("no Kineto traces in this directory (only other JSON files)", path=shown(path),
+                          fix="point at the directory the profiler wrote rank*.pt.trace.json.gz into")
 
     results = [parsed[f] for f in files]
     warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
@@ -100,7 +118,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         schema.TRACES,
     )
     for w in warnings:
-        pywarnings.warn(w, stacklevel=2)
+        pywarnings.warn(w, IngestWarning, stacklevel=2)
     return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
                memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
                warnings=tuple(warnings))
@@ -112,17 +130,15 @@ def _parse_one(path: Path) -> tuple[str, Any]:
     try:
         return "ok", read_trace(path)
     except TraceanaError as e:
-        return "error", (type(e).__name__, e.what, e.path, e.fix)
+        return "error", (type(e), e.what, e.path, e.fix)
 
 
-def _raise(payload: tuple[str, str, str | None, str | None]) -> None:
-    import traceana.errors as errors
-
-    cls = getattr(errors, payload[0], TraceanaError)
+def _raise(payload: tuple[type, str, str | None, str | None]) -> None:
+    cls = payload[0] if isinstance(payload[0], type) and issubclass(payload[0], TraceanaError) else TraceanaError
     raise cls(payload[1], path=payload[2], fix=payload[3])
 
 
-def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> list[Parsed]:
+def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> list[tuple[str, Any]]:
     if not files:
         return []
     if workers is None:
@@ -134,7 +150,7 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
         if n_workers <= 1:
             out = []
             for f in files:
-                out.append(_unwrap(_parse_serial(f, bar.per_event(f))))
+                out.append(_parse_serial(f, bar.per_event(f)))
                 bar.file_done()
             return out
         results: dict[Path, Any] = {}
@@ -153,7 +169,7 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
             if f not in results:
                 results[f] = _parse_serial(f, None)
                 bar.file_done()
-        return [_unwrap(results[f]) for f in files]
+        return [results[f] for f in files]
 
 
 PARALLEL_MIN_BYTES = 64_000_000  # raw JSON bytes (estimated) of all files to parse before workers pay off
@@ -180,14 +196,12 @@ def _parse_serial(path: Path, on_progress: Callable[[int, int], None] | None) ->
     try:
         return "ok", read_trace(path, on_progress=on_progress)
     except TraceanaError as e:
-        return "error", (type(e).__name__, e.what, e.path, e.fix)
+        return "error", (type(e), e.what, e.path, e.fix)
 
 
-def _unwrap(result: tuple[str, Any]) -> Parsed:
-    status, value = result
-    if status == "error":
-        _raise(value)
-    return value
+def _named_like_a_trace(f: Path) -> bool:
+    """Profiler output names: *.pt.trace.json[.gz], rank-numbered files, or anything gzipped."""
+    return ".pt.trace." in f.name or f.name.endswith(".gz") or rank_from_filename(f) is not None
 
 
 class _Progress:
@@ -337,4 +351,4 @@ def summarize_ranks(run: Run) -> pl.DataFrame:
     )
 
 
-__all__ = ["load_run", "read_trace", "find_traces", "summarize_ranks", "CACHE_DIR"]
+__all__ = ["load_run", "read_trace", "find_traces", "summarize_ranks", "IngestWarning", "CACHE_DIR"]
