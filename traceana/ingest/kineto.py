@@ -315,7 +315,11 @@ def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
         else:
             comma = buf.index(b",", m.start())
             end, nxt = comma, comma + 1
-        yield b"[" + buf[start:end] + b"]", nxt - lo, total
+        chunk = bytearray(end - start + 2)  # "[" + events + "]" in one copy
+        chunk[0], chunk[-1] = 0x5B, 0x5D
+        chunk[1:-1] = memoryview(buf)[start:end]
+        yield chunk, nxt - lo, total
+        del chunk
         start = nxt
 
 
@@ -349,7 +353,7 @@ def _decoded_chunks(buf: bytes | bytearray, events: msgspec.Raw, problems: list[
         yield evs, done, total
 
 
-def _decode_chunk(chunk: bytes, problems: list[str]) -> tuple[list[_Event], int]:
+def _decode_chunk(chunk: bytes | bytearray, problems: list[str]) -> tuple[list[_Event], int]:
     """Typed events of one chunk (times exact, see FLOAT_EXACT_US) and how many events the chunk held."""
     batch_problems: list[str] = []
     evs, n = _decode_batch(chunk, batch_problems, exact=False)
@@ -360,7 +364,7 @@ def _decode_chunk(chunk: bytes, problems: list[str]) -> tuple[list[_Event], int]
     return evs, n
 
 
-def _decode_batch(chunk: bytes, problems: list[str], *, exact: bool) -> tuple[list[_Event], int]:
+def _decode_batch(chunk: bytes | bytearray, problems: list[str], *, exact: bool) -> tuple[list[_Event], int]:
     many, one = _DECODERS[exact]
     try:
         evs = many.decode(chunk)
