@@ -64,7 +64,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
-    msgs = pipeline.messages(events)
+    msgs = pipeline.messages(events, pipeline.bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))

@@ -6,7 +6,8 @@ Every instant of a step gets the first category (in this priority order) whose i
 1. compute — the rank is busy (timeline.busy_events); split by the schedule window the work was launched in:
    ``recompute`` (inside B) > ``optimizer`` > ``backward`` > ``forward`` > ``other_compute`` (no window);
 2. ``collective`` — a collective op, span or kernel of the rank is running;
-3. ``bpipe`` — an EVICT/LOAD/ACCEPT/RETURN span or a BPipe message (either side classified as BPipe) is in flight;
+3. ``bpipe`` — inside an EVICT/LOAD/ACCEPT/RETURN span or a BPipe op (or, on ranks without those annotations, while
+   a BPipe message — either side classified as BPipe — is in flight);
 4. ``p2p`` — a P2P message is moving bytes (after ``data_ready``: the peer's send had started and the receiver
    had posted);
 5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): ``bubble_warmup``
@@ -96,13 +97,20 @@ def segments(
     compute = {ph: busy_iv.filter(pl.col("phase") == ph).drop("phase") for ph in
                ("recompute", "optimizer", "backward", "forward", "other_compute")}
     collective = _span(events.filter(pl.col("kind") == "collective"))
+    # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
+    # asynchronous messages count only on ranks without such annotations (traffic known from the process group
+    # alone): where annotations exist, a message posted early and waited on inside LOAD/ACCEPT would otherwise
+    # claim all the idle time in between, which is the pipeline's bubble, not BPipe's cost.
+    annotated = events.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))
     bp = pairs.filter(pl.col("channel") == "bpipe")
-    bpipe = pl.concat([
-        _span(events.filter((pl.col("kind") == "bpipe_transfer")
-                            | pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))),
+    bp_msgs = pl.concat([
         bp.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
         bp.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
         unmatched.filter(pl.col("channel") == "bpipe").select("rank", "start", "end"),
+    ]).join(annotated.select("rank").unique(), on="rank", how="anti")
+    bpipe = pl.concat([
+        _span(events.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))),
+        _span(annotated), bp_msgs,
     ])
     transfer, wait = p2p_intervals(pairs, unmatched)
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))

@@ -9,6 +9,8 @@ a rank whose stage or micro-batches cannot be determined gets no schedule rows a
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 
 from traceana import names
@@ -25,7 +27,24 @@ MESSAGE = {
 
 
 # --- messages and pairs --------------------------------------------------------------------------------------
-def messages(events: pl.DataFrame) -> pl.DataFrame:
+def bpipe_groups(traces: pl.DataFrame) -> pl.DataFrame:
+    """``rank, group_ranks``: the members (global ranks, in group-rank order) of each rank's BPipe process group,
+    from the trace's ``distributedInfo.pg_config``. One small JSON document per rank, parsed in Python."""
+    rows = []
+    if "pg_config" in traces.columns:
+        for rank, cfg in traces.select("rank", "pg_config").rows():
+            try:
+                groups = json.loads(cfg) if cfg else []
+            except ValueError:
+                continue
+            for g in groups if isinstance(groups, list) else []:
+                ranks = g.get("ranks") if isinstance(g, dict) else None
+                if (names.BPIPE_GROUP_DESC in str(g.get("pg_desc", ""))) and isinstance(ranks, list) and rank in ranks:
+                    rows.append((rank, [int(r) for r in ranks]))
+    return pl.DataFrame(rows, schema={"rank": pl.Int32, "group_ranks": pl.List(pl.Int32)}, orient="row")
+
+
+def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per P2P message a rank sent or received (MESSAGE columns).
 
     GPU ranks: the NCCL SendRecv kernel (start = when the GPU began the transfer, end = when it completed). CPU ranks:
@@ -65,6 +84,29 @@ def messages(events: pl.DataFrame) -> pl.DataFrame:
                   pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu") for m in (cpu_msgs, gpu_msgs)],
         how="vertical_relaxed",
     )
+    # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
+    # inside a receiving BPipe span (LOAD on the evictor, ACCEPT on the acceptor).
+    from traceana import intervals as iv
+    from traceana.classify import inside
+
+    receiving = iv.merge(
+        events.filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
+        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")), "rank")
+    if receiving.height:
+        ends_inside = inside(out.with_columns((pl.col("end_ns") - 1).alias("_last")), "_last", receiving)
+        out = out.with_columns(pl.when(pl.lit(ends_inside) & (pl.col("dir") == "recv")).then(pl.lit("bpipe"))
+                               .otherwise(pl.col("channel")).alias("channel"))
+    # c10d records the peer as a rank *within the process group*: map BPipe traffic (which runs on its own group)
+    # back to global ranks.
+    if groups is not None and groups.height:
+        out = (
+            out.join(groups, on="rank", how="left")
+            .with_columns(pl.when((pl.col("channel") == "bpipe") & pl.col("group_ranks").is_not_null()
+                                  & (pl.col("peer") < pl.col("group_ranks").list.len()))
+                          .then(pl.col("group_ranks").list.get(pl.col("peer"), null_on_oob=True))
+                          .otherwise(pl.col("peer")).alias("peer"))
+            .drop("group_ranks")
+        )
     return conform(out, MESSAGE).sort("rank", "post_ns")
 
 
