@@ -19,7 +19,7 @@ from traceana.errors import TraceanaError
 from traceana.ingest.kineto import read_trace
 
 THIRD_PARTY_SEED = Path(__file__).resolve().parent.parent.parent / "shared/traces/third_party/hta/call_stack/backward_thread.json"
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

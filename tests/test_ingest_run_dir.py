@@ -187,3 +187,18 @@ def test_summarize_third_party(third_party):
     assert (s["rank"], s["world_size"], s["devices"], s["steps"], s["first_step"], s["last_step"]) == \
         (0, 2, "0", 3, 4, 6)
     assert (s["kernels"], s["nccl_kernels"], s["collectives"], s["p2p_ops"]) == (2700, 21, 21, 0)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_bar_does_not_change_results(run4, workers):
+    plain = load_run(run4, cache=False)
+    shown = load_run(run4, cache=False, progress=True, workers=workers)
+    assert_frame_equal(plain.events, shown.events)
+
+
+def test_default_workers_stay_serial_for_small_runs(run4, monkeypatch):
+    def no_pool(*a, **k):
+        raise AssertionError("a process pool was started for a few kB of traces")
+
+    monkeypatch.setattr(run_dir_mod.cf, "ProcessPoolExecutor", no_pool)
+    assert load_run(run4, cache=False).ranks == [0, 1, 2, 3]
