@@ -63,7 +63,7 @@ class CollectConfig:
         layers = self.shape.layers
         if self.pp > layers:
             raise ConfigError(
-                f"{self.pp} pipeline stages for a {layers}-layer model ({self.preset})",
+                f"{self.pp} pipeline stages but {self.preset} has only {layers} layers",
                 fix=f"use --pp {layers} or fewer",
             )
         if self.bpipe and self.pp < 2:

@@ -1,0 +1,57 @@
+"""Run the reference pipeline trainer under the profiler and write a run directory.
+
+Spawns one process per stage (gloo on CPU; NCCL when each rank has its own GPU; several stages on one GPU
+communicate through host memory over gloo). Under torchrun (RANK/WORLD_SIZE set) this process is one rank.
+Impossible configurations are refused before any process starts.
+
+  traceana collect --preset tiny-gpt --pp 4 --microbatches 8 --schedule 1f1b --bpipe -o runs/bpipe
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from collectors.trainer.config import PRESETS, SCHEDULES  # cheap: no torch import
+
+    parser.add_argument("--model", "--preset", dest="preset", default="tiny-gpt", metavar="PRESET",
+                        help=f"model preset: {', '.join(PRESETS)} (default tiny-gpt)")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages = processes (default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--bpipe", action="store_true", help="evict activations from stage s to stage p-1-s (BPipe)")
+    parser.add_argument("--bpipe-inflight", type=int, default=None, metavar="N",
+                        help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)")
+    parser.add_argument("--attention", default="naive", choices=("naive", "sdpa"),
+                        help="naive keeps the s×s scores; sdpa is flash-style (default naive)")
+    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                        help="activation recomputation (default none)")
+    parser.add_argument("--steps", type=int, default=2, help="profiled training steps (default 2)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="unprofiled steps before them (default 1)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("-o", "--out", type=Path, required=True, help="run directory to write")
+
+
+def config_from_args(args: argparse.Namespace):
+    from collectors.trainer.config import CollectConfig
+
+    return CollectConfig(
+        preset=args.preset, pp=args.pp, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
+        schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
+        recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)  # ConfigError (exit 2) before torch is even imported
+    from collectors import launch
+
+    if launch.in_torchrun():
+        launch.run_under_torchrun(config, args.out, progress=print)
+    else:
+        launch.collect(config, args.out, progress=print)
+    print(f"wrote {args.out}; next: traceana analyze {args.out}")
+    return 0
