@@ -13,9 +13,10 @@ How it decodes, and why (FIELD-NOTES.md "Parsing speed": typed msgspec decoding 
    few ``c10d::send``/``c10d::recv_``/``gloo:*`` events); each batch becomes a polars frame;
 4. the frames are concatenated and finished with polars expressions (times, tracks, peers, sizes).
 
-Times: Kineto writes ``ts``/``dur`` as float microseconds. A float64 cannot hold an absolute µs wall clock
-(~1.7e15) to the nanosecond (its spacing there is 0.25 µs), so ``ts`` is decoded as ``decimal.Decimal`` (exactly
-the digits in the file) and converted to int64 ns from its text. Kineto writes ``ts`` relative to
+Times: Kineto writes ``ts``/``dur`` as float microseconds. Below 2**43 µs (Kineto's base-relative times) a float64
+is exact to the nanosecond for 3-decimal values; an absolute µs wall clock (~1.7e15, as older Kineto wrote) is not
+(float spacing there is 0.25 µs), so such chunks are decoded again with ``ts`` as ``decimal.Decimal`` (exactly the
+digits in the file) and converted to int64 ns from its text. Kineto writes ``ts`` relative to
 ``baseTimeNanoseconds`` (checked on a torch 2.13 trace: base + ts = wall clock); when the base is present and the
 ``ts`` values are not already epoch-scale we add it, so ``ts_ns`` is absolute on every rank.
 
@@ -70,6 +71,7 @@ CPP_TYPE_BYTES = {
     "c10::complex<c10::Half>": 4, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fn": 1, "unsigned short": 2,
     "unsigned int": 4, "unsigned long": 8,
 }
+
 
 class NotATraceError(TraceFormatError):
     """Valid JSON, but not a Kineto trace (a config or results file that happens to end in .json)."""
@@ -200,14 +202,14 @@ def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
         raise TraceFormatError("file holds only whitespace", path=shown(path), fix="re-collect the trace")
     if head[:1] != b"{":
         what = "a JSON array" if head[:1] == b"[" else "not JSON"
-        raise (NotATraceError if head[:1] == b"[" else TraceFormatError)(
-            f"{what}, not a Kineto trace object", path=shown(path),
-                               fix="pass the JSON file torch.profiler wrote (export_chrome_trace / tensorboard_trace_handler)")
+        cls = NotATraceError if head[:1] == b"[" else TraceFormatError
+        raise cls(f"{what}, not a Kineto trace object", path=shown(path),
+                  fix="pass the JSON file torch.profiler wrote (export_chrome_trace / tensorboard_trace_handler)")
     try:
         return _TOP.decode(buf), False
     except msgspec.ValidationError as e:
         raise NotATraceError(f"not a Kineto trace ({e})", path=shown(path),
-                               fix="pass a torch.profiler trace whose traceEvents is a list") from None
+                             fix="pass a torch.profiler trace whose traceEvents is a list") from None
     except RecursionError:
         raise TraceFormatError("JSON nested too deeply to decode (over ~1000 levels)", path=shown(path),
                                fix="this is not a profiler trace as torch writes it; re-collect it") from None
@@ -295,7 +297,8 @@ class _BadSplit(Exception):
 def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
     """Yield (JSON array of whole events, bytes done, bytes total), about CHUNK_BYTES each.
 
-    The array is cut only at a separator between two events, found with bytes.find (no per-event Python objects).
+    The array is cut only at a separator between two events, found by a regex search from the target size (no
+    per-event Python objects).
     A cut anywhere else leaves unbalanced brackets, so the chunk fails to decode (the whole array was validated by
     the top-level decode, so nothing else can fail that way) and we fall back to letting msgspec find each event's
     bounds: always correct, a little slower.
