@@ -715,7 +715,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                  & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
     dropped = n_x - x.height
 
-    is_gpu = pl.col("cat").str.to_lowercase().is_in(list(GPU_CATS)).fill_null(False)
+    is_gpu = pl.col("cat").is_in([*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]).fill_null(False)
     stream_from_tid = pl.coalesce(pl.col("tid").cast(pl.Int64, strict=False),
                                   pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
     x = x.with_columns(is_gpu=is_gpu, pid=pl.col("pid").fill_null(""), tid=pl.col("tid").fill_null("")).with_columns(
