@@ -8,8 +8,12 @@ minutes on 2 cores. Open the printed report in a browser.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from traceana.errors import BadInputError
@@ -48,6 +52,27 @@ def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
     return Path(collect(config, out, progress=progress))
 
 
+@contextmanager
+def workers_output_to(log: Path) -> Iterator[None]:
+    """Send file descriptor 2 to ``log`` while the trainer runs.
+
+    The trainer's processes inherit our stderr, and torch's profiler prints several lines per rank and step there
+    (``USDT … profiler_start``, allocator warnings), which would tear through the progress display. The progress
+    display keeps drawing on a duplicate of the terminal's stderr, taken before this redirect.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _short(msg: str, width: int = 90) -> str:
     msg = " ".join(str(msg).split())
     return msg if len(msg) <= width else msg[: width - 1] + "…"
@@ -55,10 +80,20 @@ def _short(msg: str, width: int = 90) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    out: Path = args.out
+    log = out / "collect.log"
+    # rich draws on its own duplicate of stderr, so it stays on the terminal while fd 2 goes to the log
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    try:
+        return _run(args, Console(file=terminal, quiet=args.quiet), out=out, log=log)
+    finally:
+        terminal.close()
+
+
+def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True, quiet=args.quiet)
-    out: Path = args.out
     report = out / "report.html"
     runs_dir = out / "runs"
     t0 = time.perf_counter()
@@ -72,8 +107,13 @@ def run(args: argparse.Namespace) -> int:
             run_dir = runs_dir / name
             if run_dir.exists():
                 shutil.rmtree(run_dir)
-            collect_run(run_dir, bpipe=bpipe, progress=lambda msg, task=task, name=name: progress.update(
-                task, description=f"collecting {name}: {_short(msg)}"))
+            try:
+                with workers_output_to(log):
+                    collect_run(run_dir, bpipe=bpipe, progress=lambda msg, task=task, name=name: progress.update(
+                        task, description=f"collecting {name}: {_short(msg)}"))
+            except BaseException:
+                console.print(f"the trainer's own output is in {log}")
+                raise
             progress.update(task, description=f"collected {name}", completed=1, total=1)
         from reports.command import analyse_runs
 
@@ -89,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.keep:
         shutil.rmtree(runs_dir, ignore_errors=True)
+        log.unlink(missing_ok=True)
     from reports import frames as F
 
     for (name, _), a in zip(RUNS, analyses, strict=True):

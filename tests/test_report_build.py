@@ -172,3 +172,31 @@ def test_run_with_nothing_to_report_is_a_clear_error():
 )
 def test_numbers_are_rounded_for_people(x, text):
     assert H.num(x) == text
+
+
+def test_evil_trace_end_to_end(tmp_path):
+    """A real (synthetic) trace whose event names, thread and folder carry markup: read, analyse, report."""
+    from tracebuilder import TraceBuilder
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    run_dir = tmp_path / "<svg onload=document.title='pwned'>"  # no "/" in a folder name
+    run_dir.mkdir()
+    for rank in (0, 1):
+        tb = TraceBuilder(rank=rank, world_size=2, tid="<img src=x onerror=alert(1)>")
+        tb.step(0, 0, 100)
+        tb.annotation(f"PP:{rank}F0", 5, 20)
+        tb.cpu_op(EVIL, 6, 10)
+        if rank == 0:
+            tb.send(peer=1, tag=0, ts=30, dur=2)
+        else:
+            tb.recv(peer=0, tag=0, ts=1, dur=31)
+        tb.annotation(f"PP:{rank}B0", 40, 30)
+        tb.cpu_op(EVIL, 41, 20)
+        tb.memory(10, 1 << 20, 1 << 20)
+        tb.write(run_dir / f"rank{rank}.pt.trace.json.gz")
+    a = analyze(load_run(run_dir, cache=False))
+    text = build_report([a], validation=None)
+    assert "<svg onload" not in text and "<script>document.title" not in text and "<img src=x" not in text
+    assert "&lt;svg onload=document.title=&#x27;pwned&#x27;&gt;" in text
