@@ -82,7 +82,11 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     fb = annotated.filter(pl.col("phase").is_in(["forward", "backward"]))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
-    if unannotated:
+    interleaved = run.manifest is not None and run.manifest.schedule.startswith("interleaved")
+    if unannotated and interleaved:
+        notes.append(f"ranks {', '.join(map(str, unannotated))} carry no forward/backward annotations and run an "
+                     "interleaved schedule (several virtual stages per rank): their schedule is not inferred")
+    elif unannotated:
         inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=unannotated)
         notes += n
         got = sorted(set(inferred["rank"].to_list()))

@@ -312,12 +312,18 @@ def infer_schedule(
             .then(pl.when(pl.col("dir") == "recv").then(pl.lit("recv_act")).otherwise(pl.lit("send_grad")))
             .otherwise(pl.when(pl.col("dir") == "send").then(pl.lit("send_act")).otherwise(pl.lit("recv_grad")))
             .alias("role"))
-        # Pipeline traffic goes to the neighbouring stages; anything else (an un-annotated side channel) is not
-        # the schedule's.
-        .filter((pl.col("peer_stage") - pl.col("stage")).abs() == 1)
         .sort("post_ns")
         .with_columns(pl.int_range(pl.len()).over("rank", "step", "role").cast(pl.Int32).alias("mb"))
     )
+    # Pipeline traffic goes to the neighbouring stages. Traffic between others means virtual stages (interleaved
+    # schedules wrap around from the last rank to the first) or an unidentified side channel: micro-batches and
+    # phases cannot then be told from P2P order, and we say so rather than guess.
+    far = roles.filter((pl.col("peer_stage") - pl.col("stage")).abs() != 1)
+    if far.height:
+        pairs_ = sorted({(min(a, b), max(a, b)) for a, b in far.select("rank", "peer").rows()})
+        notes.append("P2P between non-neighbouring stages (ranks " + ", ".join(f"{a}↔{b}" for a, b in pairs_)
+                     + "), as in interleaved schedules: the schedule of un-annotated ranks is not inferred")
+        return conform(pl.DataFrame(), SCHEDULE).clear(), notes
     has = roles.group_by("rank").agg(
         (pl.col("role") == "send_act").any().alias("has_down"), (pl.col("role") == "recv_act").any().alias("has_up"))
     lonely = sorted(set(st["rank"].to_list()) - set(has.filter(pl.col("has_down") | pl.col("has_up"))["rank"]
@@ -376,7 +382,10 @@ def infer_schedule(
         .join_asof(prev_bwd, left_on="start", right_on="_prev_bwd", by=["rank", "step"], strategy="backward",
                    check_sortedness=False)
         .with_columns(
-            pl.when(pl.col("has_down")).then(pl.col("send_act_mb"))
+            # A middle stage's forward of micro-batch k runs after its activation k arrived.
+            pl.when(pl.col("has_down") & pl.col("has_up"))
+            .then(pl.when(pl.col("recv_act_mb") == pl.col("send_act_mb")).then(pl.col("send_act_mb")))
+            .when(pl.col("has_down")).then(pl.col("send_act_mb"))
             .when(pl.col("has_up") & (pl.col("_grad_out").is_null() | (pl.col("end") <= pl.col("_grad_out")))
                   & (pl.col("_prev_bwd").is_null() | (pl.col("_prev_bwd") <= pl.col("recv_act_at"))))
             .then(pl.col("recv_act_mb")).alias("microbatch"),
