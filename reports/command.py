@@ -15,8 +15,10 @@ from traceana.errors import BadInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or trace files); the first is the baseline")
-    parser.add_argument("-o", "--output", default="report.html", metavar="FILE", help="where to write the report (default: report.html)")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (or trace files); the first is the baseline")
+    parser.add_argument("-o", "--output", default="report.html", metavar="FILE",
+                        help="where to write the report (default: report.html)")
     parser.add_argument("--name", action="append", default=None, metavar="NAME",
                         help="a label per run, in order (default: the directory names)")
     parser.add_argument("--title", default=None, help="the report's title")

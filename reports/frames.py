@@ -192,7 +192,7 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
 
 
 def timeline_transfers(a: Analysis) -> pl.DataFrame:
-    """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received) and the wait before it."""
+    """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received), the wait before it."""
     origin = origin_ns(a)
     p2p = a.p2p.filter(pl.col("data_ready").is_not_null() & pl.col("recv_end").is_not_null())
     return p2p.select(

@@ -94,23 +94,22 @@ def para(text: str, *, css_class: str | None = None) -> str:
     return f"<p{cls}>{esc(text)}</p>"
 
 
-def run_swatches(names: Sequence[str]) -> str:
-    """The colour key of the runs in comparison figures."""
+def key(colours: dict[str, str]) -> str:
+    """A small HTML colour key (label → colour) above a figure: legends stay out of the plots' width."""
     items = "".join(
-        f'<span class="swatch"><i style="background:{esc(palette.run_colour(i))}"></i>{esc(n)}</span>'
-        for i, n in enumerate(names)
+        f'<span class="swatch"><i style="background:{esc(c)}"></i>{esc(label)}</span>' for label, c in colours.items()
     )
     return f'<div class="key">{items}</div>'
+
+
+def run_swatches(names: Sequence[str]) -> str:
+    """The colour key of the runs in comparison figures."""
+    return key({n: palette.run_colour(i) for i, n in enumerate(names)})
 
 
 def legend_swatches(kinds: Iterable[str]) -> str:
-    """A small HTML colour key, so the palette is explained once, above the figures."""
-    items = "".join(
-        f'<span class="swatch"><i style="background:{esc(palette.CATEGORY_COLOURS[k])}"></i>'
-        f"{esc(palette.CATEGORY_LABELS[k])}</span>"
-        for k in kinds
-    )
-    return f'<div class="key">{items}</div>'
+    """The colour key of attribution categories, so the palette is explained once, above the figures."""
+    return key({palette.CATEGORY_LABELS[k]: palette.CATEGORY_COLOURS[k] for k in kinds})
 
 
 CSS = """
@@ -147,7 +146,8 @@ table.facts th { color:var(--muted); font-weight:600; width:220px; }
 table.facts td { word-break:break-all; }
 ul.notes { margin:4px 0 12px; padding-left:20px; color:var(--muted); }
 .key { display:flex; flex-wrap:wrap; gap:14px; font-size:13px; margin:6px 0 10px; }
-.swatch i { display:inline-block; width:14px; height:14px; margin-right:5px; vertical-align:-2px; border:1px solid #999; }
+.swatch i { display:inline-block; width:14px; height:14px; margin-right:5px; vertical-align:-2px;
+            border:1px solid #999; }
 .plot { margin:6px 0 18px; min-height:120px; }
 .grid { display:grid; grid-template-columns:repeat(auto-fit, minmax(520px, 1fr)); gap:24px; }
 .grid > div { min-width:0; }

@@ -101,10 +101,10 @@ def make_analysis(
             act = 40 * 2**20 * (pp - r if not bpipe else (pp + 1) / 2)
             peak = int(100 * 2**20 + act)
             stage_mem.append((r, r, step, 100 * 2**20, peak, peak - 100 * 2**20))
-            for k, t in enumerate(range(0, step_len, MS)):
+            for t in range(0, step_len, MS):
                 frac = 1 - abs(2 * t / step_len - 1)
                 mem_rows.append((r, base + t, -1, int(100 * 2**20 + act * frac), 0))
-        for s, m, ph, st, en in spans:
+        for s, m, ph, _start, en in spans:
             dst = s + 1 if ph == "forward" else s - 1
             if 0 <= dst < pp:
                 ready = base + en

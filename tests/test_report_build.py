@@ -10,7 +10,8 @@ from report_fixtures import make_analysis
 from report_html import parse, table_in, table_with
 
 from reports import html as H
-from reports.build import Validated, build_report, coerce_validation, default_validation, write_report
+from reports.build import build_report, write_report
+from reports.validation import Validated, coerce_validation, default_validation
 from traceana import schema
 from traceana.errors import AnalysisError
 

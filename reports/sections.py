@@ -1,0 +1,220 @@
+"""The report's sections, in page order. Each adds its HTML and figures to a ``Page``; ``runs`` is [(name, Analysis)].
+
+Figures come from ``reports.figures`` (holoviews), passed in as ``G`` so that importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import polars as pl
+
+from reports import frames as F
+from reports import html as H
+from reports import palette
+from reports.summary import inferred_notes, kpis, summary_facts
+from reports.validation import Validated
+from traceana.analysis import Analysis
+
+Runs = list[tuple[str, Analysis]]
+
+STAGE_COLUMNS = [
+    ("stage", "stage"),
+    ("ranks", "ranks"),
+    ("step_ms", "step (ms)"),
+    ("compute_ms", "compute (ms)"),
+    ("p2p_ms", "P2P exposed (ms)"),
+    ("bpipe_ms", "BPipe exposed (ms)"),
+    ("bubble_ms", "bubble (ms)"),
+    ("bubble_pct", "bubble (% of step)"),
+    ("peak_mib", "peak memory (MiB)"),
+    ("activation_mib", "activation peak (MiB)"),
+]
+
+
+def summary(page, runs: Runs) -> None:
+    """Per run: headline numbers, the facts run.json recorded, and what had to be inferred."""
+    page.add('<section id="summary"><h2>Run summary</h2>')
+    page.add('<div class="cards">')
+    for name, a in runs:
+        page.add(f'<div class="card"><h3>{H.esc(name)}</h3>')
+        page.add(kpis(a))
+        page.add(H.facts(summary_facts(a)))
+        notes = inferred_notes(a)
+        if notes:
+            page.add("<h3>Inferred rather than recorded, or not determined</h3>" + H.bullet_list(notes))
+        else:
+            page.add(H.para("Everything above was recorded by the collector; nothing had to be inferred.",
+                            css_class="lead"))
+        page.add("</div>")
+    page.add("</div></section>")
+
+
+def timeline(page, runs: Runs, G) -> None:
+    """The pipeline timeline of each run."""
+    page.add('<section id="timeline"><h2>Pipeline timeline</h2>')
+    page.add(H.para("One row per rank. Upper band: the schedule — forward / backward / recompute / optimizer, with the "
+                    "micro-batch number. Lower band: what each instant was spent on (the attribution, same colours as "
+                    "the bars below; grey is bubble). The hairline between them marks P2P or BPipe messages arriving "
+                    "on that rank. Drag to pan, scroll or box-select to zoom, hover for details.", css_class="lead"))
+    page.add(H.legend_swatches(list(palette.CATEGORY_COLOURS)))
+    for name, a in runs:
+        page.figure(G.timeline(F.timeline_blocks(a), F.attribution_strip(a), F.timeline_transfers(a),
+                               title=f"{name}: pipeline timeline"))
+    page.add("</section>")
+
+
+def attribution(page, runs: Runs, G) -> None:
+    """Where each stage's step time goes: stacked bars and the per-stage table."""
+    page.add('<section id="attribution"><h2>Where each stage\'s step time goes</h2>')
+    page.add(H.para("Mean time per profiled step in each category, per pipeline stage. The categories of one step are "
+                    "disjoint and add up to the step's wall time.", css_class="lead"))
+    present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
+    page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
+    for name, a in runs:
+        page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
+                                       ylabel="time per step (ms)"))
+        page.add(H.table(F.stage_summary(a), STAGE_COLUMNS, formats={"stage": "int", "bubble_pct": "pct"}))
+    page.add("</section>")
+
+
+def bubbles(page, runs: Runs, G) -> None:
+    """The bubble split into warm-up, stall and cool-down, per stage."""
+    page.add('<section id="bubbles"><h2>Bubble breakdown</h2>')
+    page.add(H.para("Idle time split into warm-up (before the stage's first forward), stall (waiting on a neighbour "
+                    "in the steady state) and cool-down (after its last backward).", css_class="lead"))
+    page.add(H.legend_swatches(F.BUBBLE_KINDS))
+    page.add('<div class="grid">')
+    for name, a in runs:
+        page.add("<div>")
+        bub = F.bubble_breakdown(a)
+        page.figure(G.stacked_by_stage(bub, title=f"{name}: bubble per step", ylabel="bubble per step (ms)"))
+        wide = (
+            bub.pivot(on="category", index="stage", values="ms")
+            if bub.height else pl.DataFrame({"stage": []})
+        )
+        cols = [("stage", "stage")] + [
+            (c, f"{palette.CATEGORY_LABELS[c]} (ms)") for c in F.BUBBLE_KINDS if c in wide.columns
+        ]
+        page.add(H.table(wide.sort("stage") if wide.height else wide, cols, formats={"stage": "int"}))
+        page.add("</div>")
+    page.add("</div></section>")
+
+
+def memory(page, runs: Runs, G) -> None:
+    """Peak and activation memory per stage across runs (BPipe's balance), and memory over time."""
+    page.add('<section id="memory"><h2>Memory per stage</h2>')
+    page.add(H.para("Peak allocated memory per stage (the largest over profiled steps and over the ranks of a stage). "
+                    "BPipe's goal is to even these out: the ratio max/min is the imbalance.", css_class="lead"))
+    mem = pl.concat(
+        [F.stage_summary(a).select("stage", "peak_mib", "activation_mib").with_columns(run=pl.lit(n))
+         for n, a in runs],
+        how="vertical_relaxed",
+    )
+    balance = ", ".join(
+        f"{n}: {H.num(b)}×" if (b := F.memory_balance(a)) else f"{n}: –" for n, a in runs
+    )
+    page.add(H.run_swatches([n for n, _ in runs]))
+    page.figure(G.grouped_by_stage(mem, value="peak_mib", title=f"peak memory per stage (imbalance {balance})",
+                                   ylabel="peak allocated (MiB)", runs=[n for n, _ in runs]))
+    page.figure(G.grouped_by_stage(mem, value="activation_mib", title="activation peak per stage (peak − step start)",
+                                   ylabel="activation peak (MiB)", runs=[n for n, _ in runs]))
+    page.add('<div class="grid">')
+    for name, a in runs:
+        page.add("<div>")
+        page.figure(G.memory_over_time(F.memory_curves(a), title=f"{name}: allocated memory over time"))
+        page.add("</div>")
+    page.add("</div></section>")
+
+
+def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | None) -> None:
+    """Estimate vs measured per run, from traceana.validate (a failure is one line)."""
+    page.add('<section id="validation"><h2>Estimate vs measured</h2>')
+    page.add(H.para("The performance model's estimate for each run next to what the run measured.", css_class="lead"))
+    for name, a in runs:
+        v = validate(a) if validate is not None else Validated(message="validation was not requested")
+        page.add(f"<h3>{H.esc(name)}</h3>")
+        if v.table is None:
+            page.add(H.para(v.message or "no validation available", css_class="warn"))
+            continue
+        items = v.table
+        page.add(H.key({"measured": palette.BLUE, "estimated by the model": palette.ORANGE}))
+        page.add('<div class="grid">')
+        for unit in items["unit"].unique(maintain_order=True).to_list():
+            page.add("<div>")
+            page.figure(G.estimate_vs_measured(items.filter(pl.col("unit") == unit),
+                                               title=f"{name}: estimate vs measured ({unit})", xlabel=unit))
+            page.add("</div>")
+        page.add("</div>")
+        page.add(H.table(items, [("item", "what"), ("unit", "unit"), ("measured", "measured"),
+                                 ("estimated", "estimated"), ("error_pct", "error (%)")],
+                         formats={"error_pct": "signed_pct"}))
+        page.add(H.bullet_list(v.notes))
+    page.add("</section>")
+
+
+def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None) -> None:
+    """Every run against the first: step time, the model's cross-run prediction, per-stage deltas."""
+    page.add('<section id="comparison"><h2>A/B comparison</h2>')
+    names = [n for n, _ in runs]
+    analyses = [a for _, a in runs]
+    base = names[0]
+    page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
+                    css_class="lead"))
+    overview = pl.DataFrame(
+        {
+            "run": names,
+            "step_ms": [F.step_time_ms(a) for a in analyses],
+            "balance": [F.memory_balance(a) for a in analyses],
+            "peak_mib": [F.stage_summary(a)["peak_mib"].max() for a in analyses],
+        },
+        schema={"run": pl.String, "step_ms": pl.Float64, "balance": pl.Float64, "peak_mib": pl.Float64},
+    )
+    b0 = overview["step_ms"][0]
+    overview = overview.with_columns(
+        d_step_pct=100 * (pl.col("step_ms") - b0) / b0 if b0 else pl.lit(None, pl.Float64),
+    )
+    page.add(H.run_swatches(names))
+    page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
+    page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
+                                ("d_step_pct", f"change vs {base} (%)"), ("peak_mib", "largest stage peak (MiB)"),
+                                ("balance", "memory imbalance (max/min)")],
+                     formats={"d_step_pct": "signed_pct"}))
+    if cross_run is not None:
+        page.add("<h3>Predicted from the first run, then measured</h3>")
+        page.add(H.para("The model measures the first run's durations and predicts each other run's step time "
+                        "from them (e.g. the same pipeline with BPipe); the measured step time is what the run "
+                        "actually took.", css_class="lead"))
+        predicted, failures = [], []
+        for name, a in runs[1:]:
+            r = cross_run(analyses[0], a)
+            if isinstance(r, str):
+                failures.append(f"{name}: {r}")
+            else:
+                predicted.append({"run": name, **{k: r.get(k) for k in (
+                    "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
+                    "predicted_speedup", "measured_speedup")}})
+        if predicted:
+            pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
+                (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
+            page.add(H.table(pt, [("run", "run"), ("baseline_step_ms", f"{base} step (ms)"),
+                                  ("predicted_step_ms", "predicted step (ms)"),
+                                  ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
+                                  ("predicted_speedup", "predicted speed-up (×)"),
+                                  ("measured_speedup", "measured speed-up (×)")],
+                             formats={"error_pct": "signed_pct"}))
+        for f in failures:
+            page.add(H.para(f, css_class="warn"))
+    cmp_ = F.compare_stages(runs)
+    page.figure(G.grouped_by_stage(cmp_, value="step_ms", title="step time per stage",
+                                   ylabel="step time (ms)", runs=names))
+    page.figure(G.grouped_by_stage(cmp_, value="bubble_ms", title="bubble per stage",
+                                   ylabel="bubble per step (ms)", runs=names))
+    page.add(H.table(cmp_.sort("stage", "run"),
+                     [("stage", "stage"), ("run", "run"), ("step_ms", "step (ms)"),
+                      ("d_step_ms", f"Δ step vs {base} (ms)"), ("bubble_ms", "bubble (ms)"),
+                      ("d_bubble_ms", "Δ bubble (ms)"), ("bpipe_ms", "BPipe exposed (ms)"),
+                      ("peak_mib", "peak (MiB)"), ("d_peak_mib", "Δ peak (MiB)")],
+                     formats={"stage": "int", "d_step_ms": "signed", "d_bubble_ms": "signed",
+                              "d_peak_mib": "signed"}))
+    page.add("</section>")

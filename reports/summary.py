@@ -1,0 +1,88 @@
+"""The run summary: the facts a run recorded (run.json), what the analysis had to infer, and the headline numbers."""
+
+from __future__ import annotations
+
+import json
+
+from reports import frames as F
+from reports import html as H
+from traceana.analysis import Analysis
+
+
+def summary_facts(a: Analysis) -> list[tuple[str, object]]:
+    m = a.run.manifest
+    rows: list[tuple[str, object]] = [("run directory", a.run.path)]
+    if m is None:
+        rows.append(("run.json", "absent: every fact below was inferred from the traces"))
+        rows.append(("world size", a.run.world_size))
+        backends = a.run.traces["backend"].drop_nulls().unique().to_list()
+        if backends:
+            rows.append(("backend", ", ".join(map(str, backends))))
+        return rows
+    if m.model is not None:
+        s = m.model
+        kv = f", {s.n_kv_heads} KV heads" if s.kv_heads else ""
+        rows.append(
+            ("model", f"{s.name + ' — ' if s.name else ''}{s.family}, {s.layers} layers, hidden {s.hidden}, "
+                      f"{s.heads} heads{kv}, FFN {s.ffn_dim}, vocab {s.vocab}, sequence {s.seq}")
+        )
+    pp = m.pp if m.pp is not None else "?"
+    rows.append(("parallelism", f"world {m.world_size} = PP {pp} × DP {m.dp} × TP {m.tp}"))
+    if m.stage_of_rank is not None:
+        rows.append(("stage of each rank", ", ".join(f"r{r}→s{s}" for r, s in enumerate(m.stage_of_rank))))
+    rows.append(("schedule", m.schedule))
+    mb = [f"{m.num_microbatches} micro-batches" if m.num_microbatches else None,
+          f"of {m.microbatch_size} samples" if m.microbatch_size else None,
+          f"(global batch {m.global_batch})" if m.global_batch else None]
+    if any(mb):
+        rows.append(("micro-batching", " ".join(x for x in mb if x)))
+    rows.append(("BPipe", "off" if not m.bpipe else "on — evictor→acceptor stage pairs "
+                 + ", ".join(f"{e}→{c}" for e, c in m.bpipe)))
+    rows.append(("attention", m.attention or "not recorded"))
+    rows.append(("recompute", m.recompute or "not recorded"))
+    for label, value in (("dtype", m.dtype), ("device", m.device), ("torch", m.torch_version)):
+        if value:
+            rows.append((label, value))
+    if m.peak_flops:
+        rows.append(("peak FLOP/s per device", f"{m.peak_flops:.3g}"))
+    if m.profiler:
+        rows.append(("profiler schedule", ", ".join(f"{k}={v}" for k, v in sorted(m.profiler.items()))))
+    for k, v in sorted(m.extra.items()):
+        if v is not None:
+            rows.append((k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)))
+    return rows
+
+
+def inferred_notes(a: Analysis) -> list[str]:
+    """Everything the analysis had to infer or could not determine, in the analysis' own words."""
+    notes = list(a.notes) + [w for w in a.run.warnings if w not in a.notes]
+    if a.schedule.height and "source" in a.schedule.columns:
+        sources = a.schedule["source"].drop_nulls().unique().sort().to_list()
+        if sources and sources != ["annotated"]:
+            notes.append(f"schedule spans come from: {', '.join(sources)} (not only from annotations)")
+    if "rank_source" in a.run.traces.columns:
+        rs = a.run.traces["rank_source"].drop_nulls().unique().sort().to_list()
+        if rs and set(rs) - {"distributedInfo", "traceana_meta"}:
+            notes.append(f"rank numbers taken from: {', '.join(rs)}")
+    offsets = a.clock_offsets
+    if offsets.height and "offset_ns" in offsets.columns and offsets["offset_ns"].abs().max():
+        worst = offsets["offset_ns"].abs().max() / 1e6
+        notes.append(f"clocks corrected per rank (largest offset {H.num(worst)} ms), estimated from P2P pairs")
+    return notes
+
+
+def kpis(a: Analysis) -> str:
+    step = F.step_time_ms(a)
+    summary = F.stage_summary(a)
+    bubble = summary["bubble_pct"].drop_nulls()
+    balance = F.memory_balance(a)
+    items = [
+        (H.num(step) + " ms" if step is not None else "–", "step time (slowest rank, mean over steps)"),
+        (H.num(float(bubble.mean()), digits=2) + " %" if len(bubble) else "–", "bubble, mean over stages"),
+        (H.num(float(summary["peak_mib"].max())) + " MiB" if summary["peak_mib"].drop_nulls().len() else "–",
+         "largest stage peak memory"),
+        (H.num(balance, digits=3) + "×" if balance else "–", "memory imbalance (max/min stage peak)"),
+        (str(a.steps["step"].n_unique()), "profiled steps"),
+    ]
+    cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
+    return f'<div class="kpis">{cells}</div>'
