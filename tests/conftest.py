@@ -15,3 +15,15 @@ def third_party() -> Path:
     if not THIRD_PARTY.is_dir():
         pytest.skip("../shared/traces/third_party is absent")
     return THIRD_PARTY
+
+
+@pytest.fixture(scope="session")
+def collected_run(tmp_path_factory):
+    """``collected_run(name) -> Path``: a tiny real run directory (see tests/collected_runs.py for the names),
+    collected once per session and shared across pytest-xdist workers. Skips when torch is not installed."""
+    pytest.importorskip("torch")
+    from collected_runs import build
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if base.name.startswith("popen-gw") else base) / "traceana-collected-runs"
+    return lambda name: build(name, root)
