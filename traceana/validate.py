@@ -108,6 +108,31 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
         pl.sum_horizontal(*schema.BUBBLE_CATEGORIES, "p2p").mean().alias("bubble"),
     )
+    # An operation lasts its annotation span: its compute plus the Python inside it, which delays the operation's
+    # output as much as the compute does. The host time left for between operations is the rest.
+    spans = (
+        sched.filter(pl.col("microbatch").is_not_null())
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+        .group_by("rank", "step").agg(
+            pl.col("d").filter(pl.col("phase") == "forward").sum().alias("sf"),
+            pl.col("d").filter(pl.col("phase") == "backward").sum().alias("sb"),
+            pl.col("d").filter(pl.col("phase") == "recompute").sum().alias("sr"))
+    )
+    inside = (
+        per_rank.join(spans, on=["rank", "step"], how="left").fill_null(0)
+        .group_by("rank").agg(
+            (pl.col("sf") / pl.col("n_f")).mean().alias("f_span"),
+            ((pl.col("sb") - pl.col("sr")) / pl.col("n_b")).mean().alias("b_span"),
+            (pl.col("sr") / pl.col("n_b")).mean().alias("r_span"),
+            ((pl.col("sf") + pl.col("sb") - pl.col("forward") - pl.col("backward") - pl.col("recompute"))
+             / (pl.col("n_f") + pl.col("n_b"))).mean().alias("inside"))
+    )
+    means = means.join(inside, on="rank", how="left").with_columns(
+        pl.max_horizontal("f", "f_span").alias("f"),
+        pl.max_horizontal("b", "b_span").alias("b"),
+        pl.max_horizontal("r", "r_span").alias("r"),
+        pl.max_horizontal(pl.lit(0.0), pl.col("h") - pl.col("inside").clip(lower_bound=0).fill_null(0)).alias("h"),
+    )
     row = {r: d for r, *d in means.select("rank", "f", "b", "r", "o", "h", "step", "bubble").iter_rows()}
     if cfg.virtual_stages > 1:
         # Means are per chunk operation; the simulator takes a device's whole share and splits it over its chunks.
@@ -126,11 +151,28 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     bp = pairs.filter(pl.col("channel") == "bpipe")
     # Sends are posted without blocking (isend; the post is host time, already in host_ns), so the sender pays
     # nothing in line; a message is in flight from the send's start to the receive's end: the receiver's transfer.
+    # After a receive completes, the receiver needs time before it computes: waking up (on an oversubscribed CPU the
+    # scheduler decides) and the Python between wait() and the kernel. Measured as the median gap from a message's
+    # arrival to the start of the receiver's next forward/backward; it is part of the measured host time, so it is
+    # taken out of the per-operation host time and put where it lies, on the message's critical path.
+    nxt = (
+        p2p.select(pl.col("dst").alias("rank"), pl.col("recv_end").alias("t")).sort("t")
+        .join_asof(sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+                   .select("rank", pl.col("start_ns").alias("t_op")).sort("t_op"),
+                   left_on="t", right_on="t_op", by="rank", strategy="forward", check_sortedness=False)
+        .select((pl.col("t_op") - pl.col("t")).alias("gap"))
+        .drop_nulls()
+    )
+    resume = float(nxt["gap"].median() or 0) if nxt.height else 0.0
+    resume = min(resume, min(times.host_ns) if times.host_ns else 0.0)
+    times = StageTimes(times.forward_ns, times.backward_ns, times.recompute_ns, times.optimizer_ns,
+                       tuple(max(0.0, h - resume) for h in times.host_ns))
     costs = Costs(
         p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
         send_ns=0.0,
         bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
         bpipe_overlap=True,
+        resume_ns=resume,
     )
     return Measured(
         times=times, costs=costs,
@@ -155,6 +197,103 @@ def backward_working_bytes(cfg: TrainingConfig) -> float:
     else:
         attn = 4 * T * m.hidden
     return e * max(mlp, attn) / cfg.tp
+
+
+def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tuple[StageTimes, Costs]:
+    """The last measured step's own operation durations and message transfers, for a replay of that step.
+
+    Feeding them (instead of means) checks the schedule logic itself: what is left between replay and measurement is
+    what the model does not represent (per-operation host time, a different order), not run-to-run variance."""
+    step = int(_steady_steps(analysis.attribution, analysis.schedule)["step"].max())
+    stage_of = {r: s for s, r in meas.rank_of_stage.items()}
+    rows = (
+        analysis.schedule.filter((pl.col("step") == step) & pl.col("microbatch").is_not_null()
+                                 & pl.col("rank").is_in(list(stage_of)))
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "microbatch", pl.col("d").alias("r"))
+    ops = (
+        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .join(rc, on=["rank", "microbatch"], how="left")
+        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
+                      .otherwise(pl.col("d")).alias("d"))
+    )
+    per_op: dict[tuple[str, int, int], float] = {}
+    for phase, stage, mb, d, r in ops.select("phase", "stage", "microbatch", "d", "r").iter_rows():
+        key = "F" if phase == "forward" else "B"
+        per_op[(key, stage, mb)] = float(d)
+        if phase == "backward" and r is not None:
+            per_op[("R", stage, mb)] = float(r)
+    msgs = (
+        analysis.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p"))
+        .with_columns(pl.col("src").replace_strict(stage_of, default=None).alias("s_src"),
+                      pl.col("dst").replace_strict(stage_of, default=None).alias("s_dst"))
+        .drop_nulls(["s_src", "s_dst"])
+        .sort("send_start")
+        .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
+    )
+    per_msg = {
+        ("F" if s_dst > s_src else "B", s_src, mb): float(x)
+        for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
+    }
+    times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
+                       meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+    c = meas.costs
+    return times, Costs(c.p2p_ns, c.send_ns, c.bpipe_ns, c.bpipe_overlap, c.resume_ns, per_message_ns=per_msg)
+
+
+def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, samples: int = 24, seed: int = 0,
+                    bpipe: bool | tuple = False) -> float:
+    """Mean simulated step when every operation's duration is drawn from the measured durations of its
+    (stage, phase) in the steady steps (a bootstrap). On a busy or noisy machine operations do not all take their
+    mean, and a pipeline's step is set by its slowest path: the mean of the maxima exceeds the maximum of the means.
+    Deterministic (seeded)."""
+    import random
+
+    steps = _steady_steps(analysis.attribution, analysis.schedule)
+    stage_of = {r: s for s, r in meas.rank_of_stage.items()}
+    rows = (
+        analysis.schedule.join(steps, on="step")
+        .filter(pl.col("microbatch").is_not_null() & pl.col("rank").is_in(list(stage_of)))
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "step", "microbatch", pl.col("d").alias("r"))
+    ops = (
+        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .join(rc, on=["rank", "step", "microbatch"], how="left")
+        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
+                      .otherwise(pl.col("d")).alias("d"))
+    )
+    ops = ops.group_by("stage", "phase").agg(pl.col("d"), pl.col("r"))
+    pools = {(ph, st): (ds, [x for x in rs if x is not None]) for st, ph, ds, rs in
+             ops.select("stage", "phase", "d", "r").iter_rows()}
+    msgs = analysis.p2p.join(steps, on="step").filter(pl.col("channel") == "p2p")["transfer_ns"].to_list()
+    rng = random.Random(seed)
+    total = 0.0
+    nv = cfg.pp * cfg.virtual_stages
+    for _ in range(samples):
+        per_op: dict[tuple[str, int, int], float] = {}
+        per_msg: dict[tuple[str, int, int], float] = {}
+        for st in range(nv):
+            for mb in range(cfg.num_microbatches):
+                f, _r = pools.get(("forward", st), ([], []))
+                b, r = pools.get(("backward", st), ([], []))
+                if f:
+                    per_op[("F", st, mb)] = float(rng.choice(f))
+                if b:
+                    per_op[("B", st, mb)] = float(rng.choice(b))
+                if r:
+                    per_op[("R", st, mb)] = float(rng.choice(r))
+                if msgs:
+                    per_msg[("F", st, mb)] = float(rng.choice(msgs))
+                    per_msg[("B", st, mb)] = float(rng.choice(msgs))
+        times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
+                           meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+        c = meas.costs
+        costs = Costs(c.p2p_ns, c.send_ns, c.bpipe_ns, c.bpipe_overlap, c.resume_ns, per_message_ns=per_msg)
+        total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
+                          virtual_stages=cfg.virtual_stages, bpipe=bpipe).step_ns
+    return total / samples
 
 
 def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
@@ -184,6 +323,12 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
                    costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, window=window)
+    replay = None
+    if cfg.virtual_stages == 1:
+        r_times, r_costs = replay_inputs(analysis, cfg, meas)
+        replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
+                          costs=r_costs, bpipe=bpipe, window=window)
+    sampled = sampled_step_ns(analysis, cfg, meas, bpipe=bpipe)
     sim_per = (
         sim.attribution.group_by("stage").agg(
             pl.col("ns").sum().alias("sim_step"),
@@ -221,6 +366,12 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         .sort("stage")
     )
     measured_step = sum(meas.step_ns.values()) / len(meas.step_ns) / 1e6
+    last = int(_steady_steps(analysis.attribution, analysis.schedule)["step"].max())
+    measured_last = float(
+        analysis.attribution.filter((pl.col("step") == last)
+                                    & pl.col("rank").is_in(list(meas.rank_of_stage.values())))
+        .group_by("rank").agg(pl.col("ns").sum())["ns"].mean()
+    ) / 1e6
     summary = {
         "run": str(run.path),
         "schedule": cfg.schedule,
@@ -232,6 +383,10 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "measured_step_ms": measured_step,
         "simulated_step_ms": sim.step_ns / 1e6,
         "step_error": (sim.step_ns / 1e6 - measured_step) / measured_step if measured_step else None,
+        "sampled_step_ms": sampled / 1e6,
+        "sampled_error": (sampled / 1e6 - measured_step) / measured_step if measured_step else None,
+        "replay_step_ms": replay.step_ns / 1e6 if replay else None,
+        "replay_error": (replay.step_ns / 1e6 - measured_last) / measured_last if replay and measured_last else None,
         "median_abs_memory_error": per_stage["memory_error"].abs().median(),
         "steps_used": meas.steps_used,
     }
@@ -269,7 +424,7 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
             rate = float((p2p["nbytes"].sum() / p2p["transfer_ns"].sum())) if p2p.height else 0.0
             evict = estimate_stage_memory(target)[0].activation_per_microbatch
             bpipe_ns = evict / rate if rate else 0.0
-        costs = Costs(costs.p2p_ns, costs.send_ns, bpipe_ns, costs.bpipe_overlap)
+        costs = Costs(costs.p2p_ns, costs.send_ns, bpipe_ns, costs.bpipe_overlap, costs.resume_ns)
     return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
                     virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
 

@@ -26,7 +26,10 @@ def render(v, cross: dict | None) -> str:
         f"{s['run']}: {s['schedule']}, pp {s['pp']}, {s['microbatches']} micro-batches, attention {s['attention']}, "
         f"recompute {s['recompute']}, BPipe {'on' if s['bpipe'] else 'off'} ({s['steps_used']} steps measured)",
         f"step time: measured {s['measured_step_ms']:.1f} ms, simulated {s['simulated_step_ms']:.1f} ms, "
-        f"error {_fmt(s['step_error'], '+.1%')}",
+        f"error {_fmt(s['step_error'], '+.1%')}; with durations drawn from the measured ones "
+        f"{s['sampled_step_ms']:.1f} ms, error {_fmt(s['sampled_error'], '+.1%')}",
+        f"replay of the last step with its own durations "
+        f"{_fmt(s['replay_step_ms'], '.1f')} ms, error {_fmt(s['replay_error'], '+.1%')}",
         "",
         f"{'stage':>5} {'rank':>4} {'step ms':>8} {'sim ms':>8} {'err':>7} {'wait ms':>9} {'sim':>8} {'err':>7} "
         f"{'act MB':>8} {'est MB':>8} {'err':>7}",

@@ -53,6 +53,9 @@ class StageTimes:
     recompute_ns: tuple[float, ...] = ()
     optimizer_ns: tuple[float, ...] = ()
     host_ns: tuple[float, ...] = ()  # per device: host time (Python, launches) before each operation
+    # Replay: exact durations of single operations, keyed (phase "F"/"B"/"R", virtual stage, micro-batch); they
+    # override the per-stage values above (used to check the schedule logic against a measured timeline).
+    per_op_ns: dict[tuple[str, int, int], float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -85,6 +88,9 @@ class Costs:
     send_ns: float = 0.0
     bpipe_ns: float = 0.0
     bpipe_overlap: bool = True
+    resume_ns: float = 0.0  # after a message arrives, until the receiver computes (wake-up, Python after the wait)
+    # Replay: in-flight time of single messages keyed ("F" activation / "B" gradient, producing stage, micro-batch).
+    per_message_ns: dict[tuple[str, int, int], float] | None = None
 
     @staticmethod
     def transfer_ns(nbytes: float, *, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> float:
@@ -169,7 +175,9 @@ def simulate(
                           fix="give one duration per (virtual) stage")
     per_chunk = len(times.forward_ns) == p and v > 1  # per-device durations: split over the chunks
 
-    def dur(kind: tuple[float, ...], vs: int) -> float:
+    def dur(kind: tuple[float, ...], vs: int, op: tuple[str, int] | None = None) -> float:
+        if op is not None and times.per_op_ns and (op[0], vs, op[1]) in times.per_op_ns:
+            return times.per_op_ns[(op[0], vs, op[1])]
         if not kind:
             return 0.0
         return kind[vs % p] / v if per_chunk else kind[vs]
@@ -219,12 +227,16 @@ def simulate(
         note_held(loaded, d, 1.0)
         resident[d].append(mb)
 
-    def arrival(src_vs: int, dst_dev: int, ready: float) -> tuple[float, list[tuple[float, float, str]]]:
+    def arrival(src_vs: int, dst_dev: int, ready: float, key: tuple[str, int, int]
+                ) -> tuple[float, list[tuple[float, float, str]]]:
         """When a message produced at ``ready`` by virtual stage src_vs reaches device dst_dev, and its p2p window."""
         if src_vs % p == dst_dev:
             return ready, []
+        if costs.per_message_ns and key in costs.per_message_ns:
+            t = ready + costs.per_message_ns[key]
+            return t, [(ready, t, "p2p")]
         t = ready + costs.send_ns + costs.p2p_ns
-        return t, [(ready, t, "p2p")]
+        return t + costs.resume_ns, [(ready, t, "p2p"), (t, t + costs.resume_ns, "host")]
 
     total = sum(len(o) for o in orders)
     done = 0
@@ -238,7 +250,7 @@ def simulate(
                     if vs == 0:
                         ready = 0.0
                     elif (vs - 1, mb) in f_end:
-                        ready, windows = arrival(vs - 1, d, f_end[(vs - 1, mb)])
+                        ready, windows = arrival(vs - 1, d, f_end[(vs - 1, mb)], ("F", vs - 1, mb))
                     else:
                         break
                 else:
@@ -247,7 +259,7 @@ def simulate(
                             break
                         ready = f_end[(vs, mb)]
                     elif (vs + 1, mb) in b_end:
-                        ready, windows = arrival(vs + 1, d, b_end[(vs + 1, mb)])
+                        ready, windows = arrival(vs + 1, d, b_end[(vs + 1, mb)], ("B", vs + 1, mb))
                     else:
                         break
                 if times.host_ns and times.host_ns[d]:
@@ -275,7 +287,7 @@ def simulate(
                     busy(d, a, b, c)
                 t = start
                 if action == "F":
-                    end = t + dur(times.forward_ns, vs)
+                    end = t + dur(times.forward_ns, vs, ("F", mb))
                     busy(d, t, end, "forward")
                     rows.append((d, vs, mb, "forward", t, end))
                     f_end[(vs, mb)] = end
@@ -300,11 +312,11 @@ def simulate(
                         end += costs.send_ns
                     free[d] = end
                 else:
-                    r = dur(times.recompute_ns, vs)
+                    r = dur(times.recompute_ns, vs, ("R", mb))
                     if r:
                         busy(d, t, t + r, "recompute")
                         rows.append((d, vs, mb, "recompute", t, t + r))
-                    end = t + r + dur(times.backward_ns, vs)
+                    end = t + r + dur(times.backward_ns, vs, ("B", mb))
                     busy(d, t + r, end, "backward")
                     rows.append((d, vs, mb, "backward", t, end))  # measured B spans include their recompute
                     b_end[(vs, mb)] = end
