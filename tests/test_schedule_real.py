@@ -1,0 +1,135 @@
+"""Real runs: the reference trainer (GPipe, 1F1B, 1F1B + BPipe, 4 stages) and torch.distributed.pipelining's own
+schedules. Collected once per session (tests/collected_runs.py, collectors.pipelining_example); skipped without
+torch. Inference is checked against the annotated truth by analysing the same run with its annotations stripped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import polars as pl
+import pytest
+
+from traceana.analysis import analyze, strip_annotations
+from traceana.ingest.run_dir import load_run
+
+pytestmark = pytest.mark.slow
+
+
+def load(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_run(path, cache=False)
+
+
+@pytest.fixture(scope="module")
+def analysed(collected_run):
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            run = load(collected_run(name))
+            cache[name] = (run, analyze(run), analyze(replace(run, events=strip_annotations(run.events))))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pipelining_run(tmp_path_factory):
+    pytest.importorskip("torch")
+    from collectors.pipelining_example import collect
+
+    root = tmp_path_factory.mktemp("pipelining")
+    cache: dict[str, tuple] = {}
+
+    def get(schedule: str):
+        if schedule not in cache:
+            path = collect(schedule, root / schedule, microbatches=4, microbatch_size=1, steps=1)
+            run = load(path)
+            cache[schedule] = (run, analyze(run), analyze(replace(run, events=strip_annotations(run.events))))
+        return cache[schedule]
+
+    return get
+
+
+def fb(schedule: pl.DataFrame) -> pl.DataFrame:
+    return schedule.filter(pl.col("phase").is_in(["forward", "backward"]))
+
+
+def per_stage(a, category: str) -> list[int]:
+    return a.attribution.filter(pl.col("category") == category).group_by("stage").agg(pl.col("ns").sum()) \
+        .sort("stage")["ns"].to_list()
+
+
+def assert_schedule_complete(run, a):
+    m = run.manifest
+    stages = m.pp
+    got = fb(a.schedule).group_by("step", "stage", "phase").agg(pl.col("microbatch").sort())
+    assert got.height == a.steps["step"].n_unique() * stages * 2
+    assert all(mbs == list(range(m.num_microbatches)) for mbs in got["microbatch"].to_list())
+
+
+def assert_inference_matches(a, inferred, *, tolerance: float = 0.10):
+    key = ["rank", "step", "stage", "microbatch", "phase"]
+    assert set(inferred.schedule.filter(pl.col("phase") != "optimizer")["source"]) == {"inferred"}
+    assert sorted(fb(inferred.schedule).select(key).rows()) == sorted(fb(a.schedule).select(key).rows())
+    for cat in ("forward", "backward"):
+        truth, guess = sum(per_stage(a, cat)), sum(per_stage(inferred, cat))
+        assert abs(guess - truth) <= tolerance * truth, (cat, truth, guess)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_bpipe"])
+def test_reference_trainer_schedule_fully_recovered_and_inferred(analysed, name):
+    run, a, inferred = analysed(name)
+    assert set(fb(a.schedule)["source"]) == {"annotated"}
+    assert_schedule_complete(run, a)
+    assert_inference_matches(a, inferred)
+    sums = a.attribution.group_by("rank", "step").agg(pl.col("ns").sum())
+    assert (a.steps.join(sums, on=["rank", "step"]).select(pl.col("ns") == pl.col("dur_ns"))).to_series().all()
+
+
+def test_1f1b_bubbles_last_stage_waits_longest_first_stage_idles_longest_at_the_end(analysed):
+    _, a, _ = analysed("1f1b")
+    warm, cool = per_stage(a, "bubble_warmup"), per_stage(a, "bubble_cooldown")
+    # Each rank's step starts when *it* called prof.step(), and on a loaded 2-core machine those starts differ by
+    # tens of ms, so the warm-up bubbles are compared through the dependency they measure: every later stage
+    # starts its first forward later, and only stage 0 starts without waiting.
+    first_f = fb(a.schedule).filter(pl.col("phase") == "forward").group_by("stage").agg(pl.col("start_ns").min()) \
+        .sort("stage")["start_ns"].to_list()
+    assert first_f == sorted(first_f) and len(set(first_f)) == len(first_f)
+    assert warm[0] == 0 and all(w > 0 for w in warm[1:])
+    assert cool.index(max(cool)) == 0 and cool[-1] == min(cool)
+
+
+def test_bpipe_transfers_are_bpipe_time_not_p2p(analysed):
+    run, a, _ = analysed("1f1b_bpipe")
+    partners = {tuple(sorted(p)) for p in run.manifest.bpipe}
+    pairs = a.p2p.with_columns(pl.min_horizontal("src", "dst").alias("a"), pl.max_horizontal("src", "dst").alias("b"))
+    bp = pairs.filter(pl.col("channel") == "bpipe")
+    assert bp.height > 0 and {tuple(r) for r in bp.select("a", "b").unique().rows()} <= partners
+    neighbours = pairs.filter((pl.col("b") - pl.col("a")) == 1)
+    assert set(neighbours["channel"]) == {"p2p"}
+    assert not any("no counterpart" in n for n in a.notes)
+    assert sum(per_stage(a, "bpipe")) > 0
+    stage_of = dict(a.stages.select("rank", "stage").rows())
+    evictors = {stage_of[r] for r in bp["src"].unique().to_list()}
+    bpipe = per_stage(a, "bpipe")
+    assert all(bpipe[s] > 0 for s in evictors)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_torch_pipelining_schedules_inferred_like_their_annotations(pipelining_run, schedule):
+    run, a, inferred = pipelining_run(schedule)
+    assert_schedule_complete(run, a)
+    assert_inference_matches(a, inferred)
+
+
+def test_torch_pipelining_interleaved_annotated_and_not_guessed(pipelining_run):
+    run, a, inferred = pipelining_run("interleaved-1f1b")
+    got = fb(a.schedule).group_by("rank").agg(pl.col("stage").unique().sort())
+    assert sorted(got.rows()) == [(0, [0, 2]), (1, [1, 3])]  # two virtual stages per rank, from PP: names
+    assert fb(a.schedule).height == 4 * 4 * 2  # 4 virtual stages × 4 micro-batches × F/B (one step)
+    assert fb(inferred.schedule).height == 0
+    assert any("interleaved" in n for n in inferred.notes)
