@@ -61,40 +61,41 @@ def timeline(
         microbatch=pl.col("microbatch").cast(pl.String).fill_null("–"),
         stage=pl.col("stage").cast(pl.String).fill_null("?"),
     )
-    for kind in PHASE_KINDS:
-        part = b.filter(pl.col("kind") == kind).with_columns(what=pl.lit(_label(kind)))
-        if part.height:
-            layers.append(
-                hv.Rectangles(_pd(part), kdims=["start_ms", "y0", "end_ms", "y1"],
-                              vdims=["what", "rank", "stage", "microbatch", "step", "dur_ms"]).opts(
-                    color=palette.CATEGORY_COLOURS[kind], line_color="white", line_width=0.5,
-                    tools=[_hover(hover_blocks)])
-            )
+    # One glyph layer per band, colours as a column: holoviews renders each layer at a fixed cost of about a second
+    # here, so twenty per-category layers made the timeline the slowest figure of the report.
+    colour = pl.col("kind").replace_strict(palette.CATEGORY_COLOURS, default="#999999")
+    what = pl.col("kind").replace_strict(palette.CATEGORY_LABELS, default=pl.col("kind"))
+    if b.height:
+        layers.append(
+            hv.Rectangles(_pd(b.with_columns(colour=colour, what=what)), kdims=["start_ms", "y0", "end_ms", "y1"],
+                          vdims=["what", "rank", "stage", "microbatch", "step", "dur_ms", "colour"]).opts(
+                color="colour", line_color="white", line_width=0.5, tools=[_hover(hover_blocks)])
+        )
 
     hover_strip = [("time spent on", "@what"), ("rank", "@rank"), ("from (ms)", "@start_ms{0,0.000}"),
                    ("for (ms)", "@dur_ms{0,0.000}"), ("share of this block", "@share{0}%")]
-    st = strip.join(rows, on="rank").with_columns(y0=pl.col("y") + 0.16, y1=pl.col("y") + 0.44)
-    for kind in palette.CATEGORY_COLOURS:
-        part = st.filter(pl.col("category") == kind).with_columns(what=pl.lit(_label(kind)))
-        if part.height:
-            layers.append(
-                hv.Rectangles(_pd(part), kdims=["start_ms", "y0", "end_ms", "y1"],
-                              vdims=["what", "rank", "dur_ms", "share"]).opts(
-                    color=palette.CATEGORY_COLOURS[kind], line_alpha=0, tools=[_hover(hover_strip)])
-            )
+    st = strip.join(rows, on="rank").rename({"category": "kind"}).with_columns(
+        y0=pl.col("y") + 0.16, y1=pl.col("y") + 0.44, colour=colour, what=what)
+    if st.height:
+        layers.append(
+            hv.Rectangles(_pd(st), kdims=["start_ms", "y0", "end_ms", "y1"],
+                          vdims=["what", "rank", "dur_ms", "share", "colour"]).opts(
+                color="colour", line_alpha=0, tools=[_hover(hover_strip)])
+        )
 
-    t = transfers.join(rows, on="rank").with_columns(yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / 2**20)
+    t = transfers.join(rows, on="rank").with_columns(
+        yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / 2**20, colour=colour,
+        what=pl.when(pl.col("kind") == "bpipe").then(pl.lit("BPipe")).otherwise(pl.lit("P2P")),
+    )
     hover_xfer = [("message", "@what"), ("to rank", "@rank"), ("from rank", "@peer"), ("size (MiB)", "@mib{0,0.000}"),
                   ("receiver waited for sender (ms)", "@wait_ms{0,0.000}"),
                   ("transfer (ms)", "@transfer_ms{0,0.000}")]
-    for kind, what in (("p2p", "P2P"), ("bpipe", "BPipe")):
-        part = t.filter(pl.col("kind") == kind).with_columns(what=pl.lit(what))
-        if part.height:
-            layers.append(
-                hv.Segments(_pd(part), kdims=["start_ms", "yl", "end_ms", "yl"],
-                            vdims=["what", "rank", "peer", "mib", "wait_ms", "transfer_ms"]).opts(
-                    color=palette.CATEGORY_COLOURS[kind], line_width=3, tools=[_hover(hover_xfer)])
-            )
+    if t.height:
+        layers.append(
+            hv.Segments(_pd(t), kdims=["start_ms", "yl", "end_ms", "yl"],
+                        vdims=["what", "rank", "peer", "mib", "wait_ms", "transfer_ms", "colour"]).opts(
+                color="colour", line_width=3, tools=[_hover(hover_xfer)])
+        )
 
     # Labels only on blocks wide enough to hold one at full view; the others tell their micro-batch on hover.
     span = max(float(b["end_ms"].max() - b["start_ms"].min()), 1e-9) if b.height else 1.0
