@@ -102,6 +102,9 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     stage_mem = mem.stage_memory(run.memory, steps, stages)
     if run.memory.height == 0:
         notes.append("no allocator samples ([memory] events): profile with profile_memory=True for memory per stage")
+    elif stage_mem.height and (stage_mem["baseline_bytes"] == 0).any() and (run.memory["device"] < 0).all():
+        notes.append("CPU allocator samples count only memory allocated since profiling began (weights and optimizer "
+                     "state allocated earlier are missing): peaks are relative, activation peaks are comparable")
     mfu, n = _mfu(run, stages, steps, peak_flops)
     notes += n
     return Analysis(
