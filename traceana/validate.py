@@ -23,6 +23,7 @@ from traceana.model.memory import estimate_stage_memory, layer_activation_bytes
 from traceana.model.bpipe import Verdict, terms_of
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 
+LOCAL_COPY_BYTES_PER_NS = 1.0  # 1 GB/s: an assumption for moving activations between processes on one host
 PHASE_CATEGORIES = ("forward", "backward", "recompute", "optimizer")
 # "Waiting on the pipeline": the bubbles plus exposed P2P. Measured attribution labels idle time during which one of
 # the rank's own sends is still in flight as p2p, which the simulator cannot tell from a bubble; their sum compares.
@@ -406,8 +407,8 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
     """Predict a target configuration's step from a baseline run's measured durations.
 
     The same pipeline and micro-batch size are assumed (durations do not transfer across shapes); recompute is dropped
-    or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default the evictor's activation bytes per
-    micro-batch over the bandwidth the baseline's P2P messages achieved).
+    or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default one baseline P2P message's time
+    plus the evictor's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS).
     """
     base_cfg = base_cfg or config_from_manifest(baseline.run.manifest)
     if (target.pp, target.microbatch_size, target.model) != (base_cfg.pp, base_cfg.microbatch_size, base_cfg.model):
@@ -420,35 +421,42 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
     costs = meas.costs
     if target.bpipe:
         if bpipe_ns is None:
-            p2p = baseline.p2p.filter((pl.col("channel") == "p2p") & (pl.col("transfer_ns") > 0))
-            rate = float((p2p["nbytes"].sum() / p2p["transfer_ns"].sum())) if p2p.height else 0.0
+            # One eviction costs what one of the baseline's P2P messages cost (on a CPU host that is latency, not
+            # bandwidth: every message here is small) plus its bytes at copy speed.
             evict = estimate_stage_memory(target)[0].activation_per_microbatch
-            bpipe_ns = evict / rate if rate else 0.0
+            bpipe_ns = costs.p2p_ns + evict / LOCAL_COPY_BYTES_PER_NS
         costs = Costs(costs.p2p_ns, costs.send_ns, bpipe_ns, costs.bpipe_overlap, costs.resume_ns)
     return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
                     virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
 
 
 def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | None]:
-    """Measure the baseline, predict the target from it, compare with the target's measured step time."""
+    """Measure the baseline, predict the target from it, compare with the target's measured step time.
+
+    The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
+    simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
+    on this machine cancels."""
     if baseline.run.manifest is None or target.run.manifest is None:
         raise AnalysisError("cross-run validation needs run.json in both runs", path=target.run.path,
                             fix="collect both with `traceana collect`")
     base_cfg = config_from_manifest(baseline.run.manifest)
     tgt_cfg = config_from_manifest(target.run.manifest)
-    sim = predict(baseline, tgt_cfg, base_cfg=base_cfg)
+    sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
+    sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
     meas_t = measure(target, tgt_cfg)
     measured = sum(meas_t.step_ns.values()) / len(meas_t.step_ns) / 1e6
     meas_b = measure(baseline, base_cfg)
     base_ms = sum(meas_b.step_ns.values()) / len(meas_b.step_ns) / 1e6
+    ratio = sim_target.step_ns / sim_base.step_ns
+    predicted = base_ms * ratio
     return {
         "baseline": str(baseline.run.path),
         "target": str(target.run.path),
         "baseline_step_ms": base_ms,
-        "predicted_step_ms": sim.step_ns / 1e6,
+        "predicted_step_ms": predicted,
         "measured_step_ms": measured,
-        "error": (sim.step_ns / 1e6 - measured) / measured if measured else None,
-        "predicted_speedup": base_ms / (sim.step_ns / 1e6) if sim.step_ns else None,
+        "error": (predicted - measured) / measured if measured else None,
+        "predicted_speedup": 1 / ratio,
         "measured_speedup": base_ms / measured if measured else None,
     }
 
@@ -493,5 +501,5 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
 
     r = est(cfg, ref, ref_terms, before)
     return Verdict(helps, speedup, r, r, est(target, sim, new_terms, after), deciding, deltas, sentence,
-                   ("durations measured on the baseline run; BPipe transfer = stage 0's activation bytes per "
-                    "micro-batch over the baseline's P2P bandwidth, overlapped",))
+                   ("durations measured on the baseline run; BPipe transfer = one P2P message's time + stage 0's "
+                    "activation bytes per micro-batch at 1 GB/s, overlapped",))
