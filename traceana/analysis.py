@@ -1,7 +1,7 @@
 """The result of analysing one run: every derived table, plus what could and could not be determined.
 
-``analyze(run)`` chains the pure steps of the flow: classify → steps → P2P messages and pairs → clocks → stages →
-schedule (annotated, else inferred) → busy timeline → attribution → memory → per-stage summary.
+``analyze(run)`` chains the pure steps of the flow: classify → steps → P2P messages and pairs → clocks →
+stages → schedule (annotated, else inferred) → busy timeline → attribution → memory → per-stage summary.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def inside(points: pl.DataFrame, at: str, spans: pl.DataFrame, *, by: str = "ran
     hit = (
         idx.filter(pl.col("_at").is_not_null())
         .sort("_at")
-        .join_asof(spans.sort("start"), left_on="_at", right_on="start", by=by, strategy="backward", check_sortedness=False)
+        .join_asof(spans.sort("start"), left_on="_at", right_on="start", by=by, strategy="backward",
+                   check_sortedness=False)
         .select("_i", (pl.col("end").is_not_null() & (pl.col("_at") < pl.col("end"))).alias("inside"))
     )
     return idx.join(hit, on="_i", how="left").sort("_i")["inside"].cast(pl.Boolean).fill_null(False)

@@ -159,8 +159,9 @@ def partition(
 
     ``windows`` has ``by + [start, end]`` with one window per group; every layer is an interval set with the ``by``
     columns (or only the ``on`` subset of them, e.g. rank for layers not yet cut into steps: each is then clipped to
-    the windows of its group). Time covered by no layer gets ``default``. The segments of a window are disjoint and their lengths sum
-    exactly to the window's length. Returns ``by + [label, start, end]`` with adjacent same-label segments merged.
+    the windows of its group). Time covered by no layer gets ``default``. The segments of a window are disjoint and
+    their lengths sum exactly to the window's length. Returns ``by + [label, start, end]`` with adjacent same-label
+    segments merged.
     """
     keys = _keys(by)
     names = [n for n, _ in layers]

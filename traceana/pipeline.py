@@ -13,9 +13,12 @@ import json
 
 import polars as pl
 
+from traceana import intervals as iv
 from traceana import names
+from traceana.classify import inside
 from traceana.manifest import Manifest
 from traceana.schema import P2P, SCHEDULE, conform
+from traceana.timeline import training_tracks
 
 # Extra columns kept beside schema.P2P for the sender's side of each pair.
 P2P_EXTRA = {"send_end": pl.Int64}
@@ -86,9 +89,6 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     )
     # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
     # inside a receiving BPipe span (LOAD on the evictor, ACCEPT on the acceptor).
-    from traceana import intervals as iv
-    from traceana.classify import inside
-
     receiving = iv.merge(
         events.filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
         .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")), "rank")
@@ -332,8 +332,6 @@ def infer_schedule(
         notes.append(f"ranks {', '.join(map(str, lonely))} have no P2P traffic with other stages: their forward and "
                      "backward micro-batches cannot be inferred")
     # Top-level compute ops on the rank's CPU threads, each tagged forward- or backward-like by its outermost op.
-    from traceana.timeline import training_tracks  # local: timeline imports nothing from here, keep it that way
-
     tracks = training_tracks(events)
     cpu = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
                         & pl.col("rank").is_in(ranks)).join(tracks, on=["rank", "track"])
@@ -350,9 +348,6 @@ def infer_schedule(
         .sort("start")
     )
     # Optimizer work is not a micro-batch's: drop ops inside torch.optim's step ranges.
-    from traceana.classify import inside
-    from traceana import intervals as iv
-
     opt = iv.merge(events.filter(pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX)).select(
         "rank", pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")), "rank")
     ops = ops.filter(~inside(ops, "start", opt))

@@ -45,7 +45,8 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
                          f"step {WHOLE_TRACE_STEP} covering its whole trace, not comparable step by step")
         else:
             notes.append(f"no ProfilerStep spans in any trace: each rank's whole trace is analysed as one step "
-                         f"{WHOLE_TRACE_STEP} (profile with torch.profiler.schedule and prof.step() for per-step results)")
+                         f"{WHOLE_TRACE_STEP} (profile with torch.profiler.schedule and prof.step() for per-step "
+                         "results)")
         marked = pl.concat([marked, extent.select(marked.columns)], how="vertical_relaxed")
     out = conform(marked.with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("dur_ns")), STEPS)
     numbered = out.filter(pl.col("step") != WHOLE_TRACE_STEP)
