@@ -458,6 +458,10 @@ def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | N
         "error": (predicted - measured) / measured if measured else None,
         "predicted_speedup": 1 / ratio,
         "measured_speedup": base_ms / measured if measured else None,
+        # the target's forward+backward time per micro-batch over the baseline's: the model assumes 1 unless the
+        # change (e.g. recompute) alters the work; anything else is the machine running at another speed
+        "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
+        / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
     }
 
 
