@@ -179,6 +179,7 @@ def read_bytes(path: Path) -> tuple[bytes, bool]:
 def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
     out: list[bytes] = []
     rest = data
+    truncated = False
     try:
         while rest[:2] == GZIP_MAGIC:  # concatenated gzip members are one stream
             d = _zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -186,12 +187,16 @@ def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
             out.append(d.flush())
             if not d.eof:
                 # The stream ended early: a writer killed mid-file. Keep what decompressed; the JSON is truncated.
-                return b"".join(out), True
+                truncated = True
+                break
             rest = d.unused_data
     except _ZLIB_ERRORS as e:
         raise TraceFormatError(f"corrupt gzip data ({e})", path=shown(path),
                                fix="the file is damaged; copy it again from where it was written") from None
-    return b"".join(out), False
+    del data, rest
+    out = [piece for piece in out if piece]
+    # One piece (the usual case) is returned as is: joining would briefly hold the whole trace twice.
+    return (out[0] if len(out) == 1 else b"".join(out)), truncated
 
 
 # --- top level ---------------------------------------------------------------------------------------------------
