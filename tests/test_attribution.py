@@ -128,6 +128,10 @@ def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
     ]))
     assert a.p2p.select("src", "dst", "wait_ns", "transfer_ns").rows() == [(0, 1, 15 * US, 11 * US),
                                                                              (1, 0, 20 * US, 10 * US)]
+    # The schedule shows when the GPU ran each phase, not when the CPU launched it.
+    assert a.schedule.select("rank", "phase", "start_ns", "end_ns").rows() == [
+        (0, "forward", 5 * US, 25 * US), (0, "backward", 70 * US, 90 * US),
+        (1, "forward", 36 * US, 50 * US), (1, "backward", 50 * US, 60 * US)]
 
 
 def test_collectives_and_the_optimizer_on_a_single_cpu_rank():

@@ -95,9 +95,9 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
                          "annotations)")
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
 
-    busy = timeline.busy_events(events)
-    segs = attr.segments(events=events, steps=steps, busy=busy, schedule=schedule, pairs=pairs,
-                         unmatched=unmatched)
+    labelled = attr.label_busy(timeline.busy_events(events), schedule)
+    segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched)
+    schedule = attr.gpu_schedule_extents(schedule, labelled)
     attribution = attr.attribute(segs, steps, stages)
     stage_mem = mem.stage_memory(run.memory, steps, stages)
     if run.memory.height == 0:

@@ -39,22 +39,44 @@ def _span(frame: pl.DataFrame, start: str = "ts_ns", end: pl.Expr | None = None)
 
 def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
     """Add ``phase`` to busy events: the schedule window (same rank) containing the launch time, recompute winning
-    over the backward it is nested in; ``other_compute`` when none contains it."""
-    def containing(windows: pl.DataFrame, name: str) -> pl.Series:
+    over the backward it is nested in; ``other_compute`` when none contains it. ``window_start`` says which window
+    (its ``start_ns``), so that GPU work can be traced back to the schedule row that launched it."""
+    def containing(windows: pl.DataFrame) -> pl.DataFrame:
         if windows.height == 0:
-            return pl.Series(name, [None] * busy.height, dtype=pl.String)
+            return pl.DataFrame({"phase": [None] * busy.height, "window_start": [None] * busy.height},
+                                schema={"phase": pl.String, "window_start": pl.Int64})
         idx = busy.select("rank", "launch_ns").with_row_index("_i").sort("launch_ns")
-        hit = (
+        inside = pl.col("launch_ns") < pl.col("end_ns")
+        return (
             idx.join_asof(windows.sort("start_ns"), left_on="launch_ns", right_on="start_ns", by="rank",
                           strategy="backward", check_sortedness=False)
-            .select("_i", pl.when(pl.col("launch_ns") < pl.col("end_ns")).then(pl.col("phase")).alias(name))
+            .sort("_i")
+            .select(pl.when(inside).then(pl.col("phase")).alias("phase"),
+                    pl.when(inside).then(pl.col("start_ns")).alias("window_start"))
         )
-        return idx.select("_i").join(hit, on="_i", how="left").sort("_i")[name]
 
     w = schedule.select("rank", "start_ns", "end_ns", "phase")
-    outer = containing(w.filter(pl.col("phase") != "recompute"), "_outer")
-    inner = containing(w.filter(pl.col("phase") == "recompute"), "_inner")
-    return busy.with_columns(pl.coalesce(inner, outer, pl.lit("other_compute")).alias("phase"))
+    outer = containing(w.filter(pl.col("phase") != "recompute"))
+    inner = containing(w.filter(pl.col("phase") == "recompute"))
+    return busy.with_columns(
+        pl.coalesce(inner["phase"], outer["phase"], pl.lit("other_compute")).alias("phase"),
+        pl.coalesce(inner["window_start"], outer["window_start"]).alias("window_start"),
+    )
+
+
+def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.DataFrame:
+    """Schedule rows of GPU ranks span the GPU work they launched (first kernel start to last kernel end), not the
+    CPU range that launched it; rows that launched no GPU work keep their CPU times."""
+    gpu = labelled.filter(pl.col("is_gpu") & pl.col("window_start").is_not_null())
+    if gpu.height == 0:
+        return schedule
+    ext = gpu.group_by("rank", "window_start").agg(pl.col("start").min().alias("_s"), pl.col("end").max().alias("_e"))
+    return (
+        schedule.join(ext, left_on=["rank", "start_ns"], right_on=["rank", "window_start"], how="left")
+        .with_columns(pl.coalesce("_s", "start_ns").alias("start_ns"), pl.coalesce("_e", "end_ns").alias("end_ns"))
+        .drop("_s", "_e")
+        .sort("rank", "step", "start_ns")
+    )
 
 
 def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -80,14 +102,12 @@ def segments(
     *,
     events: pl.DataFrame,
     steps: pl.DataFrame,
-    busy: pl.DataFrame,
-    schedule: pl.DataFrame,
+    labelled: pl.DataFrame,
     pairs: pl.DataFrame,
     unmatched: pl.DataFrame,
 ) -> pl.DataFrame:
-    """The partition of every step into category segments (SEGMENTS columns)."""
+    """The partition of every step into category segments (SEGMENTS columns); ``labelled`` is ``label_busy``'s."""
     windows = steps.select("rank", "step", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
-    labelled = label_busy(busy, schedule)
 
     def clip(frame: pl.DataFrame) -> pl.DataFrame:
         return iv.clip(frame.select("rank", "start", "end"), windows, on="rank", window_keys="step")
