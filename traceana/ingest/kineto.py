@@ -274,7 +274,8 @@ def _loads(raw: msgspec.Raw) -> Any:
 
 
 # --- events ------------------------------------------------------------------------------------------------------
-CHUNK_BYTES = 16_000_000  # raw JSON decoded into Python objects at a time (bounds the transient memory)
+CHUNK_BYTES = 4_000_000  # raw JSON decoded into Python objects at a time: bounds transient memory (smaller chunks
+# measured less memory and less kernel time in page faults than 16-64 MB, at the same user time)
 # Between two events of the traceEvents array: Kineto's pretty printer writes exactly the first; any writer the second.
 _KINETO_SEPARATOR = re.compile(re.escape(b"\n  },\n  {"))
 _ANY_SEPARATOR = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
