@@ -110,6 +110,19 @@ def test_unreadable_file(tmp_path):
     assert "permission denied" in one_line(e.value, f)
 
 
+def test_unreadable_file_even_as_root(tmp_path, monkeypatch):
+    """Root reads mode-000 files, so the permission error is simulated where the OS would raise it."""
+    f = good_trace().write(tmp_path / "rank0.json")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(BadInputError) as e:
+        read_trace(f)
+    assert "permission denied" in one_line(e.value, f)
+
+
 def test_directory_passed_as_trace(tmp_path):
     (tmp_path / "d.json").mkdir()
     with pytest.raises(BadInputError) as e:
