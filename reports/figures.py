@@ -48,9 +48,15 @@ def timeline(
         return _empty(title, "no schedule: the analysis found no forward/backward spans")
     ranks = sorted(set(blocks["rank"].to_list()) | set(strip["rank"].to_list()))
     row = {r: i for i, r in enumerate(ranks)}
-    stage_of = {r: s for r, s in zip(blocks["rank"].to_list(), blocks["stage"].to_list(), strict=True)
-                if s is not None}
-    yticks = [(i, f"rank {r} · stage {stage_of.get(r, '?')}") for r, i in row.items()]
+    stages = dict(
+        blocks.filter(pl.col("stage").is_not_null())
+        .group_by("rank")
+        .agg(pl.col("stage").unique().sort().cast(pl.String).str.join(", "), n=pl.col("stage").n_unique())
+        .select("rank", pl.format("stage{} {}", pl.when(pl.col("n") > 1).then(pl.lit("s")).otherwise(pl.lit("")),
+                                  pl.col("stage")))
+        .iter_rows()
+    )
+    yticks = [(i, f"rank {r} · {stages.get(r, 'stage ?')}") for r, i in row.items()]
     rows = pl.DataFrame({"rank": list(row), "y": list(row.values())}, schema={"rank": pl.Int32, "y": pl.Float64})
     layers = []
 

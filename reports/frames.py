@@ -112,12 +112,14 @@ def timeline_blocks(a: Analysis) -> pl.DataFrame:
     """One row per drawn block: rank, stage, step, kind (phase or bubble kind), microbatch, start/end/dur in ms."""
     origin = origin_ns(a)
     work = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null()).select(
-        "rank", "step", pl.col("phase").alias("kind"), "microbatch", "start_ns", "end_ns"
+        "rank", "step", "stage", pl.col("phase").alias("kind"), "microbatch", "start_ns", "end_ns"
     )
-    gaps = bubble_spans(a).with_columns(microbatch=pl.lit(None, pl.Int32)).select(work.columns)
+    gaps = bubble_spans(a).with_columns(microbatch=pl.lit(None, pl.Int32), stage=pl.lit(None, pl.Int32))
     return (
-        pl.concat([work, gaps])
-        .join(rank_stage(a), on="rank", how="left")
+        pl.concat([work, gaps.select(work.columns)])
+        # a span keeps its own stage (interleaved schedules run several stages per rank); gaps take the rank's
+        .join(rank_stage(a), on="rank", how="left", suffix="_of_rank")
+        .with_columns(stage=pl.coalesce("stage", "stage_of_rank"))
         .with_columns(
             _ms("start_ns", origin),
             _ms("end_ns", origin),
