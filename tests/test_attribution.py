@@ -99,7 +99,7 @@ def test_strip_annotations_removes_only_pipeline_names():
     assert not stripped["name"].str.starts_with("PP:").any()
 
 
-def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
+def two_stage_gpu(*, cpu_ops: bool = False) -> EventsBuilder:
     b = EventsBuilder()
     b.step(0, 1, 0, 100)
     b.ann(0, "PP:0F0", 0, 10)
@@ -115,7 +115,16 @@ def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
     b.ann(1, "PP:1B0", 40, 55)
     b.kernel(1, "sgemm_bwd", 50, 60, launch=41)
     b.nccl(1, "send", 0, launch=56, start=60, end=68)
-    a = analyze(b.run())
+    if cpu_ops:  # the cpu ops around the launches; autograd runs backward on its own thread
+        b.op(0, "aten::mm", 1.5, 3)
+        b.op(0, BWD, 51.5, 53, tid="autograd")
+        b.op(1, "aten::mm", 30.5, 32)
+        b.op(1, BWD, 40.5, 42, tid="autograd")
+    return b
+
+
+def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
+    a = analyze(two_stage_gpu().run())
     assert_frame_equal(cats(a), expected([
         # rank 0: kernels 5–25 (launched in F0) and 70–90 (in B0); send kernel 25–35 all transfer (rank 1's recv
         # kernel was already up); recv kernel 40–70 waits until rank 1's send kernel starts at 60, after the last
@@ -132,6 +141,16 @@ def test_gpu_kernels_are_the_busy_timeline_and_nccl_kernels_are_p2p():
     assert a.schedule.select("rank", "phase", "start_ns", "end_ns").rows() == [
         (0, "forward", 5 * US, 25 * US), (0, "backward", 70 * US, 90 * US),
         (1, "forward", 36 * US, 50 * US), (1, "backward", 50 * US, 60 * US)]
+
+
+def test_gpu_schedule_inferred_from_launch_order_matches_annotations():
+    b = two_stage_gpu(cpu_ops=True)
+    truth = analyze(b.run())
+    inferred = analyze(b.run(events=strip_annotations(b.events())))
+    assert set(inferred.schedule["source"]) == {"inferred"}
+    cols = ["rank", "stage", "microbatch", "phase", "start_ns", "end_ns"]  # GPU extents of the launched kernels
+    assert_frame_equal(inferred.schedule.select(cols), truth.schedule.select(cols))
+    assert_frame_equal(cats(inferred), cats(truth))
 
 
 def test_collectives_and_the_optimizer_on_a_single_cpu_rank():

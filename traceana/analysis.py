@@ -72,7 +72,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     if offsets["offset_ns"].abs().max() or 0:
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
-        msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns"])
+        msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
         pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     notes += pair_notes
     stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs)

@@ -26,6 +26,7 @@ P2P_EXTRA = {"send_end": pl.Int64}
 MESSAGE = {
     "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
     "nbytes": pl.Int64, "step": pl.Int32, "post_ns": pl.Int64, "end_ns": pl.Int64, "on_gpu": pl.Boolean,
+    "launch_ns": pl.Int64,  # when the CPU issued it (= post_ns on CPU ranks; the kernel's launch on GPU ranks)
 }
 
 
@@ -84,7 +85,8 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     gpu_msgs = kernels.with_columns(end.alias("end_ns"), pl.lit(True).alias("on_gpu"))
     out = pl.concat(
         [m.select("rank", pl.col("comm_dir").alias("dir"), "channel", "peer", "tag", "nbytes", "step",
-                  pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu") for m in (cpu_msgs, gpu_msgs)],
+                  pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu", "launch_ns")
+         for m in (cpu_msgs, gpu_msgs)],
         how="vertical_relaxed",
     )
     # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
@@ -312,6 +314,11 @@ def infer_schedule(
             .then(pl.when(pl.col("dir") == "recv").then(pl.lit("recv_act")).otherwise(pl.lit("send_grad")))
             .otherwise(pl.when(pl.col("dir") == "send").then(pl.lit("send_act")).otherwise(pl.lit("recv_grad")))
             .alias("role"))
+        # Compute is matched on the CPU timeline: on a GPU rank the CPU issues a transfer and moves on (stream
+        # order does the waiting), so its launch is both when the data is "in" and when it is "out".
+        .with_columns(
+            pl.when(pl.col("on_gpu")).then(pl.col("launch_ns")).otherwise(pl.col("post_ns")).alias("post_ns"),
+            pl.when(pl.col("on_gpu")).then(pl.col("launch_ns")).otherwise(pl.col("end_ns")).alias("end_ns"))
         .sort("post_ns")
         .with_columns(pl.int_range(pl.len()).over("rank", "step", "role").cast(pl.Int32).alias("mb"))
     )
@@ -331,17 +338,21 @@ def infer_schedule(
     if lonely:
         notes.append(f"ranks {', '.join(map(str, lonely))} have no P2P traffic with other stages: their forward and "
                      "backward micro-batches cannot be inferred")
-    # Top-level compute ops on the rank's CPU threads, each tagged forward- or backward-like by its outermost op.
+    # Top-level compute ops, each tagged forward- or backward-like by its outermost op: on a CPU rank those of the
+    # training thread; on a GPU rank those of every CPU thread (autograd runs backward on its own device thread).
     tracks = training_tracks(events)
-    cpu = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
-                        & pl.col("rank").is_in(ranks)).join(tracks, on=["rank", "track"])
+    gpu = events.filter(pl.col("is_gpu") & (pl.col("kind") == "compute")).select("rank").unique()
+    cpu_ops = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
+                            & pl.col("rank").is_in(ranks))
+    cpu = pl.concat([cpu_ops.join(gpu, on="rank", how="anti").join(tracks, on=["rank", "track"]),
+                     cpu_ops.join(gpu, on="rank")])
     ops = (
-        cpu.sort("rank", "ts_ns")
+        cpu.sort("rank", "track", "ts_ns")
         .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
-        .with_columns(pl.col("end").cum_max().shift(1).over("rank").alias("_reach"))
-        .with_columns((pl.col("_reach").is_null() | (pl.col("ts_ns") >= pl.col("_reach"))).cum_sum().over("rank")
-                      .alias("_top"))
-        .group_by("rank", "_top")
+        .with_columns(pl.col("end").cum_max().shift(1).over("rank", "track").alias("_reach"))
+        .with_columns((pl.col("_reach").is_null() | (pl.col("ts_ns") >= pl.col("_reach"))).cum_sum()
+                      .over("rank", "track").alias("_top"))
+        .group_by("rank", "track", "_top")
         .agg(pl.col("step").first(), pl.col("ts_ns").min().alias("start"), pl.col("end").max(),
              _backward_like(pl.col("name")).any().alias("is_bwd"))
         .join(has, on="rank")
