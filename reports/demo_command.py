@@ -136,6 +136,11 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
         step, balance = F.step_time_ms(a), F.memory_balance(a)
         console.print(f"  {name:9s} step {step:,.1f} ms · memory imbalance across stages "
                       + (f"{balance:.2f}×" if balance else "–"))
+    from reports.validation import bpipe_verdict
+
+    verdict = bpipe_verdict(analyses[0])
+    if verdict:
+        console.print(f"  model, from the baseline alone: {verdict}", highlight=False)
     kept = f" (runs kept in {runs_dir})" if args.keep else ""
     console.print(f"done in {time.perf_counter() - t0:.0f} s{kept}")
     print(f"report: {report.resolve()}")

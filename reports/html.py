@@ -129,6 +129,7 @@ h2 { font-size:20px; margin:0 0 4px; border-bottom:2px solid var(--ink); padding
 h3 { font-size:16px; margin:18px 0 6px; }
 p.lead { color:var(--muted); margin:4px 0 12px; max-width:1000px; }
 p.warn { background:#fff4e0; border-left:4px solid #E69F00; padding:6px 10px; }
+p.verdict { background:#e8f3fa; border-left:4px solid #0072B2; padding:8px 12px; max-width:1100px; }
 p.error { background:#fdecea; border-left:4px solid #D55E00; padding:6px 10px; }
 .cards { display:flex; flex-wrap:wrap; gap:18px; }
 .card { background:var(--panel); border:1px solid var(--rule); border-radius:6px; padding:12px 16px; flex:1 1 420px; }

@@ -150,6 +150,8 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
                                  ("estimated", "estimated"), ("error_pct", "error (%)")],
                          formats={"error_pct": "signed_pct"}))
         page.add(H.bullet_list(v.notes))
+        if v.verdict:
+            page.add("<h3>Would BPipe help this run?</h3>" + H.para(v.verdict, css_class="verdict"))
     page.add("</section>")
 
 

@@ -7,6 +7,7 @@ from another's measurements, for the A/B section. Any exception becomes one line
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -20,12 +21,14 @@ class Validated:
     """What ``traceana.validate`` said about one run, for the report.
 
     ``table``: one row per compared quantity — item, unit, measured, estimated, error_pct — or None with ``message``
-    saying why there is no comparison. ``notes``: how the estimate was made, in the model's own words.
+    saying why there is no comparison. ``notes``: how the estimate was made, in the model's own words. ``verdict``:
+    for a plain 1F1B run, the model's answer to "would BPipe help this run?".
     """
 
     table: pl.DataFrame | None = None
     message: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    verdict: str | None = None
 
 
 def _one_line(e: Exception) -> str:
@@ -39,9 +42,25 @@ def default_validation(a: Analysis) -> Validated:
     except ImportError:
         return Validated(message="estimate vs measured: traceana.validate is not available in this installation")
     try:
-        return coerce_validation(v.validate(a))
+        validated = coerce_validation(v.validate(a))
     except Exception as e:  # noqa: BLE001 — a failure of the model must not cost the user the rest of the report
         return Validated(message=f"estimate vs measured could not be computed: {_one_line(e)}")
+    return dataclasses.replace(validated, verdict=bpipe_verdict(a))
+
+
+def bpipe_verdict(a: Analysis) -> str | None:
+    """``traceana.validate.bpipe_verdict_from_run``'s sentence for a plain 1F1B run; None where it does not apply."""
+    m = a.run.manifest
+    if m is None or m.schedule != "1f1b" or m.bpipe_on or (m.pp or 0) < 2:
+        return None
+    try:
+        from traceana.validate import bpipe_verdict_from_run
+    except ImportError:
+        return None
+    try:
+        return bpipe_verdict_from_run(a).sentence
+    except Exception as e:  # noqa: BLE001 — as above
+        return f"BPipe verdict could not be computed: {_one_line(e)}"
 
 
 def coerce_validation(result: object) -> Validated:

@@ -90,6 +90,10 @@ def test_validation_section_shows_the_model(analyses, report):
     table = [t for t in parse(report[1]).tables if t["section"] == "validation" and "error (%)" in t["header"]][0]
     row = {r[0]: r for r in table["rows"]}["step time, whole pipeline"]
     assert row[2:4] == [H.num(v.summary["measured_step_ms"]), H.num(v.summary["simulated_step_ms"])]
+    # the baseline is a plain 1F1B run: the model's BPipe verdict is there, once (not for the BPipe run)
+    assert report[1].count("Would BPipe help this run?") == 1
+    assert ('<p class="verdict">BPipe would help' in report[1]) or ('<p class="verdict">BPipe would not help'
+                                                                    in report[1])
 
 
 def test_report_command_writes_a_file(runs, tmp_path, capsys):
