@@ -77,7 +77,11 @@ def test_bpipe_evicts_down_to_the_pair_average_and_costs_only_when_exposed():
     assert att["bpipe"] == 2 * slow.evicted[0] * 50  # each eviction and each load blocks the evictor
     assert slow.step_ns > plain.step_ns
     hidden = simulate("1f1b", pp=4, num_microbatches=8, times=times, bpipe=True, costs=Costs(bpipe_ns=50))
-    assert hidden.step_ns == plain.step_ns  # overlapped and shorter than the work it hides behind
+    # Overlapped: evictions hide behind forwards; a load overlaps only the wait for the incoming gradient, which in a
+    # uniform steady state is nil, so at most each load shows — and less than blocking transfers cost.
+    assert plain.step_ns <= hidden.step_ns <= plain.step_ns + hidden.evicted[0] * 50
+    assert hidden.step_ns < slow.step_ns
+    assert hidden.peak_in_flight[0] == 3  # evicting before the forward: the evictor never exceeds its cap
 
 
 def test_interleaving_rejects_a_deadlocking_configuration_or_runs():

@@ -14,11 +14,12 @@ Orders:
 - Interleaved 1F1B (Narayanan et al. 2021 §2.2.2; Megatron-LM's schedules.py): device s owns virtual stages
   s, s+p, …; forwards go in rounds of p micro-batches through chunk 0, 1, …, v−1 (backwards through v−1, …, 0), with
   (p−s−1)·2 + (v−1)·p warm-up forwards.
-- BPipe (Kim et al. 2023): 1F1B where each evictor (stage s < p/2) keeps at most ⌈(n_s + n_{p−1−s})/2⌉ micro-batches'
-  activations; after a forward that exceeds the cap it sends that micro-batch's activations to its acceptor
-  (p−1−s) and loads them back before that micro-batch's backward. Overlapped: eviction runs in the background and the
-  load is prefetched as soon as the previous backward has freed room; only waiting for it is exposed. Not overlapped: the evictor
-  is busy for each transfer.
+- BPipe (Kim et al. 2023): 1F1B where each evictor (stage s < p/2) keeps at most ⌈(n_s + n_{p−1−s})/2⌉
+  micro-batches' activations: before a forward that would exceed the cap (counting the load its next backward
+  needs) it sends the newest resident micro-batch's activations to its acceptor (p−1−s), and loads them back when that
+  micro-batch's backward comes (collectors/bpipe.py's plan). Overlapped: transfers run in the background, the load
+  overlapping the wait for the incoming gradient; only waiting for it is exposed. Not overlapped: the evictor is busy
+  for each transfer.
 
 The output has the measured tables' schemas (schema.SCHEDULE with source "simulated", schema.ATTRIBUTION with the same
 categories and rules: per device the categories tile the step window and sum to the step time; idle time before the
@@ -286,6 +287,29 @@ def simulate(
                 for a, b, c in _split_wait(free[d], start, windows):
                     busy(d, a, b, c)
                 t = start
+                if action == "F" and d in cap:
+                    # BPipe (as collectors/bpipe.py plans it): before a forward that would take the evictor over its
+                    # cap — counting the load the next backward needs — evict the resident micro-batch whose
+                    # backward is furthest away (the newest). Its activations leave before the new ones arrive.
+                    nxt = orders[d][idx[d] + 1] if idx[d] + 1 < len(orders[d]) else None
+                    needed = nxt[2] if nxt is not None and nxt[0] == "B" else None
+                    need = 1 + (1 if needed is not None and (d, needed) in evicted_at else 0)
+                    while len(resident[d]) + need > cap[d]:
+                        candidates = [x for x in resident[d] if x != needed]
+                        if not candidates:
+                            break
+                        victim = max(candidates)
+                        resident[d].remove(victim)
+                        n_evicted[d] += 1
+                        ev_start = max(t, link_free[d])
+                        ev_end = ev_start + costs.bpipe_ns
+                        link_free[d] = ev_end
+                        evicted_at[(d, victim)] = ev_end
+                        note_held(ev_end, d, -1.0)
+                        note_held(ev_end, acceptor_of[d], 1.0)
+                        if not costs.bpipe_overlap:
+                            busy(d, ev_start, ev_end, "bpipe")
+                            t = ev_end
                 if action == "F":
                     end = t + dur(times.forward_ns, vs, ("F", mb))
                     busy(d, t, end, "forward")
@@ -294,19 +318,6 @@ def simulate(
                     note_held(end, d, 1.0 / v)
                     if d in cap:
                         resident[d].append(mb)
-                        if len(resident[d]) > cap[d]:
-                            # Evict this micro-batch's activations to the acceptor.
-                            resident[d].remove(mb)
-                            n_evicted[d] += 1
-                            ev_start = max(end, link_free[d])
-                            ev_end = ev_start + costs.bpipe_ns
-                            link_free[d] = ev_end
-                            evicted_at[(d, mb)] = ev_end
-                            note_held(ev_end, d, -1.0)
-                            note_held(ev_end, acceptor_of[d], 1.0)
-                            if not costs.bpipe_overlap:
-                                busy(d, ev_start, ev_end, "bpipe")
-                                end = ev_end
                     if costs.send_ns and vs != nv - 1 and (vs + 1) % p != d:
                         busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
@@ -320,11 +331,6 @@ def simulate(
                     busy(d, t + r, end, "backward")
                     rows.append((d, vs, mb, "backward", t, end))  # measured B spans include their recompute
                     b_end[(vs, mb)] = end
-                    if costs.bpipe_overlap and d in cap:
-                        # Prefetch: the next backward's activations come back as soon as this one freed room.
-                        nxt = next((o for o in orders[d][idx[d] + 1:] if o[0] == "B"), None)
-                        if nxt is not None and (d, nxt[2]) in evicted_at:
-                            issue_load(d, nxt[2], end)
                     note_held(end, d, -1.0 / v)
                     if d in cap and mb in resident[d]:
                         resident[d].remove(mb)
