@@ -51,6 +51,9 @@ def test_merge_writes_one_perfetto_trace_with_added_tracks(two_rank_run, tmp_pat
     assert ("traceana.attribution", "bubble_warmup") in names  # rank 1 waits for the first activation
     procs = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
+    flows = [e for e in ev if e["ph"] in ("s", "f")]
+    assert sorted((e["ph"], e["pid"]) for e in flows) == [("f", 0), ("f", 1), ("s", 0), ("s", 1)]
+    assert {e["id"] for e in flows} == {1, 2} and all(e["bp"] == "e" for e in flows if e["ph"] == "f")
     # one clock: rank 0's forward (annotation at 0 µs) starts before rank 1's (26 µs)
     f = {e["pid"]: e["ts"] for e in x if e["cat"] == "traceana.phase" and e["name"] == "forward 0"}
     assert f[1] - f[0] == pytest.approx(26.0)

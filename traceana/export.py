@@ -15,7 +15,7 @@ from typing import Any
 import polars as pl
 
 from traceana.errors import BadInputError
-from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES
+from traceana.schema import CATEGORIES
 
 FORMATS = ("parquet", "csv")
 
@@ -113,13 +113,14 @@ def merged_trace_events(analysis) -> pl.DataFrame:
     mb_track = mb.select(
         pl.lit("X").alias("ph"), pl.concat_str(pl.lit("mb "), pl.col("microbatch").cast(pl.String)).alias("name"),
         pl.lit("traceana.microbatch").alias("cat"), pl.col("rank").alias("pid"),
-        (first_extra + 2 + pl.col("microbatch")).alias("tid"),
+        (first_extra + 2 + pl.col("microbatch")).alias("tid"),  # after the phase and attribution lanes
         us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
         pl.struct("stage", "microbatch", "step").alias("args"),
     )
+    # The attribution lane is the full partition of every step (compute included), so P2P flow arrows always
+    # find a slice to bind to.
     segs = analysis.segments if analysis.segments is not None else pl.DataFrame()
-    bubble_track = segs.filter(pl.col("category").cast(pl.String).is_in(
-        [*BUBBLE_CATEGORIES, "p2p", "bpipe", "collective", "host"])).select(
+    bubble_track = segs.select(
         pl.lit("X").alias("ph"), pl.col("category").cast(pl.String).alias("name"),
         pl.lit("traceana.attribution").alias("cat"), pl.col("rank").alias("pid"),
         pl.lit(first_extra + 1).alias("tid"), us("start_ns").alias("ts"),
@@ -130,6 +131,21 @@ def merged_trace_events(analysis) -> pl.DataFrame:
     plain = pl.concat([f.select(cols) for f in frames], how="vertical_relaxed")
     args = [f.select(pl.col("args").struct.json_encode()) for f in frames]
     return plain.with_columns(pl.concat(args)["args"].alias("args"))
+
+
+def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
+    """Perfetto flow arrows from each P2P/BPipe send (when it started) to its receive (when it completed), bound to
+    the attribution lanes of the two ranks. Columns ph, id, name, cat, pid, tid, ts, bp."""
+    p = analysis.p2p.with_row_index("id", offset=1)
+    us = lambda c: ((c - origin) / 1000.0)  # noqa: E731
+    common = [pl.col("channel").alias("name"), pl.lit("traceana.p2p").alias("cat")]
+    starts = p.select(pl.lit("s").alias("ph"), "id", *common, pl.col("src").alias("pid"), pl.lit(tid).alias("tid"),
+                      us(pl.col("send_start")).alias("ts"), pl.lit(None, pl.String).alias("bp"))
+    # Bind the arrow's head inside the slice that ends when the receive completed.
+    ends = p.select(pl.lit("f").alias("ph"), "id", *common, pl.col("dst").alias("pid"), pl.lit(tid).alias("tid"),
+                    us(pl.max_horizontal(pl.col("recv_end") - 1, pl.col("recv_post"))).alias("ts"),
+                    pl.lit("e").alias("bp"))
+    return pl.concat([starts, ends])
 
 
 def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, Any]) -> list[dict[str, Any]]:
@@ -164,6 +180,11 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
         pl.concat_str(pl.struct(cols).struct.json_encode().str.head(-1), pl.lit(',"args":'),
                       pl.col("args").fill_null("{}"), pl.lit("}")).alias("line")
     )["line"]
+    flows = flow_events(analysis, origin=int(analysis.events["ts_ns"].min() or 0), tid=first_extra + 1)
+    flow_lines = flows.select(
+        pl.when(pl.col("bp").is_null()).then(pl.struct(pl.all().exclude("bp")).struct.json_encode())
+        .otherwise(pl.struct(pl.all()).struct.json_encode()).alias("line"))["line"]
+    lines = pl.concat([lines, flow_lines])
     body = lines.str.join(",\n")[0] if len(lines) else ""
     header = {"displayTimeUnit": "ns", "otherData": {"producer": "traceana merge", "run": str(analysis.run.path),
                                                      "clock_offsets": analysis.clock_offsets.to_dicts(),
