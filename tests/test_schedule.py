@@ -12,6 +12,8 @@ from __future__ import annotations
 import polars as pl
 import pytest
 from attribution_builder import US, EventsBuilder
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
 from traceana.analysis import analyze, strip_annotations
@@ -185,3 +187,18 @@ def test_skewed_clocks_are_corrected_from_p2p_pairs():
     cols = ["rank", "stage", "microbatch", "phase"]
     assert_frame_equal(a.schedule.select(cols), truth.schedule.select(cols))
     assert any("clocks differ" in n for n in a.notes)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=st.sampled_from(["gpipe", "1f1b"]), p=st.integers(2, 5), m=st.integers(1, 6),
+       tf=st.integers(1, 30), tb=st.integers(1, 60), lat=st.integers(1, 10))
+def test_inference_equals_annotations_for_any_gpipe_or_1f1b_pipeline(schedule, p, m, tf, tb, lat):
+    b = pipeline_trace(schedule, p=p, m=m, tf=tf, tb=tb, lat=lat)
+    truth = analyze(b.run())
+    inferred = analyze(b.run(events=strip_annotations(b.events())))
+    cols = ["rank", "step", "stage", "microbatch", "phase", "start_ns", "end_ns"]
+    assert truth.schedule.height == p * m * 2
+    assert_frame_equal(inferred.schedule.select(cols), truth.schedule.select(cols))
+    assert_frame_equal(inferred.attribution, truth.attribution)
+    sums = truth.attribution.group_by("rank", "step").agg(pl.col("ns").sum())
+    assert (truth.steps.join(sums, on=["rank", "step"]).select(pl.col("ns") == pl.col("dur_ns"))).to_series().all()
