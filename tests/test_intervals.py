@@ -84,7 +84,7 @@ def grid(df: pl.DataFrame, g):
     return cover(df.select("g", "start", "end").rows(), g)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(sets, sets)
 def test_set_operations_match_a_brute_force_grid(a_rows, b_rows):
     a, b = frame(a_rows), frame(b_rows)
@@ -98,7 +98,7 @@ def test_set_operations_match_a_brute_force_grid(a_rows, b_rows):
     assert m.filter(pl.col("start") <= pl.col("end").shift(1).over("g")).height == 0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(sets, sets, st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(1, 20)), max_size=3,
                             unique_by=lambda t: t[0]))
 def test_partition_covers_each_window_exactly_once(a_rows, b_rows, w_rows):
