@@ -135,3 +135,15 @@ def test_demo_writes_the_report_and_says_where(runs, tmp_path, monkeypatch, caps
     assert (out / "report.html").stat().st_size > 100_000
     assert not (out / "runs").exists()
     assert "comparison" in parse((out / "report.html").read_text()).section_ids
+
+
+def test_real_report_renders_in_chromium(report, tmp_path):
+    from test_report_browser import CHROMIUM, chromium, console_errors
+
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium is not installed")
+    path, text = report
+    done = chromium(path, tmp_path / "profile", "--dump-dom")
+    rendered = done.stdout.count('<div class="bk-Figure"')
+    assert rendered == text.count('<div class="plot">') > 10
+    assert console_errors(done.stderr) == []
