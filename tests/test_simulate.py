@@ -132,3 +132,33 @@ def test_attribution_tiles_the_step(schedule, p, rounds, fwd, bwd, rec, p2p, sen
         pl.col("start_ns") < pl.col("prev_end")
     )
     assert overlap_rows.height == 0
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 4), (6, 12), (8, 16), (5, 7)])
+def test_bpipe_plan_is_the_collectors_plan(p, m):
+    collectors_bpipe = pytest.importorskip("collectors.bpipe")
+    from traceana.model.memory import microbatches_in_flight
+    from traceana.model.simulate import bpipe_plan
+
+    for e in range(p // 2):
+        q = p - 1 - e
+        keep = collectors_bpipe.balanced_keep("1f1b", e, q, p, m)
+        cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=m)
+                     + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=m)) // 2)
+        assert cap == keep
+        ours = bpipe_plan(device_order("1f1b", pp=p, num_microbatches=m, device=e), cap)
+        theirs = collectors_bpipe.plan_for("1f1b", e, q, p, m)
+        assert ours == theirs.evict_before
+
+
+def test_bpipe_blocking_costs_land_on_evictor_and_acceptor():
+    from traceana.model.simulate import bpipe_plan
+
+    times = StageTimes.uniform(4, forward=100, backward=200)
+    sim = simulate("1f1b", pp=4, num_microbatches=8, times=times, bpipe=True,
+                   costs=Costs(evict_block_ns=10, accept_block_ns=7))
+    n = sum(len(v) for v in bpipe_plan(device_order("1f1b", pp=4, num_microbatches=8, device=0), 3).values())
+    att = {(r, c): ns for r, c, ns in sim.attribution.select("rank", "category", "ns").iter_rows()}
+    assert n == sim.evicted[0] > 0
+    assert att[(0, "bpipe")] == 10 * n
+    assert att[(3, "bpipe")] == 2 * 7 * n  # accept before a forward, return after the backward

@@ -11,6 +11,7 @@ Every figure is a pure function of Analysis tables; errors are (estimate − mea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -168,12 +169,36 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     resume = min(resume, min(times.host_ns) if times.host_ns else 0.0)
     times = StageTimes(times.forward_ns, times.backward_ns, times.recompute_ns, times.optimizer_ns,
                        tuple(max(0.0, h - resume) for h in times.host_ns))
+    # BPipe, as measured: the time each evictor and acceptor spent on BPipe (attribution category "bpipe": blocking
+    # evictions, exposed loads, accepting and returning) per planned eviction; the transfers themselves overlap.
+    evict_block = accept_block = 0.0
+    pairs_of_run = analysis.run.manifest.bpipe if analysis.run.manifest and analysis.run.manifest.bpipe else ()
+    if pairs_of_run and cfg.schedule == "1f1b":
+        from traceana.model.memory import microbatches_in_flight
+        from traceana.model.simulate import bpipe_plan, device_order
+
+        per_step = per_rank.group_by("rank").agg(pl.col("bpipe").mean())
+        spent = dict(per_step.iter_rows())
+        ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
+        for e, q in pairs_of_run:
+            cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=cfg.num_microbatches)
+                         + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=cfg.num_microbatches)) // 2)
+            order = device_order("1f1b", pp=p, num_microbatches=cfg.num_microbatches, device=e)
+            n = sum(len(v) for v in bpipe_plan(order, cap).values())
+            if n:
+                ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
+                acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0
+                n_ev += n
+        if n_ev:
+            evict_block, accept_block = ev_ns / n_ev, acc_ns / (2 * n_ev)
     costs = Costs(
         p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
         send_ns=0.0,
-        bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
+        bpipe_ns=0.0,
         bpipe_overlap=True,
         resume_ns=resume,
+        evict_block_ns=evict_block,
+        accept_block_ns=accept_block,
     )
     return Measured(
         times=times, costs=costs,
@@ -240,7 +265,7 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
     times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
                        meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
     c = meas.costs
-    return times, Costs(c.p2p_ns, c.send_ns, c.bpipe_ns, c.bpipe_overlap, c.resume_ns, per_message_ns=per_msg)
+    return times, dataclasses.replace(c, per_message_ns=per_msg)
 
 
 def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, samples: int = 24, seed: int = 0,
@@ -291,7 +316,7 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
         times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
                            meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
         c = meas.costs
-        costs = Costs(c.p2p_ns, c.send_ns, c.bpipe_ns, c.bpipe_overlap, c.resume_ns, per_message_ns=per_msg)
+        costs = dataclasses.replace(c, per_message_ns=per_msg)
         total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
                           virtual_stages=cfg.virtual_stages, bpipe=bpipe).step_ns
     return total / samples
@@ -425,7 +450,7 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
             # bandwidth: every message here is small) plus its bytes at copy speed.
             evict = estimate_stage_memory(target)[0].activation_per_microbatch
             bpipe_ns = costs.p2p_ns + evict / LOCAL_COPY_BYTES_PER_NS
-        costs = Costs(costs.p2p_ns, costs.send_ns, bpipe_ns, costs.bpipe_overlap, costs.resume_ns)
+        costs = dataclasses.replace(costs, bpipe_ns=bpipe_ns)
     return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
                     virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
 

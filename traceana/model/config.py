@@ -140,6 +140,11 @@ def config_from_manifest(manifest: Manifest, *, precision: Precision | None = No
             f"the model cannot simulate schedule {manifest.schedule!r}", fix=f"use one of {', '.join(MODEL_SCHEDULES)}"
         )
     virtual = int(manifest.extra.get("virtual_stages", 1) or 1)
+    pp = manifest.pp
+    stages_of_rank = manifest.extra.get("stages_of_rank")  # torch.distributed.pipelining: virtual stages per rank
+    if stages_of_rank and isinstance(stages_of_rank, list) and isinstance(stages_of_rank[0], list):
+        virtual = max(1, len(stages_of_rank[0]))
+        pp = manifest.pp // virtual  # the manifest's pp counts stages; the model's pp counts devices
     if precision is None:
         precision = MIXED_ADAM if manifest.dtype in ("bfloat16", "float16", "bf16", "fp16") else FP32_ADAM
     # The reference trainer (collectors/trainer) is eager PyTorch without dropout; say so in run.json's extra to
@@ -148,7 +153,7 @@ def config_from_manifest(manifest: Manifest, *, precision: Precision | None = No
     layers = manifest.extra.get("layers_per_stage")
     return TrainingConfig(
         model=manifest.model,
-        pp=manifest.pp,
+        pp=pp,
         tp=manifest.tp,
         dp=manifest.dp,
         microbatch_size=manifest.microbatch_size,

@@ -90,6 +90,8 @@ class Costs:
     bpipe_ns: float = 0.0
     bpipe_overlap: bool = True
     resume_ns: float = 0.0  # after a message arrives, until the receiver computes (wake-up, Python after the wait)
+    evict_block_ns: float = 0.0  # BPipe: the evictor's own time per eviction (posting, copying), in line
+    accept_block_ns: float = 0.0  # BPipe: the acceptor's own time to accept, and again to return, one micro-batch
     # Replay: in-flight time of single messages keyed ("F" activation / "B" gradient, producing stage, micro-batch).
     per_message_ns: dict[tuple[str, int, int], float] | None = None
 
@@ -129,6 +131,36 @@ def device_order(schedule: str, *, pp: int, num_microbatches: int, device: int,
     for i in range(len(fwd) - warm):
         order += [fwd[warm + i], bwd[i]]
     return order + bwd[len(fwd) - warm:]
+
+
+def bpipe_plan(order: list[tuple[str, int, int]], cap: int) -> dict[int, list[int]]:
+    """Evictions of one evictor: operation index (a forward) -> micro-batches evicted just before it.
+
+    The rule of collectors/bpipe.py's ``eviction_plan`` (and Kim et al. 2023): before a forward that would take the
+    resident count over ``cap`` — counting the load the next backward needs — evict the resident micro-batch whose
+    backward is furthest away (the newest); an evicted micro-batch is resident again from its backward. It depends
+    only on the order, so both partners (and the simulator) know it in advance."""
+    resident: set[int] = set()
+    evicted: set[int] = set()
+    plan: dict[int, list[int]] = {}
+    for i, (action, _, mb) in enumerate(order):
+        if action == "F":
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            needed = nxt[2] if nxt is not None and nxt[0] == "B" else None
+            need = 1 + (needed in evicted)
+            while len(resident) + need > cap:
+                candidates = resident - {needed}
+                if not candidates:
+                    break
+                victim = max(candidates)
+                resident.discard(victim)
+                evicted.add(victim)
+                plan.setdefault(i, []).append(victim)
+            resident.add(mb)
+        else:
+            evicted.discard(mb)
+            resident.discard(mb)
+    return plan
 
 
 # --- the simulation --------------------------------------------------------------------------------------------------
@@ -198,6 +230,18 @@ def simulate(
     }
 
     orders = [device_order(schedule, pp=p, num_microbatches=m, device=d, virtual_stages=v) for d in range(p)]
+    plans = {e: bpipe_plan(orders[e], cap[e]) for e in cap}
+    # The acceptor q = p−1−s accepts micro-batch e before its own forward of e − (q − s) and returns it right after
+    # its own backward of e (collectors/bpipe.py).
+    accept_before: dict[tuple[int, int], int] = {}
+    returns: set[tuple[int, int]] = set()
+    for e_dev, plan in plans.items():
+        q = acceptor_of[e_dev]
+        for victims in plan.values():
+            for victim in victims:
+                key = (q, max(0, victim - (q - e_dev)))
+                accept_before[key] = accept_before.get(key, 0) + 1
+                returns.add((q, victim))
     idx = [0] * p
     free = [0.0] * p
     f_end: dict[tuple[int, int], float] = {}
@@ -288,19 +332,13 @@ def simulate(
                     busy(d, a, b, c)
                 t = start
                 if action == "F" and d in cap:
-                    # BPipe (as collectors/bpipe.py plans it): before a forward that would take the evictor over its
-                    # cap — counting the load the next backward needs — evict the resident micro-batch whose
-                    # backward is furthest away (the newest). Its activations leave before the new ones arrive.
-                    nxt = orders[d][idx[d] + 1] if idx[d] + 1 < len(orders[d]) else None
-                    needed = nxt[2] if nxt is not None and nxt[0] == "B" else None
-                    need = 1 + (1 if needed is not None and (d, needed) in evicted_at else 0)
-                    while len(resident[d]) + need > cap[d]:
-                        candidates = [x for x in resident[d] if x != needed]
-                        if not candidates:
-                            break
-                        victim = max(candidates)
+                    # BPipe: evict what the plan says before this forward (bpipe_plan; collectors/bpipe.py).
+                    for victim in plans[d].get(idx[d], ()):
                         resident[d].remove(victim)
                         n_evicted[d] += 1
+                        if costs.evict_block_ns:
+                            busy(d, t, t + costs.evict_block_ns, "bpipe")
+                            t += costs.evict_block_ns
                         ev_start = max(t, link_free[d])
                         ev_end = ev_start + costs.bpipe_ns
                         link_free[d] = ev_end
@@ -310,6 +348,11 @@ def simulate(
                         if not costs.bpipe_overlap:
                             busy(d, ev_start, ev_end, "bpipe")
                             t = ev_end
+                if action == "F" and (d, mb) in accept_before and costs.accept_block_ns:
+                    # the acceptor posts its receive for an evicted micro-batch before this forward of its own
+                    n = accept_before[(d, mb)]
+                    busy(d, t, t + n * costs.accept_block_ns, "bpipe")
+                    t += n * costs.accept_block_ns
                 if action == "F":
                     end = t + dur(times.forward_ns, vs, ("F", mb))
                     busy(d, t, end, "forward")
@@ -331,6 +374,9 @@ def simulate(
                     busy(d, t + r, end, "backward")
                     rows.append((d, vs, mb, "backward", t, end))  # measured B spans include their recompute
                     b_end[(vs, mb)] = end
+                    if (d, mb) in returns and costs.accept_block_ns:
+                        busy(d, end, end + costs.accept_block_ns, "bpipe")
+                        end += costs.accept_block_ns
                     note_held(end, d, -1.0 / v)
                     if d in cap and mb in resident[d]:
                         resident[d].remove(mb)
