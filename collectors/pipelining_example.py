@@ -11,7 +11,6 @@ only traceana lines in ``run_rank`` are ``annotate(schedule)`` and the ``Pipelin
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from collectors.launch import free_port
+from collectors.launch import _start_method, free_port
 from collectors.manifest import finalize_manifest
 from collectors.pipelining import annotate
 from collectors.profiler import PipelineProfiler
@@ -111,14 +110,15 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
 
 
 def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", microbatches: int = 8,
-            microbatch_size: int = 2, steps: int = 2) -> Path:
+            microbatch_size: int = 2, steps: int = 2, ranks: int | None = None) -> Path:
+    """Collect one run of a pipelining schedule: 4 ranks × 1 stage (interleaved: 2 ranks × 2 stages)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    world = 2 if schedule == "interleaved-1f1b" else 4
+    world = ranks or (2 if schedule == "interleaved-1f1b" else 4)
     started = time.time()
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = _start_method()
     mp.start_processes(run_rank, args=(world, f"tcp://127.0.0.1:{free_port()}", schedule, out_dir, preset,
                                        microbatches, microbatch_size, steps),
                        nprocs=world, join=True, start_method=method)
