@@ -162,3 +162,15 @@ def test_bpipe_blocking_costs_land_on_evictor_and_acceptor():
     assert n == sim.evicted[0] > 0
     assert att[(0, "bpipe")] == 10 * n
     assert att[(3, "bpipe")] == 2 * 7 * n  # accept before a forward, return after the backward
+
+
+def test_bpipe_acceptor_holds_early_posted_buffers():
+    from traceana.model.simulate import bpipe_acceptor_peak, bpipe_plan
+
+    plan = bpipe_plan(device_order("1f1b", pp=4, num_microbatches=8, device=0), 3)
+    victims = [v for vs in plan.values() for v in vs]
+    assert victims == [2, 4, 6]
+    # stage 3 accepts 2 before its F0, 4 before F1, 6 before F3, returns each after its own backward of it
+    own, accepted = bpipe_acceptor_peak(device_order("1f1b", pp=4, num_microbatches=8, device=3), victims,
+                                        acceptor=3, evictor=0)
+    assert (own, accepted) == (1, 2)  # more than the pair balance's 1 + 1

@@ -331,9 +331,29 @@ def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False
     frees last step's gradients after the window's start and allocates new ones before its end: net zero.
     """
     work = backward_working_bytes(cfg)
+    stages = estimate_stage_memory(cfg)
+    act = [st.activation_bytes for st in stages]
+    if cfg.bpipe and cfg.eager and cfg.schedule == "1f1b":
+        # The reference collector's acceptor allocates a buffer when it posts the receive, early (bpipe_acceptor_peak):
+        # count what it really holds instead of the pair-balance count.
+        from traceana.model.memory import bpipe_pairs, microbatches_in_flight
+        from traceana.model.simulate import bpipe_acceptor_peak, bpipe_plan, device_order
+
+        p, m = cfg.pp, cfg.num_microbatches
+        for e, q in bpipe_pairs(p):
+            cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=m)
+                         + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=m)) // 2)
+            plan = bpipe_plan(device_order("1f1b", pp=p, num_microbatches=m, device=e), cap)
+            victims = [v for vs in plan.values() for v in vs]
+            own, accepted = bpipe_acceptor_peak(device_order("1f1b", pp=p, num_microbatches=m, device=q), victims,
+                                                acceptor=q, evictor=e)
+            # what one eviction moves: the evictor's saved activations, not the stage output its runner keeps
+            pinned = cfg.precision.activation_bytes * cfg.model.seq * cfg.microbatch_size * cfg.model.hidden
+            act[q] = own * stages[q].activation_per_microbatch + accepted * (stages[e].activation_per_microbatch
+                                                                           - pinned)
     return [
-        st.activation_bytes + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
-        for st in estimate_stage_memory(cfg)
+        a + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
+        for a, st in zip(act, stages)
     ]
 
 

@@ -163,6 +163,30 @@ def bpipe_plan(order: list[tuple[str, int, int]], cap: int) -> dict[int, list[in
     return plan
 
 
+def bpipe_acceptor_peak(order: list[tuple[str, int, int]], victims: list[int], *, acceptor: int,
+                        evictor: int) -> tuple[int, int]:
+    """(own, accepted) micro-batches an acceptor holds at its peak when, as collectors/bpipe.py does it, it posts the
+    receive for evicted micro-batch e (allocating its buffer) before its own forward of e − (q − s) and frees it after
+    returning it, right after its own backward of e."""
+    accept_at: dict[int, int] = {}
+    for e in victims:
+        x = max(0, e - (acceptor - evictor))
+        accept_at[x] = accept_at.get(x, 0) + 1
+    own = foreign = 0
+    best = (0, 0)
+    for action, _, mb in order:
+        if action == "F":
+            foreign += accept_at.get(mb, 0)
+            own += 1
+            if own + foreign > sum(best):
+                best = (own, foreign)
+        else:
+            own -= 1
+            if mb in victims:
+                foreign -= 1
+    return best
+
+
 # --- the simulation --------------------------------------------------------------------------------------------------
 def _split_wait(start: float, end: float, windows: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Label the pieces of an idle span [start, end): inside a window its category (earlier windows win), else idle."""
