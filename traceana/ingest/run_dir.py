@@ -158,6 +158,8 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
             try:
                 # forkserver, not fork: polars' thread pool does not survive a fork of a process that used it.
                 ctx = multiprocessing.get_context("forkserver")
+                # The server imports ingest (polars, msgspec) once; each worker forks from it ready to parse.
+                ctx.set_forkserver_preload(["traceana.ingest.run_dir"])
                 with cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
                     futures = {pool.submit(_parse_one, f): f for f in files}
                     for fut in cf.as_completed(futures):
