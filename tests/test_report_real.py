@@ -16,17 +16,22 @@ from reports import html as H
 pytest.importorskip("torch")
 pytest.importorskip("collectors.launch")
 
-# 2 stages keep the session's collection short; 4 micro-batches give 1F1B a steady state; one profiled step.
-TINY = {"pp": 2, "microbatches": 4, "steps": 1, "warmup_steps": 1}
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(collected_run) -> dict[str, Path]:
+    """The session's shared tiny runs (tests/collected_runs.py): 4-stage 1F1B, without and with BPipe."""
+    return {"baseline": collected_run("1f1b"), "bpipe": collected_run("1f1b_bpipe")}
+
+
+def test_demo_collects_through_the_collectors_api(tmp_path):
+    """The demo's own collection call, on the smallest pipeline the trainer accepts."""
     from reports.demo_command import collect_run
 
-    root = tmp_path_factory.mktemp("real_runs")
-    return {name: collect_run(root / name, bpipe=bpipe, **TINY) for name, bpipe in (("baseline", False),
-                                                                                   ("bpipe", True))}
+    run_dir = collect_run(tmp_path / "run", bpipe=False, pp=2, microbatches=2, steps=1, warmup_steps=1,
+                          microbatch_size=1)
+    assert (run_dir / "run.json").is_file()
+    assert sorted(p.name for p in run_dir.glob("rank*.pt.trace.json.gz")) == ["rank0.pt.trace.json.gz",
+                                                                             "rank1.pt.trace.json.gz"]
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +123,8 @@ def test_report_command_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_demo_writes_the_report_and_says_where(runs, tmp_path, monkeypatch, capsys):
-    """The demo's own flow (progress, analysis, validation, report, clean-up) on the runs collected above; collecting
-    itself is what the `runs` fixture exercised through the same `collect_run`."""
+    """The demo's own flow (progress, analysis, validation, report, clean-up) on the session's runs; its collection
+    call is tested above."""
     import reports.demo_command as demo
 
     def copy_run(out: Path, *, bpipe: bool, progress=None, **_):
