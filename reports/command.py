@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
         kwargs = {"names": args.name, "title": args.title}
         if args.no_validate:
-            kwargs["validation"] = None
+            kwargs["validation"] = kwargs["cross_run"] = None
         path = write_report(args.output, analyses, **kwargs)
     size = path.stat().st_size / 2**20
     print(f"report: {path} ({size:.1f} MiB, {time.perf_counter() - t0:.1f} s)")

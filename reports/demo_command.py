@@ -39,6 +39,7 @@ def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
 
     ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step)."""
     try:
+        from collectors.launch import collect
         from collectors.trainer.config import CollectConfig
     except ImportError as e:  # torch (or collectors) is missing: say how to get it
         raise BadInputError(
@@ -46,7 +47,6 @@ def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
             fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
                 "traceana report RUN_DIR",
         ) from None
-    from collectors.launch import collect
 
     config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
     return Path(collect(config, out, progress=progress))

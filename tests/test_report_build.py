@@ -201,3 +201,14 @@ def test_evil_trace_end_to_end(tmp_path):
     text = build_report([a], validation=None)
     assert "<svg onload" not in text and "<script>document.title" not in text and "<img src=x" not in text
     assert "&lt;svg onload=document.title=&#x27;pwned&#x27;&gt;" in text
+
+
+def test_demo_without_torch_is_one_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    from reports.demo_command import collect_run
+    from traceana.errors import BadInputError
+
+    monkeypatch.setitem(sys.modules, "collectors.launch", None)  # what a laptop without torch sees
+    with pytest.raises(BadInputError, match="traceana demo needs the collectors and torch"):
+        collect_run(tmp_path / "run", bpipe=False)
