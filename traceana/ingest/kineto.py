@@ -348,29 +348,31 @@ def _raw_chunks(events: msgspec.Raw, skip_events: int):
 
 
 def _decoded_chunks(buf: bytes | bytearray, events: msgspec.Raw, problems: list[str]):
-    """Typed events of the traceEvents array, chunk by chunk: (events, bytes done, bytes total)."""
+    """Typed events of the traceEvents array, chunk by chunk: (events, their ts in ns, bytes done, bytes total)."""
     n_events = 0
     for chunk, done, total in _event_chunks(buf, events):
         try:
-            evs, n = _decode_chunk(chunk, problems)
+            evs, ts, n = _decode_chunk(chunk, problems)
         except _BadSplit:
             for chunk2, done2, total2 in _raw_chunks(events, n_events):
-                evs, n = _decode_chunk(chunk2, problems)
-                yield evs, done2, total2
+                evs, ts, n = _decode_chunk(chunk2, problems)
+                yield evs, ts, done2, total2
             return
         n_events += n
-        yield evs, done, total
+        yield evs, ts, done, total
 
 
-def _decode_chunk(chunk: bytes | bytearray, problems: list[str]) -> tuple[list[_Event], int]:
-    """Typed events of one chunk (times exact, see FLOAT_EXACT_US) and how many events the chunk held."""
+def _decode_chunk(chunk: bytes | bytearray, problems: list[str]) -> tuple[list[_Event], pl.Series, int]:
+    """Typed events of one chunk, their ts in ns (exact, see FLOAT_EXACT_US) and how many events the chunk held."""
     batch_problems: list[str] = []
     evs, n = _decode_batch(chunk, batch_problems, exact=False)
-    if _needs_exact(evs):
+    ts = _ts_ns(evs)
+    if ts is None:  # some |ts| >= FLOAT_EXACT_US: decode this chunk again with exact ts digits
         batch_problems = []
         evs, n = _decode_batch(chunk, batch_problems, exact=True)
+        ts = _ts_ns(evs)
     problems.extend(batch_problems)
-    return evs, n
+    return evs, ts, n
 
 
 def _decode_batch(chunk: bytes | bytearray, problems: list[str], *, exact: bool) -> tuple[list[_Event], int]:
@@ -425,22 +427,19 @@ def _text_series(name: str, values: list[Any]) -> pl.Series:
     return pl.Series(name, values, dtype=pl.String, strict=False)
 
 
-def _ts_ns(evs: list[_Event]) -> pl.Series:
-    """Relative ns of each event's ts (see FLOAT_EXACT_US); null where missing or not a number."""
+def _ts_ns(evs: list[_Event]) -> pl.Series | None:
+    """Relative ns of each event's ts, null where missing or not a number; None when a float cannot be exact."""
     ts = list(map(attrgetter("ts"), evs))
     if evs and isinstance(evs[0], _ExactEvent):
         text = pl.DataFrame({"t": pl.Series("t", list(map(str, ts)), dtype=pl.String)})
         return text.select(_us_text_to_ns(pl.col("t"))).to_series().alias("ts_rel")
     f = _series("t", ts, pl.Float64)
+    big = f.abs().max()
+    if big is not None and big >= FLOAT_EXACT_US:  # type: ignore[operator]
+        return None
     whole = f.floor()
     ns = whole.cast(pl.Int64, strict=False) * 1000 + ((f - whole) * 1000.0).round(0).cast(pl.Int64, strict=False)
     return ns.alias("ts_rel")
-
-
-def _needs_exact(evs: list[_Event]) -> bool:
-    ts = _series("t", list(map(attrgetter("ts"), evs)), pl.Float64)
-    big = ts.abs().max()
-    return big is not None and big >= FLOAT_EXACT_US  # type: ignore[operator]
 
 
 def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...]) -> dict[str, pl.Series]:
@@ -481,14 +480,14 @@ class _Batches:
         self.rows = 0  # X events so far
         self.n_mem = 0  # [memory] instants so far
 
-    def add(self, evs: list[_Event]) -> None:
+    def add(self, evs: list[_Event], ts: pl.Series) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
         name = pl.Series(list(map(attrgetter("name"), evs)), dtype=pl.String)
         is_x = ph == "X"
         is_mem = (ph == "i") & (name == "[memory]")
         mem = list(compress(evs, is_mem.to_list()))
         if mem:
-            self.mem.append(pl.DataFrame({"ts_rel": _ts_ns(mem), **_args_of(mem, _MEM_ARGS)}))
+            self.mem.append(pl.DataFrame({"ts_rel": ts.filter(is_mem), **_args_of(mem, _MEM_ARGS)}))
             self.n_mem += len(mem)
         xs = list(compress(evs, is_x.to_list()))
         if not xs:
@@ -499,7 +498,7 @@ class _Batches:
             "cat": _series("cat", list(map(attrgetter("cat"), xs)), pl.String),
             "pid": _text_series("pid", list(map(attrgetter("pid"), xs))),
             "tid": _text_series("tid", list(map(attrgetter("tid"), xs))),
-            "ts_rel": _ts_ns(xs),
+            "ts_rel": ts.filter(is_x),
             "dur_us": _series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64),
             **_args_of(xs, _X_ARGS),
         })
@@ -652,9 +651,9 @@ def read_trace(
 
     batches = _Batches()
     problems: list[str] = []
-    for evs, done, total in _decoded_chunks(buf, top.traceEvents, problems):
-        batches.add(evs)
-        del evs
+    for evs, ts, done, total in _decoded_chunks(buf, top.traceEvents, problems):
+        batches.add(evs, ts)
+        del evs, ts
         if on_progress is not None:
             on_progress(done, total)
     del top, buf  # the raw JSON is no longer needed: free it before building the tables
