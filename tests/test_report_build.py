@@ -212,3 +212,12 @@ def test_demo_without_torch_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "collectors.launch", None)  # what a laptop without torch sees
     with pytest.raises(BadInputError, match="traceana demo needs the collectors and torch"):
         collect_run(tmp_path / "run", bpipe=False)
+
+
+def test_mfu_is_a_headline_only_when_measured():
+    from reports.summary import kpis
+
+    a = make_analysis()
+    assert "MFU" not in kpis(a)
+    with_mfu = dataclasses.replace(a, stages=a.stages.with_columns(mfu=pl.Series([0.12, 0.13, 0.11, 0.12])))
+    assert "<b>12 %</b><span>MFU, mean over stages</span>" in kpis(with_mfu)
