@@ -16,7 +16,7 @@ from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
 from traceana.model.memory import estimate_stage_memory
-from traceana.model.presets import DEVICES, MODELS, Device, device_preset, model_preset
+from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 
 GiB = 2**30
 
@@ -100,6 +100,9 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
         schedule=args.schedule, attention=args.attention, recompute=args.recompute, bpipe=args.bpipe,
         virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer, precision=PRECISIONS[args.precision],
+        # the tiny presets are the reference trainer's models: eager PyTorch, no dropout (collectors/trainer)
+        eager=bool(args.model and args.model.lower() in TINY_MODELS),
+        dropout=False if args.model and args.model.lower() in TINY_MODELS else None,
     )
     dev = device_preset(args.device)
     dev = Device(
@@ -157,23 +160,29 @@ def render(out: dict) -> str:
         f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
         f"recompute {c['recompute']} · BPipe {'on' if c['bpipe'] else 'off'} · {c['precision']}",
         "",
-        f"{'stage':>5} {'layers':>6} {'params':>8} {'state GiB':>9} {'act/mb GiB':>10} {'in flight':>9} "
-        f"{'act GiB':>8} {'total GiB':>9}  fits",
     ]
+    big = max(s["total_bytes"] for s in out["stages"]) >= GiB
+    unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
+    lines.append(
+        f"{'stage':>5} {'layers':>6} {'params':>9} {'state ' + unit:>9} {'act/mb ' + unit:>10} {'in flight':>9} "
+        f"{'act ' + unit:>8} {'total ' + unit:>9}  fits"
+    )
     for s in out["stages"]:
-        state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / GiB
+        state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / div
         held = f"{s['in_flight']:g}" + (f"+{s['foreign_in_flight']:g}" if s["foreign_in_flight"] else "")
+        params = f"{s['params'] / 1e9:.2f}B" if s["params"] >= 1e8 else f"{s['params'] / 1e6:.2f}M"
         lines.append(
-            f"{s['stage']:>5} {s['layers']:>6} {s['params'] / 1e9:>7.2f}B {state:>9.1f} "
-            f"{s['activation_per_microbatch'] / GiB:>10.2f} {held:>9} {s['activation_bytes'] / GiB:>8.1f} "
-            f"{s['total_bytes'] / GiB:>9.1f}  {'yes' if s['fits'] else 'NO'}"
+            f"{s['stage']:>5} {s['layers']:>6} {params:>9} {state:>9.1f} "
+            f"{s['activation_per_microbatch'] / div:>10.2f} {held:>9} {s['activation_bytes'] / div:>8.1f} "
+            f"{s['total_bytes'] / div:>9.1f}  {'yes' if s['fits'] else 'NO'}"
         )
     st = out["step"]
-    terms = ", ".join(f"{k} {v:.2f} s" for k, v in st["terms_s"].items())
+    sec = (lambda x: f"{x:.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:.2f} ms")
+    terms = ", ".join(f"{k} {sec(v)}" for k, v in st["terms_s"].items())
     lines += [
         "",
         f"fits: {'yes' if out['fits'] else 'NO'}",
-        f"step time {st['seconds']:.3f} s, MFU {st['mfu']:.1%} (compute efficiency {st['efficiency']:.1%}, "
+        f"step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} (compute efficiency {st['efficiency']:.1%}, "
         f"{st['efficiency_source']}); stage 0: {terms}",
     ]
     if "bpipe" in out:
