@@ -150,7 +150,10 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
         if n_workers <= 1:
             out = []
             for f in files:
-                out.append(_parse_serial(f, bar.per_event(f)))
+                result = _parse_serial(f, bar.per_event(f))
+                if result[0] == "error" and result[1][0] is not NotATraceError:
+                    _raise(result[1])  # no point reading the other ranks
+                out.append(result)
                 bar.file_done()
             return out
         results: dict[Path, Any] = {}
