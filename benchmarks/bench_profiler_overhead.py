@@ -42,7 +42,7 @@ def _rank(rank: int, config: CollectConfig, init_method: str, out_dir: str, resu
     init_process_group(setup, init_method)
     from collectors.bpipe import new_groups
 
-    groups = new_groups(config.pp, list(range(config.pp))) if config.bpipe else {}
+    groups = new_groups(config.pp, list(range(config.pp)), backend="gloo") if config.bpipe else {}
     runner = build_runner(config, setup, groups)
     optimizer = torch.optim.AdamW(runner.stage_module.parameters(), lr=config.lr)
     step = 0

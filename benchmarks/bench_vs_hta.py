@@ -109,8 +109,10 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
     if proc.returncode != 0 or not result:
         tail = b"".join(err_chunks).decode(errors="replace")[-3000:] if err_chunks else f"see {stderr_to}"
         raise RuntimeError(f"{' '.join(cmd[:4])}… exited {proc.returncode}:\n{tail}")
-    return {"wall": wall, "peak_rss": max(peak, usage.ru_maxrss * 1024), "max_proc_rss": usage.ru_maxrss * 1024,
-            **result}
+    # CPU seconds of the job and every child it waited for: unlike wall time, not inflated by other jobs' load.
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"wall": wall, "cpu": cpu, "peak_rss": max(peak, usage.ru_maxrss * 1024),
+            "max_proc_rss": usage.ru_maxrss * 1024, **result}
 
 
 # --- the jobs, each run as ``python bench_vs_hta.py --job NAME …`` in a fresh process -----------------------------
@@ -226,8 +228,8 @@ def mb(n: float) -> str:
 
 def line(label: str, r: dict, nbytes: int) -> str:
     inner = r.get("ingest_s", 0) + r.get("analyze_s", 0)
-    return (f"  {label:<34} wall {r['wall']:7.2f} s  (work {inner:7.2f} s)  {nbytes / 1e6 / r['wall']:7.1f} MB/s  "
-            f"peak RSS {mb(r['peak_rss']):>10} (largest process {mb(r['max_proc_rss'])})")
+    return (f"  {label:<34} wall {r['wall']:7.2f} s  (work {inner:7.2f} s, cpu {r['cpu']:7.2f} s)  "
+            f"{nbytes / 1e6 / r['wall']:7.1f} MB/s  peak RSS {mb(r['peak_rss']):>10} (largest process {mb(r['max_proc_rss'])})")
 
 
 def compare(label: str, ours: dict, theirs: dict) -> str:
@@ -317,7 +319,8 @@ def section_parallel(a, results: dict) -> None:
     print(line("workers=1", one, nbytes))
     print(line("workers=2", two, nbytes))
     print(f"  => speed-up {one['ingest_s'] / two['ingest_s']:.2f}x on work, {one['wall'] / two['wall']:.2f}x wall "
-          f"(ideal on 2 cores: 2x; os.cpu_count()={os.cpu_count()}, load average now {os.getloadavg()[0]:.1f})")
+          f"(ideal on 2 cores: 2x; os.cpu_count()={os.cpu_count()}, load average now {os.getloadavg()[0]:.1f}); "
+          f"CPU seconds 2 workers / 1 worker = {two['cpu'] / one['cpu']:.2f} (1.0 = parallelism costs no extra work)")
     results["parallel"] = {"raw_bytes": nbytes, "workers1": one, "workers2": two}
     if not a.keep:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -116,12 +116,18 @@ def pair_of(stage: int, stages: int) -> tuple[int, int] | None:
     return (min(stage, partner), max(stage, partner))
 
 
-def new_groups(stages: int, rank_of_stage: list[int]) -> dict[tuple[int, int], dist.ProcessGroup]:
-    """One process group per pair, created on every rank in the same order (``new_group`` is collective)."""
+def new_groups(stages: int, rank_of_stage: list[int], *, backend: str | None = None
+               ) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One process group per pair, created on every rank in the same order (``new_group`` is collective).
+
+    The trainer asks for gloo: on CPU that is the default anyway; on GPUs it keeps BPipe's sends and receives, which
+    cross in both directions at times the two partners choose independently, off NCCL's one-stream-per-pair
+    ordering (where crossing sends can wait on each other), at the price of staging through host memory.
+    """
     groups = {}
     for s in range(stages // 2):
         ranks = sorted((rank_of_stage[s], rank_of_stage[stages - 1 - s]))
-        groups[(s, stages - 1 - s)] = dist.new_group(ranks, group_desc=names.BPIPE_GROUP_DESC)
+        groups[(s, stages - 1 - s)] = dist.new_group(ranks, backend=backend, group_desc=names.BPIPE_GROUP_DESC)
     return groups
 
 

@@ -18,7 +18,7 @@ from collectors.trainer.reference import train_reference  # noqa: E402
 pytestmark = pytest.mark.slow
 ATOL = 1e-5
 
-BASE4 = CollectConfig(pp=4, microbatches=4, microbatch_size=1, steps=2, warmup_steps=0, profile=False)
+BASE4 = CollectConfig(pp=4, microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
 CONFIGS4 = [
     BASE4,
     BASE4.replace(schedule="gpipe", recompute="full"),
@@ -27,11 +27,12 @@ CONFIGS4 = [
     BASE4.replace(preset="tiny-llama", bpipe=True, bpipe_inflight=1, recompute="selective"),  # both pairs evict
     BASE4.replace(schedule="gpipe", bpipe=True, bpipe_inflight=2, attention="sdpa", recompute="selective"),
     BASE4.replace(preset="tiny-llama", schedule="gpipe"),
+    BASE4.replace(bpipe=True, batch_p2p=True),  # the NCCL path's send/receive batching, exercised on gloo
 ]
-BASE2 = CollectConfig(pp=2, microbatches=3, microbatch_size=2, steps=2, warmup_steps=0, profile=False)
+BASE2 = CollectConfig(pp=2, microbatches=3, microbatch_size=2, steps=1, warmup_steps=0, profile=False)
 CONFIGS2 = [
     BASE2.replace(preset="tiny-llama", bpipe=True, bpipe_inflight=1),
-    BASE2.replace(schedule="gpipe", recompute="full", attention="sdpa"),
+    BASE2.replace(schedule="gpipe", recompute="full", attention="sdpa", batch_p2p=True),
 ]
 
 

@@ -44,6 +44,7 @@ class CollectConfig:
     lr: float = 1e-3  # AdamW learning rate
     seed: int = 1234
     profile: bool = True  # False: train without the profiler (tests, overhead benchmark)
+    batch_p2p: bool | None = None  # post each send with the next receive (batch_isend_irecv); None = on NCCL only
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

@@ -51,6 +51,8 @@ class StageRunner:
             if self.acceptor:
                 self.acceptor.before(index)
             self._prune_sends()
+            if (action.kind == F and self.first) or (action.kind != F and self.last):
+                self.transport.flush()  # this action receives nothing: post held sends (NCCL batching)
             if self.evictor:
                 for victim in self.evictor.plan.evict_before.get(index, ()):
                     x, y = self._held[victim]
@@ -63,6 +65,7 @@ class StageRunner:
                     losses.append(loss)
             else:
                 self.backward(action.microbatch)
+        self.transport.flush()
         for done, _, _ in self._sends:
             done.wait()
         self._sends.clear()

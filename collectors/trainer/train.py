@@ -90,14 +90,16 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     module = Stage(model, stage=stage, stages=stages).to(setup.device)
     rank_of_stage = list(range(stages))
     actions = actions_for(config.schedule, stage, stages, config.microbatches)
-    transport = Transport(setup.device, setup.host_staged)
+    batch = setup.backend == "nccl" if config.batch_p2p is None else config.batch_p2p
+    transport = Transport(setup.device, setup.host_staged, batch_sends=batch)
     act_shape = (config.microbatch_size, shape.seq, shape.hidden)
     runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage)
     pair = pair_of(stage, stages) if config.bpipe else None
     if pair is not None:
         evictor, acceptor = pair
         plan = plan_for(config.schedule, evictor, acceptor, stages, config.microbatches, config.bpipe_inflight)
-        bp = Transport(setup.device, setup.host_staged, group=groups[pair])
+        # On NCCL the BPipe group is gloo through host memory (see new_groups): staged like several-stages-per-GPU.
+        bp = Transport(setup.device, setup.host_staged or setup.backend == "nccl", group=groups[pair])
         if stage == evictor:
             runner.evictor = Evictor(stage=stage, acceptor_rank=rank_of_stage[acceptor], plan=plan, module=module,
                                      transport=bp)
@@ -137,7 +139,7 @@ def _recv_layout(src: int, transport: Transport) -> list[int]:
 def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, progress=None) -> RankResult:
     """Train ``config.total_steps`` steps on this rank's stage; profile the last ``config.steps`` into ``out_dir``."""
     torch.set_num_threads(1)  # one stage per process; on a small CPU more threads only fight each other
-    groups = new_groups(config.pp, list(range(config.pp))) if config.bpipe else {}
+    groups = new_groups(config.pp, list(range(config.pp)), backend="gloo") if config.bpipe else {}
     runner = build_runner(config, setup, groups)
     module, stage = runner.stage_module, runner.stage
     optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr)
@@ -179,6 +181,11 @@ def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int
 
 
 def init_process_group(setup: DistSetup, init_method: str | None) -> None:
-    kwargs = {"device_id": setup.device} if setup.backend == "nccl" else {}
+    kwargs = {}
+    if setup.backend == "nccl":
+        torch.cuda.set_device(setup.device)
+        kwargs["device_id"] = setup.device
     dist.init_process_group(setup.backend, init_method=init_method, rank=setup.rank, world_size=setup.world_size,
                             **kwargs)
+    if setup.backend == "nccl":
+        dist.barrier()  # batch_isend_irecv wants the group's communicator created by a collective of all ranks
