@@ -186,7 +186,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
         page.add("<h3>Predicted from the first run, then measured</h3>")
         page.add(H.para("The model measures the first run's durations and predicts each other run's step time "
                         "from them (e.g. the same pipeline with BPipe); the measured step time is what the run "
-                        "actually took.", css_class="lead"))
+                        "actually took. The model measures steady steps only (it drops the first profiled step "
+                        "when there are more) and averages the stages, so its step times can differ from the "
+                        "slowest-rank step times above.", css_class="lead"))
         predicted, failures = [], []
         for name, a in runs[1:]:
             r = cross_run(analyses[0], a)
