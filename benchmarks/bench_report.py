@@ -18,6 +18,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def strip_scaling(analysis, n: int = 1_000_000) -> None:
+    """The timeline's attribution band from a million segments (a million-kernel trace): time and blocks drawn."""
+    import dataclasses
+
+    import numpy as np
+    import polars as pl
+
+    from reports import frames as F
+
+    rng = np.random.default_rng(0)
+    ranks = 4
+    dur = rng.integers(1_000, 20_000, n)
+    start = np.concatenate([np.cumsum(d) - d for d in np.split(dur, ranks)]) + 1_700_000_000_000_000_000
+    segs = pl.DataFrame({
+        "rank": np.repeat(np.arange(ranks), n // ranks).astype(np.int32), "step": np.zeros(n, np.int32),
+        "category": np.array(["forward", "backward", "host", "p2p", "bubble_stall"])[rng.integers(0, 5, n)],
+        "start_ns": start, "end_ns": start + dur,
+    })
+    t = time.perf_counter()
+    strip = F.attribution_strip(dataclasses.replace(analysis, segments=segs))
+    print(f"timeline band from {n:,} attribution segments: {time.perf_counter() - t:.2f} s, "
+          f"{strip.height:,} blocks drawn")
+
+
 def main(argv: list[str]) -> int:
     from reports.command import analyse_runs
 
@@ -57,6 +81,7 @@ def main(argv: list[str]) -> int:
     print(f"runs: {', '.join(map(str, paths))} ({'/'.join(map(str, ranks))} ranks, {events:,} trace events)")
     print(f"load + analyse: {t_analyse:.2f} s; holoviews + bokeh import: {t_import:.2f} s")
     print(f"timeline blocks drawn: {blocks:,} (for {events:,} events)")
+    strip_scaling(analyses[0])
     if tmp is not None:
         tmp.cleanup()
     return 0
