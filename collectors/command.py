@@ -10,6 +10,7 @@ Impossible configurations are refused before any process starts.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     if launch.in_torchrun():
         launch.run_under_torchrun(config, args.out, progress=print)
+        if int(os.environ["RANK"]) != 0:
+            return 0
     else:
         launch.collect(config, args.out, progress=print)
     print(f"wrote {args.out}; next: traceana analyze {args.out}")

@@ -10,6 +10,7 @@ Python API (``traceana demo`` uses it)::
 ``collect`` validates the configuration (``ConfigError`` before any process starts), spawns ``pp`` processes
 (gloo on CPU; NCCL when each rank has its own GPU; gloo with host staging when ranks share a GPU), waits for them and
 (re)writes ``run.json`` with the ranks whose trace is really on disk. It returns the run directory.
+Workers start from a forkserver, so a script calling ``collect`` needs the usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
