@@ -41,10 +41,18 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 # --- measuring a job ---------------------------------------------------------------------------------------------
-def _tree_rss(root: int) -> int:
-    """Summed RSS (bytes) of ``root`` and all its descendants, read from /proc (no psutil here)."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_sample(root: int) -> tuple[int, dict[int, float]]:
+    """Summed RSS (bytes) of ``root`` and all its descendants, and each one's CPU seconds, read from /proc.
+
+    No psutil here. Descendants include workers a forkserver started (they hang below the job's forkserver
+    process), which ``wait4`` accounting misses because the job never waits for them itself.
+    """
     parent: dict[int, int] = {}
     rss: dict[int, int] = {}
+    cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -53,19 +61,21 @@ def _tree_rss(root: int) -> int:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)": state ppid … ; rss is field 24 overall
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)": state ppid …; proc(5) numbering minus 3
         pid = int(entry)
         parent[pid] = int(fields[1])
         rss[pid] = int(fields[21]) * PAGE
-    total, todo = 0, [root]
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
+    total, tree_cpu, todo = 0, {}, [root]
     while todo:
         pid = todo.pop()
         total += rss.get(pid, 0)
+        tree_cpu[pid] = cpu.get(pid, 0.0)
         todo.extend(children.get(pid, ()))
-    return total
+    return total, tree_cpu
 
 
 def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, stderr_to: Path | None = None) -> dict:
@@ -74,12 +84,16 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
     err = open(stderr_to, "wb") if stderr_to else subprocess.PIPE
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
     peak = 0
+    cpu_seen: dict[int, float] = {}  # pid → last CPU seconds seen (a worker's total survives its exit)
     done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
+            rss, cpu = _tree_sample(proc.pid)
+            peak = max(peak, rss)
+            for pid, seconds in cpu.items():
+                cpu_seen[pid] = max(cpu_seen.get(pid, 0.0), seconds)
             done.wait(interval)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -109,8 +123,10 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
     if proc.returncode != 0 or not result:
         tail = b"".join(err_chunks).decode(errors="replace")[-3000:] if err_chunks else f"see {stderr_to}"
         raise RuntimeError(f"{' '.join(cmd[:4])}… exited {proc.returncode}:\n{tail}")
-    # CPU seconds of the job and every child it waited for: unlike wall time, not inflated by other jobs' load.
-    cpu = usage.ru_utime + usage.ru_stime
+    # CPU seconds of the whole process tree: unlike wall time, not inflated by other jobs' load. wait4 counts the job
+    # and the children it waited for; the /proc samples add workers below a forkserver (last sample before exit).
+    # Each /proc sample holds a process's own time only (not its children's), so the sum does not double count.
+    cpu = max(usage.ru_utime + usage.ru_stime, sum(cpu_seen.values()))
     return {"wall": wall, "cpu": cpu, "peak_rss": max(peak, usage.ru_maxrss * 1024),
             "max_proc_rss": usage.ru_maxrss * 1024, **result}
 
