@@ -71,13 +71,25 @@ def assert_schedule_complete(run, a):
     assert all(mbs == list(range(m.num_microbatches)) for mbs in got["microbatch"].to_list())
 
 
-def assert_inference_matches(a, inferred, *, tolerance: float = 0.10):
+def assert_inference_matches(a, inferred):
     key = ["rank", "step", "stage", "microbatch", "phase"]
     assert set(inferred.schedule.filter(pl.col("phase") != "optimizer")["source"]) == {"inferred"}
     assert sorted(fb(inferred.schedule).select(key).rows()) == sorted(fb(a.schedule).select(key).rows())
-    for cat in ("forward", "backward"):
-        truth, guess = sum(per_stage(a, cat)), sum(per_stage(inferred, cat))
-        assert abs(guess - truth) <= tolerance * truth, (cat, truth, guess)
+
+    def total(x, *cats):
+        return sum(sum(per_stage(x, c)) for c in cats)
+
+    # Backward work is told apart exactly (autograd names it). Forward work is everything else between the
+    # transfers, so inference also counts what runs just outside an annotated F span (splitting the batch into
+    # micro-batches, the loss): on tiny models on a loaded machine that is up to ~15% of F, taken from
+    # other_compute — together the two agree closely.
+    for cats, tolerance in ((("backward",), 0.05), (("forward", "other_compute"), 0.05), (("forward",), 0.25)):
+        truth, guess = total(a, *cats), total(inferred, *cats)
+        assert abs(guess - truth) <= tolerance * truth, (cats, truth, guess)
+    # The bubbles do not depend on how compute is split.
+    for cat in ("bubble_warmup", "bubble_cooldown", "bubble_stall"):
+        truth, guess = total(a, cat), total(inferred, cat)
+        assert abs(guess - truth) <= 0.05 * max(truth, 1), (cat, truth, guess)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_bpipe"])
