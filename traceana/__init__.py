@@ -20,7 +20,7 @@ def __getattr__(name: str):  # lazy: importing traceana stays cheap
 
         return load_run
     if name == "analyze":
-        from traceana.pipeline import analyze
+        from traceana.analysis import analyze
 
         return analyze
     raise AttributeError(name)

@@ -420,10 +420,3 @@ def infer_schedule(
         notes.append(f"ranks {', '.join(map(str, no_bwd))}: no autograd backward ops found on the CPU, so forward "
                      "and backward work could not be told apart there")
     return conform(rows, SCHEDULE).sort("rank", "step", "start_ns"), notes
-
-
-def analyze(run, *, peak_flops: float | None = None):
-    """``traceana.analyze`` resolves here (traceana/__init__.py); the work is ``traceana.analysis.analyze``."""
-    from traceana.analysis import analyze as _analyze  # local: analysis imports this module
-
-    return _analyze(run, peak_flops=peak_flops)
