@@ -56,6 +56,7 @@ TRACE_SUFFIXES = (".json", ".json.gz")
 
 # Kineto categories of events that run on a GPU stream (newer Kineto writes lower case, older "Kernel", "Memcpy").
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "memcpy", "memset")
+_GPU_CAT_NAMES = [*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]
 
 # Element sizes. record_param_comms writes c10::ScalarType names ("Float"); record_shapes "Input type" writes C++
 # type names ("float", "c10::Half"). Sources: c10/core/ScalarType.h and the traces in FIELD-NOTES.md.
@@ -153,14 +154,14 @@ def shown(path: Path | str) -> str:
 
 
 # --- reading bytes -----------------------------------------------------------------------------------------------
-def read_bytes(path: Path) -> tuple[bytes, bool]:
+def read_bytes(path: Path) -> tuple[bytes | bytearray, bool]:
     """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short."""
     try:
         if not path.exists():
             raise BadInputError("no such file", path=shown(path), fix="check the path")
         if path.is_dir():
             raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
-        data = path.read_bytes()
+        data = _read_file(path)
     except BadInputError:
         raise
     except PermissionError:
@@ -176,7 +177,22 @@ def read_bytes(path: Path) -> tuple[bytes, bool]:
     return _gunzip(data, path)
 
 
-def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
+def _read_file(path: Path) -> bytearray:
+    """The file's bytes in a bytearray, read in place (no second copy): chunks are cut from it without copying
+    by writing the array brackets over the separating commas for the time each chunk is decoded (see
+    ``_event_chunks``)."""
+    with path.open("rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        n = f.readinto(data)
+        if n < len(data):  # the file shrank while we read it
+            del data[n:]
+        rest = f.read()  # or grew: a writer still appending
+    if rest:
+        data += rest
+    return data
+
+
+def _gunzip(data: bytes | bytearray, path: Path) -> tuple[bytes | bytearray, bool]:
     out: list[bytes] = []
     rest = data
     truncated = False
@@ -317,6 +333,8 @@ def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
     total = hi - lo
     sep = _KINETO_SEPARATOR if _KINETO_SEPARATOR.search(buf, lo, min(hi, lo + (1 << 20))) else _ANY_SEPARATOR
     start = lo + 1
+    in_place = isinstance(buf, bytearray)
+    view = memoryview(buf)
     while start < hi - 1:
         m = sep.search(buf, start + CHUNK_BYTES, hi) if hi - start > 2 * CHUNK_BYTES else None
         if m is None:
@@ -324,12 +342,23 @@ def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
         else:
             comma = buf.index(b",", m.start())
             end, nxt = comma, comma + 1
-        chunk = bytearray(end - start + 2)  # "[" + events + "]" in one copy
-        chunk[0], chunk[-1] = 0x5B, 0x5D
-        chunk[1:-1] = memoryview(buf)[start:end]
-        yield chunk, nxt - lo, total
-        del chunk
+        if in_place:
+            # buf[start - 1] is "[" or the comma before the first event, buf[end] the comma after the last
+            # (or "]"): write the brackets over them while the chunk is decoded, then put the commas back.
+            before, after = buf[start - 1], buf[end]
+            buf[start - 1], buf[end] = 0x5B, 0x5D
+            try:
+                yield view[start - 1 : end + 1], nxt - lo, total
+            finally:
+                buf[start - 1], buf[end] = before, after
+        else:
+            chunk = bytearray(end - start + 2)  # "[" + events + "]" in one copy
+            chunk[0], chunk[-1] = 0x5B, 0x5D
+            chunk[1:-1] = view[start:end]
+            yield chunk, nxt - lo, total
+            del chunk
         start = nxt
+
 
 
 def _raw_chunks(events: msgspec.Raw, skip_events: int):
@@ -350,10 +379,13 @@ def _raw_chunks(events: msgspec.Raw, skip_events: int):
 def _decoded_chunks(buf: bytes | bytearray, events: msgspec.Raw, problems: list[str]):
     """Typed events of the traceEvents array, chunk by chunk: (events, their ts in ns, bytes done, bytes total)."""
     n_events = 0
-    for chunk, done, total in _event_chunks(buf, events):
+    chunks = _event_chunks(buf, events)
+    for chunk, done, total in chunks:
         try:
             evs, ts, n = _decode_chunk(chunk, problems)
         except _BadSplit:
+            del chunk
+            chunks.close()  # puts back the commas it bracketed: the whole array is decoded again below
             for chunk2, done2, total2 in _raw_chunks(events, n_events):
                 evs, ts, n = _decode_chunk(chunk2, problems)
                 yield evs, ts, done2, total2
@@ -442,14 +474,19 @@ def _ts_ns(evs: list[_Event]) -> pl.Series | None:
     return ns.alias("ts_rel")
 
 
-def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...]) -> dict[str, pl.Series]:
-    args = list(map(attrgetter("args"), evs))
+def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...], *,
+             args: list[_Args] | None = None) -> dict[str, pl.Series]:
+    if args is None:
+        args = list(map(attrgetter("args"), evs))
     return {col: _series(col, list(map(attrgetter(f), args)), dtype) for col, f, dtype in fields}
 
 
 _X_ARGS = (
     ("corr_id", "correlation", pl.Int64),
     ("ext_id", "external_id", pl.Int64),
+)
+# Read only for GPU-stream events (the only ones whose device/stream _finish uses): fewer per-event passes.
+_GPU_ARGS = (
     ("arg_device", "device", pl.Int64),
     ("arg_stream", "stream", pl.Int64),
 )
@@ -493,14 +530,20 @@ class _Batches:
         if not xs:
             return
         xname = name.filter(is_x).alias("name")
+        cat = _series("cat", list(map(attrgetter("cat"), xs)), pl.String)
+        xargs = list(map(attrgetter("args"), xs))
+        gpu = cat.is_in(_GPU_CAT_NAMES).arg_true()
+        gpu_args = _args_of([], _GPU_ARGS, args=[xargs[i] for i in gpu.to_list()])
         frame = pl.DataFrame({
             "name": xname,
-            "cat": _series("cat", list(map(attrgetter("cat"), xs)), pl.String),
+            "cat": cat,
             "pid": _text_series("pid", list(map(attrgetter("pid"), xs))),
             "tid": _text_series("tid", list(map(attrgetter("tid"), xs))),
             "ts_rel": ts.filter(is_x),
             "dur_us": _series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64),
-            **_args_of(xs, _X_ARGS),
+            **_args_of(xs, _X_ARGS, args=xargs),
+            **{col: pl.repeat(None, len(xs), dtype=pl.Int64, eager=True).alias(col).scatter(gpu, values)
+               for col, values in gpu_args.items()},
         })
         self.x.append(frame)
         # Sparse facts, decoded only for the few events that carry them.
@@ -680,7 +723,7 @@ def read_trace(
 
 
 _X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,
-             "dur_us": pl.Float64, **{c: t for c, _, t in _X_ARGS}}
+             "dur_us": pl.Float64, **{c: t for c, _, t in (*_X_ARGS, *_GPU_ARGS)}}
 _MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
 
 
@@ -720,7 +763,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                  & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
     dropped = n_x - x.height
 
-    is_gpu = pl.col("cat").is_in([*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]).fill_null(False)
+    is_gpu = pl.col("cat").is_in(_GPU_CAT_NAMES).fill_null(False)
     stream_from_tid = pl.coalesce(pl.col("tid").cast(pl.Int64, strict=False),
                                   pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
     x = x.with_columns(is_gpu=is_gpu, pid=pl.col("pid").fill_null(""), tid=pl.col("tid").fill_null("")).with_columns(
