@@ -466,12 +466,13 @@ def _ts_ns(evs: list[_Event]) -> pl.Series | None:
         text = pl.DataFrame({"t": pl.Series("t", list(map(str, ts)), dtype=pl.String)})
         return text.select(_us_text_to_ns(pl.col("t"))).to_series().alias("ts_rel")
     f = _series("t", ts, pl.Float64)
-    big = f.abs().max()
-    if big is not None and big >= FLOAT_EXACT_US:  # type: ignore[operator]
+    hi, lo = f.max(), f.min()
+    if hi is not None and max(abs(hi), abs(lo)) >= FLOAT_EXACT_US:  # type: ignore[arg-type]
         return None
-    whole = f.floor()
-    ns = whole.cast(pl.Int64, strict=False) * 1000 + ((f - whole) * 1000.0).round(0).cast(pl.Int64, strict=False)
-    return ns.alias("ts_rel")
+    # One select (each eager Series method is a query of its own: ~0.5 ms of fixed cost per call per chunk).
+    t = pl.col("t")
+    ns = t.floor().cast(pl.Int64, strict=False) * 1000 + ((t - t.floor()) * 1000.0).round(0).cast(pl.Int64, strict=False)
+    return f.to_frame().select(ns.alias("ts_rel")).to_series()
 
 
 def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...], *,
@@ -513,6 +514,7 @@ class _Batches:
         self.x: list[pl.DataFrame] = []
         self.mem: list[pl.DataFrame] = []
         self.comm: list[pl.DataFrame] = []
+        self.gpu: list[pl.DataFrame] = []  # device/stream args of GPU-stream events
         self.shapes: list[pl.DataFrame] = []
         self.rows = 0  # X events so far
         self.n_mem = 0  # [memory] instants so far
@@ -532,8 +534,17 @@ class _Batches:
         xname = name.filter(is_x).alias("name")
         cat = _series("cat", list(map(attrgetter("cat"), xs)), pl.String)
         xargs = list(map(attrgetter("args"), xs))
-        gpu = cat.is_in(_GPU_CAT_NAMES).arg_true()
-        gpu_args = _args_of([], _GPU_ARGS, args=[xargs[i] for i in gpu.to_list()])
+        # Which X events need more than the common columns, found in one query.
+        which = pl.DataFrame([xname, cat]).select(
+            gpu=pl.col("cat").is_in(_GPU_CAT_NAMES).arg_true().implode(),
+            rpc=(pl.col("name") == names.RECORD_PARAM_COMMS).arg_true().implode(),
+            shaped=(pl.col("name").is_in(list(_SHAPES_NAMES)) | pl.col("name").str.starts_with(_GLOO_PREFIX))
+            .arg_true().implode(),
+        )
+        gpu, rpc, shaped = (which[c][0] for c in ("gpu", "rpc", "shaped"))
+        if len(gpu):
+            gpu_args = _args_of([], _GPU_ARGS, args=[xargs[i] for i in gpu.to_list()])
+            self.gpu.append(pl.DataFrame({"row": (gpu + self.rows).cast(pl.UInt32), **gpu_args}))
         frame = pl.DataFrame({
             "name": xname,
             "cat": cat,
@@ -542,16 +553,12 @@ class _Batches:
             "ts_rel": ts.filter(is_x),
             "dur_us": _series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64),
             **_args_of(xs, _X_ARGS, args=xargs),
-            **{col: pl.repeat(None, len(xs), dtype=pl.Int64, eager=True).alias(col).scatter(gpu, values)
-               for col, values in gpu_args.items()},
         })
         self.x.append(frame)
         # Sparse facts, decoded only for the few events that carry them.
-        rpc = (xname == names.RECORD_PARAM_COMMS).arg_true()
         if len(rpc):
             sub = [xs[i] for i in rpc.to_list()]
             self.comm.append(pl.DataFrame({"row": (rpc + self.rows).cast(pl.UInt32), **_args_of(sub, _COMM_ARGS)}))
-        shaped = (xname.is_in(list(_SHAPES_NAMES)) | xname.str.starts_with(_GLOO_PREFIX)).arg_true()
         if len(shaped):
             self.shapes.append(_shape_facts([xs[i] for i in shaped.to_list()], shaped + self.rows))
         self.rows += frame.height
@@ -723,7 +730,8 @@ def read_trace(
 
 
 _X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,
-             "dur_us": pl.Float64, **{c: t for c, _, t in (*_X_ARGS, *_GPU_ARGS)}}
+             "dur_us": pl.Float64, **{c: t for c, _, t in _X_ARGS}}
+_GPU_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _GPU_ARGS}}
 _MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
 
 
@@ -740,6 +748,9 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     """Per-batch columns → EVENTS and MEMORY tables (whole-column polars expressions only)."""
     x = pl.concat(batches.x, how="vertical") if batches.x else pl.DataFrame(schema=_X_SCHEMA)
     batches.x.clear()
+    gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
+    x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
+                       for c, _, _ in _GPU_ARGS)
     mem = pl.concat(batches.mem, how="vertical") if batches.mem else pl.DataFrame(schema=_MEM_SCHEMA)
     sample = x["ts_rel"].drop_nulls() if x.height else mem["ts_rel"].drop_nulls()
     rank_lit = pl.lit(rank, dtype=pl.Int32)
