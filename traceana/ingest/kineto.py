@@ -425,6 +425,10 @@ def _series(name: str, values: list[Any], dtype: pl.DataType) -> pl.Series:
 
 def _text_series(name: str, values: list[Any]) -> pl.Series:
     """pid/tid: ints or strings ("Spans", "stream 7") → text."""
+    try:  # the usual case, all ints (or missing): no type inference
+        return pl.Series(name, values, dtype=pl.Int64).cast(pl.String)
+    except (TypeError, ValueError, OverflowError, pl.exceptions.PolarsError):
+        pass
     try:
         s = pl.Series(name, values)
     except (TypeError, ValueError, OverflowError, pl.exceptions.PolarsError):
@@ -758,11 +762,11 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"), pl.col("pid").cast(pl.Int64, strict=False))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), stream_from_tid)),
     )
+    # "gpu:{device}:{stream}" or "cpu:{pid}:{tid}" in one pass (device/stream are null off the GPU).
     x = x.with_columns(
-        track=pl.when("is_gpu")
-        .then(pl.format("gpu:{}:{}", pl.coalesce(pl.col("device").cast(pl.String), pl.col("pid")),
-                        pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))))
-        .otherwise(pl.format("cpu:{}:{}", pl.col("pid"), pl.col("tid"))),
+        track=pl.format("{}:{}:{}", pl.when("is_gpu").then(pl.lit("gpu")).otherwise(pl.lit("cpu")),
+                        pl.coalesce(pl.col("device").cast(pl.String), pl.col("pid")),
+                        pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))),
     )
     x = _comms(x, batches, pg_config)
     in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
