@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from traceana.errors import TraceanaError
 
@@ -40,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    # Warnings (a truncated trace, a skipped file) are for the user: one line each, no source location.
+    print(f"traceana: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
