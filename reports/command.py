@@ -32,8 +32,7 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
     """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from traceana.analysis import analyze
-    from traceana.ingest.run_dir import load_run
+    from traceana.analysis_cache import load_and_analyze
 
     for p in paths:
         if not Path(p).exists():
@@ -43,9 +42,7 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
                   transient=True) as bar:
         for p in paths:
             task = bar.add_task(f"reading {p}", total=None)
-            run = load_run(p)
-            bar.update(task, description=f"analysing {p}")
-            out.append(analyze(run, peak_flops=peak_flops))
+            out.append(load_and_analyze(p, peak_flops=peak_flops))  # cached under p/.traceana/analysis
             bar.remove_task(task)
     return out
 

@@ -33,6 +33,9 @@ class Analysis:
     segments: pl.DataFrame | None = None  # attribution.SEGMENTS: the category of every instant (timelines, merge)
     events: pl.DataFrame | None = None  # classified events on the aligned clock (kind, step, comm_dir, channel, …)
     memory_balance: float | None = None  # max/min over stages of the per-stage peak memory
+    # per-rank summary of the run (ingest.run_dir.summarize_ranks), filled by analysis_cache.load_and_analyze so a
+    # cached result can show it without the events
+    rank_summary: pl.DataFrame | None = None
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """Every table by name (for export)."""

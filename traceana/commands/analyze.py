@@ -30,18 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool):
-    from rich.console import Console
-
-    from traceana.analysis import analyze
-    from traceana.ingest.run_dir import load_run
+    """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False)."""
+    from traceana.analysis_cache import load_and_analyze as cached
 
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
     if peak_flops is not None and peak_flops <= 0:
         raise BadInputError(f"--peak-flops must be positive, got {peak_flops}", fix="give the device's peak FLOP/s")
-    run = load_run(path, workers=workers, cache=cache, progress=progress)
-    with Console(stderr=True, quiet=not progress).status("attributing step time"):
-        return analyze(run, peak_flops=peak_flops)
+    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress)
 
 
 def _ms_pct(ms, pct) -> str:
@@ -60,7 +56,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     from traceana.schema import CATEGORIES
 
     console = Console()
-    ranks = summarize_ranks(analysis.run)
+    ranks = analysis.rank_summary if analysis.rank_summary is not None else summarize_ranks(analysis.run)
     t = Table(title=f"Ranks of {analysis.run.path}", title_justify="left")
     for c in ("rank", "backend", "devices", "steps", "mean step ms", "events", "kernels", "P2P ops", "collectives"):
         t.add_column(c, justify="right" if c not in ("backend", "devices") else "left")

@@ -56,16 +56,15 @@ def render(v, cross: dict | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.analysis import analyze
-    from traceana.ingest.run_dir import load_run
+    from traceana.analysis_cache import load_and_analyze
     from traceana.errors import AnalysisError
     from traceana.validate import bpipe_verdict_from_run, cross_run, validate
 
-    analysis = analyze(load_run(args.run_dir), peak_flops=args.peak_flops)
+    analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops)
     v = validate(analysis)
     cross = None
     if args.baseline:
-        cross = cross_run(analyze(load_run(args.baseline), peak_flops=args.peak_flops), analysis)
+        cross = cross_run(load_and_analyze(args.baseline, peak_flops=args.peak_flops), analysis)
     try:
         verdict = bpipe_verdict_from_run(analysis)
     except AnalysisError:

@@ -1,0 +1,252 @@
+"""Cached analysis: ``load_and_analyze(path)`` = ``analyze(load_run(path))``, with the result kept as Parquet under
+``RUN_DIR/.traceana/analysis/`` so that analysing the same run again reads a few small tables instead of
+re-parsing and re-attributing every event (safe to delete at any time).
+
+An entry is keyed by everything the result depends on: the path as given (it is shown in ``run.path``, the traces
+table and warnings), the ingest cache key of every trace file (``traceana.ingest.cache.cache_key``: name, size,
+mtime, ingest schema and tool version), run.json's size and mtime, ``peak_flops``, the traceana version, a hash of the
+analysis table schemas and a hash of traceana's own source (so an edited analysis never reads a stale result).
+A changed input simply misses. An entry is a folder written under a temporary name and renamed into place, with
+``meta.json`` written last: a half-written or damaged entry is a miss, never an error. A run directory that is not
+writable (like the read-only ../shared) is never written to; a failed write is a warning, never an error.
+
+What a hit holds: every ``Analysis`` table (``tables()``), the run's ``traces`` and ``memory`` tables, the per-rank
+summary, the notes, warnings and memory balance. The two big event tables are not stored: ``run.events`` is read
+back through ``load_run`` (its own Parquet cache) and ``Analysis.events`` (classified, aligned events) recomputed,
+both only when something first reads them (the merged Perfetto trace does; the tables, reports and validation
+do not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings as pywarnings
+from dataclasses import fields, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+import traceana
+from traceana import schema
+from traceana.analysis import Analysis, analyze
+from traceana.ingest import Run
+from traceana.ingest.cache import CACHE_DIR, _writable, cache_key
+from traceana.manifest import MANIFEST_NAME, Manifest
+
+SUBDIR = "analysis"
+ANALYSIS_FORMAT = 1  # bump when what an entry holds changes
+_TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
+           "rank_summary")
+_RUN_TABLES = ("traces", "memory")
+
+
+class AnalysisCacheWarning(UserWarning):
+    """The analysis cache could not be written (the analysis itself is complete)."""
+
+
+# --- lazily filled fields of a cached result ------------------------------------------------------------------
+class _Lazy:
+    """A dataclass field computed on first read, then kept; assignable like a plain field (dataclass __init__)."""
+
+    def __init__(self, compute) -> None:
+        self.compute = compute
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_lazy_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        d = obj.__dict__
+        if self.slot not in d:
+            d[self.slot] = self.compute(obj)
+        return d[self.slot]
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
+def _load_events(run: "CachedRun") -> pl.DataFrame:
+    from traceana.ingest.run_dir import load_run
+
+    with pywarnings.catch_warnings():  # the warnings were already given with the cached result
+        pywarnings.simplefilter("ignore")
+        return load_run(run.path, workers=run.__dict__.get("_workers"), cache=True).events
+
+
+class CachedRun(Run):
+    """A ``Run`` from the analysis cache: ``events`` is read (through the ingest cache) on first use."""
+
+    events = _Lazy(_load_events)
+
+
+def _classified_events(a: "CachedAnalysis") -> pl.DataFrame | None:
+    return analyze(a.run, peak_flops=a.__dict__.get("_peak_flops")).events
+
+
+class CachedAnalysis(Analysis):
+    """An ``Analysis`` from the cache: ``events`` (classified, on the aligned clock) is recomputed on first use."""
+
+    events = _Lazy(_classified_events)
+
+
+def _build(cls, values: dict[str, Any], extra: dict[str, Any]):
+    obj = object.__new__(cls)
+    for f in fields(cls):
+        if f.name in values:
+            object.__setattr__(obj, f.name, values[f.name])
+    obj.__dict__.update(extra)
+    return obj
+
+
+# --- keys --------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def code_hash() -> str:
+    """traceana's version, the analysis table schemas and its own source: any change makes every entry miss."""
+    h = hashlib.sha1(f"{traceana.__version__}|{ANALYSIS_FORMAT}".encode())
+    for s in (schema.STEPS, schema.P2P, schema.SCHEDULE, schema.ATTRIBUTION, schema.STAGE_MEMORY, schema.TRACES,
+              schema.MEMORY, schema.EVENTS):
+        h.update(repr(sorted((k, str(v)) for k, v in s.items())).encode())
+    root = Path(traceana.__file__).parent
+    for p in sorted(root.rglob("*.py")):
+        try:
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+        except OSError:
+            continue
+    return h.hexdigest()[:16]
+
+
+def _target(path: Path) -> tuple[Path, list[Path], str]:
+    """(run directory, trace files load_run would read, entry name prefix)."""
+    if path.is_dir():
+        from traceana.ingest.run_dir import find_traces
+
+        return path, find_traces(path), "run"
+    return path.parent, [path], path.name
+
+
+def entry_key(path: Path, files: list[Path], run_dir: Path, peak_flops: float | None) -> str:
+    parts = [str(path), repr(peak_flops), code_hash()]
+    parts += [f"{f.name}:{cache_key(f)}" for f in files]
+    manifest = run_dir / MANIFEST_NAME
+    if path.is_dir() and manifest.exists():
+        st = manifest.stat()
+        parts.append(f"{MANIFEST_NAME}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha1("|".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+
+
+# --- the cache ---------------------------------------------------------------------------------------------------
+class AnalysisCache:
+    def __init__(self, run_dir: Path, *, enabled: bool = True) -> None:
+        self.dir = run_dir / CACHE_DIR / SUBDIR
+        self.enabled = enabled and _writable(run_dir) and (
+            not (run_dir / CACHE_DIR).exists() or _writable(run_dir / CACHE_DIR)
+        )
+
+    def load(self, prefix: str, key: str, path: Path, *, peak_flops: float | None,
+             workers: int | None) -> Analysis | None:
+        if not self.enabled:
+            return None
+        entry = self.dir / f"{prefix}.{key}"
+        try:
+            meta = json.loads((entry / "meta.json").read_text())
+            if meta.get("key") != key:
+                return None
+            tables = {name: None if name in meta["none"] else pl.read_parquet(entry / f"{name}.parquet")
+                      for name in (*_TABLES, *_RUN_TABLES)}
+            traces = schema.check(tables.pop("traces"), schema.TRACES, "cached traces")
+            memory = schema.check(tables.pop("memory"), schema.MEMORY, "cached memory")
+        except Exception:  # a damaged, partial or foreign entry is a miss, never an error
+            return None
+        manifest = Manifest.read(path / MANIFEST_NAME) if path.is_dir() and (path / MANIFEST_NAME).exists() else None
+        run = _build(CachedRun, dict(path=path, memory=memory, traces=traces, manifest=manifest,
+                                     warnings=tuple(meta["warnings"])), {"_workers": workers})
+        for w in run.warnings:  # as load_run gives them, so a hit reads like a miss
+            pywarnings.warn(w, _ingest_warning(), stacklevel=3)
+        return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]),
+                                           memory_balance=meta["memory_balance"], **tables),
+                      {"_peak_flops": peak_flops})
+
+    def store(self, prefix: str, key: str, analysis: Analysis) -> None:
+        if not self.enabled:
+            return
+        entry = self.dir / f"{prefix}.{key}"
+        tmp = self.dir / f".{prefix}.{key}.{os.getpid()}.tmp"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            tables = {name: getattr(analysis, name) for name in _TABLES}
+            tables |= {"traces": analysis.run.traces, "memory": analysis.run.memory}
+            for name, table in tables.items():
+                if table is not None:
+                    table.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
+            meta = {"key": key, "none": [n for n, t in tables.items() if t is None], "notes": list(analysis.notes),
+                    "warnings": list(analysis.run.warnings), "memory_balance": analysis.memory_balance}
+            (tmp / "meta.json").write_text(json.dumps(meta))  # last: an entry without it is a miss
+            # Stale entries of the same target go, and so does a damaged entry under this key (it just missed).
+            for old in self.dir.glob(f"{_glob_escape(prefix)}.*"):
+                if not old.name.startswith("."):
+                    trash = self.dir / f".{old.name}.{os.getpid()}.old"
+                    os.rename(old, trash)  # atomic: a concurrent reader sees the entry or nothing
+                    shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(tmp, entry)
+            except OSError:  # another process stored the same entry meanwhile: theirs is as good
+                if not (entry / "meta.json").exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as e:  # disk full, permissions, ...: the analysis goes on without a cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.enabled = False
+            pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
+                            "without it — make the run directory writable or pass cache=False / --no-cache",
+                            AnalysisCacheWarning, stacklevel=3)
+
+
+def _ingest_warning():
+    from traceana.ingest.run_dir import IngestWarning
+
+    return IngestWarning
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,
+                     workers: int | None = None, progress: bool = False) -> Analysis:
+    """``analyze(load_run(path), peak_flops=...)`` with ``Analysis.rank_summary`` filled, read from / written to the
+    analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run`` does)."""
+    path = Path(path)
+    store = None
+    if cache:
+        try:
+            run_dir, files, prefix = _target(path)
+            key = entry_key(path, files, run_dir, peak_flops)
+            store = AnalysisCache(run_dir)
+        except Exception:  # unreadable path etc.: load_run below reports it properly
+            store = None
+        if store is not None:
+            hit = store.load(prefix, key, path, peak_flops=peak_flops, workers=workers)
+            if hit is not None:
+                return hit
+    from traceana.ingest.run_dir import load_run, summarize_ranks
+
+    run = load_run(path, workers=workers, cache=cache, progress=progress)
+    if progress:
+        from rich.console import Console
+
+        with Console(stderr=True).status("attributing step time"):
+            result = analyze(run, peak_flops=peak_flops)
+    else:
+        result = analyze(run, peak_flops=peak_flops)
+    result = replace(result, rank_summary=summarize_ranks(run))
+    if store is not None:
+        store.store(prefix, key, result)
+    return result
