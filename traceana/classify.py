@@ -54,6 +54,13 @@ def _cpu_comm_dir(name: pl.Expr, coll: pl.Expr) -> pl.Expr:
     return pl.when(is_send).then(pl.lit("send")).when(is_recv).then(pl.lit("recv"))
 
 
+def _lookup(frame: pl.DataFrame, table: pl.DataFrame, on: list[str]) -> list[pl.Series]:
+    """The columns of ``table`` (unique on ``on``) for every row of ``frame``, in ``frame``'s order (null: none)."""
+    out = frame.select(on).join(table, on=on, how="left", maintain_order="left").drop(on)
+    assert out.height == frame.height, "lookup table keys must be unique"
+    return out.get_columns()
+
+
 def classify(events: pl.DataFrame) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``)."""
     name, cat = pl.col("name"), pl.col("cat")
@@ -64,8 +71,10 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
         .with_columns(**names.pp_columns(name)).filter(pl.col("pp_action").is_not_null())
         .with_columns(pl.lit(True).alias("_pp"))
     )
+    # Lookups join a narrow frame of keys (order kept) and stack the looked-up columns beside the events: joining
+    # the whole table would gather every one of its columns again (measured: 2-3x slower on 450k events).
     ev = (
-        events.join(pp, on="name", how="left")
+        events.hstack(_lookup(events, pp, ["name"]))
         .with_columns(
             _cpu_comm_dir(name, pl.col("coll")).alias("_cpu_dir"),
             # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
@@ -96,8 +105,7 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
         .agg(pl.col("ts_ns").min().alias("_launch_ts"))
     )
     ev = (
-        ev.join(cpu_by_ext, on=["rank", "ext_id"], how="left")
-        .join(launches, on=["rank", "corr_id"], how="left")
+        ev.hstack(_lookup(ev, cpu_by_ext, ["rank", "ext_id"]) + _lookup(ev, launches, ["rank", "corr_id"]))
         .with_columns(
             pl.when(pl.col("is_gpu")).then(pl.coalesce("peer", "_launch_peer")).otherwise("peer").alias("peer"),
             pl.when(pl.col("is_gpu")).then(pl.coalesce("nbytes", "_launch_nbytes")).otherwise("nbytes")
