@@ -26,24 +26,38 @@ def _over(expr: pl.Expr, keys: list[str]) -> pl.Expr:
     return expr.over(keys) if keys else expr
 
 
+def _group_starts(keys: list[str]) -> pl.Expr:
+    """True on the first row of each group of a frame sorted by ``keys``."""
+    if not keys:
+        return pl.int_range(pl.len()) == 0
+    return pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in keys]) | (pl.int_range(pl.len()) == 0)
+
+
+def _runs(frame: pl.LazyFrame, new: pl.Expr, keep: list, last: list) -> pl.DataFrame:
+    """Collapse runs of consecutive rows (a run begins where ``new`` is true): ``keep`` from each run's first row,
+    ``last`` from its last row. Filters instead of a group-by: runs are contiguous, so the k-th first row and the
+    k-th last row belong to the same run."""
+    df = frame.with_columns(new.alias("_new")).with_columns(pl.col("_new").shift(-1, fill_value=True).alias("_last"))
+    df = df.collect()
+    return df.filter("_new").select(*keep).hstack(df.filter("_last").select(*last))
+
+
 def merge(frame: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
     """Union per group: overlapping or touching intervals become one. Returns ``by + [start, end]``, sorted."""
     keys = _keys(by)
     if frame.height == 0:
         return frame.select(*keys, START, END)
-    return (
+    # Sorted by start, a new merged interval begins where start exceeds the running maximum of earlier ends (or
+    # a group begins); the running maximum at its last interval is its end.
+    sorted_ = (
         frame.lazy()
         .select(*keys, START, END)
         .filter(pl.col(END) > pl.col(START))
         .sort([*keys, START])
-        .with_columns(_over(pl.col(END).cum_max().shift(1), keys).alias("_reach"))
-        .with_columns(_over((pl.col("_reach").is_null() | (pl.col(START) > pl.col("_reach"))).cum_sum(), keys)
-                      .alias("_island"))
-        .group_by([*keys, "_island"], maintain_order=True)
-        .agg(pl.col(START).min(), pl.col(END).max())
-        .drop("_island")
-        .collect()
+        .with_columns(_over(pl.col(END).cum_max(), keys).alias("_reach"))
     )
+    new = _group_starts(keys) | (pl.col(START) > pl.col("_reach").shift(1))
+    return _runs(sorted_, new, [*keys, START], [pl.col("_reach").alias(END)])
 
 
 def total(frame: pl.DataFrame, by: Sequence[str] | str | None = None, *, name: str = "ns") -> pl.DataFrame:
@@ -181,14 +195,14 @@ def partition(
     index = lowest.log(2).round().cast(pl.Int64) - 1
     labels = pl.Series([*names, default])
     choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
-    choice = choice.replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=pl.String)
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
-    # them needlessly) with a run-length id instead of another sort.
-    return (
-        segs.select(*keys, choice.alias(label), START, END)
-        .with_columns(_over(pl.col(label).rle_id(), keys).alias("_run"))
-        .group_by([*keys, "_run"], maintain_order=True)
-        .agg(pl.col(label).first(), pl.col(START).first(), pl.col(END).last())
-        .select(*keys, label, START, END)
-        .collect()
+    # them needlessly), then name the labels on the (much shorter) result.
+    segs = segs.select(*keys, choice.alias("_label"), START, END)
+    runs = _runs(segs, _group_starts(keys) | (pl.col("_label") != pl.col("_label").shift(1)),
+                 [*keys, "_label", START], [END])
+    return runs.select(
+        *keys,
+        pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=pl.String)
+        .alias(label),
+        START, END,
     )
