@@ -170,7 +170,9 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
     tids = _tids(analysis.events)
     first_extra = int(tids["tid"].max() or 0) + 1
     stages = dict(analysis.stages.select("rank", "stage").rows())
-    mb_lanes = events.filter(pl.col("cat") == "traceana.microbatch").select("pid", "tid", "name").unique()
+    mb_lanes = (  # sorted: the merged trace is the same bytes on every run (unique() has no order)
+        events.filter(pl.col("cat") == "traceana.microbatch").select("pid", "tid", "name").unique().sort("pid", "tid")
+    )
     meta = _metadata(analysis, tids, first_extra, stages)
     meta += [{"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": f"micro-batch {n[3:]}"}}
              for p, t, n in mb_lanes.rows()]
