@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings as pywarnings
 from dataclasses import fields, replace
@@ -39,6 +40,7 @@ from traceana.ingest.cache import CACHE_DIR, _writable, cache_key
 from traceana.manifest import MANIFEST_NAME, Manifest
 
 SUBDIR = "analysis"
+_KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
 ANALYSIS_FORMAT = 1  # bump when what an entry holds changes
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary")
@@ -191,7 +193,7 @@ class AnalysisCache:
             (tmp / "meta.json").write_text(json.dumps(meta))  # last: an entry without it is a miss
             # Stale entries of the same target go, and so does a damaged entry under this key (it just missed).
             for old in self.dir.glob(f"{_glob_escape(prefix)}.*"):
-                if not old.name.startswith("."):
+                if _KEY.fullmatch(old.name[len(prefix) + 1:]):  # not hidden temporaries, not another file's
                     trash = self.dir / f".{old.name}.{os.getpid()}.old"
                     os.rename(old, trash)  # atomic: a concurrent reader sees the entry or nothing
                     shutil.rmtree(trash, ignore_errors=True)
