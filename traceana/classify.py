@@ -84,13 +84,12 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
         .drop("_pp")
     )
     # GPU work: the cpu op that launched it (same External id) and the launch call (same correlation id).
-    # Only ids that some GPU event carries matter: a semi-join keeps the group-bys small on CPU-only runs.
-    gpu_ext = ev.filter(pl.col("is_gpu") & pl.col("ext_id").is_not_null()).select("rank", "ext_id").unique()
-    gpu_corr = ev.filter(pl.col("is_gpu") & pl.col("corr_id").is_not_null()).select("rank", "corr_id").unique()
+    # Grouped without first narrowing to the ids GPU events carry: the lookup picks those, and a semi-join costs
+    # more than it saves (a GPU run launches nearly every id); a CPU-only run skips both.
+    any_gpu = bool(ev["is_gpu"].any())
     cpu_by_ext = (
-        ev.filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
+        ev.filter(pl.lit(any_gpu) & ~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
                   & cat.is_in(["cpu_op", "user_annotation"]))
-        .join(gpu_ext, on=["rank", "ext_id"], how="semi")
         .group_by("rank", "ext_id")
         .agg(pl.col("_cpu_dir").drop_nulls().first().alias("_launch_dir"),
              pl.col("coll").drop_nulls().first().alias("_launch_coll"),
@@ -99,8 +98,8 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
              pl.col("pg").drop_nulls().first().alias("_launch_pg"))
     )
     launches = (
-        ev.filter(cat.is_in(_RUNTIME_CATS) & pl.col("corr_id").is_not_null() & (pl.col("corr_id") != 0))
-        .join(gpu_corr, on=["rank", "corr_id"], how="semi")
+        ev.filter(pl.lit(any_gpu) & cat.is_in(_RUNTIME_CATS) & pl.col("corr_id").is_not_null()
+                  & (pl.col("corr_id") != 0))
         .group_by("rank", "corr_id")
         .agg(pl.col("ts_ns").min().alias("_launch_ts"))
     )
