@@ -110,6 +110,10 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
                      "state allocated earlier are missing): peaks are relative, activation peaks are comparable")
     mfu, n = _mfu(run, stages, steps, peak_flops)
     notes += n
+    truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
+    if truncated:
+        notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "
+                     "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
     return Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
         stages=stage_table(attribution, stages, stage_mem, mfu), clock_offsets=offsets, notes=tuple(notes),

@@ -58,12 +58,14 @@ def print_tables(analysis, *, per_step: bool) -> None:
     console = Console()
     ranks = analysis.rank_summary if analysis.rank_summary is not None else summarize_ranks(analysis.run)
     t = Table(title=f"Ranks of {analysis.run.path}", title_justify="left")
-    for c in ("rank", "backend", "devices", "steps", "mean step ms", "events", "kernels", "P2P ops", "collectives"):
-        t.add_column(c, justify="right" if c not in ("backend", "devices") else "left")
+    for c in ("rank", "backend", "devices", "steps", "mean step ms", "events", "kernels", "P2P ops", "collectives",
+              "trace"):
+        t.add_column(c, justify="right" if c not in ("backend", "devices", "trace") else "left")
     for r in ranks.iter_rows(named=True):  # one row per rank: display only
         t.add_row(str(r["rank"]), str(r["backend"] or "–"), r["devices"], str(r["steps"]),
                   "–" if r["mean_step_ms"] is None else f"{r['mean_step_ms']:,.2f}", f"{r['n_events']:,}",
-                  f"{r['kernels']:,}", f"{r['p2p_ops']:,}", f"{r['collectives']:,}")
+                  f"{r['kernels']:,}", f"{r['p2p_ops']:,}", f"{r['collectives']:,}",
+                  "truncated" if r["truncated"] else "complete")
     console.print(t)
 
     # Stages as columns, categories as rows: fits a terminal for any pipeline depth up to ~8 stages.
