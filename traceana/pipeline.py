@@ -119,20 +119,19 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
     keys = ["src", "dst", "tag", "step"]
     m = msgs.with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
-    sends = (
-        m.filter(pl.col("dir") == "send").rename({"rank": "src", "peer": "dst"})
-        .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
-        .select(*keys, "seq", pl.col("_row").alias("_send_row"), pl.col("channel").alias("send_channel"),
-                pl.col("nbytes").alias("send_nbytes"),
-                pl.col("post_ns").alias("send_start"), pl.col("end_ns").alias("send_end"))
-    )
-    recvs = (
-        m.filter(pl.col("dir") == "recv").rename({"rank": "dst", "peer": "src"})
-        .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
-        .select(*keys, "seq", pl.col("_row").alias("_recv_row"), pl.col("channel").alias("recv_channel"),
-                pl.col("nbytes").alias("recv_nbytes"),
-                pl.col("post_ns").alias("recv_post"), pl.col("end_ns").alias("recv_end"))
-    )
+
+    def side(direction: str, me: str, other: str, post: str, end: str) -> pl.DataFrame:
+        """One direction's messages numbered in posting order per (src, dst, tag, step)."""
+        return (
+            m.filter(pl.col("dir") == direction).rename({"rank": me, "peer": other})
+            .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
+            .select(*keys, "seq", pl.col("_row").alias(f"_{direction}_row"),
+                    pl.col("channel").alias(f"{direction}_channel"), pl.col("nbytes").alias(f"{direction}_nbytes"),
+                    pl.col("post_ns").alias(post), pl.col("end_ns").alias(end))
+        )
+
+    sends = side("send", "src", "dst", "send_start", "send_end")
+    recvs = side("recv", "dst", "src", "recv_post", "recv_end")
     joined = (
         sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
         .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
