@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 from polars.testing import assert_frame_equal
-from tracebuilder import TraceBuilder
+from tracebuilder import write_two_stage_run
 
 from traceana.analysis import analyze
 from traceana.analysis_cache import CachedAnalysis, load_and_analyze
@@ -19,35 +19,11 @@ from traceana.ingest.run_dir import load_run
 from traceana.manifest import Manifest
 
 
-def _write_run(d, *, f0_dur=20):
-    r0 = TraceBuilder(rank=0, world_size=2, pid=10, tid=10)
-    r0.step(5, 0, 100)
-    r0.annotation("PP:0F0", 0, f0_dur)
-    r0.cpu_op("aten::mm", 2, f0_dur - 4)
-    r0.send(peer=1, ts=20, dur=5)
-    r0.recv(peer=1, ts=30, dur=40)
-    r0.annotation("PP:0B0", 70, 20)
-    r0.cpu_op("autograd::engine::evaluate_function: MmBackward0", 72, 16)
-    r0.memory(1, 4096, 4096)
-    r0.memory(75, 8192, 4096)
-    r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11)
-    r1.step(5, 0, 100)
-    r1.recv(peer=0, ts=5, dur=21)
-    r1.annotation("PP:1F0", 26, 14)
-    r1.cpu_op("aten::mm", 27, 12)
-    r1.annotation("PP:1B0", 40, 20)
-    r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", 41, 18)
-    r1.send(peer=0, ts=60, dur=5)
-    r0.write(d / "rank0.pt.trace.json.gz")
-    r1.write(d / "rank1.pt.trace.json.gz")
-    return d
-
-
 @pytest.fixture
 def run_dir(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
-    return _write_run(d)
+    return write_two_stage_run(d)
 
 
 def _entries(d):
@@ -85,7 +61,7 @@ def test_hit_equals_miss_and_equals_plain_analyze(run_dir):
 
 def test_a_changed_trace_or_run_json_misses(run_dir):
     first = load_and_analyze(run_dir)
-    _write_run(run_dir, f0_dur=18)  # rank 0's forward is shorter: a different attribution
+    write_two_stage_run(run_dir, f0_dur=18)  # rank 0's forward is shorter: a different attribution
     st = (run_dir / "rank0.pt.trace.json.gz").stat()
     os.utime(run_dir / "rank0.pt.trace.json.gz", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     second = load_and_analyze(run_dir)

@@ -7,7 +7,7 @@ import json
 
 import polars as pl
 import pytest
-from tracebuilder import TraceBuilder
+from tracebuilder import write_two_stage_run
 
 from traceana.cli import main
 
@@ -15,26 +15,7 @@ from traceana.cli import main
 @pytest.fixture
 def two_rank_run(tmp_path):
     """Stage 0: F0 then send; stage 1: recv, F0, B0, send grad; stage 0: recv grad, B0 (µs)."""
-    r0 = TraceBuilder(rank=0, world_size=2, pid=10, tid=10)
-    r0.step(5, 0, 100)
-    r0.annotation("PP:0F0", 0, 20)
-    r0.cpu_op("aten::mm", 2, 16)
-    r0.send(peer=1, ts=20, dur=5)
-    r0.recv(peer=1, ts=30, dur=40)
-    r0.annotation("PP:0B0", 70, 20)
-    r0.cpu_op("autograd::engine::evaluate_function: MmBackward0", 72, 16)
-    r0.memory(1, 4096, 4096)
-    r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11)
-    r1.step(5, 0, 100)
-    r1.recv(peer=0, ts=5, dur=21)
-    r1.annotation("PP:1F0", 26, 14)
-    r1.cpu_op("aten::mm", 27, 12)
-    r1.annotation("PP:1B0", 40, 20)
-    r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", 41, 18)
-    r1.send(peer=0, ts=60, dur=5)
-    r0.write(tmp_path / "rank0.pt.trace.json.gz")
-    r1.write(tmp_path / "rank1.pt.trace.json.gz")
-    return tmp_path
+    return write_two_stage_run(tmp_path)
 
 
 def test_merge_writes_one_perfetto_trace_with_added_tracks(two_rank_run, tmp_path):

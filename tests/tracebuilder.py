@@ -149,3 +149,30 @@ class TraceBuilder:
         data = self.to_bytes()
         path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
         return path
+
+
+def write_two_stage_run(directory: str | Path, *, f0_dur: float = 20) -> Path:
+    """A tiny annotated two-stage pipeline step, one gzipped trace per rank (µs):
+    stage 0: F0 then send; stage 1: recv, F0, B0, send grad; stage 0: recv grad, B0."""
+    directory = Path(directory)
+    r0 = TraceBuilder(rank=0, world_size=2, pid=10, tid=10)
+    r0.step(5, 0, 100)
+    r0.annotation("PP:0F0", 0, f0_dur)
+    r0.cpu_op("aten::mm", 2, f0_dur - 4)
+    r0.send(peer=1, ts=20, dur=5)
+    r0.recv(peer=1, ts=30, dur=40)
+    r0.annotation("PP:0B0", 70, 20)
+    r0.cpu_op("autograd::engine::evaluate_function: MmBackward0", 72, 16)
+    r0.memory(1, 4096, 4096)
+    r0.memory(75, 8192, 4096)
+    r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11)
+    r1.step(5, 0, 100)
+    r1.recv(peer=0, ts=5, dur=21)
+    r1.annotation("PP:1F0", 26, 14)
+    r1.cpu_op("aten::mm", 27, 12)
+    r1.annotation("PP:1B0", 40, 20)
+    r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", 41, 18)
+    r1.send(peer=0, ts=60, dur=5)
+    r0.write(directory / "rank0.pt.trace.json.gz")
+    r1.write(directory / "rank1.pt.trace.json.gz")
+    return directory
