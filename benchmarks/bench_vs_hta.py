@@ -283,13 +283,19 @@ def _generate(out: Path, ranks: int, size_mb: float, *, gz: bool = True) -> list
     return [Path(f["path"]) for f in facts]
 
 
+def _reuse_or_generate(run_dir: Path, ranks: int, size_mb: float) -> list[Path]:
+    """The run left by an earlier --keep invocation when it has the right ranks, else a freshly generated one."""
+    files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
+    if len(files) != ranks:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        files = _generate(run_dir, ranks, size_mb)
+    return files
+
+
 def section_vs(a, results: dict) -> None:
     run_dir = Path(a.work) / f"vs_{a.ranks}x{a.mb:g}"
     print(f"\n## generated GPU pipeline run: {a.ranks} ranks x {a.mb:g} MB raw JSON per rank (gzipped)")
-    files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
-    if len(files) != a.ranks:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        files = _generate(run_dir, a.ranks, a.mb)
+    files = _reuse_or_generate(run_dir, a.ranks, a.mb)
     nbytes = raw_bytes(files)
     clear_cache(run_dir)
     first = measure(traceana_cmd(run_dir, workers=a.workers, cache=True))
@@ -324,10 +330,7 @@ def section_vs(a, results: dict) -> None:
 def section_parallel(a, results: dict) -> None:
     run_dir = Path(a.work) / f"par_{a.par_ranks}x{a.par_mb:g}"
     print(f"\n## parallel ingest: {a.par_ranks} ranks x {a.par_mb:g} MB raw, workers=1 vs workers=2 (no cache, ingest only)")
-    files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
-    if len(files) != a.par_ranks:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        files = _generate(run_dir, a.par_ranks, a.par_mb)
+    files = _reuse_or_generate(run_dir, a.par_ranks, a.par_mb)
     nbytes = raw_bytes(files)
     clear_cache(run_dir)
     one = measure(traceana_cmd(run_dir, workers=1, cache=False, analyze=False))
