@@ -7,12 +7,12 @@ the ``traceEvents`` array, so no per-event Python dict is ever made.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+from isal import igzip
 
 from traceana.errors import BadInputError
 from traceana.schema import CATEGORIES
@@ -196,12 +196,7 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
     data = text.encode()
     try:
         if path.suffix == ".gz":
-            try:
-                from isal import igzip
-
-                data = igzip.compress(data, compresslevel=1)
-            except ImportError:
-                data = gzip.compress(data, compresslevel=1)
+            data = igzip.compress(data, compresslevel=1)
         path.write_bytes(data)
     except OSError as e:
         raise BadInputError(f"cannot write the merged trace ({e.strerror})", path=path,
