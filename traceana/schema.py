@@ -27,8 +27,6 @@ Category = pl.Enum(list(CATEGORIES))
 COMPUTE_CATEGORIES = CATEGORIES[:5]
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
 
-PHASES = ("forward", "backward", "recompute", "optimizer")
-
 # --- ingest ------------------------------------------------------------------------------------------------------
 # One row per complete ("X") trace event. GPU events (kernels, memcpy, memset, gpu annotations) have device/stream.
 EVENTS = {
