@@ -27,3 +27,15 @@ def collected_run(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if base.name.startswith("popen-gw") else base) / "traceana-collected-runs"
     return lambda name: build(name, root)
+
+
+@pytest.fixture(params=["native", "general"])
+def decoder(request, monkeypatch) -> str:
+    """Run a test with each trace decoder: the native scanner (skipped where it was not built) and the general one."""
+    from traceana.ingest import kineto
+
+    if request.param == "native" and kineto._scan is None:
+        pytest.skip("the native scanner is not built here (no C compiler at install time)")
+    if request.param == "general":
+        monkeypatch.setattr(kineto, "_scan", None)
+    return request.param

@@ -14,6 +14,8 @@ from tracebuilder import BASE_US, TraceBuilder
 from traceana import schema
 from traceana.ingest.kineto import read_trace
 
+pytestmark = pytest.mark.usefixtures("decoder")  # every test runs with the native scanner and the general decoder
+
 BASE_NS = int(BASE_US) * 1000
 
 
@@ -186,7 +188,11 @@ def test_traces_are_decoded_in_chunks_cut_between_events(tmp_path, monkeypatch, 
     f = tmp_path / "t.json"
     f.write_text(text)
     whole = read_trace(f)
-    monkeypatch.setattr(kineto, "CHUNK_BYTES", 150)  # many chunks; some candidate cuts fall inside "nested"
+    # Many chunks; some candidate cuts of the general decoder fall inside "nested"; the native scanner resumes
+    # mid-event at every piece boundary.
+    monkeypatch.setattr(kineto, "CHUNK_BYTES", 150)
+    monkeypatch.setattr(kineto, "NATIVE_CHUNK", 150)
+    monkeypatch.setattr(kineto, "READ_PIECE", 97)
     seen = []
     chunked = read_trace(f, on_progress=lambda done, total: seen.append((done, total)))
     assert_frame_equal(whole[0], chunked[0])

@@ -42,6 +42,11 @@ import polars as pl
 from traceana import names, schema
 from traceana.errors import BadInputError, TraceFormatError
 
+try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
+    from traceana.ingest import _scan
+except ImportError:  # pragma: no cover - built without a C compiler
+    _scan = None  # type: ignore[assignment]
+
 try:  # isal is ~1.6x faster than zlib at gunzip (FIELD-NOTES.md); zlib keeps us working without it.
     from isal import isal_zlib as _zlib
 
@@ -154,14 +159,14 @@ def shown(path: Path | str) -> str:
 
 
 # --- reading bytes -----------------------------------------------------------------------------------------------
-def read_bytes(path: Path) -> tuple[bytes, bool]:
-    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short."""
+def _open(path: Path):
+    """The trace file opened for reading, or a one-line BadInputError saying why it cannot be."""
     try:
         if not path.exists():
             raise BadInputError("no such file", path=shown(path), fix="check the path")
         if path.is_dir():
             raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
-        data = path.read_bytes()
+        return path.open("rb")
     except BadInputError:
         raise
     except PermissionError:
@@ -169,6 +174,16 @@ def read_bytes(path: Path) -> tuple[bytes, bool]:
     except OSError as e:  # symlink loops (ELOOP), I/O errors, names the OS rejects
         raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
                             fix="check the file and any symlinks to it") from None
+
+
+def read_bytes(path: Path) -> tuple[bytes, bool]:
+    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short."""
+    with _open(path) as fh:
+        try:
+            data = fh.read()
+        except OSError as e:
+            raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
+                                fix="check the file and any symlinks to it") from None
     if not data:
         raise TraceFormatError("empty file (0 bytes)", path=shown(path),
                                fix="the profiler did not write this trace; re-collect it or remove the file")
@@ -265,8 +280,9 @@ def _recover(body: bytes, path: Path, max_tries: int = 64) -> _Top:
                            fix="the job was killed while writing; re-collect the trace")
 
 
-def _loads(raw: msgspec.Raw) -> Any:
-    if not len(raw):
+def _loads(raw: msgspec.Raw | bytes | str | None) -> Any:
+    """A raw JSON value decoded, or None when it is absent or does not decode."""
+    if raw is None or not len(raw):
         return None
     try:
         return msgspec.json.decode(raw)
@@ -456,6 +472,13 @@ def _ts_ns(evs: list[_Event]) -> pl.Series | None:
     return f.to_frame().select(ns.alias("ts_rel")).to_series()
 
 
+def _dur_ns(dur_us: pl.Series) -> pl.Series:
+    """Float µs → int64 ns (rounded); null where not finite or far out of range (checked again in _finish)."""
+    d = pl.col(dur_us.name)
+    ns = pl.when(d.is_finite() & (d.abs() < 9.0e15)).then((d * 1000.0).round(0)).cast(pl.Int64)
+    return dur_us.to_frame().select(ns.alias("dur_ns")).to_series()
+
+
 def _args_of(evs: list[_Event], fields: tuple[tuple[str, str, pl.DataType], ...], *,
              args: list[_Args] | None = None) -> dict[str, pl.Series]:
     if args is None:
@@ -477,6 +500,7 @@ _MEM_ARGS = (
     ("delta_bytes", "delta_bytes", pl.Int64),
     ("device", "device_id", pl.Int64),
 )
+_SHAPE_ARGS = ("concrete_inputs", "input_dims", "input_type")  # record_shapes lists, kept raw
 _COMM_ARGS = (
     ("coll", "collective", pl.String),
     ("in_nelems", "in_nelems", pl.Int64),
@@ -532,7 +556,7 @@ class _Batches:
             "pid": _text_series("pid", list(map(attrgetter("pid"), xs))),
             "tid": _text_series("tid", list(map(attrgetter("tid"), xs))),
             "ts_rel": ts.filter(is_x),
-            "dur_us": _series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64),
+            "dur_ns": _dur_ns(_series("dur_us", list(map(attrgetter("dur"), xs)), pl.Float64)),
             **_args_of(xs, _X_ARGS, args=xargs),
         })
         self.x.append(frame)
@@ -541,8 +565,32 @@ class _Batches:
             sub = [xs[i] for i in rpc.to_list()]
             self.comm.append(pl.DataFrame({"row": (rpc + self.rows).cast(pl.UInt32), **_args_of(sub, _COMM_ARGS)}))
         if len(shaped):
-            self.shapes.append(_shape_facts([xs[i] for i in shaped.to_list()], shaped + self.rows))
+            sub = [xs[i].args for i in shaped.to_list()]
+            self.shapes.append(_shape_facts(*(list(map(attrgetter(f), sub)) for f in _SHAPE_ARGS), shaped + self.rows))
         self.rows += frame.height
+
+    def add_columns(self, x_cols: tuple, mem_cols: tuple, odd: list) -> None:
+        """The same frames from the native scanner's column buffers (X events and memory instants only)."""
+        mem = _with_odd(_arrow_frame(mem_cols, _NATIVE_MEM), odd, 1)
+        if mem.height:
+            self.mem.append(mem)
+            self.n_mem += mem.height
+        x = _with_odd(_arrow_frame(x_cols, _NATIVE_X), odd, 0)
+        if not x.height:
+            return
+        x = x.with_row_index("row", offset=self.rows)
+        gpu = x.filter(pl.col("cat").is_in(_GPU_CAT_NAMES)).select("row", *(c for c, _, _ in _GPU_ARGS))
+        if gpu.height:
+            self.gpu.append(gpu)
+        comm = x.filter(pl.col("name") == names.RECORD_PARAM_COMMS).select("row", *(c for c, _, _ in _COMM_ARGS))
+        if comm.height:
+            self.comm.append(comm)
+        shaped = x.filter(pl.col("name").is_in(list(_SHAPES_NAMES)) | pl.col("name").str.starts_with(_GLOO_PREFIX))
+        if shaped.height:
+            raws = (shaped[c].to_list() for c in _NATIVE_X[-3:])
+            self.shapes.append(_shape_facts(*raws, shaped["row"]))
+        self.x.append(x.select(list(_X_SCHEMA)))
+        self.rows += x.height
 
 
 def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
@@ -561,7 +609,7 @@ def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
     return pl.when(whole.is_not_null()).then(exact).otherwise(fallback)
 
 
-def _shape_facts(evs: list[_Event], rows: pl.Series) -> pl.DataFrame:
+def _shape_facts(concrete_inputs: list, input_dims: list, input_types: list, rows: pl.Series) -> pl.DataFrame:
     """peer/tag/nbytes of the few gloo P2P events, from their record_shapes args (decoded only here).
 
     ``c10d::send``/``c10d::recv_`` carry (tensors, process group, peer, tag) in "Concrete Inputs": the peer is a
@@ -572,9 +620,8 @@ def _shape_facts(evs: list[_Event], rows: pl.Series) -> pl.DataFrame:
     rows_tag: list[int | None] = []
     rows_numel: list[int | None] = []
     rows_elem: list[int | None] = []
-    for ev in evs:  # a handful per step, not per event
-        a = ev.args
-        concrete, dims, types = _loads(a.concrete_inputs), _loads(a.input_dims), _loads(a.input_type)
+    for raws in zip(concrete_inputs, input_dims, input_types):  # a handful per step, not per event
+        concrete, dims, types = map(_loads, raws)
         peer = tag = numel = elem = None
         if isinstance(concrete, list) and len(concrete) >= 4:
             peer, tag = _as_int(concrete[2]), _as_int(concrete[3])
@@ -617,6 +664,141 @@ def _numel(dims: Any) -> int | None:
     return None
 
 
+# --- the native scanner --------------------------------------------------------------------------------------------
+NATIVE_CHUNK = 32 << 20  # bytes of JSON scanned per call (one set of column buffers)
+READ_PIECE = 32 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
+# Column order of _scan.events (see _scan.c: X_* and M_*).
+_NATIVE_X = ("name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id", "arg_device", "arg_stream", "coll",
+             "in_nelems", "dtype", "src_rank", "dst_rank", "pg_name", "pg_desc", *_SHAPE_ARGS)
+_NATIVE_MEM = ("ts_rel", "allocated_bytes", "delta_bytes", "device")
+_META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "traceana")
+
+
+class _NotNative(Exception):
+    """A file the native scanner leaves to the general decoder (which also says what is wrong with it, if anything)."""
+
+
+def _arrow_frame(cols: tuple, names_: tuple[str, ...]) -> pl.DataFrame:
+    """Column buffers in Arrow layouts (int64: data, validity; string: offsets, data, validity) → a frame."""
+    import pyarrow as pa
+
+    arrays = []
+    for col in cols:
+        *bufs, valid = col
+        validity = None if valid is None else pa.py_buffer(valid)
+        if len(bufs) == 1:
+            arrays.append(pa.Array.from_buffers(pa.int64(), len(bufs[0]) // 8, [validity, pa.py_buffer(bufs[0])]))
+        else:
+            offsets, data = bufs
+            arrays.append(pa.Array.from_buffers(pa.large_string(), len(offsets) // 8 - 1,
+                                                [validity, pa.py_buffer(offsets), pa.py_buffer(data)]))
+    return pl.from_arrow(pa.Table.from_arrays(arrays, names=list(names_)))  # type: ignore[return-value]
+
+
+def _with_odd(frame: pl.DataFrame, odd: list, table: int) -> pl.DataFrame:
+    """Put in the args values of another type than their column's, converted as the general decoder converts them."""
+    by_col: dict[int, tuple[list[int], list[Any]]] = {}
+    for t, col, row, raw in odd:  # rare: e.g. a "stream": "0x0" written by ROCm
+        if t == table:
+            rows, values = by_col.setdefault(col, ([], []))
+            rows.append(row)
+            values.append(msgspec.json.decode(raw))
+    if not by_col:
+        return frame
+    return frame.with_columns(
+        frame[name].scatter(rows, _series(name, values, frame.schema[name]))
+        for name, (rows, values) in ((frame.columns[c], v) for c, v in by_col.items())
+    )
+
+
+class _Reader:
+    """A trace file's bytes in pieces of about READ_PIECE, gunzipped on the fly, behind a sliding window."""
+
+    def __init__(self, path: Path) -> None:
+        self.fh = _open(path)
+        self.size = os.fstat(self.fh.fileno()).st_size
+        self.gz = self.fh.read(2) == GZIP_MAGIC
+        self.fh.seek(0)
+        self.inflate = _zlib.decompressobj(16 + zlib.MAX_WBITS) if self.gz else None
+        self.pending = b""  # compressed input not yet gunzipped
+        self.buf = b""  # the window: decompressed bytes from some point of the stream on
+        self.n_bytes = 0  # decompressed bytes so far
+        self.final = False  # the window reaches the end of the stream
+
+    def _piece(self) -> bytes:
+        if self.inflate is None:
+            return self.fh.read(READ_PIECE)
+        while True:
+            if not self.pending:
+                self.pending = self.fh.read(READ_PIECE // 4)
+            if not self.pending:
+                if not self.inflate.eof:
+                    raise _NotNative("gzip stream cut short")
+                return b""
+            if self.inflate.eof:  # data after the gzip member (another member, or junk)
+                raise _NotNative("more than one gzip member")
+            out = self.inflate.decompress(self.pending, READ_PIECE)
+            self.pending = self.inflate.unconsumed_tail or self.inflate.unused_data
+            if out:
+                return out
+
+    def extend(self, keep_from: int) -> int:
+        """Drop the window before ``keep_from``, append the next piece; returns where ``keep_from`` now is."""
+        piece = self._piece()
+        self.n_bytes += len(piece)
+        self.final = not piece
+        self.buf = self.buf[keep_from:] + piece
+        return 0
+
+    def done(self) -> int:
+        return self.fh.tell()
+
+
+def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], None] | None) -> tuple[dict, int]:
+    """Decode a trace with the native scanner into ``batches``; returns (top-level raw values, JSON bytes)."""
+    r = _Reader(path)
+    with r.fh:
+        r.extend(0)
+        if not r.buf:
+            raise _NotNative("empty file")
+        while True:  # the top level up to the traceEvents array (kept whole in the window until found)
+            status, pos, keys = _scan.top(r.buf, 0, True, r.final)
+            if status != _scan.NEED:
+                break
+            r.extend(0)  # grow the window: nothing is dropped before the array starts
+        if status != _scan.EVENTS:
+            raise _NotNative("no traceEvents array")
+        top = {k: r.buf[a:b] for k, a, b in keys}
+        first = True
+        while True:
+            status, pos, first, x_cols, mem_cols, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final)
+            batches.add_columns(x_cols, mem_cols, odd)
+            del x_cols, mem_cols
+            if on_progress is not None:
+                on_progress(r.done(), r.size)
+            if status == _scan.END:
+                break
+            if status == _scan.NEED:
+                pos = r.extend(pos)
+        while True:  # the rest of the top level
+            status, end, keys = _scan.top(r.buf, pos, False, r.final)
+            if status != _scan.NEED:
+                break
+            pos = r.extend(pos)
+        if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
+            raise _NotNative("a second traceEvents")
+        top.update((k, r.buf[a:b]) for k, a, b in keys)
+        while True:  # only whitespace may follow
+            if r.buf[end:].strip(b" \t\r\n"):
+                raise _NotNative("data after the trace object")
+            if r.final:
+                break
+            end = r.extend(len(r.buf))
+    if on_progress is not None:
+        on_progress(r.size, r.size)
+    return top, r.n_bytes
+
+
 # --- whole trace -------------------------------------------------------------------------------------------------
 def _meta_json(raw: msgspec.Raw) -> tuple[Any, str | None]:
     obj = _loads(raw)
@@ -632,6 +814,39 @@ def is_trace_name(path: Path) -> bool:
     return path.name.endswith(TRACE_SUFFIXES)
 
 
+def _decode(path: Path, on_progress: Callable[[int, int], None] | None
+            ) -> tuple[dict[str, Any], _Batches, list[str], bool, int]:
+    """(top-level raw values, events in batches, malformed-event messages, truncated, JSON bytes) of one trace.
+
+    The native scanner when it is built and takes the file; else, or when it hands the file back (anything but a
+    well-formed trace of the types torch writes), the general decoder, which also explains what is wrong.
+    """
+    if _scan is not None:
+        batches = _Batches()
+        try:
+            top, n_bytes = _scan_file(path, batches, on_progress)
+            return top, batches, [], False, n_bytes
+        except (_scan.Unsupported, _NotNative, OSError, *_ZLIB_ERRORS):
+            pass
+    buf, gz_truncated = read_bytes(path)
+    n_bytes = len(buf)
+    decoded, json_truncated = _decode_top(buf, path)
+    first = bytes(memoryview(decoded.traceEvents)[:1])
+    if first != b"[":
+        what = "without traceEvents" if not first else "whose traceEvents is not a list"
+        raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
+                             fix="pass a trace written by torch.profiler (export_chrome_trace)")
+    top = {k: bytes(getattr(decoded, k)) for k in _META_KEYS}
+    batches = _Batches()
+    problems: list[str] = []
+    for evs, ts, done, total in _decoded_chunks(buf, decoded.traceEvents, problems):
+        batches.add(evs, ts)
+        del evs, ts
+        if on_progress is not None:
+            on_progress(done, total)
+    return top, batches, problems, gz_truncated or json_truncated, n_bytes
+
+
 def read_trace(
     path: str | Path,
     *,
@@ -644,23 +859,15 @@ def read_trace(
     rank found in the trace. ``on_progress(done, total)`` is called after each batch of events.
     """
     path = Path(path)
-    buf, gz_truncated = read_bytes(path)
-    n_bytes = len(buf)
-    top, json_truncated = _decode_top(buf, path)
-    first = bytes(memoryview(top.traceEvents)[:1])
-    if first != b"[":
-        what = "without traceEvents" if not first else "whose traceEvents is not a list"
-        raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
-                               fix="pass a trace written by torch.profiler (export_chrome_trace)")
-    truncated = gz_truncated or json_truncated
+    top, batches, problems, truncated, n_bytes = _decode(path, on_progress)
     warnings: list[str] = []
 
-    dist, _ = _meta_json(top.distributedInfo)
+    dist, _ = _meta_json(top.get("distributedInfo"))
     dist = dist if isinstance(dist, dict) else {}
-    devices_obj, devices_json = _meta_json(top.deviceProperties)
-    meta, meta_json = _meta_json(top.traceana)
+    devices_obj, devices_json = _meta_json(top.get("deviceProperties"))
+    meta, meta_json = _meta_json(top.get("traceana"))
     meta = meta if isinstance(meta, dict) else {}
-    base = _loads(top.baseTimeNanoseconds)
+    base = _loads(top.get("baseTimeNanoseconds"))
     base_ns = base if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < 2**62 else None
     pg_config = dist.get("pg_config")
     pg_json = None if pg_config is None else json.dumps(pg_config, sort_keys=True)
@@ -680,14 +887,6 @@ def read_trace(
     if world_size is None:
         world_size = _as_int(meta.get("world_size"))
 
-    batches = _Batches()
-    problems: list[str] = []
-    for evs, ts, done, total in _decoded_chunks(buf, top.traceEvents, problems):
-        batches.add(evs, ts)
-        del evs, ts
-        if on_progress is not None:
-            on_progress(done, total)
-    del top, buf  # the raw JSON is no longer needed: free it before building the tables
     if truncated:
         warnings.append(f"{shown(path)}: trace is truncated (the writer stopped mid-file); kept its "
                         f"{batches.rows + batches.n_mem} complete events — re-collect it for a full analysis")
@@ -711,7 +910,7 @@ def read_trace(
 
 
 _X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,
-             "dur_us": pl.Float64, **{c: t for c, _, t in _X_ARGS}}
+             "dur_ns": pl.Int64, **{c: t for c, _, t in _X_ARGS}}
 _GPU_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _GPU_ARGS}}
 _MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
 
@@ -744,10 +943,9 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         schema.MEMORY,
     )
 
-    dur = (pl.col("dur_us") * 1000.0).round(0)
     x = x.with_row_index("row").with_columns(
         ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
-        dur_ns=pl.when(pl.col("dur_us").is_finite() & (dur >= 0) & (dur < 2.0**62)).then(dur).cast(pl.Int64),
+        dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
         rank=rank_lit,
     )
     n_x = x.height

@@ -1,0 +1,176 @@
+"""The native scanner (traceana/ingest/_scan.c) gives exactly the tables of the general decoder, or hands back.
+
+Every trace is read twice, with the scanner and without it, and the two results must be equal: on the third-party
+traces, on real collected runs, on hand-written edge cases and on random valid traces (hypothesis). Where the
+scanner does not take a file (a type it leaves to the general decoder), the result is still that decoder's.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
+from tracebuilder import TraceBuilder
+
+from traceana.errors import TraceanaError
+from traceana.ingest import kineto
+
+pytestmark = pytest.mark.skipif(kineto._scan is None, reason="the native scanner is not built here")
+
+
+def _read(path: Path, native: bool, monkeypatch: pytest.MonkeyPatch):
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(kineto, "_scan", None)
+        try:
+            return kineto.read_trace(path)
+        except TraceanaError as e:
+            return e
+
+
+def _uses_native(path: Path) -> bool:
+    try:
+        kineto._scan_file(path, kineto._Batches(), None)
+    except (kineto._scan.Unsupported, kineto._NotNative):
+        return False
+    return True
+
+
+def assert_same(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native, general = _read(path, True, monkeypatch), _read(path, False, monkeypatch)
+    if isinstance(general, Exception):
+        assert type(native) is type(general) and str(native) == str(general)
+        return
+    assert not isinstance(native, Exception), native
+    assert_frame_equal(native[0], general[0])
+    assert_frame_equal(native[1], general[1])
+    assert native[2] == general[2]
+
+
+def test_third_party_traces_read_the_same(third_party, monkeypatch):
+    files = sorted(p for p in third_party.rglob("*.json*"))
+    assert files
+    for f in files:
+        assert_same(f, monkeypatch)
+    # Every third-party trace is taken by the scanner (ROCm's "stream": "0x0" goes through the odd-value path).
+    assert all(_uses_native(f) for f in files)
+
+
+@pytest.mark.parametrize("name", ["1f1b_bpipe"])
+def test_collected_runs_read_the_same(collected_run, monkeypatch, name):
+    run = collected_run(name)
+    files = sorted(run.glob("*.json.gz"))
+    assert files
+    for f in files:
+        assert_same(f, monkeypatch)
+        assert _uses_native(f)
+
+
+def _write(tmp_path: Path, events: list, *, gz: bool = False, **top) -> Path:
+    text = json.dumps({"schemaVersion": 1, **top, "traceEvents": events, "traceName": "x"}, indent=1)
+    f = tmp_path / ("t.json.gz" if gz else "t.json")
+    f.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    return f
+
+
+X = {"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 2, "ts": 10.5, "dur": 2.25}
+
+
+@pytest.mark.parametrize("case", [
+    {"name": "caf\u00e9 \u65e5\u672c \U0001F600 \"q\" \\ \n \t \u0001"},  # escapes, multi-byte UTF-8, a surrogate pair
+    {"pid": "Spans", "tid": "stream 7 7"},
+    {"pid": None, "tid": -3, "cat": None},
+    {"ts": 1712195495519689.047, "dur": 1e-3},  # epoch µs (exact digits), an exponent
+    {"ts": 123.4567, "dur": 0.0005},  # digits beyond the nanosecond
+    {"ts": None},
+    {"dur": -1.0},
+    {"ts": 9.3e18},
+    {"args": {"External id": "12", "correlation": 1.5, "stream": "0x0", "device": 2.0}},  # odd types, as ROCm writes
+    {"args": {"Collective name": 7, "dtype": "Float", "In msg nelems": 1 << 62, "Src Rank": None}},
+    {"args": {"External id": 18446744073709551615}},  # beyond int64
+    {"name": "c10d::send", "args": {"Concrete Inputs": ["", "", "1", "7"], "Input Dims": [[[2, 3]], [], [], []],
+                                    "Input type": ["TensorList", "", "Int", "Int"]}},
+    {"args": {"grid": [1, 2, {"deep": [[[]]]}], "extra": {"a": {"b": None}}, "flag": True}},
+    {"unknown": {"x": [1, "two", False]}, "ph": "X"},
+    {"ph": "X", "ph ": "i"},
+    {"args": {"Exte\u006ernal id": 5}},  # an escaped key
+])
+def test_edge_cases_read_the_same(tmp_path, monkeypatch, case):
+    for gz in (False, True):
+        f = _write(tmp_path, [dict(X, **case), {"ph": "i", "name": "[memory]", "ts": 11.0, "pid": 1, "tid": 2,
+                                                 "args": {"Total Allocated": 5, "Bytes": "x", "Device Id": -1}}], gz=gz)
+        assert_same(f, monkeypatch)
+
+
+@pytest.mark.parametrize("bad", [
+    b'{"traceEvents": [{"ph": "X", "ts": "10"}]}',  # a string time: the general decoder skips the event
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1, "args": null}]}',
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1, "pid": 1.5}]}',
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1, "name": "\\ud800"}]}',  # a lone surrogate
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1, "name": "\xff"}]}',  # not UTF-8
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1},]}',  # a trailing comma
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1}]} x',
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1}], "traceEvents": []}',
+    b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1}, {"ph": "X", "ts": 2, "d',  # truncated
+    b'{"traceEvents": [{"ph": "X", "ts": 01}]}',
+    b'{"traceEvents": {}}',
+    b'{"traceEvents": [' + b"[" * 300 + b"]" * 300 + b"]}",
+    b"[]",
+])
+def test_input_the_scanner_hands_back_reads_as_before(tmp_path, monkeypatch, bad):
+    f = tmp_path / "t.json"
+    f.write_bytes(bad)
+    assert not _uses_native(f)
+    assert_same(f, monkeypatch)
+
+
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                         max_size=3), max_leaves=6)
+_args = st.dictionaries(
+    st.sampled_from(["correlation", "External id", "device", "stream", "Total Allocated", "Bytes", "Device Id",
+                     "Collective name", "In msg nelems", "dtype", "Src Rank", "Dst Rank", "Process Group Name",
+                     "Concrete Inputs", "Input Dims", "Input type", "other"]),
+    _value, max_size=5)
+_event = st.fixed_dictionaries(
+    {"ph": st.sampled_from(["X", "i", "s", "M"])},
+    optional={
+        "name": st.sampled_from(["op", "[memory]", "c10d::send", "gloo:recv", "record_param_comms", "k\u00e9"]),
+        "cat": st.one_of(st.none(), st.sampled_from(["cpu_op", "kernel", "gpu_memcpy"])),
+        "pid": st.one_of(st.none(), st.integers(-5, 2**40), st.sampled_from(["Spans", "7"])),
+        "tid": st.one_of(st.none(), st.integers(-5, 2**40), st.sampled_from(["stream 7", "x"])),
+        "ts": st.one_of(st.none(), st.integers(-10, 2**53), st.floats(-1e3, 2e15, allow_nan=False)),
+        "dur": st.one_of(st.none(), st.integers(-10, 10**9), st.floats(-1.0, 1e6, allow_nan=False)),
+        "args": _args,
+        "extra": _value,
+    })
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(_event, min_size=1, max_size=8), indent=st.sampled_from([None, 1, 2]))
+def test_random_traces_read_the_same(tmp_path, monkeypatch, events, indent):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"baseTimeNanoseconds": 1000, "traceEvents": events}, indent=indent))
+    assert_same(f, monkeypatch)
+
+
+def test_a_big_trace_in_pieces_reads_the_same(tmp_path, monkeypatch):
+    tb = TraceBuilder()
+    for i in range(400):
+        tb.cpu_op(f"op{i % 7}", float(i), 0.5, args={"External id": i})
+        tb.memory(i + 0.25, i, 1)
+    f = tmp_path / "t.json.gz"
+    f.write_bytes(gzip.compress(tb.to_bytes()))
+    whole = kineto.read_trace(f)
+    monkeypatch.setattr(kineto, "READ_PIECE", 1000)  # gunzipped 1000 bytes at a time, events cut at every piece
+    monkeypatch.setattr(kineto, "NATIVE_CHUNK", 3000)
+    pieces = kineto.read_trace(f)
+    assert_frame_equal(whole[0], pieces[0])
+    assert_frame_equal(whole[1], pieces[1])
+    assert pieces[0].height == 400 and pieces[1].height == 400

@@ -1,0 +1,912 @@
+/* Native columnar scanner for Kineto JSON traces: bytes → column buffers, no Python object per event.
+ *
+ * traceana/ingest/kineto.py uses it when it is built (an optional extension: without a C compiler the general
+ * msgspec decoder does the same job, slower). It handles the traces torch writes and nothing more: anything it
+ * does not accept exactly as that decoder would (a wrong type, bad UTF-8, deep nesting, invalid or truncated
+ * JSON) raises ``Unsupported`` and kineto.py decodes the whole file with the general decoder instead, so the two
+ * paths cannot disagree on the tables they produce.
+ *
+ * Two functions, both resumable so a file can be fed in pieces (streaming decompression):
+ *   top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])
+ *       the top-level object's keys up to the traceEvents array (status EVENTS, pos just after its '['), or to
+ *       the end of the object (status END, pos after '}'); opening: pos is before '{' (else after a value).
+ *   events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events)
+ *       events of the array from pos (after '[' or a ','), until about max_bytes were consumed (MORE), the
+ *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
+ * Columns are tuples of bytes: int64 (data, validity bitmap or None); string (int64 offsets, data, validity or
+ * None) — Arrow's layouts, wrapped without copying by pyarrow. odd: [(table, column, row, raw JSON)] for args
+ * values of another type than their column's (0: X, 1: memory), which Python converts like the general decoder.
+ * Times are converted to integer nanoseconds from the decimal digits (exact: no float rounding).
+ * The parse runs without the GIL, so threads can scan several files at once.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+typedef unsigned char uchar;
+
+enum { ST_OK = 0, ST_NEED = 1, ST_BAD = 2, ST_NOMEM = 3 };
+enum { R_MORE = 0, R_END = 1, R_NEED = 2, R_EVENTS = 3 };
+#define MAX_DEPTH 200
+#define TRY(x) do { int s_ = (x); if (s_) return s_; } while (0)
+
+static PyObject *Unsupported;
+
+typedef struct {
+    const uchar *base, *p, *end;
+    const char *why; /* set with ST_BAD */
+} P;
+
+static int bad(P *ps, const char *why) {
+    ps->why = why;
+    return ST_BAD;
+}
+
+/* --- growable buffers and Arrow columns ------------------------------------------------------------------- */
+typedef struct { char *d; Py_ssize_t len, cap; } Buf;
+
+static int buf_grow(Buf *b, Py_ssize_t extra) {
+    Py_ssize_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + extra) cap *= 2;
+    char *d = realloc(b->d, (size_t)cap);
+    if (!d) return ST_NOMEM;
+    b->d = d;
+    b->cap = cap;
+    return ST_OK;
+}
+
+static inline int buf_reserve(Buf *b, Py_ssize_t extra) {
+    return b->len + extra <= b->cap ? ST_OK : buf_grow(b, extra);
+}
+
+static inline int buf_put(Buf *b, const void *src, Py_ssize_t n) {
+    TRY(buf_reserve(b, n));
+    if (n) memcpy(b->d + b->len, src, (size_t)n);
+    b->len += n;
+    return ST_OK;
+}
+
+typedef struct { Buf data, offs, valid; Py_ssize_t n, nulls; int is_str; } Col;
+
+static inline int col_valid(Col *c, int ok) {
+    if ((c->n & 7) == 0) {
+        TRY(buf_reserve(&c->valid, 1));
+        c->valid.d[c->valid.len++] = 0;
+    }
+    if (ok) c->valid.d[c->n >> 3] |= (char)(1 << (c->n & 7));
+    else c->nulls++;
+    c->n++;
+    return ST_OK;
+}
+
+static inline int put8(Buf *b, int64_t v) {
+    TRY(buf_reserve(b, 8));
+    memcpy(b->d + b->len, &v, 8);
+    b->len += 8;
+    return ST_OK;
+}
+
+static inline int col_int(Col *c, int64_t v, int ok) {
+    TRY(put8(&c->data, ok ? v : 0));
+    return col_valid(c, ok);
+}
+
+static inline int col_str_end(Col *c, int ok) { /* the string's bytes were appended to c->data already */
+    TRY(put8(&c->offs, c->data.len));
+    return col_valid(c, ok);
+}
+
+static void col_free(Col *c) {
+    free(c->data.d);
+    free(c->offs.d);
+    free(c->valid.d);
+    memset(c, 0, sizeof *c);
+}
+
+static PyObject *col_result(Col *c) {
+    PyObject *valid = c->nulls ? PyBytes_FromStringAndSize(c->valid.d, c->valid.len) : (Py_INCREF(Py_None), Py_None);
+    if (!valid) return NULL;
+    PyObject *data = PyBytes_FromStringAndSize(c->data.d ? c->data.d : "", c->data.len);
+    if (!data) { Py_DECREF(valid); return NULL; }
+    if (!c->is_str) return Py_BuildValue("(NN)", data, valid);
+    PyObject *offs = PyBytes_FromStringAndSize(c->offs.d, c->offs.len);
+    if (!offs) { Py_DECREF(valid); Py_DECREF(data); return NULL; }
+    return Py_BuildValue("(NNN)", offs, data, valid);
+}
+
+/* --- JSON lexing ------------------------------------------------------------------------------------------ */
+static inline int is_ws(uchar c) { return c <= ' ' && (c == ' ' || c == '\n' || c == '\r' || c == '\t'); }
+
+static inline void ws(P *ps) {
+    const uchar *p = ps->p, *e = ps->end;
+    if (p < e && !is_ws(*p)) return; /* the usual case: no whitespace, or (below) a short run of it */
+    while (p < e && is_ws(*p)) p++;
+    ps->p = p;
+}
+
+/* Length of the UTF-8 sequence at q (2-4), 0 when invalid, -1 when the buffer ends inside it. */
+static int utf8_len(const uchar *q, const uchar *e) {
+    uchar c = q[0];
+    int n;
+    if (c >= 0xC2 && c <= 0xDF) n = 2;
+    else if (c >= 0xE0 && c <= 0xEF) n = 3;
+    else if (c >= 0xF0 && c <= 0xF4) n = 4;
+    else return 0;
+    if (e - q < n) return -1;
+    for (int i = 1; i < n; i++)
+        if ((q[i] & 0xC0) != 0x80) return 0;
+    if (n == 3 && ((c == 0xE0 && q[1] < 0xA0) || (c == 0xED && q[1] >= 0xA0))) return 0; /* overlong, surrogate */
+    if (n == 4 && ((c == 0xF0 && q[1] < 0x90) || (c == 0xF4 && q[1] >= 0x90))) return 0; /* overlong, > U+10FFFF */
+    return n;
+}
+
+static int hex4(const uchar *q, unsigned *out) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        uchar c = q[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= c - '0';
+        else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
+        else return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+typedef struct { const uchar *s; Py_ssize_t n; char esc; char kind; } Span; /* kind: see K_* */
+enum { K_ABSENT = 0, K_STR = 1, K_INT = 2, K_NULL = 3, K_ODD = 4 };
+
+/* The first byte at or after q that ends a plain-ASCII run of a string ('"', '\\', a control byte or a non-ASCII
+ * byte), or e. */
+static inline const uchar *plain_run(const uchar *q, const uchar *e) {
+#ifdef __SSE2__
+    const __m128i quote = _mm_set1_epi8('"'), bslash = _mm_set1_epi8('\\'), space = _mm_set1_epi8(0x20);
+    while (e - q >= 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)q);
+        /* signed compare: bytes >= 0x80 are negative, so "v < 0x20" also flags them */
+        __m128i hit = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, bslash)),
+                                   _mm_cmplt_epi8(v, space));
+        int mask = _mm_movemask_epi8(hit);
+        if (mask) return q + __builtin_ctz((unsigned)mask);
+        q += 16;
+    }
+#endif
+    while (q < e && *q >= 0x20 && *q < 0x80 && *q != '"' && *q != '\\') q++;
+    return q;
+}
+
+/* A string at ps->p ('"'): validated (escapes, UTF-8, no control characters); its raw contents in *sp. */
+static int scan_string(P *ps, Span *sp) {
+    const uchar *q = ps->p + 1, *e = ps->end;
+    char esc = 0;
+    for (;;) {
+        q = plain_run(q, e);
+        if (q >= e) return ST_NEED;
+        uchar c = *q;
+        if (c == '"') break;
+        if (c == '\\') {
+            esc = 1;
+            if (e - q < 2) return ST_NEED;
+            c = q[1];
+            if (c == 'u') {
+                unsigned cp, lo;
+                if (e - q < 6) return ST_NEED;
+                if (!hex4(q + 2, &cp)) return bad(ps, "bad \\u escape");
+                q += 6;
+                if (cp >= 0xDC00 && cp <= 0xDFFF) return bad(ps, "lone surrogate");
+                if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    if (e - q < 6) return ST_NEED;
+                    if (q[0] != '\\' || q[1] != 'u' || !hex4(q + 2, &lo) || lo < 0xDC00 || lo > 0xDFFF)
+                        return bad(ps, "lone surrogate");
+                    q += 6;
+                }
+            } else if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't') {
+                q += 2;
+            } else {
+                return bad(ps, "bad escape");
+            }
+            continue;
+        }
+        if (c < 0x20) return bad(ps, "control character in a string");
+        int n = utf8_len(q, e);
+        if (n < 0) return ST_NEED;
+        if (n == 0) return bad(ps, "invalid UTF-8");
+        q += n;
+    }
+    sp->s = ps->p + 1;
+    sp->n = q - sp->s;
+    sp->esc = esc;
+    sp->kind = K_STR;
+    ps->p = q + 1;
+    return ST_OK;
+}
+
+static void put_utf8(char *o, Py_ssize_t *k, unsigned cp) {
+    if (cp < 0x80) { o[(*k)++] = (char)cp; }
+    else if (cp < 0x800) { o[(*k)++] = (char)(0xC0 | (cp >> 6)); o[(*k)++] = (char)(0x80 | (cp & 0x3F)); }
+    else if (cp < 0x10000) {
+        o[(*k)++] = (char)(0xE0 | (cp >> 12)); o[(*k)++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        o[(*k)++] = (char)(0x80 | (cp & 0x3F));
+    } else {
+        o[(*k)++] = (char)(0xF0 | (cp >> 18)); o[(*k)++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        o[(*k)++] = (char)(0x80 | ((cp >> 6) & 0x3F)); o[(*k)++] = (char)(0x80 | (cp & 0x3F));
+    }
+}
+
+/* Append a validated string's decoded text to b (escapes resolved; never longer than the raw text). */
+static int put_text(Buf *b, const Span *sp) {
+    if (!sp->esc) return buf_put(b, sp->s, sp->n);
+    TRY(buf_reserve(b, sp->n));
+    char *o = b->d + b->len;
+    Py_ssize_t k = 0;
+    const uchar *q = sp->s, *e = sp->s + sp->n;
+    while (q < e) {
+        if (*q != '\\') { o[k++] = (char)*q++; continue; }
+        uchar c = q[1];
+        unsigned cp = 0, lo = 0;
+        switch (c) {
+        case 'b': o[k++] = '\b'; q += 2; break;
+        case 'f': o[k++] = '\f'; q += 2; break;
+        case 'n': o[k++] = '\n'; q += 2; break;
+        case 'r': o[k++] = '\r'; q += 2; break;
+        case 't': o[k++] = '\t'; q += 2; break;
+        case 'u':
+            hex4(q + 2, &cp);
+            q += 6;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                hex4(q + 2, &lo);
+                q += 6;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            }
+            put_utf8(o, &k, cp);
+            break;
+        default: o[k++] = (char)c; q += 2; break; /* " \ / */
+        }
+    }
+    b->len += k;
+    return ST_OK;
+}
+
+/* Decoded text of a span: the raw bytes when it has no escapes, else decoded into scratch. */
+static int text_of(const Span *sp, Buf *scratch, const char **s, Py_ssize_t *n) {
+    if (!sp->esc) { *s = (const char *)sp->s; *n = sp->n; return ST_OK; }
+    scratch->len = 0;
+    TRY(put_text(scratch, sp));
+    *s = scratch->d;
+    *n = scratch->len;
+    return ST_OK;
+}
+
+typedef struct { const uchar *s, *int_end, *e; char is_int; } Num;
+
+static inline int is_digit(uchar c) { return c >= '0' && c <= '9'; }
+
+static int scan_number(P *ps, Num *nm) {
+    const uchar *q = ps->p, *e = ps->end;
+    nm->s = q;
+    if (*q == '-') q++;
+    if (q >= e) return ST_NEED;
+    if (*q == '0') q++;
+    else if (*q >= '1' && *q <= '9') while (q < e && is_digit(*q)) q++;
+    else return bad(ps, "bad number");
+    nm->int_end = q;
+    nm->is_int = 1;
+    if (q >= e) return ST_NEED; /* a number inside an object or array is always followed by something */
+    if (*q == '.') {
+        nm->is_int = 0;
+        if (++q >= e) return ST_NEED;
+        if (!is_digit(*q)) return bad(ps, "bad number");
+        while (q < e && is_digit(*q)) q++;
+        if (q >= e) return ST_NEED;
+    }
+    if (*q == 'e' || *q == 'E') {
+        nm->is_int = 0;
+        if (++q >= e) return ST_NEED;
+        if (*q == '+' || *q == '-') if (++q >= e) return ST_NEED;
+        if (!is_digit(*q)) return bad(ps, "bad number");
+        while (q < e && is_digit(*q)) q++;
+        if (q >= e) return ST_NEED;
+    }
+    nm->e = q;
+    ps->p = q;
+    return ST_OK;
+}
+
+/* An integer literal's value; 0 when it does not fit an int64. */
+static int int_value(const Num *nm, int64_t *out) {
+    const uchar *q = nm->s;
+    int neg = *q == '-';
+    if (neg) q++;
+    uint64_t v = 0;
+    for (; q < nm->int_end; q++) {
+        if (v > (UINT64_MAX - 9) / 10) return 0;
+        v = v * 10 + (uint64_t)(*q - '0');
+    }
+    if (neg ? v > (uint64_t)INT64_MAX + 1 : v > (uint64_t)INT64_MAX) return 0;
+    *out = neg ? (int64_t)(0 - v) : (int64_t)v;
+    return 1;
+}
+
+/* Microseconds (a JSON number) → nanoseconds, as the general decoder computes them (kineto.py _ts_ns, _dur_ns):
+ * from the digits when there are at most three decimals (exact; float64 gives the same below 2**43 µs), and for
+ * a ts at or above 2**43 µs (its decimals beyond the third are dropped); else from the float64, rounding half to
+ * even like polars. Returns 0 (null) when the value does not fit. */
+#define FLOAT_EXACT_US 8796093022208.0 /* 2**43 */
+static int us_to_ns(const Num *nm, int is_ts, int64_t *out) {
+    const uchar *q = nm->s;
+    int neg = *q == '-';
+    if (neg) q++;
+    Py_ssize_t whole_digits = nm->int_end - q;
+    const uchar *f = nm->int_end, *exp = nm->int_end;
+    while (exp < nm->e && *exp != 'e' && *exp != 'E') exp++;
+    Py_ssize_t frac_digits = exp > f ? exp - f - 1 : 0;
+    if (exp == nm->e && whole_digits <= 16) {
+        int64_t whole = 0, frac = 0;
+        for (; q < nm->int_end; q++) whole = whole * 10 + (*q - '0');
+        int k = 0;
+        for (q = f + 1; q < exp && k < 3; q++, k++) frac = frac * 10 + (*q - '0');
+        for (; k < 3; k++) frac *= 10;
+        if ((frac_digits <= 3 && whole < (int64_t)FLOAT_EXACT_US) || (is_ts && whole >= (int64_t)FLOAT_EXACT_US)) {
+            if (whole >= 9000000000000000LL) return 0;
+            *out = neg ? -(whole * 1000 + frac) : whole * 1000 + frac;
+            return 1;
+        }
+    }
+    char tmp[64];
+    Py_ssize_t n = nm->e - nm->s;
+    if (n >= (Py_ssize_t)sizeof tmp) return 0;
+    memcpy(tmp, nm->s, (size_t)n);
+    tmp[n] = 0;
+    double x = strtod(tmp, NULL), y;
+    if (is_ts && fabs(x) < FLOAT_EXACT_US) {
+        double fl = floor(x);
+        *out = (int64_t)fl * 1000 + (int64_t)rint((x - fl) * 1000.0);
+        return 1;
+    }
+    if (!isfinite(x) || fabs(x) >= (is_ts ? 9.0e15 : 9.0e15)) return 0;
+    y = rint(x * 1000.0);
+    *out = (int64_t)y;
+    return 1;
+}
+
+static int literal(P *ps, const char *word, Py_ssize_t n) {
+    if (ps->end - ps->p < n) {
+        if (memcmp(ps->p, word, (size_t)(ps->end - ps->p))) return bad(ps, "bad literal");
+        return ST_NEED;
+    }
+    if (memcmp(ps->p, word, (size_t)n)) return bad(ps, "bad literal");
+    ps->p += n;
+    return ST_OK;
+}
+
+static int skip_value(P *ps, int depth);
+
+static int skip_container(P *ps, int depth) {
+    uchar close = *ps->p == '{' ? '}' : ']';
+    int obj = close == '}';
+    if (depth > MAX_DEPTH) return bad(ps, "nested too deeply");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p == close) { ps->p++; return ST_OK; }
+    for (;;) {
+        if (obj) {
+            Span k;
+            if (*ps->p != '"') return bad(ps, "expected a key");
+            TRY(scan_string(ps, &k));
+            ws(ps);
+            if (ps->p >= ps->end) return ST_NEED;
+            if (*ps->p != ':') return bad(ps, "expected ':'");
+            ps->p++;
+            ws(ps);
+            if (ps->p >= ps->end) return ST_NEED;
+        }
+        TRY(skip_value(ps, depth + 1));
+        ws(ps);
+        if (ps->p >= ps->end) return ST_NEED;
+        if (*ps->p == close) { ps->p++; return ST_OK; }
+        if (*ps->p != ',') return bad(ps, "expected ',' or a closing bracket");
+        ps->p++;
+        ws(ps);
+        if (ps->p >= ps->end) return ST_NEED;
+    }
+}
+
+/* ps->p is at a value (not whitespace, not the end). */
+static int skip_value(P *ps, int depth) {
+    Span sp;
+    Num nm;
+    switch (*ps->p) {
+    case '"': return scan_string(ps, &sp);
+    case '{': case '[': return skip_container(ps, depth);
+    case 't': return literal(ps, "true", 4);
+    case 'f': return literal(ps, "false", 5);
+    case 'n': return literal(ps, "null", 4);
+    default:
+        if (*ps->p == '-' || is_digit(*ps->p)) return scan_number(ps, &nm);
+        return bad(ps, "unexpected character");
+    }
+}
+
+/* --- one event ---------------------------------------------------------------------------------------------- */
+/* An args value of the expected type, or an "odd" one (a string or float where an int is expected, a number where
+ * a string is): its raw JSON is handed to Python, which converts it exactly as the general decoder does. */
+typedef struct { int64_t v; char ok; const uchar *odd_s, *odd_e; } IntV;
+
+enum { A_CORR, A_EXT, A_DEVICE, A_STREAM, A_TOTAL, A_BYTES, A_DEVID, A_NELEMS, A_SRC, A_DST, N_AINT };
+enum { S_COLL, S_DTYPE, S_PGN, S_PGD, N_ASTR };
+enum { R_CONCRETE, R_DIMS, R_TYPES, N_RAW };
+
+typedef struct {
+    Span ph, name, cat, pid, tid;
+    IntV ts, dur;
+    IntV a[N_AINT];
+    Span s[N_ASTR];
+    const uchar *raw_s[N_RAW], *raw_e[N_RAW];
+} Ev;
+
+/* The args keys read, by slot: ints, then strings (ARG_STR + i), then raw values (ARG_RAW + i). */
+enum { ARG_STR = 32, ARG_RAW = 64 };
+#define ARG(key, slot) {key, sizeof key - 1, slot}
+static const struct { const char *key; Py_ssize_t len; int slot; } ARG_KEYS[] = {
+    ARG("correlation", A_CORR), ARG("External id", A_EXT), ARG("device", A_DEVICE), ARG("stream", A_STREAM),
+    ARG("Total Allocated", A_TOTAL), ARG("Bytes", A_BYTES), ARG("Device Id", A_DEVID),
+    ARG("In msg nelems", A_NELEMS), ARG("Src Rank", A_SRC), ARG("Dst Rank", A_DST),
+    ARG("Collective name", ARG_STR + S_COLL), ARG("dtype", ARG_STR + S_DTYPE),
+    ARG("Process Group Name", ARG_STR + S_PGN), ARG("Process Group Description", ARG_STR + S_PGD),
+    ARG("Concrete Inputs", ARG_RAW + R_CONCRETE), ARG("Input Dims", ARG_RAW + R_DIMS),
+    ARG("Input type", ARG_RAW + R_TYPES),
+};
+
+static int arg_slot(const char *k, Py_ssize_t n) { /* -1: a key ingest does not read */
+    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++)
+        if (ARG_KEYS[i].len == n && k[0] == ARG_KEYS[i].key[0] && !memcmp(k, ARG_KEYS[i].key, (size_t)n))
+            return ARG_KEYS[i].slot;
+    return -1;
+}
+
+/* A key at ps->p, decoded into scratch; then the ':' and whitespace after it. */
+static int scan_key(P *ps, Buf *scratch, const char **s, Py_ssize_t *n) {
+    Span k;
+    if (*ps->p != '"') return bad(ps, "expected a key");
+    TRY(scan_string(ps, &k));
+    TRY(text_of(&k, scratch, s, n));
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p != ':') return bad(ps, "expected ':'");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    return ST_OK;
+}
+
+static inline int is_key(const char *s, Py_ssize_t n, const char *key) {
+    return (Py_ssize_t)strlen(key) == n && memcmp(s, key, (size_t)n) == 0;
+}
+
+/* Then ',' (→ loop again) or the closing brace (→ *done). */
+static int next_member(P *ps, int *done) {
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p == '}') { ps->p++; *done = 1; return ST_OK; }
+    if (*ps->p != ',') return bad(ps, "expected ',' or '}'");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    return ST_OK;
+}
+
+static int int_field(P *ps, IntV *out) {
+    Num nm;
+    Span sp;
+    out->ok = 0;
+    out->odd_s = NULL;
+    if (*ps->p == 'n') return literal(ps, "null", 4);
+    if (*ps->p == '"') {
+        out->odd_s = ps->p;
+        TRY(scan_string(ps, &sp));
+        out->odd_e = ps->p;
+        return ST_OK;
+    }
+    if (*ps->p != '-' && !is_digit(*ps->p)) return bad(ps, "an args value of another type than number or string");
+    TRY(scan_number(ps, &nm));
+    if (nm.is_int && int_value(&nm, &out->v)) {
+        out->ok = 1;
+    } else {
+        out->odd_s = nm.s;
+        out->odd_e = nm.e;
+    }
+    return ST_OK;
+}
+
+static int str_field(P *ps, Span *out, int null_ok) {
+    if (*ps->p == 'n' && null_ok) { TRY(literal(ps, "null", 4)); out->kind = K_NULL; return ST_OK; }
+    if (*ps->p != '"') return bad(ps, "a field of another type than string");
+    return scan_string(ps, out);
+}
+
+static int args_str_field(P *ps, Span *out) { /* a string, or a number (odd) */
+    Num nm;
+    if (*ps->p == '-' || is_digit(*ps->p)) {
+        TRY(scan_number(ps, &nm));
+        out->s = nm.s;
+        out->n = nm.e - nm.s;
+        out->esc = 0;
+        out->kind = K_ODD;
+        return ST_OK;
+    }
+    return str_field(ps, out, 1);
+}
+
+static int time_field(P *ps, IntV *out, int is_ts) {
+    Num nm;
+    if (*ps->p == 'n') { TRY(literal(ps, "null", 4)); out->ok = 0; return ST_OK; }
+    if (*ps->p != '-' && !is_digit(*ps->p)) return bad(ps, "ts or dur of another type than number");
+    TRY(scan_number(ps, &nm));
+    out->ok = (char)us_to_ns(&nm, is_ts, &out->v);
+    return ST_OK;
+}
+
+static int id_field(P *ps, Span *out) { /* pid, tid: int (kept as its digits), string or null */
+    Num nm;
+    if (*ps->p == '-' || is_digit(*ps->p)) {
+        TRY(scan_number(ps, &nm));
+        if (!nm.is_int) return bad(ps, "pid or tid of another type than int or string");
+        out->s = nm.s;
+        out->n = nm.e - nm.s;
+        out->esc = 0;
+        out->kind = K_INT;
+        return ST_OK;
+    }
+    return str_field(ps, out, 1);
+}
+
+static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
+    int done = 0;
+    if (*ps->p != '{') return bad(ps, "args is not an object");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p == '}') { ps->p++; return ST_OK; }
+    while (!done) {
+        const char *k;
+        Py_ssize_t kn;
+        TRY(scan_key(ps, scratch, &k, &kn));
+        int slot = arg_slot(k, kn);
+        if (slot < 0) {
+            TRY(skip_value(ps, depth + 1));
+        } else if (slot < ARG_STR) {
+            TRY(int_field(ps, &ev->a[slot]));
+        } else if (slot < ARG_RAW) {
+            TRY(args_str_field(ps, &ev->s[slot - ARG_STR]));
+        } else {
+            ev->raw_s[slot - ARG_RAW] = ps->p;
+            TRY(skip_value(ps, depth + 1));
+            ev->raw_e[slot - ARG_RAW] = ps->p;
+        }
+        TRY(next_member(ps, &done));
+    }
+    return ST_OK;
+}
+
+static int parse_event(P *ps, Ev *ev, Buf *scratch) {
+    int done = 0;
+    memset(ev, 0, sizeof *ev);
+    if (*ps->p != '{') return bad(ps, "an event that is not an object");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p == '}') { ps->p++; return ST_OK; }
+    while (!done) {
+        const char *k;
+        Py_ssize_t kn;
+        TRY(scan_key(ps, scratch, &k, &kn));
+        switch (kn) {
+        case 2:
+            if (!memcmp(k, "ph", 2)) { TRY(str_field(ps, &ev->ph, 0)); break; }
+            if (!memcmp(k, "ts", 2)) { TRY(time_field(ps, &ev->ts, 1)); break; }
+            TRY(skip_value(ps, 1));
+            break;
+        case 3:
+            if (!memcmp(k, "cat", 3)) { TRY(str_field(ps, &ev->cat, 1)); break; }
+            if (!memcmp(k, "pid", 3)) { TRY(id_field(ps, &ev->pid)); break; }
+            if (!memcmp(k, "tid", 3)) { TRY(id_field(ps, &ev->tid)); break; }
+            if (!memcmp(k, "dur", 3)) { TRY(time_field(ps, &ev->dur, 0)); break; }
+            TRY(skip_value(ps, 1));
+            break;
+        case 4:
+            if (!memcmp(k, "name", 4)) { TRY(str_field(ps, &ev->name, 0)); break; }
+            if (!memcmp(k, "args", 4)) { TRY(parse_args(ps, ev, scratch, 1)); break; }
+            TRY(skip_value(ps, 1));
+            break;
+        default:
+            TRY(skip_value(ps, 1));
+        }
+        TRY(next_member(ps, &done));
+    }
+    return ST_OK;
+}
+
+/* --- emitting rows -------------------------------------------------------------------------------------------- */
+enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, X_DEVICE, X_STREAM, X_COLL, X_NELEMS, X_DTYPE,
+       X_SRC, X_DST, X_PGN, X_PGD, X_CONCRETE, X_DIMS, X_TYPES, N_X };
+static const char X_IS_STR[N_X] = {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1};
+enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
+
+typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd; /* table 0: X, 1: memory */
+typedef struct { Col x[N_X]; Col m[N_M]; Buf scratch, scratch2, odd; } Out;
+
+static inline int put_int(Out *o, int table, int col, const IntV *v) {
+    Col *c = table ? &o->m[col] : &o->x[col];
+    if (v->odd_s) {
+        Odd d = {table, col, c->n, v->odd_s, v->odd_e};
+        TRY(buf_put(&o->odd, &d, sizeof d));
+    }
+    return col_int(c, v->v, v->ok);
+}
+
+static int put_span(Col *c, const Span *sp) {
+    if (sp->kind == K_STR || sp->kind == K_INT) {
+        TRY(put_text(&c->data, sp));
+        return col_str_end(c, 1);
+    }
+    return col_str_end(c, 0);
+}
+
+static int put_raw(Col *c, const uchar *s, const uchar *e, int keep) {
+    if (keep && s) {
+        TRY(buf_put(&c->data, s, e - s));
+        return col_str_end(c, 1);
+    }
+    return col_str_end(c, 0);
+}
+
+static int emit(Out *o, const Ev *ev) {
+    const char *ph = "", *name = "";
+    Py_ssize_t phn = 0, namen = 0;
+    if (ev->ph.kind == K_STR) TRY(text_of(&ev->ph, &o->scratch, &ph, &phn));
+    if (phn != 1 || (ph[0] != 'X' && ph[0] != 'i')) return ST_OK;
+    if (ev->name.kind == K_STR) TRY(text_of(&ev->name, &o->scratch2, &name, &namen));
+    if (ph[0] == 'i') {
+        if (!is_key(name, namen, "[memory]")) return ST_OK;
+        TRY(col_int(&o->m[M_TS], ev->ts.v, ev->ts.ok));
+        TRY(put_int(o, 1, M_TOTAL, &ev->a[A_TOTAL]));
+        TRY(put_int(o, 1, M_BYTES, &ev->a[A_BYTES]));
+        return put_int(o, 1, M_DEVID, &ev->a[A_DEVID]);
+    }
+    Col *x = o->x;
+    TRY(buf_put(&x[X_NAME].data, name, namen));
+    TRY(col_str_end(&x[X_NAME], 1));
+    TRY(put_span(&x[X_CAT], &ev->cat));
+    TRY(put_span(&x[X_PID], &ev->pid));
+    TRY(put_span(&x[X_TID], &ev->tid));
+    TRY(col_int(&x[X_TS], ev->ts.v, ev->ts.ok));
+    TRY(col_int(&x[X_DUR], ev->dur.v, ev->dur.ok));
+    static const int ints[][2] = {{X_CORR, A_CORR}, {X_EXT, A_EXT}, {X_DEVICE, A_DEVICE}, {X_STREAM, A_STREAM},
+                                  {X_NELEMS, A_NELEMS}, {X_SRC, A_SRC}, {X_DST, A_DST}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) TRY(put_int(o, 0, ints[i][0], &ev->a[ints[i][1]]));
+    static const int strs[][2] = {{X_COLL, S_COLL}, {X_DTYPE, S_DTYPE}, {X_PGN, S_PGN}, {X_PGD, S_PGD}};
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+        const Span *sp = &ev->s[strs[i][1]];
+        Col *c = &x[strs[i][0]];
+        if (sp->kind == K_ODD) {
+            Odd d = {0, strs[i][0], c->n, sp->s, sp->s + sp->n};
+            TRY(buf_put(&o->odd, &d, sizeof d));
+            TRY(col_str_end(c, 0));
+        } else {
+            TRY(put_span(c, sp));
+        }
+    }
+    /* record_shapes lists: kept (as JSON text) only for the gloo P2P events whose peers and sizes ingest reads */
+    int shaped = is_key(name, namen, "c10d::send") || is_key(name, namen, "c10d::recv_") ||
+                 (namen >= 5 && !memcmp(name, "gloo:", 5));
+    for (int i = 0; i < N_RAW; i++) TRY(put_raw(&x[X_CONCRETE + i], ev->raw_s[i], ev->raw_e[i], shaped));
+    return ST_OK;
+}
+
+static int out_init(Out *o) {
+    memset(o, 0, sizeof *o);
+    int64_t zero = 0;
+    for (int i = 0; i < N_X; i++) {
+        o->x[i].is_str = X_IS_STR[i];
+        if (X_IS_STR[i]) TRY(buf_put(&o->x[i].offs, &zero, 8));
+    }
+    return ST_OK;
+}
+
+static void out_free(Out *o) {
+    for (int i = 0; i < N_X; i++) col_free(&o->x[i]);
+    for (int i = 0; i < N_M; i++) col_free(&o->m[i]);
+    free(o->scratch.d);
+    free(o->scratch2.d);
+    free(o->odd.d);
+}
+
+static PyObject *odd_result(Out *o) {
+    Py_ssize_t n = o->odd.len / (Py_ssize_t)sizeof(Odd);
+    PyObject *list = PyList_New(n);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Odd *d = (Odd *)o->odd.d + i;
+        PyObject *t = Py_BuildValue("(iiny#)", d->table, d->col, (Py_ssize_t)d->row, d->s, (Py_ssize_t)(d->e - d->s));
+        if (!t) { Py_DECREF(list); return NULL; }
+        PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
+static PyObject *cols_result(Col *cols, int n) {
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *c = col_result(&cols[i]);
+        if (!c) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, c);
+    }
+    return t;
+}
+
+/* --- the two entry points ------------------------------------------------------------------------------------- */
+static PyObject *fail(int st, P *ps) {
+    if (st == ST_NOMEM) return PyErr_NoMemory();
+    if (st == ST_NEED) /* only reported when final: the buffer ends inside a value */
+        PyErr_Format(Unsupported, "truncated at byte %zd", (Py_ssize_t)(ps->p - ps->base));
+    else
+        PyErr_Format(Unsupported, "%s at byte %zd", ps->why ? ps->why : "invalid JSON", (Py_ssize_t)(ps->p - ps->base));
+    return NULL;
+}
+
+static int check_pos(Py_buffer *view, Py_ssize_t pos) {
+    if (pos < 0 || pos > view->len) {
+        PyErr_SetString(PyExc_ValueError, "pos outside the buffer");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *scan_top(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos;
+    int opening, final;
+    if (!PyArg_ParseTuple(args, "y*npp", &view, &pos, &opening, &final)) return NULL;
+    PyObject *keys = NULL, *result = NULL;
+    Buf scratch = {0};
+    if (!check_pos(&view, pos)) goto done;
+    keys = PyList_New(0);
+    if (!keys) goto done;
+    P ps = {view.buf, (const uchar *)view.buf + pos, (const uchar *)view.buf + view.len, NULL};
+    int st = ST_OK, status = R_END;
+    ws(&ps);
+    if (ps.p >= ps.end) { st = ST_NEED; goto check; }
+    if (opening) {
+        if (*ps.p != '{') { st = bad(&ps, "not a JSON object"); goto check; }
+        ps.p++;
+        ws(&ps);
+        if (ps.p >= ps.end) { st = ST_NEED; goto check; }
+        if (*ps.p == '}') { ps.p++; goto check; }
+    } else {
+        int done = 0;
+        if ((st = next_member(&ps, &done)) || done) goto check;
+    }
+    for (;;) {
+        const char *k;
+        Py_ssize_t kn;
+        int done = 0;
+        if ((st = scan_key(&ps, &scratch, &k, &kn))) goto check;
+        if (is_key(k, kn, "traceEvents") && *ps.p == '[') {
+            ps.p++;
+            status = R_EVENTS;
+            goto check;
+        }
+        const uchar *vs = ps.p;
+        if ((st = skip_value(&ps, 1))) goto check;
+        PyObject *item = Py_BuildValue("(s#nn)", k, kn, (Py_ssize_t)(vs - ps.base), (Py_ssize_t)(ps.p - ps.base));
+        if (!item) goto done;
+        int rc = PyList_Append(keys, item);
+        Py_DECREF(item);
+        if (rc) goto done;
+        if ((st = next_member(&ps, &done))) goto check;
+        if (done) break;
+    }
+check:
+    if (st == ST_NEED && !final) {
+        result = Py_BuildValue("(inO)", R_NEED, pos, keys);
+    } else if (st) {
+        fail(st, &ps);
+    } else {
+        result = Py_BuildValue("(inO)", status, (Py_ssize_t)(ps.p - ps.base), keys);
+    }
+done:
+    Py_XDECREF(keys);
+    free(scratch.d);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *scan_events(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, max_bytes;
+    int first, final;
+    if (!PyArg_ParseTuple(args, "y*npnp", &view, &pos, &first, &max_bytes, &final)) return NULL;
+    if (!check_pos(&view, pos)) { PyBuffer_Release(&view); return NULL; }
+    Out o;
+    PyObject *result = NULL;
+    P ps = {view.buf, (const uchar *)view.buf + pos, (const uchar *)view.buf + view.len, NULL};
+    const uchar *start = ps.p, *elem = ps.p;
+    int st = out_init(&o), status = R_MORE;
+    Py_ssize_t n_events = 0;
+    Ev ev;
+    Py_BEGIN_ALLOW_THREADS
+    while (!st) {
+        elem = ps.p;
+        ws(&ps);
+        if (ps.p >= ps.end) { st = ST_NEED; break; }
+        if (*ps.p == ']') {
+            if (!first) { st = bad(&ps, "a trailing ',' in traceEvents"); break; }
+            ps.p++;
+            status = R_END;
+            break;
+        }
+        if ((st = parse_event(&ps, &ev, &o.scratch))) break;
+        ws(&ps);
+        if (ps.p >= ps.end) { st = ST_NEED; break; }
+        int last = *ps.p == ']';
+        if (!last && *ps.p != ',') { st = bad(&ps, "expected ',' or ']' after an event"); break; }
+        ps.p++;
+        if ((st = emit(&o, &ev))) break;
+        n_events++;
+        first = 0;
+        if (last) { status = R_END; break; }
+        if (ps.p - start >= max_bytes) break;
+    }
+    Py_END_ALLOW_THREADS
+    if (st == ST_NEED && !final) {
+        st = ST_OK;
+        status = R_NEED;
+        ps.p = elem;
+    }
+    if (st) {
+        fail(st, &ps);
+    } else {
+        PyObject *x = cols_result(o.x, N_X), *m = x ? cols_result(o.m, N_M) : NULL, *odd = m ? odd_result(&o) : NULL;
+        if (x && m && odd)
+            result = Py_BuildValue("(inONNNn)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
+                                   m, odd, n_events);
+        else {
+            Py_XDECREF(x);
+            Py_XDECREF(m);
+        }
+    }
+    out_free(&o);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"top", scan_top, METH_VARARGS, "top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])"},
+    {"events", scan_events, METH_VARARGS,
+     "events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native columnar scanner for Kineto traces.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__scan(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Unsupported = PyErr_NewException("traceana.ingest._scan.Unsupported", PyExc_ValueError, NULL);
+    if (!Unsupported || PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0) return NULL;
+    static const struct { const char *name; int v; } consts[] = {
+        {"MORE", R_MORE}, {"END", R_END}, {"NEED", R_NEED}, {"EVENTS", R_EVENTS}};
+    for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)
+        if (PyModule_AddIntConstant(m, consts[i].name, consts[i].v) < 0) return NULL;
+    return m;
+}
