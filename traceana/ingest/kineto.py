@@ -47,13 +47,11 @@ try:  # the optional native scanner (traceana/ingest/_scan.c); without it the ge
 except ImportError:  # pragma: no cover - built without a C compiler
     _scan = None  # type: ignore[assignment]
 
-try:  # isal is ~1.6x faster than zlib at gunzip (FIELD-NOTES.md); zlib keeps us working without it.
-    from isal import isal_zlib as _zlib
+# isal (a core dependency) gunzips ~1.6x faster than zlib (FIELD-NOTES.md).
+from isal import igzip_threaded
+from isal import isal_zlib as _zlib
 
-    _ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
-except ImportError:  # pragma: no cover - isal is a core dependency
-    _zlib = zlib
-    _ZLIB_ERRORS = (zlib.error,)
+_ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
 
 GZIP_MAGIC = b"\x1f\x8b"
 EPOCH_US = 1e14  # ts above this (µs) is already an epoch wall clock (1e14 µs ≈ 3 years after 1970)
@@ -674,6 +672,11 @@ _NATIVE_MEM = ("ts_rel", "allocated_bytes", "delta_bytes", "device")
 _META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "traceana")
 
 
+def native_available() -> bool:
+    """Whether the native scanner was built (it needs a C compiler at install time)."""
+    return _scan is not None
+
+
 class _NotNative(Exception):
     """A file the native scanner leaves to the general decoder (which also says what is wrong with it, if anything)."""
 
@@ -712,52 +715,55 @@ def _with_odd(frame: pl.DataFrame, odd: list, table: int) -> pl.DataFrame:
 
 
 class _Reader:
-    """A trace file's bytes in pieces of about READ_PIECE, gunzipped on the fly, behind a sliding window."""
+    """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
+
+    ``buf`` is a view of the window; ``extend(keep_from)`` moves the bytes from ``keep_from`` on (at most one event
+    cut by the window's end) to its start and fills the rest. One buffer is reused throughout: the whole file is
+    never in memory, and no fresh memory is touched per piece.
+    """
 
     def __init__(self, path: Path) -> None:
         self.fh = _open(path)
         self.size = os.fstat(self.fh.fileno()).st_size
-        self.gz = self.fh.read(2) == GZIP_MAGIC
+        gz = self.fh.read(2) == GZIP_MAGIC
         self.fh.seek(0)
-        self.inflate = _zlib.decompressobj(16 + zlib.MAX_WBITS) if self.gz else None
-        self.pending = b""  # compressed input not yet gunzipped
-        self.buf = b""  # the window: decompressed bytes from some point of the stream on
+        self.src = igzip_threaded.open(self.fh, "rb", threads=1) if gz else self.fh
+        self.window = bytearray(READ_PIECE)
+        self.length = 0
+        self.buf = memoryview(self.window)[:0]
         self.n_bytes = 0  # decompressed bytes so far
         self.final = False  # the window reaches the end of the stream
 
-    def _piece(self) -> bytes:
-        if self.inflate is None:
-            return self.fh.read(READ_PIECE)
-        while True:
-            if not self.pending:
-                self.pending = self.fh.read(READ_PIECE // 4)
-            if not self.pending:
-                if not self.inflate.eof:
-                    raise _NotNative("gzip stream cut short")
-                return b""
-            if self.inflate.eof:  # data after the gzip member (another member, or junk)
-                raise _NotNative("more than one gzip member")
-            out = self.inflate.decompress(self.pending, READ_PIECE)
-            self.pending = self.inflate.unconsumed_tail or self.inflate.unused_data
-            if out:
-                return out
-
     def extend(self, keep_from: int) -> int:
-        """Drop the window before ``keep_from``, append the next piece; returns where ``keep_from`` now is."""
-        piece = self._piece()
-        self.n_bytes += len(piece)
-        self.final = not piece
-        self.buf = self.buf[keep_from:] + piece
+        """Keep the window from ``keep_from`` on and read more after it; returns where ``keep_from`` now is (0)."""
+        self.buf.release()
+        kept = self.length - keep_from
+        if kept >= len(self.window) // 2:  # one event larger than half the window: make room
+            self.window.extend(bytes(len(self.window)))
+        self.window[:kept] = self.window[keep_from:self.length]
+        view = memoryview(self.window)
+        n = self.src.readinto(view[kept:])
+        view.release()
+        self.n_bytes += n
+        self.final = n == 0
+        self.length = kept + n
+        self.buf = memoryview(self.window)[: self.length]
         return 0
 
     def done(self) -> int:
         return self.fh.tell()
 
+    def close(self) -> None:
+        self.buf.release()
+        if self.src is not self.fh:
+            self.src.close()
+        self.fh.close()
+
 
 def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], None] | None) -> tuple[dict, int]:
     """Decode a trace with the native scanner into ``batches``; returns (top-level raw values, JSON bytes)."""
     r = _Reader(path)
-    with r.fh:
+    try:
         r.extend(0)
         if not r.buf:
             raise _NotNative("empty file")
@@ -768,7 +774,7 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
             r.extend(0)  # grow the window: nothing is dropped before the array starts
         if status != _scan.EVENTS:
             raise _NotNative("no traceEvents array")
-        top = {k: r.buf[a:b] for k, a, b in keys}
+        top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
         first = True
         while True:
             status, pos, first, x_cols, mem_cols, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final)
@@ -787,13 +793,15 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
             pos = r.extend(pos)
         if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
             raise _NotNative("a second traceEvents")
-        top.update((k, r.buf[a:b]) for k, a, b in keys)
+        top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
         while True:  # only whitespace may follow
-            if r.buf[end:].strip(b" \t\r\n"):
+            if bytes(r.buf[end:]).strip(b" \t\r\n"):
                 raise _NotNative("data after the trace object")
             if r.final:
                 break
             end = r.extend(len(r.buf))
+    finally:
+        r.close()
     if on_progress is not None:
         on_progress(r.size, r.size)
     return top, r.n_bytes
@@ -826,8 +834,8 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
         try:
             top, n_bytes = _scan_file(path, batches, on_progress)
             return top, batches, [], False, n_bytes
-        except (_scan.Unsupported, _NotNative, OSError, *_ZLIB_ERRORS):
-            pass
+        except (_scan.Unsupported, _NotNative, OSError, EOFError, *_ZLIB_ERRORS):
+            pass  # e.g. a truncated gzip stream (EOFError): the general decoder recovers what it can
     buf, gz_truncated = read_bytes(path)
     n_bytes = len(buf)
     decoded, json_truncated = _decode_top(buf, path)

@@ -3,8 +3,9 @@
     run = load_run("runs/1f1b_pp4")            # parallel over ranks, Parquet cache under runs/1f1b_pp4/.traceana
     run.events, run.memory, run.traces, run.manifest, run.warnings
 
-Ranks are parsed in separate processes (all cores; serially when there is one file to parse) and the result does
-not depend on how: every rank's table is sorted the same way and ranks are concatenated in rank order.
+Ranks are parsed in parallel (all cores; serially when there is one file to parse): in threads when the native
+scanner is built (it runs without the GIL), else in separate processes. The result does not depend on how: every
+rank's table is sorted the same way and ranks are concatenated in rank order.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from traceana import names, schema
 from traceana.errors import BadInputError, RunDirError, TraceanaError
 from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
+from traceana.ingest import kineto
 from traceana.ingest.kineto import NotATraceError, is_trace_name, rank_from_filename, read_trace, shown
 from traceana.manifest import MANIFEST_NAME, Manifest
 
@@ -141,9 +143,11 @@ def _raise(payload: tuple[type, str, str | None, str | None]) -> None:
 def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> list[tuple[str, Any]]:
     if not files:
         return []
+    threads = kineto.native_available()
     if workers is None:
-        # Starting a worker costs ~1 s (a fresh interpreter importing polars): worth it only for big traces.
-        big = _raw_size_estimate(files) >= PARALLEL_MIN_BYTES
+        # Threads cost nothing to start. A worker process costs ~1 s (a fresh interpreter importing polars):
+        # worth it only for big traces.
+        big = threads or _raw_size_estimate(files) >= PARALLEL_MIN_BYTES
         workers = (os.cpu_count() or 1) if big else 1
     n_workers = min(max(workers, 1), len(files))
     with _Progress(progress, files) as bar:
@@ -157,7 +161,15 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
                 bar.file_done()
             return out
         results: dict[Path, Any] = {}
-        if _can_start_workers():
+        if threads:
+            # The native scanner, gunzip and polars run without the GIL: threads use every core with no worker to
+            # start and no tables to send between processes.
+            with cf.ThreadPoolExecutor(max_workers=n_workers) as pool:
+                futures = {pool.submit(_parse_serial, f, None): f for f in files}
+                for fut in cf.as_completed(futures):
+                    results[futures[fut]] = fut.result()
+                    bar.file_done()
+        elif _can_start_workers():
             try:
                 # forkserver, not fork: polars' thread pool does not survive a fork of a process that used it.
                 ctx = multiprocessing.get_context("forkserver")
