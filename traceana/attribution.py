@@ -42,18 +42,8 @@ def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
     over the backward it is nested in; ``other_compute`` when none contains it. ``window_start`` says which window
     (its ``start_ns``), so that GPU work can be traced back to the schedule row that launched it."""
     def containing(windows: pl.DataFrame) -> pl.DataFrame:
-        if windows.height == 0:
-            return pl.DataFrame({"phase": [None] * busy.height, "window_start": [None] * busy.height},
-                                schema={"phase": pl.String, "window_start": pl.Int64})
-        idx = busy.select("rank", "launch_ns").with_row_index("_i").sort("launch_ns")
-        inside = pl.col("launch_ns") < pl.col("end_ns")
-        return (
-            idx.join_asof(windows.sort("start_ns"), left_on="launch_ns", right_on="start_ns", by="rank",
-                          strategy="backward", check_sortedness=False)
-            .sort("_i")
-            .select(pl.when(inside).then(pl.col("phase")).alias("phase"),
-                    pl.when(inside).then(pl.col("start_ns")).alias("window_start"))
-        )
+        return iv.containing(busy, "launch_ns", windows, by="rank", columns=["phase", "start_ns"], start="start_ns",
+                             end="end_ns").rename({"start_ns": "window_start"})
 
     w = schedule.select("rank", "start_ns", "end_ns", "phase")
     outer = containing(w.filter(pl.col("phase") != "recompute"))

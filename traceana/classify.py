@@ -151,16 +151,8 @@ def bpipe_spans(events: pl.DataFrame) -> pl.DataFrame:
 def inside(points: pl.DataFrame, at: str, spans: pl.DataFrame, *, by: str = "rank") -> pl.Series:
     """Boolean per row of ``points``: is ``points[at]`` inside one of the (merged, non-overlapping) ``spans``?"""
     if spans.height == 0:
-        return pl.Series("inside", [False] * points.height, dtype=pl.Boolean)
-    idx = points.select(pl.col(by), pl.col(at).alias("_at")).with_row_index("_i")
-    hit = (
-        idx.filter(pl.col("_at").is_not_null())
-        .sort("_at")
-        .join_asof(spans.sort("start"), left_on="_at", right_on="start", by=by, strategy="backward",
-                   check_sortedness=False)
-        .select("_i", (pl.col("end").is_not_null() & (pl.col("_at") < pl.col("end"))).alias("inside"))
-    )
-    return idx.join(hit, on="_i", how="left").sort("_i")["inside"].cast(pl.Boolean).fill_null(False)
+        return pl.repeat(False, points.height, dtype=pl.Boolean, eager=True).alias("inside")
+    return iv.containing(points, at, spans, by=by, columns=["start"])["start"].is_not_null().alias("inside")
 
 
 def _mark_bpipe(ev: pl.DataFrame) -> pl.DataFrame:

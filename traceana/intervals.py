@@ -160,6 +160,45 @@ def clip(
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
 
 
+def _time_ordered(frame: pl.DataFrame, by: str, at: str) -> bool:
+    """Is ``frame`` sorted by ``(by, at)`` with no nulls? (Events come so from ingest: ranks in order, each by time.)"""
+    step = pl.col(by).diff()
+    ordered = (step > 0) | ((step == 0) & (pl.col(at).diff() >= 0))
+    return frame.height == 0 or bool(frame.select(
+        ordered.slice(1).all() & (pl.col(by).null_count() == 0) & (pl.col(at).null_count() == 0)).item())
+
+
+def containing(
+    points: pl.DataFrame,
+    at: str,
+    windows: pl.DataFrame,
+    *,
+    by: str,
+    columns: Sequence[str],
+    start: str = START,
+    end: str = END,
+) -> pl.DataFrame:
+    """``columns`` of the window (same ``by`` value) whose ``[start, end)`` holds ``points[at]``, for every row of
+    ``points`` in its order; null where none does. A group's windows must not overlap: the one starting last at or
+    before the point is the only candidate (an as-of join)."""
+    cols = list(columns)
+    if windows.height == 0:
+        return pl.DataFrame([pl.repeat(None, points.height, dtype=windows.schema[c], eager=True).alias(c)
+                             for c in cols])
+    w = windows.select(by, pl.col(start).alias("_ws"), pl.col(end).alias("_we"), *cols).sort("_ws")
+    left = points.select(by, pl.col(at).alias("_at"))
+    pick = [pl.when(pl.col("_at") < pl.col("_we")).then(pl.col(c)).alias(c) for c in cols]
+
+    def match(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.join_asof(w, left_on="_at", right_on="_ws", by=by, strategy="backward", check_sortedness=False)
+
+    if _time_ordered(left, by, "_at"):  # the as-of join needs time order within each group only: no sorting
+        return match(left).select(pick)
+    hit = match(left.with_row_index("_row").filter(pl.col("_at").is_not_null()).sort("_at")).select("_row", *pick)
+    return pl.DataFrame([pl.repeat(None, points.height, dtype=hit.schema[c], eager=True).alias(c)
+                         .scatter(hit["_row"], hit[c]) for c in cols])
+
+
 def partition(
     windows: pl.DataFrame,
     layers: Sequence[tuple[str, pl.DataFrame]],

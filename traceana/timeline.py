@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from traceana import intervals as iv
 from traceana import names
 from traceana.schema import STEPS, conform
 
@@ -59,13 +60,7 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
 
 def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame:
     """Add ``step``: the step window (of the same rank) containing the event's start; null outside all steps."""
-    w = step_table.select("rank", "step", "start_ns", "end_ns").sort("start_ns")
-    idx = events.select("rank", "ts_ns").with_row_index("_i").sort("ts_ns")
-    hit = (
-        idx.join_asof(w, left_on="ts_ns", right_on="start_ns", by="rank", strategy="backward", check_sortedness=False)
-        .select("_i", pl.when(pl.col("ts_ns") < pl.col("end_ns")).then(pl.col("step")).alias("step"))
-        .sort("_i")
-    )
+    hit = iv.containing(events, "ts_ns", step_table, by="rank", columns=["step"], start="start_ns", end="end_ns")
     return events.with_columns(hit["step"].cast(pl.Int32))
 
 
