@@ -951,20 +951,21 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         schema.MEMORY,
     )
 
+    # Until the filter below, "row" is also each event's position: facts are put in place by position.
     x = x.with_row_index("row").with_columns(
         ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
         dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
         rank=rank_lit,
+        is_gpu=pl.col("cat").is_in(_GPU_CAT_NAMES).fill_null(False),
+        pid=pl.col("pid").fill_null(""),
+        tid=pl.col("tid").fill_null(""),
     )
-    n_x = x.height
-    x = x.filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
-                 & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
-    dropped = n_x - x.height
-
-    is_gpu = pl.col("cat").is_in(_GPU_CAT_NAMES).fill_null(False)
-    stream_from_tid = pl.coalesce(pl.col("tid").cast(pl.Int64, strict=False),
-                                  pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
-    x = x.with_columns(is_gpu=is_gpu, pid=pl.col("pid").fill_null(""), tid=pl.col("tid").fill_null("")).with_columns(
+    stream_from_tid = pl.col("tid").cast(pl.Int64, strict=False)
+    if x.select((pl.col("is_gpu") & pl.col("arg_stream").is_null() & stream_from_tid.is_null()).any()).item():
+        # A GPU stream named in text ("stream 7"): only then is the regex worth running over the column.
+        stream_from_tid = pl.coalesce(stream_from_tid,
+                                      pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
+    x = x.with_columns(
         device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"), pl.col("pid").cast(pl.Int64, strict=False))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), stream_from_tid)),
     )
@@ -975,6 +976,10 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                         pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))),
     )
     x = _comms(x, batches, pg_config)
+    n_x = x.height
+    x = x.filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
+                 & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
+    dropped = n_x - x.height
     in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
               for c in ("device", "stream", "peer", "tag")]
     x = x.with_columns(*in_i32)
@@ -1007,14 +1012,15 @@ def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any) -> pl.DataFrame:
     ).drop("pg_name")
     shapes = pl.concat(batches.shapes) if batches.shapes else None
     if shapes is not None and shapes.height:
-        shaped = x.select("row", "name", "track", "ts_ns", "dur_ns").join(shapes, on="row", how="inner")
+        shaped = pl.concat([x.select("row", "name", "track", "ts_ns", "dur_ns")[shapes["row"]], shapes.drop("row")],
+                           how="horizontal").filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
         comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
     facts = {"peer": pl.Int64, "tag": pl.Int64, "nbytes": pl.Int64, "coll": pl.String, "pg": pl.String}
-    if comm.height == 0:
-        return x.with_columns(pl.lit(None, t).alias(c) for c, t in facts.items())
     comm = comm.select("row", *[(pl.col(c) if c in comm.columns else pl.lit(None)).cast(t).alias(c)
                                 for c, t in facts.items()])
-    return x.join(comm, on="row", how="left")
+    # Each event has at most one row of facts; x's "row" is its position (see _finish), so they are put in place.
+    return x.with_columns(pl.repeat(None, x.height, dtype=t, eager=True).scatter(comm["row"], comm[c]).alias(c)
+                          for c, t in facts.items())
 
 
 def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
