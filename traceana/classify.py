@@ -18,7 +18,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana import names
-from traceana.schema import Kind
+from traceana.schema import KINDS, Kind
 
 # Columns classify adds to schema.EVENTS.
 CLASSIFIED = {
@@ -31,9 +31,22 @@ CLASSIFIED = {
     "pp_microbatch": pl.Int32,
 }
 
-_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "hip_runtime", "runtime")
 _CPU_OP_CATS = ("cpu_op", "operator", "python_function")
+
+# Rules compare categories and names many times per event, so each is looked up once per event and the rules
+# compare small integers: a category becomes a class, a name the row of a table of rules evaluated once per
+# distinct name (a few hundred names in a million events).
+_KERNEL, _MEMCPY, _MEMSET, _RUNTIME, _ANNOTATION, _GPU_ANNOTATION, _CPU_OP, _OTHER_OP, _OTHER_CAT = range(9)
+_CAT_CLASS = {
+    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET, **dict.fromkeys(_RUNTIME_CATS, _RUNTIME),
+    "user_annotation": _ANNOTATION, "gpu_user_annotation": _GPU_ANNOTATION,
+    **dict.fromkeys(_CPU_OP_CATS, _OTHER_OP), "cpu_op": _CPU_OP,
+}
+_DIRS = ("send", "recv")  # comm_dir, coded as its index here
+_SEND, _RECV = range(2)
+_KINDS = pl.Series(KINDS, dtype=Kind)
+_K = {k: pl.lit(i, pl.UInt8) for i, k in enumerate(KINDS)}
 
 
 def _starts_with_any(col: pl.Expr, prefixes: tuple[str, ...]) -> pl.Expr:
@@ -43,100 +56,136 @@ def _starts_with_any(col: pl.Expr, prefixes: tuple[str, ...]) -> pl.Expr:
     return out
 
 
-def _cpu_comm_dir(name: pl.Expr, coll: pl.Expr) -> pl.Expr:
-    coll_l = coll.str.to_lowercase()
-    is_send = name.is_in([names.C10D_SEND, names.NCCL_SEND, names.GLOO_SEND]) | (
-        (name == names.RECORD_PARAM_COMMS) & coll_l.is_in(["send", "isend"])
-    )
-    is_recv = name.is_in([names.C10D_RECV, names.NCCL_RECV, names.GLOO_RECV]) | (
-        (name == names.RECORD_PARAM_COMMS) & coll_l.is_in(["recv", "irecv"])
-    )
-    return pl.when(is_send).then(pl.lit("send")).when(is_recv).then(pl.lit("recv"))
+def _dir_of(col: pl.Expr, sends: list[str], recvs: list[str]) -> pl.Expr:
+    return pl.when(col.is_in(sends)).then(pl.lit(_SEND, pl.UInt8)).when(col.is_in(recvs)).then(pl.lit(_RECV, pl.UInt8))
 
 
-def _lookup(frame: pl.DataFrame, table: pl.DataFrame, on: list[str]) -> list[pl.Series]:
-    """The columns of ``table`` (unique on ``on``) for every row of ``frame``, in ``frame``'s order (null: none)."""
-    out = frame.select(on).join(table, on=on, how="left", maintain_order="left").drop(on)
-    assert out.height == frame.height, "lookup table keys must be unique"
-    return out.get_columns()
+def _name_rules(distinct: pl.Series) -> pl.DataFrame:
+    """Every rule that reads only the event name, one row per distinct name."""
+    name = pl.col("name")
+    return pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
+        name.str.contains(names.STEP_PATTERN).alias("_step"),
+        _starts_with_any(name, names.NCCL_KERNEL_PREFIXES).alias("_nccl"),
+        _dir_of(name, [names.C10D_SEND, names.NCCL_SEND, names.GLOO_SEND],
+                [names.C10D_RECV, names.NCCL_RECV, names.GLOO_RECV]).alias("_name_dir"),
+        (name == names.RECORD_PARAM_COMMS).alias("_rpc"),
+        _starts_with_any(name, (names.C10D_PREFIX, names.GLOO_PREFIX, names.NCCL_OP_PREFIX)).alias("_comm_op"),
+        **names.pp_columns(name),
+    )
+
+
+def _spread(n: int, rows: pl.Series, values: pl.Series) -> pl.Series:
+    """A column of ``n`` rows holding ``values`` at ``rows`` and null elsewhere."""
+    return pl.repeat(None, n, dtype=values.dtype, eager=True).scatter(rows, values).alias(values.name)
+
+
+def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """What GPU work learns from the CPU side: ``(by_ext, by_corr)``, each keyed by ``_row`` (the GPU event's row).
+
+    ``by_ext``: the direction, peer, size and process group of the cpu op that launched it (same External id; the
+    first of each among that id's ops). ``by_corr``: ``_launch_ts``, the start of the runtime call that launched
+    it (same correlation id; the earliest). Only the few cpu ops that carry one of those facts are grouped, and
+    calls are matched by a sorted as-of join on the exact id rather than a hash join: on a GPU run both sides
+    hold a third of the events.
+    """
+    gpu = f.select("rank", "ext_id", "corr_id").with_row_index("_row").filter(f["is_gpu"])
+    facts = (
+        f.filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
+                 & pl.col("_cat").is_in([_CPU_OP, _ANNOTATION])
+                 & pl.any_horizontal(pl.col("_cpu_dir", "peer", "nbytes", "pg").is_not_null()))
+        .group_by("rank", "ext_id")
+        .agg(*(pl.col(c).drop_nulls().first().alias(f"_launch_{c.lstrip('_')}")
+               for c in ("_cpu_dir", "peer", "nbytes", "pg")))
+    )
+    by_ext = gpu.filter(pl.col("ext_id").is_in(facts["ext_id"].implode())).join(facts, on=["rank", "ext_id"])
+    calls = (
+        f.select("rank", pl.col("corr_id").alias("_call"), pl.col("ts_ns").alias("_launch_ts"))
+        .filter((f["_cat"] == _RUNTIME) & f["corr_id"].is_not_null() & (f["corr_id"] != 0))
+        .sort("_call", "_launch_ts")
+    )
+    by_corr = (
+        gpu.filter(pl.col("corr_id").is_not_null()).sort("corr_id")
+        .join_asof(calls, left_on="corr_id", right_on="_call", by="rank", strategy="forward",
+                   check_sortedness=False)
+        .filter(pl.col("_call") == pl.col("corr_id"))
+    )
+    return by_ext, by_corr
+
+
+def _update(column: pl.Series, rows: pl.Series, values: pl.Series) -> pl.Series:
+    """``column`` with ``values`` at ``rows``."""
+    return column.clone().scatter(rows, values)
 
 
 def classify(events: pl.DataFrame) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``)."""
-    name, cat = pl.col("name"), pl.col("cat")
-    is_nccl_kernel = (cat == "kernel") & _starts_with_any(name, names.NCCL_KERNEL_PREFIXES)
-    # Names repeat a lot: parse the PP: annotation names once per distinct name, not once per event.
-    pp = (
-        events.filter(~pl.col("is_gpu") & (cat == "user_annotation")).select("name").unique()
-        .with_columns(**names.pp_columns(name)).filter(pl.col("pp_action").is_not_null())
-        .with_columns(pl.lit(True).alias("_pp"))
-    )
-    # Lookups join a narrow frame of keys (order kept) and stack the looked-up columns beside the events: joining
-    # the whole table would gather every one of its columns again (measured: 2-3x slower on 450k events).
-    ev = (
-        events.hstack(_lookup(events, pp, ["name"]))
-        .with_columns(
-            _cpu_comm_dir(name, pl.col("coll")).alias("_cpu_dir"),
-            # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
-            *(pl.when(pl.col("_pp") & ~pl.col("is_gpu") & (cat == "user_annotation")).then(pl.col(k)).alias(k)
-              for k in ("pp_stage", "pp_action", "pp_microbatch")),
-        )
-        .drop("_pp")
-    )
-    # GPU work: the cpu op that launched it (same External id) and the launch call (same correlation id).
-    # Grouped without first narrowing to the ids GPU events carry: the lookup picks those, and a semi-join costs
-    # more than it saves (a GPU run launches nearly every id); a CPU-only run skips both.
-    any_gpu = bool(ev["is_gpu"].any())
-    cpu_by_ext = (
-        ev.filter(pl.lit(any_gpu) & ~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
-                  & cat.is_in(["cpu_op", "user_annotation"]))
-        .group_by("rank", "ext_id")
-        .agg(pl.col("_cpu_dir").drop_nulls().first().alias("_launch_dir"),
-             pl.col("coll").drop_nulls().first().alias("_launch_coll"),
-             pl.col("peer").drop_nulls().first().alias("_launch_peer"),
-             pl.col("nbytes").drop_nulls().first().alias("_launch_nbytes"),
-             pl.col("pg").drop_nulls().first().alias("_launch_pg"))
-    )
-    launches = (
-        ev.filter(pl.lit(any_gpu) & cat.is_in(_RUNTIME_CATS) & pl.col("corr_id").is_not_null()
-                  & (pl.col("corr_id") != 0))
-        .group_by("rank", "corr_id")
-        .agg(pl.col("ts_ns").min().alias("_launch_ts"))
-    )
-    ev = (
-        ev.hstack(_lookup(ev, cpu_by_ext, ["rank", "ext_id"]) + _lookup(ev, launches, ["rank", "corr_id"]))
-        .with_columns(
-            pl.when(pl.col("is_gpu")).then(pl.coalesce("peer", "_launch_peer")).otherwise("peer").alias("peer"),
-            pl.when(pl.col("is_gpu")).then(pl.coalesce("nbytes", "_launch_nbytes")).otherwise("nbytes")
-            .alias("nbytes"),
-            pl.when(pl.col("is_gpu")).then(pl.coalesce("pg", "_launch_pg")).otherwise("pg").alias("pg"),
-            pl.when(pl.col("is_gpu")).then(pl.coalesce("_launch_ts", "ts_ns")).otherwise("ts_ns")
-            .alias("launch_ns"),
-        )
-    )
-    gpu_dir = pl.when(is_nccl_kernel).then(pl.col("_launch_dir"))
-    comm_dir = pl.when(pl.col("is_gpu")).then(gpu_dir).otherwise(pl.col("_cpu_dir"))
-    is_cpu_coll = (~pl.col("is_gpu")) & pl.col("_cpu_dir").is_null() & (
-        _starts_with_any(name, (names.C10D_PREFIX, names.GLOO_PREFIX, names.NCCL_OP_PREFIX))
-        | (name == names.RECORD_PARAM_COMMS)
-    )
+    # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
+    # (the Parquet cache yields several).
+    events = events.rechunk()
+    n = events.height
+    distinct = events["name"].unique().drop_nulls()
+    code = events["name"].cast(pl.Enum(distinct)).to_physical()
+    table = _name_rules(distinct)
+    rules = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op").gather(code))
+    cat_class = events["cat"].replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8).alias("_cat")
+    # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
+    pp_code = pl.select(pl.when(~events["is_gpu"] & (cat_class == _ANNOTATION)).then(code)).to_series()
+    pp = table.select(pl.col("pp_stage", "pp_action", "pp_microbatch").gather(pp_code))
+    # record_param_comms is a P2P post when its collective name says so (few rows: looked at alone).
+    rpc_rows = rules["_rpc"].arg_true()
+    coll = events["coll"].gather(rpc_rows).str.to_lowercase()
+    rpc_dir = pl.select(_dir_of(pl.lit(coll), ["send", "isend"], ["recv", "irecv"])).to_series()
+    cpu_dir = rules["_name_dir"].fill_null(_spread(n, rpc_rows, rpc_dir)).alias("_cpu_dir")
+    f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
+                      cat_class, cpu_dir, *rules])
+    # GPU work: launched when its runtime call started; peer, size and group from its launching op where its own
+    # args lack them.
+    launch_ns, launch_dir = events["ts_ns"], pl.repeat(None, n, dtype=pl.UInt8, eager=True)
+    if bool(events["is_gpu"].any()):  # a CPU-only run launches nothing
+        by_ext, by_corr = _launches(f)
+        launch_ns = _update(launch_ns, by_corr["_row"], by_corr["_launch_ts"])
+        launch_dir = _update(launch_dir, by_ext["_row"], by_ext["_launch_cpu_dir"])
+        rows = by_ext["_row"]
+        f = f.with_columns(_update(f[c], rows, f[c].gather(rows).fill_null(by_ext[f"_launch_{c}"]))
+                           for c in ("peer", "nbytes", "pg"))
+    f = f.with_columns(launch_ns.alias("launch_ns"), launch_dir.alias("_launch_dir"))
+    is_gpu, cat = pl.col("is_gpu"), pl.col("_cat")
+    nccl_kernel = (cat == _KERNEL) & pl.col("_nccl")
+    comm_dir = pl.when(is_gpu).then(pl.when(nccl_kernel).then(pl.col("_launch_dir"))).otherwise("_cpu_dir")
+    is_cpu_coll = ~is_gpu & pl.col("_cpu_dir").is_null() & (pl.col("_comm_op") | pl.col("_rpc"))
     kind = (
-        pl.when(~pl.col("is_gpu") & name.str.contains(names.STEP_PATTERN)).then(pl.lit("step"))
-        .when(comm_dir == "send").then(pl.lit("p2p_send"))
-        .when(comm_dir == "recv").then(pl.lit("p2p_recv"))
-        .when(is_nccl_kernel | is_cpu_coll).then(pl.lit("collective"))
-        .when(cat == "kernel").then(pl.lit("compute"))
-        .when(cat == "gpu_memcpy").then(pl.lit("memcpy"))
-        .when(cat == "gpu_memset").then(pl.lit("memset"))
-        .when(cat.is_in(_RUNTIME_CATS)).then(pl.lit("runtime"))
-        .when(cat.is_in(["user_annotation", "gpu_user_annotation"])).then(pl.lit("annotation"))
-        .when(cat.is_in(_CPU_OP_CATS)).then(pl.lit("compute"))
-        .otherwise(pl.lit("other"))
+        pl.when(~is_gpu & pl.col("_step")).then(_K["step"])
+        .when(pl.col("_dir") == _SEND).then(_K["p2p_send"])
+        .when(pl.col("_dir") == _RECV).then(_K["p2p_recv"])
+        .when(nccl_kernel | is_cpu_coll).then(_K["collective"])
+        .when(cat == _KERNEL).then(_K["compute"])
+        .when(cat == _MEMCPY).then(_K["memcpy"])
+        .when(cat == _MEMSET).then(_K["memset"])
+        .when(cat == _RUNTIME).then(_K["runtime"])
+        .when(cat.is_in([_ANNOTATION, _GPU_ANNOTATION])).then(_K["annotation"])
+        .when(cat.is_in([_CPU_OP, _OTHER_OP])).then(_K["compute"])
+        .otherwise(_K["other"])
     )
-    ev = ev.with_columns(kind.cast(Kind).alias("kind"), comm_dir.alias("comm_dir"))
-    ev = _mark_bpipe(ev)
-    return ev.drop("_cpu_dir", "_launch_dir", "_launch_coll", "_launch_peer", "_launch_nbytes", "_launch_pg",
-                   "_launch_ts")
+    f = f.with_columns(comm_dir.alias("_dir")).with_columns(kind.alias("_kind"))
+    # BPipe: communication and compute inside its annotated spans or on its process group.
+    annotated = pl.DataFrame([events["rank"], events["ts_ns"], events["dur_ns"], pp["pp_action"]])
+    spans = bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null()))
+    in_span = inside(f, "launch_ns", spans)
+    on_group = pl.col("pg").is_not_null() & pl.col("pg").str.contains(names.BPIPE_GROUP_DESC, literal=True)
+    movable = pl.col("_kind").is_in([KINDS.index(k) for k in ("p2p_send", "p2p_recv", "compute", "memcpy",
+                                                                "collective")])
+    is_bpipe = (pl.lit(in_span) | on_group) & movable
+    out = f.select(
+        "peer", "nbytes", "pg", "launch_ns",
+        pl.lit(_KINDS).gather(pl.when(is_bpipe).then(_K["bpipe_transfer"]).otherwise("_kind")).alias("kind"),
+        pl.lit(pl.Series(_DIRS)).gather("_dir").alias("comm_dir"),
+        pl.lit(pl.Series(["p2p", "bpipe"])).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8)))
+        .alias("channel"),
+    )
+    return pl.DataFrame([
+        *(out[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
+        *pp, *out.select("launch_ns", "kind", "comm_dir", "channel"),
+    ])
 
 
 def bpipe_spans(events: pl.DataFrame) -> pl.DataFrame:
@@ -153,16 +202,3 @@ def inside(points: pl.DataFrame, at: str, spans: pl.DataFrame, *, by: str = "ran
     if spans.height == 0:
         return pl.repeat(False, points.height, dtype=pl.Boolean, eager=True).alias("inside")
     return iv.containing(points, at, spans, by=by, columns=["start"])["start"].is_not_null().alias("inside")
-
-
-def _mark_bpipe(ev: pl.DataFrame) -> pl.DataFrame:
-    spans = bpipe_spans(ev)
-    on_group = pl.col("pg").is_not_null() & pl.col("pg").str.contains(names.BPIPE_GROUP_DESC, literal=True)
-    in_span = inside(ev, "launch_ns", spans)
-    movable = pl.col("kind").is_in(["p2p_send", "p2p_recv", "compute", "memcpy", "collective"])
-    is_bpipe = (pl.lit(in_span) | on_group) & movable
-    return ev.with_columns(
-        pl.when(is_bpipe).then(pl.lit("bpipe_transfer").cast(Kind)).otherwise("kind").alias("kind"),
-        pl.when(pl.col("comm_dir").is_null()).then(None)
-        .when(is_bpipe).then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"),
-    )
