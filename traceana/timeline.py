@@ -66,7 +66,7 @@ def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame
 
 def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
     """``rank, track``: the CPU thread driving training — the one holding ProfilerStep spans, else the busiest."""
-    cpu = events.filter(~pl.col("is_gpu"))
+    cpu = events.lazy().select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~pl.col("is_gpu"))
     by_steps = (
         cpu.filter(pl.col("kind") == "step").group_by("rank", "track").agg(pl.len().alias("n"))
         .sort("rank", "n", "track", descending=[False, True, False]).unique("rank", keep="first")
@@ -77,25 +77,27 @@ def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
         .sort("rank", "n", "track", descending=[False, True, False]).unique("rank", keep="first")
         .select("rank", "track")
     )
-    return pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank")
+    return pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank").collect()
+
+
+_GPU_BUSY = pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"])
 
 
 def gpu_ranks(events: pl.DataFrame) -> pl.DataFrame:
     """``rank``s whose traces hold GPU kernels: their busy timeline is the GPU's."""
-    return events.filter(pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"])).select(
-        "rank").unique().sort("rank")
+    return events.select(pl.col("rank").filter(_GPU_BUSY).unique().sort())
 
 
 def busy_events(events: pl.DataFrame) -> pl.DataFrame:
-    """The events that make a rank busy (see module doc), with ``start``/``end`` columns and ``launch_ns``."""
-    gpu = gpu_ranks(events)
-    on_gpu = events.join(gpu, on="rank").filter(
-        pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"]))
-    tracks = training_tracks(events.join(gpu, on="rank", how="anti"))
-    on_cpu = events.join(tracks, on=["rank", "track"]).filter(pl.col("kind") == "compute")
-    return pl.concat([on_gpu, on_cpu]).with_columns(
-        pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")
-    )
+    """The events that make a rank busy (see module doc): ``rank, track, is_gpu, kind, launch_ns, start, end``."""
+    busy = events.select("rank", "track", "is_gpu", "kind", "launch_ns", pl.col("ts_ns").alias("start"),
+                         (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
+    on_gpu_rank = pl.col("rank").is_in(gpu_ranks(events)["rank"].implode())
+    on_gpu = busy.filter(on_gpu_rank & _GPU_BUSY)
+    tracks = training_tracks(events.select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~on_gpu_rank))
+    on_cpu = busy.filter(~on_gpu_rank & (pl.col("kind") == "compute")).join(tracks, on=["rank", "track"],
+                                                                             maintain_order="left")
+    return pl.concat([on_gpu, on_cpu])
 
 
 def shift(frame: pl.DataFrame, offsets: pl.DataFrame, columns: list[str], *, rank: str = "rank") -> pl.DataFrame:
