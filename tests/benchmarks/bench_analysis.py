@@ -1,12 +1,12 @@
 """How much attribution adds on top of ingest, for an 8-rank run (target: at most +50%); and, with ``--cached RUN``,
 first analysis vs cached re-analysis (target: the cached one ≥ 10× faster).
 
-Generates an 8-rank run with benchmarks/gen_trace.py (GPU/NCCL or CPU/gloo style) into a scratch folder outside the
+Generates an 8-rank run with tests/benchmarks/gen_trace.py (GPU/NCCL or CPU/gloo style) into a scratch folder outside the
 repo, then times, in this process: ingest (``load_run`` without cache), and ``analyze`` on the loaded run. Prints
 figures; asserts nothing (benchmarks are not tests).
 
-    .venv/bin/python benchmarks/bench_analysis.py --mb 25 --style cpu
-    .venv/bin/python benchmarks/bench_analysis.py --cached /work/runs/1f1b_pp4_bpipe --cached /tmp/gen_4x50
+    .venv/bin/python tests/benchmarks/bench_analysis.py --mb 25 --style cpu
+    .venv/bin/python tests/benchmarks/bench_analysis.py --cached /work/runs/1f1b_pp4_bpipe --cached /tmp/gen_4x50
 
 ``--cached``: copies each run (its traces and run.json, no cache) into the scratch folder and runs, each in a fresh
 subprocess (CPU seconds = user + system of that child, from ``getrusage(RUSAGE_CHILDREN)``, which a loaded machine

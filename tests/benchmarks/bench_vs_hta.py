@@ -16,8 +16,8 @@ HTA lives in its own virtual environment (it pulls Jupyter): ``python3 -m venv /
 /work/hta-venv/bin/pip install HolisticTraceAnalysis 'pandas<3'`` (HTA 0.5.0 fails on pandas 3 for traces with
 more than 32767 events: an int16-downcast correlation column rejects larger indices).
 
-    .venv/bin/python benchmarks/bench_vs_hta.py --work /work/bench                      # everything, default sizes
-    .venv/bin/python benchmarks/bench_vs_hta.py --only vs --ranks 2 --mb 50             # a quick look
+    .venv/bin/python tests/benchmarks/bench_vs_hta.py --work /work/bench                      # everything, default sizes
+    .venv/bin/python tests/benchmarks/bench_vs_hta.py --only vs --ranks 2 --mb 50             # a quick look
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 THIRD_PARTY = ROOT.parent / "shared" / "traces" / "third_party" / "hta"
 # Third-party traces with GPU kernels (HTA's temporal breakdown needs them), by folder.
 THIRD_PARTY_GPU = ("trace_filter", "nccl_parser_config", "ns_resolution_trace")

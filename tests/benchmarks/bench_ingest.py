@@ -1,6 +1,6 @@
 """Ingest benchmark (prints figures; not a timed test).
 
-    python benchmarks/bench_ingest.py [--mb 200] [--rank-mb 50] [--ranks 8] [--dir /tmp/traceana-bench]
+    python tests/benchmarks/bench_ingest.py [--mb 200] [--rank-mb 50] [--ranks 8] [--dir /tmp/traceana-bench]
 
 Every measurement runs in a fresh Python process, so its peak RSS (VmHWM) is that of the measured work alone (plus
 the interpreter and imports, reported separately as the baseline); worker processes' peak is ``ru_maxrss`` of the

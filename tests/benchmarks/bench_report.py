@@ -1,6 +1,6 @@
 """How long a report takes to make and how big it is, for a 4-rank run (target: a few MB).
 
-    .venv/bin/python benchmarks/bench_report.py [RUN_DIR ...]
+    .venv/bin/python tests/benchmarks/bench_report.py [RUN_DIR ...]
 
 Without arguments, collects a 4-stage tiny-GPT 1F1B run (and a BPipe one, for the A/B report) into a temporary
 folder with the collectors' API (needs torch). Prints: load + analyse time, report build time (holoviews import
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

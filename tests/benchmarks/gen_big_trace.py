@@ -9,8 +9,8 @@ optimizer step per iteration, and CUDA ``[memory]`` instants. Ranks of one run s
 receives line up, so attribution has real bubbles and transfers to find, and HolisticTraceAnalysis (which needs GPU
 kernels for its temporal breakdown) reads the same files.
 
-    python benchmarks/gen_big_trace.py OUT_DIR --ranks 4 --mb 200          # rank{R}.pt.trace.json.gz, ~200 MB raw each
-    python benchmarks/gen_big_trace.py OUT_DIR --ranks 1 --mb 4200 --plain # one ~4.2 GB uncompressed rank0.pt.trace.json
+    python tests/benchmarks/gen_big_trace.py OUT_DIR --ranks 4 --mb 200          # rank{R}.pt.trace.json.gz, ~200 MB raw each
+    python tests/benchmarks/gen_big_trace.py OUT_DIR --ranks 1 --mb 4200 --plain # one ~4.2 GB uncompressed rank0.pt.trace.json
 
 Event text follows Kineto's layout (2-space indented objects, µs with 3 decimals, ``distributedInfo`` before
 ``traceEvents`` so HTA's rank regex finds it in the first lines). Sizes are of the raw (uncompressed) JSON.

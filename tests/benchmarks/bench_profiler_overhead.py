@@ -1,6 +1,6 @@
 """Profiling overhead of the reference trainer: profiled vs unprofiled step time, in the same processes.
 
-    .venv/bin/python benchmarks/bench_profiler_overhead.py [--preset tiny-gpt] [--pp 4] [--microbatches 8] [--steps 3]
+    .venv/bin/python tests/benchmarks/bench_profiler_overhead.py [--preset tiny-gpt] [--pp 4] [--microbatches 8] [--steps 3]
 
 Each rank runs warm-up steps, then ``--steps`` unprofiled steps, then ``--steps`` steps under torch.profiler with
 traceana's defaults (record_shapes + profile_memory), then writes the trace; the same weights, data and schedule.

@@ -1,6 +1,6 @@
 """Collect a matrix of real CPU pipeline runs, validate the model on each, and print the whole table.
 
-    .venv/bin/python benchmarks/validation_matrix.py [--out /tmp/traceana-validation] [--recollect]
+    .venv/bin/python tests/benchmarks/validation_matrix.py [--out /tmp/traceana-validation] [--recollect]
 
 For every run: the simulator fed with the run's own measured durations vs the measured step time and per-stage
 waiting (bubbles + exposed P2P), and the memory model's activation peak vs the measured one. Cross-run: measure a

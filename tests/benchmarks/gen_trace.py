@@ -6,7 +6,7 @@ Two styles, both formatted the way Kineto writes (one key per line group, 2-spac
 - ``cpu``: a CPU/gloo pipeline rank: aten cpu_ops with record_shapes args, ``c10d::send``/``c10d::recv_`` with
   Concrete Inputs, ``gloo:send``/``gloo:recv`` annotations and ``[memory]`` instants.
 
-    python benchmarks/gen_trace.py OUT.json --mb 200 --style gpu --rank 0 --world-size 8
+    python tests/benchmarks/gen_trace.py OUT.json --mb 200 --style gpu --rank 0 --world-size 8
 
 Times are µs relative to ``baseTimeNanoseconds`` with nanosecond (3-decimal) resolution, as Kineto writes them.
 """

@@ -1,6 +1,6 @@
 """Print the paper-scale table of docs/model.md: per-stage memory, fit and BPipe verdicts on 80 GB GPUs.
 
-    .venv/bin/python benchmarks/model_paper_table.py [--sequence-parallel] [--device a100-80gb]
+    .venv/bin/python tests/benchmarks/model_paper_table.py [--sequence-parallel] [--device a100-80gb]
 
 Everything is computed by traceana.model (memory per stage, simulator, BPipe verdict); nothing here is measured.
 """
