@@ -2,16 +2,23 @@
 
 The importer owns every quirk of the format; nothing downstream knows JSON exists.
 
-How it decodes, and why (FIELD-NOTES.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson):
-1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
-2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is one ``msgspec.Raw``: a fast
-   validating pass that builds no per-event objects; the array is then cut between events (``bytes.find`` of the
-   separator Kineto writes, checked by the decode itself), so a trace of many GB never exists as Python objects
-   all at once;
-3. events are decoded in chunks of ``CHUNK_BYTES`` into typed Structs that name only the fields we use (``args``
-   keeps only the keys we need; the three record_shapes lists stay ``msgspec.Raw`` and are decoded only for the
-   few ``c10d::send``/``c10d::recv_``/``gloo:*`` events); each batch becomes a polars frame;
-4. the frames are concatenated and finished with polars expressions (times, tracks, peers, sizes).
+Two decoders produce the same per-batch frames, which ``_finish`` turns into the tables with polars expressions:
+
+- the native scanner (``_scan.c``, an optional C extension built at install time): the file is read, and gunzipped
+  in isal's own thread, through one reused window; the scanner parses the ``traceEvents`` array straight into Arrow
+  column buffers (times as int64 ns from the digits, strings unescaped and UTF-8 checked) without the GIL, so a
+  trace of many GB never exists as Python objects nor whole in memory, and threads can read several files at once;
+- the general decoder (FIELD-NOTES.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
+  any file the scanner hands back (a type it does not take exactly as this decoder would, bad UTF-8, invalid or
+  truncated JSON) or when it was not built:
+  1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
+  2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is one ``msgspec.Raw``: a
+     fast validating pass that builds no per-event objects; the array is then cut between events (``bytes.find``
+     of the separator Kineto writes, checked by the decode itself);
+  3. events are decoded in chunks of ``CHUNK_BYTES`` into typed Structs that name only the fields we use (``args``
+     keeps only the keys we need; the three record_shapes lists stay ``msgspec.Raw`` and are decoded only for the
+     few ``c10d::send``/``c10d::recv_``/``gloo:*`` events); each batch becomes a polars frame.
+  It also explains what is wrong with a bad file, and recovers the complete events of a truncated one.
 
 Times: Kineto writes ``ts``/``dur`` as float microseconds. Below 2**43 µs (Kineto's base-relative times) a float64
 is exact to the nanosecond for 3-decimal values; an absolute µs wall clock (~1.7e15, as older Kineto wrote) is not
