@@ -597,7 +597,7 @@ static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
 }
 
 static int parse_event(P *ps, Ev *ev, Buf *scratch) {
-    int done = 0, dropped = 0;
+    int done = 0;
     memset(ev, 0, sizeof *ev);
     if (*ps->p != '{') return bad(ps, "an event that is not an object");
     ps->p++;
@@ -608,19 +608,9 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
         const char *k;
         Py_ssize_t kn;
         TRY(scan_key(ps, scratch, &k, &kn));
-        if (dropped) { /* an event no table keeps (flows, metadata, counters): only validated */
-            if (kn == 2 && !memcmp(k, "ph", 2)) return bad(ps, "ph given twice");
-            TRY(skip_value(ps, 1));
-            TRY(next_member(ps, &done));
-            continue;
-        }
         switch (kn) {
         case 2:
-            if (!memcmp(k, "ph", 2)) {
-                TRY(str_field(ps, &ev->ph, 0));
-                dropped = !ev->ph.esc && !(ev->ph.n == 1 && (ev->ph.s[0] == 'X' || ev->ph.s[0] == 'i'));
-                break;
-            }
+            if (!memcmp(k, "ph", 2)) { TRY(str_field(ps, &ev->ph, 0)); break; }
             if (!memcmp(k, "ts", 2)) { TRY(time_field(ps, &ev->ts, 1)); break; }
             TRY(skip_value(ps, 1));
             break;
