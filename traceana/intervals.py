@@ -218,16 +218,26 @@ def partition(
     """
     keys = _keys(by)
     names = [n for n, _ in layers]
-    w = windows.select(*keys, START, END)
     on_ = keys if on is None else _keys(on)
+    # Lay the windows end to end on one time axis, sorted by group, a gap of 1 ns between neighbours: a window's
+    # instant t sits at t + _shift. Then no interval crosses or touches another group's, and the sweep needs one
+    # sort by axis time instead of a sort by group keys and time.
+    w = (
+        windows.select(*keys, START, END).sort(keys)
+        .with_columns(((pl.col(END) - pl.col(START)).clip(lower_bound=0) + 1).alias("_len"))
+        .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(START)).alias("_shift"))
+        .drop("_len")
+    )
+
+    def on_axis(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.select((pl.col(START) + pl.col("_shift")).alias(START), (pl.col(END) + pl.col("_shift")).alias(END))
 
     def cut(layer: pl.DataFrame) -> pl.DataFrame:
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
         rest = [k for k in keys if k not in lk]
-        return clip(layer.select(*lk, START, END), w, on=lk, window_keys=rest).select(*keys, START, END)
+        return on_axis(clip(layer.select(*lk, START, END), w, on=lk, window_keys=[*rest, "_shift"]))
 
-    clipped = [cut(layer) for _, layer in layers]
-    segs = _sweep([w, *clipped], keys).filter(_has(0))
+    segs = _sweep([on_axis(w), *(cut(layer) for _, layer in layers)], []).filter(_has(0))
     # The first layer covering a segment is the lowest set bit above the window's bit 0.
     layer_bits = pl.col("_mask") & ~pl.lit(1, pl.Int64)
     lowest = layer_bits & (-layer_bits)
@@ -235,13 +245,17 @@ def partition(
     labels = pl.Series([*names, default])
     choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
-    # them needlessly), then name the labels on the (much shorter) result.
-    segs = segs.select(*keys, choice.alias("_label"), START, END)
-    runs = _runs(segs, _group_starts(keys) | (pl.col("_label") != pl.col("_label").shift(1)),
-                 [*keys, "_label", START], [END])
-    return runs.select(
-        *keys,
+    # them needlessly), then name the labels on the (much shorter) result. Windows are apart on the axis, so a
+    # gap begins a run too.
+    segs = segs.select(choice.alias("_label"), START, END)
+    runs = _runs(segs, (pl.int_range(pl.len()) == 0) | (pl.col("_label") != pl.col("_label").shift(1))
+                 | (pl.col(START) != pl.col(END).shift(1)), ["_label", START], [END])
+    # Back from the axis: the window holding each segment is the last one starting on the axis at or before it.
+    w = w.with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
+    window = w.select(*keys, "_shift").gather(w["_at"].search_sorted(runs[START], side="right") - 1)
+    return pl.DataFrame([*window.select(keys), runs["_label"]]).with_columns(
         pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=pl.String)
         .alias(label),
-        START, END,
-    )
+        (runs[START] - window["_shift"]).alias(START),
+        (runs[END] - window["_shift"]).alias(END),
+    ).select(*keys, label, START, END)
