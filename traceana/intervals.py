@@ -144,11 +144,12 @@ def clip(
     # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
     f = frame.with_row_index("_clip_row")
-    located = f.sort(START).join_asof(w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None,
-                                      strategy="backward", check_sortedness=False)
+    ordered = len(on_) == 1 and _time_ordered(f, on_[0], START)  # as ingest leaves events: no sort needed
+    located = (f if ordered else f.sort(START)).join_asof(
+        w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward", check_sortedness=False)
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
     simple = located.filter(inside & (pl.col(END) > pl.col(START))).drop("_ws", "_we")
-    rest = f.join(located.filter(~inside).select("_clip_row"), on="_clip_row")
+    rest = located.filter(~inside).select(f.columns)
     spanning = (
         (rest.lazy().join(w.lazy(), on=on_) if on_ else rest.lazy().join(w.lazy(), how="cross"))
         .filter((pl.col(START) < pl.col("_we")) & (pl.col(END) > pl.col("_ws")))
@@ -157,6 +158,8 @@ def clip(
         .drop("_ws", "_we")
         .collect()
     )
+    if ordered:  # both in row order already: interleave them instead of sorting
+        return simple.merge_sorted(spanning.select(simple.columns).sort("_clip_row"), "_clip_row").drop("_clip_row")
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
 
 
