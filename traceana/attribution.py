@@ -129,8 +129,11 @@ def segments(
     fwd = clip(compute["forward"]).group_by("rank", "step").agg(
         pl.col("start").min().alias("_f0"), pl.col("end").max().alias("_f1"))
     edges = windows.join(fwd, on=["rank", "step"])
-    warm = iv.intersect(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), ["rank", "step"])
-    cool = iv.intersect(wait, edges.select("rank", "step", pl.col("_f1").alias("start"), "end"), ["rank", "step"])
+    # The waits before the first forward, and after the last (cut pieces: partition takes their union).
+    warm = iv.clip(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), on=["rank", "step"],
+                   window_keys=[])
+    cool = iv.clip(wait, edges.select("rank", "step", pl.col("_f1").alias("start"), "end"), on=["rank", "step"],
+                   window_keys=[])
     layers = [
         *((ph, compute[ph]) for ph in ("recompute", "optimizer", "backward", "forward", "other_compute")),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
