@@ -101,8 +101,13 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     calls = (
         f.select("rank", pl.col("corr_id").alias("_call"), pl.col("ts_ns").alias("_launch_ts"))
         .filter((f["_cat"] == _RUNTIME) & f["corr_id"].is_not_null() & (f["corr_id"] != 0))
-        .sort("_call", "_launch_ts")
     )
+    # By id, and by time among a rank's calls with one id: a stable sort by id does both when the calls come in
+    # (rank, time) order, as from ingest, at a fraction of a two-key sort's cost.
+    if iv.in_time_order(calls, "rank", "_launch_ts"):
+        calls = calls.sort("_call", maintain_order=True)
+    else:
+        calls = calls.sort("_call", "_launch_ts")
     by_corr = (
         gpu.filter(pl.col("corr_id").is_not_null()).sort("corr_id")
         .join_asof(calls, left_on="corr_id", right_on="_call", by="rank", strategy="forward",

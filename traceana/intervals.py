@@ -144,7 +144,7 @@ def clip(
     # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
     f = frame.with_row_index("_clip_row")
-    ordered = len(on_) == 1 and _time_ordered(f, on_[0], START)  # as ingest leaves events: no sort needed
+    ordered = len(on_) == 1 and in_time_order(f, on_[0], START)  # as ingest leaves events: no sort needed
     located = (f if ordered else f.sort(START)).join_asof(
         w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward", check_sortedness=False)
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
@@ -163,7 +163,7 @@ def clip(
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
 
 
-def _time_ordered(frame: pl.DataFrame, by: str, at: str) -> bool:
+def in_time_order(frame: pl.DataFrame, by: str, at: str) -> bool:
     """Is ``frame`` sorted by ``(by, at)`` with no nulls? (Events come so from ingest: ranks in order, each by time.)"""
     step = pl.col(by).diff()
     ordered = (step > 0) | ((step == 0) & (pl.col(at).diff() >= 0))
@@ -195,7 +195,7 @@ def containing(
     def match(frame: pl.DataFrame) -> pl.DataFrame:
         return frame.join_asof(w, left_on="_at", right_on="_ws", by=by, strategy="backward", check_sortedness=False)
 
-    if _time_ordered(left, by, "_at"):  # the as-of join needs time order within each group only: no sorting
+    if in_time_order(left, by, "_at"):  # the as-of join needs time order within each group only: no sorting
         return match(left).select(pick)
     hit = match(left.with_row_index("_row").filter(pl.col("_at").is_not_null()).sort("_at")).select("_row", *pick)
     return pl.DataFrame([pl.repeat(None, points.height, dtype=hit.schema[c], eager=True).alias(c)
