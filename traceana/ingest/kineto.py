@@ -670,8 +670,8 @@ def _numel(dims: Any) -> int | None:
 
 
 # --- the native scanner --------------------------------------------------------------------------------------------
-NATIVE_CHUNK = 32 << 20  # bytes of JSON scanned per call (one set of column buffers)
-READ_PIECE = 32 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
+NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
+READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
 # Column order of _scan.events (see _scan.c: X_* and M_*).
 _NATIVE_X = ("name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id", "arg_device", "arg_stream", "coll",
              "in_nelems", "dtype", "src_rank", "dst_rank", "pg_name", "pg_desc", *_SHAPE_ARGS)
@@ -941,7 +941,8 @@ def _absolute(ts_rel: pl.Expr, base_ns: int | None, sample: pl.Series | None) ->
 
 def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any) -> tuple[pl.DataFrame, pl.DataFrame, int]:
     """Per-batch columns → EVENTS and MEMORY tables (whole-column polars expressions only)."""
-    x = pl.concat(batches.x, how="vertical") if batches.x else pl.DataFrame(schema=_X_SCHEMA)
+    # rechunk=False: the batches stay as they are (no copy of the whole table; the sort below makes it contiguous)
+    x = pl.concat(batches.x, how="vertical", rechunk=False) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
     batches.x.clear()
     gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
     x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
@@ -983,16 +984,16 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                         pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))),
     )
     x = _comms(x, batches, pg_config)
-    n_x = x.height
-    x = x.filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
-                 & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
-    dropped = n_x - x.height
     in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
               for c in ("device", "stream", "peer", "tag")]
-    x = x.with_columns(*in_i32)
-    # Deterministic order: by time, enclosing spans before the spans they contain, then file order.
-    x = x.sort(["ts_ns", "dur_ns", "row"], descending=[False, True, False])
-    events = schema.conform(x, schema.EVENTS)
+    x = x.with_columns(*in_i32, keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
+                       & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
+    dropped = x.height - x["keep"].sum()
+    if dropped:  # copying the table only when some event has no usable time
+        x = x.filter("keep")
+    # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
+    # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
+    events = schema.conform(x, schema.EVENTS).sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
 
 
