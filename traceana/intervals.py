@@ -88,13 +88,39 @@ def _sweep(sets: Sequence[pl.DataFrame], keys: list[str]) -> pl.LazyFrame:
         bit = 1 << i
         deltas.append(m.select(*keys, pl.col(START).alias("_t"), pl.lit(bit, pl.Int64).alias("_d")))
         deltas.append(m.select(*keys, pl.col(END).alias("_t"), pl.lit(-bit, pl.Int64).alias("_d")))
+    return _scan(pl.concat(deltas, how="vertical_relaxed"), keys)
+
+
+def _scan(deltas: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    """``_sweep``'s segments from its boundary deltas (``keys``, ``_t``, ``_d``)."""
     return (
-        pl.concat(deltas, how="vertical_relaxed")
+        deltas
         .sort([*keys, "_t"])
         .with_columns(pl.col("_d").cum_sum().alias("_mask"), pl.col("_t").shift(-1).alias("_next"))
         .filter((pl.col("_next") > pl.col("_t")) & (pl.col("_mask") != 0))
         .select(*keys, pl.col("_t").alias(START), pl.col("_next").alias(END), "_mask")
     )
+
+
+def _sweep_stacked(stacked: pl.DataFrame, n_sets: int) -> pl.LazyFrame:
+    """``_sweep`` without group keys, for sets stacked in one frame (``_set``: 0 … n_sets-1, ``start``, ``end``).
+
+    Each set is lifted onto its own copy of the time line (set i is shifted by i × the span of all of them), so
+    one merge — a single sort — merges every set apart from the others, where merging set by set costs a few
+    polars calls each.
+    """
+    if n_sets > 62:
+        raise ValueError("at most 62 interval sets per sweep")
+    stacked = stacked.filter(pl.col(END) > pl.col(START))
+    if stacked.height == 0:
+        return pl.LazyFrame(schema={START: pl.Int64, END: pl.Int64, "_mask": pl.Int64})
+    lo, span = stacked[START].min(), stacked[END].max() - stacked[START].min() + 1
+    lifted = stacked.select(*((pl.col(c) - lo + pl.col("_set").cast(pl.Int64) * span).alias(c) for c in (START, END)))
+    m = merge(lifted).lazy().with_columns((pl.col(START) // span).alias("_set"))
+    bit = pl.lit(pl.Series([1 << i for i in range(n_sets)], dtype=pl.Int64)).gather("_set")
+    back = pl.col("_set") * span - lo
+    return _scan(pl.concat([m.select((pl.col(START) - back).alias("_t"), bit.alias("_d")),
+                            m.select((pl.col(END) - back).alias("_t"), (-bit).alias("_d"))]), [])
 
 
 def _has(i: int) -> pl.Expr:
@@ -130,12 +156,14 @@ def clip(
     window_keys: Sequence[str] | str,
     window_start: str = START,
     window_end: str = END,
+    keep_order: bool = True,
 ) -> pl.DataFrame:
     """Cut each interval to every window it overlaps (joined on ``on``), adding the window's ``window_keys``.
 
     An interval overlapping two windows yields one piece in each; pieces outside all windows are dropped. Other
-    columns of ``frame`` are kept. Windows of one ``on`` group should be few (steps of a rank): the join is
-    intervals × windows per group.
+    columns of ``frame`` are kept, and so is its row order unless ``keep_order`` is False (cheaper: no sort back
+    when the intervals are not already in (group, start) order). Windows of one ``on`` group should be few (steps
+    of a rank): the join is intervals × windows per group.
     """
     on_, wk = _keys(on), _keys(window_keys)
     w = windows.select(*on_, *wk, pl.col(window_start).alias("_ws"), pl.col(window_end).alias("_we"))
@@ -158,6 +186,8 @@ def clip(
         .drop("_ws", "_we")
         .collect()
     )
+    if not keep_order:
+        return pl.concat([simple, spanning.select(simple.columns)]).drop("_clip_row")
     if ordered:  # both in row order already: interleave them instead of sorting
         return simple.merge_sorted(spanning.select(simple.columns).sort("_clip_row"), "_clip_row").drop("_clip_row")
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
@@ -232,15 +262,20 @@ def partition(
         .drop("_len")
     )
 
-    def on_axis(frame: pl.DataFrame) -> pl.DataFrame:
-        return frame.select((pl.col(START) + pl.col("_shift")).alias(START), (pl.col(END) + pl.col("_shift")).alias(END))
-
-    def cut(layer: pl.DataFrame) -> pl.DataFrame:
+    # Cut the layers to the windows: one clip for all layers keyed alike (set i + 1 is layer i; set 0 the windows).
+    by_keys: dict[tuple[str, ...], list[pl.DataFrame]] = {}
+    for i, (_, layer) in enumerate(layers, start=1):
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
+        by_keys.setdefault(tuple(lk), []).append(
+            layer.select(*lk, START, END).with_columns(pl.lit(i, pl.UInt8).alias("_set")))
+    cut = [w.select(pl.lit(0, pl.UInt8).alias("_set"), START, END, "_shift")]
+    for lk, frames in by_keys.items():
         rest = [k for k in keys if k not in lk]
-        return on_axis(clip(layer.select(*lk, START, END), w, on=lk, window_keys=[*rest, "_shift"]))
-
-    segs = _sweep([on_axis(w), *(cut(layer) for _, layer in layers)], []).filter(_has(0))
+        cut.append(clip(pl.concat(frames, how="vertical_relaxed"), w, on=list(lk), window_keys=[*rest, "_shift"],
+                        keep_order=False))
+    on_axis = pl.concat([c.select("_set", *((pl.col(e) + pl.col("_shift")).alias(e) for e in (START, END)))
+                         for c in cut], how="vertical_relaxed")
+    segs = _sweep_stacked(on_axis, len(layers) + 1).filter(_has(0))
     # The first layer covering a segment is the lowest set bit above the window's bit 0.
     layer_bits = pl.col("_mask") & ~pl.lit(1, pl.Int64)
     lowest = layer_bits & (-layer_bits)
