@@ -31,22 +31,22 @@ CLASSIFIED = {
     "pp_microbatch": pl.Int32,
 }
 
-_RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "hip_runtime", "runtime")
-_CPU_OP_CATS = ("cpu_op", "operator", "python_function")
-
 # Rules compare categories and names many times per event, so each is looked up once per event and the rules
-# compare small integers: a category becomes a class, a name the row of a table of rules evaluated once per
-# distinct name (a few hundred names in a million events).
+# compare small integers: a category becomes a class, a name a row of rules evaluated once per distinct name (a few
+# hundred names in a million events).
 _KERNEL, _MEMCPY, _MEMSET, _RUNTIME, _ANNOTATION, _GPU_ANNOTATION, _CPU_OP, _OTHER_OP, _OTHER_CAT = range(9)
 _CAT_CLASS = {
-    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET, **dict.fromkeys(_RUNTIME_CATS, _RUNTIME),
+    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET,
+    "cuda_runtime": _RUNTIME, "cuda_driver": _RUNTIME, "hip_runtime": _RUNTIME, "runtime": _RUNTIME,
     "user_annotation": _ANNOTATION, "gpu_user_annotation": _GPU_ANNOTATION,
-    **dict.fromkeys(_CPU_OP_CATS, _OTHER_OP), "cpu_op": _CPU_OP,
+    "cpu_op": _CPU_OP, "operator": _OTHER_OP, "python_function": _OTHER_OP,
 }
-_DIRS = ("send", "recv")  # comm_dir, coded as its index here
-_SEND, _RECV = range(2)
+_SEND, _RECV = range(2)  # comm_dir codes
+_COMM_DIRS = pl.Series(["send", "recv"])
+_CHANNELS = pl.Series(["p2p", "bpipe"])
 _KINDS = pl.Series(KINDS, dtype=Kind)
-_K = {k: pl.lit(i, pl.UInt8) for i, k in enumerate(KINDS)}
+_K = {k: pl.lit(i, pl.UInt8) for i, k in enumerate(KINDS)}  # kind codes
+_MOVABLE = [KINDS.index(k) for k in ("p2p_send", "p2p_recv", "compute", "memcpy", "collective")]  # BPipe's if so
 
 
 def _starts_with_any(col: pl.Expr, prefixes: tuple[str, ...]) -> pl.Expr:
@@ -122,6 +122,25 @@ def _update(column: pl.Series, rows: pl.Series, values: pl.Series) -> pl.Series:
     return column.clone().scatter(rows, values)
 
 
+def _kind() -> pl.Expr:
+    """The kind code of each event, from its category class, name rules and ``_dir`` (comm direction code)."""
+    is_gpu, cat = pl.col("is_gpu"), pl.col("_cat")
+    is_cpu_coll = ~is_gpu & pl.col("_cpu_dir").is_null() & (pl.col("_comm_op") | pl.col("_rpc"))
+    return (
+        pl.when(~is_gpu & pl.col("_step")).then(_K["step"])
+        .when(pl.col("_dir") == _SEND).then(_K["p2p_send"])
+        .when(pl.col("_dir") == _RECV).then(_K["p2p_recv"])
+        .when(((cat == _KERNEL) & pl.col("_nccl")) | is_cpu_coll).then(_K["collective"])
+        .when(cat == _KERNEL).then(_K["compute"])
+        .when(cat == _MEMCPY).then(_K["memcpy"])
+        .when(cat == _MEMSET).then(_K["memset"])
+        .when(cat == _RUNTIME).then(_K["runtime"])
+        .when(cat.is_in([_ANNOTATION, _GPU_ANNOTATION])).then(_K["annotation"])
+        .when(cat.is_in([_CPU_OP, _OTHER_OP])).then(_K["compute"])
+        .otherwise(_K["other"])
+    )
+
+
 def classify(events: pl.DataFrame) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``)."""
     # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
@@ -144,7 +163,7 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
     f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
                       cat_class, cpu_dir, *rules])
     # GPU work: launched when its runtime call started; peer, size and group from its launching op where its own
-    # args lack them.
+    # args lack them; an NCCL kernel's direction is its launching op's.
     launch_ns, launch_dir = events["ts_ns"], pl.repeat(None, n, dtype=pl.UInt8, eager=True)
     if bool(events["is_gpu"].any()):  # a CPU-only run launches nothing
         by_ext, by_corr = _launches(f)
@@ -153,39 +172,22 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
         rows = by_ext["_row"]
         f = f.with_columns(_update(f[c], rows, f[c].gather(rows).fill_null(by_ext[f"_launch_{c}"]))
                            for c in ("peer", "nbytes", "pg"))
-    f = f.with_columns(launch_ns.alias("launch_ns"), launch_dir.alias("_launch_dir"))
-    is_gpu, cat = pl.col("is_gpu"), pl.col("_cat")
-    nccl_kernel = (cat == _KERNEL) & pl.col("_nccl")
-    comm_dir = pl.when(is_gpu).then(pl.when(nccl_kernel).then(pl.col("_launch_dir"))).otherwise("_cpu_dir")
-    is_cpu_coll = ~is_gpu & pl.col("_cpu_dir").is_null() & (pl.col("_comm_op") | pl.col("_rpc"))
-    kind = (
-        pl.when(~is_gpu & pl.col("_step")).then(_K["step"])
-        .when(pl.col("_dir") == _SEND).then(_K["p2p_send"])
-        .when(pl.col("_dir") == _RECV).then(_K["p2p_recv"])
-        .when(nccl_kernel | is_cpu_coll).then(_K["collective"])
-        .when(cat == _KERNEL).then(_K["compute"])
-        .when(cat == _MEMCPY).then(_K["memcpy"])
-        .when(cat == _MEMSET).then(_K["memset"])
-        .when(cat == _RUNTIME).then(_K["runtime"])
-        .when(cat.is_in([_ANNOTATION, _GPU_ANNOTATION])).then(_K["annotation"])
-        .when(cat.is_in([_CPU_OP, _OTHER_OP])).then(_K["compute"])
-        .otherwise(_K["other"])
-    )
-    f = f.with_columns(comm_dir.alias("_dir")).with_columns(kind.alias("_kind"))
+    nccl_kernel = (pl.col("_cat") == _KERNEL) & pl.col("_nccl")
+    f = f.with_columns(
+        launch_ns.alias("launch_ns"),
+        pl.when(pl.col("is_gpu")).then(pl.when(nccl_kernel).then(pl.lit(launch_dir))).otherwise("_cpu_dir")
+        .alias("_dir"),
+    ).with_columns(_kind().alias("_kind"))
     # BPipe: communication and compute inside its annotated spans or on its process group.
     annotated = pl.DataFrame([events["rank"], events["ts_ns"], events["dur_ns"], pp["pp_action"]])
-    spans = bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null()))
-    in_span = inside(f, "launch_ns", spans)
+    in_span = inside(f, "launch_ns", bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null())))
     on_group = pl.col("pg").is_not_null() & pl.col("pg").str.contains(names.BPIPE_GROUP_DESC, literal=True)
-    movable = pl.col("_kind").is_in([KINDS.index(k) for k in ("p2p_send", "p2p_recv", "compute", "memcpy",
-                                                                "collective")])
-    is_bpipe = (pl.lit(in_span) | on_group) & movable
+    is_bpipe = (pl.lit(in_span) | on_group) & pl.col("_kind").is_in(_MOVABLE)
     out = f.select(
         "peer", "nbytes", "pg", "launch_ns",
         pl.lit(_KINDS).gather(pl.when(is_bpipe).then(_K["bpipe_transfer"]).otherwise("_kind")).alias("kind"),
-        pl.lit(pl.Series(_DIRS)).gather("_dir").alias("comm_dir"),
-        pl.lit(pl.Series(["p2p", "bpipe"])).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8)))
-        .alias("channel"),
+        pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
+        pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8))).alias("channel"),
     )
     return pl.DataFrame([
         *(out[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
