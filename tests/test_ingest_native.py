@@ -174,3 +174,12 @@ def test_a_big_trace_in_pieces_reads_the_same(tmp_path, monkeypatch):
     assert_frame_equal(whole[0], pieces[0])
     assert_frame_equal(whole[1], pieces[1])
     assert pieces[0].height == 400 and pieces[1].height == 400
+
+
+def test_version_says_whether_the_scanner_is_built(capsys):
+    from traceana.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert "native trace scanner: built" in capsys.readouterr().out

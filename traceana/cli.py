@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Profile and explain pipeline-parallel training from Kineto traces.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
         mod = importlib.import_module(module)
@@ -39,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
+
+
+def _version() -> str:
+    import traceana
+    from traceana.ingest.kineto import native_available
+
+    scanner = ("built" if native_available() else
+               "not built (no C compiler at install time): traces are read by the pure-Python decoder, ~4x slower")
+    return f"traceana {traceana.__version__} (native trace scanner: {scanner})"
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
