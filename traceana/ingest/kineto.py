@@ -50,6 +50,8 @@ from traceana import names, schema
 from traceana.errors import BadInputError, TraceFormatError
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
+    import pyarrow as pa  # wraps the scanner's column buffers without copying (imported here, not in a worker thread)
+
     from traceana.ingest import _scan
 except ImportError:  # pragma: no cover - built without a C compiler
     _scan = None  # type: ignore[assignment]
@@ -690,8 +692,6 @@ class _NotNative(Exception):
 
 def _arrow_frame(cols: tuple, names_: tuple[str, ...]) -> pl.DataFrame:
     """Column buffers in Arrow layouts (int64: data, validity; string: offsets, data, validity) → a frame."""
-    import pyarrow as pa
-
     arrays = []
     for col in cols:
         *bufs, valid = col
