@@ -72,7 +72,8 @@ def test_single_file_path_loads_that_rank(run4):
     assert run.ranks == [2] and run.manifest is None
 
 
-def test_parallel_ingest_equals_serial(run4):
+def test_parallel_ingest_equals_serial(run4, decoder):
+    """Threads with the native scanner; worker processes where it is not built ("general")."""
     serial = load_run(run4, workers=1, cache=False)
     parallel = load_run(run4, workers=2, cache=False)
     assert_frame_equal(serial.events, parallel.events)
