@@ -568,13 +568,20 @@ static int id_field(P *ps, Span *out) { /* pid, tid: int (kept as its digits), s
     return str_field(ps, out, 1);
 }
 
-static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
-    int done = 0;
-    if (*ps->p != '{') return bad(ps, "args is not an object");
+/* '{' at ps->p and the whitespace after it; *done when '}' closes the object at once. */
+static int open_object(P *ps, const char *not_an_object, int *done) {
+    if (*ps->p != '{') return bad(ps, not_an_object);
     ps->p++;
     ws(ps);
     if (ps->p >= ps->end) return ST_NEED;
-    if (*ps->p == '}') { ps->p++; return ST_OK; }
+    *done = *ps->p == '}';
+    if (*done) ps->p++;
+    return ST_OK;
+}
+
+static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
+    int done;
+    TRY(open_object(ps, "args is not an object", &done));
     while (!done) {
         const char *k;
         Py_ssize_t kn;
@@ -597,13 +604,9 @@ static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
 }
 
 static int parse_event(P *ps, Ev *ev, Buf *scratch) {
-    int done = 0;
+    int done;
     memset(ev, 0, sizeof *ev);
-    if (*ps->p != '{') return bad(ps, "an event that is not an object");
-    ps->p++;
-    ws(ps);
-    if (ps->p >= ps->end) return ST_NEED;
-    if (*ps->p == '}') { ps->p++; return ST_OK; }
+    TRY(open_object(ps, "an event that is not an object", &done));
     while (!done) {
         const char *k;
         Py_ssize_t kn;
@@ -785,20 +788,11 @@ static PyObject *scan_top(PyObject *self, PyObject *args) {
     int st = ST_OK, status = R_END;
     ws(&ps);
     if (ps.p >= ps.end) { st = ST_NEED; goto check; }
-    if (opening) {
-        if (*ps.p != '{') { st = bad(&ps, "not a JSON object"); goto check; }
-        ps.p++;
-        ws(&ps);
-        if (ps.p >= ps.end) { st = ST_NEED; goto check; }
-        if (*ps.p == '}') { ps.p++; goto check; }
-    } else {
-        int done = 0;
-        if ((st = next_member(&ps, &done)) || done) goto check;
-    }
+    int done = 0;
+    if ((st = opening ? open_object(&ps, "not a JSON object", &done) : next_member(&ps, &done)) || done) goto check;
     for (;;) {
         const char *k;
         Py_ssize_t kn;
-        int done = 0;
         if ((st = scan_key(&ps, &scratch, &k, &kn))) goto check;
         if (is_key(k, kn, "traceEvents") && *ps.p == '[') {
             ps.p++;
