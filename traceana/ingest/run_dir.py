@@ -112,7 +112,9 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
     warnings.extend(_check_ranks(results, manifest, run_dir))
     results.sort(key=lambda r: r[2]["rank"])
-    events = pl.concat([r[0] for r in results], how="vertical") if results else schema.empty(schema.EVENTS)
+    # One contiguous table (analysis needs one, and would otherwise copy it while the ranks' tables are still held).
+    events = (pl.concat([r[0] for r in results], how="vertical", rechunk=True) if results
+              else schema.empty(schema.EVENTS))
     memory = pl.concat([r[1] for r in results], how="vertical") if results else schema.empty(schema.MEMORY)
     traces = schema.conform(
         pl.DataFrame([{k: v for k, v in r[2].items() if k in schema.TRACES} for r in results],
