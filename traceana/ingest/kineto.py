@@ -594,7 +594,7 @@ class _Batches:
             self.comm.append(comm)
         shaped = x.filter(pl.col("name").is_in(list(_SHAPES_NAMES)) | pl.col("name").str.starts_with(_GLOO_PREFIX))
         if shaped.height:
-            raws = (shaped[c].to_list() for c in _NATIVE_X[-3:])
+            raws = (shaped[c].to_list() for c in _SHAPE_ARGS)
             self.shapes.append(_shape_facts(*raws, shaped["row"]))
         self.x.append(x.select(list(_X_SCHEMA)))
         self.rows += x.height
