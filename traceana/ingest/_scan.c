@@ -532,18 +532,6 @@ static int str_field(P *ps, Span *out, int null_ok) {
     return scan_string(ps, out);
 }
 
-static int args_str_field(P *ps, Span *out) { /* a string, or a number (odd) */
-    Num nm;
-    if (*ps->p == '-' || is_digit(*ps->p)) {
-        TRY(scan_number(ps, &nm));
-        out->s = nm.s;
-        out->n = nm.e - nm.s;
-        out->esc = 0;
-        out->kind = K_ODD;
-        return ST_OK;
-    }
-    return str_field(ps, out, 1);
-}
 
 static int time_field(P *ps, IntV *out, int is_ts) {
     Num nm;
@@ -554,15 +542,17 @@ static int time_field(P *ps, IntV *out, int is_ts) {
     return ST_OK;
 }
 
-static int id_field(P *ps, Span *out) { /* pid, tid: int (kept as its digits), string or null */
+/* A string, null, or a number kept as its literal text with kind ``number_kind`` (K_INT: pid and tid, which
+ * must be integers; K_ODD: a number where an args string is expected, converted in Python). */
+static int text_or_number(P *ps, Span *out, char number_kind) {
     Num nm;
     if (*ps->p == '-' || is_digit(*ps->p)) {
         TRY(scan_number(ps, &nm));
-        if (!nm.is_int) return bad(ps, "pid or tid of another type than int or string");
+        if (number_kind == K_INT && !nm.is_int) return bad(ps, "pid or tid of another type than int or string");
         out->s = nm.s;
         out->n = nm.e - nm.s;
         out->esc = 0;
-        out->kind = K_INT;
+        out->kind = number_kind;
         return ST_OK;
     }
     return str_field(ps, out, 1);
@@ -592,7 +582,7 @@ static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
         } else if (slot < ARG_STR) {
             TRY(int_field(ps, &ev->a[slot]));
         } else if (slot < ARG_RAW) {
-            TRY(args_str_field(ps, &ev->s[slot - ARG_STR]));
+            TRY(text_or_number(ps, &ev->s[slot - ARG_STR], K_ODD));
         } else {
             ev->raw_s[slot - ARG_RAW] = ps->p;
             TRY(skip_value(ps, depth + 1));
@@ -619,8 +609,8 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
             break;
         case 3:
             if (!memcmp(k, "cat", 3)) { TRY(str_field(ps, &ev->cat, 1)); break; }
-            if (!memcmp(k, "pid", 3)) { TRY(id_field(ps, &ev->pid)); break; }
-            if (!memcmp(k, "tid", 3)) { TRY(id_field(ps, &ev->tid)); break; }
+            if (!memcmp(k, "pid", 3)) { TRY(text_or_number(ps, &ev->pid, K_INT)); break; }
+            if (!memcmp(k, "tid", 3)) { TRY(text_or_number(ps, &ev->tid, K_INT)); break; }
             if (!memcmp(k, "dur", 3)) { TRY(time_field(ps, &ev->dur, 0)); break; }
             TRY(skip_value(ps, 1));
             break;
