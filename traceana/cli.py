@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Profile and explain pipeline-parallel training from Kineto traces.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and which trace decoder is built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
         mod = importlib.import_module(module)
@@ -42,13 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    import traceana
-    from traceana.ingest.kineto import native_available
+class _Version(argparse.Action):
+    """``--version``: importing ingest (polars, pyarrow) to say which decoder is built only when asked."""
 
-    scanner = ("built" if native_available() else
-               "not built (no C compiler at install time): traces are read by the pure-Python decoder, ~4x slower")
-    return f"traceana {traceana.__version__} (native trace scanner: {scanner})"
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import traceana
+        from traceana.ingest.kineto import native_available
+
+        scanner = ("built" if native_available() else
+                   "not built (no C compiler at install time): traces are read by the pure-Python decoder, 3–4x slower")
+        print(f"traceana {traceana.__version__} (native trace scanner: {scanner})")
+        parser.exit()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
