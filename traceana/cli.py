@@ -1,7 +1,8 @@
 """The ``traceana`` command line: thin, each command calls library functions.
 
-Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported
-cheaply to build the help, and their heavy imports (torch, holoviews) happen inside ``run``.
+Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; only the module of
+the command being run is imported (the top-level help needs only the lines in COMMANDS), and its heavy imports
+(torch, holoviews) happen inside ``run`` — ``traceana analyze`` loads neither reports nor collectors.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given ``argv``, only the command it names is loaded (none for the top-level help)."""
+    load = set(COMMANDS) if argv is None else {_command_in(argv)}
     parser = argparse.ArgumentParser(
         prog="traceana",
         description="Profile and explain pipeline-parallel training from Kineto traces.",
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and which trace decoder is built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
+        if name not in load:
+            sub.add_parser(name, help=help_, description=help_)  # not run: its line in the help is enough
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip())
         mod.add_arguments(p)
@@ -42,8 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The command named in ``argv``: its first word that is not a top-level option (None when it is no command)."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 class _Version(argparse.Action):
-    """``--version``: importing ingest (polars, pyarrow) to say which decoder is built only when asked."""
+    """``--version``: importing ingest (polars) to say which decoder is built only when asked."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         import traceana
@@ -62,7 +74,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)

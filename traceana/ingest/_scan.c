@@ -13,8 +13,8 @@
  *   events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events)
  *       events of the array from pos (after '[' or a ','), until about max_bytes were consumed (MORE), the
  *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
- * Columns are tuples of bytes: int64 (data, validity bitmap or None); string (int64 offsets, data, validity or
- * None) — Arrow's layouts, wrapped without copying by pyarrow. odd: [(table, column, row, raw JSON)] for args
+ * x_columns and memory_columns are Batch objects: the columns in Arrow's layouts (int64; large_string with int64
+ * offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly). odd: [(table, column, row, raw JSON)] for args
  * values of another type than their column's (0: X, 1: memory), which Python converts like the general decoder.
  * Times are converted to integer nanoseconds from the decimal digits (exact: no float rounding).
  * The parse runs without the GIL, so threads can scan several files at once.
@@ -109,15 +109,197 @@ static void col_free(Col *c) {
     memset(c, 0, sizeof *c);
 }
 
-static PyObject *col_result(Col *c) {
-    PyObject *valid = c->nulls ? PyBytes_FromStringAndSize(c->valid.d, c->valid.len) : (Py_INCREF(Py_None), Py_None);
-    if (!valid) return NULL;
-    PyObject *data = PyBytes_FromStringAndSize(c->data.d ? c->data.d : "", c->data.len);
-    if (!data) { Py_DECREF(valid); return NULL; }
-    if (!c->is_str) return Py_BuildValue("(NN)", data, valid);
-    PyObject *offs = PyBytes_FromStringAndSize(c->offs.d, c->offs.len);
-    if (!offs) { Py_DECREF(valid); Py_DECREF(data); return NULL; }
-    return Py_BuildValue("(NNN)", offs, data, valid);
+/* --- handing columns to Python: the Arrow C data interface ------------------------------------------------
+ * A Batch owns one table's columns; ``__arrow_c_array__`` (the Arrow PyCapsule protocol) exports them as one struct
+ * array whose children are the columns — int64 ("l": validity, data) and large_string ("U": validity, int64 offsets,
+ * data) — moving the malloc'd buffers into the export without copying them. polars imports that directly
+ * (``pl.DataFrame(batch)``), so no Arrow library is needed in between; each child's release callback frees its own
+ * buffers (no GIL needed), whenever and on whichever thread the consumer drops them. */
+struct ArrowSchema {
+    const char *format, *name, *metadata;
+    int64_t flags, n_children;
+    struct ArrowSchema **children, *dictionary;
+    void (*release)(struct ArrowSchema *);
+    void *private_data;
+};
+struct ArrowArray {
+    int64_t length, null_count, offset, n_buffers, n_children;
+    const void **buffers;
+    struct ArrowArray **children, *dictionary;
+    void (*release)(struct ArrowArray *);
+    void *private_data;
+};
+#define ARROW_FLAG_NULLABLE 2
+
+typedef struct { Col col; const void *bufs[3]; } ColExport;
+typedef struct { struct ArrowArray **kids; const void *bufs[1]; } StructExport;
+
+static void release_col_array(struct ArrowArray *a) {
+    ColExport *x = a->private_data;
+    col_free(&x->col);
+    free(x);
+    a->release = NULL;
+}
+
+static void release_struct_array(struct ArrowArray *a) {
+    StructExport *x = a->private_data;
+    for (int64_t i = 0; i < a->n_children; i++) {
+        struct ArrowArray *k = x->kids[i];
+        if (k->release) k->release(k);
+        free(k);
+    }
+    free(x->kids);
+    free(x);
+    a->release = NULL;
+}
+
+static void release_schema(struct ArrowSchema *s) {
+    for (int64_t i = 0; i < s->n_children; i++) free(s->children[i]);
+    free(s->children);
+    s->release = NULL;
+}
+
+static void capsule_schema_free(PyObject *cap) {
+    struct ArrowSchema *s = PyCapsule_GetPointer(cap, "arrow_schema");
+    if (s && s->release) s->release(s);
+    free(s);
+}
+
+static void capsule_array_free(PyObject *cap) {
+    struct ArrowArray *a = PyCapsule_GetPointer(cap, "arrow_array");
+    if (a && a->release) a->release(a);
+    free(a);
+}
+
+typedef struct {
+    PyObject_HEAD
+    int n_cols;
+    Py_ssize_t rows;
+    const char *const *names;
+    Col *cols; /* NULL once exported */
+} Batch;
+
+static void batch_dealloc(Batch *b) {
+    if (b->cols) {
+        for (int i = 0; i < b->n_cols; i++) col_free(&b->cols[i]);
+        free(b->cols);
+    }
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+static Py_ssize_t batch_len(Batch *b) { return b->rows; }
+
+static PyObject *batch_names(Batch *b, void *closure) {
+    PyObject *t = PyTuple_New(b->n_cols);
+    if (!t) return NULL;
+    for (int i = 0; i < b->n_cols; i++) {
+        PyObject *s = PyUnicode_FromString(b->names[i]);
+        if (!s) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
+static const char EMPTY_BUF[16] __attribute__((aligned(16))) = {0};
+
+static PyObject *batch_export(Batch *b, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"requested_schema", NULL};
+    PyObject *requested = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwlist, &requested)) return NULL;
+    if (requested != Py_None) {
+        PyErr_SetString(PyExc_NotImplementedError, "a Batch exports its own schema only");
+        return NULL;
+    }
+    if (!b->cols) {
+        PyErr_SetString(PyExc_RuntimeError, "a Batch's columns can be exported once");
+        return NULL;
+    }
+    int n = b->n_cols;
+    struct ArrowSchema *sch = calloc(1, sizeof *sch);
+    struct ArrowArray *arr = calloc(1, sizeof *arr);
+    StructExport *sx = calloc(1, sizeof *sx);
+    struct ArrowSchema **skids = calloc((size_t)n, sizeof *skids);
+    struct ArrowArray **akids = calloc((size_t)n, sizeof *akids);
+    int ok = sch && arr && sx && skids && akids;
+    for (int i = 0; ok && i < n; i++) {
+        skids[i] = calloc(1, sizeof **skids);
+        akids[i] = calloc(1, sizeof **akids);
+        ok = skids[i] && akids[i];
+    }
+    ColExport **cx = ok ? calloc((size_t)n, sizeof *cx) : NULL;
+    ok = ok && cx;
+    for (int i = 0; ok && i < n; i++) ok = (cx[i] = calloc(1, sizeof **cx)) != NULL;
+    if (!ok) {
+        for (int i = 0; i < n; i++) {
+            if (skids) free(skids[i]);
+            if (akids) free(akids[i]);
+            if (cx) free(cx[i]);
+        }
+        free(cx); free(skids); free(akids); free(sx); free(arr); free(sch);
+        return PyErr_NoMemory();
+    }
+    /* From here nothing fails: the columns move into the export. */
+    for (int i = 0; i < n; i++) {
+        Col *c = &b->cols[i];
+        ColExport *x = cx[i];
+        x->col = *c;
+        memset(c, 0, sizeof *c);
+        c = &x->col;
+        *skids[i] = (struct ArrowSchema){c->is_str ? "U" : "l", b->names[i], NULL, ARROW_FLAG_NULLABLE, 0, NULL, NULL,
+                                         release_schema, NULL};
+        const void *valid = c->nulls ? (const void *)c->valid.d : NULL;
+        const void *data = c->data.d ? (const void *)c->data.d : (const void *)EMPTY_BUF;
+        if (c->is_str) { x->bufs[0] = valid; x->bufs[1] = c->offs.d; x->bufs[2] = data; }
+        else { x->bufs[0] = valid; x->bufs[1] = data; }
+        *akids[i] = (struct ArrowArray){(int64_t)c->n, (int64_t)c->nulls, 0, c->is_str ? 3 : 2, 0, x->bufs, NULL, NULL,
+                                        release_col_array, x};
+    }
+    free(cx);
+    free(b->cols);
+    b->cols = NULL;
+    sx->kids = akids;
+    sx->bufs[0] = NULL;
+    *sch = (struct ArrowSchema){"+s", "", NULL, 0, n, skids, NULL, release_schema, NULL};
+    *arr = (struct ArrowArray){(int64_t)b->rows, 0, 0, 1, n, sx->bufs, akids, NULL, release_struct_array, sx};
+    PyObject *cs = PyCapsule_New(sch, "arrow_schema", capsule_schema_free);
+    if (!cs) { release_schema(sch); free(sch); arr->release(arr); free(arr); return NULL; }
+    PyObject *ca = PyCapsule_New(arr, "arrow_array", capsule_array_free);
+    if (!ca) { Py_DECREF(cs); arr->release(arr); free(arr); return NULL; }
+    return Py_BuildValue("(NN)", cs, ca);
+}
+
+static PyMethodDef batch_methods[] = {
+    {"__arrow_c_array__", (PyCFunction)(void (*)(void))batch_export, METH_VARARGS | METH_KEYWORDS,
+     "__arrow_c_array__(requested_schema=None) -> (schema capsule, array capsule): moves the columns out (once)"},
+    {NULL, NULL, 0, NULL},
+};
+static PyGetSetDef batch_getset[] = {{"names", (getter)batch_names, NULL, "column names", NULL}, {NULL}};
+static PySequenceMethods batch_seq = {.sq_length = (lenfunc)batch_len};
+
+static PyTypeObject BatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceana.ingest._scan.Batch",
+    .tp_basicsize = sizeof(Batch),
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_as_sequence = &batch_seq,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One table's columns from the scanner, exported through the Arrow PyCapsule protocol.",
+    .tp_methods = batch_methods,
+    .tp_getset = batch_getset,
+};
+
+/* The n columns at cols moved into a new Batch (cols are left empty). */
+static PyObject *batch_new(Col *cols, int n, const char *const *names) {
+    Batch *b = PyObject_New(Batch, &BatchType);
+    if (!b) return NULL;
+    b->n_cols = n;
+    b->names = names;
+    b->rows = n ? cols[0].n : 0;
+    b->cols = malloc(sizeof(Col) * (size_t)(n ? n : 1));
+    if (!b->cols) { b->n_cols = 0; Py_DECREF(b); return PyErr_NoMemory(); }
+    memcpy(b->cols, cols, sizeof(Col) * (size_t)n);
+    memset(cols, 0, sizeof(Col) * (size_t)n);
+    return (PyObject *)b;
 }
 
 /* --- JSON lexing ------------------------------------------------------------------------------------------ */
@@ -632,6 +814,11 @@ enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, X_DEVICE, X_STRE
        X_SRC, X_DST, X_PGN, X_PGD, X_CONCRETE, X_DIMS, X_TYPES, N_X };
 static const char X_IS_STR[N_X] = {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1};
 enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
+static const char *const X_NAMES[N_X] = {"name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id",
+                                         "arg_device", "arg_stream", "coll", "in_nelems", "dtype", "src_rank",
+                                         "dst_rank", "pg_name", "pg_desc", "concrete_inputs", "input_dims",
+                                         "input_type"};
+static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device"};
 
 typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd; /* table 0: X, 1: memory */
 typedef struct { Col x[N_X]; Col m[N_M]; Buf scratch, scratch2, odd; } Out;
@@ -733,17 +920,6 @@ static PyObject *odd_result(Out *o) {
         PyList_SET_ITEM(list, i, t);
     }
     return list;
-}
-
-static PyObject *cols_result(Col *cols, int n) {
-    PyObject *t = PyTuple_New(n);
-    if (!t) return NULL;
-    for (int i = 0; i < n; i++) {
-        PyObject *c = col_result(&cols[i]);
-        if (!c) { Py_DECREF(t); return NULL; }
-        PyTuple_SET_ITEM(t, i, c);
-    }
-    return t;
 }
 
 /* --- the two entry points ------------------------------------------------------------------------------------- */
@@ -859,13 +1035,15 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
     if (st) {
         fail(st, &ps);
     } else {
-        PyObject *x = cols_result(o.x, N_X), *m = x ? cols_result(o.m, N_M) : NULL, *odd = m ? odd_result(&o) : NULL;
+        PyObject *x = batch_new(o.x, N_X, X_NAMES), *m = x ? batch_new(o.m, N_M, M_NAMES) : NULL;
+        PyObject *odd = m ? odd_result(&o) : NULL;
         if (x && m && odd)
             result = Py_BuildValue("(inONNNn)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
                                    m, odd, n_events);
         else {
             Py_XDECREF(x);
             Py_XDECREF(m);
+            Py_XDECREF(odd);
         }
     }
     out_free(&o);
@@ -884,8 +1062,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native colu
                                     methods};
 
 PyMODINIT_FUNC PyInit__scan(void) {
+    if (PyType_Ready(&BatchType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0) return NULL;
     Unsupported = PyErr_NewException("traceana.ingest._scan.Unsupported", PyExc_ValueError, NULL);
     if (!Unsupported || PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0) return NULL;
     static const struct { const char *name; int v; } consts[] = {

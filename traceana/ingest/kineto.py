@@ -50,14 +50,12 @@ from traceana import names, schema
 from traceana.errors import BadInputError, TraceFormatError
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
-    import pyarrow as pa  # wraps the scanner's column buffers without copying (imported here, not in a worker thread)
-
     from traceana.ingest import _scan
 except ImportError:  # pragma: no cover - built without a C compiler
     _scan = None  # type: ignore[assignment]
 
 # isal (a core dependency) gunzips ~1.6x faster than zlib (FIELD-NOTES.md).
-from isal import igzip_threaded
+from isal import igzip, igzip_threaded
 from isal import isal_zlib as _zlib
 
 _ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
@@ -578,11 +576,11 @@ class _Batches:
 
     def add_columns(self, x_cols: tuple, mem_cols: tuple, odd: list) -> None:
         """The same frames from the native scanner's column buffers (X events and memory instants only)."""
-        mem = _with_odd(_arrow_frame(mem_cols, _NATIVE_MEM), odd, 1)
+        mem = _with_odd(_arrow_frame(mem_cols), odd, 1)
         if mem.height:
             self.mem.append(mem)
             self.n_mem += mem.height
-        x = _with_odd(_arrow_frame(x_cols, _NATIVE_X), odd, 0)
+        x = _with_odd(_arrow_frame(x_cols), odd, 0)
         if not x.height:
             return
         x = x.with_row_index("row", offset=self.rows)
@@ -674,10 +672,9 @@ def _numel(dims: Any) -> int | None:
 # --- the native scanner --------------------------------------------------------------------------------------------
 NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
 READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
-# Column order of _scan.events (see _scan.c: X_* and M_*).
-_NATIVE_X = ("name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id", "arg_device", "arg_stream", "coll",
-             "in_nelems", "dtype", "src_rank", "dst_rank", "pg_name", "pg_desc", *_SHAPE_ARGS)
-_NATIVE_MEM = ("ts_rel", "allocated_bytes", "delta_bytes", "device")
+MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
+GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
+THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and its queue cost more
 _META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "traceana")
 
 
@@ -690,19 +687,11 @@ class _NotNative(Exception):
     """A file the native scanner leaves to the general decoder (which also says what is wrong with it, if anything)."""
 
 
-def _arrow_frame(cols: tuple, names_: tuple[str, ...]) -> pl.DataFrame:
-    """Column buffers in Arrow layouts (int64: data, validity; string: offsets, data, validity) → a frame."""
-    arrays = []
-    for col in cols:
-        *bufs, valid = col
-        validity = None if valid is None else pa.py_buffer(valid)
-        if len(bufs) == 1:
-            arrays.append(pa.Array.from_buffers(pa.int64(), len(bufs[0]) // 8, [validity, pa.py_buffer(bufs[0])]))
-        else:
-            offsets, data = bufs
-            arrays.append(pa.Array.from_buffers(pa.large_string(), len(offsets) // 8 - 1,
-                                                [validity, pa.py_buffer(offsets), pa.py_buffer(data)]))
-    return pl.from_arrow(pa.Table.from_arrays(arrays, names=list(names_)))  # type: ignore[return-value]
+def _arrow_frame(batch) -> pl.DataFrame:
+    """A scanner batch → a frame: polars imports its Arrow columns through the PyCapsule protocol, without a copy
+    and without pyarrow (which costs ~0.2 s and ~40 MB to import). Column names and order are the scanner's
+    (``_scan.c`` X_NAMES / M_NAMES); callers select columns by name."""
+    return pl.DataFrame(batch)
 
 
 def _with_odd(frame: pl.DataFrame, odd: list, table: int) -> pl.DataFrame:
@@ -734,8 +723,16 @@ class _Reader:
         self.size = os.fstat(self.fh.fileno()).st_size
         gz = self.fh.read(2) == GZIP_MAGIC
         self.fh.seek(0)
-        self.src = igzip_threaded.open(self.fh, "rb", threads=1) if gz else self.fh
-        self.window = bytearray(READ_PIECE)
+        if gz and self.size >= THREADED_GUNZIP_BYTES:
+            self.src = igzip_threaded.open(self.fh, "rb", threads=1)
+        elif gz:
+            self.src = igzip.open(self.fh, "rb")
+        else:
+            self.src = self.fh
+        # The window fits the file (grown in extend() should one event not fit): a 16 MB window for a 6 KB trace
+        # was most of the memory a small analysis used.
+        expect = self.size * (GZ_RATIO if gz else 1) + 1
+        self.window = bytearray(min(READ_PIECE, max(MIN_PIECE, expect)))
         self.length = 0
         self.buf = memoryview(self.window)[:0]
         self.n_bytes = 0  # decompressed bytes so far
