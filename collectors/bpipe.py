@@ -5,7 +5,7 @@ In 1F1B stage s holds p−s micro-batches' activations while stage p−1−s hol
 the saved activations of some micro-batches to its *acceptor* p−1−s after their forward and gets them back before
 their backward, so each keeps about ceil((p+1)/2).
 
-How it works here (FIELD-NOTES.md, "Activation eviction"):
+How it works here (docs/field-notes.md, "Activation eviction"):
 - A micro-batch chosen for eviction runs its forward under ``torch.autograd.graph.saved_tensors_hooks``; the pack
   hook wraps every saved tensor in a ``_Saved`` placeholder.
 - After the forward, ``evict`` groups the placeholders by storage (several saved views can share one storage: each
@@ -15,18 +15,19 @@ How it works here (FIELD-NOTES.md, "Activation eviction"):
 - Saved-tensor hooks switch off autograd's in-place version check, so the version is recorded at pack time and
   checked before eviction and at unpack.
 - The schedule of evictions and loads is a pure function of (schedule, p, m, stage, keep) that both partners
-  compute (``eviction_plan``): nothing is negotiated at run time. The storage sizes of one micro-batch are measured
+  compute (``traceana.pipeline_rules.bpipe_plan``): nothing is negotiated at run time. The storage sizes of one micro-batch are measured
   once at start-up (``Evictor.measure_layout``) and sent to the acceptor, which can then post its receives early.
-- The acceptor posts the receive for micro-batch e (evicted before the evictor's forward of k) before its own
-  forward of k−(q−s) (which needs nothing from the evictor beyond forwards it already ran, so the evictor's blocking eviction always finds it posted), and returns e
-  right after its own backward of e, which the evictor's backward of e waits for anyway (the gradient flows q → s):
-  no cycle, so no deadlock. Data moves on gloo/NCCL's own threads while the acceptor computes.
+- When the acceptor posts its receives and returns is the plan's (``traceana.pipeline_rules.bpipe_plan``): right
+  after its own backward of the last micro-batch the evictor ran backward before evicting (so the evictor's blocking
+  eviction always finds the receive posted: that gradient passed through the acceptor first), and it returns e right
+  after its own backward of e, which the evictor's backward of e waits for anyway (the gradient flows q → s): no
+  cycle, so no deadlock, and the acceptor never holds more than the pair's balanced level. Data moves on gloo/NCCL's
+  own threads while the acceptor computes.
 Annotated: ``EVICT``/``LOAD`` on the evictor, ``ACCEPT``/``RETURN`` on the acceptor.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,85 +36,11 @@ import torch.distributed as dist
 
 from collectors.annotations import annotate
 from collectors.trainer.comm import Transport, Waiter
-from collectors.trainer.schedules import B, F, Action, actions_for, peak_in_flight
 from traceana import names
+from traceana.pipeline_rules import BPipePlan
 
 MIN_EVICT_BYTES = 256  # smaller storages are not worth a message
 TAG_SHIFT = 12  # tag = (microbatch << TAG_SHIFT) | storage index
-
-
-# ---- the plan -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Plan:
-    keep: int  # micro-batches the evictor keeps on device
-    evict_before: dict[int, list[int]]  # evictor action index (a forward) -> micro-batches evicted just before it
-    load_before: dict[int, int]  # evictor action index (a backward) -> the evicted micro-batch it brings back
-    order: tuple[int, ...]  # evicted micro-batches in eviction order
-    displaced_by: dict[int, int]  # evicted micro-batch -> the micro-batch whose forward it makes room for
-
-
-def balanced_keep(schedule: str, evictor: int, acceptor: int, stages: int, microbatches: int) -> int:
-    """The pair's balanced level: half of what evictor and acceptor hold together, rounded up (p+1 for 1F1B)."""
-    own = peak_in_flight(actions_for(schedule, evictor, stages, microbatches))
-    partner = peak_in_flight(actions_for(schedule, acceptor, stages, microbatches))
-    return math.ceil((own + partner) / 2)
-
-
-def eviction_plan(actions: list[Action], keep: int) -> Plan:
-    """Which micro-batches leave, and when, so that at most ``keep`` micro-batches' activations are ever on device.
-
-    Before a forward that would exceed ``keep`` (counting the load the next backward needs), evict the resident
-    micro-batch whose backward is furthest away (the newest). An evicted micro-batch comes back at the start of
-    its own backward (its receive is posted before the wait for the incoming gradient, so the two overlap).
-    Evicting *before* the forward, not after it, is what lowers the peak: the new activations are never on device
-    together with the ones they displace.
-    """
-    resident: set[int] = set()
-    evicted: set[int] = set()
-    evict_before: dict[int, list[int]] = {}
-    load_before: dict[int, int] = {}
-    order: list[int] = []
-    displaced_by: dict[int, int] = {}
-    for i, a in enumerate(actions):
-        if a.kind == F:
-            nxt = actions[i + 1] if i + 1 < len(actions) else None
-            needed_next = nxt.microbatch if nxt is not None and nxt.kind == B else None
-            need = 1 + (needed_next in evicted)
-            while len(resident) + need > keep:
-                candidates = resident - {needed_next}
-                if not candidates:
-                    break
-                victim = max(candidates)  # backwards run in micro-batch order: the newest is needed last
-                resident.discard(victim)
-                evicted.add(victim)
-                evict_before.setdefault(i, []).append(victim)
-                order.append(victim)
-                displaced_by[victim] = a.microbatch
-            resident.add(a.microbatch)
-            continue
-        if a.microbatch in evicted:
-            evicted.discard(a.microbatch)
-            resident.add(a.microbatch)
-            load_before[i] = a.microbatch
-        if a.microbatch not in resident:
-            raise RuntimeError(f"BPipe plan: micro-batch {a.microbatch} has no activations at its backward")
-        resident.discard(a.microbatch)
-    return Plan(keep=keep, evict_before=evict_before, load_before=load_before, order=tuple(order),
-                displaced_by=displaced_by)
-
-
-def plan_for(schedule: str, evictor: int, acceptor: int, stages: int, microbatches: int,
-             keep: int | None = None) -> Plan:
-    keep = keep or balanced_keep(schedule, evictor, acceptor, stages, microbatches)
-    return eviction_plan(actions_for(schedule, evictor, stages, microbatches), keep)
-
-
-def pair_of(stage: int, stages: int) -> tuple[int, int] | None:
-    """(evictor, acceptor) containing ``stage``, or None for the middle stage of an odd pipeline."""
-    partner = stages - 1 - stage
-    if partner == stage:
-        return None
-    return (min(stage, partner), max(stage, partner))
 
 
 def new_groups(stages: int, rank_of_stage: list[int], *, backend: str | None = None
@@ -179,7 +106,7 @@ def _version_error(s: _Saved, t: torch.Tensor) -> RuntimeError:
 class Evictor:
     """Stage s's side: capture, evict, load."""
 
-    def __init__(self, *, stage: int, acceptor_rank: int, plan: Plan, module: torch.nn.Module,
+    def __init__(self, *, stage: int, acceptor_rank: int, plan: BPipePlan, module: torch.nn.Module,
                  transport: Transport) -> None:
         self.stage, self.peer, self.plan, self.transport = stage, acceptor_rank, plan, transport
         self.pinned_storages = {_storage_key(t) for t in [*module.parameters(), *module.buffers()]}
@@ -281,38 +208,37 @@ class Evictor:
 class Acceptor:
     """Stage q = p−1−s's side: receive, hold, return."""
 
-    def __init__(self, *, stage: int, evictor_stage: int, evictor_rank: int, plan: Plan, layout: list[int],
-                 actions: list[Action], transport: Transport) -> None:
+    def __init__(self, *, stage: int, evictor_rank: int, plan: BPipePlan, layout: list[int],
+                 transport: Transport) -> None:
         self.stage, self.peer, self.plan, self.layout, self.transport = stage, evictor_rank, plan, layout, transport
         self.waiter = Waiter()
-        # Post the receive for e (evicted to make room for the evictor's forward of k) before our own forward of
-        # k − (q − s): about when the evictor evicts, and never later (that forward needs only forwards the evictor
-        # has run before evicting). Earlier would hold the buffer longer than needed.
-        lag = stage - evictor_stage
-        forwards = {a.microbatch: i for i, a in enumerate(actions) if a.kind == F}
-        self.post_before: dict[int, list[int]] = {}
-        for e in plan.order:
-            at = forwards.get(max(plan.displaced_by[e] - lag, 0), 0)
-            self.post_before.setdefault(at, []).append(e)
         self.held: dict[int, list] = {}  # micro-batch -> Transfers (receives in flight or done)
         self.returning: list[tuple[object, list]] = []  # (done event, (work, tensor) pairs)
 
-    def before(self, action_index: int) -> None:
-        for e in self.post_before.get(action_index, []):
+    def start_step(self) -> None:
+        """Post the receives the plan takes at the start of the step (evictions before the evictor's first
+        backward)."""
+        self._accept(self.plan.accept_after.get(-1, ()))
+
+    def _accept(self, victims: tuple[int, ...]) -> None:
+        for e in victims:
             with annotate(self.stage, names.ACCEPT, e):
                 self.held[e] = [self.transport.irecv((n,), torch.uint8, self.peer, tag=(e << TAG_SHIFT) | index)
                                 for index, n in enumerate(self.layout)]
-        self.progress()
 
-    def after_backward(self, microbatch: int) -> None:
-        """Our backward of e is done, so the evictor's backward of e is next in line: send e back now."""
-        transfers = self.held.pop(microbatch, None)
-        if transfers is None:
-            return
-        with annotate(self.stage, names.RETURN, microbatch):
-            sends = [self.transport.isend(t.wait(), self.peer, tag=(microbatch << TAG_SHIFT) | index)
-                     for index, t in enumerate(transfers)]
-            self.returning.append((self.waiter.watch([w for w, _ in sends]), sends))
+    def after_backward(self, action_index: int, microbatch: int) -> None:
+        """After our backward (action ``action_index``): send back what the plan returns now (the evictor's
+        backward of it is next in line), then post the receives it takes now (pipeline_rules.bpipe_plan: just in
+        time for the evictor's next eviction, never earlier), so the buffer of a new micro-batch is allocated only
+        once our own backward has freed one micro-batch's activations."""
+        for e in self.plan.return_after.get(action_index, ()):
+            transfers = self.held.pop(e)
+            with annotate(self.stage, names.RETURN, e):
+                sends = [self.transport.isend(t.wait(), self.peer, tag=(e << TAG_SHIFT) | index)
+                         for index, t in enumerate(transfers)]
+                self.returning.append((self.waiter.watch([w for w, _ in sends]), sends))
+        self._accept(self.plan.accept_after.get(action_index, ()))
+        self.progress()
 
     def progress(self) -> None:
         """Free the buffers of returns that completed."""

@@ -27,7 +27,8 @@ from collectors.pipelining import annotate
 from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.config import PRESETS
-from collectors.trainer.model import GPT, layer_ranges
+from collectors.trainer.model import GPT
+from traceana.pipeline_rules import stage_layer_ranges
 from traceana.manifest import Manifest
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
@@ -39,7 +40,7 @@ class Part(nn.Module):
     def __init__(self, model: GPT, *, stage: int, stages: int) -> None:
         super().__init__()
         self.first, self.last = stage == 0, stage == stages - 1
-        self.layers = nn.ModuleList(model.blocks[i] for i in layer_ranges(model.shape.layers, stages)[stage])
+        self.layers = nn.ModuleList(model.blocks[i] for i in stage_layer_ranges(model.shape.layers, stages)[stage])
         if self.first:
             self.embed, self.pos = model.embed, model.pos
         if self.last:

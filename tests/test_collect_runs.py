@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from collected_runs import RUNS  # noqa: E402
-from collectors.bpipe import pair_of, plan_for  # noqa: E402
+from traceana.pipeline_rules import bpipe_plan  # noqa: E402
 from collectors.trainer.config import CollectConfig  # noqa: E402
 from traceana import names  # noqa: E402
 from traceana.cli import main as cli  # noqa: E402
@@ -41,9 +41,10 @@ def _expected(config: CollectConfig, stage: int) -> Counter:
             actions += [names.SEND_F, names.RECV_B, names.WAIT_B]
         for action in actions:
             want[names.pp_label(stage, action, mb)] += 1
-    pair = pair_of(stage, p) if config.bpipe else None
+    pair = next((pair for pair in config.bpipe_pairs if stage in pair), None)
     if pair is not None:
-        plan = plan_for(config.schedule, *pair, p, config.microbatches, config.bpipe_inflight)
+        plan = bpipe_plan(config.schedule, pp=p, num_microbatches=config.microbatches, evictor=pair[0],
+                          keep=config.bpipe_inflight)
         out, back = (names.EVICT, names.LOAD) if stage == pair[0] else (names.ACCEPT, names.RETURN)
         for mb in plan.order:
             want[names.pp_label(stage, out, mb)] += 1
@@ -81,7 +82,8 @@ def test_run_json_and_each_trace_describe_the_run(collected_run, name):
     assert manifest.stage_of_rank == tuple(range(config.pp))
     assert manifest.schedule == config.schedule and manifest.num_microbatches == config.microbatches
     assert manifest.model.name == config.preset
-    assert manifest.bpipe == (((0, 3), (1, 2)) if config.bpipe else None)
+    # pair (1, 2) holds 3 + 2 micro-batches, already balanced: only (0, 3) moves anything
+    assert manifest.bpipe == (((0, 3),) if config.bpipe else None)
     for rank in range(config.pp):
         trace = _trace(run_dir, rank)
         meta = trace["traceana"]

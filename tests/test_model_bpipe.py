@@ -54,12 +54,14 @@ def test_candidates_keep_the_global_batch():
 
 def test_bpipe_helps_by_removing_recompute():
     # Naive attention with activations dominating: without BPipe only recompute fits; balanced to ⌈9/2⌉ = 5 micro-
-    # batches (stage 0 held 8) the run fits without recompute: the classic BPipe win (Kim et al. 2023).
+    # batches (stage 0 held 8) the run fits without recompute: the classic BPipe win (Kim et al. 2023). The largest
+    # stage is then an acceptor: its own micro-batch with the fp32 logits plus 4 of stage 0's (it takes the next
+    # before it returns the last), so the peak falls by less than 5/8 of the activations.
     cfg = TrainingConfig(model=MODELS["llama-7b"], pp=8, tp=1, microbatch_size=1, num_microbatches=32,
                          attention="naive")
     peak = lambda c: estimate_step(c, device=None, curve=EfficiencyCurve(), peak_flops=1e15).peak_bytes  # noqa: E731
     without, with_ = peak(cfg), peak(cfg.replace(bpipe=True))
-    assert with_ < 0.8 * without
+    assert with_ < 0.85 * without
     dev = Device("between", (without + with_) / 2, 312e12, "test")
     v = bpipe_verdict(cfg, device=dev, network=Network(bpipe_bytes_per_s=1e13))
     assert v.reference.config.recompute != "none"

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from traceana import schema
 from traceana.errors import ConfigError
-from traceana.model.simulate import Costs, StageTimes, bubble_fraction, device_order, simulate
+from traceana.model.simulate import Costs, StageTimes, bubble_fraction, simulate
+from traceana.pipeline_rules import device_order
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -134,43 +135,12 @@ def test_attribution_tiles_the_step(schedule, p, rounds, fwd, bwd, rec, p2p, sen
     assert overlap_rows.height == 0
 
 
-@pytest.mark.parametrize("p, m", [(4, 8), (4, 4), (6, 12), (8, 16), (5, 7)])
-def test_bpipe_plan_is_the_collectors_plan(p, m):
-    collectors_bpipe = pytest.importorskip("collectors.bpipe")
-    from traceana.model.memory import microbatches_in_flight
-    from traceana.model.simulate import bpipe_plan
-
-    for e in range(p // 2):
-        q = p - 1 - e
-        keep = collectors_bpipe.balanced_keep("1f1b", e, q, p, m)
-        cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=m)
-                     + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=m)) // 2)
-        assert cap == keep
-        ours = bpipe_plan(device_order("1f1b", pp=p, num_microbatches=m, device=e), cap)
-        theirs = collectors_bpipe.plan_for("1f1b", e, q, p, m)
-        assert ours == theirs.evict_before
-
-
 def test_bpipe_blocking_costs_land_on_evictor_and_acceptor():
-    from traceana.model.simulate import bpipe_plan
-
     times = StageTimes.uniform(4, forward=100, backward=200)
     sim = simulate("1f1b", pp=4, num_microbatches=8, times=times, bpipe=True,
                    costs=Costs(evict_block_ns=10, accept_block_ns=7))
-    n = sum(len(v) for v in bpipe_plan(device_order("1f1b", pp=4, num_microbatches=8, device=0), 3).values())
+    n = 3  # stage 0 keeps 3 of its 4: micro-batches 2, 4 and 6 leave (tests/test_pipeline_rules.py)
     att = {(r, c): ns for r, c, ns in sim.attribution.select("rank", "category", "ns").iter_rows()}
     assert n == sim.evicted[0] > 0
     assert att[(0, "bpipe")] == 10 * n
-    assert att[(3, "bpipe")] == 2 * 7 * n  # accept before a forward, return after the backward
-
-
-def test_bpipe_acceptor_holds_early_posted_buffers():
-    from traceana.model.simulate import bpipe_acceptor_peak, bpipe_plan
-
-    plan = bpipe_plan(device_order("1f1b", pp=4, num_microbatches=8, device=0), 3)
-    victims = [v for vs in plan.values() for v in vs]
-    assert victims == [2, 4, 6]
-    # stage 3 accepts 2 before its F0, 4 before F1, 6 before F3, returns each after its own backward of it
-    own, accepted = bpipe_acceptor_peak(device_order("1f1b", pp=4, num_microbatches=8, device=3), victims,
-                                        acceptor=3, evictor=0)
-    assert (own, accepted) == (1, 2)  # more than the pair balance's 1 + 1
+    assert att[(3, "bpipe")] == 2 * 7 * n  # each accepted once and returned once

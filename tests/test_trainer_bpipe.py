@@ -6,9 +6,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from collectors.bpipe import Evictor, Plan  # noqa: E402
+from collectors.bpipe import Evictor  # noqa: E402
+from traceana.pipeline_rules import BPipePlan  # noqa: E402
 from collectors.trainer.config import PRESETS  # noqa: E402
 from collectors.trainer.model import GPT, Stage  # noqa: E402
+
+# micro-batch 0 leaves once; the tests drive evict/load by hand
+_ONE_EVICTION = BPipePlan(evictor=0, acceptor=1, keep=1, evict_before={}, load_before={}, accept_after={},
+                          return_after={}, order=(0,))
 
 
 class Loopback:
@@ -64,7 +69,7 @@ def test_evicting_and_loading_back_gives_bitwise_equal_gradients(preset, attenti
 
     stage = _stage(preset, attention, recompute)
     link = Loopback()
-    evictor = Evictor(stage=0, acceptor_rank=1, plan=Plan(1, {}, {}, (0,), {0: 1}), module=stage, transport=link)
+    evictor = Evictor(stage=0, acceptor_rank=1, plan=_ONE_EVICTION, module=stage, transport=link)
     x_probe = torch.zeros(2, PRESETS[preset].seq, dtype=torch.int64)
     with evictor.capture(-1):
         y_probe = stage(x_probe)
@@ -91,7 +96,7 @@ def test_evicting_and_loading_back_gives_bitwise_equal_gradients(preset, attenti
 def test_parameter_views_stage_input_and_output_stay_and_shared_storages_go_once():
     stage = _stage("tiny-gpt", "sdpa", "none")
     link = Loopback()
-    evictor = Evictor(stage=0, acceptor_rank=1, plan=Plan(1, {}, {}, (0,), {0: 1}), module=stage, transport=link)
+    evictor = Evictor(stage=0, acceptor_rank=1, plan=_ONE_EVICTION, module=stage, transport=link)
     x = _input(stage, 0)
     with evictor.capture(0):
         y = stage(x)
@@ -114,7 +119,7 @@ def test_parameter_views_stage_input_and_output_stay_and_shared_storages_go_once
 
 def test_an_inplace_change_to_a_saved_tensor_is_caught_before_eviction():
     stage = _stage("tiny-gpt", "naive", "none")
-    evictor = Evictor(stage=0, acceptor_rank=1, plan=Plan(1, {}, {}, (0,), {0: 1}), module=stage,
+    evictor = Evictor(stage=0, acceptor_rank=1, plan=_ONE_EVICTION, module=stage,
                       transport=Loopback())
     x = _input(stage, 0)
     with evictor.capture(0):

@@ -15,6 +15,7 @@ from traceana import classify as cls
 from traceana import memory as mem
 from traceana import names, pipeline, timeline
 from traceana.ingest import Run
+from traceana.pipeline_rules import stage_layers
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 
 
@@ -177,15 +178,14 @@ def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float 
     if missing:
         return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
     model, pp = m.model, m.pp
-    base, extra = divmod(model.layers, pp)
+    layers_of = stage_layers(model.layers, pp)
     rows = []
     step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
     secs = dict(step_s.rows())
     for rank, stage in stages.select("rank", "stage").rows():
-        if stage is None or rank not in secs or not secs[rank]:
+        if stage is None or not 0 <= stage < pp or rank not in secs or not secs[rank]:
             continue
-        layers = base + (1 if stage < extra else 0)
-        kw = dict(layers=layers, microbatch_size=m.microbatch_size, last=stage == pp - 1)
+        kw = dict(layers=layers_of[stage], microbatch_size=m.microbatch_size, last=stage == pp - 1)
         model_f = _stage_flops(model, recompute="none", **kw) * m.num_microbatches
         hw_f = _stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
         rows.append((rank, model_f / (secs[rank] * peak * m.tp), hw_f / (secs[rank] * peak * m.tp)))

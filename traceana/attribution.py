@@ -1,7 +1,7 @@
 """Where each (rank, step)'s wall time goes: schema.CATEGORIES, disjoint, summing exactly to the step.
 
 Every instant of a step gets the first category (in this priority order) whose intervals cover it
-(ARCHITECTURE.md: compute > collective > bpipe > p2p > idle):
+(docs/architecture.md: compute > collective > bpipe > p2p > idle):
 
 1. compute — the rank is busy (timeline.busy_events); split by the schedule window the work was launched in:
    ``recompute`` (inside B) > ``optimizer`` > ``backward`` > ``forward`` > ``other_compute`` (no window);
@@ -10,13 +10,13 @@ Every instant of a step gets the first category (in this priority order) whose i
    a BPipe message — either side classified as BPipe — is in flight);
 4. ``p2p`` — a P2P message is moving bytes (after ``data_ready``: the peer's send had started and the receiver
    had posted);
-5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): ``bubble_warmup``
-   before the stage's first forward of the step, ``bubble_cooldown`` after its last forward (the drain: only
-   backward work is left, so waits are the pipeline emptying), ``bubble_stall`` in between;
+5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): a bubble by the
+   pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
+   of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
+   pipeline emptying), ``bubble_stall`` in between;
 6. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
 
-Deviation from ARCHITECTURE.md, on purpose: cooldown starts after the stage's last *forward*, not its last
-backward. In 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would
+Cool-down starts after the stage's last *forward*, not its last backward: in 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would
 leave it no cooldown at all, while its waits between the final p−1 backwards are exactly the drain bubble
 (Narayanan et al. 2021, §2.2, Fig. 4).
 """
@@ -26,7 +26,8 @@ from __future__ import annotations
 import polars as pl
 
 from traceana import intervals as iv
-from traceana import names
+from traceana import names, pipeline_rules
+from traceana.pipeline_rules import bubble_windows
 from traceana.schema import ATTRIBUTION, CATEGORIES, Category, conform
 
 SEGMENTS = {"rank": pl.Int32, "step": pl.Int32, "category": Category, "start_ns": pl.Int64, "end_ns": pl.Int64}
@@ -125,19 +126,15 @@ def segments(
     transfer, wait = p2p_intervals(pairs, unmatched)
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
     wait = clip(pl.concat([wait, explicit_wait]))
-    # The stage's first and last forward *work* (on a GPU, kernels run later than the CPU annotation says).
-    fwd = clip(compute["forward"]).group_by("rank", "step").agg(
-        pl.col("start").min().alias("_f0"), pl.col("end").max().alias("_f1"))
-    edges = windows.join(fwd, on=["rank", "step"])
-    # The waits before the first forward, and after the last (cut pieces: partition takes their union).
-    warm = iv.clip(wait, edges.select("rank", "step", "start", pl.col("_f0").alias("end")), on=["rank", "step"],
-                   window_keys=[])
-    cool = iv.clip(wait, edges.select("rank", "step", pl.col("_f1").alias("start"), "end"), on=["rank", "step"],
-                   window_keys=[])
+    # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
+    # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
+    bubbles = iv.clip(wait, bubble_windows(windows, clip(compute["forward"])), on=["rank", "step"],
+                      window_keys="category", keep_order=False)
     layers = [
         *((ph, compute[ph]) for ph in ("recompute", "optimizer", "backward", "forward", "other_compute")),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
-        ("bubble_warmup", warm), ("bubble_cooldown", cool), ("bubble_stall", wait),
+        *((b, bubbles.filter(pl.col("category") == b).drop("category")) for b in (
+            pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN, pipeline_rules.BUBBLE_STALL)),
     ]
     segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category")
     return conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)

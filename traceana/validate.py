@@ -21,8 +21,9 @@ from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import estimate_stage_memory, layer_activation_bytes
-from traceana.model.bpipe import Verdict, terms_of
+from traceana.model.bpipe import HELPS_ABOVE, Verdict, terms_of
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
+from traceana.pipeline_rules import bpipe_plan
 
 LOCAL_COPY_BYTES_PER_NS = 1.0  # 1 GB/s: an assumption for moving activations between processes on one host
 PHASE_CATEGORIES = ("forward", "backward", "recompute", "optimizer")
@@ -174,17 +175,11 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     evict_block = accept_block = 0.0
     pairs_of_run = analysis.run.manifest.bpipe if analysis.run.manifest and analysis.run.manifest.bpipe else ()
     if pairs_of_run and cfg.schedule == "1f1b":
-        from traceana.model.memory import microbatches_in_flight
-        from traceana.model.simulate import bpipe_plan, device_order
-
         per_step = per_rank.group_by("rank").agg(pl.col("bpipe").mean())
         spent = dict(per_step.iter_rows())
         ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
         for e, q in pairs_of_run:
-            cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=cfg.num_microbatches)
-                         + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=cfg.num_microbatches)) // 2)
-            order = device_order("1f1b", pp=p, num_microbatches=cfg.num_microbatches, device=e)
-            n = sum(len(v) for v in bpipe_plan(order, cap).values())
+            n = bpipe_plan("1f1b", pp=p, num_microbatches=cfg.num_microbatches, evictor=e).evicted
             if n:
                 ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
                 acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0
@@ -325,7 +320,8 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
 def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
     """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage.
 
-    Saved activations of the micro-batches in flight (own and, with BPipe, accepted) plus one layer's backward
+    Saved activations of the micro-batches in flight (own and, with BPipe, accepted: the plan's holding, which the
+    reference collector's acceptor follows) plus one layer's backward
     working memory. Gradients count only when they are allocated inside the measured step window: a loop that calls
     zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference trainer)
     frees last step's gradients after the window's start and allocates new ones before its end: net zero.
@@ -333,24 +329,6 @@ def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False
     work = backward_working_bytes(cfg)
     stages = estimate_stage_memory(cfg)
     act = [st.activation_bytes for st in stages]
-    if cfg.bpipe and cfg.eager and cfg.schedule == "1f1b":
-        # The reference collector's acceptor allocates a buffer when it posts the receive, early (bpipe_acceptor_peak):
-        # count what it really holds instead of the pair-balance count.
-        from traceana.model.memory import bpipe_pairs, microbatches_in_flight
-        from traceana.model.simulate import bpipe_acceptor_peak, bpipe_plan, device_order
-
-        p, m = cfg.pp, cfg.num_microbatches
-        for e, q in bpipe_pairs(p):
-            cap = -(-int(microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=m)
-                         + microbatches_in_flight("1f1b", pp=p, stage=q, num_microbatches=m)) // 2)
-            plan = bpipe_plan(device_order("1f1b", pp=p, num_microbatches=m, device=e), cap)
-            victims = [v for vs in plan.values() for v in vs]
-            own, accepted = bpipe_acceptor_peak(device_order("1f1b", pp=p, num_microbatches=m, device=q), victims,
-                                                acceptor=q, evictor=e)
-            # what one eviction moves: the evictor's saved activations, not the stage output its runner keeps
-            pinned = cfg.precision.activation_bytes * cfg.model.seq * cfg.microbatch_size * cfg.model.hidden
-            act[q] = own * stages[q].activation_per_microbatch + accepted * (stages[e].activation_per_microbatch
-                                                                           - pinned)
     return [
         a + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
         for a, st in zip(act, stages)
@@ -532,7 +510,7 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
     after = estimate_stage_memory(target)
     changed = ", ".join(f"{k} {deltas[k] * 1e3:+.1f} ms" for k in sorted(deltas, key=lambda k: -abs(deltas[k]))
                         if abs(deltas[k]) > 1e-5)
-    helps = speedup > 1.005
+    helps = speedup > HELPS_ABOVE
     sentence = (
         f"BPipe {'would help' if helps else 'would not help'} this run ({speedup:.3f}×: "
         f"{ref.step_ns / 1e6:.1f} → {sim.step_ns / 1e6:.1f} ms per step"

@@ -10,19 +10,12 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
+from traceana.model.presets import TINY_MODELS
+from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
-# benchmarks. Published shapes live in traceana.model.presets; these are for collecting.
-PRESETS: dict[str, ModelShape] = {
-    "tiny-gpt": ModelShape(family="gpt", layers=8, hidden=64, heads=4, vocab=256, seq=64, name="tiny-gpt"),
-    "tiny-llama": ModelShape(
-        family="llama", layers=8, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256, seq=64, name="tiny-llama"
-    ),
-    "small-gpt": ModelShape(family="gpt", layers=8, hidden=128, heads=4, vocab=512, seq=128, name="small-gpt"),
-    "small-llama": ModelShape(
-        family="llama", layers=8, hidden=128, heads=4, kv_heads=2, ffn=352, vocab=512, seq=128, name="small-llama"
-    ),
-}
+# benchmarks: the model's own table, so estimate and validate know exactly what was trained.
+PRESETS: dict[str, ModelShape] = TINY_MODELS
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -77,6 +70,12 @@ class CollectConfig:
             )
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
+        if self.bpipe and not self.bpipe_pairs:
+            raise ConfigError(
+                f"BPipe can balance nothing at --pp {self.pp} with {self.microbatches} micro-batches: no evictor "
+                "would hold fewer micro-batches than it does without it (the acceptor would have to take the next "
+                "before returning the last)",
+                fix="drop --bpipe, use --pp 4 or more with 1F1B, or set --bpipe-inflight")
 
     @property
     def shape(self) -> ModelShape:
@@ -92,8 +91,12 @@ class CollectConfig:
 
     @property
     def bpipe_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(evictor, acceptor) stage pairs: s with p-1-s for s < p/2 (the middle stage of an odd p has no partner)."""
-        return tuple((s, self.pp - 1 - s) for s in range(self.pp // 2)) if self.bpipe else ()
+        """(evictor, acceptor) stage pairs whose BPipe plan evicts something (pipeline_rules.bpipe_plan)."""
+        if not self.bpipe:
+            return ()
+        return tuple((e, a) for e, a in bpipe_pairs(self.pp)
+                     if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.microbatches, evictor=e,
+                                   keep=self.bpipe_inflight).evicted)
 
     def replace(self, **changes: object) -> CollectConfig:
         return dataclasses.replace(self, **changes)

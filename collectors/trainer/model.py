@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from traceana.manifest import ModelShape
+from traceana.pipeline_rules import stage_layer_ranges
 
 
 class RMSNorm(nn.Module):
@@ -172,20 +173,13 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
 
-def layer_ranges(layers: int, stages: int) -> list[range]:
-    """Contiguous, balanced split of the blocks: earlier stages take the remainder (they also have fewer extras)."""
-    base, extra = divmod(layers, stages)
-    starts = [s * base + min(s, extra) for s in range(stages + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(stages)]
-
-
 class Stage(nn.Module):
     """One pipeline stage: the embedding on the first stage, its blocks, the final norm + head + loss on the last."""
 
     def __init__(self, model: GPT, *, stage: int, stages: int) -> None:
         super().__init__()
         self.stage, self.first, self.last = stage, stage == 0, stage == stages - 1
-        self.layer_ids = layer_ranges(model.shape.layers, stages)[stage]
+        self.layer_ids = stage_layer_ranges(model.shape.layers, stages)[stage]
         if self.first:
             self.embed, self.pos = model.embed, model.pos
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in self.layer_ids})

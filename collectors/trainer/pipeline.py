@@ -15,8 +15,8 @@ from collectors import annotations as ann
 from collectors.bpipe import Acceptor, Evictor
 from collectors.trainer.comm import Transport, Waiter
 from collectors.trainer.model import Recompute, Stage
-from collectors.trainer.schedules import F, Action
 from traceana import names
+from traceana.pipeline_rules import FORWARD, Op
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StageRunner:
     stage_module: Stage
     stage: int
     stages: int
-    actions: list[Action]
+    actions: list[Op]
     microbatches: int
     activation_shape: tuple[int, ...]  # (microbatch_size, seq, hidden): what flows between stages
     transport: Transport
@@ -47,11 +47,11 @@ class StageRunner:
         """One training step's forwards and backwards (gradients accumulate in ``.grad``). Returns the mean
         micro-batch loss on the last stage, None elsewhere."""
         losses = []
+        if self.acceptor:
+            self.acceptor.start_step()
         for index, action in enumerate(self.actions):
-            if self.acceptor:
-                self.acceptor.before(index)
             self._prune_sends()
-            if (action.kind == F and self.first) or (action.kind != F and self.last):
+            if (action.action == FORWARD and self.first) or (action.action != FORWARD and self.last):
                 self.transport.flush()  # this action receives nothing: post held sends (NCCL batching)
             if self.evictor:
                 for victim in self.evictor.plan.evict_before.get(index, ()):
@@ -59,12 +59,14 @@ class StageRunner:
                     self.evictor.evict(victim, held=(x, y, inputs, targets))
                 if index in self.evictor.plan.load_before:
                     self.evictor.prefetch(action.microbatch)  # overlaps the wait for the incoming gradient
-            if action.kind == F:
+            if action.action == FORWARD:
                 loss = self.forward(action.microbatch, inputs, targets, capture=self._captures(action.microbatch))
                 if loss is not None:
                     losses.append(loss)
             else:
                 self.backward(action.microbatch)
+                if self.acceptor:  # after our gradient is on its way: the evictor needs it before it needs the load
+                    self.acceptor.after_backward(index, action.microbatch)
         self.transport.flush()
         for done, _, _ in self._sends:
             done.wait()
@@ -126,8 +128,6 @@ class StageRunner:
         if not self.first:
             with ann.annotate(s, names.SEND_B, mb):
                 self._send(x.grad, self.rank_of_stage[s - 1])
-        if self.acceptor:  # after our gradient is on its way: the evictor needs it before it needs the load
-            self.acceptor.after_backward(mb)
         del x, y
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:

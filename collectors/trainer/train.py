@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from collectors import annotations as ann
-from collectors.bpipe import Acceptor, Evictor, new_groups, pair_of, plan_for
+from collectors.bpipe import Acceptor, Evictor, new_groups
 from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.comm import Transport
 from collectors.trainer.config import CollectConfig
 from collectors.trainer.model import GPT, Stage
 from collectors.trainer.pipeline import StageRunner
-from collectors.trainer.schedules import actions_for
 from traceana.manifest import Manifest
+from traceana.pipeline_rules import bpipe_plan, device_order
 
 
 @dataclass
@@ -89,15 +89,16 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     model = GPT(shape, attention=config.attention, recompute_mode=config.recompute)
     module = Stage(model, stage=stage, stages=stages).to(setup.device)
     rank_of_stage = list(range(stages))
-    actions = actions_for(config.schedule, stage, stages, config.microbatches)
+    actions = device_order(config.schedule, pp=stages, num_microbatches=config.microbatches, device=stage)
     batch = setup.backend == "nccl" if config.batch_p2p is None else config.batch_p2p
     transport = Transport(setup.device, setup.host_staged, batch_sends=batch)
     act_shape = (config.microbatch_size, shape.seq, shape.hidden)
     runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage)
-    pair = pair_of(stage, stages) if config.bpipe else None
+    pair = next((pair for pair in config.bpipe_pairs if stage in pair), None)
     if pair is not None:
         evictor, acceptor = pair
-        plan = plan_for(config.schedule, evictor, acceptor, stages, config.microbatches, config.bpipe_inflight)
+        plan = bpipe_plan(config.schedule, pp=stages, num_microbatches=config.microbatches, evictor=evictor,
+                          keep=config.bpipe_inflight)
         # On NCCL the BPipe group is gloo through host memory (see new_groups): staged like several-stages-per-GPU.
         bp = Transport(setup.device, setup.host_staged or setup.backend == "nccl", group=groups[pair])
         if stage == evictor:
@@ -107,8 +108,8 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
             _send_layout(layout, rank_of_stage[acceptor], bp)
         else:
             layout = _recv_layout(rank_of_stage[evictor], bp)
-            runner.acceptor = Acceptor(stage=stage, evictor_stage=evictor, evictor_rank=rank_of_stage[evictor],
-                                       plan=plan, layout=layout, actions=actions, transport=bp)
+            runner.acceptor = Acceptor(stage=stage, evictor_rank=rank_of_stage[evictor], plan=plan, layout=layout,
+                                       transport=bp)
     return runner
 
 

@@ -29,9 +29,12 @@ import polars as pl
 from traceana.errors import ConfigError
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
-from traceana.model.memory import bpipe_pairs, estimate_stage_memory
+from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
+from traceana.pipeline_rules import bpipe_pairs
+
+HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,7 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
                        "BPipe does not help: no configuration fits even with balanced activations.", assumptions)
     deltas = {k: best.terms[k] - reference.terms[k] for k in reference.terms}
     speedup = reference.step_s / best.step_s
-    helps = speedup > 1.005
+    helps = speedup > HELPS_ABOVE
     deciding = max(deltas, key=lambda k: abs(deltas[k]))
     sentence = _sentence(helps, speedup, reference, best, deltas, deciding,
                          fits_without=_best(plain) is not None)

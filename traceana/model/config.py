@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, RECOMPUTES, Manifest, ModelShape
+from traceana.pipeline_rules import stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
 MODEL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -119,8 +120,7 @@ class TrainingConfig:
         """Layers held by each device (all its virtual chunks together)."""
         if self.layers_per_stage is not None:
             return self.layers_per_stage
-        base, rest = divmod(self.model.layers, self.pp)
-        return tuple(base + (1 if s < rest else 0) for s in range(self.pp))
+        return stage_layers(self.model.layers, self.pp)
 
     def replace(self, **changes) -> TrainingConfig:
         return dataclasses.replace(self, **changes)

@@ -20,21 +20,17 @@ What this module adds, each derived term by term in :func:`layer_activation_term
 - the element size (2 bytes for bf16/fp16, 4 for the fp32 CPU trainer).
 Recompute: full keeps only each layer's input (Korthikanti Table 2, "2sbh"); selective drops the s×s core (§5).
 
-Micro-batches in flight: GPipe holds all m; 1F1B stage s holds min(p−s, m) (Narayanan et al. 2021 §2.2.1); interleaved
-1F1B holds (p−s−1)·2 + (v−1)·p + 1 chunks of L/(p·v) layers on device s (Megatron-LM's warm-up count; for s = 0 this is
-Korthikanti's p·(1 + (p−1)/(p·v)) micro-batches of a whole stage). BPipe (Kim et al. 2023, "BPipe: Memory-Balanced
-Pipeline Parallelism for Training Large Language Models", ICML) pairs stage s with p−1−s: the evictor sends the
-activations of its extra micro-batches to the acceptor, and each ends up holding about ⌈(n_s + n_{p−1−s})/2⌉.
+Micro-batches in flight and BPipe's holding per stage are the pipeline rules' (traceana/pipeline_rules.py:
+``microbatches_in_flight``, ``bpipe_holding``), the same ones the trainer runs and the simulator schedules.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from traceana.errors import ConfigError
 from traceana.manifest import ModelShape
 from traceana.model.config import TrainingConfig
+from traceana.pipeline_rules import bpipe_holding, bpipe_pairs, microbatches_in_flight
 
 LSE_BYTES = 4  # flash attention saves one fp32 log-sum-exp per (head, query token)
 LOGIT_BYTES = 4  # cross-entropy keeps fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
@@ -187,53 +183,6 @@ def stage_extra_activation_bytes(cfg: TrainingConfig, *, first: bool, last: bool
     return extra
 
 
-# --- micro-batches in flight ------------------------------------------------------------------------------------------
-def microbatches_in_flight(schedule: str, *, pp: int, stage: int, num_microbatches: int,
-                           virtual_stages: int = 1) -> float:
-    """Peak number of micro-batches whose activations a device holds, in units of its whole share of layers.
-
-    For interleaved 1F1B a "micro-batch" of a chunk is 1/v of the device's layers, so the count may be fractional.
-    """
-    p, s, m, v = pp, stage, num_microbatches, virtual_stages
-    if not 0 <= s < p:
-        raise ConfigError(f"stage {s} is outside 0..{p - 1}", fix="check the pipeline degree")
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p - s, m))
-    if schedule == "interleaved-1f1b":
-        chunks = min((p - s - 1) * 2 + (v - 1) * p + 1, m * v)
-        return chunks / v
-    raise ConfigError(f"no in-flight rule for schedule {schedule!r}", fix="use gpipe, 1f1b or interleaved-1f1b")
-
-
-def bpipe_pairs(pp: int) -> tuple[tuple[int, int], ...]:
-    """BPipe's (evictor, acceptor) pairs: stage s with p−1−s for s < p/2 (the middle stage of an odd p is unpaired)."""
-    return tuple((s, pp - 1 - s) for s in range(pp // 2))
-
-
-def bpipe_balance(in_flight: list[float], pairs: tuple[tuple[int, int], ...]) -> list[tuple[float, float]]:
-    """(own, foreign) micro-batches each stage holds with BPipe.
-
-    The evictor keeps ⌈(n_e + n_a)/2⌉ of its own and sends the rest to the acceptor, which then holds its own n_a plus
-    those. With 1F1B, n_s + n_{p−1−s} = p + 1 for every pair, so every stage holds about ⌈(p+1)/2⌉.
-    """
-    held = [(n, 0.0) for n in in_flight]
-    for evictor, acceptor in pairs:
-        n_e, n_a = in_flight[evictor], in_flight[acceptor]
-        if n_e < n_a:
-            raise ConfigError(
-                f"BPipe pair ({evictor}, {acceptor}): the evictor holds fewer micro-batches ({n_e}) than the acceptor "
-                f"({n_a})",
-                fix="list pairs as (evictor, acceptor) with the evictor nearer the pipeline's start",
-            )
-        keep = math.ceil((n_e + n_a) / 2)
-        moved = n_e - keep
-        held[evictor] = (keep, 0.0)
-        held[acceptor] = (n_a, moved)
-    return held
-
-
 # --- per stage ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StageMemory:
@@ -285,6 +234,8 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
                                virtual_stages=cfg.virtual_stages)
         for s in range(p)
     ]
+    held = (bpipe_holding(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches) if cfg.bpipe
+            else [(n, 0.0) for n in in_flight])
     # The reference trainer's runner keeps each in-flight micro-batch's stage output (sent downstream, needed for
     # its backward); no layer saves it. BPipe cannot evict it (collectors/bpipe.py), so it stays on the evictor.
     pinned = [
@@ -293,7 +244,6 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
         for s in range(p)
     ]
     per_mb = [x + pin for x, pin in zip(per_mb, pinned)]
-    held = bpipe_balance(in_flight, bpipe_pairs(p)) if cfg.bpipe else [(n, 0.0) for n in in_flight]
     partner = {a: e for e, a in bpipe_pairs(p)} if cfg.bpipe else {}
     evicted = {e: in_flight[e] - held[e][0] for e in partner.values()}
     prec = cfg.precision

@@ -30,16 +30,15 @@ waiting while a message is in flight is ``p2p``, waiting for a BPipe load is ``b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana import intervals as iv
 from traceana import schema
 from traceana.errors import ConfigError
-from traceana.model.memory import bpipe_pairs, microbatches_in_flight
-
-SIM_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+from traceana.pipeline_rules import SCHEDULES as SIM_SCHEDULES
+from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, bubble_windows, device_order
 
 
 @dataclass(frozen=True)
@@ -109,84 +108,6 @@ class Simulation:
     evicted: tuple[int, ...] = field(default_factory=tuple)  # per device: micro-batches it evicted
 
 
-# --- operation orders ----------------------------------------------------------------------------------------------
-def device_order(schedule: str, *, pp: int, num_microbatches: int, device: int,
-                 virtual_stages: int = 1) -> list[tuple[str, int, int]]:
-    """The (action "F"/"B", virtual stage, micro-batch) sequence a device runs in one step."""
-    p, m, d, v = pp, num_microbatches, device, virtual_stages
-    if schedule == "gpipe":
-        return [("F", d, j) for j in range(m)] + [("B", d, j) for j in range(m)]
-    if schedule == "1f1b":
-        fwd = [("F", d, j) for j in range(m)]
-        bwd = [("B", d, j) for j in range(m)]
-        warm = min(p - d - 1, m)
-    elif schedule == "interleaved-1f1b":
-        groups = [range(r, min(r + p, m)) for r in range(0, m, p)]
-        fwd = [("F", c * p + d, j) for g in groups for c in range(v) for j in g]
-        bwd = [("B", c * p + d, j) for g in groups for c in reversed(range(v)) for j in g]
-        warm = min((p - d - 1) * 2 + (v - 1) * p, m * v)
-    else:
-        raise ConfigError(f"cannot simulate schedule {schedule!r}", fix=f"use one of {', '.join(SIM_SCHEDULES)}")
-    order = fwd[:warm]
-    for i in range(len(fwd) - warm):
-        order += [fwd[warm + i], bwd[i]]
-    return order + bwd[len(fwd) - warm:]
-
-
-def bpipe_plan(order: list[tuple[str, int, int]], cap: int) -> dict[int, list[int]]:
-    """Evictions of one evictor: operation index (a forward) -> micro-batches evicted just before it.
-
-    The rule of collectors/bpipe.py's ``eviction_plan`` (and Kim et al. 2023): before a forward that would take the
-    resident count over ``cap`` — counting the load the next backward needs — evict the resident micro-batch whose
-    backward is furthest away (the newest); an evicted micro-batch is resident again from its backward. It depends
-    only on the order, so both partners (and the simulator) know it in advance."""
-    resident: set[int] = set()
-    evicted: set[int] = set()
-    plan: dict[int, list[int]] = {}
-    for i, (action, _, mb) in enumerate(order):
-        if action == "F":
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            needed = nxt[2] if nxt is not None and nxt[0] == "B" else None
-            need = 1 + (needed in evicted)
-            while len(resident) + need > cap:
-                candidates = resident - {needed}
-                if not candidates:
-                    break
-                victim = max(candidates)
-                resident.discard(victim)
-                evicted.add(victim)
-                plan.setdefault(i, []).append(victim)
-            resident.add(mb)
-        else:
-            evicted.discard(mb)
-            resident.discard(mb)
-    return plan
-
-
-def bpipe_acceptor_peak(order: list[tuple[str, int, int]], victims: list[int], *, acceptor: int,
-                        evictor: int) -> tuple[int, int]:
-    """(own, accepted) micro-batches an acceptor holds at its peak when, as collectors/bpipe.py does it, it posts the
-    receive for evicted micro-batch e (allocating its buffer) before its own forward of e − (q − s) and frees it after
-    returning it, right after its own backward of e."""
-    accept_at: dict[int, int] = {}
-    for e in victims:
-        x = max(0, e - (acceptor - evictor))
-        accept_at[x] = accept_at.get(x, 0) + 1
-    own = foreign = 0
-    best = (0, 0)
-    for action, _, mb in order:
-        if action == "F":
-            foreign += accept_at.get(mb, 0)
-            own += 1
-            if own + foreign > sum(best):
-                best = (own, foreign)
-        else:
-            own -= 1
-            if mb in victims:
-                foreign -= 1
-    return best
-
-
 # --- the simulation --------------------------------------------------------------------------------------------------
 def _split_wait(start: float, end: float, windows: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Label the pieces of an idle span [start, end): inside a window its category (earlier windows win), else idle."""
@@ -245,27 +166,12 @@ def simulate(
             raise ConfigError("BPipe is simulated on plain 1F1B only", fix="use schedule 1f1b without interleaving")
         pairs = bpipe_pairs(p) if bpipe is True else tuple(bpipe)
     acceptor_of = dict(pairs)
-    cap = {
-        e: math.ceil(
-            (microbatches_in_flight("1f1b", pp=p, stage=e, num_microbatches=m)
-             + microbatches_in_flight("1f1b", pp=p, stage=a, num_microbatches=m)) / 2
-        )
-        for e, a in pairs
-    }
-
     orders = [device_order(schedule, pp=p, num_microbatches=m, device=d, virtual_stages=v) for d in range(p)]
-    plans = {e: bpipe_plan(orders[e], cap[e]) for e in cap}
-    # The acceptor q = p−1−s accepts micro-batch e before its own forward of e − (q − s) and returns it right after
-    # its own backward of e (collectors/bpipe.py).
-    accept_before: dict[tuple[int, int], int] = {}
-    returns: set[tuple[int, int]] = set()
-    for e_dev, plan in plans.items():
-        q = acceptor_of[e_dev]
-        for victims in plan.values():
-            for victim in victims:
-                key = (q, max(0, victim - (q - e_dev)))
-                accept_before[key] = accept_before.get(key, 0) + 1
-                returns.add((q, victim))
+    plans = {e: bpipe_plan("1f1b", pp=p, num_microbatches=m, evictor=e) for e in acceptor_of}
+    cap = {e: plan.keep for e, plan in plans.items()}
+    # The acceptor posts its receives and returns where the plan says (pipeline_rules.bpipe_plan).
+    accept_after = {(plan.acceptor, j): len(v) for plan in plans.values() for j, v in plan.accept_after.items()}
+    returns = {(plan.acceptor, j) for plan in plans.values() for j in plan.return_after}
     idx = [0] * p
     free = [0.0] * p
     f_end: dict[tuple[int, int], float] = {}
@@ -356,8 +262,8 @@ def simulate(
                     busy(d, a, b, c)
                 t = start
                 if action == "F" and d in cap:
-                    # BPipe: evict what the plan says before this forward (bpipe_plan; collectors/bpipe.py).
-                    for victim in plans[d].get(idx[d], ()):
+                    # BPipe: evict what the plan says before this forward (pipeline_rules.bpipe_plan).
+                    for victim in plans[d].evict_before.get(idx[d], ()):
                         resident[d].remove(victim)
                         n_evicted[d] += 1
                         if costs.evict_block_ns:
@@ -372,9 +278,9 @@ def simulate(
                         if not costs.bpipe_overlap:
                             busy(d, ev_start, ev_end, "bpipe")
                             t = ev_end
-                if action == "F" and (d, mb) in accept_before and costs.accept_block_ns:
-                    # the acceptor posts its receive for an evicted micro-batch before this forward of its own
-                    n = accept_before[(d, mb)]
+                if idx[d] == 0 and (d, -1) in accept_after and costs.accept_block_ns:
+                    # the acceptor posts the receives the plan takes at the start of the step
+                    n = accept_after[(d, -1)]
                     busy(d, t, t + n * costs.accept_block_ns, "bpipe")
                     t += n * costs.accept_block_ns
                 if action == "F":
@@ -398,9 +304,11 @@ def simulate(
                     busy(d, t + r, end, "backward")
                     rows.append((d, vs, mb, "backward", t, end))  # measured B spans include their recompute
                     b_end[(vs, mb)] = end
-                    if (d, mb) in returns and costs.accept_block_ns:
-                        busy(d, end, end + costs.accept_block_ns, "bpipe")
-                        end += costs.accept_block_ns
+                    # the acceptor returns, then accepts, what the plan says after this backward
+                    n = ((d, idx[d]) in returns) + accept_after.get((d, idx[d]), 0)
+                    if n and costs.accept_block_ns:
+                        busy(d, end, end + n * costs.accept_block_ns, "bpipe")
+                        end += n * costs.accept_block_ns
                     note_held(end, d, -1.0 / v)
                     if d in cap and mb in resident[d]:
                         resident[d].remove(mb)
@@ -433,38 +341,20 @@ def simulate(
             rows.append((d, d, -1, "optimizer", free[d], free[d] + o))
         opt_end.append(free[d] + o)
     step_ns = max(opt_end)
-    att_rows = []
+    tile_rows: list[tuple[int, int, int, str]] = []  # device, start, end, category ("idle" where nothing runs)
+    window_rows: list[tuple[int, int, int, int]] = []  # device, step, start, end
     for d in range(p):
         w0, w1 = (opt_end[d] - step_ns, opt_end[d]) if window == "rolling" else (0.0, step_ns)
-        segs = sorted(segments[d])
-        first_f = min((r[4] for r in rows if r[0] == d and r[3] == "forward"), default=w0)
-        last_f = max((r[5] for r in rows if r[0] == d and r[3] == "forward"), default=w1)
-        tiles: list[tuple[float, float, str]] = []
+        window_rows.append((d, step, round(w0), round(w1)))
         cursor = w0
-        for a, b, c in segs:
+        for a, b, c in sorted(segments[d]):
             if a > cursor:
-                tiles.append((cursor, a, "idle"))
-            tiles.append((a, b, c))
+                tile_rows.append((d, round(cursor), round(a), "idle"))
+            tile_rows.append((d, round(a), round(b), c))
             cursor = b
         if cursor < w1:
-            tiles.append((cursor, w1, "idle"))
-        # Idle → bubble by position relative to the first and the last forward (split spans that straddle), as the
-        # measured attribution does (traceana/attribution.py: after the last forward only the drain is left).
-        acc: dict[str, int] = {c: 0 for c in schema.CATEGORIES}
-        for a, b, c in tiles:
-            ia, ib = round(a), round(b)
-            if c != "idle":
-                acc[c] += ib - ia
-                continue
-            for lo, hi, cat in ((-math.inf, first_f, "bubble_warmup"), (first_f, last_f, "bubble_stall"),
-                                (last_f, math.inf, "bubble_cooldown")):
-                lo_, hi_ = max(a, lo), min(b, hi)
-                if hi_ > lo_:
-                    acc[cat] += round(hi_) - round(lo_)
-        rank = rank_of_device[d] if rank_of_device else d
-        window_ns = round(w1) - round(w0)
-        for c in schema.CATEGORIES:
-            att_rows.append((rank, step, d, c, acc[c], acc[c] / window_ns if window_ns else 0.0))
+            tile_rows.append((d, round(cursor), round(w1), "idle"))
+    attribution = _attribution(tile_rows, window_rows, rows, step=step, rank_of_device=rank_of_device)
 
     sched = pl.DataFrame(
         {
@@ -479,7 +369,6 @@ def simulate(
         },
         schema=schema.SCHEDULE,
     ).sort("rank", "start_ns", "phase")
-    attribution = pl.DataFrame(att_rows, schema=list(schema.ATTRIBUTION.items()), orient="row")
     return Simulation(
         schedule=schema.check(sched, schema.SCHEDULE, "simulated schedule"),
         attribution=schema.check(attribution, schema.ATTRIBUTION, "simulated attribution"),
@@ -487,6 +376,33 @@ def simulate(
         peak_in_flight=tuple(peak),
         evicted=tuple(n_evicted),
     )
+
+
+def _attribution(tiles: list[tuple[int, int, int, str]], windows: list[tuple[int, int, int, int]],
+                 ops: list[tuple[int, int, int, str, float, float]], *, step: int,
+                 rank_of_device: tuple[int, ...] | None) -> pl.DataFrame:
+    """schema.ATTRIBUTION of the simulated step: busy tiles by their category, idle ones by the pipeline rules'
+    bubble windows (pipeline_rules.bubble_windows, the rule the measured attribution uses)."""
+    iv_schema = {"rank": pl.Int32, "start": pl.Int64, "end": pl.Int64}
+    tile = pl.DataFrame(tiles, schema={**iv_schema, "category": pl.String}, orient="row")
+    win = pl.DataFrame(windows, schema={"rank": pl.Int32, "step": pl.Int32, "start": pl.Int64, "end": pl.Int64},
+                       orient="row")
+    fwd = pl.DataFrame([(d, step, round(a), round(b)) for d, _, _, ph, a, b in ops if ph == "forward"],
+                       schema=win.schema, orient="row")
+    idle = tile.filter(pl.col("category") == "idle").drop("category")
+    bubbles = iv.clip(idle, bubble_windows(win, fwd), on="rank", window_keys="category")
+    parts = pl.concat([tile.filter(pl.col("category") != "idle"), bubbles.select(tile.columns)])
+    ns = parts.group_by("rank", "category").agg((pl.col("end") - pl.col("start")).sum().alias("ns"))
+    grid = win.select("rank", "step", (pl.col("end") - pl.col("start")).alias("_w")).join(
+        pl.DataFrame({"category": list(schema.CATEGORIES)}), how="cross")
+    out = (
+        grid.join(ns, on=["rank", "category"], how="left")
+        .with_columns(pl.col("ns").fill_null(0), pl.col("rank").alias("stage"))
+        .with_columns(pl.when(pl.col("_w") > 0).then(pl.col("ns") / pl.col("_w")).otherwise(0.0).alias("fraction"))
+    )
+    if rank_of_device:
+        out = out.with_columns(pl.col("rank").replace_strict(dict(enumerate(rank_of_device)), return_dtype=pl.Int32))
+    return out.select(list(schema.ATTRIBUTION)).cast(schema.ATTRIBUTION)
 
 
 def bubble_fraction(sim: Simulation) -> pl.DataFrame:
