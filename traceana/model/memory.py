@@ -272,6 +272,41 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
     return tuple(out)
 
 
+def backward_working_bytes(cfg: TrainingConfig) -> float:
+    """Gradient tensors alive at once while one layer's backward runs, on top of the saved activations.
+
+    MLP: the incoming gradient (T·h) and the gradients of the hidden activations (GELU: 2·T·f; SwiGLU: gate, up,
+    product and their concatenation, 4·T·f). Attention: the incoming gradient plus, naive, the gradients of the
+    probabilities and of the scores (2·a·s²·b), or, flash, the gradients of q, k and v (3·T·h). The larger one counts.
+    """
+    m, e = cfg.model, cfg.precision.activation_bytes
+    T = cfg.microbatch_size * m.seq
+    mlp = T * m.hidden + (4 if m.family == "llama" else 2) * T * m.ffn_dim
+    if cfg.attention == "naive" and cfg.recompute != "selective":
+        attn = T * m.hidden + 2 * m.heads * m.seq * m.seq * cfg.microbatch_size
+    else:
+        attn = 4 * T * m.hidden
+    return e * max(mlp, attn) / cfg.tp
+
+
+def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
+    """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage.
+
+    Saved activations of the micro-batches in flight (own and, with BPipe, accepted: the plan's holding, which the
+    reference collector's acceptor follows) plus one layer's backward
+    working memory. Gradients count only when they are allocated inside the measured step window: a loop that calls
+    zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference trainer)
+    frees last step's gradients after the window's start and allocates new ones before its end: net zero.
+    """
+    work = backward_working_bytes(cfg)
+    stages = estimate_stage_memory(cfg)
+    act = [st.activation_bytes for st in stages]
+    return [
+        a + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
+        for a, st in zip(act, stages)
+    ]
+
+
 def fits(stages: tuple[StageMemory, ...], *, device_bytes: float, reserve_bytes: float = 0.0) -> bool:
     """Whether every stage's peak fits in the device memory minus a reserve (allocator slack, workspaces, context)."""
     return all(st.total_bytes <= device_bytes - reserve_bytes for st in stages)
