@@ -130,12 +130,12 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     if not args.keep:
         shutil.rmtree(runs_dir, ignore_errors=True)
         log.unlink(missing_ok=True)
-    from reports import frames as F
-
     for (name, _), a in zip(RUNS, analyses, strict=True):
-        step, balance = F.step_time_ms(a), F.memory_balance(a)
-        console.print(f"  {name:9s} step {step:,.1f} ms · memory imbalance across stages "
-                      + (f"{balance:.2f}×" if balance else "–"))
+        s = a.summary
+        peak = (f"{s.largest_activation_peak_mib:,.2f} MiB on stage {s.largest_activation_stage}"
+                if s.largest_activation_peak_mib is not None else "–")
+        console.print(f"  {name:9s} step {s.step_ms:,.1f} ms · largest activation peak {peak} · memory imbalance "
+                      "across stages " + (f"{s.memory_balance:.2f}×" if s.memory_balance else "–"), highlight=False)
     from reports.validation import bpipe_verdict
 
     verdict = bpipe_verdict(analyses[0])

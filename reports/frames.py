@@ -28,70 +28,16 @@ def _ms(col: str, origin: int) -> pl.Expr:
     return ((pl.col(col) - origin) / NS_PER_MS).alias(col.replace("_ns", "_ms"))
 
 
-def _step_bounds(a: Analysis) -> pl.DataFrame:
-    """(rank, step, step_start, step_end): from the steps table, else from the schedule's own extent."""
-    from_schedule = a.schedule.group_by("rank", "step").agg(
-        step_start=pl.col("start_ns").min(), step_end=pl.col("end_ns").max()
-    )
-    from_steps = a.steps.select("rank", "step", step_start="start_ns", step_end="end_ns")
-    return (
-        from_schedule.join(from_steps, on=["rank", "step"], how="left", suffix="_s")
-        .select(
-            "rank",
-            "step",
-            step_start=pl.coalesce("step_start_s", "step_start"),
-            step_end=pl.coalesce("step_end_s", "step_end"),
-        )
-    )
-
-
-def bubble_spans(a: Analysis) -> pl.DataFrame:
-    """Idle gaps between a rank's scheduled spans, per step, labelled warm-up / stall / cool-down.
-
-    Same rule as the attribution's bubble categories (ARCHITECTURE.md): before the stage's first forward is warm-up,
-    after its last backward is cool-down, anything between is a stall. The gaps also hold exposed P2P and host time,
-    which the timeline draws on top from the p2p table; the exact split per category is the attribution table's.
-    """
-    sched = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null())
-    if sched.height == 0:
-        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int32, "kind": pl.String,
-                                    "start_ns": pl.Int64, "end_ns": pl.Int64})
-    bounds = _step_bounds(a)
-    marks = sched.group_by("rank", "step").agg(
-        first_forward=pl.col("start_ns").filter(pl.col("phase") == "forward").min(),
-        last_backward=pl.col("end_ns").filter(pl.col("phase").is_in(["backward", "recompute"])).max(),
-        last_end=pl.col("end_ns").max(),
-        first_start=pl.col("start_ns").min(),
-    )
-    inner = (
-        sched.sort("rank", "step", "start_ns")
-        .with_columns(prev_end=pl.col("end_ns").cum_max().shift(1).over("rank", "step"))
-        .filter(pl.col("start_ns") > pl.col("prev_end"))
-        .select("rank", "step", start_ns="prev_end", end_ns="start_ns")
-    )
-    edges = marks.join(bounds, on=["rank", "step"]).select(
-        "rank",
-        "step",
-        head_start="step_start",
-        head_end="first_start",
-        tail_start="last_end",
-        tail_end="step_end",
-    )
-    head = edges.select("rank", "step", start_ns="head_start", end_ns="head_end")
-    tail = edges.select("rank", "step", start_ns="tail_start", end_ns="tail_end")
-    gaps = pl.concat([head, inner, tail]).filter(pl.col("end_ns") > pl.col("start_ns"))
-    return (
-        gaps.join(marks, on=["rank", "step"])
-        .with_columns(
-            kind=pl.when(pl.col("first_forward").is_not_null() & (pl.col("end_ns") <= pl.col("first_forward")))
-            .then(pl.lit("bubble_warmup"))
-            .when(pl.col("last_backward").is_not_null() & (pl.col("start_ns") >= pl.col("last_backward")))
-            .then(pl.lit("bubble_cooldown"))
-            .otherwise(pl.lit("bubble_stall"))
-        )
-        .select("rank", "step", "kind", "start_ns", "end_ns")
-        .sort("rank", "step", "start_ns")
-    )
+def bubble_segments(a: Analysis) -> pl.DataFrame:
+    """The attribution's bubble segments (rank, step, kind, start_ns, end_ns): what the analysis labelled warm-up,
+    stall or cool-down (pipeline_rules.bubble_windows), drawn as they are."""
+    empty = pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int32, "kind": pl.String,
+                                 "start_ns": pl.Int64, "end_ns": pl.Int64})
+    if a.segments is None:
+        return empty
+    return (a.segments.with_columns(pl.col("category").cast(pl.String))
+            .filter(pl.col("category").is_in(BUBBLE_KINDS))
+            .select("rank", "step", pl.col("category").alias("kind"), "start_ns", "end_ns"))
 
 
 def rank_stage(a: Analysis) -> pl.DataFrame:
@@ -114,7 +60,7 @@ def timeline_blocks(a: Analysis) -> pl.DataFrame:
     work = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null()).select(
         "rank", "step", "stage", pl.col("phase").alias("kind"), "microbatch", "start_ns", "end_ns"
     )
-    gaps = bubble_spans(a).with_columns(microbatch=pl.lit(None, pl.Int32), stage=pl.lit(None, pl.Int32))
+    gaps = bubble_segments(a).with_columns(microbatch=pl.lit(None, pl.Int32), stage=pl.lit(None, pl.Int32))
     return (
         pl.concat([work, gaps.select(work.columns)])
         # a span keeps its own stage (interleaved schedules run several stages per rank); gaps take the rank's
@@ -136,7 +82,7 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
     ``Analysis.segments`` partitions every step into categories; on a real trace that is one segment per kernel or
     operator gap, far more than a browser should draw. The run's time range is cut into ``bins`` equal bins; each bin
     takes the category that covers most of it, and runs of equal bins merge into one block (Perfetto's "summary
-    track" idea). Without segments, the schedule's phases and the gaps between them stand in.
+    track" idea). Without segments, the schedule's phases stand in.
     """
     origin = origin_ns(a)
     if a.segments is not None and a.segments.height:
@@ -145,7 +91,7 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
         work = a.schedule.filter(pl.col("start_ns").is_not_null() & pl.col("end_ns").is_not_null()).select(
             "rank", "step", pl.col("phase").alias("category"), "start_ns", "end_ns"
         )
-        segs = pl.concat([work, bubble_spans(a).rename({"kind": "category"})])
+        segs = work
     segs = segs.filter(pl.col("end_ns") > pl.col("start_ns"))
     empty = {"rank": pl.Int32, "category": pl.String, "start_ms": pl.Float64, "end_ms": pl.Float64,
              "dur_ms": pl.Float64, "share": pl.Float64}
@@ -211,78 +157,19 @@ def timeline_transfers(a: Analysis) -> pl.DataFrame:
 
 
 def stage_attribution(a: Analysis) -> pl.DataFrame:
-    """Mean milliseconds per step in each (stage, category), averaged over the ranks of a stage; and its percentage.
-
-    Stage is the rank's pipeline stage; ranks whose stage is unknown are shown under their rank number (stage = rank)
-    so that nothing measured silently disappears.
-    """
-    attr = a.attribution.with_columns(stage=pl.coalesce("stage", "rank"))
-    per_rank = attr.group_by("rank", "stage", "category").agg(ms=pl.col("ns").mean() / NS_PER_MS)
-    out = (
-        per_rank.group_by("stage", "category")
-        .agg(ms=pl.col("ms").mean())
-        .with_columns(percent=100 * pl.col("ms") / pl.col("ms").sum().over("stage"))
-        .with_columns(category=pl.col("category").cast(pl.String))
-    )
-    order = {c: i for i, c in enumerate(schema.CATEGORIES)}
-    return out.with_columns(_o=pl.col("category").replace_strict(order, default=len(order))).sort("stage", "_o").drop(
-        "_o"
-    )
-
-
-def step_time_ms(a: Analysis) -> float | None:
-    """The run's step time: per step, the slowest rank's step; averaged over the profiled steps (ms)."""
-    if a.steps.height == 0:
-        return None
-    return float(a.steps.group_by("step").agg(pl.col("dur_ns").max())["dur_ns"].mean() / NS_PER_MS)
-
-
-def stage_summary(a: Analysis) -> pl.DataFrame:
-    """One row per stage: ranks, step time, compute / P2P / BPipe / bubble ms per step, bubble %, peak memory."""
-    rs = rank_stage(a).with_columns(stage=pl.coalesce("stage", "rank"))
-    per_rank_step = a.steps.group_by("rank").agg(step_ms=pl.col("dur_ns").mean() / NS_PER_MS)
-    cats = stage_attribution(a)
-
-    def cat_sum(name: str, members: tuple[str, ...]) -> pl.DataFrame:
-        return (
-            cats.filter(pl.col("category").is_in(members))
-            .group_by("stage")
-            .agg(pl.col("ms").sum().alias(name))
-        )
-
-    mem = (
-        a.stage_memory.join(rs.rename({"stage": "stage_r"}), on="rank", how="left")
-        .with_columns(stage=pl.coalesce("stage", "stage_r"))
-        .group_by("stage")
-        .agg(
-            peak_mib=pl.col("peak_bytes").max() / MIB,
-            activation_mib=pl.col("activation_peak_bytes").max() / MIB,
-        )
-    )
-    out = (
-        rs.join(per_rank_step, on="rank", how="left")
-        .group_by("stage")
-        .agg(ranks=pl.col("rank").sort().cast(pl.String).str.join(", "), step_ms=pl.col("step_ms").mean())
-    )
-    for name, members in (
-        ("compute_ms", schema.COMPUTE_CATEGORIES),
-        ("p2p_ms", ("p2p",)),
-        ("bpipe_ms", ("bpipe",)),
-        ("bubble_ms", schema.BUBBLE_CATEGORIES),
-    ):
-        out = out.join(cat_sum(name, members), on="stage", how="left")
-    total = cats.group_by("stage").agg(total_ms=pl.col("ms").sum())
+    """The summary's per-stage table in long form: stage, category, ms (mean per measured step), percent."""
+    per = a.summary.per_stage
+    long = per.select("stage", *(f"{c}_ms" for c in schema.CATEGORIES), "step_ms").unpivot(
+        index=["stage", "step_ms"], variable_name="category", value_name="ms")
     return (
-        out.join(total, on="stage", how="left")
-        .join(mem, on="stage", how="left")
-        .with_columns(bubble_pct=100 * pl.col("bubble_ms") / pl.col("total_ms"))
-        .drop("total_ms")
-        .sort("stage")
+        long.with_columns(pl.col("category").str.strip_suffix("_ms"))
+        .with_columns(percent=pl.when(pl.col("step_ms") > 0).then(100 * pl.col("ms") / pl.col("step_ms")))
+        .drop("step_ms")
     )
 
 
 def bubble_breakdown(a: Analysis) -> pl.DataFrame:
-    """Per stage: warm-up, stall and cool-down bubble in ms per step (from the attribution table)."""
+    """Per stage: warm-up, stall and cool-down bubble in ms per measured step."""
     return stage_attribution(a).filter(pl.col("category").is_in(BUBBLE_KINDS))
 
 
@@ -307,33 +194,6 @@ def memory_curves(a: Analysis, *, bins: int = 400) -> pl.DataFrame:
         .select("rank", "stage", ((pl.col("ts_ns") - origin) / NS_PER_MS).alias("t_ms"), "mib")
         .sort("rank", "t_ms")
     )
-
-
-def compare_stages(runs: list[tuple[str, Analysis]]) -> pl.DataFrame:
-    """Per stage, each run's step time, bubble and peak memory side by side, with the change against the first run."""
-    frames = [
-        stage_summary(a).select("stage", "step_ms", "bubble_ms", "bpipe_ms", "peak_mib").with_columns(run=pl.lit(name))
-        for name, a in runs
-    ]
-    both = pl.concat(frames, how="vertical_relaxed")
-    base = frames[0].select("stage", base_step_ms="step_ms", base_bubble_ms="bubble_ms", base_peak_mib="peak_mib")
-    return (
-        both.join(base, on="stage", how="left")
-        .with_columns(
-            d_step_ms=pl.col("step_ms") - pl.col("base_step_ms"),
-            d_bubble_ms=pl.col("bubble_ms") - pl.col("base_bubble_ms"),
-            d_peak_mib=pl.col("peak_mib") - pl.col("base_peak_mib"),
-        )
-        .drop("base_step_ms", "base_bubble_ms", "base_peak_mib")
-    )
-
-
-def memory_balance(a: Analysis) -> float | None:
-    """max / min of the stages' peak memory: 1.0 is perfectly balanced (BPipe's goal)."""
-    peaks = stage_summary(a)["peak_mib"].drop_nulls()
-    if len(peaks) == 0 or peaks.min() <= 0:
-        return None
-    return float(peaks.max() / peaks.min())
 
 
 _UNITS = {"_ms": ("ms", 1.0), "_bytes": ("MiB", 1 / MIB)}

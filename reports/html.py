@@ -48,7 +48,7 @@ def table(
 ) -> str:
     """Render ``frame`` as an HTML table. ``columns``: (frame column, header with unit); every cell escaped.
 
-    ``formats`` picks how a numeric column is shown: "num" (default for floats), "signed", "pct", "int", "text".
+    ``formats`` picks how a numeric column is shown: "num" (default for floats), "signed", "pct", "fraction" (0..1 shown as %), "signed_fraction", "int", "text".
     """
     formats = formats or {}
     head = "".join(f"<th>{esc(h)}</th>" for _, h in columns)
@@ -69,6 +69,10 @@ def table(
                 text = f"{num(v, digits=2)} %"
             elif kind == "signed_pct":
                 text = f"{signed(v, digits=2)} %"
+            elif kind == "fraction":  # a 0..1 fraction from traceana, shown as a percentage
+                text = f"{num(100 * v, digits=2)} %"
+            elif kind == "signed_fraction":
+                text = f"{signed(100 * v, digits=2)} %"
             elif kind == "int":
                 text = f"{int(v):,}"
             else:

@@ -15,6 +15,7 @@ from reports import palette
 from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
 from traceana.analysis import Analysis
+from traceana.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
 
@@ -26,9 +27,9 @@ STAGE_COLUMNS = [
     ("p2p_ms", "P2P exposed (ms)"),
     ("bpipe_ms", "BPipe exposed (ms)"),
     ("bubble_ms", "bubble (ms)"),
-    ("bubble_pct", "bubble (% of step)"),
+    ("bubble_fraction", "bubble (% of step)"),
     ("peak_mib", "peak memory (MiB)"),
-    ("activation_mib", "activation peak (MiB)"),
+    ("activation_peak_mib", "activation peak (MiB)"),
 ]
 
 
@@ -67,14 +68,15 @@ def timeline(page, runs: Runs, G) -> None:
 def attribution(page, runs: Runs, G) -> None:
     """Where each stage's step time goes: stacked bars and the per-stage table."""
     page.add('<section id="attribution"><h2>Where each stage\'s step time goes</h2>')
-    page.add(H.para("Mean time per profiled step in each category, per pipeline stage. The categories of one step are "
+    page.add(H.para("Mean time per measured step in each category, per pipeline stage (the first profiled step is "
+                    "left out when there are more: it pays one-off costs). The categories of one step are "
                     "disjoint and add up to the step's wall time.", css_class="lead"))
     present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
     page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
     for name, a in runs:
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
-        page.add(H.table(F.stage_summary(a), STAGE_COLUMNS, formats={"stage": "int", "bubble_pct": "pct"}))
+        page.add(H.table(a.summary.per_stage, STAGE_COLUMNS, formats={"stage": "int", "bubble_fraction": "fraction"}))
     page.add("</section>")
 
 
@@ -82,7 +84,8 @@ def bubbles(page, runs: Runs, G) -> None:
     """The bubble split into warm-up, stall and cool-down, per stage."""
     page.add('<section id="bubbles"><h2>Bubble breakdown</h2>')
     page.add(H.para("Idle time split into warm-up (before the stage's first forward), stall (waiting on a neighbour "
-                    "in the steady state) and cool-down (after its last backward).", css_class="lead"))
+                    "in the steady state) and cool-down (after its last forward: the drain, waiting for gradients).",
+                    css_class="lead"))
     page.add(H.legend_swatches(F.BUBBLE_KINDS))
     page.add('<div class="grid">')
     for name, a in runs:
@@ -107,17 +110,18 @@ def memory(page, runs: Runs, G) -> None:
     page.add(H.para("Peak allocated memory per stage (the largest over profiled steps and over the ranks of a stage). "
                     "BPipe's goal is to even these out: the ratio max/min is the imbalance.", css_class="lead"))
     mem = pl.concat(
-        [F.stage_summary(a).select("stage", "peak_mib", "activation_mib").with_columns(run=pl.lit(n))
+        [a.summary.per_stage.select("stage", "peak_mib", "activation_peak_mib").with_columns(run=pl.lit(n))
          for n, a in runs],
         how="vertical_relaxed",
     )
     balance = ", ".join(
-        f"{n}: {H.num(b)}×" if (b := F.memory_balance(a)) else f"{n}: –" for n, a in runs
+        f"{n}: {H.num(b)}×" if (b := a.summary.memory_balance) else f"{n}: –" for n, a in runs
     )
     page.add(H.run_swatches([n for n, _ in runs]))
     page.figure(G.grouped_by_stage(mem, value="peak_mib", title=f"peak memory per stage (imbalance {balance})",
                                    ylabel="peak allocated (MiB)", runs=[n for n, _ in runs]))
-    page.figure(G.grouped_by_stage(mem, value="activation_mib", title="activation peak per stage (peak − step start)",
+    page.figure(G.grouped_by_stage(mem, value="activation_peak_mib",
+                                   title="activation peak per stage (peak − step start)",
                                    ylabel="activation peak (MiB)", runs=[n for n, _ in runs]))
     page.add('<div class="grid">')
     for name, a in runs:
@@ -163,32 +167,21 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
     base = names[0]
     page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
                     css_class="lead"))
-    overview = pl.DataFrame(
-        {
-            "run": names,
-            "step_ms": [F.step_time_ms(a) for a in analyses],
-            "balance": [F.memory_balance(a) for a in analyses],
-            "peak_mib": [F.stage_summary(a)["peak_mib"].max() for a in analyses],
-        },
-        schema={"run": pl.String, "step_ms": pl.Float64, "balance": pl.Float64, "peak_mib": pl.Float64},
-    )
-    b0 = overview["step_ms"][0]
-    overview = overview.with_columns(
-        d_step_pct=100 * (pl.col("step_ms") - b0) / b0 if b0 else pl.lit(None, pl.Float64),
-    )
+    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs])
     page.add(H.run_swatches(names))
     page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
     page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
-                                ("d_step_pct", f"change vs {base} (%)"), ("peak_mib", "largest stage peak (MiB)"),
-                                ("balance", "memory imbalance (max/min)")],
-                     formats={"d_step_pct": "signed_pct"}))
+                                ("step_change", f"change vs {base} (%)"),
+                                ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
+                                ("peak_mib", "largest stage peak (MiB)"),
+                                ("memory_balance", "memory imbalance (max/min)")],
+                     formats={"step_change": "signed_fraction"}))
     if cross_run is not None:
         page.add("<h3>Predicted from the first run, then measured</h3>")
         page.add(H.para("The model measures the first run's durations and predicts each other run's step time "
                         "from them (e.g. the same pipeline with BPipe); the measured step time is what the run "
-                        "actually took. The model measures steady steps only (it drops the first profiled step "
-                        "when there are more) and averages the stages, so its step times can differ from the "
-                        "slowest-rank step times above.", css_class="lead"))
+                        "actually took, both over the measured steps and as the slowest rank's step, like the step times "
+                        "above.", css_class="lead"))
         predicted, failures = [], []
         for name, a in runs[1:]:
             r = cross_run(analyses[0], a)
@@ -209,16 +202,17 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
                              formats={"error_pct": "signed_pct"}))
         for f in failures:
             page.add(H.para(f, css_class="warn"))
-    cmp_ = F.compare_stages(runs)
     page.figure(G.grouped_by_stage(cmp_, value="step_ms", title="step time per stage",
                                    ylabel="step time (ms)", runs=names))
     page.figure(G.grouped_by_stage(cmp_, value="bubble_ms", title="bubble per stage",
                                    ylabel="bubble per step (ms)", runs=names))
-    page.add(H.table(cmp_.sort("stage", "run"),
+    page.add(H.table(cmp_,
                      [("stage", "stage"), ("run", "run"), ("step_ms", "step (ms)"),
-                      ("d_step_ms", f"Δ step vs {base} (ms)"), ("bubble_ms", "bubble (ms)"),
-                      ("d_bubble_ms", "Δ bubble (ms)"), ("bpipe_ms", "BPipe exposed (ms)"),
-                      ("peak_mib", "peak (MiB)"), ("d_peak_mib", "Δ peak (MiB)")],
-                     formats={"stage": "int", "d_step_ms": "signed", "d_bubble_ms": "signed",
-                              "d_peak_mib": "signed"}))
+                      ("step_change_ms", f"Δ step vs {base} (ms)"), ("bubble_ms", "bubble (ms)"),
+                      ("bubble_change_ms", "Δ bubble (ms)"), ("bpipe_ms", "BPipe exposed (ms)"),
+                      ("activation_peak_mib", "activation peak (MiB)"),
+                      ("activation_peak_change_mib", "Δ activation peak (MiB)"),
+                      ("peak_mib", "peak (MiB)"), ("peak_change_mib", "Δ peak (MiB)")],
+                     formats={"stage": "int", "step_change_ms": "signed", "bubble_change_ms": "signed",
+                              "activation_peak_change_mib": "signed", "peak_change_mib": "signed"}))
     page.add("</section>")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from reports import frames as F
 from reports import html as H
 from traceana.analysis import Analysis
+from traceana.summary import STEP_TIME_LABEL
 
 
 def summary_facts(a: Analysis) -> list[tuple[str, object]]:
@@ -72,17 +72,18 @@ def inferred_notes(a: Analysis) -> list[str]:
 
 
 def kpis(a: Analysis) -> str:
-    step = F.step_time_ms(a)
-    summary = F.stage_summary(a)
-    bubble = summary["bubble_pct"].drop_nulls()
-    balance = F.memory_balance(a)
+    s = a.summary
+    act = (f"{H.num(s.largest_activation_peak_mib)} MiB (stage {s.largest_activation_stage})"
+           if s.largest_activation_peak_mib is not None else "–")
     items = [
-        (H.num(step) + " ms" if step is not None else "–", "step time (slowest rank, mean over steps)"),
-        (H.num(float(bubble.mean()), digits=2) + " %" if len(bubble) else "–", "bubble, mean over stages"),
-        (H.num(float(summary["peak_mib"].max())) + " MiB" if summary["peak_mib"].drop_nulls().len() else "–",
-         "largest stage peak memory"),
-        (H.num(balance, digits=3) + "×" if balance else "–", "memory imbalance (max/min stage peak)"),
-        (str(a.steps["step"].n_unique()), "profiled steps"),
+        (H.num(s.step_ms) + " ms" if s.step_ms is not None else "–", STEP_TIME_LABEL),
+        (H.num(100 * s.bubble_fraction, digits=2) + " %" if s.bubble_fraction is not None else "–",
+         "bubble (warm-up + stall + cool-down) of all ranks' step time"),
+        (H.num(s.bpipe_ms) + " ms" if s.bpipe_ms is not None else "–",
+         "exposed BPipe transfer per step (largest stage)"),
+        (act, "largest activation peak"),
+        (H.num(s.memory_balance, digits=3) + "×" if s.memory_balance else "–", "memory imbalance (max/min stage peak)"),
+        (str(len(s.steps)), "measured steps"),
     ]
     # MFU only where the analysis could compute it (run.json with the model and the device's peak FLOP/s)
     mfu = a.stages["mfu"].drop_nulls() if "mfu" in a.stages.columns else None

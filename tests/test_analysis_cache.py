@@ -40,7 +40,7 @@ def assert_same(a, b):
     assert_frame_equal(a.run.traces, b.run.traces)
     assert_frame_equal(a.run.memory, b.run.memory)
     assert a.notes == b.notes and a.run.warnings == b.run.warnings
-    assert a.memory_balance == b.memory_balance
+    assert a.summary.as_dict() == b.summary.as_dict()
     assert a.run.path == b.run.path and a.run.manifest == b.run.manifest
 
 

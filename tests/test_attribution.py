@@ -252,7 +252,7 @@ def test_memory_per_stage_baseline_peak_and_balance():
     a = analyze(b.run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1))))
     assert a.stage_memory.select("rank", "stage", "baseline_bytes", "peak_bytes", "activation_peak_bytes").rows() == [
         (0, 0, 1000, 3000, 2000), (1, 1, 500, 600, 100)]
-    assert a.memory_balance == pytest.approx(5.0)
+    assert a.summary.memory_balance == pytest.approx(5.0)
     assert a.stages["peak_memory_bytes"].to_list() == [3000, 600]
 
 

@@ -6,6 +6,7 @@ stages → schedule (annotated, else inferred) → busy timeline → attribution
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -16,27 +17,35 @@ from traceana import memory as mem
 from traceana import names, pipeline, timeline
 from traceana.ingest import Run
 from traceana.pipeline_rules import stage_layers
+from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 
 
 @dataclass(frozen=True)
 class Analysis:
-    run: Run
-    steps: pl.DataFrame  # schema.STEPS
-    p2p: pl.DataFrame  # schema.P2P (+ send_end)
-    schedule: pl.DataFrame  # schema.SCHEDULE
-    attribution: pl.DataFrame  # schema.ATTRIBUTION
-    stage_memory: pl.DataFrame  # schema.STAGE_MEMORY
-    stages: pl.DataFrame  # one row per rank: rank, stage, stage_source, step time, category ms/%, peak memory, MFU
-    clock_offsets: pl.DataFrame  # rank, offset_ns, source
-    notes: tuple[str, ...] = field(default_factory=tuple)  # what was inferred, what could not be determined
-    # --- additions (attribution engineer) ---
-    segments: pl.DataFrame | None = None  # attribution.SEGMENTS: the category of every instant (timelines, merge)
-    events: pl.DataFrame | None = None  # classified events on the aligned clock (kind, step, comm_dir, channel, …)
-    memory_balance: float | None = None  # max/min over stages of the per-stage peak memory
-    # per-rank summary of the run (ingest.run_dir.summarize_ranks), filled by analysis_cache.load_and_analyze so a
-    # cached result can show it without the events
+    """Everything ``analyze`` measured about one run, as polars tables. Times are int64 nanoseconds on the aligned
+    clock (columns ``*_ns``) unless a column name gives another unit (``*_ms``, ``*_bytes``, ``*_pct`` in 0..100,
+    ``fraction`` in 0..1)."""
+
+    run: Run  #: the loaded run: events, memory samples, per-trace facts and run.json
+    steps: pl.DataFrame  #: schema.STEPS: one row per (rank, step), its start_ns, end_ns, dur_ns
+    p2p: pl.DataFrame  #: schema.P2P: matched send/recv pairs with wait_ns (peer not ready) and transfer_ns
+    schedule: pl.DataFrame  #: schema.SCHEDULE: one row per (rank, step, stage, micro-batch, phase) span, its source
+    attribution: pl.DataFrame  #: schema.ATTRIBUTION: ns and fraction per (rank, step, category), summing to the step
+    stage_memory: pl.DataFrame  #: schema.STAGE_MEMORY: per (rank, step) baseline, peak and activation peak bytes
+    stages: pl.DataFrame  #: one row per rank over the measured steps: stage, step_ms, <category>_ms/_pct, memory, MFU
+    clock_offsets: pl.DataFrame  #: rank, offset_ns, source: the clock correction applied to each rank
+    notes: tuple[str, ...] = field(default_factory=tuple)  #: what was inferred, what could not be determined
+    segments: pl.DataFrame | None = None  #: attribution.SEGMENTS: the category of every instant (timelines, merge)
+    events: pl.DataFrame | None = None  #: classified events on the aligned clock (kind, step, comm_dir, channel, …)
+    #: per-rank counts of the run's traces (ingest.run_dir.summarize_ranks); filled by
+    #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+
+    @functools.cached_property
+    def summary(self) -> RunSummary:
+        """The run's headline figures (traceana.summary): what analyze, validate, report and demo all show."""
+        return summarize(self)
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """Every table by name (for export)."""
@@ -63,6 +72,10 @@ def _same_host(run: Run) -> bool | None:
 
 
 def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
+    """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
+    map ranks to stages, reconstruct the schedule (annotated, else inferred from P2P order), attribute every instant
+    of every step to a category, and measure memory per stage. ``peak_flops`` (FLOP/s per device) overrides
+    run.json's for MFU. Pure: the run is not modified. The headline figures are ``Analysis.summary``."""
     notes: list[str] = []
     events = cls.classify(run.events)
     steps, n = timeline.steps(events)
@@ -109,7 +122,8 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     elif stage_mem.height and (stage_mem["baseline_bytes"] == 0).any() and (run.memory["device"] < 0).all():
         notes.append("CPU allocator samples count only memory allocated since profiling began (weights and optimizer "
                      "state allocated earlier are missing): peaks are relative, activation peaks are comparable")
-    mfu, n = _mfu(run, stages, steps, peak_flops)
+    measured = measured_steps(attribution, schedule)
+    mfu, n = _mfu(run, stages, steps.filter(pl.col("step").is_in(measured)), peak_flops)
     notes += n
     truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
     if truncated:
@@ -117,19 +131,22 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
                      "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
     return Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
-        stages=stage_table(attribution, stages, stage_mem, mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events, memory_balance=mem.balance(stage_mem),
+        stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
+                           stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
+        segments=segs, events=events,
     )
 
 
 def stage_table(
     attribution: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
 ) -> pl.DataFrame:
-    """One row per rank: mean over its steps of the step time and of every category (ms and % of the step)."""
+    """One row per rank: mean over the given steps (analyze passes the measured steps, traceana.summary) of the step
+    time and of every category (ms and % of the step)."""
     per_step = attribution.group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
+    wide = attribution.pivot(on="category", index=["rank", "step"], values="ns")
+    wide = wide.with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
     means = (
-        attribution.pivot(on="category", index=["rank", "step"], values="ns")
-        .join(per_step, on=["rank", "step"])
+        wide.join(per_step, on=["rank", "step"])
         .group_by("rank")
         .agg(pl.len().alias("steps"), pl.col("step_ns").mean().alias("_step"),
              *(pl.col(c).mean().alias(f"_{c}") for c in CATEGORIES))

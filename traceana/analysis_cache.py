@@ -171,7 +171,7 @@ class AnalysisCache:
         for w in run.warnings:  # as load_run gives them, so a hit reads like a miss
             pywarnings.warn(w, _ingest_warning(), stacklevel=3)
         return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]),
-                                           memory_balance=meta["memory_balance"], **tables),
+                                           **tables),
                       {"_peak_flops": peak_flops})
 
     def store(self, prefix: str, key: str, analysis: Analysis) -> None:
@@ -189,7 +189,7 @@ class AnalysisCache:
                 if table is not None:
                     table.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
             meta = {"key": key, "none": [n for n, t in tables.items() if t is None], "notes": list(analysis.notes),
-                    "warnings": list(analysis.run.warnings), "memory_balance": analysis.memory_balance}
+                    "warnings": list(analysis.run.warnings)}
             (tmp / "meta.json").write_text(json.dumps(meta))  # last: an entry without it is a miss
             # Stale entries of the same target go, and so does a damaged entry under this key (it just missed).
             for old in self.dir.glob(f"{_glob_escape(prefix)}.*"):

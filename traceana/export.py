@@ -45,12 +45,13 @@ def write_tables(analysis, directory: str | Path, *, fmt: str = "parquet") -> li
 
 
 def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
-    """A JSON-ready summary: per-stage table, notes, clocks, memory balance (and per-step attribution)."""
+    """A JSON-ready summary: the run's headline figures (traceana.summary), per-rank table, notes, clocks (and
+    per-step attribution)."""
     out: dict[str, Any] = {
         "run": str(analysis.run.path),
+        "summary": analysis.summary.as_dict(),
         "stages": analysis.stages.to_dicts(),
         "clock_offsets": analysis.clock_offsets.to_dicts(),
-        "memory_balance": analysis.memory_balance,
         "notes": list(analysis.notes),
     }
     if per_step:

@@ -1,4 +1,4 @@
-"""Memory per stage from the allocator's ``[memory]`` instants (ARCHITECTURE.md "Memory").
+"""Memory per stage from the allocator's ``[memory]`` instants (docs/architecture.md, "Memory").
 
 Per rank and step: the baseline (allocated bytes when the step starts: the last sample before it, else the first
 sample in it minus its own delta), the peak within the step and the activation peak (peak − baseline; weights,
@@ -54,11 +54,3 @@ def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame
         .join(stages.select("rank", "stage"), on="rank", how="left")
     )
     return conform(out, STAGE_MEMORY).sort("rank", "step")
-
-
-def balance(stage_mem: pl.DataFrame) -> float | None:
-    """max/min over stages of each stage's peak (its worst step); None when fewer than two stages have data."""
-    per = stage_mem.filter(pl.col("stage").is_not_null()).group_by("stage").agg(pl.col("peak_bytes").max())
-    if per.height < 2 or per["peak_bytes"].min() <= 0:
-        return None
-    return float(per["peak_bytes"].max() / per["peak_bytes"].min())

@@ -87,8 +87,8 @@ def print_tables(analysis, *, per_step: bool) -> None:
     t.add_row("MFU", *("–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in rows))
     t.add_row("stage from", *(str(r["stage_source"]) for r in rows))
     console.print(t)
-    if analysis.memory_balance is not None:
-        console.print(f"memory balance across stages (max/min peak): {analysis.memory_balance:.2f}")
+    for line in headline(analysis.summary):
+        console.print(line, markup=False, highlight=False)
 
     if per_step:
         ps = per_step_table(analysis)
@@ -106,6 +106,27 @@ def print_tables(analysis, *, per_step: bool) -> None:
         console.print("clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         console.print(f"[yellow]note:[/] {n}")
+
+
+def headline(summary) -> list[str]:
+    """The run's headline figures (traceana.summary), one per line, in the words every surface uses."""
+    from traceana.summary import STEP_TIME_LABEL
+
+    def num(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over steps "
+             f"{', '.join(map(str, summary.steps)) or '–'}",
+             f"bubble (warm-up + stall + cool-down, all ranks): "
+             f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
+    if summary.bpipe_ms is not None:
+        lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
+    if summary.largest_activation_peak_mib is not None:
+        lines.append(f"largest activation peak: {summary.largest_activation_peak_mib:,.2f} MiB on stage "
+                     f"{summary.largest_activation_stage}")
+    if summary.memory_balance is not None:
+        lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

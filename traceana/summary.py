@@ -1,0 +1,165 @@
+"""The measured summary of a run: the headline figures every surface shows (``analyze``, ``validate``, ``report``,
+``demo``), computed once, here, from the analysis tables.
+
+Definitions (each figure is one of these, and is labelled so wherever it is shown):
+- **measured steps**: the profiled steps every rank recorded, preferring those with forward work on every rank; the
+  first of them is dropped when there are more (it pays one-off costs: allocator growth, optimizer state creation,
+  lazy initialisation); when no step is common to every rank, all steps. Every figure below is over these steps.
+- **step time** (``step_ms``): per measured step the slowest rank's step (a pipeline step ends when its last rank
+  ends), averaged over the measured steps. A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
+- **bubble**: the attribution's warm-up + stall + cool-down (pipeline_rules.bubble_windows); exposed P2P and BPipe
+  time are their own categories, never part of the bubble. ``bubble_fraction`` is bubble time over step time summed
+  over every rank, a fraction in 0..1.
+- **exposed BPipe transfer** (``bpipe_ms``): the attribution's ``bpipe`` category per step, on the stage that spends
+  most on it.
+- **activation peak**: per stage the largest (peak − step-start allocation) of its ranks over the measured steps;
+  the run's is the largest stage's. **Memory balance**: max/min over stages of their peak allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
+
+MIB = 2**20
+NS_PER_MS = 1_000_000
+STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
+
+
+def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
+    """The steps the summary (and validation) measure: see the module docstring."""
+    ranks = attribution["rank"].n_unique()
+    on_all = (attribution.group_by("step").agg(pl.col("rank").n_unique().alias("n"))
+              .filter(pl.col("n") == ranks)["step"])
+    with_forward = (
+        schedule.filter(pl.col("phase") == "forward").group_by("step").agg(pl.col("rank").n_unique().alias("n"))
+        .filter(pl.col("n") == ranks)["step"]
+    )
+    chosen = sorted(set(with_forward.to_list()) & set(on_all.to_list())) or sorted(on_all.to_list())
+    if not chosen:  # no step common to every rank: each rank's own steps
+        return sorted(attribution["step"].unique().to_list())
+    return chosen[1:] if len(chosen) > 1 else chosen
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    steps: tuple[int, ...]  # the measured steps
+    step_ms: float | None  # pipeline step time
+    bubble_fraction: float | None  # 0..1, over every rank
+    bpipe_ms: float | None  # exposed BPipe per step on the stage that spends most on it; None without BPipe time
+    largest_activation_stage: int | None
+    largest_activation_peak_mib: float | None
+    memory_balance: float | None
+    per_stage: pl.DataFrame  # stage (null: unknown), ranks, step_ms, <category>_ms, compute_ms, bubble_ms,
+    #                          bubble_fraction, peak_mib, activation_peak_mib
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the headline figures and the per-stage rows."""
+        return {
+            "measured_steps": list(self.steps),
+            "step_ms": self.step_ms,
+            "bubble_fraction": self.bubble_fraction,
+            "bpipe_ms": self.bpipe_ms,
+            "largest_activation_stage": self.largest_activation_stage,
+            "largest_activation_peak_mib": self.largest_activation_peak_mib,
+            "memory_balance": self.memory_balance,
+            "per_stage": self.per_stage.to_dicts(),
+        }
+
+
+def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
+               steps: list[int]) -> pl.DataFrame:
+    att = attribution.filter(pl.col("step").is_in(steps))
+    rank_stage = stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
+    wide = (
+        att.with_columns(pl.col("category").cast(pl.String))
+        .pivot(on="category", index=["rank", "step"], values="ns", aggregate_function="sum")
+    )
+    for c in CATEGORIES:
+        if c not in wide.columns:
+            wide = wide.with_columns(pl.lit(0, pl.Int64).alias(c))
+    per_rank = (
+        wide.with_columns(pl.sum_horizontal(*CATEGORIES).alias("step"))
+        .group_by("rank").agg(*(pl.col(c).mean() for c in (*CATEGORIES, "step")))
+        .with_columns(pl.col("rank").cast(pl.Int32))
+        .join(rank_stage, on="rank", how="left")
+    )
+    mem = (
+        stage_memory.filter(pl.col("step").is_in(steps))
+        .group_by("rank").agg(pl.col("peak_bytes").max(), pl.col("activation_peak_bytes").max())
+        .with_columns(pl.col("rank").cast(pl.Int32))
+    )
+    ms = lambda e: e / NS_PER_MS  # noqa: E731
+    return (
+        per_rank.join(mem, on="rank", how="left")
+        .group_by("stage")
+        .agg(
+            pl.col("rank").sort().cast(pl.String).str.join(", ").alias("ranks"),
+            ms(pl.col("step").mean()).alias("step_ms"),
+            *(ms(pl.col(c).mean()).alias(f"{c}_ms") for c in CATEGORIES),
+            ms(pl.sum_horizontal(*COMPUTE_CATEGORIES).mean()).alias("compute_ms"),
+            ms(pl.sum_horizontal(*BUBBLE_CATEGORIES).mean()).alias("bubble_ms"),
+            (pl.col("peak_bytes").max() / MIB).alias("peak_mib"),
+            (pl.col("activation_peak_bytes").max() / MIB).alias("activation_peak_mib"),
+        )
+        .with_columns(pl.when(pl.col("step_ms") > 0).then(pl.col("bubble_ms") / pl.col("step_ms"))
+                      .otherwise(None).alias("bubble_fraction"))
+        .sort("stage", nulls_last=True)
+    )
+
+
+def summarize(analysis) -> RunSummary:
+    """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
+    att = analysis.attribution
+    steps = measured_steps(att, analysis.schedule)
+    per_stage = _per_stage(att, analysis.stages, analysis.stage_memory, steps)
+    used = att.filter(pl.col("step").is_in(steps))
+    per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
+    step_ms = (float(per_rank_step.group_by("step").agg(pl.col("ns").max())["ns"].mean()) / NS_PER_MS
+               if per_rank_step.height else None)
+    total = float(used["ns"].sum()) if used.height else 0.0
+    bubble = float(used.filter(pl.col("category").is_in(BUBBLE_CATEGORIES))["ns"].sum()) if used.height else 0.0
+    bpipe = per_stage["bpipe_ms"].drop_nulls()
+    known = per_stage.filter(pl.col("stage").is_not_null() & pl.col("activation_peak_mib").is_not_null())
+    largest = known.sort("activation_peak_mib", descending=True).head(1)
+    peaks = per_stage.filter(pl.col("stage").is_not_null())["peak_mib"].drop_nulls()
+    return RunSummary(
+        steps=tuple(steps),
+        step_ms=step_ms,
+        bubble_fraction=bubble / total if total else None,
+        bpipe_ms=float(bpipe.max()) if len(bpipe) and bpipe.max() > 0 else None,
+        largest_activation_stage=int(largest["stage"][0]) if largest.height else None,
+        largest_activation_peak_mib=float(largest["activation_peak_mib"][0]) if largest.height else None,
+        memory_balance=float(peaks.max() / peaks.min()) if len(peaks) > 1 and peaks.min() > 0 else None,
+        per_stage=per_stage,
+    )
+
+
+def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
+    first run's step), largest_activation_peak_mib, peak_mib (largest stage), memory_balance. Per stage: stage, run,
+    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run."""
+    base = runs[0][1].step_ms
+    overview = pl.DataFrame(
+        [(name, s.step_ms, (s.step_ms - base) / base if base and s.step_ms is not None else None,
+          s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance) for name, s in runs],
+        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64,
+                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64, "memory_balance": pl.Float64},
+        orient="row",
+    )
+    values = ("step_ms", "bubble_ms", "bpipe_ms", "peak_mib", "activation_peak_mib")
+    both = pl.concat([s.per_stage.select("stage", *values).with_columns(run=pl.lit(name)) for name, s in runs],
+                     how="vertical_relaxed")
+    first = both.filter(pl.col("run") == runs[0][0]).select("stage", *(pl.col(v).alias(f"_b_{v}") for v in values))
+    per_stage = (
+        both.join(first, on="stage", how="left", nulls_equal=True)
+        .with_columns(*((pl.col(v) - pl.col(f"_b_{v}")).alias(f"{v.removesuffix('_ms').removesuffix('_mib')}_change"
+                                                              + ("_ms" if v.endswith("_ms") else "_mib"))
+                        for v in values))
+        .drop(*(f"_b_{v}" for v in values))
+        .sort("stage", "run", nulls_last=True)
+    )
+    return overview, per_stage
