@@ -1,0 +1,84 @@
+"""One number per fact: the CLI table, ``--json`` and the HTML report show the same step time, bubble, exposed BPipe
+transfer and activation peak for one real run (the reference trainer's 1F1B + BPipe), and the step time is the one
+the traces' own ProfilerStep spans give, read here straight from the JSON."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "traceana", *args], capture_output=True, text=True, timeout=600,
+                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _num(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not found"
+    return float(m.group(1).replace(",", ""))
+
+
+def _profiler_step_ms(run_dir, steps) -> float:
+    """Per measured step, the slowest rank's ProfilerStep span, averaged: read from the trace files themselves."""
+    per_step: dict[int, float] = {}
+    for trace in sorted(run_dir.glob("rank*.pt.trace.json.gz")):
+        with gzip.open(trace, "rt") as f:
+            events = json.load(f)["traceEvents"]
+        for e in events:
+            m = re.fullmatch(r"ProfilerStep#(\d+)", e.get("name", ""))
+            if m and e.get("ph") == "X" and int(m.group(1)) in steps:
+                per_step[int(m.group(1))] = max(per_step.get(int(m.group(1)), 0.0), e["dur"] / 1e3)
+    return sum(per_step.values()) / len(per_step)
+
+
+def test_every_surface_shows_the_same_figures(collected_run, tmp_path):
+    from reports.build import write_report
+    from traceana.analysis_cache import load_and_analyze
+
+    run_dir = collected_run("1f1b_bpipe")
+    js = json.loads(_cli("analyze", str(run_dir), "--json", "--no-cache"))["summary"]
+    text = _cli("analyze", str(run_dir), "--no-cache")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = load_and_analyze(str(run_dir), cache=False)
+    html = write_report(tmp_path / "r.html", [a], validation=None, cross_run=None).read_text()
+
+    assert js["bpipe_ms"] and js["bpipe_ms"] > 0  # the run moved activations: its exposed cost is measured
+    # step time: JSON, CLI and report agree, and equal the traces' own ProfilerStep spans (to rounding: the spans'
+    # float microseconds against the analysis' integer nanoseconds)
+    steps = js["measured_steps"]
+    assert js["step_ms"] == pytest.approx(_profiler_step_ms(run_dir, steps), rel=1e-3)
+    assert _num(r"step time \(slowest rank, mean over measured steps\): ([\d,.]+) ms", text) == \
+        pytest.approx(js["step_ms"], abs=0.006)
+    assert _num(r"<b>([\d,.]+) ms</b><span>step time", html) == pytest.approx(js["step_ms"], rel=0.005)
+    # bubble share
+    assert _num(r"bubble \(warm-up \+ stall \+ cool-down, all ranks\): ([\d.]+) %", text) == \
+        pytest.approx(100 * js["bubble_fraction"], abs=0.06)
+    assert _num(r"<b>([\d,.]+) %</b><span>bubble", html) == pytest.approx(100 * js["bubble_fraction"], rel=0.01)
+    # exposed BPipe transfer
+    assert _num(r"exposed BPipe transfer \(largest stage\): ([\d,.]+) ms", text) == \
+        pytest.approx(js["bpipe_ms"], abs=0.006)
+    assert _num(r"<b>([\d,.]+) ms</b><span>exposed BPipe", html) == pytest.approx(js["bpipe_ms"], rel=0.01)
+    # the largest stage's activation peak
+    stage = js["largest_activation_stage"]
+    assert _num(rf"largest activation peak: ([\d,.]+) MiB on stage {stage}", text) == \
+        pytest.approx(js["largest_activation_peak_mib"], abs=0.006)
+    assert _num(rf"<b>([\d,.]+) MiB \(stage {stage}\)</b><span>largest activation peak", html) == \
+        pytest.approx(js["largest_activation_peak_mib"], rel=0.01)
+    # per stage: the per-rank table (one rank per stage here) and the summary's per-stage rows are the same figures
+    by_stage = {row["stage"]: row for row in js["per_stage"]}
+    for row in json.loads(_cli("analyze", str(run_dir), "--json", "--no-cache"))["stages"]:
+        assert row["step_ms"] == pytest.approx(by_stage[row["stage"]]["step_ms"], rel=1e-9)
+        assert row["activation_peak_bytes"] / 2**20 == \
+            pytest.approx(by_stage[row["stage"]]["activation_peak_mib"], rel=1e-9)
