@@ -35,10 +35,7 @@ from traceana.manifest import Manifest
 
 log = logging.getLogger("traceana.collectors")
 
-try:  # isal's gzip is ~3x faster than zlib (FIELD-NOTES.md); the stdlib is the fallback
-    from isal import igzip as _gzip
-except ImportError:  # pragma: no cover
-    import gzip as _gzip  # type: ignore[no-redef]
+from isal import igzip as _gzip  # ~3x faster than zlib (docs/field-notes.md); a core dependency of traceana
 
 
 def default_activities() -> list[ProfilerActivity]:

@@ -1,8 +1,9 @@
-"""Estimate vs measured for the report: calls ``traceana.validate`` when it exists, and never lets it fail the report.
+"""Estimate vs measured for the report: calls ``traceana.validate``; a run it cannot validate is one line in the report.
 
 ``traceana.validate.validate(analysis)`` returns a ``Validation`` (per-stage frame, summary dict, notes); here it
 becomes one long table (item, unit, measured, estimated, error_pct). ``cross_run(baseline, target)`` predicts a run
-from another's measurements, for the A/B section. Any exception becomes one line in the report.
+from another's measurements, for the A/B section. What the model refuses (a ``TraceanaError``: no run.json, no
+complete step, …) becomes one line in the report; anything else is a bug and fails the report like any other.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import polars as pl
 
 from reports import frames as F
 from traceana.analysis import Analysis
+from traceana.errors import TraceanaError
 
 
 @dataclass
@@ -31,20 +33,14 @@ class Validated:
     verdict: str | None = None
 
 
-def _one_line(e: Exception) -> str:
-    return e.line() if hasattr(e, "line") else f"{type(e).__name__}: {e}"
-
-
 def default_validation(a: Analysis) -> Validated:
     """Ask ``traceana.validate`` for estimate vs measured; any failure becomes one line in the report, not a crash."""
-    try:
-        from traceana import validate as v
-    except ImportError:
-        return Validated(message="estimate vs measured: traceana.validate is not available in this installation")
+    from traceana import validate as v
+
     try:
         validated = coerce_validation(v.validate(a))
-    except Exception as e:  # noqa: BLE001 — a failure of the model must not cost the user the rest of the report
-        return Validated(message=f"estimate vs measured could not be computed: {_one_line(e)}")
+    except TraceanaError as e:
+        return Validated(message=f"estimate vs measured could not be computed: {e.line()}")
     return dataclasses.replace(validated, verdict=bpipe_verdict(a))
 
 
@@ -53,14 +49,12 @@ def bpipe_verdict(a: Analysis) -> str | None:
     m = a.run.manifest
     if m is None or m.schedule != "1f1b" or m.bpipe_on or (m.pp or 0) < 2:
         return None
-    try:
-        from traceana.validate import bpipe_verdict_from_run
-    except ImportError:
-        return None
+    from traceana.validate import bpipe_verdict_from_run
+
     try:
         return bpipe_verdict_from_run(a).sentence
-    except Exception as e:  # noqa: BLE001 — as above
-        return f"BPipe verdict could not be computed: {_one_line(e)}"
+    except TraceanaError as e:
+        return f"BPipe verdict could not be computed: {e.line()}"
 
 
 def coerce_validation(result: object) -> Validated:
@@ -76,11 +70,9 @@ def coerce_validation(result: object) -> Validated:
 
 def default_cross_run(baseline: Analysis, target: Analysis) -> dict | str:
     """``traceana.validate.cross_run``: predict the target from the baseline's measurements; a string if it fails."""
-    try:
-        from traceana.validate import cross_run
-    except ImportError:
-        return "the cross-run prediction is not available in this installation"
+    from traceana.validate import cross_run
+
     try:
         return cross_run(baseline, target)
-    except Exception as e:  # noqa: BLE001 — as above: one line in the report
-        return f"could not predict this run from {baseline.run.path.name}: {_one_line(e)}"
+    except TraceanaError as e:
+        return f"could not predict this run from {baseline.run.path.name}: {e.line()}"

@@ -70,7 +70,7 @@ def test_validation_failure_is_one_line_not_a_crash(bare_report):
     assert '<p class="warn">estimate vs measured could not be computed: boom</p>' in bare_report
 
 
-def test_default_validation_never_raises():
+def test_default_validation_refusal_is_one_line():
     # the real traceana.validate on a run it cannot use (no run.json): one line, no exception
     v = default_validation(make_analysis(with_manifest=False))
     assert v.table is None and v.message.startswith("estimate vs measured could not be computed")

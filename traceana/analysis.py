@@ -16,6 +16,7 @@ from traceana import classify as cls
 from traceana import memory as mem
 from traceana import names, pipeline, timeline
 from traceana.ingest import Run
+from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import stage_layers
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -170,18 +171,6 @@ def stage_table(
     )
 
 
-def _stage_flops(model, *, layers: int, microbatch_size: int, recompute: str, last: bool) -> float:
-    """FLOPs of one micro-batch (forward + backward) on a stage: the model engineer's formula when present."""
-    try:
-        from traceana.model.flops import stage_flops
-    except ImportError:  # fallback: Narayanan et al. 2021, eq. (3) per layer, plus the logit layer on the last stage
-        b, s, h, v = microbatch_size, model.seq, model.hidden, model.vocab
-        passes = 4 if recompute == "full" else 3
-        per_layer = passes * 24 * b * s * h * h * (1 + s / (6 * h))
-        return layers * per_layer + (6 * b * s * h * v if last else 0)
-    return float(stage_flops(model, layers=layers, microbatch_size=microbatch_size, recompute=recompute, last=last))
-
-
 def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
     """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak."""
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
@@ -203,8 +192,8 @@ def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float 
         if stage is None or not 0 <= stage < pp or rank not in secs or not secs[rank]:
             continue
         kw = dict(layers=layers_of[stage], microbatch_size=m.microbatch_size, last=stage == pp - 1)
-        model_f = _stage_flops(model, recompute="none", **kw) * m.num_microbatches
-        hw_f = _stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
+        model_f = stage_flops(model, recompute="none", **kw) * m.num_microbatches
+        hw_f = stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
         rows.append((rank, model_f / (secs[rank] * peak * m.tp), hw_f / (secs[rank] * peak * m.tp)))
     return pl.DataFrame(rows, schema=empty.schema, orient="row"), []
 
