@@ -115,7 +115,7 @@ def test_bpipe_moves_stage_0_peak_memory_toward_its_pairs_balanced_level(collect
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--pp", "9"], "has only 8 layers"),
+    (["--pp", "9"], "8 layers cannot fill 9 pipeline chunks"),
     (["--pp", "1", "--bpipe"], "BPipe needs at least 2"),
     (["--pp", "4", "--microbatches", "3"], "never reaches its steady state"),
     (["--model", "gpt-9000"], "unknown preset"),

@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from traceana.errors import ConfigError
-from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
+from traceana.manifest import ModelShape
+from traceana.model.config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
 
@@ -44,22 +45,13 @@ class CollectConfig:
             raise ConfigError(f"unknown preset {self.preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
-        if self.attention not in ATTENTIONS:
-            raise ConfigError(f"unknown attention {self.attention!r}", fix=f"use one of {', '.join(ATTENTIONS)}")
-        if self.recompute not in RECOMPUTES:
-            raise ConfigError(f"unknown recompute {self.recompute!r}", fix=f"use one of {', '.join(RECOMPUTES)}")
         for name in ("pp", "microbatches", "microbatch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
                                   fix=f"pass a positive --{name.replace('_', '-')}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
-        layers = self.shape.layers
-        if self.pp > layers:
-            raise ConfigError(
-                f"{self.pp} pipeline stages but {self.preset} has only {layers} layers",
-                fix=f"use --pp {layers} or fewer",
-            )
+        self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
         if self.bpipe and self.pp < 2:
             raise ConfigError("BPipe needs at least 2 pipeline stages (an evictor and an acceptor)",
                               fix="use --pp 2 or more, or drop --bpipe")
@@ -76,6 +68,12 @@ class CollectConfig:
                 "would hold fewer micro-batches than it does without it (the acceptor would have to take the next "
                 "before returning the last)",
                 fix="drop --bpipe, use --pp 4 or more with 1F1B, or set --bpipe-inflight")
+
+    def training_config(self) -> TrainingConfig:
+        """The model's description of this run (traceana.model.config), which also validates it."""
+        return TrainingConfig(model=self.shape, pp=self.pp, microbatch_size=self.microbatch_size,
+                              num_microbatches=self.microbatches, schedule=self.schedule, attention=self.attention,
+                              recompute=self.recompute, eager=True, dropout=False)
 
     @property
     def shape(self) -> ModelShape:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, RECOMPUTES, Manifest, ModelShape
-from traceana.pipeline_rules import stage_layers
+from traceana.pipeline_rules import SCHEDULES, stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
-MODEL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+MODEL_SCHEDULES = SCHEDULES  # every schedule the pipeline rules know
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ class TrainingConfig:
         if self.layers_per_stage is None:
             if self.model.layers < chunks:
                 raise ConfigError(
-                    f"{self.model.layers} layers cannot fill {chunks} pipeline chunks", fix="use fewer stages"
+                    f"{self.model.layers} layers cannot fill {chunks} pipeline chunks (stages × virtual stages)",
+                    fix=f"use at most {self.model.layers} chunks"
                 )
         else:
             if len(self.layers_per_stage) != self.pp or sum(self.layers_per_stage) != self.model.layers:
