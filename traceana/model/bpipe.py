@@ -32,7 +32,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
-from traceana.pipeline_rules import bpipe_pairs
+from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 
@@ -50,12 +50,19 @@ class EfficiencyCurve:
     e_max: float = 0.6
     tokens_half: float = 512.0
     source: str = "assumed"
+    # Measured points of one attention kernel, where they differ (naive attention spends time on s×s matrices that
+    # flash attention fuses away): (attention, points) pairs; an attention without its own points uses ``points``.
+    by_attention: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        if any(b <= 0 or not 0 < e <= 1 for b, e in self.points):
+        pts = [pt for pt in self.points] + [pt for _, ps in self.by_attention for pt in ps]
+        if any(b <= 0 or not 0 < e <= 1 for b, e in pts):
             raise ConfigError("efficiency points need b > 0 and 0 < efficiency ≤ 1", fix="check --efficiency")
 
-    def at(self, microbatch_size: float, *, seq: int) -> float:
+    def at(self, microbatch_size: float, *, seq: int, attention: str | None = None) -> float:
+        own = dict(self.by_attention).get(attention) if attention else None
+        if own:
+            return EfficiencyCurve(points=own, source=self.source).at(microbatch_size, seq=seq)
         if not self.points:
             n = microbatch_size * seq
             return self.e_max * n / (n + self.tokens_half)
@@ -113,19 +120,20 @@ def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) ->
 
 
 def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve,
-                  network: Network = Network(), peak_flops: float | None = None) -> StepEstimate:
-    """Step time, MFU, memory fit and the step's terms for one configuration."""
+                  network: Network = Network(), peak_flops: float | None = None, with_simulation: bool = False):
+    """Step time, MFU, memory fit and the step's terms for one configuration (and the simulation, if asked)."""
     peak = peak_flops or (device.peak_flops if device else None)
     if not peak:
         raise ConfigError("a step-time estimate needs the device's peak FLOP/s", fix="pass --device or --peak-flops")
-    eff = curve.at(cfg.microbatch_size, seq=cfg.model.seq)
+    eff = curve.at(cfg.microbatch_size, seq=cfg.model.seq, attention=cfg.attention)
     mem = estimate_stage_memory(cfg)
     act = cfg.precision.activation_bytes
     msg_bytes = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * act / (cfg.tp if cfg.sequence_parallel else 1)
     evict_bytes = max((m.activation_per_microbatch for m in mem[: max(1, cfg.pp // 2)]), default=0.0)
     costs = Costs(
         p2p_ns=msg_bytes / network.p2p_bytes_per_s * 1e9,
-        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * 1e9 if cfg.bpipe else 0.0,
+        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * 1e9 if cfg.bpipe and math.isfinite(
+            network.bpipe_bytes_per_s) else 0.0,
         bpipe_overlap=network.bpipe_overlap,
     )
     times = stage_times(cfg, peak_flops=peak, efficiency=eff)
@@ -136,7 +144,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     devices = cfg.pp * cfg.tp * cfg.dp
     terms = terms_of(sim.attribution)
     peak_bytes = max(m.total_bytes for m in mem)
-    return StepEstimate(
+    out = StepEstimate(
         config=cfg,
         step_s=step_s,
         mfu=flops.mfu(model_flops, seconds=step_s, peak_flops=peak, devices=devices),
@@ -145,6 +153,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
         terms=terms,
         efficiency=eff,
     )
+    return (out, sim) if with_simulation else out
 
 
 def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
@@ -165,27 +174,116 @@ def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
 
 
 # --- the verdict -----------------------------------------------------------------------------------------------------
+# What BPipe is compared with. Each policy names the configurations the comparison may choose from (micro-batch sizes
+# at the same global batch, recompute modes); the same recompute modes are open to the BPipe side, so a gain is BPipe's.
+BASELINES: dict[str, str] = {
+    "as-configured": "the configuration as given (its micro-batch size and recompute), without BPipe",
+    "best-without-bpipe": "the fastest configuration that fits without BPipe (any micro-batch size, any recompute)",
+    "full-recompute": "Megatron-LM as the BPipe paper ran it: no recompute where that fits, else full recompute "
+                      "(no selective recompute), at the fastest micro-batch size that fits",
+}
+DEFAULT_BASELINE = "best-without-bpipe"
+_POLICY_RECOMPUTES = {"as-configured": ("none", "selective", "full"), "best-without-bpipe": ("none", "selective", "full"),
+                      "full-recompute": ("none", "full")}
+TERMS = ("compute", "recompute", "bubble", "transfer")  # transfer: what BPipe's evictions and loads add to the step
+
+
 @dataclass(frozen=True)
 class Verdict:
     helps: bool
     speedup: float  # reference step / best BPipe step (> 1: BPipe is faster)
-    reference: StepEstimate  # what BPipe is compared with (the best fitting configuration without BPipe)
+    reference: StepEstimate  # what BPipe is compared with (chosen by the baseline policy)
     given: StepEstimate  # the user's configuration as given
     with_bpipe: StepEstimate | None  # the best fitting BPipe configuration
-    deciding_term: str
-    deltas: dict[str, float]  # seconds, BPipe − reference, per term
+    deciding_term: str  # compute, recompute, bubble, bandwidth, memory or "no change"
+    deltas: dict[str, float]  # seconds, BPipe − reference, per term; they sum to the step-time change
     sentence: str
     assumptions: tuple[str, ...] = field(default_factory=tuple)
+    baseline: str = DEFAULT_BASELINE
+    why: str = ""  # the memory arithmetic in plain words: what BPipe frees and what that memory can buy
 
 
-def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64) -> list[TrainingConfig]:
+def check_baseline(baseline: str) -> str:
+    if baseline not in BASELINES:
+        raise ConfigError(f"unknown BPipe baseline {baseline!r}", fix=f"use one of {', '.join(BASELINES)}")
+    return baseline
+
+
+def decompose(ref_sim, target_sim, free_sim) -> dict[str, float]:
+    """Seconds each term adds (+) or saves (−) going from the reference to the BPipe configuration, summing exactly to
+    the step-time change. The change of configuration (micro-batch size, recompute, BPipe's schedule) is read from
+    stage 0's terms of ``free_sim`` — the best BPipe configuration with free transfers — against the reference's
+    (stage 0's terms add up to its step); the transfers are what the real link adds on top: target step − free step. Waiting for a load is thus never booked as
+    "transfer +x" against "bubble −x" when it only fills time the stage would have waited anyway."""
+    a, b = terms_of(ref_sim.attribution), terms_of(free_sim.attribution)
+    deltas = {"compute": b["compute"] - a["compute"], "recompute": b["recompute"] - a["recompute"],
+              "bubble": (b["bubble"] + b["transfer"]) - (a["bubble"] + a["transfer"])}
+    deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / 1e9
+    return deltas
+
+
+def deciding_term(speedup: float, deltas: dict[str, float]) -> str:
+    """The term that decides: "no change" inside the model's resolution; else the largest saving when BPipe wins and
+    the largest cost when it loses ("bandwidth" when that is the transfers)."""
+    if abs(speedup - 1) <= HELPS_ABOVE - 1 or not deltas:
+        return "no change"
+    pick = min(deltas, key=deltas.get) if speedup > 1 else max(deltas, key=deltas.get)
+    return "bandwidth" if pick == "transfer" else pick
+
+
+def describe_deltas(deltas: dict[str, float], *, unit: float = 1e3, suffix: str = "ms", spec: str = ".0f") -> str:
+    """"recompute −1200 ms, bubble +300 ms": the terms that moved, largest first ("transfer" as BPipe transfers)."""
+    shown = [(k, d) for k, d in sorted(deltas.items(), key=lambda kv: -abs(kv[1]))
+             if abs(d * unit) >= 0.5 * 10 ** -int(spec[1:-1] or 0)]
+    name = {"transfer": "BPipe transfers"}
+    return ", ".join(f"{name.get(k, k)} {'+' if d >= 0 else '−'}{format(abs(d) * unit, spec)} {suffix}"
+                     for k, d in shown)
+
+
+def evictions(cfg: TrainingConfig) -> int:
+    """Micro-batches BPipe evicts per step over all pairs (0: it balances nothing for this configuration)."""
+    return sum(bpipe_plan(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, evictor=e).evicted
+               for e, _ in bpipe_pairs(cfg.pp))
+
+
+def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
+    """Plain words and numbers: how much of a layer's saved activations are the s×s attention terms, what stage 0
+    holds at the configured micro-batch size without recompute, with and without BPipe, and against the device."""
+    from traceana.model.memory import layer_activation_bytes
+
+    m = cfg.model
+    kw = dict(microbatch_size=cfg.microbatch_size, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+              activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout, eager=cfg.eager)
+    naive = layer_activation_bytes(m, attention="naive", recompute="none", **kw)
+    flash = layer_activation_bytes(m, attention="sdpa", recompute="none", **kw)
+    share = (naive - flash) / naive if naive else 0.0
+    plain = cfg.replace(bpipe=False, recompute="none")
+    peak = lambda c: max(st.total_bytes for st in estimate_stage_memory(c))  # noqa: E731
+    words = (f"{m.name or m.family}: the s×s attention terms (scores, probabilities"
+             + (", their dropout mask" if cfg.has_dropout else "") + f") are {share:.0%} of a layer's saved "
+             f"activations with naive attention ({(naive - flash) / 2**20:.0f} of {naive / 2**20:.0f} MiB per "
+             f"layer at b={cfg.microbatch_size}, s={m.seq}); flash attention does not store them")
+    if cfg.pp > 1:
+        for att in ("naive", "sdpa"):
+            c = plain.replace(attention=att)
+            before, after = peak(c), peak(c.replace(bpipe=True))
+            fit = "" if device_bytes is None else (
+                " — fits without BPipe" if before <= device_bytes else
+                (" — fits only with BPipe" if after <= device_bytes else " — does not fit either way"))
+            words += (f"; {att}, no recompute: largest stage {before / 2**30:.1f} GiB without BPipe, "
+                      f"{after / 2**30:.1f} GiB with it{fit}")
+    return words + "."
+
+
+def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64,
+               recomputes: tuple[str, ...] = ("none", "selective", "full")) -> list[TrainingConfig]:
     """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode."""
     per_pipeline = cfg.microbatch_size * cfg.num_microbatches
     out = []
     b = 1
     while b <= min(per_pipeline, max_microbatch):
         if per_pipeline % b == 0:
-            for rc in ("none", "selective", "full"):
+            for rc in recomputes:
                 if rc == "selective" and cfg.attention != "naive":
                     continue  # nothing s×s to drop: selective equals none with flash attention
                 out.append(cfg.replace(microbatch_size=b, num_microbatches=per_pipeline // b, recompute=rc,
@@ -200,18 +298,31 @@ def _best(estimates: list[StepEstimate]) -> StepEstimate | None:
 
 
 def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve = EfficiencyCurve(),
-                  network: Network = Network(), reserve_bytes: float = 0.0) -> Verdict:
-    """Compare the best BPipe configuration with the best one without it, at the same global batch and parallelism."""
+                  network: Network = Network(), reserve_bytes: float = 0.0,
+                  baseline: str = DEFAULT_BASELINE) -> Verdict:
+    """Compare the best BPipe configuration with the baseline policy's configuration (``BASELINES``), at the same
+    global batch and parallelism."""
+    check_baseline(baseline)
     if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
         raise ConfigError("the BPipe verdict compares plain 1F1B schedules", fix="use --schedule 1f1b")
     dev = Device(device.name, device.memory_bytes - reserve_bytes, device.peak_flops, device.source)
-    est = lambda c: estimate_step(c, device=dev, curve=curve, network=network)  # noqa: E731
+    sims: dict = {}
+
+    def est(c: TrainingConfig, net: Network = network) -> StepEstimate:
+        e, sims[(c, net)] = _estimate(c, device=dev, curve=curve, network=net)
+        return e
+
+    recomputes = _POLICY_RECOMPUTES[baseline]
     given = est(cfg.replace(bpipe=False))
-    plain = [est(c) for c in candidates(cfg, bpipe=False)]
-    balanced = [est(c) for c in candidates(cfg, bpipe=True)] if cfg.pp > 1 else []
+    plain = [est(c) for c in candidates(cfg, bpipe=False, recomputes=recomputes)]
+    if baseline == "as-configured":
+        plain = [given]
+    balanced = [est(c) for c in candidates(cfg, bpipe=True, recomputes=recomputes)] if cfg.pp > 1 else []
     reference = _best(plain) or given
     best = _best(balanced)
+    why = memory_why(cfg, device_bytes=dev.memory_bytes)
     assumptions = (
+        f"baseline: {baseline} ({BASELINES[baseline]})",
         f"compute efficiency E(b) {curve.source}"
         + ("" if curve.points else f" (saturating, e_max={curve.e_max}, n_half={curve.tokens_half:g} tokens)"),
         f"P2P {network.p2p_bytes_per_s / 1e9:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / 1e9:g} GB/s "
@@ -220,32 +331,41 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
     )
     if best is None:
         return Verdict(False, 1.0, reference, given, None, "memory", {},
-                       "BPipe does not help: no configuration fits even with balanced activations.", assumptions)
-    deltas = {k: best.terms[k] - reference.terms[k] for k in reference.terms}
+                       "BPipe does not help: no configuration fits even with balanced activations.", assumptions,
+                       baseline, why)
+    # What BPipe's freed memory could buy with free transfers; what the link costs is the rest (a BPipe configuration
+    # chosen to keep transfers small, e.g. with recompute, is the link's cost too).
+    free_net = Network(network.p2p_bytes_per_s, math.inf, network.bpipe_overlap)
+    free_best = _best([est(c.config, free_net) for c in balanced]) or best
+    deltas = decompose(sims[(reference.config, network)], sims[(best.config, network)],
+                       sims[(free_best.config, free_net)])
     speedup = reference.step_s / best.step_s
     helps = speedup > HELPS_ABOVE
-    deciding = max(deltas, key=lambda k: abs(deltas[k]))
-    sentence = _sentence(helps, speedup, reference, best, deltas, deciding,
-                         fits_without=_best(plain) is not None)
-    return Verdict(helps, speedup, reference, given, best, deciding, deltas, sentence, assumptions)
+    deciding = deciding_term(speedup, deltas)
+    fits_without = reference.fits is not False
+    sentence = _sentence(helps, speedup, reference, best, deltas, deciding, fits_without=fits_without,
+                         baseline=baseline, evicted=evictions(best.config))
+    return Verdict(helps, speedup, reference, given, best, deciding, deltas, sentence, assumptions, baseline, why)
+
+
+def _estimate(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve, network: Network):
+    """``estimate_step`` and its simulation (the verdict decomposes the simulated terms)."""
+    return estimate_step(cfg, device=device, curve=curve, network=network, with_simulation=True)
 
 
 def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate, deltas: dict[str, float],
-              deciding: str, *, fits_without: bool) -> str:
-    def fmt(k: str) -> str:
-        d = deltas[k]
-        return f"{k} {'+' if d >= 0 else '−'}{abs(d) * 1e3:.0f} ms"
-
-    changed = ", ".join(fmt(k) for k in sorted(deltas, key=lambda k: -abs(deltas[k])) if abs(deltas[k]) > 5e-4)
+              deciding: str, *, fits_without: bool, baseline: str, evicted: int) -> str:
+    changed = describe_deltas(deltas) or "no term changes"
+    against = f"against {baseline} ({ref.describe()}, {ref.step_s:.2f} s per step)"
+    nothing = " BPipe evicts nothing in this configuration." if evicted == 0 else ""
     if not fits_without:
-        return (f"BPipe helps: without it nothing fits in memory; with it {best.describe()} runs at "
-                f"{best.step_s:.2f} s per step (MFU {best.mfu:.1%}).")
+        return (f"BPipe helps: without it the {baseline} configuration does not fit in memory; with it "
+                f"{best.describe()} runs at {best.step_s:.2f} s per step (MFU {best.mfu:.1%}).")
+    if deciding == "no change":
+        return (f"BPipe makes no difference ({speedup:.3f}×) {against}: best with it {best.describe()} "
+                f"{best.step_s:.2f} s; {changed}.{nothing} Deciding term: no change.")
     if not helps:
-        why = ("the best configuration without BPipe already fits"
-               if best.config.microbatch_size == ref.config.microbatch_size
-               and best.config.recompute == ref.config.recompute else f"{changed or 'no term changes'}")
-        return (f"BPipe does not help ({speedup:.3f}×): best without it {ref.describe()} "
-                f"{ref.step_s:.2f} s vs with it {best.describe()} {best.step_s:.2f} s; {why}. "
-                f"Deciding term: {deciding}.")
-    return (f"BPipe helps by {speedup:.3f}×: {ref.describe()} {ref.step_s:.2f} s → {best.describe()} "
-            f"{best.step_s:.2f} s per step; {changed}. Deciding term: {deciding}.")
+        return (f"BPipe does not help ({speedup:.3f}×) {against}: best with it {best.describe()} "
+                f"{best.step_s:.2f} s; {changed}.{nothing} Deciding term: {deciding}.")
+    return (f"BPipe helps by {speedup:.3f}× {against}: with it {best.describe()} {best.step_s:.2f} s per step; "
+            f"{changed}. Deciding term: {deciding}.")
