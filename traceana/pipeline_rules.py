@@ -259,7 +259,9 @@ def _plan(schedule: str, *, pp: int, num_microbatches: int, evictor: int, keep: 
 
 def bpipe_held(plan: BPipePlan, *, schedule: str, pp: int, num_microbatches: int) -> dict[int, tuple[int, int]]:
     """(own, foreign) micro-batches each partner holds at its peak under ``plan``, counted as the plan runs: the
-    evictor's own resident set, the acceptor's own in-flight micro-batches plus those it accepted and not returned."""
+    evictor's own resident set; the acceptor's own in-flight micro-batches plus those it accepted and whose return
+    has not completed (a return completes when the evictor takes it; the acceptor waits for that before it takes
+    the next)."""
     p, m = pp, num_microbatches
     out: dict[int, tuple[int, int]] = {}
     ev = device_order(schedule, pp=p, num_microbatches=m, device=plan.evictor)
@@ -272,18 +274,21 @@ def bpipe_held(plan: BPipePlan, *, schedule: str, pp: int, num_microbatches: int
             live -= 1
     out[plan.evictor] = (best, 0)
     acc = device_order(schedule, pp=p, num_microbatches=m, device=plan.acceptor)
-    own, foreign = 0, len(plan.accept_after.get(-1, ()))
+    own, foreign, returning = 0, len(plan.accept_after.get(-1, ())), 0
     peak = (0, foreign)
     for j, op in enumerate(acc):
         own += 1 if op.action == FORWARD else 0
-        if own + foreign > sum(peak):
-            peak = (own, foreign)
+        if own + foreign + returning > sum(peak):
+            peak = (own, foreign + returning)
         if op.action == BACKWARD:
             own -= 1
-            foreign -= len(plan.return_after.get(j, ()))
-        foreign += len(plan.accept_after.get(j, ()))
-        if own + foreign > sum(peak):
-            peak = (own, foreign)
+            n = len(plan.return_after.get(j, ()))
+            foreign, returning = foreign - n, returning + n  # sent back; freed once the evictor has taken it
+        if plan.accept_after.get(j):
+            returning = 0  # the acceptor waits for its returns to complete before it takes the next
+            foreign += len(plan.accept_after[j])
+        if own + foreign + returning > sum(peak):
+            peak = (own, foreign + returning)
     out[plan.acceptor] = peak
     return out
 
