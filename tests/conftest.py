@@ -1,20 +1,39 @@
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-THIRD_PARTY = ROOT.parent / "shared" / "traces" / "third_party"
+THIRD_PARTY = ROOT / "tests" / "data" / "third_party"  # in the repository (see its README: source, MIT licence)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-@pytest.fixture
-def third_party() -> Path:
-    if not THIRD_PARTY.is_dir():
-        pytest.skip("../shared/traces/third_party is absent")
-    return THIRD_PARTY
+def _read_only_copy(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` with no write bit anywhere: traceana treats it as read-only (no cache is written into it,
+    as in a shared or archived run folder), and it never holds a cache from an earlier run of anything."""
+    if not dst.exists():
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(".traceana", "README.md"))
+        for p in sorted(tmp.rglob("*"), reverse=True):
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        tmp.chmod(0o555)
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another xdist worker made it first
+            shutil.rmtree(tmp, onerror=lambda f, p, e: (os.chmod(os.path.dirname(p), 0o755), f(p)))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def third_party(tmp_path_factory) -> Path:
+    """The third-party traces of tests/data/third_party, as a read-only copy made once per session."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base
+    return _read_only_copy(THIRD_PARTY, root / "third-party-traces")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from traceana import schema
 from traceana.errors import TraceanaError
 from traceana.ingest.kineto import read_trace
 
-THIRD_PARTY_SEED = Path(__file__).resolve().parent.parent.parent / "shared/traces/third_party/hta/call_stack/backward_thread.json"
+THIRD_PARTY_SEED = Path(__file__).resolve().parent / "data/third_party/hta/call_stack/backward_thread.json"
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -34,7 +34,7 @@ def _seed_bytes() -> bytes:
     return tb.to_bytes()
 
 
-SEEDS = [_seed_bytes()] + ([THIRD_PARTY_SEED.read_bytes()] if THIRD_PARTY_SEED.exists() else [])
+SEEDS = [_seed_bytes(), THIRD_PARTY_SEED.read_bytes()]
 
 
 def _check(path: Path) -> None:
