@@ -121,11 +121,13 @@ def build_report(
 
 def write_report(path: str | Path, analyses: Sequence[Analysis], **kwargs) -> Path:
     """Build the report and write it to ``path`` (parent folders created). Returns the path."""
+    from traceana.files import write_text
+
     path = Path(path)
     text = build_report(analyses, **kwargs)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        write_text(path, text)  # a temporary renamed into place: a full disk keeps the older report, no partial one
     except OSError as e:
         raise BadInputError(f"cannot write the report ({e.strerror})", path=path,
                             fix="choose a writable path with -o") from None

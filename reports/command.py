@@ -54,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     if args.name and len(args.name) != len(args.runs):
         raise BadInputError(f"{len(args.name)} --name labels for {len(args.runs)} runs",
                             fix="give one --name per run, or none")
+    from traceana.analysis_cache import input_files
+    from traceana.files import refuse_inputs
+
+    for r in args.runs:  # before any work: never write the report over a trace or run.json
+        refuse_inputs(args.output, input_files(r))
     t0 = time.perf_counter()
     analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet)
     with console.status("rendering the report (holoviews + bokeh)"):

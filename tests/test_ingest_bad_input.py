@@ -114,10 +114,14 @@ def test_unreadable_file_even_as_root(tmp_path, monkeypatch):
     """Root reads mode-000 files, so the permission error is simulated where the OS would raise it."""
     f = good_trace().write(tmp_path / "rank0.json")
 
-    def denied(self, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(self))
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "open", denied)
+    def denied(path, *args, **kwargs):
+        if Path(path) == f:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
     with pytest.raises(BadInputError) as e:
         read_trace(f)
     assert "permission denied" in one_line(e.value, f)

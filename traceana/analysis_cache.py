@@ -4,7 +4,7 @@ re-parsing and re-attributing every event (safe to delete at any time).
 
 An entry is keyed by everything the result depends on: the path as given (it is shown in ``run.path``, the traces
 table and warnings), the ingest cache key of every trace file (``traceana.ingest.cache.cache_key``: name, size,
-mtime, ingest schema and tool version), run.json's size and mtime, ``peak_flops``, the traceana version, a hash of the
+inode, ctime, ingest schema and tool version), run.json's ``fingerprint``, ``peak_flops``, the traceana version, a hash of the
 analysis table schemas and a hash of traceana's own source (so an edited analysis never reads a stale result).
 A changed input simply misses. An entry is a folder written under a temporary name and renamed into place, with
 ``meta.json`` written last: a half-written or damaged entry is a miss, never an error. A run directory that is not
@@ -36,8 +36,9 @@ import traceana
 from traceana import schema
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.ingest.cache import CACHE_DIR, _writable, cache_key
-from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.files import temporary_name
+from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
+from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
@@ -137,18 +138,17 @@ def entry_key(path: Path, files: list[Path], run_dir: Path, peak_flops: float | 
     parts += [f"{f.name}:{cache_key(f)}" for f in files]
     manifest = run_dir / MANIFEST_NAME
     if path.is_dir() and manifest.exists():
-        st = manifest.stat()
-        parts.append(f"{MANIFEST_NAME}:{st.st_size}:{st.st_mtime_ns}")
+        parts.append(f"{MANIFEST_NAME}:{fingerprint(manifest)}")
     return hashlib.sha1("|".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:20]
 
 
 # --- the cache ---------------------------------------------------------------------------------------------------
 class AnalysisCache:
     def __init__(self, run_dir: Path, *, enabled: bool = True) -> None:
-        self.dir = run_dir / CACHE_DIR / SUBDIR
-        self.enabled = enabled and _writable(run_dir) and (
-            not (run_dir / CACHE_DIR).exists() or _writable(run_dir / CACHE_DIR)
-        )
+        # A symlinked or foreign .traceana is not used (the ingest cache's warning says so).
+        directory, _ = cache_dir(run_dir, SUBDIR, enabled=enabled)
+        self.dir = directory if directory is not None else run_dir / CACHE_DIR / SUBDIR
+        self.enabled = directory is not None
 
     def load(self, prefix: str, key: str, path: Path, *, peak_flops: float | None,
              workers: int | None) -> Analysis | None:
@@ -156,8 +156,13 @@ class AnalysisCache:
             return None
         entry = self.dir / f"{prefix}.{key}"
         try:
+            if entry.is_symlink() or not regular_file(entry / "meta.json"):
+                return None
             meta = json.loads((entry / "meta.json").read_text())
             if meta.get("key") != key:
+                return None
+            wanted = [n for n in (*_TABLES, *_RUN_TABLES) if n not in meta["none"]]
+            if not all(regular_file(entry / f"{n}.parquet") for n in wanted):
                 return None
             tables = {name: None if name in meta["none"] else pl.read_parquet(entry / f"{name}.parquet")
                       for name in (*_TABLES, *_RUN_TABLES)}
@@ -178,10 +183,9 @@ class AnalysisCache:
         if not self.enabled:
             return
         entry = self.dir / f"{prefix}.{key}"
-        tmp = self.dir / f".{prefix}.{key}.{os.getpid()}.tmp"
+        tmp = temporary_name(entry)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            make_cache_dir(self.dir)
             tmp.mkdir()
             tables = {name: getattr(analysis, name) for name in _TABLES}
             tables |= {"traces": analysis.run.traces, "memory": analysis.run.memory}
@@ -193,8 +197,9 @@ class AnalysisCache:
             (tmp / "meta.json").write_text(json.dumps(meta))  # last: an entry without it is a miss
             # Stale entries of the same target go, and so does a damaged entry under this key (it just missed).
             for old in self.dir.glob(f"{_glob_escape(prefix)}.*"):
-                if _KEY.fullmatch(old.name[len(prefix) + 1:]):  # not hidden temporaries, not another file's
-                    trash = self.dir / f".{old.name}.{os.getpid()}.old"
+                # Only entry folders this cache wrote: not hidden temporaries, not another file's, not a symlink.
+                if _KEY.fullmatch(old.name[len(prefix) + 1:]) and old.is_dir() and not old.is_symlink():
+                    trash = temporary_name(old)
                     os.rename(old, trash)  # atomic: a concurrent reader sees the entry or nothing
                     shutil.rmtree(trash, ignore_errors=True)
             try:
@@ -203,8 +208,10 @@ class AnalysisCache:
                 if not (entry / "meta.json").exists():
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
-        except Exception as e:  # disk full, permissions, ...: the analysis goes on without a cache
+        except BaseException as e:  # disk full, permissions, ...: the analysis goes on without a cache
             shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned up, and on its way out
+                raise
             self.enabled = False
             pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
                             "without it — make the run directory writable or pass cache=False / --no-cache",
@@ -221,11 +228,20 @@ def _glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
+def input_files(path: str | Path) -> list[Path]:
+    """The files an analysis of ``path`` reads (``traceana.ingest.run_dir.input_files``), for commands above ingest
+    that check their outputs against them."""
+    from traceana.ingest.run_dir import input_files as of_path
+
+    return of_path(path)
+
+
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,
                      workers: int | None = None, progress: bool = False) -> Analysis:
     """``analyze(load_run(path), peak_flops=...)`` with ``Analysis.rank_summary`` filled, read from / written to the
     analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run`` does)."""
     path = Path(path)
+    peak_flops = check_peak_flops(peak_flops)  # NaN, inf or 1e-300 would make MFU meaningless (and not JSON)
     store = None
     if cache:
         try:

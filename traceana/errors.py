@@ -6,7 +6,25 @@ for bad input.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+# Control characters (C0, DEL, C1: ESC starts terminal escape sequences) and the invisible bidirectional and
+# zero-width marks: a file name or event name holding them would rewrite the user's terminal or hide text.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or invisible formatting character written as a Python escape (``\\x1b``)."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def shown(path: str | Path) -> str:
+    """A path as printable text: names need not be UTF-8 (undecodable bytes become U+FFFD) and control characters
+    are escaped (see ``printable``), so a message naming the file always prints as one harmless line."""
+    import os
+
+    return printable(os.fsencode(str(path)).decode("utf-8", "replace"))
 
 
 class TraceanaError(Exception):
@@ -22,7 +40,7 @@ class TraceanaError(Exception):
         parts = [f"{self.path}: {self.what}" if self.path else self.what]
         if self.fix:
             parts.append(self.fix)
-        return " — ".join(parts)
+        return printable(" — ".join(parts))
 
 
 class BadInputError(TraceanaError):

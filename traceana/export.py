@@ -8,40 +8,69 @@ the ``traceEvents`` array, so no per-event Python dict is ever made.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 from isal import igzip
 
-from traceana.errors import BadInputError
+from traceana.errors import BadInputError, shown
+from traceana.files import atomic_path, refuse_inputs, write_bytes
+from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 
 FORMATS = ("parquet", "csv")
 
 
+def input_files(analysis) -> list[Path]:
+    """The files the analysis read (traces and run.json): no output may be written over one of them."""
+    from traceana.ingest.run_dir import input_files as of_path
+
+    return of_path(analysis.run.path)
+
+
+def export_paths(directory: str | Path, names: list[str], fmt: str) -> list[Path]:
+    out = Path(directory)
+    return [out / f"{name}.{fmt}" for name in names] + [out / "notes.txt"]
+
+
 def write_tables(analysis, directory: str | Path, *, fmt: str = "parquet") -> list[Path]:
-    """One file per table (``steps.parquet``, ``attribution.parquet``, …) plus ``notes.txt``."""
+    """One file per table (``steps.parquet``, ``attribution.parquet``, …) plus ``notes.txt``, each written under a
+    temporary name and renamed into place (a failed export leaves no partial file and keeps older ones)."""
     if fmt not in FORMATS:
         raise BadInputError(f"unknown export format {fmt!r}", fix=f"use one of {', '.join(FORMATS)}")
     out = Path(directory)
+    tables = analysis.tables()
+    targets = export_paths(out, list(tables), fmt)
+    inputs = input_files(analysis)
+    for t in targets:
+        refuse_inputs(t, inputs, flag="--export")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BadInputError(f"cannot create the export folder ({e.strerror})", path=out,
+        raise BadInputError(f"cannot create the export folder ({e.strerror})", path=shown(out),
                             fix="choose a writable folder") from None
-    written = []
-    for name, table in analysis.tables().items():
-        path = out / f"{name}.{fmt}"
-        if fmt == "parquet":
-            table.write_parquet(path)
-        else:  # CSV has no enum or nested types: write them as text
-            table.with_columns(pl.col(pl.Enum, pl.Categorical).cast(pl.String)).write_csv(path)
-        written.append(path)
-    notes = out / "notes.txt"
-    notes.write_text("".join(f"{n}\n" for n in analysis.notes))
-    written.append(notes)
-    return written
+    for path, (name, table) in zip(targets, tables.items()):
+        try:
+            with atomic_path(path) as tmp:
+                if fmt == "parquet":
+                    table.write_parquet(tmp)
+                else:  # CSV has no enum or nested types: write them as text
+                    table.with_columns(pl.col(pl.Enum, pl.Categorical).cast(pl.String)).write_csv(tmp)
+        except Exception as e:  # disk full, permissions (polars raises its own types for some)
+            raise _write_error(path, e, "the table") from None
+    try:
+        write_bytes(targets[-1], "".join(f"{n}\n" for n in analysis.notes).encode())
+    except OSError as e:
+        raise _write_error(targets[-1], e, "the notes") from None
+    return targets
+
+
+def _write_error(path: Path, e: BaseException, what: str) -> BadInputError:
+    reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
+    return BadInputError(f"cannot write {what} ({reason}); nothing partial was left", path=shown(path),
+                         fix="free disk space or choose a writable folder")
 
 
 def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
@@ -56,7 +85,19 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     }
     if per_step:
         out["per_step"] = per_step_table(analysis).to_dicts()
-    return out
+    return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    """NaN and ±inf (a 0/0 somewhere) become null: JSON has no such numbers, and ``--json`` must always parse.
+    Stage- and step-sized data only."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def per_step_table(analysis) -> pl.DataFrame:
@@ -165,8 +206,10 @@ def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, 
 
 
 def write_merged_trace(analysis, path: str | Path) -> Path:
-    """Write all ranks into one Chrome/Perfetto JSON trace (gzip when the name ends in .gz)."""
+    """Write all ranks into one Chrome/Perfetto JSON trace (gzip when the name ends in .gz), under a temporary name
+    renamed into place; never over one of the analysis' own input files."""
     path = Path(path)
+    refuse_inputs(path, input_files(analysis))
     events = merged_trace_events(analysis)
     tids = _tids(analysis.events)
     first_extra = int(tids["tid"].max() or 0) + 1
@@ -189,7 +232,7 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
         .otherwise(pl.struct(pl.all()).struct.json_encode()).alias("line"))["line"]
     lines = pl.concat([lines, flow_lines])
     body = lines.str.join(",\n")[0] if len(lines) else ""
-    header = {"displayTimeUnit": "ns", "otherData": {"producer": "traceana merge", "run": str(analysis.run.path),
+    header = {"displayTimeUnit": "ns", "otherData": {"producer": MERGED_PRODUCER, "run": str(analysis.run.path),
                                                      "clock_offsets": analysis.clock_offsets.to_dicts(),
                                                      "notes": list(analysis.notes)}}
     text = (json.dumps(header)[:-1] + ', "traceEvents": [' + ",\n".join(json.dumps(m) for m in meta)
@@ -198,8 +241,8 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
     try:
         if path.suffix == ".gz":
             data = igzip.compress(data, compresslevel=1)
-        path.write_bytes(data)
+        write_bytes(path, data)
     except OSError as e:
-        raise BadInputError(f"cannot write the merged trace ({e.strerror})", path=path,
-                            fix="choose a writable path") from None
+        raise BadInputError(f"cannot write the merged trace ({e.strerror}); nothing partial was left",
+                            path=shown(path), fix="free disk space or choose a writable path") from None
     return path

@@ -32,11 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool):
     """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False)."""
     from traceana.analysis_cache import load_and_analyze as cached
+    from traceana.manifest import check_peak_flops
 
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
-    if peak_flops is not None and peak_flops <= 0:
-        raise BadInputError(f"--peak-flops must be positive, got {peak_flops}", fix="give the device's peak FLOP/s")
+    check_peak_flops(peak_flops)
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress)
 
 
@@ -133,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
     from traceana.export import summary, write_tables
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
+    if args.export:  # before any work: never export over a trace or run.json
+        from traceana.export import export_paths
+        from traceana.files import refuse_inputs
+        from traceana.ingest.run_dir import input_files
+
+        inputs = input_files(args.run_dir)
+        for target in export_paths(args.export, ["notes"], args.format):  # the names checked again when written
+            refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
                                 cache=not args.no_cache, progress=progress)
     if args.export:

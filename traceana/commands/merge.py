@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
     from traceana.export import write_merged_trace
+    from traceana.files import refuse_inputs
+    from traceana.ingest.run_dir import input_files
 
+    refuse_inputs(args.output, input_files(args.run_dir))  # before any work: never write over a trace or run.json
     progress = not args.quiet and sys.stderr.isatty()
     analysis = load_and_analyze(args.run_dir, peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress)

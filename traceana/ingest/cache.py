@@ -1,6 +1,6 @@
 """Parquet cache of parsed traces under ``RUN_DIR/.traceana/ingest/`` (safe to delete at any time).
 
-One entry per trace file, keyed by the file's name, size and mtime (ns), the traceana version and a hash of the
+One entry per trace file, keyed by the file's name, size, mtime, inode and ctime (``fingerprint``), the traceana version and a hash of the
 table schemas: a changed trace or a new tool version simply misses. Writing is best effort — a read-only run
 directory (for example ../shared) is never written to, and a failed write is a warning, never an error.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import polars as pl
 
 import traceana
 from traceana import schema
+from traceana.files import sweep_temporaries, temporary_name
 
 CACHE_DIR = ".traceana"
 SUBDIR = "ingest"
@@ -29,9 +31,15 @@ def schema_hash() -> str:
     return hashlib.sha1(f"{text}|{traceana.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
 
 
-def cache_key(path: Path, rank: int | None = None) -> str:
+def fingerprint(path: Path) -> str:
+    """What identifies a file's content without reading it: size, mtime, inode and ctime (ns). The inode and ctime
+    catch an in-place edit that restores the mtime (``touch -r``) or keeps the size; a copy simply misses."""
     st = path.stat()
-    text = f"{path.name}|{st.st_size}|{st.st_mtime_ns}|{rank}|{schema_hash()}"
+    return f"{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
+
+
+def cache_key(path: Path, rank: int | None = None) -> str:
+    text = f"{path.name}|{fingerprint(path)}|{rank}|{schema_hash()}"
     return hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:20]
 
 
@@ -45,14 +53,89 @@ def _writable(directory: Path) -> bool:
     return bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)) and os.access(directory, os.W_OK)
 
 
+TAG_NAME = "CACHEDIR.TAG"  # https://bford.info/cachedir/: marks RUN_DIR/.traceana as ours (and tells backups to skip it)
+TAG = b"Signature: 8a477f597d28d172789f06886806bc55\n# traceana's derived caches: safe to delete.\n"
+_OURS = {TAG_NAME, SUBDIR, "analysis"}
+
+
+def _real_dir(path: Path) -> bool | None:
+    """True: a directory (not a symlink to one); None: nothing there; False: anything else."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+
+
+def cache_dir(run_dir: Path, sub: str, *, enabled: bool = True) -> tuple[Path | None, str | None]:
+    """``RUN_DIR/.traceana/<sub>`` when traceana may use it, else None, and a warning line when the reason is
+    worth telling (a symlinked or foreign ``.traceana``). Nothing is created here.
+
+    Rules (docs/model.md "Files traceana writes"): the run directory must be writable (see ``_writable``);
+    ``.traceana`` and ``.traceana/<sub>`` must be real directories, never symlinks (a cache written through a link
+    lands in, and cleans up, someone else's folder); an existing ``.traceana`` must carry traceana's CACHEDIR.TAG
+    or hold nothing but traceana's own folders."""
+    if not enabled or not _writable(run_dir):
+        return None, None
+    root = run_dir / CACHE_DIR
+    kind = _real_dir(root)
+    if kind is False:
+        return None, (f"{root}: is a symlink or not a directory; the cache is not used (traceana writes only into "
+                      f"a {CACHE_DIR} folder it made) — remove it to let traceana cache again, or pass --no-cache")
+    if kind:
+        if not _writable(root):
+            return None, None
+        try:
+            names = set(os.listdir(root))
+        except OSError:
+            return None, None
+        if TAG_NAME not in names and not names <= _OURS:
+            return None, (f"{root}: holds files traceana did not write ({sorted(names - _OURS)[0]}, …); the cache "
+                          "is not used — move them, or pass --no-cache")
+    if _real_dir(root / sub) is False and (root / sub).is_symlink():
+        return None, (f"{root / sub}: is a symlink; the cache is not used (traceana never writes through a link) — "
+                      "remove it, or pass --no-cache")
+    return root / sub, None
+
+
+def make_cache_dir(directory: Path) -> None:
+    """Create ``RUN_DIR/.traceana/<sub>`` (tagging ``.traceana``), refusing symlinks met on the way."""
+    root = directory.parent
+    if _real_dir(root) is None:
+        root.mkdir(exist_ok=True)
+    if _real_dir(root) is not True:
+        raise OSError(f"{root} is not a directory traceana made")
+    if not (root / TAG_NAME).exists():
+        try:
+            fd = os.open(root / TAG_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(TAG)
+    if _real_dir(directory) is None:
+        directory.mkdir(exist_ok=True)
+    if _real_dir(directory) is not True:
+        raise OSError(f"{directory} is not a directory traceana made")
+    sweep_temporaries(directory)
+
+
+def regular_file(path: Path) -> bool:
+    """A regular file itself (no symlink, FIFO or device): the only kind of cache entry traceana reads or removes."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 class TraceCache:
     """Cached (events, memory, traces row) per trace file of one run directory."""
 
     def __init__(self, run_dir: Path, *, enabled: bool = True) -> None:
-        self.dir = run_dir / CACHE_DIR / SUBDIR
-        self.enabled = enabled and _writable(run_dir) and (
-            not (run_dir / CACHE_DIR).exists() or _writable(run_dir / CACHE_DIR)
-        )
+        directory, self.note = cache_dir(run_dir, SUBDIR, enabled=enabled)
+        self.dir = directory if directory is not None else run_dir / CACHE_DIR / SUBDIR
+        self.enabled = directory is not None
 
     def _paths(self, trace: Path, key: str) -> tuple[Path, Path, Path]:
         stem = f"{trace.name}.{key}"
@@ -64,7 +147,7 @@ class TraceCache:
             return None
         try:
             ev_path, mem_path, row_path = self._paths(trace, cache_key(trace, rank))
-            if not (ev_path.exists() and mem_path.exists() and row_path.exists()):
+            if not (regular_file(ev_path) and regular_file(mem_path) and regular_file(row_path)):
                 return None
             row = json.loads(row_path.read_text())
             events = schema.check(pl.read_parquet(ev_path), schema.EVENTS, "cached events")
@@ -81,22 +164,34 @@ class TraceCache:
             return None
         try:
             key = cache_key(trace, rank)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_cache_dir(self.dir)
             for old in self.dir.glob(f"{_glob_escape(trace.name)}.*"):
-                if key not in old.name:  # stale entries of this trace (older file or tool version)
+                # Stale entries of this trace (older file or tool version): only names this cache writes.
+                m = _ENTRY.fullmatch(old.name[len(trace.name) + 1:])
+                if m and m.group(1) != key and regular_file(old):
                     old.unlink(missing_ok=True)
             targets = self._paths(trace, key)
-            tmp = [t.with_name(f".{t.name}.{os.getpid()}.tmp") for t in targets]
-            events.write_parquet(tmp[0], compression="lz4", statistics=False)
-            memory.write_parquet(tmp[1], compression="lz4", statistics=False)
-            tmp[2].write_text(json.dumps(row))
-            for t, final in zip(tmp, targets):
-                os.replace(t, final)
+            tmp = [temporary_name(t) for t in targets]
+            try:
+                events.write_parquet(tmp[0], compression="lz4", statistics=False)
+                memory.write_parquet(tmp[1], compression="lz4", statistics=False)
+                tmp[2].write_text(json.dumps(row))
+                for t, final in zip(tmp, targets):
+                    os.replace(t, final)
+            finally:  # failed, or interrupted (Ctrl-C, SIGTERM): no temporary is left behind
+                for t in tmp:
+                    try:
+                        os.unlink(t)
+                    except OSError:
+                        pass
         except Exception as e:  # read-only file system, disk full, ...: analysis goes on without a cache
             self.enabled = False
             return (f"{self.dir}: could not write the ingest cache ({type(e).__name__}: {e}); continuing without "
                     "it — make the run directory writable or pass cache=False / --no-cache")
         return None
+
+
+_ENTRY = re.compile(r"([0-9a-f]{20})\.(?:events\.parquet|memory\.parquet|trace\.json)")
 
 
 def _glob_escape(name: str) -> str:

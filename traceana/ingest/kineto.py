@@ -47,7 +47,8 @@ import msgspec
 import polars as pl
 
 from traceana import names, schema
-from traceana.errors import BadInputError, TraceFormatError
+from traceana.errors import BadInputError, TraceFormatError, shown
+from traceana.files import open_regular
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
     from traceana.ingest import _scan
@@ -158,27 +159,12 @@ _SHAPES_NAMES = (names.C10D_SEND, names.C10D_RECV)
 _GLOO_PREFIX = "gloo:"
 
 
-def shown(path: Path | str) -> str:
-    """A path as printable text (file names need not be UTF-8; a message must still print)."""
-    return os.fsencode(str(path)).decode("utf-8", "replace")
-
-
 # --- reading bytes -----------------------------------------------------------------------------------------------
 def _open(path: Path):
-    """The trace file opened for reading, or a one-line BadInputError saying why it cannot be."""
-    try:
-        if not path.exists():
-            raise BadInputError("no such file", path=shown(path), fix="check the path")
-        if path.is_dir():
-            raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
-        return path.open("rb")
-    except BadInputError:
-        raise
-    except PermissionError:
-        raise BadInputError("permission denied", path=shown(path), fix="make the file readable (chmod +r)") from None
-    except OSError as e:  # symlink loops (ELOOP), I/O errors, names the OS rejects
-        raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
-                            fix="check the file and any symlinks to it") from None
+    """The trace file opened for reading when it is a regular file, or a one-line BadInputError saying why not."""
+    if path.is_dir():
+        raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
+    return open_regular(path, shown=shown(path))
 
 
 def read_bytes(path: Path) -> tuple[bytes, bool]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import re
 import sys
+import zlib
 import warnings as pywarnings
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +24,7 @@ import polars as pl
 
 from traceana import names, schema
 from traceana.errors import BadInputError, RunDirError, TraceanaError
+from traceana.files import open_regular
 from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto
@@ -54,6 +57,36 @@ def find_traces(directory: Path) -> list[Path]:
             and not (p.is_dir() and not p.is_symlink())]
 
 
+MERGED_PRODUCER = "traceana merge"  # otherData.producer in the header of the trace ``traceana merge`` writes
+_MERGED_MARK = re.compile(rb'^\s*\{\s*"displayTimeUnit"\s*:\s*"ns"\s*,\s*"otherData"\s*:\s*\{\s*"producer"\s*:\s*"'
+                          + re.escape(MERGED_PRODUCER.encode()) + rb'"')
+
+
+def is_merged_trace(path: Path) -> bool:
+    """Whether ``path`` is traceana's own merged trace (its header, written first, names the producer): a run
+    folder holding one must still analyse as the ranks' traces alone. Reads at most the first 64 KiB."""
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(1 << 16)
+        if head[:2] == kineto.GZIP_MAGIC:
+            head = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, 4096)
+    except (TraceanaError, OSError, zlib.error, EOFError):
+        return False  # unreadable: the parse says why
+    return bool(_MERGED_MARK.match(head))
+
+
+def input_files(path: str | Path) -> list[Path]:
+    """The files an analysis of ``path`` reads (its traces and run.json, or the one trace file): outputs are
+    checked against these (``traceana.files.refuse_inputs``) so that none is ever written over."""
+    path = Path(path)
+    try:
+        if not path.is_dir():
+            return [path]
+        return [*find_traces(path), path / MANIFEST_NAME]
+    except (TraceanaError, OSError):
+        return [path]
+
+
 def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True, progress: bool = False) -> Run:
     """Load a run directory or a single trace file into one ``Run`` (see the module docstring).
 
@@ -70,20 +103,31 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         raise BadInputError("no such file or directory", path=shown(path),
                             fix="pass a run directory or a Kineto trace file")
     manifest: Manifest | None = None
+    early_notes: list[str] = []
     if path.is_dir():
         run_dir = path
         files = find_traces(path)
+        merged = [f for f in files if is_merged_trace(f)]
+        if merged:
+            files = [f for f in files if f not in merged]
+            early_notes = [f"{shown(f)}: skipped — it is traceana's own merged trace (traceana merge), not a rank's "
+                           "trace; keep merged traces outside run folders" for f in merged]
         if not files:
             raise RunDirError("no Kineto traces (*.json, *.json.gz) in this directory", path=shown(path),
                               fix="point at the directory the profiler wrote rank*.pt.trace.json.gz into")
         if (path / MANIFEST_NAME).exists():
             manifest = Manifest.read(path / MANIFEST_NAME)
     else:
+        if is_merged_trace(path):
+            raise BadInputError("this is traceana's own merged trace (traceana merge output), not a profiler trace",
+                                path=shown(path), fix="analyse the run folder it was merged from")
         run_dir = path.parent
         files = [path]
 
     trace_cache = TraceCache(run_dir, enabled=cache)
-    warnings: list[str] = []
+    warnings: list[str] = list(early_notes)
+    if trace_cache.note:
+        warnings.append(trace_cache.note)
     parsed: dict[Path, Parsed] = {}
     misses = []
     for f in files:
@@ -110,6 +154,15 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
 
     results = [parsed[f] for f in files]
     warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
+    if all(r[0].height == 0 for r in results):
+        one = len(results) == 1
+        raise RunDirError(
+            ("the trace holds no" if one else f"none of the {len(results)} traces holds a") + " usable event "
+            "(traceEvents empty, or every event dropped as malformed or with an unusable ts/dur)",
+            path=shown(files[0] if one else path), fix="re-collect with the profiler active for at least one step",
+        )
+    warnings.extend(f"{shown(r[2]['path'])}: rank {r[2]['rank']} has no usable event; it is analysed as empty"
+                    for r in results if r[0].height == 0)
     warnings.extend(_check_ranks(results, manifest, run_dir))
     results.sort(key=lambda r: r[2]["rank"])
     # One contiguous table (analysis needs one, and would otherwise copy it while the ranks' tables are still held).
@@ -135,6 +188,13 @@ def _parse_one(path: Path) -> tuple[str, Any]:
         return "ok", read_trace(path)
     except TraceanaError as e:
         return "error", (type(e), e.what, e.path, e.fix)
+
+
+def _worker_init() -> None:
+    """A worker leaves Ctrl-C to the parent (which prints the one line): it exits at once, without a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 
 def _raise(payload: tuple[type, str, str | None, str | None]) -> None:
@@ -177,7 +237,7 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
                 ctx = multiprocessing.get_context("forkserver")
                 # The server imports ingest (polars, msgspec) once; each worker forks from it ready to parse.
                 ctx.set_forkserver_preload(["traceana.ingest.run_dir"])
-                with cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+                with cf.ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_worker_init) as pool:
                     futures = {pool.submit(_parse_one, f): f for f in files}
                     for fut in cf.as_completed(futures):
                         results[futures[fut]] = fut.result()
