@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import warnings
 
-from traceana.errors import TraceanaError
+from traceana.errors import TraceanaError, printable
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -69,7 +70,25 @@ class _Version(argparse.Action):
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     # Warnings (a truncated trace, a skipped file) are for the user: one line each, no source location.
-    print(f"traceana: warning: {message}", file=sys.stderr)
+    print(f"traceana: warning: {printable(str(message))}", file=sys.stderr)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt: files being written are cleaned up on the way out
+    (``traceana.files.atomic_path``, the caches), then the command exits 143 with one line."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def _quiet_signals() -> None:
+    """After the first interrupt only the clean-up runs: a second Ctrl-C must not print a traceback over it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,25 +96,45 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # main() called from a thread: leave the signal alone
+        pass
     try:
         return int(args._run(args) or 0)
     except TraceanaError as e:
         print(f"traceana: error: {e.line()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _quiet_signals()
         print("traceana: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        _quiet_signals()
+        print("traceana: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    except MemoryError:
+        print("traceana: error: ran out of memory — the input is larger than this machine (or its memory limit) can "
+              "analyse; see docs/performance.md for what each trace needs", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:  # an internal bug: one line by default, the traceback with --debug
         if args.debug:
             raise
-        print(
-            f"traceana: internal error: {type(e).__name__}: {e} — rerun with --debug and report it",
-            file=sys.stderr,
-        )
+        first = (str(e).strip().splitlines() or [""])[0][:300]  # polars messages run over many lines
+        print(printable(f"traceana: internal error: {type(e).__name__}: {first} — rerun with --debug and report it"),
+              file=sys.stderr)
         return 1
+    finally:
+        # After an interrupt the signals stay ignored: the process is on its way out (see _quiet_signals).
+        if previous is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            try:
+                signal.signal(signal.SIGTERM, previous)
+            except (ValueError, OSError):
+                pass
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from traceana.errors import BadInputError
+from traceana.files import open_regular
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "run.json"
@@ -20,6 +22,39 @@ FAMILIES = ("gpt", "llama")
 ATTENTIONS = ("naive", "sdpa")  # sdpa = flash-style: does not keep the s×s scores
 RECOMPUTES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "unknown")
+MAX_MANIFEST_BYTES = 16 << 20  # run.json is a few KB; a bigger one is not a manifest (and is not read whole)
+MAX_NESTING = 32  # levels of JSON nesting in run.json (``extra`` included): the collector writes at most 3
+# A device's peak FLOP/s: finite, and between 1 MFLOP/s and 1 EFLOP/s (1e6..1e18) — outside that it is a unit
+# mistake (TFLOP/s given as FLOP/s, or the reverse), and MFU computed from it would be meaningless (or not JSON).
+PEAK_FLOPS_RANGE = (1e6, 1e18)
+
+
+def check_peak_flops(value: object, *, source: str = "--peak-flops", path: str | Path | None = None) -> float | None:
+    """``value`` as a peak FLOP/s (None stays None), or one BadInputError line naming ``source``."""
+    if value is None:
+        return None
+    lo, hi = PEAK_FLOPS_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise BadInputError(f"{source} must be a number of FLOP/s between {lo:.0e} and {hi:.0e}, got {value!r}",
+                            path=path, fix="give the device's peak FLOP/s, e.g. 9.89e14 for an H100's dense BF16")
+    return float(value)
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, stopping at ``limit`` + 1 (no recursion)."""
+    depth, level = 0, [value]
+    while level and depth <= limit:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())
+                 if isinstance(v, (dict, list))]
+    return depth
+
+
+# Fields of run.json by kind, checked on construction (Python callers and run.json alike).
+_POSITIVE_INTS = ("world_size", "dp", "tp")
+_OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_batch")
+_OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
 
 
 @dataclass(frozen=True)
@@ -39,7 +74,14 @@ class ModelShape:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise BadInputError(f"unknown model family {self.family!r}", fix=f"use one of {', '.join(FAMILIES)}")
-        for f in ("layers", "hidden", "heads", "vocab", "seq"):
+        for f in ("layers", "hidden", "heads", "vocab", "seq", "kv_heads", "ffn"):
+            v = getattr(self, f)
+            if v is None and f in ("kv_heads", "ffn"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadInputError(f"model {f} must be an integer, got {v!r}", fix=f"set an integer {f}")
+            if f in ("kv_heads", "ffn"):
+                continue
             if getattr(self, f) <= 0:
                 raise BadInputError(f"model {f} must be positive, got {getattr(self, f)}", fix=f"set a positive {f}")
         if self.hidden % self.heads:
@@ -69,6 +111,13 @@ class ModelShape:
         return 256 * -(-(8 * self.hidden // 3) // 256)
 
 
+def _strict_int(x: Any, field_name: str) -> int:
+    """An integer as JSON writes it (1, not 1.5, "1" or true)."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{field_name} holds {x!r}, not an integer")
+    return x
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Contents of run.json. Only ``world_size`` is required; unknown facts stay None and are inferred."""
@@ -96,8 +145,34 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if self.world_size <= 0:
-            raise BadInputError(f"world_size must be positive, got {self.world_size}", fix="fix run.json")
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for f in (*_POSITIVE_INTS, *_OPTIONAL_POSITIVE_INTS):
+            v = getattr(self, f)
+            if v is None and f in _OPTIONAL_POSITIVE_INTS:
+                continue
+            if not is_int(v) or v <= 0:
+                raise BadInputError(f"{f} must be a positive integer, got {v!r}", fix="fix run.json")
+        for f in ("schedule", *_OPTIONAL_TEXT):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise BadInputError(f"{f} must be text, got {v!r}", fix="fix run.json")
+        object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops, source="peak_flops"))
+        if not isinstance(self.profiler, dict) or not all(isinstance(k, str) and is_int(v)
+                                                          for k, v in self.profiler.items()):
+            raise BadInputError(f"profiler must map names to integers, got {self.profiler!r}"[:200], fix="fix run.json")
+        if not isinstance(self.extra, dict):
+            raise BadInputError(f"extra must be an object, got {type(self.extra).__name__}", fix="fix run.json")
+        if self.pp is not None and self.pp > self.world_size and self.schedule in ("gpipe", "1f1b"):
+            # (interleaved schedules place several virtual stages on a rank: there pp may exceed the ranks)
+            raise BadInputError(f"pp {self.pp} is larger than world_size {self.world_size} for schedule "
+                                f"{self.schedule} (one stage per rank)", fix="fix run.json")
+        if self.bpipe is not None and self.pp is not None:
+            bad = [pair for pair in self.bpipe if not all(0 <= s < self.pp for s in pair)]
+            if bad:
+                raise BadInputError(f"bpipe pair {list(bad[0])} names a stage outside 0..{self.pp - 1}",
+                                    fix="fix run.json (pairs are evictor and acceptor stages)")
         if self.schedule not in SCHEDULES:
             raise BadInputError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
         if self.attention is not None and self.attention not in ATTENTIONS:
@@ -130,13 +205,17 @@ class Manifest:
             kwargs = {k: v for k, v in data.items() if k in known}
             if "world_size" not in kwargs:
                 raise KeyError("world_size")
+            if kwargs.get("model") is not None and not isinstance(kwargs["model"], dict):
+                raise TypeError(f"model must be an object, got {kwargs['model']!r}"[:200])
             if kwargs.get("model") is not None:
                 kwargs["model"] = ModelShape(**kwargs["model"])
+            if _depth(data, MAX_NESTING) > MAX_NESTING:
+                raise ValueError(f"nested more than {MAX_NESTING} levels deep")
             for k in ("stage_of_rank", "ranks_written"):
                 if kwargs.get(k) is not None:
-                    kwargs[k] = tuple(int(x) for x in kwargs[k])
+                    kwargs[k] = tuple(_strict_int(x, k) for x in kwargs[k])
             if kwargs.get("bpipe"):
-                kwargs["bpipe"] = tuple((int(a), int(b)) for a, b in kwargs["bpipe"])
+                kwargs["bpipe"] = tuple((_strict_int(a, "bpipe"), _strict_int(b, "bpipe")) for a, b in kwargs["bpipe"])
             else:
                 kwargs["bpipe"] = None
             if unknown:
@@ -155,9 +234,18 @@ class Manifest:
     def read(cls, path: str | Path) -> Manifest:
         path = Path(path)
         try:
-            data = json.loads(path.read_bytes())
+            with open_regular(path) as fh:
+                raw = fh.read(MAX_MANIFEST_BYTES + 1)
         except OSError as e:
             raise BadInputError(f"cannot read run.json ({e.strerror})", path=path, fix="check its permissions") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise BadInputError(f"run.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a run manifest",
+                                path=path, fix="fix it, or delete it to let traceana infer the run") from None
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise BadInputError(f"run.json is nested more than {MAX_NESTING} levels deep", path=path,
+                                fix="fix it, or delete it to let traceana infer the run") from None
         except (ValueError, UnicodeDecodeError):
             raise BadInputError(
                 "run.json is not valid JSON", path=path, fix="fix it, or delete it to let traceana infer the run"

@@ -99,13 +99,17 @@ def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     """
     gp_kind = name.str.extract(GPIPE_PATTERN, 1)
     gp_mb = name.str.extract(GPIPE_PATTERN, 2)
+    stage_text = name.str.extract(PP_PATTERN, 1)
+    mb_text = pl.coalesce(name.str.extract(PP_PATTERN, 3).replace("", None), gp_mb)
+    stage, mb = stage_text.cast(pl.Int32, strict=False), mb_text.cast(pl.Int32, strict=False)
+    # A number too large for int32 (PP:1F99999999999999999999999) is no stage or micro-batch: not an annotation.
+    fits = (stage_text.is_null() | stage.is_not_null()) & (mb_text.is_null() | mb.is_not_null())
+    action = pl.coalesce(
+        name.str.extract(PP_PATTERN, 2),
+        pl.when(gp_kind == "Forward").then(pl.lit(FORWARD)).when(gp_kind == "Backward").then(pl.lit(BACKWARD)),
+    )
     return {
-        "pp_stage": name.str.extract(PP_PATTERN, 1).cast(pl.Int32),
-        "pp_action": pl.coalesce(
-            name.str.extract(PP_PATTERN, 2),
-            pl.when(gp_kind == "Forward").then(pl.lit(FORWARD)).when(gp_kind == "Backward").then(pl.lit(BACKWARD)),
-        ),
-        "pp_microbatch": pl.coalesce(
-            name.str.extract(PP_PATTERN, 3).replace("", None), gp_mb
-        ).cast(pl.Int32),
+        "pp_stage": pl.when(fits).then(stage),
+        "pp_action": pl.when(fits).then(action),
+        "pp_microbatch": pl.when(fits).then(mb),
     }
