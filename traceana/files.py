@@ -6,7 +6,7 @@
         frame.write_parquet(tmp)           # when the block ends, removed when it raises (Ctrl-C and SIGTERM too)
     write_bytes(out, data) / write_text(out, text)
 
-Rules (docs/model.md "Files traceana reads and writes"):
+Rules (docs/reliability.md "Files traceana reads and writes"):
 
 - Inputs are read only when they are regular files (a symlink to one is fine): a FIFO would block forever and a
   device (``/dev/zero``, ``/dev/urandom``) never ends, so both are refused with one line before a byte is read.

@@ -72,7 +72,7 @@ def cache_dir(run_dir: Path, sub: str, *, enabled: bool = True) -> tuple[Path | 
     """``RUN_DIR/.traceana/<sub>`` when traceana may use it, else None, and a warning line when the reason is
     worth telling (a symlinked or foreign ``.traceana``). Nothing is created here.
 
-    Rules (docs/model.md "Files traceana writes"): the run directory must be writable (see ``_writable``);
+    Rules (docs/reliability.md "Files traceana reads and writes"): the run directory must be writable (see ``_writable``);
     ``.traceana`` and ``.traceana/<sub>`` must be real directories, never symlinks (a cache written through a link
     lands in, and cleans up, someone else's folder); an existing ``.traceana`` must carry traceana's CACHEDIR.TAG
     or hold nothing but traceana's own folders."""
