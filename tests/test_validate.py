@@ -87,16 +87,54 @@ def test_bpipe_verdict_from_a_measured_run_with_recompute(tmp_path):
 
     base = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, recompute="full",
                          times=StageTimes.uniform(2, forward=100e3, backward=200e3, recompute=100e3))
-    v = bpipe_verdict_from_run(base, bpipe_ns=0.0)
+    # as configured: BPipe added, recompute kept. pp = 2 holds 2 + 1 micro-batches: the balanced level ⌈3/2⌉ = 2
+    # evicts nothing, so nothing changes, and the verdict says so instead of naming a term
+    same = bpipe_verdict_from_run(base, bpipe_ns=2e6)
+    assert same.baseline == "as-configured" and same.speedup == pytest.approx(1.0)
+    assert same.deciding_term == "no change" and "evicts nothing" in same.sentence
+    # the BPipe paper's comparison: full recompute against BPipe without it; each of the (4 + 1) 1F1B slots on the
+    # critical path loses its 100 µs recompute: 5·400 → 5·300
+    v = bpipe_verdict_from_run(base, bpipe_ns=0.0, policy="full-recompute")
     assert v.helps and v.speedup == pytest.approx(5 * 400 / (5 * 300))
     assert v.deciding_term == "recompute" and v.deltas["recompute"] == pytest.approx(-4 * 100e3 / 1e9)
-    assert "would help" in v.sentence
-    # pp = 2 holds 2 + 1 micro-batches: the cap ⌈3/2⌉ = 2 evicts nothing, so transfers cannot cost anything
-    assert bpipe_verdict_from_run(base, bpipe_ns=2e6).speedup == v.speedup
+    assert "would help" in v.sentence and "full-recompute" in v.sentence
     deep = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8, recompute="full",
                          times=StageTimes.uniform(4, forward=100e3, backward=200e3, recompute=100e3))
-    fast, slow = bpipe_verdict_from_run(deep, bpipe_ns=0.0), bpipe_verdict_from_run(deep, bpipe_ns=2e6)
+    fast = bpipe_verdict_from_run(deep, bpipe_ns=0.0, policy="full-recompute")
+    slow = bpipe_verdict_from_run(deep, bpipe_ns=2e6, policy="full-recompute")
     assert slow.speedup < fast.speedup and slow.deltas["transfer"] > 0
+
+
+def test_bpipe_verdict_has_no_cancelling_terms(tmp_path):
+    # The demo's case: pp = 4, m = 8, BPipe added to the run as it is. With free transfers the BPipe schedule runs
+    # exactly like the plain one (same order, same durations), so compute, recompute and bubble cannot change; all
+    # of the change is the transfers', and it is not printed as "transfer +x, bubble −x".
+    from traceana.validate import bpipe_verdict_from_run
+
+    run = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8,
+                        times=StageTimes.uniform(4, forward=100e3, backward=200e3))
+    for cost in (0.0, 50e3, 2e6):
+        v = bpipe_verdict_from_run(run, bpipe_ns=cost)
+        assert v.deltas["bubble"] == pytest.approx(0, abs=1e-9)
+        assert v.deltas["compute"] == pytest.approx(0, abs=1e-9)
+        assert sum(v.deltas.values()) == pytest.approx(v.with_bpipe.step_s - v.reference.step_s, abs=1e-9)
+        assert "bubble" not in v.sentence
+        if v.deciding_term != "no change":
+            assert v.deciding_term == "bandwidth" and v.speedup < 1
+    assert bpipe_verdict_from_run(run, bpipe_ns=0.0).deciding_term == "no change"
+    assert bpipe_verdict_from_run(run, bpipe_ns=2e6).deciding_term == "bandwidth"
+
+
+def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=times)
+    b = fake_analysis(tmp_path, schedule="gpipe", pp=2, m=4, times=times)
+    slower = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4,
+                           times=StageTimes.uniform(2, forward=110e3, backward=220e3))
+    out = cross_run(a, b, repeat=(a, slower))
+    assert out["kind"] == "prediction"
+    assert out["noise_floor"] == pytest.approx(0.1 / 1.05)  # the same run 10 % slower: |1.1 − 1| / 1.05
+    assert validate(a).summary["kind"] == "replay"
 
 
 def test_bpipe_verdict_needs_plain_1f1b(tmp_path):

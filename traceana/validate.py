@@ -26,7 +26,8 @@ from traceana.model.memory import (  # noqa: F401
     backward_working_bytes,
     estimate_stage_memory,
 )
-from traceana.model.bpipe import HELPS_ABOVE, Verdict, terms_of
+from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, Verdict, check_baseline, deciding_term, decompose,
+                                   describe_deltas, evictions, terms_of)
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import bpipe_plan
 
@@ -48,6 +49,7 @@ class Measured:
     bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall + exposed P2P
     rank_of_stage: dict[int, int]
     steps_used: int
+    bpipe_step_ns: dict[int, float] = field(default_factory=dict)  # per stage: time in category "bpipe" per step
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,17 @@ def _steady_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataF
     if full.len() > 1:
         full = full.slice(1)
     return pl.DataFrame({"step": full}, schema={"step": pl.Int32})
+
+
+def measured_step_ms(analysis: Analysis, ranks: list[int] | None = None) -> float:
+    """The run's step time: per measured step the slowest rank's window, averaged over the measured steps (the
+    definition of the run's summary; the simulator's step is likewise its slowest device's)."""
+    steps = _steady_steps(analysis.attribution, analysis.schedule)
+    att = analysis.attribution.join(steps, on="step")
+    if ranks is not None:
+        att = att.filter(pl.col("rank").is_in(ranks))
+    per = att.group_by("step", "rank").agg(pl.col("ns").sum()).group_by("step").agg(pl.col("ns").max())
+    return float(per["ns"].mean() or 0) / 1e6
 
 
 def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
@@ -194,14 +207,18 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     costs = Costs(
         p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
         send_ns=0.0,
-        bpipe_ns=0.0,
+        # one eviction or load in flight, as the trace's BPipe messages took (median); 0 in a run without BPipe
+        bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
         bpipe_overlap=True,
         resume_ns=resume,
         evict_block_ns=evict_block,
         accept_block_ns=accept_block,
     )
+    bpipe_step = (per_rank.group_by("rank").agg(pl.col("bpipe").mean()) if "bpipe" in per_rank.columns
+                  else pl.DataFrame({"rank": [], "bpipe": []}))
     return Measured(
         times=times, costs=costs,
+        bpipe_step_ns={s: float(dict(bpipe_step.iter_rows()).get(rank_of_stage[s], 0.0) or 0.0) for s in range(p)},
         step_ns={s: float(row[rank_of_stage[s]][5]) for s in range(p)},
         bubble_ns={s: float(row[rank_of_stage[s]][6]) for s in range(p)},
         rank_of_stage=rank_of_stage, steps_used=steps.height,
@@ -359,13 +376,14 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         )
         .sort("stage")
     )
-    measured_step = sum(meas.step_ns.values()) / len(meas.step_ns) / 1e6
+    ranks = list(meas.rank_of_stage.values())
+    measured_step = measured_step_ms(analysis, ranks)
     last = int(_steady_steps(analysis.attribution, analysis.schedule)["step"].max())
     measured_last = float(
-        analysis.attribution.filter((pl.col("step") == last)
-                                    & pl.col("rank").is_in(list(meas.rank_of_stage.values())))
-        .group_by("rank").agg(pl.col("ns").sum())["ns"].mean()
+        analysis.attribution.filter((pl.col("step") == last) & pl.col("rank").is_in(ranks))
+        .group_by("rank").agg(pl.col("ns").sum())["ns"].max()
     ) / 1e6
+    rel = lambda est, ref: (est - ref) / ref if ref else None  # noqa: E731
     summary = {
         "run": str(run.path),
         "schedule": cfg.schedule,
@@ -374,21 +392,29 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "bpipe": bool(bpipe),
         "recompute": cfg.recompute,
         "attention": cfg.attention,
+        # every simulated figure here is a REPLAY: fed with this run's own measured durations (in sample); it checks
+        # the schedule logic, not the model's power to predict (that is cross_run: --baseline OTHER_RUN)
+        "kind": "replay",
         "measured_step_ms": measured_step,
         "simulated_step_ms": sim.step_ns / 1e6,
-        "step_error": (sim.step_ns / 1e6 - measured_step) / measured_step if measured_step else None,
+        "step_error": rel(sim.step_ns / 1e6, measured_step),
         "sampled_step_ms": sampled / 1e6,
-        "sampled_error": (sampled / 1e6 - measured_step) / measured_step if measured_step else None,
+        "sampled_error": rel(sampled / 1e6, measured_step),
         "replay_step_ms": replay.step_ns / 1e6 if replay else None,
-        "replay_error": (replay.step_ns / 1e6 - measured_last) / measured_last if replay and measured_last else None,
+        "replay_error": rel(replay.step_ns / 1e6, measured_last) if replay else None,
         "median_abs_memory_error": per_stage["memory_error"].abs().median(),
         "steps_used": meas.steps_used,
+        "bpipe_transfer_ms": meas.costs.bpipe_ns / 1e6 if bpipe else None,
+        "bpipe_ms_per_step": {s: v / 1e6 for s, v in meas.bpipe_step_ns.items()} if bpipe else None,
     }
     notes = (
-        f"simulator fed with measured busy time per micro-batch, host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms"
-        f" per operation, P2P in flight {meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + "
-        "stall + exposed P2P"
-        + (f", BPipe transfer {meas.costs.bpipe_ns / 1e6:.3f} ms" if bpipe else ""),
+        "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
+        "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
+        f"fed: host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms per operation, P2P in flight "
+        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + stall + exposed P2P"
+        + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
+           + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
+           + " per step in BPipe work" if bpipe else ""),
         "memory estimate: saved activations in flight"
         + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
     )
@@ -423,8 +449,16 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
                     virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
 
 
-def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | None]:
-    """Measure the baseline, predict the target from it, compare with the target's measured step time.
+def noise_floor(first: Analysis, second: Analysis) -> float:
+    """The same configuration measured twice: |step₁ − step₂| / their mean. A prediction cannot be judged finer."""
+    x, y = measured_step_ms(first), measured_step_ms(second)
+    return abs(x - y) / ((x + y) / 2) if x + y else 0.0
+
+
+def cross_run(baseline: Analysis, target: Analysis, *,
+              repeat: tuple[Analysis, Analysis] | None = None) -> dict[str, float | str | None]:
+    """A PREDICTION: measure the baseline, predict the target from it (no duration of the target is used), compare
+    with the target's measured step time; with ``repeat`` (one configuration collected twice), the noise floor.
 
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
     simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
@@ -437,18 +471,20 @@ def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | N
     sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
     sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
     meas_t = measure(target, tgt_cfg)
-    measured = sum(meas_t.step_ns.values()) / len(meas_t.step_ns) / 1e6
+    measured = measured_step_ms(target)
     meas_b = measure(baseline, base_cfg)
-    base_ms = sum(meas_b.step_ns.values()) / len(meas_b.step_ns) / 1e6
+    base_ms = measured_step_ms(baseline)
     ratio = sim_target.step_ns / sim_base.step_ns
     predicted = base_ms * ratio
     return {
+        "kind": "prediction",
         "baseline": str(baseline.run.path),
         "target": str(target.run.path),
         "baseline_step_ms": base_ms,
         "predicted_step_ms": predicted,
         "measured_step_ms": measured,
         "error": (predicted - measured) / measured if measured else None,
+        "noise_floor": noise_floor(*repeat) if repeat else None,
         "predicted_speedup": 1 / ratio,
         "measured_speedup": base_ms / measured if measured else None,
         # the target's forward+backward time per micro-batch over the baseline's: the model assumes 1 unless the
@@ -458,45 +494,60 @@ def cross_run(baseline: Analysis, target: Analysis) -> dict[str, float | str | N
     }
 
 
-def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = None,
-                           bpipe_ns: float | None = None) -> Verdict:
-    """Would BPipe help this measured (plain 1F1B) run? Predict the same run with BPipe and without recompute from its
-    own measured durations; the terms (stage 0) say what decides. Memory: BPipe's point is that the first stage's
-    activation peak falls to the pair average, which is what lets recompute go; the sentence gives the model's
-    estimate of that peak before and after."""
+RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
+
+
+def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = None, bpipe_ns: float | None = None,
+                           policy: str = "as-configured") -> Verdict:
+    """Would BPipe help this measured (plain 1F1B) run? Both sides are predicted from the run's own measured
+    durations. ``policy`` (model.bpipe.BASELINES) says what BPipe is compared with: ``as-configured`` the run as it
+    ran, BPipe added and recompute kept (no device memory limit is known, so dropping recompute is not BPipe's to
+    claim); ``best-without-bpipe`` both without recompute; ``full-recompute`` (the BPipe paper's comparison) the run
+    with full recompute against BPipe without any. A BPipe transfer costs ``bpipe_ns`` (default: one P2P message's
+    time plus stage 0's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS, overlapped)."""
+    check_baseline(policy)
     cfg = cfg or config_from_manifest(baseline.run.manifest)
     if cfg.schedule != "1f1b" or cfg.bpipe or cfg.pp < 2:
         raise AnalysisError("a BPipe verdict needs a plain 1F1B run with pp ≥ 2", path=baseline.run.path,
                             fix="collect a 1F1B run without BPipe")
-    meas = measure(baseline, cfg)
-    ref = simulate("1f1b", pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times, costs=meas.costs)
-    target = cfg.replace(bpipe=True, recompute="none")
+    rc = RUN_RECOMPUTE[policy]
+    ref_cfg = cfg if rc is None else cfg.replace(recompute=rc)
+    target = cfg.replace(bpipe=True, recompute=cfg.recompute if rc is None else "none")
+    ref = predict(baseline, ref_cfg, base_cfg=cfg)
     sim = predict(baseline, target, base_cfg=cfg, bpipe_ns=bpipe_ns)
-    ref_terms, new_terms = terms_of(ref.attribution), terms_of(sim.attribution)
-    deltas = {k: new_terms[k] - ref_terms[k] for k in ref_terms}
+    free = predict(baseline, target, base_cfg=cfg, bpipe_ns=0.0)
+    deltas = decompose(ref, sim, free)
     speedup = ref.step_ns / sim.step_ns
-    deciding = max(deltas, key=lambda k: abs(deltas[k]))
-    before = estimate_stage_memory(cfg)
-    after = estimate_stage_memory(target)
-    changed = ", ".join(f"{k} {deltas[k] * 1e3:+.1f} ms" for k in sorted(deltas, key=lambda k: -abs(deltas[k]))
-                        if abs(deltas[k]) > 1e-5)
+    deciding = deciding_term(speedup, deltas)
     helps = speedup > HELPS_ABOVE
+    before, after = estimate_stage_memory(ref_cfg), estimate_stage_memory(target)
+    n_ev = evictions(target)
+    verb = {"no change": "would make no difference to"}.get(deciding, "would help" if helps else "would not help")
     sentence = (
-        f"BPipe {'would help' if helps else 'would not help'} this run ({speedup:.3f}×: "
-        f"{ref.step_ns / 1e6:.1f} → {sim.step_ns / 1e6:.1f} ms per step"
-        + (", dropping recompute" if cfg.recompute != "none" else "")
-        + f"); {changed or 'no term changes'}; deciding term: {deciding}. Model: stage 0 activations "
-        f"{before[0].activation_bytes / 2**20:.1f} → {after[0].activation_bytes / 2**20:.1f} MiB, "
-        f"largest stage {max(s.activation_bytes for s in before) / 2**20:.1f} → "
+        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / 1e6:.1f} → "
+        f"{sim.step_ns / 1e6:.1f} ms per step predicted from its own durations"
+        + (", dropping recompute" if target.recompute != ref_cfg.recompute else "")
+        + f"); {describe_deltas(deltas, spec='.1f') or 'no term changes'}"
+        + (f"; BPipe evicts nothing at pp={cfg.pp}, m={cfg.num_microbatches}" if n_ev == 0 else
+           f"; {n_ev} evictions per step")
+        + f". Deciding term: {deciding}. Model: largest stage's activations "
+        f"{max(s.activation_bytes for s in before) / 2**20:.1f} → "
         f"{max(s.activation_bytes for s in after) / 2**20:.1f} MiB."
     )
     from traceana.model.bpipe import StepEstimate
 
-    def est(c: TrainingConfig, s: Simulation, terms: dict[str, float], mem) -> StepEstimate:
+    def est(c: TrainingConfig, s: Simulation, mem) -> StepEstimate:
         return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,
-                            peak_bytes=max(m.total_bytes for m in mem), terms=terms, efficiency=float("nan"))
+                            peak_bytes=max(m.total_bytes for m in mem), terms=terms_of(s.attribution),
+                            efficiency=float("nan"))
 
-    r = est(cfg, ref, ref_terms, before)
-    return Verdict(helps, speedup, r, r, est(target, sim, new_terms, after), deciding, deltas, sentence,
-                   ("durations measured on the baseline run; BPipe transfer = one P2P message's time + stage 0's "
-                    "activation bytes per micro-batch at 1 GB/s, overlapped",))
+    r = est(ref_cfg, ref, before)
+    return Verdict(
+        helps=helps, speedup=speedup, reference=r, given=est(cfg, predict(baseline, cfg, base_cfg=cfg), before),
+        with_bpipe=est(target, sim, after), deciding_term=deciding, deltas=deltas, sentence=sentence,
+        assumptions=("durations measured on this run (both sides predicted from them); BPipe transfer "
+                     + ("as given" if bpipe_ns is not None else "= one P2P message's time + stage 0's activation "
+                        "bytes per micro-batch at 1 GB/s, overlapped (a run without BPipe has no BPipe transfer "
+                        "to measure; a BPipe run's own are in validate's notes)"),
+                     f"baseline: {policy} ({BASELINES[policy]})"),
+        baseline=policy)

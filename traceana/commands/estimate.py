@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--p2p-gbps", type=float, default=25.0, help="GB/s for pipeline messages")
     d.add_argument("--bpipe-gbps", type=float, default=25.0, help="GB/s for BPipe evictions")
     d.add_argument("--bpipe-blocking", action="store_true", help="BPipe transfers do not overlap compute")
+    p.add_argument("--bpipe-baseline", default="best-without-bpipe",
+                   choices=("as-configured", "best-without-bpipe", "full-recompute"),
+                   help="what the BPipe verdict compares with (full-recompute: the BPipe paper's Megatron baseline)")
     p.add_argument("--no-verdict", action="store_true", help="skip the BPipe search")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -115,7 +118,8 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
     return cfg, dev, _curve(args.efficiency), net
 
 
-def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Network, *, verdict: bool) -> dict:
+def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Network, *, verdict: bool,
+           baseline: str = "best-without-bpipe") -> dict:
     stages = estimate_stage_memory(cfg)
     step = estimate_step(cfg, device=dev, curve=curve, network=net)
     out = {
@@ -139,8 +143,9 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
                  "efficiency_source": curve.source, "terms_s": step.terms},
     }
     if verdict and cfg.schedule == "1f1b" and cfg.virtual_stages == 1 and cfg.pp > 1:
-        v = bpipe_verdict(cfg, device=dev, curve=curve, network=net)
+        v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline)
         out["bpipe"] = {
+            "baseline": v.baseline, "why": v.why,
             "helps": v.helps, "speedup": v.speedup, "deciding_term": v.deciding_term, "deltas_s": v.deltas,
             "sentence": v.sentence, "assumptions": list(v.assumptions),
             "reference": v.reference.describe(), "with_bpipe": v.with_bpipe.describe() if v.with_bpipe else None,
@@ -186,12 +191,12 @@ def render(out: dict) -> str:
         f"{st['efficiency_source']}); stage 0: {terms}",
     ]
     if "bpipe" in out:
-        lines += ["", out["bpipe"]["sentence"], "assumptions: " + "; ".join(out["bpipe"]["assumptions"])]
+        lines += ["", out["bpipe"]["sentence"], out["bpipe"]["why"], "assumptions: " + "; ".join(out["bpipe"]["assumptions"])]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg, dev, curve, net = build(args)
-    out = report(cfg, dev, curve, net, verdict=not args.no_verdict)
+    out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline)
     print(json.dumps(out, indent=2, default=str) if args.json else render(out))
     return 0

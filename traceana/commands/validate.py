@@ -12,6 +12,11 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="the run to validate (a directory with run.json and rank traces)")
     p.add_argument("--baseline", type=Path, help="predict RUN_DIR from this run's measurements and compare")
+    p.add_argument("--repeat", type=Path, nargs=2, metavar=("RUN1", "RUN2"),
+                   help="one configuration collected twice: the noise floor printed next to the prediction's error")
+    p.add_argument("--bpipe-baseline", default="as-configured",
+                   choices=("as-configured", "best-without-bpipe", "full-recompute"),
+                   help="what the BPipe verdict compares with (default: the run as configured)")
     p.add_argument("--peak-flops", type=float, help="device peak FLOP/s (for MFU in the analysis)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -25,7 +30,9 @@ def render(v, cross: dict | None) -> str:
     lines = [
         f"{s['run']}: {s['schedule']}, pp {s['pp']}, {s['microbatches']} micro-batches, attention {s['attention']}, "
         f"recompute {s['recompute']}, BPipe {'on' if s['bpipe'] else 'off'} ({s['steps_used']} steps measured)",
-        f"step time: measured {s['measured_step_ms']:.1f} ms, simulated {s['simulated_step_ms']:.1f} ms, "
+        "replay (fed with this run's own durations; not a prediction):",
+        f"step time: measured {s['measured_step_ms']:.1f} ms, replayed with mean durations "
+        f"{s['simulated_step_ms']:.1f} ms, "
         f"error {_fmt(s['step_error'], '+.1%')}; with durations drawn from the measured ones "
         f"{s['sampled_step_ms']:.1f} ms, error {_fmt(s['sampled_error'], '+.1%')}",
         f"replay of the last step with its own durations "
@@ -47,9 +54,11 @@ def render(v, cross: dict | None) -> str:
     if cross:
         lines += [
             "",
-            f"cross-run: baseline {cross['baseline']} measured {cross['baseline_step_ms']:.1f} ms; "
-            f"predicted {cross['predicted_step_ms']:.1f} ms for this run, measured {cross['measured_step_ms']:.1f} ms "
-            f"(error {_fmt(cross['error'], '+.1%')}); speedup predicted {_fmt(cross['predicted_speedup'], '.3f')}×, "
+            f"prediction (no duration of this run used): baseline {cross['baseline']} measured "
+            f"{cross['baseline_step_ms']:.1f} ms; predicted {cross['predicted_step_ms']:.1f} ms for this run, measured "
+            f"{cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}"
+            + ("" if cross.get("noise_floor") is None else f", noise floor {cross['noise_floor']:.1%}")
+            + f"); speedup predicted {_fmt(cross['predicted_speedup'], '.3f')}×, "
             f"measured {_fmt(cross['measured_speedup'], '.3f')}×",
         ]
     return "\n".join(lines)
@@ -64,16 +73,17 @@ def run(args: argparse.Namespace) -> int:
     v = validate(analysis)
     cross = None
     if args.baseline:
-        cross = cross_run(load_and_analyze(args.baseline, peak_flops=args.peak_flops), analysis)
+        repeat = tuple(load_and_analyze(r, peak_flops=args.peak_flops) for r in args.repeat) if args.repeat else None
+        cross = cross_run(load_and_analyze(args.baseline, peak_flops=args.peak_flops), analysis, repeat=repeat)
     try:
-        verdict = bpipe_verdict_from_run(analysis)
+        verdict = bpipe_verdict_from_run(analysis, policy=args.bpipe_baseline)
     except AnalysisError:
         verdict = None  # not a plain 1F1B run: nothing to say about BPipe
     if args.json:
         print(json.dumps({"summary": v.summary, "per_stage": v.per_stage.to_dicts(), "notes": list(v.notes),
                           "cross_run": cross,
                           "bpipe": None if verdict is None else {
-                              "helps": verdict.helps, "speedup": verdict.speedup,
+                              "helps": verdict.helps, "speedup": verdict.speedup, "baseline": verdict.baseline,
                               "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
                               "sentence": verdict.sentence}}, indent=2, default=str))
     else:
