@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from collectors.attach import ENV as ATTACH_ENV
 from collectors.manifest import finalize_manifest, trace_path, wait_for_ranks
 from traceana.manifest import Manifest
 
@@ -47,6 +48,10 @@ def default_activities() -> list[ProfilerActivity]:
 
 class PipelineProfiler:
     """Context manager: ``step()`` after every training step. Never raises because of profiling."""
+
+    # Under ``traceana attach`` its window profiler is in charge: a second torch profiler started in the same process
+    # silently takes the first one's events, so a PipelineProfiler in the job's own script does nothing there.
+    stands_down_under_attach = True
 
     def __init__(
         self,
@@ -81,6 +86,10 @@ class PipelineProfiler:
             "bpipe": [list(p) for p in bpipe] if bpipe else None, "profiler": self.schedule_args,
             "torch": torch.__version__, **(metadata or {}),
         }
+        if enabled and self.stands_down_under_attach and os.environ.get(ATTACH_ENV):
+            log.warning("traceana: rank %d: running under traceana attach, whose profiler is in charge: this "
+                        "PipelineProfiler records nothing", rank)
+            enabled = False
         self.enabled = enabled
         self.cycle = 0
         self.written: Path | None = None

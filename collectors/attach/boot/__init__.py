@@ -1,0 +1,1 @@
+"""Put this directory first on PYTHONPATH and its ``sitecustomize`` starts ``collectors.attach`` in every interpreter."""

@@ -1,0 +1,227 @@
+"""Run an unmodified training command with a window of its steps profiled in every rank.
+
+  traceana attach -o runs/x --steps 10:12 -- torchrun --nproc-per-node 4 train.py --lr 3e-4
+
+Every Python process the command starts profiles steps 10 and 11 (counted from 0; the end is excluded, like a
+Python slice) and writes rank{R}.pt.trace.json.gz; run.json holds what could be detected (world size, rank → stage,
+schedule, micro-batches, parameters, torch version) and lists what could not. Steps are found without changing the
+script: torch.distributed.pipelining's schedule.step, else the optimizer's step, or --step-fn module:qualname.
+The command's output, input and exit status pass through unchanged; traceana's own lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from traceana.errors import ConfigError
+
+POLL_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--out", type=Path, required=True,
+                        help="new (or empty) directory: the run directory (one per window with several windows)")
+    parser.add_argument("--steps", default="10:12", metavar="A:B[,C:D…]",
+                        help="steps to profile, counted from 0, B excluded (default 10:12: steps 10 and 11); "
+                             "several windows: one run directory each, OUT/steps{A}-{B-1}")
+    parser.add_argument("--every", type=int, metavar="N",
+                        help="repeat the last window every N steps for as long as the job runs")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="profiler warm-up steps before each window (running, nothing kept; default 1)")
+    parser.add_argument("--step-fn", metavar="MODULE:QUALNAME",
+                        help="a call of this function starts a step (instead of schedule.step / optimizer.step); "
+                             "it must live in an imported module, not in the script run as __main__")
+    parser.add_argument("--live", action="store_true",
+                        help="print each window's per-stage attribution as it lands (as traceana watch does)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND …",
+                        help="the training command, after --")
+
+
+def parse_windows(text: str) -> tuple[tuple[int, int], ...]:
+    """``"10:12,20:22"`` → ((10, 12), (20, 22)); refused unless each is A:B with 1 ≤ A < B, in order, disjoint."""
+    windows = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition(":")
+        try:
+            start, end = int(a), int(b)
+        except ValueError:
+            raise ConfigError(f"--steps {text!r}: {part.strip()!r} is not A:B", fix="write e.g. --steps 10:12") from None
+        if not sep or start < 1 or end <= start:
+            raise ConfigError(f"--steps {text!r}: {part.strip()!r} must be A:B with 1 ≤ A < B",
+                              fix="step 0 has no boundary before it to start the profiler at; e.g. --steps 10:12")
+        if windows and start < windows[-1][1]:
+            raise ConfigError(f"--steps {text!r}: windows overlap or are out of order",
+                              fix="list disjoint windows in increasing order")
+        windows.append((start, end))
+    return tuple(windows)
+
+
+def _config(args: argparse.Namespace):
+    from collectors.attach import Config
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command to run", fix="put the training command after --, e.g. "
+                          "traceana attach -o runs/x -- torchrun --nproc-per-node 2 train.py")
+    windows = parse_windows(args.steps)
+    if args.warmup < 1:
+        raise ConfigError(f"--warmup must be at least 1, got {args.warmup}",
+                          fix="the warm-up step absorbs the profiler's start-up cost; keep --warmup 1")
+    if any(start < args.warmup for start, _ in windows):
+        raise ConfigError(f"--steps {args.steps}: a window starts before step {args.warmup} (--warmup)",
+                          fix="start the window later or lower --warmup")
+    if args.every is not None and args.every < windows[-1][1] - windows[-1][0] + args.warmup:
+        raise ConfigError(f"--every {args.every} is shorter than a window plus its warm-up",
+                          fix=f"use --every ≥ {windows[-1][1] - windows[-1][0] + args.warmup}")
+    if args.step_fn is not None:
+        module, sep, qualname = args.step_fn.partition(":")
+        if not sep or not module or not qualname or module == "__main__":
+            raise ConfigError(f"--step-fn {args.step_fn!r} is not MODULE:QUALNAME of an importable module",
+                              fix="e.g. --step-fn mytrainer.loop:train_step")
+    out = args.out.resolve()
+    _check_out(out)
+    split = len(windows) > 1 or args.every is not None
+    return Config(out=str(out), windows=windows, every=args.every, warmup=args.warmup, step_fn=args.step_fn,
+                  split=split), command
+
+
+def _check_out(out: Path) -> None:
+    """The run directory must be new or empty (nothing the user has is overwritten) and writable."""
+    try:
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError("the output directory is not empty", path=out,
+                              fix="choose a new -o/--out directory (traceana never overwrites a run)")
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".traceana-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out,
+                          fix="choose a writable -o/--out directory") from None
+
+
+def child_env(config, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The job's environment: ``boot/`` first on PYTHONPATH, the configuration in TRACEANA_ATTACH."""
+    from collectors.attach import BOOT_DIR, ENV, PACKAGE_ROOT
+
+    env = dict(os.environ if base is None else base)
+    rest = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + rest if rest else "")
+    env[ENV] = config.to_env()
+    env["TRACEANA_ATTACH_ROOT"] = str(PACKAGE_ROOT)
+    return env
+
+
+def window_dirs(config) -> list[Path]:
+    """The window directories that exist so far (one: OUT itself unless windows are split)."""
+    out = Path(config.out)
+    if not config.split:
+        return [out]
+    from collectors.attach import parse_window_dir
+
+    try:
+        return sorted((p for p in out.iterdir() if p.is_dir() and parse_window_dir(p.name)),
+                      key=lambda p: parse_window_dir(p.name))
+    except OSError:
+        return []
+
+
+class _Finisher:
+    """Writes each window's run.json once all its ranks' traces landed (polling: no collective in the job)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.done: set[Path] = set()
+
+    def poll(self) -> None:
+        from collectors.attach.facts import finalize_window
+
+        for d in window_dirs(self.config):
+            if d in self.done:
+                continue
+            manifest, complete = finalize_window(d)
+            if manifest is not None and complete:
+                self.done.add(d)
+                say(f"window {manifest.extra['attach']['steps']}: {manifest.world_size} trace(s) in {d}")
+
+    def finish(self, job: dict) -> list[tuple[Path, object]]:
+        from collectors.attach.facts import finalize_window
+
+        return [(d, finalize_window(d, job=job)[0]) for d in window_dirs(self.config)]
+
+
+def say(message: str) -> None:
+    print(f"traceana attach: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    config, command = _config(args)
+    finisher = _Finisher(config)
+    live = _Live(config) if args.live else None
+    started = time.time()
+    try:
+        proc = subprocess.Popen(command, env=child_env(config))
+    except OSError as e:
+        raise ConfigError(f"cannot start {command[0]!r} ({e.strerror or e})", fix="check the command after --") from None
+    interrupted = False
+    while True:
+        try:
+            code = proc.wait(timeout=POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            finisher.poll()
+        except KeyboardInterrupt:
+            # The job got the same Ctrl-C (same process group): let it stop; a second Ctrl-C stops it harder.
+            if interrupted:
+                proc.send_signal(signal.SIGTERM)
+            interrupted = True
+    job = {"exit_code": code, "command": command, "seconds": round(time.time() - started, 1),
+           "interrupted": interrupted}
+    results = finisher.finish(job)
+    if live is not None:
+        live.stop()
+    written = [(d, m) for d, m in results if m is not None]
+    if not written:
+        say(f"no process reached the window (--steps {args.steps}); nothing was profiled"
+            f"{'' if code == 0 else f' (the command exited with status {code})'}")
+    for d, m in written:
+        a = m.extra["attach"]
+        missing = a["ranks_without_trace"]
+        line = f"steps {a['steps']}: {len(m.ranks_written)} of {m.world_size} rank traces in {d}"
+        if missing:
+            line += f"; no trace from ranks {missing} (run.json says so)"
+        say(line)
+        for r, p in a["problems"].items():
+            say(f"rank {r}: {p}")
+    if written:
+        say(f"next: traceana analyze {written[0][0]}" if len(written) == 1 else f"next: traceana watch {config.out}")
+    if interrupted:
+        return 130
+    return code if code >= 0 else 128 - code
+
+
+class _Live:
+    """``--live``: traceana watch on the output directory, in a thread, until the job ends."""
+
+    def __init__(self, config) -> None:
+        from traceana.commands import watch
+
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(
+            target=watch.watch, args=(Path(config.out),),
+            kwargs=dict(stop=self.stop_event, interval_s=POLL_S), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=120)
+

@@ -1,0 +1,59 @@
+"""A plain data-parallel training script with no traceana in it: what ``traceana attach`` must profile unmodified.
+
+    torchrun --nproc-per-node 2 tests/attach_dp_script.py --steps 6     # one rank per process
+    python tests/attach_dp_script.py --steps 6 --ranks 2                  # spawns its own ranks
+
+A tiny MLP (16 → 32 → 1: 577 parameters) under DistributedDataParallel on gloo, SGD; rank 0 prints each step's
+loss, so two runs can be compared line by line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def train(rank: int, world: int, steps: int, init_method: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=data)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # torchrun
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.steps, "env://")
+    else:
+        mp.spawn(train, args=(args.ranks, args.steps, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
