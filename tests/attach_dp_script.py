@@ -4,7 +4,7 @@
     python tests/attach_dp_script.py --steps 6 --ranks 2                  # spawns its own ranks
 
 A tiny MLP (16 → 32 → 1: 577 parameters) under DistributedDataParallel on gloo, SGD; rank 0 prints each step's
-loss, so two runs can be compared line by line.
+loss, so two runs can be compared line by line. ``--die RANK STEP`` makes that rank crash (``os._exit``) there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
-def train(rank: int, world: int, steps: int, init_method: str) -> None:
+def train(rank: int, world: int, steps: int, init_method: str, die: tuple[int, int] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -28,6 +28,8 @@ def train(rank: int, world: int, steps: int, init_method: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(100 + rank)
     for step in range(steps):
+        if die is not None and (rank, step) == die:
+            os._exit(3)  # a crash: no Python clean-up, no exit handlers
         x = torch.randn(8, 16, generator=data)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
         optimizer.zero_grad()
@@ -48,11 +50,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--die", type=int, nargs=2, metavar=("RANK", "STEP"), help="that rank crashes at that step")
     args = parser.parse_args()
+    die = tuple(args.die) if args.die else None
     if "RANK" in os.environ:  # torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.steps, "env://")
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.steps, "env://", die)
     else:
-        mp.spawn(train, args=(args.ranks, args.steps, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.ranks)
+        mp.spawn(train, args=(args.ranks, args.steps, f"tcp://127.0.0.1:{_free_port()}", die), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,41 @@ def test_pipelining_example_unmodified(tmp_path):
     assert fb.height == 2 * 2 * 2 * 2  # ranks × steps × stages per rank × {forward, backward}
     assert all(mbs == [0, 1, 2, 3] for mbs in fb["mbs"].to_list())
     assert {(r, s) for r, s in per.select("rank", "stage").unique().rows()} == {(0, 0), (0, 2), (1, 1), (1, 3)}
+
+
+def test_a_rank_that_dies_leaves_the_finished_window_intact(tmp_path):
+    """Rank 1 crashes at the start of step 4: window 2 (done by then) keeps both traces; window 5 (its warm-up had
+    begun at step 4's boundary) has none, and its run.json says which ranks left no trace and how the job ended."""
+    pytest.importorskip("torch")
+    if not TORCHRUN.exists():
+        pytest.skip("torchrun is not next to this interpreter")
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DP_SCRIPT), "--steps", "8",
+               "--die", "1", "4"]
+    result = _attach(tmp_path / "run", "2:3,5:6", command, tmp_path)
+    assert result.returncode != 0
+    done, cut = tmp_path / "run" / "steps2-2", tmp_path / "run" / "steps5-5"
+    for r in (0, 1):
+        assert _steps_recorded(done / f"rank{r}.pt.trace.json.gz") == {2}
+    m = json.loads((done / "run.json").read_text())
+    assert m["ranks_written"] == [0, 1] and m["extra"]["attach"]["ranks_without_trace"] == []
+    m = json.loads((cut / "run.json").read_text())
+    a = m["extra"]["attach"]
+    assert m["ranks_written"] == [] and a["ranks_without_trace"] == [0, 1]
+    assert a["job"]["exit_code"] == result.returncode and "ranks_without_trace_why" in a
+    assert "no trace from ranks [0, 1]" in result.stderr
+
+
+def test_step_fn_names_the_step(tmp_path):
+    """Each train_step call holds two optimizer steps: with --step-fn, steps 2 and 3 hold four of them."""
+    pytest.importorskip("torch")
+    result = _run([sys.executable, "-m", "traceana", "attach", "-o", str(tmp_path / "run"), "--steps", "2:4",
+                   "--step-fn", "attach_stepfn_lib:train_step", "--",
+                   sys.executable, str(ROOT / "tests" / "attach_stepfn_script.py"), "5"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("loss") == 5
+    trace = tmp_path / "run" / "rank0.pt.trace.json.gz"
+    assert _steps_recorded(trace) == {2, 3}
+    assert len([e for e in _trace_events(trace) if str(e.get("name", "")).startswith("Optimizer.step#")]) == 4
+    m = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert m["world_size"] == 1 and m["extra"]["attach"]["step_source"] == "--step-fn"
+    assert m["extra"]["attach"]["parameters"] == 8 * 4 + 4

@@ -138,7 +138,7 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
     no_trace = sorted(expected - set(written))
     attach: dict[str, Any] = {
         "window": list(any_fact["window"]),
-        "steps": f"{any_fact['window'][0]}–{any_fact['window'][1] - 1}",
+        "steps": _steps_label(*any_fact["window"]),
         "step_source": agreed("step_source") or sorted({f.get("step_source") for f in facts.values()}),
         "schedule_class": schedule_class,
         "parameters": total,
@@ -164,6 +164,10 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         torch_version=agreed("torch_version"), ranks_written=tuple(written),
         extra={"collector": "traceana attach", "attach": attach},
     )
+
+
+def _steps_label(start: int, end: int) -> str:
+    return f"{start}" if end - start == 1 else f"{start}–{end - 1}"
 
 
 def finalize_window(window_dir: Path, *, job: dict[str, Any] | None = None) -> tuple[Manifest | None, bool]:
