@@ -248,6 +248,8 @@ class _State:
                         self._remove_optimizer_hook()  # it was only needed to find the optimizer
                     return
                 if self.source is not None and PRIORITY[source] < PRIORITY[self.source]:
+                    if source == "optimizer":
+                        self._remove_optimizer_hook()  # it has found the optimizer (for facts): off the hot path
                     return
                 self._switch(source)
             if schedule is not None:

@@ -195,18 +195,22 @@ def running_comparison(history):
 
 # --- analysing and printing --------------------------------------------------------------------------------------
 def analyse_window(window: Window):
-    """The window's ``Analysis`` (traceana analyze's attribution; no cache is written next to a live job's files)."""
+    """(the window's ``Analysis``, its notes): traceana analyze's attribution; no cache is written next to a live
+    job's files, and a folder's other cycles are not read with this one."""
     from traceana.analysis_cache import load_and_analyze
     from traceana.ingest.run_dir import IngestWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IngestWarning)  # the window's notes are printed with it
         if window.run_dir is not None:
-            return load_and_analyze(window.run_dir, cache=False)
+            analysis = load_and_analyze(window.run_dir, cache=False)
+            return analysis, list(analysis.notes) + list(analysis.run.warnings)
         with tempfile.TemporaryDirectory(prefix="traceana-watch-") as tmp:
-            for f in window.files:  # the folder's other cycles must not be read with this one
+            for f in window.files:
                 (Path(tmp) / f.name).symlink_to(f.resolve())
-            return load_and_analyze(tmp, cache=False)
+            analysis = load_and_analyze(tmp, cache=False)
+        folder = str(window.files[0].parent)  # notes name the user's files, not the links
+        return analysis, [n.replace(tmp, folder) for n in (*analysis.notes, *analysis.run.warnings)]
 
 
 def _console():
@@ -245,7 +249,7 @@ def print_window(console, n: int, window: Window, table, comparison, notes: list
     console.print(t)
     if comparison["window"].n_unique() > 1:
         ranks = sorted(set(comparison["rank"].to_list()))
-        c = Table(title="step ms, each window against the first (change)", title_justify="left")
+        c = Table(title="step ms vs window 1", title_justify="left")
         c.add_column("window")
         stage_of = dict(zip(table["rank"].to_list(), table["stage"].to_list()))
         for r in ranks:
@@ -288,7 +292,7 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
                 continue
             seen.add(window.key)
             try:
-                analysis = analyse_window(window)
+                analysis, notes = analyse_window(window)
             except TraceanaError as e:
                 console.print(f"traceana: warning: window {window.label}: {e.line()}", style="yellow")
                 continue
@@ -296,7 +300,6 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
             history.append(table.select("rank", "stage", "step_ms", "compute_ms", "bubble_ms")
                            .with_columns(window=pl.lit(len(history)), label=pl.lit(window.label)))
             comparison = running_comparison(pl.concat(history, how="vertical_relaxed"))
-            notes = list(analysis.notes) + list(analysis.run.warnings)
             if first_notes is None:
                 first_notes, shown = set(notes), notes
             else:
