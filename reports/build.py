@@ -2,7 +2,7 @@
 
     html_text = build_report([analysis_a, analysis_b], names=["baseline", "bpipe"])
 
-Reads only ``traceana.analysis.Analysis`` tables (and the run's manifest); calls ``traceana.validate`` when it exists.
+Reads only ``traceana.analysis.Analysis`` tables (and the run's manifest); calls ``traceana.validation`` when it exists.
 The bokeh JavaScript and CSS are inlined, so the file opens with no network.
 """
 

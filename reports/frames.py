@@ -200,7 +200,7 @@ _UNITS = {"_ms": ("ms", 1.0), "_bytes": ("MiB", 1 / MIB)}
 
 
 def validation_items(per_stage: pl.DataFrame, summary: dict) -> pl.DataFrame:
-    """``traceana.validate``'s per-stage table (measured_X next to simulated_X or estimated_X) in long form:
+    """``traceana.validation``'s per-stage table (measured_X next to simulated_X or estimated_X) in long form:
     item, unit, measured, estimated, error_pct — plus the whole pipeline's step time from its summary."""
     parts = []
     measured_step, simulated_step = summary.get("measured_step_ms"), summary.get("simulated_step_ms")

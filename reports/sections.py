@@ -132,7 +132,7 @@ def memory(page, runs: Runs, G) -> None:
 
 
 def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | None) -> None:
-    """Estimate vs measured per run, from traceana.validate (a failure is one line)."""
+    """Estimate vs measured per run, from traceana.validation (a failure is one line)."""
     page.add('<section id="validation"><h2>Estimate vs measured</h2>')
     page.add(H.para("The performance model's estimate for each run next to what the run measured.", css_class="lead"))
     for name, a in runs:

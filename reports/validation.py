@@ -1,6 +1,6 @@
-"""Estimate vs measured for the report: calls ``traceana.validate``; a run it cannot validate is one line in the report.
+"""Estimate vs measured for the report: calls ``traceana.validation``; a run it cannot validate is one line in the report.
 
-``traceana.validate.validate(analysis)`` returns a ``Validation`` (per-stage frame, summary dict, notes); here it
+``traceana.validation.validate(analysis)`` returns a ``Validation`` (per-stage frame, summary dict, notes); here it
 becomes one long table (item, unit, measured, estimated, error_pct). ``cross_run(baseline, target)`` predicts a run
 from another's measurements, for the A/B section. What the model refuses (a ``TraceanaError``: no run.json, no
 complete step, …) becomes one line in the report; anything else is a bug and fails the report like any other.
@@ -20,7 +20,7 @@ from traceana.errors import TraceanaError
 
 @dataclass
 class Validated:
-    """What ``traceana.validate`` said about one run, for the report.
+    """What ``traceana.validation`` said about one run, for the report.
 
     ``table``: one row per compared quantity — item, unit, measured, estimated, error_pct — or None with ``message``
     saying why there is no comparison. ``notes``: how the estimate was made, in the model's own words. ``verdict``:
@@ -34,8 +34,8 @@ class Validated:
 
 
 def default_validation(a: Analysis) -> Validated:
-    """Ask ``traceana.validate`` for estimate vs measured; any failure becomes one line in the report, not a crash."""
-    from traceana import validate as v
+    """Ask ``traceana.validation`` for estimate vs measured; any failure becomes one line in the report, not a crash."""
+    from traceana import validation as v
 
     try:
         validated = coerce_validation(v.validate(a))
@@ -45,11 +45,11 @@ def default_validation(a: Analysis) -> Validated:
 
 
 def bpipe_verdict(a: Analysis) -> str | None:
-    """``traceana.validate.bpipe_verdict_from_run``'s sentence for a plain 1F1B run; None where it does not apply."""
+    """``traceana.validation.bpipe_verdict_from_run``'s sentence for a plain 1F1B run; None where it does not apply."""
     m = a.run.manifest
     if m is None or m.schedule != "1f1b" or m.bpipe_on or (m.pp or 0) < 2:
         return None
-    from traceana.validate import bpipe_verdict_from_run
+    from traceana.validation import bpipe_verdict_from_run
 
     try:
         return bpipe_verdict_from_run(a).sentence
@@ -58,7 +58,7 @@ def bpipe_verdict(a: Analysis) -> str | None:
 
 
 def coerce_validation(result: object) -> Validated:
-    """Turn ``traceana.validate.Validation`` (per_stage frame + summary dict + notes) into the report's table."""
+    """Turn ``traceana.validation.Validation`` (per_stage frame + summary dict + notes) into the report's table."""
     if isinstance(result, Validated):
         return result
     per_stage = getattr(result, "per_stage", None)
@@ -69,8 +69,8 @@ def coerce_validation(result: object) -> Validated:
 
 
 def default_cross_run(baseline: Analysis, target: Analysis) -> dict | str:
-    """``traceana.validate.cross_run``: predict the target from the baseline's measurements; a string if it fails."""
-    from traceana.validate import cross_run
+    """``traceana.validation.cross_run``: predict the target from the baseline's measurements; a string if it fails."""
+    from traceana.validation import cross_run
 
     try:
         return cross_run(baseline, target)

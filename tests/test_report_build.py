@@ -24,7 +24,7 @@ def two_runs():
 
 
 class FakeValidation:
-    """Shaped like traceana.validate.Validation: a per-stage table, a summary and notes."""
+    """Shaped like traceana.validation.Validation: a per-stage table, a summary and notes."""
 
     def __init__(self, a):
         step = a.steps["dur_ns"].mean() / 1e6
@@ -71,7 +71,7 @@ def test_validation_failure_is_one_line_not_a_crash(bare_report):
 
 
 def test_default_validation_refusal_is_one_line():
-    # the real traceana.validate on a run it cannot use (no run.json): one line, no exception
+    # the real traceana.validation on a run it cannot use (no run.json): one line, no exception
     v = default_validation(make_analysis(with_manifest=False))
     assert v.table is None and v.message.startswith("estimate vs measured could not be computed")
 

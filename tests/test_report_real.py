@@ -89,7 +89,7 @@ def test_comparison_step_times_match(analyses, report):
 
 
 def test_validation_section_shows_the_model(analyses, report):
-    from traceana.validate import validate
+    from traceana.validation import validate
 
     v = validate(analyses[0])
     table = [t for t in parse(report[1]).tables if t["section"] == "validation" and "error (%)" in t["header"]][0]
@@ -97,8 +97,8 @@ def test_validation_section_shows_the_model(analyses, report):
     assert row[2:4] == [H.num(v.summary["measured_step_ms"]), H.num(v.summary["simulated_step_ms"])]
     # the baseline is a plain 1F1B run: the model's BPipe verdict is there, once (not for the BPipe run)
     assert report[1].count("Would BPipe help this run?") == 1
-    assert ('<p class="verdict">BPipe would help' in report[1]) or ('<p class="verdict">BPipe would not help'
-                                                                    in report[1])
+    assert any(f'<p class="verdict">BPipe {verb}' in report[1]
+               for verb in ("would help", "would not help", "would make no difference to"))
 
 
 def test_report_command_writes_a_file(runs, tmp_path, capsys):

@@ -14,7 +14,8 @@ from traceana.manifest import Manifest, ModelShape
 from traceana.model.config import FP32_ADAM, TrainingConfig
 from traceana.model.simulate import StageTimes, simulate
 from traceana.pipeline import P2P_EXTRA
-from traceana.validate import activation_peak_estimate, cross_run, validate
+from traceana.model.memory import activation_peak_estimate
+from traceana.validation import cross_run, validate
 
 TINY = ModelShape("gpt", layers=4, hidden=32, heads=4, vocab=64, seq=16, name="tiny")
 
@@ -83,7 +84,7 @@ def test_memory_error_against_the_models_own_estimate(tmp_path):
 
 
 def test_bpipe_verdict_from_a_measured_run_with_recompute(tmp_path):
-    from traceana.validate import bpipe_verdict_from_run
+    from traceana.validation import bpipe_verdict_from_run
 
     base = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, recompute="full",
                          times=StageTimes.uniform(2, forward=100e3, backward=200e3, recompute=100e3))
@@ -109,7 +110,7 @@ def test_bpipe_verdict_has_no_cancelling_terms(tmp_path):
     # The demo's case: pp = 4, m = 8, BPipe added to the run as it is. With free transfers the BPipe schedule runs
     # exactly like the plain one (same order, same durations), so compute, recompute and bubble cannot change; all
     # of the change is the transfers', and it is not printed as "transfer +x, bubble −x".
-    from traceana.validate import bpipe_verdict_from_run
+    from traceana.validation import bpipe_verdict_from_run
 
     run = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8,
                         times=StageTimes.uniform(4, forward=100e3, backward=200e3))
@@ -139,7 +140,7 @@ def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
 
 def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
     from traceana.errors import AnalysisError
-    from traceana.validate import bpipe_verdict_from_run
+    from traceana.validation import bpipe_verdict_from_run
 
     g = fake_analysis(tmp_path, schedule="gpipe", pp=2, m=4, times=StageTimes.uniform(2, forward=1e5, backward=2e5))
     with pytest.raises(AnalysisError):

@@ -11,7 +11,7 @@ from traceana import names
 from traceana.analysis import analyze
 from traceana.manifest import Manifest, ModelShape
 from traceana.model.simulate import Costs, StageTimes, simulate
-from traceana.validate import validate
+from traceana.validation import validate
 
 TINY = ModelShape("gpt", layers=4, hidden=32, heads=4, vocab=64, seq=16, name="tiny")
 US = 1000.0

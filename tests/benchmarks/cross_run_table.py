@@ -51,7 +51,7 @@ def main() -> None:
     if args.collect_only:
         return
     from traceana.analysis_cache import load_and_analyze
-    from traceana.validate import cross_run
+    from traceana.validation import cross_run
 
     a = {name: load_and_analyze(args.out / name) for name in RUNS}
     print("| baseline → target | baseline ms | predicted ms | measured ms | error | noise floor | within |")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from traceana.analysis import analyze
 from traceana.ingest.run_dir import load_run
-from traceana.validate import cross_run, validate
+from traceana.validation import cross_run, validate
 
 # name: (preset, pp, microbatches, schedule, attention, recompute, bpipe)
 MATRIX = {

@@ -67,7 +67,7 @@ def render(v, cross: dict | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from traceana.analysis_cache import load_and_analyze
     from traceana.errors import AnalysisError
-    from traceana.validate import bpipe_verdict_from_run, cross_run, validate
+    from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops)
     v = validate(analysis)

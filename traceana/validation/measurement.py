@@ -1,0 +1,163 @@
+"""What validation measures on a run: per-stage durations per micro-batch and communication costs, over the
+measured steps of the run's summary (traceana.summary), to feed the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana import schema
+from traceana.analysis import Analysis
+from traceana.errors import AnalysisError
+from traceana.model.config import TrainingConfig
+from traceana.model.simulate import Costs, StageTimes
+from traceana.pipeline_rules import bpipe_plan
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the simulator is fed with, measured: per-device durations and communication costs."""
+
+    times: StageTimes
+    costs: Costs
+    step_ns: dict[int, float]  # per stage: mean step time
+    bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall + exposed P2P
+    rank_of_stage: dict[int, int]
+    steps_used: int
+    bpipe_step_ns: dict[int, float] = field(default_factory=dict)  # per stage: time in category "bpipe" per step
+
+
+def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
+    """Per-stage durations per micro-batch from the measured attribution (busy time only, so waits inside annotation
+    spans do not count as compute) and P2P costs from the matched pairs."""
+    steps = pl.DataFrame({"step": list(analysis.summary.steps)}, schema={"step": pl.Int32})
+    att = analysis.attribution.join(steps, on="step")
+    sched = analysis.schedule.join(steps, on="step")
+    if sched.filter(pl.col("phase") == "forward")["rank"].n_unique() < att["rank"].n_unique() or steps.height == 0:
+        raise AnalysisError("no step has forward work on every rank", path=analysis.run.path,
+                            fix="profile at least one complete step on all ranks")
+    stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
+    p = cfg.pp
+    rank_of_stage: dict[int, int] = {}
+    for r, s in sorted(stage_of.items()):
+        rank_of_stage.setdefault(s % p, r)  # the first data-parallel replica of each stage
+    missing = [s for s in range(p) if s not in rank_of_stage]
+    if missing:
+        raise AnalysisError(f"no rank found for stages {missing}", path=analysis.run.path,
+                            fix="check run.json's stage_of_rank or the traces' P2P chain")
+    per_rank = (
+        att.group_by("rank", "step", "category").agg(pl.col("ns").sum())
+        .with_columns(pl.col("category").cast(pl.String))
+        .pivot(on="category", index=["rank", "step"], values="ns")
+        .fill_null(0)
+    )
+    for c in schema.CATEGORIES:
+        if c not in per_rank.columns:
+            per_rank = per_rank.with_columns(pl.lit(0, pl.Int64).alias(c))
+    counts = (
+        sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .group_by("rank", "step").agg(
+            (pl.col("phase") == "forward").sum().alias("n_f"), (pl.col("phase") == "backward").sum().alias("n_b"))
+    )
+    per_rank = per_rank.join(counts, on=["rank", "step"], how="left").fill_null(0)
+    means = per_rank.group_by("rank").agg(
+        (pl.col("forward") / pl.col("n_f")).mean().alias("f"),
+        (pl.col("backward") / pl.col("n_b")).mean().alias("b"),
+        (pl.col("recompute") / pl.col("n_b")).mean().alias("r"),
+        pl.col("optimizer").mean().alias("o"),
+        ((pl.col("host") + pl.col("other_compute")) / (pl.col("n_f") + pl.col("n_b"))).mean().alias("h"),
+        pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
+        pl.sum_horizontal(*schema.BUBBLE_CATEGORIES, "p2p").mean().alias("bubble"),
+    )
+    # An operation lasts its annotation span: its compute plus the Python inside it, which delays the operation's
+    # output as much as the compute does. The host time left for between operations is the rest.
+    spans = (
+        sched.filter(pl.col("microbatch").is_not_null())
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+        .group_by("rank", "step").agg(
+            pl.col("d").filter(pl.col("phase") == "forward").sum().alias("sf"),
+            pl.col("d").filter(pl.col("phase") == "backward").sum().alias("sb"),
+            pl.col("d").filter(pl.col("phase") == "recompute").sum().alias("sr"))
+    )
+    inside = (
+        per_rank.join(spans, on=["rank", "step"], how="left").fill_null(0)
+        .group_by("rank").agg(
+            (pl.col("sf") / pl.col("n_f")).mean().alias("f_span"),
+            ((pl.col("sb") - pl.col("sr")) / pl.col("n_b")).mean().alias("b_span"),
+            (pl.col("sr") / pl.col("n_b")).mean().alias("r_span"),
+            ((pl.col("sf") + pl.col("sb") - pl.col("forward") - pl.col("backward") - pl.col("recompute"))
+             / (pl.col("n_f") + pl.col("n_b"))).mean().alias("inside"))
+    )
+    means = means.join(inside, on="rank", how="left").with_columns(
+        pl.max_horizontal("f", "f_span").alias("f"),
+        pl.max_horizontal("b", "b_span").alias("b"),
+        pl.max_horizontal("r", "r_span").alias("r"),
+        pl.max_horizontal(pl.lit(0.0), pl.col("h") - pl.col("inside").clip(lower_bound=0).fill_null(0)).alias("h"),
+    )
+    if cfg.virtual_stages > 1:
+        # Means are per chunk operation; the simulator takes a device's whole share and splits it over its chunks.
+        means = means.with_columns(pl.col("f", "b", "r") * cfg.virtual_stages)
+    order = pl.DataFrame({"rank": [rank_of_stage[s] for s in range(p)]}, schema={"rank": means.schema["rank"]})
+    per_stage = order.join(means, on="rank", how="left").fill_null(0.0)  # one row per stage, in stage order
+
+    def col(name: str) -> tuple[float, ...]:
+        return tuple(float(x) for x in per_stage[name])
+
+    times = StageTimes(forward_ns=col("f"), backward_ns=col("b"), recompute_ns=col("r"), optimizer_ns=col("o"),
+                       host_ns=col("h"))
+    pairs = analysis.p2p.join(steps, on="step")
+    p2p = pairs.filter(pl.col("channel") == "p2p")
+    bp = pairs.filter(pl.col("channel") == "bpipe")
+    # Sends are posted without blocking (isend; the post is host time, already in host_ns), so the sender pays
+    # nothing in line; a message is in flight from the send's start to the receive's end: the receiver's transfer.
+    # After a receive completes, the receiver needs time before it computes: waking up (on an oversubscribed CPU the
+    # scheduler decides) and the Python between wait() and the kernel. Measured as the median gap from a message's
+    # arrival to the start of the receiver's next forward/backward; it is part of the measured host time, so it is
+    # taken out of the per-operation host time and put where it lies, on the message's critical path.
+    nxt = (
+        p2p.select(pl.col("dst").alias("rank"), pl.col("recv_end").alias("t")).sort("t")
+        .join_asof(sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+                   .select("rank", pl.col("start_ns").alias("t_op")).sort("t_op"),
+                   left_on="t", right_on="t_op", by="rank", strategy="forward", check_sortedness=False)
+        .select((pl.col("t_op") - pl.col("t")).alias("gap"))
+        .drop_nulls()
+    )
+    resume = float(nxt["gap"].median() or 0) if nxt.height else 0.0
+    resume = min(resume, min(times.host_ns) if times.host_ns else 0.0)
+    times = StageTimes(times.forward_ns, times.backward_ns, times.recompute_ns, times.optimizer_ns,
+                       tuple(max(0.0, h - resume) for h in times.host_ns))
+    # BPipe, as measured: the time each evictor and acceptor spent on BPipe (attribution category "bpipe": blocking
+    # evictions, exposed loads, accepting and returning) per planned eviction; the transfers themselves overlap.
+    evict_block = accept_block = 0.0
+    pairs_of_run = analysis.run.manifest.bpipe if analysis.run.manifest and analysis.run.manifest.bpipe else ()
+    if pairs_of_run and cfg.schedule == "1f1b":
+        per_step = per_rank.group_by("rank").agg(pl.col("bpipe").mean())
+        spent = dict(per_step.iter_rows())
+        ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
+        for e, q in pairs_of_run:
+            n = bpipe_plan("1f1b", pp=p, num_microbatches=cfg.num_microbatches, evictor=e).evicted
+            if n:
+                ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
+                acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0
+                n_ev += n
+        if n_ev:
+            evict_block, accept_block = ev_ns / n_ev, acc_ns / (2 * n_ev)
+    costs = Costs(
+        p2p_ns=float(p2p["transfer_ns"].median() or 0) if p2p.height else 0.0,
+        send_ns=0.0,
+        # one eviction or load in flight, as the trace's BPipe messages took (median); 0 in a run without BPipe
+        bpipe_ns=float(bp["transfer_ns"].median() or 0) if bp.height else 0.0,
+        bpipe_overlap=True,
+        resume_ns=resume,
+        evict_block_ns=evict_block,
+        accept_block_ns=accept_block,
+    )
+    bpipe_step = order.join(per_rank.group_by("rank").agg(pl.col("bpipe").mean()), on="rank", how="left")
+    return Measured(
+        times=times, costs=costs,
+        bpipe_step_ns=dict(enumerate(float(x or 0.0) for x in bpipe_step["bpipe"])),
+        step_ns=dict(enumerate(col("step"))),
+        bubble_ns=dict(enumerate(col("bubble"))),
+        rank_of_stage=rank_of_stage, steps_used=steps.height,
+    )

@@ -1,0 +1,88 @@
+"""Prediction: a run's step time from another run's measured durations only (none of the predicted run's), and
+the noise floor it must be judged against (one configuration measured twice)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from traceana.analysis import Analysis
+from traceana.errors import AnalysisError
+from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.model.memory import estimate_stage_memory
+from traceana.model.simulate import Simulation, StageTimes, simulate
+from traceana.validation.measurement import measure
+
+LOCAL_COPY_BYTES_PER_NS = 1.0  # 1 GB/s: an assumption for moving activations between processes on one host
+
+
+def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingConfig | None = None,
+            bpipe_ns: float | None = None) -> Simulation:
+    """Predict a target configuration's step from a baseline run's measured durations.
+
+    The same pipeline and micro-batch size are assumed (durations do not transfer across shapes); recompute is dropped
+    or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default one baseline P2P message's time
+    plus the evictor's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS).
+    """
+    base_cfg = base_cfg or config_from_manifest(baseline.run.manifest)
+    if (target.pp, target.microbatch_size, target.model) != (base_cfg.pp, base_cfg.microbatch_size, base_cfg.model):
+        raise AnalysisError("the cross-run prediction needs the same model, pp and micro-batch size",
+                            path=baseline.run.path, fix="compare runs that differ only in schedule, BPipe, recompute")
+    meas = measure(baseline, base_cfg)
+    t = meas.times
+    if target.recompute == "none":
+        t = StageTimes(t.forward_ns, t.backward_ns, (), t.optimizer_ns, t.host_ns)
+    costs = meas.costs
+    if target.bpipe:
+        if bpipe_ns is None:
+            # One eviction costs what one of the baseline's P2P messages cost (on a CPU host that is latency, not
+            # bandwidth: every message here is small) plus its bytes at copy speed.
+            evict = estimate_stage_memory(target)[0].activation_per_microbatch
+            bpipe_ns = costs.p2p_ns + evict / LOCAL_COPY_BYTES_PER_NS
+        costs = dataclasses.replace(costs, bpipe_ns=bpipe_ns)
+    return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
+                    virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe))
+
+
+def noise_floor(first: Analysis, second: Analysis) -> float:
+    """The same configuration measured twice: |step₁ − step₂| / their mean. A prediction cannot be judged finer."""
+    x, y = first.summary.step_ms, second.summary.step_ms
+    return abs(x - y) / ((x + y) / 2) if x + y else 0.0
+
+
+def cross_run(baseline: Analysis, target: Analysis, *,
+              repeat: tuple[Analysis, Analysis] | None = None) -> dict[str, float | str | None]:
+    """A PREDICTION: measure the baseline, predict the target from it (no duration of the target is used), compare
+    with the target's measured step time; with ``repeat`` (one configuration collected twice), the noise floor.
+
+    The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
+    simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
+    on this machine cancels."""
+    if baseline.run.manifest is None or target.run.manifest is None:
+        raise AnalysisError("cross-run validation needs run.json in both runs", path=target.run.path,
+                            fix="collect both with `traceana collect`")
+    base_cfg = config_from_manifest(baseline.run.manifest)
+    tgt_cfg = config_from_manifest(target.run.manifest)
+    sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
+    sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
+    meas_t = measure(target, tgt_cfg)
+    measured = target.summary.step_ms
+    meas_b = measure(baseline, base_cfg)
+    base_ms = baseline.summary.step_ms
+    ratio = sim_target.step_ns / sim_base.step_ns
+    predicted = base_ms * ratio
+    return {
+        "kind": "prediction",
+        "baseline": str(baseline.run.path),
+        "target": str(target.run.path),
+        "baseline_step_ms": base_ms,
+        "predicted_step_ms": predicted,
+        "measured_step_ms": measured,
+        "error": (predicted - measured) / measured if measured else None,
+        "noise_floor": noise_floor(*repeat) if repeat else None,
+        "predicted_speedup": 1 / ratio,
+        "measured_speedup": base_ms / measured if measured else None,
+        # the target's forward+backward time per micro-batch over the baseline's: the model assumes 1 unless the
+        # change (e.g. recompute) alters the work; anything else is the machine running at another speed
+        "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
+        / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
+    }

@@ -1,0 +1,231 @@
+"""Replay: the simulator fed with a run's own measured durations (in sample), against the run's measurement.
+
+It checks the schedule logic, not the model's power to predict (that is ``prediction.cross_run``). Also the memory
+model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana import schema
+from traceana.analysis import Analysis
+from traceana.errors import AnalysisError
+from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.model.memory import activation_peak_estimate
+from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
+from traceana.validation.measurement import Measured, measure
+
+# "Waiting on the pipeline": the bubbles plus exposed P2P. Measured attribution labels idle time during which one of
+# the rank's own sends is still in flight as p2p, which the simulator cannot tell from a bubble; their sum compares.
+WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
+
+
+@dataclass(frozen=True)
+class Validation:
+    per_stage: pl.DataFrame  # one row per stage: measured, estimated and error for step, wait, activation peak
+    summary: dict[str, float | str | None]
+    simulation: Simulation | None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _rel(est: pl.Expr, meas: pl.Expr) -> pl.Expr:
+    return pl.when(meas != 0).then((est - meas) / meas).otherwise(None)
+
+
+def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tuple[StageTimes, Costs]:
+    """The last measured step's own operation durations and message transfers, for a replay of that step.
+
+    Feeding them (instead of means) checks the schedule logic itself: what is left between replay and measurement is
+    what the model does not represent (per-operation host time, a different order), not run-to-run variance."""
+    step = max(analysis.summary.steps)
+    stage_of = {r: s for s, r in meas.rank_of_stage.items()}
+    rows = (
+        analysis.schedule.filter((pl.col("step") == step) & pl.col("microbatch").is_not_null()
+                                 & pl.col("rank").is_in(list(stage_of)))
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "microbatch", pl.col("d").alias("r"))
+    ops = (
+        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .join(rc, on=["rank", "microbatch"], how="left")
+        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
+                      .otherwise(pl.col("d")).alias("d"))
+    )
+    per_op: dict[tuple[str, int, int], float] = {}
+    for phase, stage, mb, d, r in ops.select("phase", "stage", "microbatch", "d", "r").iter_rows():
+        key = "F" if phase == "forward" else "B"
+        per_op[(key, stage, mb)] = float(d)
+        if phase == "backward" and r is not None:
+            per_op[("R", stage, mb)] = float(r)
+    msgs = (
+        analysis.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p"))
+        .with_columns(pl.col("src").replace_strict(stage_of, default=None).alias("s_src"),
+                      pl.col("dst").replace_strict(stage_of, default=None).alias("s_dst"))
+        .drop_nulls(["s_src", "s_dst"])
+        .sort("send_start")
+        .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
+    )
+    per_msg = {
+        ("F" if s_dst > s_src else "B", s_src, mb): float(x)
+        for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
+    }
+    times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
+                       meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+    c = meas.costs
+    return times, dataclasses.replace(c, per_message_ns=per_msg)
+
+
+def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, samples: int = 24, seed: int = 0,
+                    bpipe: bool | tuple = False) -> float:
+    """Mean simulated step when every operation's duration is drawn from the measured durations of its
+    (stage, phase) in the steady steps (a bootstrap). On a busy or noisy machine operations do not all take their
+    mean, and a pipeline's step is set by its slowest path: the mean of the maxima exceeds the maximum of the means.
+    Deterministic (seeded)."""
+    steps = pl.DataFrame({"step": list(analysis.summary.steps)}, schema={"step": pl.Int32})
+    stage_of = {r: s for s, r in meas.rank_of_stage.items()}
+    rows = (
+        analysis.schedule.join(steps, on="step")
+        .filter(pl.col("microbatch").is_not_null() & pl.col("rank").is_in(list(stage_of)))
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "step", "microbatch", pl.col("d").alias("r"))
+    ops = (
+        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .join(rc, on=["rank", "step", "microbatch"], how="left")
+        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
+                      .otherwise(pl.col("d")).alias("d"))
+    )
+    ops = ops.group_by("stage", "phase").agg(pl.col("d"), pl.col("r"))
+    pools = {(ph, st): (ds, [x for x in rs if x is not None]) for st, ph, ds, rs in
+             ops.select("stage", "phase", "d", "r").iter_rows()}
+    msgs = analysis.p2p.join(steps, on="step").filter(pl.col("channel") == "p2p")["transfer_ns"].to_list()
+    rng = random.Random(seed)
+    total = 0.0
+    nv = cfg.pp * cfg.virtual_stages
+    for _ in range(samples):
+        per_op: dict[tuple[str, int, int], float] = {}
+        per_msg: dict[tuple[str, int, int], float] = {}
+        for st in range(nv):
+            for mb in range(cfg.num_microbatches):
+                f, _r = pools.get(("forward", st), ([], []))
+                b, r = pools.get(("backward", st), ([], []))
+                if f:
+                    per_op[("F", st, mb)] = float(rng.choice(f))
+                if b:
+                    per_op[("B", st, mb)] = float(rng.choice(b))
+                if r:
+                    per_op[("R", st, mb)] = float(rng.choice(r))
+                if msgs:
+                    per_msg[("F", st, mb)] = float(rng.choice(msgs))
+                    per_msg[("B", st, mb)] = float(rng.choice(msgs))
+        times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
+                           meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+        c = meas.costs
+        costs = dataclasses.replace(c, per_message_ns=per_msg)
+        total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
+                          virtual_stages=cfg.virtual_stages, bpipe=bpipe).step_ns
+    return total / samples
+
+
+def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: str = "rolling") -> Validation:
+    """Simulate the run from its own measured durations and compare step time, bubble and activation memory."""
+    run = analysis.run
+    if cfg is None:
+        if run.manifest is None:
+            raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
+                                fix="collect with `traceana collect`, or write run.json")
+        cfg = config_from_manifest(run.manifest)
+    meas = measure(analysis, cfg)
+    bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
+    sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
+                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, window=window)
+    replay = None
+    if cfg.virtual_stages == 1:
+        r_times, r_costs = replay_inputs(analysis, cfg, meas)
+        replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
+                          costs=r_costs, bpipe=bpipe, window=window)
+    sampled = sampled_step_ns(analysis, cfg, meas, bpipe=bpipe)
+    sim_per = (
+        sim.attribution.group_by("stage").agg(
+            pl.col("ns").sum().alias("sim_step"),
+            pl.col("ns").filter(pl.col("category").is_in(WAIT_CATEGORIES)).sum().alias("sim_bubble"))
+    )
+    grads_in_step = bool(run.manifest.extra.get("grads_in_step", False)) if run.manifest else False
+    est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
+    mem = (
+        analysis.stage_memory.filter(pl.col("step").is_in(analysis.summary.steps))
+        .filter(pl.col("rank").is_in(list(meas.rank_of_stage.values())))
+        .group_by("stage").agg(pl.col("activation_peak_bytes").max().alias("measured_act"))
+    )
+    per_stage = (
+        pl.DataFrame({
+            "stage": list(range(cfg.pp)),
+            "rank": [meas.rank_of_stage[s] for s in range(cfg.pp)],
+            "measured_step_ms": [meas.step_ns[s] / 1e6 for s in range(cfg.pp)],
+            "measured_bubble_ms": [meas.bubble_ns[s] / 1e6 for s in range(cfg.pp)],
+            "estimated_activation_bytes": est_mem,
+        }, schema_overrides={"stage": pl.Int32, "rank": pl.Int32})
+        .join(sim_per.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
+        .join(mem.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
+        .select(
+            "stage", "rank",
+            "measured_step_ms", (pl.col("sim_step") / 1e6).alias("simulated_step_ms"),
+            "measured_bubble_ms", (pl.col("sim_bubble") / 1e6).alias("simulated_bubble_ms"),
+            pl.col("measured_act").cast(pl.Float64).alias("measured_activation_bytes"),
+            "estimated_activation_bytes",
+        )
+        .with_columns(
+            _rel(pl.col("simulated_step_ms"), pl.col("measured_step_ms")).alias("step_error"),
+            _rel(pl.col("simulated_bubble_ms"), pl.col("measured_bubble_ms")).alias("bubble_error"),
+            _rel(pl.col("estimated_activation_bytes"), pl.col("measured_activation_bytes")).alias("memory_error"),
+        )
+        .sort("stage")
+    )
+    ranks = list(meas.rank_of_stage.values())
+    measured_step = analysis.summary.step_ms
+    last = max(analysis.summary.steps)
+    measured_last = float(
+        analysis.attribution.filter((pl.col("step") == last) & pl.col("rank").is_in(ranks))
+        .group_by("rank").agg(pl.col("ns").sum())["ns"].max()
+    ) / 1e6
+    rel = lambda est, ref: (est - ref) / ref if ref else None  # noqa: E731
+    summary = {
+        "run": str(run.path),
+        "schedule": cfg.schedule,
+        "pp": cfg.pp,
+        "microbatches": cfg.num_microbatches,
+        "bpipe": bool(bpipe),
+        "recompute": cfg.recompute,
+        "attention": cfg.attention,
+        # every simulated figure here is a REPLAY: fed with this run's own measured durations (in sample); it checks
+        # the schedule logic, not the model's power to predict (that is cross_run: --baseline OTHER_RUN)
+        "kind": "replay",
+        "measured_step_ms": measured_step,
+        "simulated_step_ms": sim.step_ns / 1e6,
+        "step_error": rel(sim.step_ns / 1e6, measured_step),
+        "sampled_step_ms": sampled / 1e6,
+        "sampled_error": rel(sampled / 1e6, measured_step),
+        "replay_step_ms": replay.step_ns / 1e6 if replay else None,
+        "replay_error": rel(replay.step_ns / 1e6, measured_last) if replay else None,
+        "median_abs_memory_error": per_stage["memory_error"].abs().median(),
+        "steps_used": meas.steps_used,
+        "bpipe_transfer_ms": meas.costs.bpipe_ns / 1e6 if bpipe else None,
+        "bpipe_ms_per_step": {s: v / 1e6 for s, v in meas.bpipe_step_ns.items()} if bpipe else None,
+    }
+    notes = (
+        "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
+        "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
+        f"fed: host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms per operation, P2P in flight "
+        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + stall + exposed P2P"
+        + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
+           + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
+           + " per step in BPipe work" if bpipe else ""),
+        "memory estimate: saved activations in flight"
+        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
+    )
+    return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)

@@ -1,0 +1,69 @@
+"""Would BPipe help this measured run? Both sides predicted from the run's own durations, under a named baseline
+policy (traceana.model.bpipe.BASELINES)."""
+
+from __future__ import annotations
+
+from traceana.analysis import Analysis
+from traceana.errors import AnalysisError
+from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict, check_baseline, deciding_term,
+                                  decompose, describe_deltas, evictions, terms_of)
+from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.model.memory import estimate_stage_memory
+from traceana.model.simulate import Simulation
+from traceana.validation.prediction import predict
+
+RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
+
+
+def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = None, bpipe_ns: float | None = None,
+                           policy: str = "as-configured") -> Verdict:
+    """Would BPipe help this measured (plain 1F1B) run? Both sides are predicted from the run's own measured
+    durations. ``policy`` (model.bpipe.BASELINES) says what BPipe is compared with: ``as-configured`` the run as it
+    ran, BPipe added and recompute kept (no device memory limit is known, so dropping recompute is not BPipe's to
+    claim); ``best-without-bpipe`` both without recompute; ``full-recompute`` (the BPipe paper's comparison) the run
+    with full recompute against BPipe without any. A BPipe transfer costs ``bpipe_ns`` (default: one P2P message's
+    time plus stage 0's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS, overlapped)."""
+    check_baseline(policy)
+    cfg = cfg or config_from_manifest(baseline.run.manifest)
+    if cfg.schedule != "1f1b" or cfg.bpipe or cfg.pp < 2:
+        raise AnalysisError("a BPipe verdict needs a plain 1F1B run with pp ≥ 2", path=baseline.run.path,
+                            fix="collect a 1F1B run without BPipe")
+    rc = RUN_RECOMPUTE[policy]
+    ref_cfg = cfg if rc is None else cfg.replace(recompute=rc)
+    target = cfg.replace(bpipe=True, recompute=cfg.recompute if rc is None else "none")
+    ref = predict(baseline, ref_cfg, base_cfg=cfg)
+    sim = predict(baseline, target, base_cfg=cfg, bpipe_ns=bpipe_ns)
+    free = predict(baseline, target, base_cfg=cfg, bpipe_ns=0.0)
+    deltas = decompose(ref, sim, free)
+    speedup = ref.step_ns / sim.step_ns
+    deciding = deciding_term(speedup, deltas)
+    helps = speedup > HELPS_ABOVE
+    before, after = estimate_stage_memory(ref_cfg), estimate_stage_memory(target)
+    n_ev = evictions(target)
+    verb = {"no change": "would make no difference to"}.get(deciding, "would help" if helps else "would not help")
+    sentence = (
+        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / 1e6:.1f} → "
+        f"{sim.step_ns / 1e6:.1f} ms per step predicted from its own durations"
+        + (", dropping recompute" if target.recompute != ref_cfg.recompute else "")
+        + f"); {describe_deltas(deltas, spec='.1f') or 'no term changes'}"
+        + (f"; BPipe evicts nothing at pp={cfg.pp}, m={cfg.num_microbatches}" if n_ev == 0 else
+           f"; {n_ev} evictions per step")
+        + f". Deciding term: {deciding}. Model: largest stage's activations "
+        f"{max(s.activation_bytes for s in before) / 2**20:.1f} → "
+        f"{max(s.activation_bytes for s in after) / 2**20:.1f} MiB."
+    )
+    def est(c: TrainingConfig, s: Simulation, mem) -> StepEstimate:
+        return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,
+                            peak_bytes=max(m.total_bytes for m in mem), terms=terms_of(s.attribution),
+                            efficiency=float("nan"))
+
+    r = est(ref_cfg, ref, before)
+    return Verdict(
+        helps=helps, speedup=speedup, reference=r, given=est(cfg, predict(baseline, cfg, base_cfg=cfg), before),
+        with_bpipe=est(target, sim, after), deciding_term=deciding, deltas=deltas, sentence=sentence,
+        assumptions=("durations measured on this run (both sides predicted from them); BPipe transfer "
+                     + ("as given" if bpipe_ns is not None else "= one P2P message's time + stage 0's activation "
+                        "bytes per micro-batch at 1 GB/s, overlapped (a run without BPipe has no BPipe transfer "
+                        "to measure; a BPipe run's own are in validate's notes)"),
+                     f"baseline: {policy} ({BASELINES[policy]})"),
+        baseline=policy)
