@@ -21,8 +21,10 @@ How it works here (docs/field-notes.md, "Activation eviction"):
   after its own backward of the last micro-batch the evictor ran backward before evicting (so the evictor's blocking
   eviction always finds the receive posted: that gradient passed through the acceptor first), and it returns e right
   after its own backward of e, which the evictor's backward of e waits for anyway (the gradient flows q → s): no
-  cycle, so no deadlock, and the acceptor never holds more than the pair's balanced level. Data moves on gloo/NCCL's
-  own threads while the acceptor computes.
+  cycle, so no deadlock, and the acceptor never holds more than the pair's balanced level. A returned micro-batch
+  stays in the acceptor's memory until the evictor has received it, so the evictor posts that receive as early as
+  the plan has room for it (before the forward preceding its backward) and the acceptor waits for its returns to
+  complete before it allocates the next receive. Data moves on gloo/NCCL's own threads while the acceptor computes.
 Annotated: ``EVICT``/``LOAD`` on the evictor, ``ACCEPT``/``RETURN`` on the acceptor.
 """
 
@@ -213,7 +215,7 @@ class Acceptor:
         self.stage, self.peer, self.plan, self.layout, self.transport = stage, evictor_rank, plan, layout, transport
         self.waiter = Waiter()
         self.held: dict[int, list] = {}  # micro-batch -> Transfers (receives in flight or done)
-        self.returning: list[tuple[object, list]] = []  # (done event, (work, tensor) pairs)
+        self.returning: list[tuple[int, object, list]] = []  # (micro-batch, done event, (work, tensor) pairs)
 
     def start_step(self) -> None:
         """Post the receives the plan takes at the start of the step (evictions before the evictor's first
@@ -243,16 +245,25 @@ class Acceptor:
             with annotate(self.stage, names.RETURN, e):
                 sends = [self.transport.isend(t.wait(), self.peer, tag=(e << TAG_SHIFT) | index)
                          for index, t in enumerate(transfers)]
-                self.returning.append((self.waiter.watch([w for w, _ in sends]), sends))
-        self._accept(self.plan.accept_after.get(action_index, ()))
+                self.returning.append((e, self.waiter.watch([w for w, _ in sends]), sends))
+        victims = self.plan.accept_after.get(action_index, ())
+        if victims:
+            # A returned micro-batch's bytes stay ours until the evictor has received them. Wait for that before
+            # allocating the next one's buffers, so we never hold more than the plan counts (bpipe_held). The
+            # evictor posts that receive before its backward of it, which needs nothing we do after this point.
+            for e, done, _ in self.returning:
+                with annotate(self.stage, names.RETURN, e):
+                    done.wait()
+            self.returning.clear()
+        self._accept(victims)
         self.progress()
 
     def progress(self) -> None:
         """Free the buffers of returns that completed."""
-        self.returning = [(done, sends) for done, sends in self.returning if not done.is_set()]
+        self.returning = [entry for entry in self.returning if not entry[1].is_set()]
 
     def finish_step(self) -> None:
-        for done, _ in self.returning:
+        for _, done, _ in self.returning:
             done.wait()
         self.returning.clear()
         if self.held:

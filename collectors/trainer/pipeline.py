@@ -51,13 +51,21 @@ class StageRunner:
             self.acceptor.start_step()
         for index, action in enumerate(self.actions):
             self._prune_sends()
+            if self.acceptor:
+                self.acceptor.progress()  # a return that completed frees its buffers now, not after our next backward
             if (action.action == FORWARD and self.first) or (action.action != FORWARD and self.last):
                 self.transport.flush()  # this action receives nothing: post held sends (NCCL batching)
             if self.evictor:
                 for victim in self.evictor.plan.evict_before.get(index, ()):
                     x, y = self._held[victim]
                     self.evictor.evict(victim, held=(x, y, inputs, targets))
-                if index in self.evictor.plan.load_before:
+                # Post a load's receive as soon as the plan has room for it: before the forward that precedes its
+                # backward (the plan's keep counts that load during the forward), else before the backward. The
+                # acceptor's return then completes early and frees its buffer before it accepts the next.
+                load = self.evictor.plan.load_before.get(index + 1) if action.action == FORWARD else None
+                if load is not None:
+                    self.evictor.prefetch(load)
+                if index in self.evictor.plan.load_before and not self.evictor.bundles[action.microbatch].loads:
                     self.evictor.prefetch(action.microbatch)  # overlaps the wait for the incoming gradient
             if action.action == FORWARD:
                 loss = self.forward(action.microbatch, inputs, targets, capture=self._captures(action.microbatch))
