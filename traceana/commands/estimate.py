@@ -15,10 +15,11 @@ from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
-from traceana.model.memory import estimate_stage_memory
+from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 
 GiB = 2**30
+DEFAULT_DEVICE = "a100-80gb"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,10 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--distributed-optimizer", action="store_true")
     r.add_argument("--precision", choices=PRECISIONS, default="mixed-adam")
     d = p.add_argument_group("device and network")
-    d.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICES)}")
+    d.add_argument("--device", default=DEFAULT_DEVICE, help=f"one of {', '.join(DEVICES)}")
     d.add_argument("--device-memory-gib", type=float)
     d.add_argument("--peak-tflops", type=float)
-    d.add_argument("--reserve-gib", type=float, default=0.0, help="memory to keep free (allocator, workspaces)")
+    d.add_argument("--reserve-gib", type=float, help="memory to keep free (allocator, workspaces); default 10%% of it")
     d.add_argument("--efficiency", help="measured compute efficiency per micro-batch size, e.g. 1:0.42,2:0.47")
     d.add_argument("--p2p-gbps", type=float, default=25.0, help="GB/s for pipeline messages")
     d.add_argument("--bpipe-gbps", type=float, default=25.0, help="GB/s for BPipe evictions")
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bpipe-baseline", default="best-without-bpipe",
                    choices=("as-configured", "best-without-bpipe", "full-recompute"),
                    help="what the BPipe verdict compares with (full-recompute: the BPipe paper's Megatron baseline)")
+    p.add_argument("--from-run", metavar="RUN_DIR",
+                   help="take the model and configuration from a collected run's run.json (its device: the CPU "
+                        "trainer's eager activations); what validate then compares with the measured peaks")
     p.add_argument("--no-verdict", action="store_true", help="skip the BPipe search")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -83,7 +87,25 @@ def _curve(spec: str | None) -> EfficiencyCurve:
     return EfficiencyCurve(points=pts, source="measured")
 
 
+def _from_run(args: argparse.Namespace) -> TrainingConfig:
+    """The configuration a collected run's run.json describes, as validate reads it (config_from_manifest)."""
+    from pathlib import Path
+
+    from traceana.errors import BadInputError
+    from traceana.manifest import MANIFEST_NAME, Manifest
+    from traceana.model.config import config_from_manifest
+
+    path = Path(args.from_run)
+    path = path / MANIFEST_NAME if path.is_dir() else path
+    if not path.is_file():
+        raise BadInputError("no run.json here", path=path, fix="give a run directory written by `traceana collect`")
+    return config_from_manifest(Manifest.read(path))
+
+
 def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyCurve, Network]:
+    if args.from_run:
+        cfg = _from_run(args)
+        return cfg, _device(args), _curve(args.efficiency), _network(args)
     model = _shape(args)
     if args.num_microbatches is None:
         if args.global_batch is None:
@@ -107,42 +129,68 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
         eager=bool(args.model and args.model.lower() in TINY_MODELS),
         dropout=False if args.model and args.model.lower() in TINY_MODELS else None,
     )
-    dev = device_preset(args.device)
-    dev = Device(
-        dev.name,
-        (args.device_memory_gib * GiB if args.device_memory_gib else dev.memory_bytes) - args.reserve_gib * GiB,
-        args.peak_tflops * 1e12 if args.peak_tflops else dev.peak_flops,
-        dev.source,
-    )
-    net = Network(args.p2p_gbps * 1e9, args.bpipe_gbps * 1e9, not args.bpipe_blocking)
-    return cfg, dev, _curve(args.efficiency), net
+    return cfg, _device(args), _curve(args.efficiency), _network(args)
+
+
+def _network(args: argparse.Namespace) -> Network:
+    return Network(args.p2p_gbps * 1e9, args.bpipe_gbps * 1e9, not args.bpipe_blocking)
+
+
+def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
+    """The device preset (the CPU for a collected run, unless --device is given: no memory limit, no peak) and its
+    whole memory (--device-memory-gib overrides)."""
+    if args.from_run and args.device == DEFAULT_DEVICE:
+        dev = Device("cpu", float("inf"), 0.0, "collected run")
+    else:
+        dev = device_preset(args.device)
+    return dev, args.device_memory_gib * GiB if args.device_memory_gib else dev.memory_bytes
+
+
+def _device(args: argparse.Namespace) -> Device:
+    """The device with its usable memory: its memory less the reserve (``reserve_of``)."""
+    dev, total = _device_total(args)
+    return Device(dev.name, total - reserve_of(args, total),
+                  args.peak_tflops * 1e12 if args.peak_tflops else dev.peak_flops, dev.source)
+
+
+def reserve_of(args: argparse.Namespace, total: float) -> float:
+    """Memory kept free: --reserve-gib, else memory.reserve_bytes's default (10 % of the device); none without a
+    memory limit."""
+    if total == float("inf"):
+        return 0.0
+    return reserve_bytes(total, None if args.reserve_gib is None else args.reserve_gib * GiB)
 
 
 def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Network, *, verdict: bool,
-           baseline: str = "best-without-bpipe") -> dict:
+           baseline: str = "best-without-bpipe", reserve: float = 0.0) -> dict:
+    """``dev.memory_bytes`` is what is usable: the device's memory less ``reserve``."""
     stages = estimate_stage_memory(cfg)
-    step = estimate_step(cfg, device=dev, curve=curve, network=net)
+    step = estimate_step(cfg, device=dev, curve=curve, network=net) if dev.peak_flops else None
     out = {
         "model": dataclasses.asdict(cfg.model),
         "config": {
             k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "precision")
         } | {"precision": cfg.precision.name, "global_batch": cfg.global_batch},
-        "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "peak_flops": dev.peak_flops},
+        "device": {"name": dev.name, "memory_bytes": None if dev.memory_bytes == float("inf") else dev.memory_bytes,
+                   "peak_flops": dev.peak_flops,
+                   "reserve_bytes": reserve},
         "stages": [
             {
                 "stage": s.stage, "layers": s.layers, "params": s.params, "weight_bytes": s.weight_bytes,
                 "grad_bytes": s.grad_bytes, "optimizer_bytes": s.optimizer_bytes,
                 "activation_per_microbatch": s.activation_per_microbatch, "in_flight": s.in_flight,
                 "foreign_in_flight": s.foreign_in_flight, "activation_bytes": s.activation_bytes,
-                "total_bytes": s.total_bytes, "fits": s.total_bytes <= dev.memory_bytes,
+                "backward_working_bytes": s.backward_working_bytes,
+                "recompute_working_bytes": s.recompute_working_bytes,
+                "activation_peak_bytes": s.activation_peak_bytes, "total_bytes": s.total_bytes, "fits": s.total_bytes <= dev.memory_bytes,
             }
             for s in stages
         ],
         "fits": all(s.total_bytes <= dev.memory_bytes for s in stages),
-        "step": {"seconds": step.step_s, "mfu": step.mfu, "efficiency": step.efficiency,
-                 "efficiency_source": curve.source, "terms_s": step.terms},
+        "step": None if step is None else {"seconds": step.step_s, "mfu": step.mfu, "efficiency": step.efficiency,
+                                           "efficiency_source": curve.source, "terms_s": step.terms},
     }
-    if verdict and cfg.schedule == "1f1b" and cfg.virtual_stages == 1 and cfg.pp > 1:
+    if verdict and step is not None and cfg.schedule == "1f1b" and cfg.virtual_stages == 1 and cfg.pp > 1:
         v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline)
         out["bpipe"] = {
             "baseline": v.baseline, "why": v.why,
@@ -159,7 +207,7 @@ def render(out: dict) -> str:
         f"{m['name'] or m['family']}: {m['family']}, {m['layers']} layers, h {m['hidden']}, {m['heads']} heads"
         f"{'' if not m['kv_heads'] else ' (' + str(m['kv_heads']) + ' kv)'}, ffn {m['ffn'] or 'default'}, "
         f"vocab {m['vocab']}, seq {m['seq']}"
-        f" on {out['device']['name']} ({out['device']['memory_bytes'] / GiB:.0f} GiB usable)",
+        f" on {out['device']['name']} ({_usable(out['device'])})",
         f"tp {c['tp']} · pp {c['pp']} · dp {c['dp']} · {c['schedule']}"
         f"{' v=' + str(c['virtual_stages']) if c['virtual_stages'] > 1 else ''} · b {c['microbatch_size']} · "
         f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
@@ -170,7 +218,7 @@ def render(out: dict) -> str:
     unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
     lines.append(
         f"{'stage':>5} {'layers':>6} {'params':>9} {'state ' + unit:>9} {'act/mb ' + unit:>10} {'in flight':>9} "
-        f"{'act ' + unit:>8} {'total ' + unit:>9}  fits"
+        f"{'act ' + unit:>8} {'peak ' + unit:>8} {'total ' + unit:>9}  fits"
     )
     for s in out["stages"]:
         state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / div
@@ -179,9 +227,15 @@ def render(out: dict) -> str:
         lines.append(
             f"{s['stage']:>5} {s['layers']:>6} {params:>9} {state:>9.1f} "
             f"{s['activation_per_microbatch'] / div:>10.2f} {held:>9} {s['activation_bytes'] / div:>8.1f} "
-            f"{s['total_bytes'] / div:>9.1f}  {'yes' if s['fits'] else 'NO'}"
+            f"{s['activation_peak_bytes'] / div:>8.2f} {s['total_bytes'] / div:>9.1f}  {'yes' if s['fits'] else 'NO'}"
         )
+    lines += ["", "act: saved activations in flight; peak: act + one layer's backward (and recompute) working memory,"
+              " what validate compares with a run's measured activation peak; total: + weights, gradients, optimizer"]
     st = out["step"]
+    if st is None:
+        lines += ["", f"fits: {'yes' if out['fits'] else 'NO'}",
+                  "step time: not estimated (no peak FLOP/s for this device; pass --peak-tflops)"]
+        return "\n".join(lines)
     sec = (lambda x: f"{x:.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:.2f} ms")
     terms = ", ".join(f"{k} {sec(v)}" for k, v in st["terms_s"].items())
     lines += [
@@ -195,8 +249,16 @@ def render(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _usable(device: dict) -> str:
+    usable, reserve = device["memory_bytes"], device.get("reserve_bytes", 0.0)
+    if usable is None:
+        return "no memory limit"
+    return f"{(usable + reserve) / GiB:.0f} GiB, {reserve / GiB:.1f} GiB kept free, {usable / GiB:.1f} GiB usable"
+
+
 def run(args: argparse.Namespace) -> int:
     cfg, dev, curve, net = build(args)
-    out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline)
+    out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline,
+                 reserve=reserve_of(args, _device_total(args)[1]))
     print(json.dumps(out, indent=2, default=str) if args.json else render(out))
     return 0

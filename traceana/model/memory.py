@@ -199,14 +199,21 @@ class StageMemory:
     foreign_in_flight: float  # micro-batches accepted from its BPipe partner
     activation_bytes: float  # peak saved activations
     recompute_working_bytes: float  # one layer re-materialised during the backward (full recompute)
+    backward_working_bytes: float = 0.0  # gradient tensors of one layer's backward (``backward_working_bytes``)
 
     @property
     def state_bytes(self) -> float:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
+    def activation_peak_bytes(self) -> float:
+        """Activation memory at the stage's peak: saved activations in flight (own and accepted) plus one layer's
+        recompute and backward working memory; what ``validate`` compares with the measured activation peak."""
+        return self.activation_bytes + self.recompute_working_bytes + self.backward_working_bytes
+
+    @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes + self.recompute_working_bytes
+        return self.state_bytes + self.activation_peak_bytes
 
 
 def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
@@ -248,6 +255,7 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
     evicted = {e: in_flight[e] - held[e][0] for e in partner.values()}
     prec = cfg.precision
     shard = cfg.dp if cfg.distributed_optimizer else 1
+    work = backward_working_bytes(cfg)
     out = []
     for s in range(p):
         params = stage_params(model, layers=layers[s], first=s == 0, last=s == p - 1) / cfg.tp
@@ -267,6 +275,7 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
                 foreign_in_flight=foreign,
                 activation_bytes=own * per_mb[s] + foreign_bytes,
                 recompute_working_bytes=full_layer if cfg.recompute == "full" else 0.0,
+                backward_working_bytes=work,
             )
         )
     return tuple(out)
@@ -290,23 +299,29 @@ def backward_working_bytes(cfg: TrainingConfig) -> float:
 
 
 def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
-    """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage.
+    """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage:
+    ``StageMemory.activation_peak_bytes``, the figure ``estimate`` prints, plus the gradients when they are allocated
+    inside the measured step window.
 
-    Saved activations of the micro-batches in flight (own and, with BPipe, accepted: the plan's holding, which the
-    reference collector's acceptor follows) plus one layer's backward
-    working memory. Gradients count only when they are allocated inside the measured step window: a loop that calls
-    zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference trainer)
-    frees last step's gradients after the window's start and allocates new ones before its end: net zero.
+    In flight: own micro-batches and, with BPipe, accepted ones (``pipeline_rules.bpipe_holding``, which the reference
+    collector's acceptor follows). Gradients count only when they are allocated inside the measured window: a loop
+    that calls zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference
+    trainer) frees last step's gradients after the window's start and allocates new ones before its end: net zero.
     """
-    work = backward_working_bytes(cfg)
-    stages = estimate_stage_memory(cfg)
-    act = [st.activation_bytes for st in stages]
-    return [
-        a + st.recompute_working_bytes + (st.grad_bytes if grads_in_step else 0.0) + work
-        for a, st in zip(act, stages)
-    ]
+    return [st.activation_peak_bytes + (st.grad_bytes if grads_in_step else 0.0) for st in estimate_stage_memory(cfg)]
 
 
-def fits(stages: tuple[StageMemory, ...], *, device_bytes: float, reserve_bytes: float = 0.0) -> bool:
-    """Whether every stage's peak fits in the device memory minus a reserve (allocator slack, workspaces, context)."""
-    return all(st.total_bytes <= device_bytes - reserve_bytes for st in stages)
+# Memory a training process needs beyond the model's terms: the CUDA context, the allocator's fragmentation and
+# cached blocks, NCCL and cuBLAS workspaces. Without a figure of the user's, 10 % of the device is kept free.
+DEFAULT_RESERVE_FRACTION = 0.10
+
+
+def reserve_bytes(device_bytes: float, reserve: float | None = None) -> float:
+    """The memory kept free on a device: ``reserve`` bytes when given, else DEFAULT_RESERVE_FRACTION of it."""
+    return DEFAULT_RESERVE_FRACTION * device_bytes if reserve is None else reserve
+
+
+def fits(stages: tuple[StageMemory, ...], *, device_bytes: float, reserve: float | None = None) -> bool:
+    """Whether every stage's peak (state, activations in flight, recompute and backward working memory) fits in the
+    device memory minus the reserve (``reserve_bytes``: 10 % unless given)."""
+    return all(st.total_bytes <= device_bytes - reserve_bytes(device_bytes, reserve) for st in stages)
