@@ -26,6 +26,14 @@ DEMO = {"preset": "tiny-gpt", "pp": 4, "microbatches": 8, "microbatch_size": 2, 
 RUNS = (("baseline", False), ("bpipe", True))
 
 
+def bpipe_headline(plain_mib: float | None, bpipe_mib: float | None) -> str | None:
+    """The demo's headline: the largest stage's activation peak (MiB) without and with BPipe, and the change."""
+    if not plain_mib or bpipe_mib is None:
+        return None
+    return (f"BPipe: largest stage's activation peak {plain_mib:,.2f} MiB without, {bpipe_mib:,.2f} MiB with "
+            f"({bpipe_mib / plain_mib - 1:+.0%})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                         help=f"folder for the runs and report.html (default: ./{DEFAULT_OUT})")
@@ -136,6 +144,9 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
                 if s.largest_activation_peak_mib is not None else "–")
         console.print(f"  {name:9s} step {s.step_ms:,.1f} ms · largest activation peak {peak} · memory imbalance "
                       "across stages " + (f"{s.memory_balance:.2f}×" if s.memory_balance else "–"), highlight=False)
+    headline = bpipe_headline(*(a.summary.largest_activation_peak_mib for a in analyses))
+    if headline:
+        console.print(f"[bold]{headline}[/]", highlight=False)
     from reports.validation import bpipe_verdict
 
     verdict = bpipe_verdict(analyses[0])
