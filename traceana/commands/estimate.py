@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--peak-tflops", type=float)
     d.add_argument("--reserve-gib", type=float, help="memory to keep free (allocator, workspaces); default 10%% of it")
     d.add_argument("--efficiency", help="measured compute efficiency per micro-batch size, e.g. 1:0.42,2:0.47")
+    d.add_argument("--efficiency-from", nargs="+", metavar="RUN_DIR",
+                   help="measure the efficiency curve from traced runs at different micro-batch sizes (the BPipe "
+                        "re-evaluation's method), on the device given by --device/--peak-tflops")
     d.add_argument("--p2p-gbps", type=float, default=25.0, help="GB/s for pipeline messages")
     d.add_argument("--bpipe-gbps", type=float, default=25.0, help="GB/s for BPipe evictions")
     d.add_argument("--bpipe-blocking", action="store_true", help="BPipe transfers do not overlap compute")
@@ -129,7 +132,20 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
         eager=bool(args.model and args.model.lower() in TINY_MODELS),
         dropout=False if args.model and args.model.lower() in TINY_MODELS else None,
     )
-    return cfg, _device(args), _curve(args.efficiency), _network(args)
+    dev = _device(args)
+    if args.efficiency_from and args.efficiency:
+        raise ConfigError("--efficiency and --efficiency-from both give the efficiency curve", fix="pass one of them")
+    curve = _measured_curve(args.efficiency_from, dev.peak_flops) if args.efficiency_from else _curve(args.efficiency)
+    return cfg, dev, curve, _network(args)
+
+
+def _measured_curve(run_dirs: list[str], peak_flops: float) -> EfficiencyCurve:
+    """E(b) measured on each run (validation.measured_efficiency) at the device's peak FLOP/s."""
+    from traceana.analysis_cache import load_and_analyze
+    from traceana.validation import measured_efficiency
+
+    points = [measured_efficiency(load_and_analyze(d, progress=False), peak_flops=peak_flops) for d in run_dirs]
+    return EfficiencyCurve.measured(points, source="measured from " + ", ".join(run_dirs))
 
 
 def _network(args: argparse.Namespace) -> Network:

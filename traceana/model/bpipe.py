@@ -59,6 +59,18 @@ class EfficiencyCurve:
         if any(b <= 0 or not 0 < e <= 1 for b, e in pts):
             raise ConfigError("efficiency points need b > 0 and 0 < efficiency ≤ 1", fix="check --efficiency")
 
+    @classmethod
+    def measured(cls, points: list[tuple[float, str, float]], *, source: str) -> EfficiencyCurve:
+        """A curve from measured (micro-batch size, attention, efficiency) points: one curve when every point has
+        the same attention, else one per attention (naive and flash attention use the hardware differently)."""
+        kinds = sorted({a for _, a, _ in points})
+        if not points:
+            raise ConfigError("no measured efficiency points", fix="give at least one run")
+        if len(kinds) == 1:
+            return cls(points=tuple(sorted((b, e) for b, _, e in points)), source=source)
+        by = tuple((k, tuple(sorted((b, e) for b, a, e in points if a == k))) for k in kinds)
+        return cls(points=tuple(sorted((b, e) for b, _, e in points)), by_attention=by, source=source)
+
     def at(self, microbatch_size: float, *, seq: int, attention: str | None = None) -> float:
         own = dict(self.by_attention).get(attention) if attention else None
         if own:

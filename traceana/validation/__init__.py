@@ -2,10 +2,10 @@
 (the simulator fed with the run's own durations: ``validate``), ``prediction`` (a run predicted from another:
 ``cross_run``, with the noise floor) and ``verdict`` (would BPipe help this run?)."""
 
-from traceana.validation.measurement import Measured, measure
+from traceana.validation.measurement import Measured, measure, measured_efficiency
 from traceana.validation.prediction import cross_run, noise_floor, predict
 from traceana.validation.replay import Validation, validate
 from traceana.validation.verdict import bpipe_verdict_from_run
 
-__all__ = ["Measured", "Validation", "bpipe_verdict_from_run", "cross_run", "measure", "noise_floor", "predict",
+__all__ = ["Measured", "Validation", "bpipe_verdict_from_run", "cross_run", "measure", "measured_efficiency", "noise_floor", "predict",
            "validate"]

@@ -161,3 +161,34 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         bubble_ns=dict(enumerate(col("bubble"))),
         rank_of_stage=rank_of_stage, steps_used=steps.height,
     )
+
+
+def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) -> tuple[int, str, float]:
+    """Compute efficiency E(b) of a traced run, the quantity Huang et al. 2024 estimate BPipe's benefit from: the
+    FLOPs its stages computed per measured step (recompute included: what the hardware did) over the time they spent
+    computing (forward + backward + recompute, the attribution's busy time) times the device's peak FLOP/s, summed
+    over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
+    from traceana.model.flops import stage_flops
+    from traceana.pipeline_rules import stage_layers
+
+    m = analysis.run.manifest
+    peak = peak_flops or (m.peak_flops if m else None)
+    if m is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
+        raise AnalysisError("measuring compute efficiency needs run.json with the model, pp and micro-batching",
+                            path=analysis.run.path, fix="collect the run with `traceana collect`")
+    if not peak:
+        raise AnalysisError("measuring compute efficiency needs the device's peak FLOP/s", path=analysis.run.path,
+                            fix="pass --peak-flops (FLOP/s per device) or record peak_flops in run.json")
+    per = analysis.summary.per_stage.filter(pl.col("stage").is_not_null())
+    if per.height != m.pp:
+        raise AnalysisError(f"found {per.height} of {m.pp} stages", path=analysis.run.path,
+                            fix="check run.json's stage_of_rank or the traces' P2P chain")
+    layers = stage_layers(m.model.layers, m.pp)
+    flops = sum(stage_flops(m.model, layers=layers[s], microbatch_size=m.microbatch_size,
+                            recompute=m.recompute or "none", last=s == m.pp - 1) for s in range(m.pp))
+    compute_s = float(per.select(pl.sum_horizontal("forward_ms", "backward_ms", "recompute_ms").sum()).item()) / 1e3
+    if compute_s <= 0:
+        raise AnalysisError("the run has no forward or backward compute time", path=analysis.run.path,
+                            fix="profile complete steps with forward/backward annotations")
+    # stage_flops counts a stage's whole tensor-parallel group; the peak is per device
+    return m.microbatch_size, m.attention or "sdpa", flops * m.num_microbatches / (compute_s * peak * m.tp)
