@@ -223,13 +223,6 @@ class Acceptor:
         self._accept(self.plan.accept_after.get(-1, ()))
 
     def _accept(self, victims: tuple[int, ...]) -> None:
-        if victims:
-            # A returned micro-batch's buffer is freed only once the evictor has taken it (its load is posted just
-            # before its backward of it, which never waits on us): wait for that before taking the next one, so
-            # the returned and the accepted are never held together (pipeline_rules.bpipe_held counts it so).
-            for done, _ in self.returning:
-                done.wait()
-            self.progress()
         for e in victims:
             with annotate(self.stage, names.ACCEPT, e):
                 self.held[e] = [self.transport.irecv((n,), torch.uint8, self.peer, tag=(e << TAG_SHIFT) | index)
