@@ -184,14 +184,18 @@ def test_pipelining_example_unmodified(tmp_path):
 
 def test_a_rank_that_dies_leaves_the_finished_window_intact(tmp_path):
     """Rank 1 crashes at the start of step 4: window 2 (done by then) keeps both traces; window 5 (its warm-up had
-    begun at step 4's boundary) has none, and its run.json says which ranks left no trace and how the job ended."""
+    begun at step 4's boundary) has none, and its run.json says which ranks left no trace and how the job ended.
+    With --live, the finished window's table is printed as well."""
     pytest.importorskip("torch")
     if not TORCHRUN.exists():
         pytest.skip("torchrun is not next to this interpreter")
     command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DP_SCRIPT), "--steps", "8",
                "--die", "1", "4"]
-    result = _attach(tmp_path / "run", "2:3,5:6", command, tmp_path)
+    result = _run([sys.executable, "-m", "traceana", "attach", "-o", str(tmp_path / "run"), "--steps", "2:3,5:6",
+                   "--live", "--", *command], tmp_path)
     assert result.returncode != 0
+    # --live printed the finished window's table (and nothing for the window without traces)
+    assert "window 1: steps 2 " in result.stdout and "window 2" not in result.stdout
     done, cut = tmp_path / "run" / "steps2-2", tmp_path / "run" / "steps5-5"
     for r in (0, 1):
         assert _steps_recorded(done / f"rank{r}.pt.trace.json.gz") == {2}

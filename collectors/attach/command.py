@@ -88,14 +88,15 @@ def _config(args: argparse.Namespace):
             raise ConfigError(f"--step-fn {args.step_fn!r} is not MODULE:QUALNAME of an importable module",
                               fix="e.g. --step-fn mytrainer.loop:train_step")
     out = args.out.resolve()
-    _check_out(out)
+    made = _check_out(out)
     split = len(windows) > 1 or args.every is not None
     return Config(out=str(out), windows=windows, every=args.every, warmup=args.warmup, step_fn=args.step_fn,
-                  split=split), command
+                  split=split), command, made
 
 
-def _check_out(out: Path) -> None:
-    """The run directory must be new or empty (nothing the user has is overwritten) and writable."""
+def _check_out(out: Path) -> bool:
+    """The run directory must be new or empty (nothing the user has is overwritten) and writable; True if made here."""
+    made = not out.exists()
     try:
         if out.exists() and any(out.iterdir()):
             raise ConfigError("the output directory is not empty", path=out,
@@ -104,6 +105,7 @@ def _check_out(out: Path) -> None:
         probe = out / f".traceana-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
+        return made
     except OSError as e:
         raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out,
                           fix="choose a writable -o/--out directory") from None
@@ -164,13 +166,15 @@ def say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, command = _config(args)
+    config, command, made = _config(args)
     finisher = _Finisher(config)
     live = _Live(config) if args.live else None
     started = time.time()
     try:
         proc = subprocess.Popen(command, env=child_env(config))
     except OSError as e:
+        if made:
+            Path(config.out).rmdir()  # the empty directory made above: leave nothing behind
         raise ConfigError(f"cannot start {command[0]!r} ({e.strerror or e})", fix="check the command after --") from None
     interrupted = False
     while True:
@@ -216,9 +220,14 @@ class _Live:
         from traceana.commands import watch
 
         self.stop_event = threading.Event()
-        self.thread = threading.Thread(
-            target=watch.watch, args=(Path(config.out),),
-            kwargs=dict(stop=self.stop_event, interval_s=POLL_S), daemon=True)
+
+        def target() -> None:
+            try:
+                watch.watch(Path(config.out), stop=self.stop_event, interval_s=POLL_S)
+            except Exception as e:  # noqa: BLE001 - watching must not take the job's launcher down
+                say(f"--live stopped ({type(e).__name__}: {e}); traceana watch {config.out} picks up from here")
+
+        self.thread = threading.Thread(target=target, daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
