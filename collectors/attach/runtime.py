@@ -224,9 +224,30 @@ class _State:
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
+            if self._wrap_optimizer_class(type(optimizer)):
+                self._remove_optimizer_hook()  # from the next step on, the class's step marks the boundary
         elif optimizer is not self.optimizer:
             return  # a second optimizer of the same step
         self.boundary("optimizer")
+
+    def _wrap_optimizer_class(self, cls: type) -> bool:
+        """Mark the boundary after the optimizer's ``Optimizer.step#…`` span has closed, not inside it (as a post-hook
+        would): the profiler then starts and stops between spans, and the window's last optimizer step is whole."""
+        step = getattr(cls, "step", None)
+        if step is None or getattr(step, "_traceana", False) or not getattr(step, "hooked", False):
+            return False  # not torch's hooked step (it keeps the post-hook then)
+        state = self
+
+        @functools.wraps(step)  # keeps ``hooked``: torch must not wrap it a second time for a new instance
+        def traceana_optimizer_step(optimizer, *args, **kwargs):
+            out = step(optimizer, *args, **kwargs)
+            if optimizer is state.optimizer:
+                state.boundary("optimizer")
+            return out
+
+        traceana_optimizer_step._traceana = True
+        cls.step = traceana_optimizer_step
+        return True
 
     def _remove_optimizer_hook(self) -> None:
         if self.optimizer_hook is not None:
