@@ -222,3 +222,14 @@ def test_step_fn_names_the_step(tmp_path):
     m = json.loads((tmp_path / "run" / "run.json").read_text())
     assert m["world_size"] == 1 and m["extra"]["attach"]["step_source"] == "--step-fn"
     assert m["extra"]["attach"]["parameters"] == 8 * 4 + 4
+
+
+def test_a_failing_hook_stops_profiling_never_training(monkeypatch, capsys):
+    from collectors.attach import runtime
+
+    monkeypatch.setenv(FAIL_ENV, "hook")
+    state = runtime._State(Config(out="unused", windows=((3, 5),)))
+    for _ in range(10):
+        state.boundary("step_fn")  # the failure is injected at the window's first boundary (step 2)
+    assert state.window is None and state.trigger == float("inf") and state.count["step_fn"] == 10
+    assert capsys.readouterr().err.count("profiling stops, training goes on") == 1

@@ -155,10 +155,14 @@ class _State:
         return self.window[0] - min(self.config.warmup, self.window[0])
 
     def disable(self) -> None:
+        """Stop for good (after a failure of traceana's own code); never raises."""
         self.window, self.trigger = None, float("inf")
-        if self.active is not None:
-            self.active.close(problem="traceana's hook failed; the window was cut short")
-            self.active = None
+        active, self.active = self.active, None
+        if active is not None:
+            try:
+                active.close(problem="traceana's hook failed; the window was cut short")
+            except Exception:  # noqa: BLE001 - closing is what failed: the trace is lost, training goes on
+                pass
         self._remove_optimizer_hook()
 
     # ---- patches (run once, when the job imports the module) ------------------------------------------------
