@@ -20,6 +20,8 @@ REDDISH_PURPLE = "#CC79A7"
 CATEGORY_COLOURS = {
     "forward": BLUE,
     "backward": ORANGE,
+    "backward_input": "#F5C46B",  # zero-bubble's split backward: a light and a dark shade of the backward's orange
+    "backward_weight": "#A87400",
     "recompute": REDDISH_PURPLE,
     "optimizer": BLUISH_GREEN,
     "other_compute": SKY_BLUE,
@@ -36,6 +38,8 @@ CATEGORY_COLOURS = {
 CATEGORY_LABELS = {
     "forward": "forward",
     "backward": "backward",
+    "backward_input": "backward: input gradients (I)",
+    "backward_weight": "backward: weight gradients (W)",
     "recompute": "recompute",
     "optimizer": "optimizer",
     "other_compute": "other compute",

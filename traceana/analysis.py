@@ -34,7 +34,9 @@ class Analysis:
     schedule: pl.DataFrame  #: schema.SCHEDULE: one row per (rank, step, stage, micro-batch, phase) span, its source
     attribution: pl.DataFrame  #: schema.ATTRIBUTION: ns and fraction per (rank, step, category), summing to the step
     stage_memory: pl.DataFrame  #: schema.STAGE_MEMORY: per (rank, step) baseline, peak and activation peak bytes
-    stages: pl.DataFrame  #: one row per rank over the measured steps: stage, step_ms, <category>_ms/_pct, memory, MFU
+    #: one row per rank over the measured steps: stage (its first), stages (every virtual stage it holds, "0,3"),
+    #: step_ms, <category>_ms/_pct, memory, MFU
+    stages: pl.DataFrame
     clock_offsets: pl.DataFrame  #: rank, offset_ns, source: the clock correction applied to each rank
     notes: tuple[str, ...] = field(default_factory=tuple)  #: what was inferred, what could not be determined
     segments: pl.DataFrame | None = None  #: attribution.SEGMENTS: the category of every instant (timelines, merge)
@@ -97,7 +99,8 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     notes += n
 
     annotated = pipeline.annotated_schedule(events, stages)
-    fb = annotated.filter(pl.col("phase").is_in(["forward", "backward"]))
+    notes += pipeline.overlap_notes(events)
+    fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
     interleaved = run.manifest is not None and run.manifest.schedule.startswith("interleaved")
@@ -114,7 +117,8 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
 
     labelled = attr.label_busy(timeline.busy_events(events), schedule)
-    segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched)
+    segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
+                         schedule=schedule)
     schedule = attr.gpu_schedule_extents(schedule, labelled)
     attribution = attr.attribute(segs, steps, stages)
     stage_mem = mem.stage_memory(run.memory, steps, stages)
@@ -164,7 +168,7 @@ def stage_table(
         stages.join(out, on="rank", how="left")
         .join(memory, on="rank", how="left")
         .join(mfu, on="rank", how="left")
-        .select("rank", "stage", "stage_source", "steps", "step_ms",
+        .select("rank", "stage", "stages", "stage_source", "steps", "step_ms",
                 *(f"{c}_ms" for c in CATEGORIES), *(f"{c}_pct" for c in CATEGORIES),
                 "peak_memory_bytes", "activation_peak_bytes", "mfu", "hfu")
         .sort("stage", "rank", nulls_last=True)

@@ -195,7 +195,8 @@ def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, 
     meta: list[dict[str, Any]] = []
     for rank in sorted(tids["rank"].unique().to_list()):
         stage = stages.get(rank)
-        label = f"rank {rank}" + ("" if stage is None else f" (stage {stage})")
+        label = f"rank {rank}" + ("" if stage is None else
+                                  f" (stage{'s' if ',' in stage else ''} {stage.replace(',', '+')})")
         meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
         meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
         for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1)):
@@ -213,7 +214,9 @@ def write_merged_trace(analysis, path: str | Path) -> Path:
     events = merged_trace_events(analysis)
     tids = _tids(analysis.events)
     first_extra = int(tids["tid"].max() or 0) + 1
-    stages = dict(analysis.stages.select("rank", "stage").rows())
+    # every virtual stage a rank holds ("0,3" -> "stages 0+3"), else its one stage
+    stages = {r: (v or (None if s is None else str(s)))
+              for r, s, v in analysis.stages.select("rank", "stage", "stages").rows()}
     mb_lanes = (  # sorted: the merged trace is the same bytes on every run (unique() has no order)
         events.filter(pl.col("cat") == "traceana.microbatch").select("pid", "tid", "name").unique().sort("pid", "tid")
     )

@@ -20,6 +20,10 @@ SEND_F = "SEND_F"
 RECV_F = "RECV_F"
 SEND_B = "SEND_B"
 RECV_B = "RECV_B"
+OVERLAP_F_B = "OVERLAP_F_B"  # DualPipeV: one span running a forward and a backward, ``PP:(0F7;7B3)OVERLAP_F_B``
+UNSHARD = "UNSHARD"  # FSDP inside the pipeline: gather / free a stage's parameters, reduce its gradients
+RESHARD = "RESHARD"
+REDUCE_GRAD = "REDUCE_GRAD"
 # --- ours -------------------------------------------------------------------------------------------------------
 RECOMPUTE = "RECOMPUTE"  # nested inside B
 WAIT_F = "WAIT_F"  # blocked waiting for an incoming activation
@@ -32,23 +36,30 @@ OPTIMIZER = "OPT"  # optimizer step (no micro-batch)
 
 ACTIONS = (
     FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_F, RECV_F, SEND_B, RECV_B,
-    RECOMPUTE, WAIT_F, WAIT_B, EVICT, LOAD, ACCEPT, RETURN, OPTIMIZER,
+    OVERLAP_F_B, UNSHARD, RESHARD, REDUCE_GRAD, RECOMPUTE, WAIT_F, WAIT_B, EVICT, LOAD, ACCEPT, RETURN, OPTIMIZER,
 )
 COMPUTE_ACTIONS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, RECOMPUTE, OPTIMIZER)
 BPIPE_ACTIONS = (EVICT, LOAD, ACCEPT, RETURN)
 
-# Phase names used in tables (schedule.phase, attribution categories): one word per compute action.
+# Phase names used in tables (schedule.phase, attribution categories): one per compute action. Zero-bubble
+# schedules split the backward into its input-gradient (I) and weight-gradient (W) halves (Qi et al. 2023, §2):
+# each keeps its own phase, so a (stage, micro-batch) has one backward, or one I and one W, never two backwards.
 PHASE_OF_ACTION = {
     FORWARD: "forward",
     BACKWARD: "backward",
-    BACKWARD_INPUT: "backward",
-    BACKWARD_WEIGHT: "backward",
+    BACKWARD_INPUT: "backward_input",
+    BACKWARD_WEIGHT: "backward_weight",
     RECOMPUTE: "recompute",
     OPTIMIZER: "optimizer",
 }
+# The phases of a micro-batch's passes through a stage (what "the schedule" of a rank is made of).
+PASS_PHASES = ("forward", "backward", "backward_input", "backward_weight")
+BACKWARD_PHASES = PASS_PHASES[1:]
 
 PP_PATTERN = r"^PP:(\d+)([A-Z_]+)(\d*)$"
 _PP_RE = re.compile(PP_PATTERN)
+# torch writes an overlapped action as its sub-actions in run order: ``PP:({stage}{F|B|I}{mb};…)OVERLAP_F_B``.
+OVERLAP_PATTERN = r"^PP:\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
 GPIPE_PATTERN = r"^(Forward|Backward) (\d+)$"  # torch.distributed.pipelining ScheduleGPipe
 STEP_PATTERN = r"^ProfilerStep#(\d+)$"
 
@@ -95,7 +106,8 @@ def parse_pp_label(name: str) -> tuple[int, str, int | None] | None:
 def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     """Vectorised parse of PP: and GPipe names: expressions for ``pp_stage``, ``pp_action``, ``pp_microbatch``.
 
-    GPipe's ``Forward {i}`` / ``Backward {i}`` carry no stage (null) and map to actions F / B.
+    GPipe's ``Forward {i}`` / ``Backward {i}`` carry no stage (null) and map to actions F / B. An overlapped span
+    gets action ``OVERLAP_F_B`` and no stage or micro-batch: ``overlap_columns`` parses its two sub-actions.
     """
     gp_kind = name.str.extract(GPIPE_PATTERN, 1)
     gp_mb = name.str.extract(GPIPE_PATTERN, 2)
@@ -110,6 +122,18 @@ def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     )
     return {
         "pp_stage": pl.when(fits).then(stage),
-        "pp_action": pl.when(fits).then(action),
+        "pp_action": pl.coalesce(pl.when(fits).then(action),
+                                 pl.when(name.str.contains(OVERLAP_PATTERN)).then(pl.lit(OVERLAP_F_B))),
         "pp_microbatch": pl.when(fits).then(mb),
     }
+
+
+def overlap_columns(name: pl.Expr) -> dict[str, pl.Expr]:
+    """The two sub-actions of ``PP:(0F7;7B3)OVERLAP_F_B``, in run order: ``first_stage, first_action, first_mb,
+    second_stage, second_action, second_mb`` (null for other names)."""
+    out = {}
+    for i, which in enumerate(("first", "second")):
+        out[f"{which}_stage"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 1).cast(pl.Int32, strict=False)
+        out[f"{which}_action"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 2)
+        out[f"{which}_mb"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 3).cast(pl.Int32, strict=False)
+    return out

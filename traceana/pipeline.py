@@ -179,8 +179,11 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
 def stage_map(
     events: pl.DataFrame, traces: pl.DataFrame, manifest: Manifest | None, pairs: pl.DataFrame
 ) -> tuple[pl.DataFrame, list[str]]:
-    """``rank, stage, stage_source`` for every rank: run.json, else the trace's own metadata, else the stage in
-    its PP: annotations, else the position in the P2P neighbour chain. Unknown stays null (with a note)."""
+    """``rank, stage, stage_source, stages`` for every rank: run.json, else the trace's own metadata, else the stage
+    in its PP: annotations, else the position in the P2P neighbour chain. Unknown stays null (with a note).
+
+    ``stage`` is the rank's first stage; ``stages`` lists every (virtual) stage it holds, e.g. ``"0,3"`` on rank 0
+    of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else ``stage`` alone."""
     ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     known: dict[int, tuple[int, str]] = {}
     if manifest is not None and manifest.stage_of_rank is not None:
@@ -190,11 +193,20 @@ def stage_map(
     if "stage" in traces.columns:
         for r, s in traces.select("rank", "stage").drop_nulls().rows():
             known.setdefault(r, (s, "trace metadata"))
+    overlapped = overlap_rows(events).select("rank", "pp_stage")
     annotated = (
-        events.filter(pl.col("pp_stage").is_not_null() & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS)))
-        .group_by("rank").agg(pl.col("pp_stage").min())
+        pl.concat([events.filter(pl.col("pp_stage").is_not_null()
+                                 & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS))).select("rank", "pp_stage"),
+                   overlapped])
+        .group_by("rank").agg(pl.col("pp_stage").min().alias("first"), pl.col("pp_stage").unique().sort().alias("all"))
     )
-    for r, s in annotated.rows():
+    virtual: dict[int, list[int]] = {r: list(all_) for r, _, all_ in annotated.rows()}
+    listed = manifest.extra.get("stages_of_rank") if manifest is not None else None
+    if isinstance(listed, list):
+        for r, st in enumerate(listed):
+            if isinstance(st, list) and all(isinstance(x, int) for x in st):
+                virtual[r] = sorted(st)
+    for r, s, _ in annotated.rows():
         known.setdefault(r, (s, "annotations"))
     notes: list[str] = []
     if len(known) < len(ranks):
@@ -207,10 +219,11 @@ def stage_map(
     if unknown:
         notes.append(f"stage of ranks {', '.join(map(str, unknown))} could not be determined (no run.json, no "
                      "annotations, not on a P2P chain): they get no schedule")
+    first = [known.get(r, (None, None))[0] for r in ranks]
     return pl.DataFrame(
-        {"rank": ranks, "stage": [known.get(r, (None, None))[0] for r in ranks],
-         "stage_source": [known.get(r, (None, "unknown"))[1] for r in ranks]},
-        schema={"rank": pl.Int32, "stage": pl.Int32, "stage_source": pl.String},
+        {"rank": ranks, "stage": first, "stage_source": [known.get(r, (None, "unknown"))[1] for r in ranks],
+         "stages": [",".join(map(str, virtual.get(r, [] if s is None else [s]))) or None for r, s in zip(ranks, first)]},
+        schema={"rank": pl.Int32, "stage": pl.Int32, "stage_source": pl.String, "stages": pl.String},
     ), notes
 
 
@@ -255,7 +268,8 @@ def _chain_positions(pairs: pl.DataFrame) -> tuple[dict[int, int], list[str]]:
 
 # --- schedule ------------------------------------------------------------------------------------------------
 def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
-    """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges."""
+    """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges;
+    an overlapped ``PP:(…;…)OVERLAP_F_B`` span gives one row per sub-action (see ``overlap_rows``)."""
     pp = events.filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
     opt = events.filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
                         & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX) & pl.col("step").is_not_null())
@@ -266,6 +280,7 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
         opt.select("rank", "step", pl.lit(None, pl.Int32).alias("pp_stage"),
                    pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
                    "ts_ns", "dur_ns"),
+        overlap_rows(events),
     ])
     # A rank annotated both ways (our PP: names and PyTorch's GPipe names) keeps the PP: rows, which carry a stage.
     has_pp = rows.filter(pl.col("pp_stage").is_not_null() & (pl.col("phase") != "optimizer")).select("rank").unique()
@@ -280,6 +295,62 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
         ),
         SCHEDULE,
     )
+
+
+def _overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
+    """Every ``OVERLAP_F_B`` span with its sub-actions and the backward work (autograd's ops, any CPU thread of the
+    rank) inside it: ``_bwd_start`` (first backward op start) and ``_bwd_end`` (last backward op end), null if none."""
+    end = pl.col("ts_ns") + pl.col("dur_ns")
+    spans = (
+        events.filter((pl.col("pp_action") == names.OVERLAP_F_B) & pl.col("step").is_not_null() & ~pl.col("is_gpu"))
+        .select("rank", "step", "ts_ns", end.alias("_end"), **names.overlap_columns(pl.col("name")))
+    )
+    if spans.height == 0:
+        return spans.with_columns(pl.lit(None, pl.Int64).alias("_bwd_start"), pl.lit(None, pl.Int64).alias("_bwd_end"))
+    bwd = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & _backward_like(pl.col("name"))).select(
+        "rank", pl.col("ts_ns").alias("_bwd_start"), end.alias("_bwd_end"))
+    return (
+        spans.sort("ts_ns")
+        .join_asof(bwd.select("rank", "_bwd_start").sort("_bwd_start"), left_on="ts_ns", right_on="_bwd_start",
+                   by="rank", strategy="forward", check_sortedness=False)
+        .sort("_end")
+        .join_asof(bwd.select("rank", "_bwd_end").sort("_bwd_end"), left_on="_end", right_on="_bwd_end",
+                   by="rank", strategy="backward", check_sortedness=False)
+        .with_columns(pl.when(pl.col("_bwd_start") < pl.col("_end")).then("_bwd_start").alias("_bwd_start"),
+                      pl.when(pl.col("_bwd_end") > pl.col("ts_ns")).then("_bwd_end").alias("_bwd_end"))
+    )
+
+
+def overlap_rows(events: pl.DataFrame) -> pl.DataFrame:
+    """Two rows (``rank, step, pp_stage, pp_microbatch, phase, ts_ns, dur_ns``) per overlapped F/B span: torch runs
+    the sub-actions one after the other in the order its name lists them (schedules.py, ``OVERLAP_F_B``), so the
+    span splits where the backward's work begins (F first) or ends (B first). A span with no backward op inside
+    cannot be split and gives no rows (``overlap_notes`` says so)."""
+    sp = _overlap_spans(events).filter(pl.col("_bwd_start").is_not_null())
+    f_first = pl.col("first_action") == names.FORWARD
+    split = pl.when(f_first).then(pl.col("_bwd_start")).otherwise(pl.col("_bwd_end"))
+    out = []
+    for which, lo, hi in (("first", pl.col("ts_ns"), split), ("second", split, pl.col("_end"))):
+        out.append(sp.select(
+            "rank", "step", pl.col(f"{which}_stage").alias("pp_stage"), pl.col(f"{which}_mb").alias("pp_microbatch"),
+            pl.col(f"{which}_action").replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String).alias("phase"),
+            lo.alias("ts_ns"), (hi - lo).alias("dur_ns")))
+    return pl.concat(out).filter(pl.col("dur_ns") > 0).with_columns(pl.col("pp_stage", "pp_microbatch").cast(pl.Int32))
+
+
+def overlap_notes(events: pl.DataFrame) -> list[str]:
+    """What ``overlap_rows`` could not split."""
+    sp = _overlap_spans(events)
+    unsplit = sp.filter(pl.col("_bwd_start").is_null())
+    notes = []
+    if sp.height:
+        notes.append(f"{sp.height} overlapped forward+backward spans (OVERLAP_F_B) split into their forward and "
+                     "backward at the first/last autograd op inside each")
+    if unsplit.height:
+        notes.append(f"{unsplit.height} OVERLAP_F_B spans (ranks {', '.join(map(str, unsplit['rank'].unique().sort()))})"
+                     " hold no autograd backward op, so where the forward ends cannot be told: they are left "
+                     "out of the schedule (their time counts as other compute)")
+    return notes
 
 
 def _backward_like(name: pl.Expr) -> pl.Expr:

@@ -19,12 +19,12 @@ Kind = pl.Enum(list(KINDS))
 
 # Attribution categories of one (rank, step): disjoint, summing to the step's wall time.
 CATEGORIES = (
-    "forward", "backward", "recompute", "optimizer", "other_compute",
+    "forward", "backward", "backward_input", "backward_weight", "recompute", "optimizer", "other_compute",
     "p2p", "bpipe", "collective",
     "bubble_warmup", "bubble_cooldown", "bubble_stall", "host",
 )
 Category = pl.Enum(list(CATEGORIES))
-COMPUTE_CATEGORIES = CATEGORIES[:5]
+COMPUTE_CATEGORIES = CATEGORIES[:7]
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
 
 # --- ingest ------------------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ SCHEDULE = {
     "step": pl.Int32,
     "stage": pl.Int32,
     "microbatch": pl.Int32,
-    "phase": pl.String,  # forward | backward | recompute | optimizer
+    "phase": pl.String,  # forward | backward | backward_input | backward_weight | recompute | optimizer
     "start_ns": pl.Int64,
     "end_ns": pl.Int64,
     "source": pl.String,  # annotated | inferred | simulated

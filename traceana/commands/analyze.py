@@ -75,7 +75,8 @@ def print_tables(analysis, *, per_step: bool) -> None:
     t = Table(title="Where each stage's step time goes (mean per step: ms and % of the step)", title_justify="left")
     t.add_column("")
     for r in rows:
-        t.add_column(f"stage {'?' if r['stage'] is None else r['stage']}\nrank {r['rank']}", justify="right")
+        label = "?" if r["stage"] is None else (r.get("stages") or str(r["stage"])).replace(",", "+")
+        t.add_column(f"stage{'s' if '+' in label else ''} {label}\nrank {r['rank']}", justify="right")
     t.add_row("steps", *(str(r["steps"] or 0) for r in rows))
     t.add_row("step ms", *("–" if r["step_ms"] is None else f"{r['step_ms']:,.2f}" for r in rows), end_section=True)
     for c in shown:

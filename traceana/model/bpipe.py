@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana import schema
 from traceana.errors import ConfigError
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
@@ -172,7 +173,7 @@ def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
     """Seconds per term on stage 0. It is BPipe's evictor, so waiting for its loads shows there as transfer, and its
     window spans the whole step like every stage's, so its terms add up to the step time."""
     groups = {
-        "compute": ("forward", "backward", "optimizer", "other_compute"),
+        "compute": tuple(c for c in schema.COMPUTE_CATEGORIES if c != "recompute"),
         "recompute": ("recompute",),
         "bubble": ("bubble_warmup", "bubble_cooldown", "bubble_stall", "host"),
         "transfer": ("p2p", "bpipe", "collective"),
