@@ -13,6 +13,7 @@ import pytest
 
 from traceana.analysis import analyze, strip_annotations
 from traceana.ingest.run_dir import load_run
+from traceana.schema import COMPUTE_CATEGORIES
 
 pytestmark = pytest.mark.slow
 
@@ -79,13 +80,17 @@ def assert_inference_matches(a, inferred):
     def total(x, *cats):
         return sum(sum(per_stage(x, c)) for c in cats)
 
-    # Backward work is told apart exactly (autograd names it). Forward work is everything else between the
-    # transfers, so inference also counts what runs just outside an annotated F span (splitting the batch into
-    # micro-batches, the loss): on tiny models on a loaded machine that is up to ~15% of F, taken from
-    # other_compute — together the two agree closely.
-    for cats, tolerance in ((("backward",), 0.05), (("forward", "other_compute"), 0.05), (("forward",), 0.25)):
+    # Backward work is told apart exactly (autograd names it), but an annotated action also owns the idle time
+    # between its span's edges and its first and last op (its Python, or the process descheduled on a loaded
+    # machine: docs/schedules.md), which inference cannot see and leaves to host: inferred phases are at most the
+    # annotated ones, and the time they leave out is host. Forward work is everything else between the transfers,
+    # so inference also counts what runs just outside an annotated F span (the loss), taken from other_compute.
+    for cats, low in ((("backward",), 0.5), (("forward", "other_compute"), 0.5)):
         truth, guess = total(a, *cats), total(inferred, *cats)
-        assert abs(guess - truth) <= tolerance * truth, (cats, truth, guess)
+        assert low * truth <= guess <= 1.05 * truth, (cats, truth, guess)
+    work = (*COMPUTE_CATEGORIES, "host")
+    truth, guess = total(a, *work), total(inferred, *work)
+    assert abs(guess - truth) <= 0.05 * truth, ("compute + host", truth, guess)
     # Idle time does not depend on how compute is split, so the bubbles together agree closely. Where one bubble
     # ends and the next begins does: cool-down starts when the last forward ends, and inferred forwards also take
     # in the loss computed just after torch.distributed.pipelining's F span (~10% of a tiny run's cool-down).

@@ -74,9 +74,10 @@ class TraceBuilder:
             args={"Concrete Inputs": ["", "", str(peer), str(tag)], "Input type": ["TensorList", "", "Scalar", "Scalar"],
                   "Input Dims": [dims, [], [], []]},
         )
-        # gloo:send / gloo:recv spans from posting to the return of wait(): they need not nest.
+        # gloo:send / gloo:recv spans from posting to the return of wait(): they need not nest. The span ends at
+        # ts + dur, when the thread's next work may begin.
         return self.annotation(
-            f"gloo:{'send' if op == 'send' else 'recv'}", ts + 0.5, dur if wait_dur is None else wait_dur,
+            f"gloo:{'send' if op == 'send' else 'recv'}", ts + 0.5, (dur if wait_dur is None else wait_dur) - 0.5,
         ) | {}
 
     def send(self, *, peer: int, tag: int = 0, ts: float, dur: float, shape=(4, 8), dtype="float", wait_dur=None):

@@ -4,7 +4,8 @@ Every instant of a step gets the first category (in this priority order) whose i
 (docs/architecture.md: compute > collective > bpipe > p2p > idle):
 
 1. compute — the rank is busy (timeline.busy_events); split by the schedule window the work was launched in:
-   ``recompute`` (inside B) > ``optimizer`` > ``backward`` > ``forward`` > ``other_compute`` (no window);
+   ``recompute`` (inside B) > ``optimizer`` > ``backward`` / ``backward_input`` / ``backward_weight`` >
+   ``forward`` > ``other_compute`` (no window);
 2. ``collective`` — a collective op, span or kernel of the rank is running;
 3. ``bpipe`` — inside an EVICT/LOAD/ACCEPT/RETURN span or a BPipe op (or, on ranks without those annotations, while
    a BPipe message — either side classified as BPipe — is in flight);
@@ -14,7 +15,21 @@ Every instant of a step gets the first category (in this priority order) whose i
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
-6. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
+6. on a CPU rank, the rest of a compute action's window (PP: span, GPipe's ``Forward {i}``, the optimizer step):
+   that action's phase — see "Blocked or computing" below;
+7. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
+
+Blocked or computing (asynchronous P2P): a message's span runs from its post to the return of its ``wait()``, and
+schedules post receives (and sends) ahead and wait on them later, so most of that span the thread is doing other
+work. The rule (docs/schedules.md, measured there against wall-clock timers): a CPU rank is blocked while inside a
+P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds), and on a message only
+from the last moment its training thread was seen active (the start or end of any op, annotation or post of it, or
+another wait returning) before the message's wait returned — a thread blocked in ``wait()`` records nothing — to
+that return, never before the post. Before that the message is in flight in the background and the thread is
+computing, or running the Python of the action it is inside: inside a compute action's window, time no op covers
+and no wait explains counts as that action (its own interpreter and dispatch cost, which a wall-clock timer around
+the action also counts). GPU ranks keep the GPU's view: a transfer overlapping no kernel is exposed, whatever the
+CPU was doing.
 
 Cool-down starts after the stage's last *forward*, not its last backward: in 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would
 leave it no cooldown at all, while its waits between the final p−1 backwards are exactly the drain bubble
@@ -29,6 +44,10 @@ from traceana import intervals as iv
 from traceana import names, pipeline_rules
 from traceana.pipeline_rules import bubble_windows
 from traceana.schema import ATTRIBUTION, CATEGORIES, Category, conform
+from traceana.timeline import training_tracks
+
+# Compute phases in the order they win where windows nest (recompute runs inside a backward).
+COMPUTE_ORDER = ("recompute", "optimizer", "backward", "backward_input", "backward_weight", "forward", "other_compute")
 
 SEGMENTS = {"rank": pl.Int32, "step": pl.Int32, "category": Category, "start_ns": pl.Int64, "end_ns": pl.Int64}
 
@@ -70,23 +89,82 @@ def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.D
     )
 
 
-def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair."""
+def _last_mark(frame: pl.DataFrame, rank: str, at: str, marks: pl.DataFrame) -> pl.Series:
+    """Per row of ``frame``: the last activity mark of rank ``frame[rank]`` strictly before ``frame[at]`` (null if
+    none, or on a rank without marks)."""
+    if frame.height == 0 or marks.height == 0:
+        return pl.repeat(None, frame.height, dtype=pl.Int64, eager=True).alias("_mark")
+    left = frame.select(pl.col(rank).alias("rank"), pl.col(at).alias("_at")).with_row_index("_row")
+    hit = (
+        left.filter(pl.col("_at").is_not_null()).sort("_at")
+        .join_asof(marks, left_on="_at", right_on="_mark", by="rank", strategy="backward",
+                   allow_exact_matches=False, check_sortedness=False)
+    )
+    return (pl.repeat(None, frame.height, dtype=pl.Int64, eager=True)
+            .scatter(hit["_row"], hit["_mark"].cast(pl.Int64)).alias("_mark"))
+
+
+def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFrame:
+    """``rank, _mark``: every instant a CPU rank's training thread is seen doing something — the start and end of
+    each of its ops, annotations, P2P posts and returns from a wait. A thread blocked in ``wait()`` records nothing,
+    so it began to block after the last such mark."""
+    cpu = events.filter(~pl.col("is_gpu") & pl.col("step").is_not_null()).join(gpu_ranks, on="rank", how="anti")
+    cpu = cpu.join(training_tracks(cpu), on=["rank", "track"])
+    return pl.concat([cpu.select("rank", pl.col("ts_ns").alias("_mark")),
+                      cpu.select("rank", (pl.col("ts_ns") + pl.col("dur_ns")).alias("_mark"))]).sort("_mark")
+
+
+def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
+                  marks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair.
+
+    With ``marks`` (``activity_marks`` of CPU ranks) each message counts only where its rank is blocked on it:
+    from the rank's last activity mark before the message's wait returned (module doc)."""
     p = pairs.filter(pl.col("channel") == "p2p")
+    um = unmatched.filter(pl.col("channel") == "p2p")
+    if marks is not None:
+        cpu = marks["rank"].unique().implode()
+
+        def block(frame: pl.DataFrame, rank: str, end: str, post: str) -> pl.Expr:
+            """On a CPU rank, where the rank began to block (its post, if nothing was seen since); null elsewhere."""
+            return (pl.when(pl.col(rank).is_in(cpu))
+                    .then(pl.max_horizontal(pl.lit(_last_mark(frame, rank, end, marks)), post)))
+
+        p = p.with_columns(block(p, "dst", "recv_end", "recv_post").alias("_recv_block"),
+                           block(p, "src", "send_end", "send_start").alias("_send_block"))
+        um = um.with_columns(block(um, "rank", "end", "start").alias("_block"))
+    else:
+        p = p.with_columns(pl.lit(None, pl.Int64).alias("_recv_block"), pl.lit(None, pl.Int64).alias("_send_block"))
+        um = um.with_columns(pl.lit(None, pl.Int64).alias("_block"))
+
+    def blocked(rank: str, start: pl.Expr, end: pl.Expr, block: str) -> pl.Expr:
+        return [pl.col(rank).alias("rank"), pl.max_horizontal(start, block).alias("start"), end.alias("end")]
+
     # Sender: waiting until the receiver posted, then moving bytes until the receiver had them (or its own wait()
-    # returned, if earlier). An asynchronous send waited on much later would otherwise count its whole span.
+    # returned, if earlier): an asynchronous send waited on much later would otherwise count its whole span. Where
+    # the blocked part is known (CPU ranks), the sender is in wait() until it returns, however late that is.
     send_ready = pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end")
-    send_done = pl.max_horizontal(send_ready, pl.min_horizontal("send_end", "recv_end"))
+    send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end"))
+                 .otherwise(pl.max_horizontal(send_ready, pl.min_horizontal("send_end", "recv_end"))))
     transfer = pl.concat([
-        p.select(pl.col("dst").alias("rank"), pl.col("data_ready").alias("start"), pl.col("recv_end").alias("end")),
-        p.select(pl.col("src").alias("rank"), send_ready.alias("start"), send_done.alias("end")),
+        p.select(blocked("dst", pl.col("data_ready"), pl.col("recv_end"), "_recv_block")),
+        p.select(blocked("src", send_ready, send_done, "_send_block")),
     ])
     wait = pl.concat([
-        p.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("data_ready").alias("end")),
-        p.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), send_ready.alias("end")),
-        unmatched.filter(pl.col("channel") == "p2p").select("rank", "start", "end"),
+        p.select(blocked("dst", pl.col("recv_post"), pl.col("data_ready"), "_recv_block")),
+        p.select(blocked("src", pl.col("send_start"), send_ready, "_send_block")),
+        um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
     ])
     return transfer, wait
+
+
+def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, pl.DataFrame]:
+    """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
+    action that no op covers and no wait explains is that action's (module doc)."""
+    gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
+    w = schedule.join(gpu, on="rank", how="anti").select("rank", "phase", pl.col("start_ns").alias("start"),
+                                                          pl.col("end_ns").alias("end"))
+    return {ph: w.filter(pl.col("phase") == ph).drop("phase") for ph in COMPUTE_ORDER if ph != "other_compute"}
 
 
 def segments(
@@ -96,8 +174,10 @@ def segments(
     labelled: pl.DataFrame,
     pairs: pl.DataFrame,
     unmatched: pl.DataFrame,
+    schedule: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """The partition of every step into category segments (SEGMENTS columns); ``labelled`` is ``label_busy``'s."""
+    """The partition of every step into category segments (SEGMENTS columns); ``labelled`` is ``label_busy``'s,
+    ``schedule`` the windows it was labelled with (their idle, unblocked time is the action's on CPU ranks)."""
     windows = steps.select("rank", "step", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
 
     def clip(frame: pl.DataFrame) -> pl.DataFrame:
@@ -105,8 +185,7 @@ def segments(
 
     # Big layers stay keyed by rank and are cut into steps once, inside partition.
     busy_iv = labelled.select("rank", "start", "end", "phase")
-    compute = {ph: busy_iv.filter(pl.col("phase") == ph).drop("phase") for ph in
-               ("recompute", "optimizer", "backward", "forward", "other_compute")}
+    compute = {ph: busy_iv.filter(pl.col("phase") == ph).drop("phase") for ph in COMPUTE_ORDER}
     collective = _span(events.filter(pl.col("kind") == "collective"))
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -123,7 +202,13 @@ def segments(
         _span(events.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))),
         _span(annotated), bp_msgs,
     ])
-    transfer, wait = p2p_intervals(pairs, unmatched)
+    gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
+    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu))
+    fill = action_windows(schedule, labelled) if schedule is not None else {}
+    # A CPU rank inside a P2P call (gloo's post can itself block) is in communication.
+    posts = events.filter(pl.col("kind").is_in(["p2p_send", "p2p_recv"]) & (pl.col("channel") == "p2p")
+                          & ~pl.col("is_gpu") & (pl.col("cat") != "user_annotation"))
+    transfer = pl.concat([transfer, _span(posts.join(gpu, on="rank", how="anti"))])
     explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
@@ -131,10 +216,11 @@ def segments(
     bubbles = iv.clip(wait, bubble_windows(windows, clip(compute["forward"])), on=["rank", "step"],
                       window_keys="category", keep_order=False)
     layers = [
-        *((ph, compute[ph]) for ph in ("recompute", "optimizer", "backward", "forward", "other_compute")),
+        *((ph, compute[ph]) for ph in COMPUTE_ORDER),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
         *((b, bubbles.filter(pl.col("category") == b).drop("category")) for b in (
             pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN, pipeline_rules.BUBBLE_STALL)),
+        *fill.items(),
     ]
     segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category")
     return conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)
