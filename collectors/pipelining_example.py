@@ -3,15 +3,30 @@
     python -m collectors.pipelining_example --schedule 1f1b -o runs/pipelining_1f1b
     python -m collectors.pipelining_example --schedule gpipe -o runs/pipelining_gpipe
     python -m collectors.pipelining_example --schedule interleaved-1f1b -o runs/pipelining_interleaved
+    python -m collectors.pipelining_example --schedule zero-bubble -o runs/pipelining_zb --truth
 
-The model is the reference trainer's GPT cut into ``PipelineStage``s (interleaved: 2 ranks × 2 virtual stages); the
-only traceana lines in ``run_rank`` are ``annotate(schedule)`` and the ``PipelineProfiler`` block.
+Every schedule torch 2.13 ships (``SCHEDULES``): Schedule1F1B, ScheduleGPipe (one stage per rank, 4 ranks) and the
+multi-stage ones on 2 ranks × 2 virtual stages — ScheduleInterleaved1F1B, ScheduleLoopedBFS and
+ScheduleInterleavedZeroBubble on the looped placement (rank r holds r, r+2), ScheduleZBVZeroBubble and
+ScheduleDualPipeV on the V placement (rank r holds r and 3−r). The model is the reference trainer's GPT cut into
+``PipelineStage``s; the only traceana lines in ``run_rank`` are ``annotate(schedule)`` and the ``PipelineProfiler``
+block.
+
+``--truth`` also records, outside the profiler, ``time.perf_counter_ns()`` spans of every compute action the
+schedule runs (its own ``record_function`` spans of F, B, I, W and overlapped F+B, timed by a wrapper) and compute
+call (the stage's
+``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``, gradient scaling, handing a tensor to the next stage on the same rank (V schedules),
+the loss, merging the outputs, the optimizer step) and of
+every P2P call (torch's ``_batch_p2p`` / ``_sorted_batch_p2p`` posts and ``_wait_batch_p2p`` waits; time in one
+is blocked, not compute, even inside an action), per step, into ``<out>.truth/rank{R}.json``: an independent
+measurement to check traceana's compute and blocked shares against.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from pathlib import Path
 
@@ -31,7 +46,90 @@ from collectors.trainer.model import GPT
 from traceana.pipeline_rules import stage_layer_ranges
 from traceana.manifest import Manifest
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+# name (as in run.json) -> (torch class, stage placement, virtual stages per rank)
+SCHEDULE_CLASSES = {
+    "1f1b": ("Schedule1F1B", "single", 1),
+    "gpipe": ("ScheduleGPipe", "single", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
+    "looped-bfs": ("ScheduleLoopedBFS", "loop", 2),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop", 2),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
+}
+SCHEDULES = tuple(SCHEDULE_CLASSES)
+
+
+def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
+    """The stages each rank holds: looped (rank r: r, r+world, …) or V (rank r: r and 2·world−1−r)."""
+    _, placement, virtual = SCHEDULE_CLASSES[schedule]
+    if placement == "v":
+        return [[r, 2 * world - 1 - r] for r in range(world)]
+    return [[r + k * world for k in range(virtual)] for r in range(world)]
+
+
+# Runtime schedules' compute actions. (GPipe's ``Forward {i}`` / ``Backward {i}`` group a micro-batch's P2P posts
+# with its compute and are not timed as actions: the stage calls inside them are.)
+COMPUTE_ACTION = re.compile(r"^(PP:\d+[FBIW]\d+|PP:\(.*\)OVERLAP_F_B)$")
+
+
+class Truth:
+    """``time.perf_counter_ns()`` spans of compute calls and blocking P2P waits, kept outside the profiler."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, int, int]] = []
+        self.steps: list[tuple[int, int]] = []
+
+    def wrap(self, kind: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((kind, t0, time.perf_counter_ns()))
+        return timed
+
+    def install(self, pipe: list, optimizer) -> None:
+        from torch.distributed.pipelining import schedules
+
+        for st in pipe:
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+                           "perform_reduce_grad", "set_local_fwd_input", "set_local_bwd_input"):
+                setattr(st, method, self.wrap("compute", getattr(st, method)))
+        optimizer.step = self.wrap("compute", optimizer.step)
+        # Tensor work the schedule does after the micro-batches: concatenating their outputs. (Splitting the batch
+        # before them only makes views: host bookkeeping, like the rest of the schedule's Python.)
+        schedules.merge_chunks = self.wrap("compute", schedules.merge_chunks)
+        # The runtime schedules' own spans of compute actions (F, B, I, W, an overlapped F+B), timed around the
+        # profiler's record_function: the action, including any P2P wait inside it, which is
+        # counted as blocked instead.
+        real = schedules.record_function
+        spans = self.spans
+
+        class timed_record_function:
+            def __init__(self, name: str, *args, **kwargs) -> None:
+                self.name, self.inner = name, real(name, *args, **kwargs)
+
+            def __enter__(self):
+                self.t0 = time.perf_counter_ns()
+                return self.inner.__enter__()
+
+            def __exit__(self, *exc):
+                out = self.inner.__exit__(*exc)
+                if COMPUTE_ACTION.match(self.name):
+                    spans.append(("compute", self.t0, time.perf_counter_ns()))
+                return out
+
+        schedules.record_function = timed_record_function
+        # Every P2P call the schedules make goes through these three: posting (gloo's post can itself block) and
+        # waiting.
+        for fn in ("_batch_p2p", "_sorted_batch_p2p", "_wait_batch_p2p"):
+            setattr(schedules, fn, self.wrap("blocked", getattr(schedules, fn)))
+
+    def write(self, path: Path) -> None:
+        import json
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"spans": self.spans, "steps": self.steps}))
 
 
 class Part(nn.Module):
@@ -61,7 +159,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def manifest(schedule: str, world: int, stages: int, microbatches: int, microbatch_size: int, preset: str,
              steps: int) -> Manifest:
-    per_rank = [[s for s in range(stages) if s % world == r] for r in range(world)]
+    per_rank = stages_of_ranks(schedule, world)
     return Manifest(
         world_size=world, pp=stages, stage_of_rank=tuple(p[0] for p in per_rank), schedule=schedule,
         microbatch_size=microbatch_size, num_microbatches=microbatches, global_batch=microbatch_size * microbatches,
@@ -72,61 +170,78 @@ def manifest(schedule: str, world: int, stages: int, microbatches: int, microbat
 
 
 def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_dir: Path, preset: str,
-             microbatches: int, microbatch_size: int, steps: int) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+             microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None) -> None:
+    from torch.distributed import pipelining
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     shape = PRESETS[preset]
-    virtual = 2 if schedule_name == "interleaved-1f1b" else 1
+    cls_name, placement, virtual = SCHEDULE_CLASSES[schedule_name]
     stages = world * virtual
     torch.manual_seed(1234)
     model = GPT(shape, attention="naive")
-    my_stages = [s for s in range(stages) if s % world == rank]  # looped placement: rank r holds r, r+world, …
-    pipe = [PipelineStage(Part(model, stage=s, stages=stages), s, stages, torch.device("cpu")) for s in my_stages]
+    my_stages = stages_of_ranks(schedule_name, world)[rank]
+    pipe = [pipelining.PipelineStage(Part(model, stage=s, stages=stages), s, stages, torch.device("cpu"))
+            for s in my_stages]
     params = [p for st in pipe for p in st.submod.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
-    if schedule_name == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(pipe, n_microbatches=microbatches, loss_fn=loss_fn)
-    else:
-        cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-        schedule = cls(pipe[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    truth = Truth() if truth_dir is not None else None
+    cls = getattr(pipelining.schedules, cls_name)
+    timed_loss = truth.wrap("compute", loss_fn) if truth else loss_fn
+    schedule = cls(pipe[0] if placement == "single" else pipe, n_microbatches=microbatches, loss_fn=timed_loss)
     annotate(schedule)  # <- traceana: per-micro-batch PP:{stage}F{mb} / B spans
+    if truth:
+        truth.install(pipe, optimizer)
     with PipelineProfiler(out_dir, rank=rank, stage=my_stages[0], world_size=world, pp=stages,
                           schedule=schedule_name, active=steps,
                           manifest=manifest(schedule_name, world, stages, microbatches, microbatch_size, preset, steps)
                           if rank == 0 else None,
                           metadata={"stages": my_stages, "collector": "torch.distributed.pipelining"}) as prof:
-        for step in range(1 + steps):
-            inputs, targets = data.batch(seed=1234, step=step, microbatches=1,
-                                         microbatch_size=microbatch_size * microbatches, seq=shape.seq,
-                                         vocab=shape.vocab)
+        # The batches are made before the loop: a step is the schedule and the optimizer, no data loading.
+        batches = [data.batch(seed=1234, step=step, microbatches=1, microbatch_size=microbatch_size * microbatches,
+                              seq=shape.seq, vocab=shape.vocab) for step in range(1 + steps)]
+        # the whole batch of each step (the schedule splits it), as the first and last stage take it
+        batches = [((inputs[0],) if 0 in my_stages else (),
+                    {"target": targets[0], "losses": []} if stages - 1 in my_stages else {})
+                   for inputs, targets in batches]
+        begun = time.perf_counter_ns()
+        for args, kwargs in batches:
             optimizer.zero_grad(set_to_none=True)
-            args = (inputs[0],) if 0 in my_stages else ()  # the whole batch; the schedule splits it
-            kwargs = {"target": targets[0], "losses": []} if stages - 1 in my_stages else {}
             schedule.step(*args, **kwargs)
             optimizer.step()
+            if truth:
+                truth.steps.append((begun, time.perf_counter_ns()))
             prof.step()
+            begun = time.perf_counter_ns()
     dist.destroy_process_group()
+    if truth:
+        truth.write(truth_dir / f"rank{rank}.json")
 
 
 def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", microbatches: int = 8,
-            microbatch_size: int = 2, steps: int = 2, ranks: int | None = None) -> Path:
-    """Collect one run of a pipelining schedule: 4 ranks × 1 stage (interleaved: 2 ranks × 2 stages)."""
+            microbatch_size: int = 2, steps: int = 2, ranks: int | None = None, truth: bool = False) -> Path:
+    """Collect one run of a pipelining schedule: 4 ranks × 1 stage (multi-stage schedules: 2 ranks × 2 stages).
+    With ``truth``, the independent wall-clock spans go to ``<out_dir>.truth/`` (see the module doc)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    world = ranks or (2 if schedule == "interleaved-1f1b" else 4)
+    virtual = SCHEDULE_CLASSES[schedule][2]
+    world = ranks or (4 if virtual == 1 else 2)
+    truth_dir = truth_path(out_dir) if truth else None
     started = time.time()
     method = _start_method()
     mp.start_processes(run_rank, args=(world, f"tcp://127.0.0.1:{free_port()}", schedule, out_dir, preset,
-                                       microbatches, microbatch_size, steps),
+                                       microbatches, microbatch_size, steps, truth_dir),
                        nprocs=world, join=True, start_method=method)
-    virtual = 2 if schedule == "interleaved-1f1b" else 1
     finalize_manifest(out_dir, manifest(schedule, world, world * virtual, microbatches, microbatch_size, preset, steps),
                       since=started)
     return out_dir
+
+
+def truth_path(out_dir: Path) -> Path:
+    """Where ``collect(..., truth=True)`` writes its wall-clock spans: beside the run folder, not in it."""
+    return out_dir.with_name(out_dir.name + ".truth")
 
 
 def main() -> None:
@@ -137,10 +252,12 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--truth", action="store_true",
+                        help="also record perf_counter spans of compute and P2P waits beside the run folder")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(collect(args.schedule, args.out, preset=args.preset, microbatches=args.microbatches,
-                  microbatch_size=args.microbatch_size, steps=args.steps))
+                  microbatch_size=args.microbatch_size, steps=args.steps, truth=args.truth))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""Every torch.distributed.pipelining schedule of torch 2.13, run for real on CPU/gloo (2–4 processes, tiny GPT,
+4 micro-batches, one profiled step), checked against an independent wall-clock truth: the collector's ``--truth``
+spans (``time.perf_counter_ns()`` around every compute call and every P2P call, recorded outside the profiler;
+tests/schedule_truth.py reads them without traceana).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from schedule_truth import shares
+from traceana.analysis import analyze
+from traceana.ingest.run_dir import load_run
+from traceana.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
+
+pytestmark = pytest.mark.slow
+torch = pytest.importorskip("torch")
+
+MICROBATCHES = 4
+PROFILED_STEP = 1  # one warm-up iteration, then the profiled one
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory):
+    from collectors.pipelining_example import collect, truth_path
+
+    root = tmp_path_factory.mktemp("schedules")
+    cache: dict[str, tuple] = {}
+
+    def get(schedule: str):
+        if schedule not in cache:
+            path = collect(schedule, root / schedule, microbatches=MICROBATCHES, microbatch_size=1, steps=1, truth=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run = load_run(path, cache=False)
+            cache[schedule] = (run, analyze(run), truth_path(Path(path)))
+        return cache[schedule]
+
+    return get
+
+
+ALL = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
+# Which backward actions each schedule runs (torch 2.13's schedules.py): full B, or its I/W halves, or both
+# (ZB-V and DualPipe-V fall back to full B where the schedule has nothing to fill the bubble with).
+SPLIT = {"zero-bubble": {"backward_input", "backward_weight"}, "zbv": {"backward_input", "backward_weight"},
+         "dualpipev": {"backward", "backward_input", "backward_weight"}}
+
+
+def share(a, rank: int, categories) -> float:
+    x = a.attribution.filter((pl.col("rank") == rank) & (pl.col("step") == PROFILED_STEP))
+    return x.filter(pl.col("category").cast(pl.String).is_in(list(categories)))["ns"].sum() / x["ns"].sum()
+
+
+@pytest.mark.parametrize("schedule", ALL)
+def test_compute_and_blocked_shares_match_the_wall_clock_truth(collected, schedule):
+    run, a, truth_dir = collected(schedule)
+    for rank in range(run.manifest.world_size):
+        truth = shares(truth_dir, rank, PROFILED_STEP)
+        compute, blocked = share(a, rank, COMPUTE_CATEGORIES), share(a, rank, ("p2p", *BUBBLE_CATEGORIES))
+        assert abs(compute - truth["compute"]) <= 0.05, (schedule, rank, compute, truth)
+        assert abs(blocked - truth["blocked"]) <= 0.05, (schedule, rank, blocked, truth)
+
+
+@pytest.mark.parametrize("schedule", ALL)
+def test_every_virtual_stage_and_microbatch_has_one_forward_and_one_backward(collected, schedule):
+    run, a, _ = collected(schedule)
+    stages_of_rank = run.manifest.extra["stages_of_rank"]
+    passes = a.schedule.filter(pl.col("phase") != "optimizer")
+    assert set(passes["source"]) == {"annotated"}
+    # Ranks holding several stages show all of them, in the schedule and in the per-rank table.
+    got = passes.group_by("rank").agg(pl.col("stage").unique().sort()).sort("rank")["stage"].to_list()
+    assert got == [sorted(s) for s in stages_of_rank]
+    listed = dict(a.stages.select("rank", "stages").rows())
+    assert all(listed[r] == ",".join(map(str, sorted(s))) for r, s in enumerate(stages_of_rank))
+    per = passes.group_by("stage", "microbatch").agg(pl.col("phase").sort())
+    assert per.height == run.manifest.pp * MICROBATCHES
+    for phases in per["phase"].to_list():
+        # a forward, then either one full backward or one input-gradient and one weight-gradient half
+        assert phases in (["backward", "forward"], ["backward_input", "backward_weight", "forward"]), phases
+    assert set(passes["phase"]) - {"forward"} == SPLIT.get(schedule, {"backward"})
+
+
+def test_dualpipev_overlapped_spans_count_for_both_phases(collected):
+    run, a, _ = collected("dualpipev")
+    ev = a.events.filter(pl.col("name").str.ends_with(")OVERLAP_F_B") & (pl.col("step") == PROFILED_STEP))
+    assert ev.height > 0
+    # Each overlapped span gives a forward row and a backward row inside it, back to back.
+    for rank, start, dur in ev.select("rank", "ts_ns", "dur_ns").rows():
+        inside = a.schedule.filter((pl.col("rank") == rank) & (pl.col("start_ns") >= start)
+                                   & (pl.col("end_ns") <= start + dur)).sort("start_ns")
+        assert inside["phase"].to_list() == ["forward", "backward"]
+        assert inside["start_ns"][0] == start and inside["end_ns"][1] == start + dur
+        assert inside["end_ns"][0] == inside["start_ns"][1]
+    assert share(a, 0, ("other_compute",)) < 0.05
+    assert not any("cannot be told" in n for n in a.notes)
