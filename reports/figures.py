@@ -10,12 +10,13 @@ import holoviews as hv
 import polars as pl
 
 from reports import palette
+from traceana import names
 
 hv.extension("bokeh", logo=False)
 
 WIDTH_OPTS = {"responsive": True, "toolbar": "above", "default_tools": ["pan", "box_zoom", "wheel_zoom", "reset",
                                                                          "save"]}
-PHASE_KINDS = ("forward", "backward", "recompute", "optimizer")
+PHASE_KINDS = (*names.PASS_PHASES, "recompute", "optimizer")  # zero-bubble's I and W are drawn too
 LABEL_MIN_FRACTION = 0.012  # a block narrower than this share of the timeline gets no label (they would overlap)
 MAX_LABELS = 3000  # beyond this many blocks micro-batch labels would only be ink; hover still tells
 
@@ -105,7 +106,7 @@ def timeline(
 
     # Labels only on blocks wide enough to hold one at full view; the others tell their micro-batch on hover.
     span = max(float(b["end_ms"].max() - b["start_ms"].min()), 1e-9) if b.height else 1.0
-    work = b.filter(pl.col("kind").is_in(["forward", "backward", "recompute"])
+    work = b.filter(pl.col("kind").is_in([*names.PASS_PHASES, "recompute"])
                     & (pl.col("dur_ms") >= LABEL_MIN_FRACTION * span))
     if 0 < work.height <= MAX_LABELS:
         labels = work.with_columns(x=(pl.col("start_ms") + pl.col("end_ms")) / 2, yl=pl.col("y") - 0.18)

@@ -15,8 +15,8 @@ Every instant of a step gets the first category (in this priority order) whose i
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
-6. on a CPU rank, the rest of a compute action's window (PP: span, GPipe's ``Forward {i}``, the optimizer step):
-   that action's phase — see "Blocked or computing" below;
+6. on a CPU rank, the rest of an annotated compute action's window (PP: span, GPipe's ``Forward {i}``, the
+   optimizer step): that action's phase — see "Blocked or computing" below;
 7. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
 
 Blocked or computing (asynchronous P2P): a message's span runs from its post to the return of its ``wait()``, and
@@ -162,8 +162,10 @@ def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, 
     """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
     action that no op covers and no wait explains is that action's (module doc)."""
     gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
-    w = schedule.join(gpu, on="rank", how="anti").select("rank", "phase", pl.col("start_ns").alias("start"),
-                                                          pl.col("end_ns").alias("end"))
+    # Only windows the trace itself drew (annotations): an inferred window is traceana's reconstruction from the
+    # ops, and the time between them is not claimed for an action nobody named.
+    w = (schedule.filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
+         .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end")))
     return {ph: w.filter(pl.col("phase") == ph).drop("phase") for ph in COMPUTE_ORDER if ph != "other_compute"}
 
 
