@@ -77,7 +77,7 @@ def kpis(a: Analysis) -> str:
            if s.largest_activation_peak_mib is not None else "–")
     items = [
         (H.num(s.step_ms) + " ms" if s.step_ms is not None else "–", STEP_TIME_LABEL),
-        (H.num(100 * s.bubble_fraction, digits=2) + " %" if s.bubble_fraction is not None else "–",
+        (H.num(100 * s.bubble_fraction, digits=3) + " %" if s.bubble_fraction is not None else "–",
          "bubble (warm-up + stall + cool-down) of all ranks' step time"),
         (H.num(s.bpipe_ms) + " ms" if s.bpipe_ms is not None else "–",
          "exposed BPipe transfer per step (largest stage)"),
