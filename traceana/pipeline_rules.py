@@ -293,15 +293,15 @@ def bpipe_held(plan: BPipePlan, *, schedule: str, pp: int, num_microbatches: int
     return out
 
 
-def bpipe_holding(schedule: str, *, pp: int, num_microbatches: int,
-                  pairs: tuple[tuple[int, int], ...] | None = None) -> list[tuple[float, float]]:
+def bpipe_holding(schedule: str, *, pp: int, num_microbatches: int, pairs: tuple[tuple[int, int], ...] | None = None,
+                  keep: int | None = None) -> list[tuple[float, float]]:
     """(own, foreign) micro-batches every stage holds at its peak, with BPipe on ``pairs`` (default: every pair
-    whose plan evicts something) and without it elsewhere: the one accounting the memory model, the simulator's
-    check and validation share."""
+    whose plan evicts something, each evictor keeping ``keep``, default ``bpipe_keep``) and without it elsewhere:
+    the one accounting the memory model, the simulator's check and validation share."""
     p, m = pp, num_microbatches
     held = [(microbatches_in_flight(schedule, pp=p, stage=s, num_microbatches=m), 0.0) for s in range(p)]
     for evictor, acceptor in bpipe_pairs(p) if pairs is None else pairs:
-        plan = bpipe_plan(schedule, pp=p, num_microbatches=m, evictor=evictor)
+        plan = bpipe_plan(schedule, pp=p, num_microbatches=m, evictor=evictor, keep=keep)
         if plan.evicted:
             for stage, (own, foreign) in bpipe_held(plan, schedule=schedule, pp=p, num_microbatches=m).items():
                 held[stage] = (float(own), float(foreign))

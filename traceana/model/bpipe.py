@@ -151,7 +151,8 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     )
     times = stage_times(cfg, peak_flops=peak, efficiency=eff)
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
-                   virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False)
+                   virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False,
+                   bpipe_keep=cfg.bpipe_keep)
     step_s = sim.step_ns / 1e9
     model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
     devices = cfg.pp * cfg.tp * cfg.dp
@@ -255,7 +256,8 @@ def describe_deltas(deltas: dict[str, float], *, unit: float = 1e3, suffix: str 
 
 def evictions(cfg: TrainingConfig) -> int:
     """Micro-batches BPipe evicts per step over all pairs (0: it balances nothing for this configuration)."""
-    return sum(bpipe_plan(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, evictor=e).evicted
+    return sum(bpipe_plan(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, evictor=e,
+                          keep=cfg.bpipe_keep).evicted
                for e, _ in bpipe_pairs(cfg.pp))
 
 

@@ -65,6 +65,7 @@ class TrainingConfig:
     attention: str = "sdpa"  # naive keeps the s×s scores for the backward; sdpa/flash does not
     recompute: str = "none"
     bpipe: bool = False  # pair stage s with p−1−s and balance their activations (Kim et al. 2023)
+    bpipe_keep: int | None = None  # micro-batches an evictor keeps; None = pipeline_rules.bpipe_keep
     virtual_stages: int = 1  # model chunks per device for interleaved 1F1B
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # shard master weights + optimizer state over dp (ZeRO stage 1)
@@ -90,6 +91,9 @@ class TrainingConfig:
                 f"virtual_stages={self.virtual_stages} needs the interleaved-1f1b schedule",
                 fix="use --schedule interleaved-1f1b or one virtual stage",
             )
+        if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
+            raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
+                              fix="check run.json's bpipe_inflight")
         if self.bpipe and self.schedule != "1f1b":
             raise ConfigError("BPipe is defined on the 1F1B schedule", fix="use --schedule 1f1b with --bpipe")
         if self.model.heads % self.tp or self.model.hidden % self.tp:
@@ -163,6 +167,7 @@ def config_from_manifest(manifest: Manifest, *, precision: Precision | None = No
         attention=manifest.attention or "sdpa",
         recompute=manifest.recompute or "none",
         bpipe=manifest.bpipe_on,
+        bpipe_keep=manifest.extra.get("bpipe_inflight"),  # the reference trainer's --bpipe-inflight
         virtual_stages=virtual,
         precision=precision,
         layers_per_stage=tuple(layers) if layers else None,

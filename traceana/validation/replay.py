@@ -128,7 +128,7 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
         c = meas.costs
         costs = dataclasses.replace(c, per_message_ns=per_msg)
         total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
-                          virtual_stages=cfg.virtual_stages, bpipe=bpipe).step_ns
+                          virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep).step_ns
     return total / samples
 
 
@@ -143,12 +143,13 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     meas = measure(analysis, cfg)
     bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
-                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, window=window)
+                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
+                   window=window)
     replay = None
     if cfg.virtual_stages == 1:
         r_times, r_costs = replay_inputs(analysis, cfg, meas)
         replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
-                          costs=r_costs, bpipe=bpipe, window=window)
+                          costs=r_costs, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep, window=window)
     sampled = sampled_step_ns(analysis, cfg, meas, bpipe=bpipe)
     sim_per = (
         sim.attribution.group_by("stage").agg(
