@@ -71,6 +71,11 @@ def ingest_rank(task: RankTask) -> dict[str, Any]:
     Runs inside the executor's workers: it imports the ingest lazily and returns only a small dict. It reads the
     file with ``read_trace`` (one rank, no run-level checks: those need every rank and run in the driver).
     """
+    return ingest_rank_events(task)[0]
+
+
+def ingest_rank_events(task: RankTask) -> tuple[dict[str, Any], pl.DataFrame]:
+    """``ingest_rank``'s summary, and the rank's events (for a caller that derives more from them in the worker)."""
     from traceana.ingest.kineto import read_trace
 
     events, memory, row = read_trace(task.trace)
@@ -82,7 +87,7 @@ def ingest_rank(task: RankTask) -> dict[str, Any]:
         _write_partition(frame.drop(PARTITION_KEY), Path(task.out_dir) / table / f"{PARTITION_KEY}={rank}", name)
     return {"rank": rank, "trace": task.trace, "rank_source": row.get("rank_source"),
             "world_size": row.get("world_size"), "events": events.height, "memory": memory.height,
-            "warnings": list(row.get("warnings", ()))}
+            "warnings": list(row.get("warnings", ()))}, events
 
 
 def _write_partition(frame: pl.DataFrame, folder: Path, name: str) -> None:
@@ -104,13 +109,19 @@ def ingest_to_parquet(run_dir: str | Path, out_dir: str | Path, *, map: Map = ma
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = sorted(map(ingest_rank, [RankTask(str(f), str(out)) for f in files]), key=lambda r: (r["rank"], r["trace"]))
+    finish_dataset(run_dir, out, results)
+    return results
+
+
+def finish_dataset(run_dir: str | Path, out: Path, results: list[dict[str, Any]]) -> None:
+    """The driver's part once every rank is written: run-level checks, stale partitions out, run.json and
+    ingest.json in (``results``: the tasks' summaries, sorted by rank)."""
     _check_ranks(results, run_dir)
     _remove_stale(out, results)
     manifest = Path(run_dir) / MANIFEST_NAME
     if manifest.is_file():
         shutil.copyfile(manifest, out / MANIFEST_NAME)
     (out / INGEST_SUMMARY).write_text(json.dumps(results, indent=1))
-    return results
 
 
 def _remove_stale(out: Path, results: list[dict[str, Any]]) -> None:
@@ -163,14 +174,38 @@ def scan_tables(out_dir: str | Path) -> dict[str, pl.LazyFrame]:
     return frames
 
 
+def _rank_files(out: Path, table: str, ranks: list[int]) -> list[Path]:
+    """The partition files of ``ranks`` (listing only their folders: a task of a 1,024-rank run reads a few)."""
+    return [f for r in ranks for f in sorted((out / table / f"{PARTITION_KEY}={r}").glob("*.parquet"))]
+
+
+def _scan_ranks(out: Path, ranks: list[int]) -> dict[str, pl.LazyFrame]:
+    frames = {}
+    for table, table_schema in TABLES.items():
+        files = _rank_files(out, table, ranks)
+        if not files:  # no partition of these ranks: an empty frame of the declared schema
+            frames[table] = pl.LazyFrame(schema=table_schema)
+            continue
+        frames[table] = pl.scan_parquet(
+            files, hive_partitioning=True, hive_schema={PARTITION_KEY: table_schema[PARTITION_KEY]},
+            schema={c: t for c, t in table_schema.items() if c != PARTITION_KEY},
+        ).select(list(table_schema))
+    return frames
+
+
+def load_traces(out_dir: str | Path) -> pl.DataFrame:
+    """The ``traces`` table of a partitioned dataset (one row per rank), ordered by rank."""
+    frame = scan_tables(out_dir)["traces"].collect().sort(PARTITION_KEY, maintain_order=True)
+    return schema.check(frame, schema.TRACES, f"{out_dir}/traces")
+
+
 def load_parquet(out_dir: str | Path, *, ranks: Iterable[int] | None = None) -> Run:
     """The ``Run`` of a partitioned dataset (all ranks, or only ``ranks``: only their partitions are read)."""
     out = Path(out_dir)
     wanted = None if ranks is None else sorted(set(ranks))
     tables = {}
-    for table, lazy in scan_tables(out).items():
-        if wanted is not None:
-            lazy = lazy.filter(pl.col(PARTITION_KEY).is_in(wanted))
+    lazies = scan_tables(out) if wanted is None else _scan_ranks(out, wanted)
+    for table, lazy in lazies.items():
         # Partitions are listed by path (rank=10 before rank=2): order by rank, keeping each rank's own order.
         frame = lazy.collect().sort(PARTITION_KEY, maintain_order=True)
         tables[table] = schema.check(frame, TABLES[table], f"{out}/{table}")

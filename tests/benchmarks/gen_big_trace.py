@@ -55,8 +55,10 @@ _ALLREDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<
 class _Writer:
     """Formats Kineto events for one rank; keeps the running ids and the CUDA allocator total."""
 
-    def __init__(self, rank: int, pp: int, rng: random.Random) -> None:
-        self.rank, self.pp, self.rng = rank, pp, rng
+    def __init__(self, rank: int, pp: int, rng: random.Random, *, dp: int = 1) -> None:
+        # Megatron's layout (tp = 1): global rank = stage * dp + replica; a pipeline is one replica's stages.
+        self.rank, self.pp, self.dp, self.rng = rank, pp, dp, rng
+        self.stage, self.replica = divmod(rank, dp)
         self.pid = 1000 + rank
         self.ext = 0
         self.corr = 0
@@ -111,6 +113,10 @@ class _Writer:
         self.launch("record_param_comms", _ALLREDUCE if coll == "allreduce" else _SENDRECV, ts, gpu_ts, gpu_dur,
                     stream=COMM_STREAM, op_args=args)
 
+    def peer(self, stage: int) -> int:
+        """The global rank of ``stage`` in this rank's pipeline."""
+        return stage * self.dp + self.replica
+
     def block(self, ts: float, n_kernels: int, kernel_us: float) -> float:
         """``n_kernels`` compute launches back to back on the GPU from ``ts``; returns the GPU end time."""
         t = ts
@@ -124,8 +130,8 @@ class _Writer:
 
 def _step(w: _Writer, step: int, t0: float, *, microbatches: int, kernels: int, kernel_us: float,
           transfer_us: float, nelems: int) -> float:
-    """One GPipe iteration of stage ``w.rank`` starting at ``t0`` (µs); returns its end."""
-    r, pp, m = w.rank, w.pp, microbatches
+    """One GPipe iteration of stage ``w.stage`` starting at ``t0`` (µs); returns its end."""
+    r, pp, m = w.stage, w.pp, microbatches
     t_f = kernels * (kernel_us * 1.4 + 1.0) + transfer_us + 30.0  # one forward slot, including its hand-over
     t_b = 2 * kernels * (kernel_us * 1.4 + 1.0) + transfer_us + 30.0
     fwd_end = t0 + (m + pp - 1) * t_f
@@ -136,24 +142,24 @@ def _step(w: _Writer, step: int, t0: float, *, microbatches: int, kernels: int, 
         w.annotation(f"PP:{r}F{mb}", slot, t_f - 5.0)
         t = slot + 2.0
         if r > 0:  # the activation from the previous stage arrives during this slot's first transfer_us
-            w.comm("recv", r - 1, t, t, transfer_us, nelems)
+            w.comm("recv", w.peer(r - 1), t, t, transfer_us, nelems)
             t += transfer_us
         t = w.block(t + 6.0, kernels, kernel_us)
         w.memory(t, 64 << 20)
         if r < pp - 1:
-            w.comm("send", r + 1, t, t + 1.0, transfer_us, nelems)
+            w.comm("send", w.peer(r + 1), t, t + 1.0, transfer_us, nelems)
     for i in range(m):  # GPipe backward: micro-batches in reverse order, the last stage first
         mb = m - 1 - i
         slot = fwd_end + (i + (pp - 1 - r)) * t_b
         w.annotation(f"PP:{r}B{mb}", slot, t_b - 5.0)
         t = slot + 2.0
         if r < pp - 1:
-            w.comm("recv", r + 1, t, t, transfer_us, nelems)
+            w.comm("recv", w.peer(r + 1), t, t, transfer_us, nelems)
             t += transfer_us
         t = w.block(t + 6.0, 2 * kernels, kernel_us)
         w.memory(t, -(64 << 20))
         if r > 0:
-            w.comm("send", r - 1, t, t + 1.0, transfer_us, nelems)
+            w.comm("send", w.peer(r - 1), t, t + 1.0, transfer_us, nelems)
     t = fwd_end + (m + pp - 1) * t_b
     w.comm("allreduce", None, t, t + 2.0, 380.0, nelems)  # data-parallel gradient sync
     w.annotation("Optimizer.step#AdamW.step", t + 390.0, 500.0)
@@ -168,15 +174,16 @@ def _step(w: _Writer, step: int, t0: float, *, microbatches: int, kernels: int, 
     return step_end + 50.0
 
 
-def _header(rank: int, pp: int) -> str:
-    info = {"backend": "nccl", "rank": rank, "world_size": pp, "pg_count": 1,
+def _header(rank: int, pp: int, dp: int = 1) -> str:
+    world = pp * dp
+    info = {"backend": "nccl", "rank": rank, "world_size": world, "pg_count": 1,
             "pg_config": [{"pg_name": "0", "pg_desc": "default_pg", "backend_config": "cuda:nccl",
-                           "pg_size": pp, "ranks": list(range(pp))}],
+                           "pg_size": world, "ranks": list(range(world))}],
             "nccl_version": "2.21.5"}
     dev = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85028126720, "computeMajor": 9,
             "computeMinor": 0, "maxThreadsPerBlock": 1024, "maxThreadsPerMultiprocessor": 2048,
             "regsPerBlock": 65536, "warpSize": 32, "sharedMemPerBlock": 49152, "numSms": 132}]
-    meta = {"rank": rank, "stage": rank, "pp": pp, "world_size": pp, "schedule": "gpipe", "bpipe": False}
+    meta = {"rank": rank, "stage": rank // dp, "pp": pp, "world_size": world, "schedule": "gpipe", "bpipe": False}
     return (
         '{\n  "schemaVersion": 1,\n'
         f'  "distributedInfo": {json.dumps(info)},\n'
@@ -197,16 +204,19 @@ def _open(path: Path):
 
 def write_rank(path: str | Path, *, rank: int, pp: int, mb: float, microbatches: int = 8, kernels: int = 48,
                kernel_us: float = 40.0, transfer_us: float = 150.0, seed: int = 0,
-               progress: bool = False) -> dict:
-    """Write one rank's trace of about ``mb`` MB raw JSON (gz if the name ends in .gz); return its size facts."""
+               progress: bool = False, dp: int = 1) -> dict:
+    """Write one rank's trace of about ``mb`` MB raw JSON (gz if the name ends in .gz); return its size facts.
+
+    ``dp`` data-parallel replicas of the ``pp``-stage pipeline: global rank = stage * dp + replica (Megatron's
+    order), P2P only within a replica, the all-reduce across replicas."""
     path = Path(path)
     rng = random.Random(seed * 1009 + rank)
-    w = _Writer(rank, pp, rng)
+    w = _Writer(rank, pp, rng, dp=dp)
     target = int(mb * 1e6)
     written, steps, t = 0, 0, 0.0
     t_start = time.perf_counter()
     with _open(path) as fh:
-        head = _header(rank, pp).encode()
+        head = _header(rank, pp, dp).encode()
         fh.write(head)
         written += len(head)
         while written < target:
@@ -228,25 +238,26 @@ def write_rank(path: str | Path, *, rank: int, pp: int, mb: float, microbatches:
 
 
 def write_run(out_dir: str | Path, *, ranks: int, mb: float, gz: bool = True, progress: bool = False,
-              **kw) -> list[dict]:
-    """Write ``ranks`` stages of one pipeline run as ``rank{R}.pt.trace.json[.gz]`` (no run.json: HTA would read it)."""
+              dp: int = 1, **kw) -> list[dict]:
+    """Write ``ranks`` stages (× ``dp`` replicas) as ``rank{R}.pt.trace.json[.gz]`` (no run.json: HTA would read it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ".pt.trace.json.gz" if gz else ".pt.trace.json"
-    return [write_rank(out_dir / f"rank{r}{suffix}", rank=r, pp=ranks, mb=mb, progress=progress, **kw)
-            for r in range(ranks)]
+    return [write_rank(out_dir / f"rank{r}{suffix}", rank=r, pp=ranks, dp=dp, mb=mb, progress=progress, **kw)
+            for r in range(ranks * dp)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--ranks", type=int, default=4, help="pipeline stages, one trace each")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (ranks x dp traces)")
     p.add_argument("--mb", type=float, default=200.0, help="raw JSON MB per rank")
     p.add_argument("--plain", action="store_true", help="write .json instead of .json.gz")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--kernels", type=int, default=48, help="compute kernels per forward (backward: 2x)")
     a = p.parse_args()
-    facts = write_run(a.out_dir, ranks=a.ranks, mb=a.mb, gz=not a.plain, progress=True,
+    facts = write_run(a.out_dir, ranks=a.ranks, dp=a.dp, mb=a.mb, gz=not a.plain, progress=a.dp == 1,
                       microbatches=a.microbatches, kernels=a.kernels)
     for f in facts:
         print(f"{f['path']}: {f['raw_bytes'] / 1e6:.0f} MB raw, {f['file_bytes'] / 1e6:.0f} MB on disk, {f['steps']} steps")

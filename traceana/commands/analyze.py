@@ -27,16 +27,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, help="parallel trace parsers (default: automatic)")
     parser.add_argument("--no-cache", action="store_true", help="do not read or write the .traceana/ cache")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument("--dask", metavar="ADDRESS",
+                        help="analyse on a dask.distributed cluster (e.g. tcp://host:8786): one task per rank, then "
+                             "one per pipeline; workers must see RUN_DIR at the same path (docs/performance.md)")
 
 
-def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool):
-    """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False)."""
-    from traceana.analysis_cache import load_and_analyze as cached
+def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool,
+                     dask: str | None = None):
+    """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False),
+    or with ``dask`` (a scheduler address) ``traceana.partitioned.analyze_partitioned`` on that cluster."""
     from traceana.manifest import check_peak_flops
 
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
     check_peak_flops(peak_flops)
+    if dask is not None:
+        from traceana import partitioned
+        from traceana.ingest.cache import CACHE_DIR
+
+        if not Path(path).is_dir():
+            raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
+                                fix="pass the folder of the run's traces, or drop --dask")
+        with partitioned.connect(dask) as client:
+            return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
+                                                   map=partitioned.dask_map(client), peak_flops=peak_flops)
+    from traceana.analysis_cache import load_and_analyze as cached
+
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress)
 
 
@@ -143,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         for target in export_paths(args.export, ["notes"], args.format):  # the names checked again when written
             refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
-                                cache=not args.no_cache, progress=progress)
+                                cache=not args.no_cache, progress=progress, dask=args.dask)
     if args.export:
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:
