@@ -10,11 +10,14 @@
  *   top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])
  *       the top-level object's keys up to the traceEvents array (status EVENTS, pos just after its '['), or to
  *       the end of the object (status END, pos after '}'); opening: pos is before '{' (else after a value).
- *   events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events)
+ *   events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events,
+ *                                                 names)
  *       events of the array from pos (after '[' or a ','), until about max_bytes were consumed (MORE), the
  *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
  * x_columns and memory_columns are Batch objects: the columns in Arrow's layouts (int64; large_string with int64
- * offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly). odd: [(table, column, row, raw JSON)] for args
+ * offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly); an X
+ * event's name is a code into ``names``, the batch's distinct names (dictionary encoding: a name is stored once per
+ * batch, not once per event — kernel names run to hundreds of bytes). odd: [(table, column, row, raw JSON)] for args
  * values of another type than their column's (0: X, 1: memory), which Python converts like the general decoder.
  * Times are converted to integer nanoseconds from the decimal digits (exact: no float rounding).
  * The parse runs without the GIL, so threads can scan several files at once.
@@ -812,16 +815,72 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
 /* --- emitting rows -------------------------------------------------------------------------------------------- */
 enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, X_DEVICE, X_STREAM, X_COLL, X_NELEMS, X_DTYPE,
        X_SRC, X_DST, X_PGN, X_PGD, X_CONCRETE, X_DIMS, X_TYPES, N_X };
-static const char X_IS_STR[N_X] = {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1};
+/* X_NAME holds each event's code in the batch's name dictionary (a few hundred distinct names for ~10^6 events). */
+static const char X_IS_STR[N_X] = {0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1};
 enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
-static const char *const X_NAMES[N_X] = {"name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id",
+static const char *const X_NAMES[N_X] = {"name_code", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id",
                                          "arg_device", "arg_stream", "coll", "in_nelems", "dtype", "src_rank",
                                          "dst_rank", "pg_name", "pg_desc", "concrete_inputs", "input_dims",
                                          "input_type"};
 static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device"};
 
 typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd; /* table 0: X, 1: memory */
-typedef struct { Col x[N_X]; Col m[N_M]; Buf scratch, scratch2, odd; } Out;
+static const char *const DICT_NAMES[1] = {"name"};
+
+/* The distinct event names of a batch: an open-addressing table of codes into ``dict`` (a string column). */
+typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; } Intern;
+typedef struct { Col x[N_X]; Col m[N_M]; Col dict; Intern names; Buf scratch, scratch2, odd; } Out;
+
+static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* FNV-1a, then a final mix */
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ (uchar)s[i]) * 1099511628211ULL;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    return h ^ (h >> 33);
+}
+
+static int intern_grow(Intern *t) {
+    Py_ssize_t cap = t->cap ? t->cap * 2 : 1024;
+    int32_t *slots = malloc(sizeof(int32_t) * (size_t)cap);
+    uint64_t *hashes = realloc(t->hashes, sizeof(uint64_t) * (size_t)(cap / 2));
+    if (!slots || !hashes) { free(slots); if (hashes) t->hashes = hashes; return ST_NOMEM; }
+    memset(slots, 0xff, sizeof(int32_t) * (size_t)cap); /* -1: empty */
+    for (Py_ssize_t c = 0; c < t->n; c++) {
+        size_t i = (size_t)hashes[c] & (size_t)(cap - 1);
+        while (slots[i] >= 0) i = (i + 1) & (size_t)(cap - 1);
+        slots[i] = (int32_t)c;
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->hashes = hashes;
+    t->cap = cap;
+    return ST_OK;
+}
+
+/* The code of name s[0:n] in the batch's dictionary, adding it when new. */
+static int intern(Out *o, const char *s, Py_ssize_t n, int64_t *code) {
+    Intern *t = &o->names;
+    if ((t->n + 1) * 2 > t->cap) TRY(intern_grow(t));
+    uint64_t h = hash_bytes(s, n);
+    size_t mask = (size_t)(t->cap - 1), i = (size_t)h & mask;
+    const int64_t *offs;
+    for (;; i = (i + 1) & mask) {
+        int32_t c = t->slots[i];
+        if (c < 0) break;
+        offs = (const int64_t *)o->dict.offs.d;
+        if (t->hashes[c] == h && offs[c + 1] - offs[c] == n && !memcmp(o->dict.data.d + offs[c], s, (size_t)n)) {
+            *code = c;
+            return ST_OK;
+        }
+    }
+    if (t->n >= INT32_MAX) return ST_NOMEM;
+    TRY(buf_put(&o->dict.data, s, n));
+    TRY(col_str_end(&o->dict, 1));
+    t->hashes[t->n] = h;
+    t->slots[i] = (int32_t)t->n;
+    *code = t->n++;
+    return ST_OK;
+}
 
 static inline int put_int(Out *o, int table, int col, const IntV *v) {
     Col *c = table ? &o->m[col] : &o->x[col];
@@ -862,8 +921,9 @@ static int emit(Out *o, const Ev *ev) {
         return put_int(o, 1, M_DEVID, &ev->a[A_DEVID]);
     }
     Col *x = o->x;
-    TRY(buf_put(&x[X_NAME].data, name, namen));
-    TRY(col_str_end(&x[X_NAME], 1));
+    int64_t code;
+    TRY(intern(o, name, namen, &code));
+    TRY(col_int(&x[X_NAME], code, 1));
     TRY(put_span(&x[X_CAT], &ev->cat));
     TRY(put_span(&x[X_PID], &ev->pid));
     TRY(put_span(&x[X_TID], &ev->tid));
@@ -898,12 +958,17 @@ static int out_init(Out *o) {
         o->x[i].is_str = X_IS_STR[i];
         if (X_IS_STR[i]) TRY(buf_put(&o->x[i].offs, &zero, 8));
     }
+    o->dict.is_str = 1;
+    TRY(buf_put(&o->dict.offs, &zero, 8));
     return ST_OK;
 }
 
 static void out_free(Out *o) {
     for (int i = 0; i < N_X; i++) col_free(&o->x[i]);
     for (int i = 0; i < N_M; i++) col_free(&o->m[i]);
+    col_free(&o->dict);
+    free(o->names.slots);
+    free(o->names.hashes);
     free(o->scratch.d);
     free(o->scratch2.d);
     free(o->odd.d);
@@ -1036,13 +1101,15 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
         fail(st, &ps);
     } else {
         PyObject *x = batch_new(o.x, N_X, X_NAMES), *m = x ? batch_new(o.m, N_M, M_NAMES) : NULL;
-        PyObject *odd = m ? odd_result(&o) : NULL;
-        if (x && m && odd)
-            result = Py_BuildValue("(inONNNn)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
-                                   m, odd, n_events);
+        PyObject *d = m ? batch_new(&o.dict, 1, DICT_NAMES) : NULL;
+        PyObject *odd = d ? odd_result(&o) : NULL;
+        if (x && m && d && odd)
+            result = Py_BuildValue("(inONNNnN)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
+                                   m, odd, n_events, d);
         else {
             Py_XDECREF(x);
             Py_XDECREF(m);
+            Py_XDECREF(d);
             Py_XDECREF(odd);
         }
     }
@@ -1054,7 +1121,8 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"top", scan_top, METH_VARARGS, "top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])"},
     {"events", scan_events, METH_VARARGS,
-     "events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events)"},
+     "events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events, "
+     "names)"},
     {NULL, NULL, 0, NULL},
 };
 

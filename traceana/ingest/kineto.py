@@ -37,6 +37,7 @@ import decimal
 import json
 import os
 import re
+import threading
 import zlib
 from itertools import compress
 from operator import attrgetter
@@ -560,7 +561,7 @@ class _Batches:
             self.shapes.append(_shape_facts(*(list(map(attrgetter(f), sub)) for f in _SHAPE_ARGS), shaped + self.rows))
         self.rows += frame.height
 
-    def add_columns(self, x_cols: tuple, mem_cols: tuple, odd: list) -> None:
+    def add_columns(self, x_cols, mem_cols, odd: list, names_: Any) -> None:
         """The same frames from the native scanner's column buffers (X events and memory instants only)."""
         mem = _with_odd(_arrow_frame(mem_cols), odd, 1)
         if mem.height:
@@ -569,6 +570,9 @@ class _Batches:
         x = _with_odd(_arrow_frame(x_cols), odd, 0)
         if not x.height:
             return
+        # Names arrive dictionary-encoded; gathering from the batch's distinct names gives string views that share
+        # its one copy of each name (16 bytes per event instead of the name's bytes: kernel names are long).
+        x = x.with_columns(_arrow_frame(names_).to_series().gather(x["name_code"]).alias("name"))
         x = x.with_row_index("row", offset=self.rows)
         gpu = x.filter(pl.col("cat").is_in(_GPU_CAT_NAMES)).select("row", *(c for c, _, _ in _GPU_ARGS))
         if gpu.height:
@@ -767,9 +771,10 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
         top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
         first = True
         while True:
-            status, pos, first, x_cols, mem_cols, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final)
-            batches.add_columns(x_cols, mem_cols, odd)
-            del x_cols, mem_cols
+            status, pos, first, x_cols, mem_cols, odd, _, names_ = _scan.events(r.buf, pos, first, NATIVE_CHUNK,
+                                                                                 r.final)
+            batches.add_columns(x_cols, mem_cols, odd, names_)
+            del x_cols, mem_cols, names_
             if on_progress is not None:
                 on_progress(r.done(), r.size)
             if status == _scan.END:
@@ -845,6 +850,12 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
     return top, batches, problems, gz_truncated or json_truncated, n_bytes
 
 
+# Finishing a rank (building and sorting its table, polars-parallel itself) is its ingest's memory peak: ranks of
+# more events than this are finished one at a time, while other threads go on scanning.
+FINISH_ALONE_ROWS = 200_000
+_FINISH_LOCK = threading.Lock()
+
+
 def read_trace(
     path: str | Path,
     *,
@@ -892,7 +903,11 @@ def read_trace(
         warnings.append(f"{shown(path)}: skipped {len(problems)} malformed trace events (first: {problems[0]}) — "
                         "the rest of the trace is used")
 
-    events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
+    if batches.rows >= FINISH_ALONE_ROWS:  # two threads finishing two large ranks at once hold both peaks at once
+        with _FINISH_LOCK:
+            events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
+    else:
+        events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
     if dropped:
         warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or out-of-range "
                         "ts/dur — the rest of the trace is used")
@@ -976,8 +991,24 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         x = x.filter("keep")
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
     # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
-    events = schema.conform(x, schema.EVENTS).sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
+    columns = schema.conform(x, schema.EVENTS).get_columns()
+    del x  # the list holds the only reference to each column now (helper columns are freed here)
+    events = _sorted_by_columns(columns)
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+
+
+def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
+    """The columns stably sorted by ts_ns, then longest first — one column at a time, each unsorted column freed
+    (popped from ``columns``, which must hold the only reference) once its sorted copy exists: sorting the frame at
+    once held the whole table twice, the peak of ingesting a rank."""
+    by = {c.name: c for c in columns if c.name in ("ts_ns", "dur_ns")}
+    order = pl.DataFrame([by["ts_ns"], by["dur_ns"]]).select(
+        pl.arg_sort_by(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)).to_series()
+    del by
+    out = []
+    while columns:
+        out.append(columns.pop(0).gather(order))
+    return pl.DataFrame(out)
 
 
 _COMM_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _COMM_ARGS}}
