@@ -5,6 +5,11 @@ the parent samples the summed RSS of the job's whole process tree from /proc (bo
 ``ru_maxrss`` only sees the largest single process) and also reports that largest process from ``wait4``.
 
 Sections (``--only`` picks some; sizes are flags so a quick run stays quick):
+- ``fixed``: ``traceana analyze`` of a tiny two-rank trace (the CLI as users run it, no cache) next to a bare
+  ``python -c pass`` and ``import polars``: the fixed cost every command pays.
+- ``real``: HTA's two largest public test traces, ``mtia_trace_single_rank`` (87 MB raw) and ``df_index_resolver``
+  (54 MB raw), read from ``--hta-data`` (default WORK/hta_data). They are not committed: ``--hta-repo`` copies
+  them there from a git clone of https://github.com/facebookresearch/HolisticTraceAnalysis (tests/data/…).
 - ``third``: the third-party Kineto traces in ../shared/traces/third_party/hta that carry GPU kernels.
 - ``vs``: a generated GPU pipeline run (``--ranks`` × ``--mb`` MB raw JSON per rank, gzipped like real runs):
   traceana ingest + analyze vs HTA TraceAnalysis(...) + get_temporal_breakdown(); cached re-analysis vs the first;
@@ -18,6 +23,9 @@ more than 32767 events: an int16-downcast correlation column rejects larger indi
 
     .venv/bin/python tests/benchmarks/bench_vs_hta.py --work /work/bench                      # everything, default sizes
     .venv/bin/python tests/benchmarks/bench_vs_hta.py --only vs --ranks 2 --mb 50             # a quick look
+    .venv/bin/python tests/benchmarks/bench_vs_hta.py --only fixed real --hta-repo ~/src/HolisticTraceAnalysis
+
+The last lines are every figure of the run side by side (both tools, same files).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ ROOT = HERE.parents[1]
 THIRD_PARTY = ROOT.parent / "shared" / "traces" / "third_party" / "hta"
 # Third-party traces with GPU kernels (HTA's temporal breakdown needs them), by folder.
 THIRD_PARTY_GPU = ("trace_filter", "nccl_parser_config", "ns_resolution_trace")
+# HTA's public test traces of everyday size (folder in HTA's tests/data → its one trace file).
+HTA_REAL = {"mtia_trace_single_rank": "mtia_rank_0.json.gz", "df_index_resolver": "df_index_resolver.json.gz"}
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -78,7 +88,8 @@ def _tree_sample(root: int) -> tuple[int, dict[int, float]]:
     return total, tree_cpu
 
 
-def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, stderr_to: Path | None = None) -> dict:
+def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, stderr_to: Path | None = None,
+            require_result: bool = True) -> dict:
     """Run ``cmd``; return wall seconds, peak summed tree RSS, largest single-process RSS and its stdout JSON."""
     t0 = time.perf_counter()
     err = open(stderr_to, "wb") if stderr_to else subprocess.PIPE
@@ -120,7 +131,7 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
-    if proc.returncode != 0 or not result:
+    if proc.returncode != 0 or (require_result and not result):
         tail = b"".join(err_chunks).decode(errors="replace")[-3000:] if err_chunks else f"see {stderr_to}"
         raise RuntimeError(f"{' '.join(cmd[:4])}… exited {proc.returncode}:\n{tail}")
     # CPU seconds of the whole process tree: unlike wall time, not inflated by other jobs' load. wait4 counts the job
@@ -281,6 +292,112 @@ def section_third(a, results: dict) -> None:
         print(line("HTA", theirs, nbytes))
         print(compare(name, ours, theirs))
         results.setdefault("third", {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
+        _summary_row(results, f"HTA tests/data {name} ({len(files)} rank{'s' if len(files) > 1 else ''})",
+                     nbytes, ours, theirs)
+
+
+def _summary_row(results: dict, label: str, nbytes: int, ours: dict, theirs: dict | None) -> None:
+    results.setdefault("summary", []).append({"label": label, "raw_bytes": nbytes, "traceana": ours, "hta": theirs})
+
+
+def section_fixed(a, results: dict) -> None:
+    """The fixed cost: traceana analyze of a tiny trace via the CLI, against interpreter start and import polars."""
+    sys.path.insert(0, str(HERE.parent))
+    from tracebuilder import write_two_stage_run
+
+    run_dir = Path(a.work) / "tiny_run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    write_two_stage_run(run_dir)
+    nbytes = raw_bytes(sorted(run_dir.glob("*.json.gz")))
+    cli = str(Path(sys.executable).parent / "traceana")
+    print(f"\n## fixed cost: traceana analyze of a tiny 2-rank run ({nbytes:,} bytes raw JSON), the CLI, no cache "
+          f"(/usr/bin/time, best of {a.repeat})")
+    rows = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "python -c 'import polars'": [sys.executable, "-c", "import polars"],
+        "traceana analyze --no-cache": [cli, "analyze", "--no-cache", "--quiet", str(run_dir)],
+        "traceana analyze --json --no-cache": [cli, "analyze", "--json", "--no-cache", str(run_dir)],
+    }
+    measured = {label: time_v(cmd, a.repeat) for label, cmd in rows.items()}
+    for label, r in measured.items():
+        print(f"  {label:<36} wall {r['wall']:6.2f} s  cpu {r['cpu']:6.2f} s  peak RSS {mb(r['peak_rss']):>8}")
+    r = measured["traceana analyze --no-cache"]
+    print(f"  => targets <= 0.2 s and <= 80 MB: wall {'met' if r['wall'] <= 0.2 else 'NOT met'} ({r['wall']:.2f} s), "
+          f"RSS {'met' if r['peak_rss'] <= 80e6 else 'NOT met'} ({r['peak_rss'] / 1e6:.0f} MB)")
+    results["fixed"] = measured
+    _summary_row(results, "tiny 2-rank run, CLI (fixed cost)", nbytes, r, None)
+
+
+def time_v(cmd: list[str], repeat: int) -> dict:
+    """Best wall time and peak RSS of ``repeat`` runs under /usr/bin/time (its own small process forks the command,
+    so the peak is the command's alone — a child forked from this benchmark would start with its pages)."""
+    best: dict = {}
+    for _ in range(repeat):
+        out = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M %U %S", *cmd], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-2000:]}")
+        wall, kb, user, sys_ = out.stderr.strip().splitlines()[-1].split()[1:]
+        r = {"wall": float(wall), "peak_rss": int(kb) * 1024, "cpu": float(user) + float(sys_)}
+        best = r if not best or r["wall"] < best["wall"] else best
+    return best
+
+
+def fetch_hta_real(a) -> Path:
+    """WORK/hta_data/<name>/<file>, copied from a clone of HTA (``--hta-repo``) when not there yet."""
+    data = Path(a.hta_data or Path(a.work) / "hta_data")
+    for name, file in HTA_REAL.items():
+        dest = data / name / file
+        if dest.is_file() or not a.hta_repo:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        blob = subprocess.run(["git", "-C", a.hta_repo, "show", f"HEAD:tests/data/{name}/{file}"],
+                              capture_output=True, check=True).stdout
+        dest.write_bytes(blob)
+    return data
+
+
+def section_real(a, results: dict) -> None:
+    data = fetch_hta_real(a)
+    print(f"\n## HTA's public test traces of everyday size ({data}): traceana ingest+analyze vs HTA load+breakdown")
+    for name in HTA_REAL:
+        src = data / name
+        if not src.is_dir():
+            print(f"  {name}: absent — pass --hta-repo PATH (a git clone of HolisticTraceAnalysis) to fetch it")
+            continue
+        files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
+        nbytes = raw_bytes(files)
+        clear_cache(src)
+        ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
+        theirs = measure(hta_cmd(a.hta_python, src))
+        print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
+        print(line("traceana", ours, nbytes))
+        print(line("HTA", theirs, nbytes))
+        print(compare(name, ours, theirs))
+        results.setdefault("real", {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
+        _summary_row(results, f"HTA tests/data {name}", nbytes, ours, theirs)
+
+
+def print_summary(results: dict) -> None:
+    rows = results.get("summary", [])
+    if not rows:
+        return
+    print("\n## every figure of this run side by side (wall s / work s / peak RSS MiB; work = wall minus start-up)")
+    print(f"  {'input':<44} {'raw MB':>7} | {'traceana':^26} | {'HTA':^26} | {'wall x':>6} {'work x':>6} {'RSS':>5}")
+    for r in rows:
+        ours, theirs = r["traceana"], r["hta"]
+        def cell(m):  # noqa: E306
+            work = m.get("ingest_s", 0) + m.get("analyze_s", 0)
+            return f"{m['wall']:7.2f} {work:7.2f} {m['peak_rss'] / 2**20:8.0f}"
+        if theirs is None:
+            print(f"  {r['label']:<44} {r['raw_bytes'] / 1e6:7.1f} | {cell(ours):>26} | {'–':^26} |")
+            continue
+        w = theirs["wall"] / ours["wall"]
+        k = ((theirs.get("ingest_s", 0) + theirs.get("analyze_s", 0))
+             / max(1e-9, ours.get("ingest_s", 0) + ours.get("analyze_s", 0)))
+        print(f"  {r['label']:<44} {r['raw_bytes'] / 1e6:7.1f} | {cell(ours):>26} | {cell(theirs):>26} | "
+              f"{w:6.1f} {k:6.1f} {ours['peak_rss'] / theirs['peak_rss']:5.2f}")
+    print("  (wall x, work x: HTA's time / traceana's; RSS: traceana's peak / HTA's)")
 
 
 def _generate(out: Path, ranks: int, size_mb: float, *, gz: bool = True) -> list[Path]:
@@ -332,6 +449,7 @@ def section_vs(a, results: dict) -> None:
     best = min(r["gunzip_s"] + r["decode_s"] for r in limit.values())
     print(f"  => traceana single-process ingest is {ingest1['ingest_s'] / best:.2f}x the raw decode limit "
           f"(work; {ingest1['wall'] / best:.2f}x counting interpreter start and imports)")
+    _summary_row(results, f"generated {a.ranks} ranks x {a.mb:g} MB, workers={a.workers}", nbytes, cold, theirs)
     results["vs"] = {"raw_bytes": nbytes, "files": len(files), "traceana": cold, "hta": theirs, "first": first,
                      "cached": cached, "ingest_workers1": ingest1, "decode": limit}
     if not a.keep:
@@ -395,8 +513,11 @@ def main() -> None:
     p.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/work/bench", help="scratch folder for generated runs (outside the repo)")
     p.add_argument("--hta-python", default="/work/hta-venv/bin/python", help="python of HTA's own venv")
-    p.add_argument("--only", nargs="*", default=["third", "vs", "parallel"],
-                   choices=("third", "vs", "parallel", "big"), help="sections to run (big is opt-in)")
+    p.add_argument("--only", nargs="*", default=["fixed", "real", "third", "vs", "parallel"],
+                   choices=("fixed", "real", "third", "vs", "parallel", "big"), help="sections to run (big is opt-in)")
+    p.add_argument("--repeat", type=int, default=5, help="fixed: runs of each command (the best is shown)")
+    p.add_argument("--hta-data", help="folder of HTA's public test traces (default: WORK/hta_data)")
+    p.add_argument("--hta-repo", help="a git clone of HolisticTraceAnalysis to copy those traces from")
     p.add_argument("--workers", type=int, default=2, help="traceana ingest workers in the comparisons")
     p.add_argument("--ranks", type=int, default=4, help="vs: ranks of the generated run")
     p.add_argument("--mb", type=float, default=200.0, help="vs: raw JSON MB per rank")
@@ -419,7 +540,9 @@ def main() -> None:
     results: dict = {}
     t0 = time.perf_counter()
     for name in a.only:
-        {"third": section_third, "vs": section_vs, "parallel": section_parallel, "big": section_big}[name](a, results)
+        {"fixed": section_fixed, "real": section_real, "third": section_third, "vs": section_vs,
+         "parallel": section_parallel, "big": section_big}[name](a, results)
+    print_summary(results)
     print(f"\nbench_vs_hta: {time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.1f} at end")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
