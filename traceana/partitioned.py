@@ -22,6 +22,7 @@ an event. Every worker must see ``run_dir`` and ``out_dir`` at the same path (a 
 
 from __future__ import annotations
 
+import warnings as pywarnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,8 @@ def p2p_peers(events: pl.DataFrame) -> list[int]:
 
 
 def ingest_rank(task: scale.RankTask) -> dict[str, Any]:
-    """Round 1 in a worker: ``scale.ingest_rank`` (one rank's partitions), plus ``peers`` read back from them."""
+    """Round 1 in a worker: ``scale.ingest_rank`` (one rank's partitions), plus ``peers``: the ranks its events
+    name as P2P peers."""
     summary, events = scale.ingest_rank_events(task)
     return {**summary, "peers": p2p_peers(events)}
 
@@ -121,8 +123,9 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     Its tables equal ``analyze(load_run(run_dir))``'s up to row order and the caveats in docs/performance.md;
     ``events`` is None (the classified events stay in the workers) and ``run`` holds the traces table only.
     """
-    from traceana.analysis import Analysis
-    from traceana.memory import balance
+    from traceana.analysis import Analysis, _mfu, stage_table
+    from traceana.ingest.run_dir import IngestWarning
+    from traceana.summary import measured_steps
 
     run_dir = Path(run_dir)
     files = scale.trace_files(run_dir)
@@ -142,22 +145,31 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     for name in (*TABLE_ORDER, "stages"):
         parts = [r["tables"][name] for r in results]
         frame = pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame()
-        order = ("stage", "rank") if name == "stages" else TABLE_ORDER[name]  # stages: as analysis.stage_table
-        tables[name] = frame.sort(order, nulls_last=True, maintain_order=True) if frame.height else frame
+        tables[name] = frame.sort(TABLE_ORDER[name], maintain_order=True) if name in TABLE_ORDER and frame.height \
+            else frame
     notes = list(dict.fromkeys(n for r in results for n in r["notes"]))  # the same note from many groups: once
     if len(groups) > 1:
         notes.append(f"analysed as {len(groups)} pipeline groups of "
                      f"{', '.join(sorted({str(len(g)) for g in groups}, key=int))} ranks (one task each)")
     ingest_warnings = tuple(w for r in summaries for w in r.get("warnings", ()))
+    for w in ingest_warnings:  # as load_run reports them (the CLI prints each on one line)
+        pywarnings.warn(w, IngestWarning, stacklevel=2)
     manifest = Manifest.read(run_dir / MANIFEST_NAME) if (run_dir / MANIFEST_NAME).is_file() else None
     traces = scale.load_traces(out)
     empty = {t: pl.DataFrame(schema=scale.TABLES[t]) for t in ("events", "memory")}
     run = Run(path=run_dir, events=empty["events"], memory=empty["memory"], traces=traces, manifest=manifest,
               warnings=ingest_warnings)
+    # The per-rank means are over the run's measured steps (traceana.summary), which depend on every rank: the
+    # groups' tables are recomputed here over the whole run's, exactly as analyze computes them.
+    att, stage_mem = tables["attribution"], tables["stage_memory"]
+    measured = measured_steps(att, tables["schedule"])
+    stage_map = tables["stages"].select("rank", "stage", "stage_source")
+    mfu, _ = _mfu(run, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)
+    stages = stage_table(att.filter(pl.col("step").is_in(measured)), stage_map,
+                         stage_mem.filter(pl.col("step").is_in(measured)), mfu)
     return Analysis(
-        run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"],
-        attribution=tables["attribution"], stage_memory=tables["stage_memory"], stages=tables["stages"],
-        clock_offsets=tables["clock_offsets"], notes=tuple(notes), memory_balance=balance(tables["stage_memory"]),
+        run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"], attribution=att,
+        stage_memory=stage_mem, stages=stages, clock_offsets=tables["clock_offsets"], notes=tuple(notes),
         rank_summary=tables["rank_summary"], segments=tables["segments"],
     )
 

@@ -237,6 +237,12 @@ def hta_cmd(hta_python: str, path: Path) -> list[str]:
     return [hta_python, str(Path(__file__).resolve()), "--job", "hta", "--path", str(path)]
 
 
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def decode_cmd(paths: list[Path], decoder: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--job", "decode", "--decoder", decoder,
             "--paths", *map(str, paths)]
@@ -432,7 +438,7 @@ def section_vs(a, results: dict) -> None:
     cold = measure(traceana_cmd(run_dir, workers=a.workers, cache=False))
     theirs = measure(hta_cmd(a.hta_python, run_dir))
     ingest1 = measure(traceana_cmd(run_dir, workers=1, cache=False, analyze=False))
-    limit = {d: measure(decode_cmd(files, d)) for d in ("msgspec", "orjson")}
+    limit = {d: measure(decode_cmd(files, d)) for d in ("msgspec", "orjson") if d == "msgspec" or _has("orjson")}
     print(f"  {len(files)} files, {nbytes / 1e6:.0f} MB raw JSON, {sum(p.stat().st_size for p in files) / 1e6:.0f} MB gz")
     print(line(f"traceana (no cache, workers={a.workers})", cold, nbytes))
     print(line("HTA (its default: fork pool)", theirs, nbytes))
