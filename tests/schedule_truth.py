@@ -38,12 +38,16 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def shares(truth_dir: Path, rank: int, step: int) -> dict[str, float]:
-    """``{"compute": …, "blocked": …}``: fractions of iteration ``step`` (0 = the first loop iteration). Time in a
-    P2P call is blocked even inside a compute action; the rest of a compute action or call is compute."""
+def shares(truth_dir: Path, rank: int, steps: list[int]) -> dict[str, float]:
+    """``{"compute": …, "blocked": …}``: fractions of iterations ``steps`` together (0 = the first loop iteration).
+    Time in a P2P call is blocked even inside a compute action; the rest of a compute action or call is compute."""
     doc = json.loads((Path(truth_dir) / f"rank{rank}.json").read_text())
-    lo, hi = doc["steps"][step]
-    compute = _union([(s, e) for k, s, e in doc["spans"] if k == "compute"], lo, hi)
-    blocked = _union([(s, e) for k, s, e in doc["spans"] if k == "blocked"], lo, hi)
-    return {"compute": (_length(compute) - _overlap(compute, blocked)) / (hi - lo),
-            "blocked": _length(blocked) / (hi - lo)}
+    total = {"compute": 0, "blocked": 0, "step": 0}
+    for step in steps:
+        lo, hi = doc["steps"][step]
+        compute = _union([(s, e) for k, s, e in doc["spans"] if k == "compute"], lo, hi)
+        blocked = _union([(s, e) for k, s, e in doc["spans"] if k == "blocked"], lo, hi)
+        total["compute"] += _length(compute) - _overlap(compute, blocked)
+        total["blocked"] += _length(blocked)
+        total["step"] += hi - lo
+    return {"compute": total["compute"] / total["step"], "blocked": total["blocked"] / total["step"]}

@@ -16,6 +16,7 @@ from traceana import classify as cls
 from traceana import memory as mem
 from traceana import names, pipeline, timeline
 from traceana.ingest import Run
+from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import stage_layers
 from traceana.summary import RunSummary, measured_steps, summarize
@@ -103,10 +104,17 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
-    interleaved = run.manifest is not None and run.manifest.schedule.startswith("interleaved")
+    m = run.manifest
+    listed = m.extra.get("stages_of_rank") if m is not None else None
+    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES or (
+        isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
+    # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
+    interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
     if unannotated and interleaved:
-        notes.append(f"ranks {', '.join(map(str, unannotated))} carry no forward/backward annotations and run an "
-                     "interleaved schedule (several virtual stages per rank): their schedule is not inferred")
+        notes.append(f"ranks {', '.join(map(str, unannotated))} carry no forward/backward annotations and run a "
+                     f"{m.schedule if m else 'multi-stage'} schedule (several virtual stages per rank): which stage, "
+                     "micro-batch and phase each piece of their work belongs to cannot be told from P2P order, so their schedule is not inferred "
+                     "and no forward/backward is claimed for them")
     elif unannotated:
         inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=unannotated)
         notes += n

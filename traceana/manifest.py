@@ -24,6 +24,7 @@ RECOMPUTES = ("none", "selective", "full")
 # zero-bubble: ZB-1P with I/W split on a looped placement (torch's ScheduleInterleavedZeroBubble); zbv and dualpipev
 # put each rank's two stages in a V (rank r holds r and 2p−1−r); looped-bfs runs every forward of a stage first.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev", "unknown")
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")  # several stages a rank
 MAX_MANIFEST_BYTES = 16 << 20  # run.json is a few KB; a bigger one is not a manifest (and is not read whole)
 MAX_NESTING = 32  # levels of JSON nesting in run.json (``extra`` included): the collector writes at most 3
 # A device's peak FLOP/s: finite, and between 1 MFLOP/s and 1 EFLOP/s (1e6..1e18) — outside that it is a unit

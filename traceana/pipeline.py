@@ -266,6 +266,21 @@ def _chain_positions(pairs: pl.DataFrame) -> tuple[dict[int, int], list[str]]:
     return pos, []
 
 
+def virtual_stage_ranks(traces: pl.DataFrame) -> list[int]:
+    """Ranks whose trace metadata (the ``traceana`` object our profiler writes) lists several stages. One small JSON
+    document per rank, parsed in Python."""
+    out = []
+    if "meta" in traces.columns:
+        for rank, meta in traces.select("rank", "meta").rows():
+            try:
+                stages = json.loads(meta).get("stages") if meta else None
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(stages, list) and len(stages) > 1:
+                out.append(rank)
+    return sorted(out)
+
+
 # --- schedule ------------------------------------------------------------------------------------------------
 def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
     """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges;
