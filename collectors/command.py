@@ -5,6 +5,11 @@ communicate through host memory over gloo). Under torchrun (RANK/WORLD_SIZE set)
 Impossible configurations are refused before any process starts.
 
   traceana collect --preset tiny-gpt --pp 4 --microbatches 8 --schedule 1f1b --bpipe -o runs/bpipe
+
+The multi-stage schedules (interleaved-1f1b, looped-bfs, zero-bubble, zbv, dualpipev) run torch.distributed.pipelining's
+own schedule classes instead (collectors.pipelining_example): --pp stages on --pp/2 ranks, two per rank.
+
+  traceana collect --schedule zero-bubble --pp 4 --microbatches 4 -o runs/zb
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from collectors.trainer.config import PRESETS, SCHEDULES  # cheap: no torch import
+    from traceana.manifest import MULTI_STAGE_SCHEDULES
 
     parser.add_argument("--model", "--preset", dest="preset", default="tiny-gpt", metavar="PRESET",
                         help=f"model preset: {', '.join(PRESETS)} (default tiny-gpt)")
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages = processes (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES),
+                        help="pipeline schedule (default 1f1b); multi-stage ones run torch.distributed.pipelining")
     parser.add_argument("--bpipe", action="store_true", help="evict activations from stage s to stage p-1-s (BPipe)")
     parser.add_argument("--bpipe-inflight", type=int, default=None, metavar="N",
                         help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)")
@@ -46,7 +53,31 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
+def run_pipelining(args: argparse.Namespace) -> int:
+    """A multi-stage schedule: torch.distributed.pipelining's own class, two stages per rank."""
+    from traceana.errors import ConfigError
+
+    unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--recompute", args.recompute != "none"),
+                                         ("--attention", args.attention != "naive")) if on]
+    if unsupported:
+        raise ConfigError(f"{', '.join(unsupported)} is not available with schedule {args.schedule!r}",
+                          fix="use it with the reference trainer's gpipe or 1f1b schedules")
+    if args.pp < 2 or args.pp % 2:
+        raise ConfigError(f"schedule {args.schedule!r} puts two stages on each rank: --pp must be even, got {args.pp}",
+                          fix="give an even --pp, e.g. 4")
+    from collectors.pipelining_example import collect
+
+    out = collect(args.schedule, args.out, preset=args.preset, microbatches=args.microbatches,
+                  microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2)
+    print(f"wrote {out}; next: traceana analyze {out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    from collectors.trainer.config import SCHEDULES
+
+    if args.schedule not in SCHEDULES:
+        return run_pipelining(args)
     config = config_from_args(args)  # ConfigError (exit 2) before torch is even imported
     from collectors import launch
 

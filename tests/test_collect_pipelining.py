@@ -73,3 +73,18 @@ def test_a_real_schedule_1f1b_run_gets_forward_and_backward_spans_per_microbatch
         assert got == Counter({f"PP:{rank}{a}{mb}": 1 for a in "FB" for mb in (0, 1)})
         assert trace["traceana"]["schedule"] == "1f1b"
     assert json.loads((run_dir / "run.json").read_text())["ranks_written"] == [0, 1]
+
+
+@pytest.mark.slow
+def test_collect_command_runs_a_zero_bubble_schedule_through_torch_pipelining(tmp_path):
+    from traceana.cli import main
+
+    out = tmp_path / "zb"
+    assert main(["collect", "--schedule", "zero-bubble", "--pp", "4", "--microbatches", "4",
+                 "--microbatch-size", "1", "--steps", "1", "-o", str(out)]) == 0
+    with gzip.open(out / "rank0.pt.trace.json.gz") as f:
+        trace = json.load(f)
+    got = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name", "").startswith("PP:")}
+    assert {"PP:0I0", "PP:0W0", "PP:2I0", "PP:2W0"} <= got  # rank 0 holds stages 0 and 2; backward split I/W
+    assert json.loads((out / "run.json").read_text())["schedule"] == "zero-bubble"
+    assert main(["collect", "--schedule", "zbv", "--pp", "3", "-o", str(tmp_path / "bad")]) == 2
