@@ -163,7 +163,8 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     # groups' tables are recomputed here over the whole run's, exactly as analyze computes them.
     att, stage_mem = tables["attribution"], tables["stage_memory"]
     measured = measured_steps(att, tables["schedule"])
-    stage_map = tables["stages"].select("rank", "stage", "stage_source")
+    # the stage map's columns (pipeline.stage_map: rank, stage, …) are those stage_table puts before its means
+    stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
     mfu, _ = _mfu(run, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)
     stages = stage_table(att.filter(pl.col("step").is_in(measured)), stage_map,
                          stage_mem.filter(pl.col("step").is_in(measured)), mfu)
