@@ -47,7 +47,7 @@ from typing import Any, Callable
 import msgspec
 import polars as pl
 
-from traceana import names, schema
+from traceana import limits, names, schema
 from traceana.errors import BadInputError, TraceFormatError, shown
 from traceana.files import open_regular
 
@@ -168,31 +168,84 @@ def _open(path: Path):
     return open_regular(path, shown=shown(path))
 
 
-def read_bytes(path: Path) -> tuple[bytes, bool]:
-    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short."""
+def _oversized(path: Path, offset: int) -> TraceFormatError:
+    return TraceFormatError(
+        f"one JSON value (an event, or the top level before traceEvents) exceeds "
+        f"{limits.MAX_VALUE_BYTES >> 20} MiB at about byte {offset:,} of the JSON; no profiler event is that large",
+        path=shown(path), fix="the file is damaged or not a profiler trace; re-collect it")
+
+
+class _Budget:
+    """The bounded-memory rule (``traceana.limits``): after each batch, the memory still free must be at least
+    twice what reading this trace has taken so far (building its tables takes about as much again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.start = path, limits.usage()
+
+    def check(self, batches: "_Batches") -> None:
+        short = limits.short_of_room(self.start, limits.usage())
+        if short is not None:
+            taken, free = short
+            raise TraceFormatError(
+                f"after {batches.rows + batches.n_mem:,} events, reading it has taken {limits.gib(taken)} and only "
+                f"{limits.gib(free)} of memory is left: its tables would not fit",
+                path=shown(self.path), fix=limits.how_to_raise())
+
+
+def read_bytes(path: Path) -> tuple[bytes | bytearray, bool]:
+    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short.
+
+    The whole JSON is held: it may take at most ``traceana.limits.json_budget()`` bytes, checked while reading and
+    decompressing (a gzip bomb is refused once that much came out, not after)."""
+    budget = limits.json_budget()
     with _open(path) as fh:
         try:
-            data = fh.read()
+            size = os.fstat(fh.fileno()).st_size
+            if size > budget:
+                raise _too_big(path, size, budget)
+            data = fh.read(budget + 1)
         except OSError as e:
             raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
                                 fix="check the file and any symlinks to it") from None
     if not data:
         raise TraceFormatError("empty file (0 bytes)", path=shown(path),
                                fix="the profiler did not write this trace; re-collect it or remove the file")
+    if len(data) > budget:
+        raise _too_big(path, len(data), budget)
     if data[:2] != GZIP_MAGIC:
         return data, False
-    return _gunzip(data, path)
+    return _gunzip(data, path, budget)
 
 
-def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
-    out: list[bytes] = []
+def _too_big(path: Path, n: int, budget: int, *, gz: bool = False) -> TraceFormatError:
+    what = "decompresses to more than" if gz else "holds"
+    return TraceFormatError(
+        f"{what} {limits.gib(n if not gz else budget)} of JSON, over the {limits.gib(budget)} the general decoder may "
+        "hold (it keeps the whole JSON in memory: a sixth of this process's memory limit)", path=shown(path),
+        fix="install traceana where a C compiler is available (the native scanner streams any size), or "
+            + limits.how_to_raise())
+
+
+GUNZIP_PIECE = 16 << 20  # bytes decompressed at a time by the general decoder (to check its budget as it goes)
+
+
+def _gunzip(data: bytes, path: Path, budget: int) -> tuple[bytearray, bool]:
+    out = bytearray()
     rest = data
     truncated = False
     try:
         while rest[:2] == GZIP_MAGIC:  # concatenated gzip members are one stream
             d = _zlib.decompressobj(16 + zlib.MAX_WBITS)
-            out.append(d.decompress(rest))
-            out.append(d.flush())
+            tail = rest
+            while True:
+                piece = d.decompress(tail, GUNZIP_PIECE)
+                out += piece
+                if len(out) > budget:
+                    raise _too_big(path, len(out), budget, gz=True)
+                tail = d.unconsumed_tail
+                if d.eof or (not piece and not tail):
+                    break
+            out += d.flush()
             if not d.eof:
                 # The stream ended early: a writer killed mid-file. Keep what decompressed; the JSON is truncated.
                 truncated = True
@@ -202,9 +255,7 @@ def _gunzip(data: bytes, path: Path) -> tuple[bytes, bool]:
         raise TraceFormatError(f"corrupt gzip data ({e})", path=shown(path),
                                fix="the file is damaged; copy it again from where it was written") from None
     del data, rest
-    out = [piece for piece in out if piece]
-    # One piece (the usual case) is returned as is: joining would briefly hold the whole trace twice.
-    return (out[0] if len(out) == 1 else b"".join(out)), truncated
+    return out, truncated
 
 
 # --- top level ---------------------------------------------------------------------------------------------------
@@ -709,6 +760,7 @@ class _Reader:
     """
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.fh = _open(path)
         self.size = os.fstat(self.fh.fileno()).st_size
         gz = self.fh.read(2) == GZIP_MAGIC
@@ -733,7 +785,12 @@ class _Reader:
         self.buf.release()
         kept = self.length - keep_from
         if kept >= len(self.window) // 2:  # one event larger than half the window: make room
-            self.window.extend(bytes(len(self.window)))
+            if kept >= limits.MAX_VALUE_BYTES:
+                raise _oversized(self.path, self.n_bytes - kept)
+            # Doubled, but never past the rule's size (plus a read's worth): a longer value reaches it and is refused.
+            grow = min(len(self.window), limits.MAX_VALUE_BYTES + MIN_PIECE - len(self.window))
+            if grow > 0:
+                self.window.extend(bytes(grow))
         self.window[:kept] = self.window[keep_from:self.length]
         view = memoryview(self.window)
         n = self.src.readinto(view[kept:])
@@ -770,11 +827,13 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
             raise _NotNative("no traceEvents array")
         top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
         first = True
+        budget = _Budget(path)
         while True:
             status, pos, first, x_cols, mem_cols, odd, _, names_ = _scan.events(r.buf, pos, first, NATIVE_CHUNK,
                                                                                  r.final)
             batches.add_columns(x_cols, mem_cols, odd, names_)
             del x_cols, mem_cols, names_
+            budget.check(batches)
             if on_progress is not None:
                 on_progress(r.done(), r.size)
             if status == _scan.END:
@@ -842,9 +901,11 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
     top = {k: bytes(getattr(decoded, k)) for k in _META_KEYS}
     batches = _Batches()
     problems: list[str] = []
+    budget = _Budget(path)
     for evs, ts, done, total in _decoded_chunks(buf, decoded.traceEvents, problems):
         batches.add(evs, ts)
         del evs, ts
+        budget.check(batches)
         if on_progress is not None:
             on_progress(done, total)
     return top, batches, problems, gz_truncated or json_truncated, n_bytes
