@@ -156,3 +156,90 @@ def test_every_prefix_of_a_small_trace(tmp_path, seed):
 def _write(f: Path, data: bytes) -> Path:
     f.write_bytes(data)
     return f
+
+
+# --- semantic mutations: a readable run that contradicts itself ----------------------------------------------------
+# Each kind of contradiction, and the words of the note that must name it (None: the run must still be analysed to
+# steps that add up, or refused with one line). Counts of examples per kind are kept in SEMANTIC_COUNTS.
+SEMANTIC = {
+    "stage_of_rank_swapped": "stage_of_rank gives rank",
+    "duplicate_all": "copies of another",
+    "overlap_steps": "overlap the previous step",
+    "zero_durations": "lasts 0 ns",
+    "rank_vs_file_name": "the file name says rank",
+    "manifest_pp_too_big": "pp 8 is larger than world_size 2",
+    "manifest_bpipe_outside": "names a stage outside",
+    "manifest_microbatch_zero": "microbatch_size must be a positive integer",
+}
+SEMANTIC_COUNTS: dict[str, int] = {k: 0 for k in SEMANTIC} | {"refused": 0, "analysed": 0}
+
+
+def _two_ranks(kind: str, shift_us: float) -> tuple[list[dict], dict | None]:
+    traces, manifest = [], {"world_size": 2, "pp": 2, "schedule": "1f1b"}
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, meta={"rank": r, "stage": r})
+        end = 100 + (shift_us if kind == "overlap_steps" else 0)
+        tb.step(0, 0, end)
+        tb.step(1, 100, 200)
+        tb.annotation(f"PP:{r}F0", 10, 20)
+        tb.cpu_op("aten::mm", 12, 10)
+        if kind == "zero_durations":
+            for e in tb.events:
+                e["dur"] = 0
+        if kind == "duplicate_all":
+            tb.events = tb.events + [dict(e) for e in tb.events]
+        traces.append(tb.to_dict())
+    if kind == "rank_vs_file_name":
+        traces[0]["distributedInfo"]["rank"], traces[1]["distributedInfo"]["rank"] = 1, 0
+        traces[0]["traceana"]["rank"], traces[1]["traceana"]["rank"] = 1, 0
+    if kind == "stage_of_rank_swapped":
+        manifest["stage_of_rank"] = [1, 0]
+    if kind == "manifest_pp_too_big":
+        manifest["pp"] = 8
+    if kind == "manifest_bpipe_outside":
+        manifest["bpipe"] = [[0, 9]]
+    if kind == "manifest_microbatch_zero":
+        manifest["microbatch_size"] = 0
+    return traces, manifest
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kind=st.sampled_from(sorted(SEMANTIC)), shift_us=st.floats(1, 90), gz=st.booleans())
+def test_semantic_mutations_are_named_or_refused_never_silent(tmp_path_factory, kind, shift_us, gz):
+    import warnings
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    d = tmp_path_factory.mktemp("semantic")
+    traces, manifest = _two_ranks(kind, shift_us)
+    for r, trace in enumerate(traces):
+        data = json.dumps(trace).encode()
+        (d / f"rank{r}.json{'.gz' if gz else ''}").write_bytes(gzip.compress(data) if gz else data)
+    (d / "run.json").write_text(json.dumps(manifest))
+    SEMANTIC_COUNTS[kind] += 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = load_run(d, cache=False)
+            result = analyze(run)
+    except TraceanaError as e:
+        SEMANTIC_COUNTS["refused"] += 1
+        assert "\n" not in e.line() and SEMANTIC[kind] in e.line(), (kind, e.line())
+        return
+    SEMANTIC_COUNTS["analysed"] += 1
+    said = " | ".join([*run.warnings, *result.notes])
+    assert SEMANTIC[kind] in said, (kind, said)
+    # Whatever the contradiction, each (rank, step)'s categories still add up to the step.
+    per_step = result.attribution.group_by("rank", "step").agg(pl.col("ns").sum())
+    steps = result.steps.select("rank", "step", "dur_ns").join(per_step, on=["rank", "step"])
+    assert (steps["ns"] == steps["dur_ns"]).all()
+
+
+def test_semantic_mutation_counts():
+    """Runs after the fuzz test above (file order): every kind was tried, and the totals agree."""
+    if not SEMANTIC_COUNTS["analysed"] + SEMANTIC_COUNTS["refused"]:
+        pytest.skip("the semantic fuzz test did not run in this process")
+    assert all(SEMANTIC_COUNTS[k] > 0 for k in SEMANTIC), SEMANTIC_COUNTS
+    print("semantic mutations:", SEMANTIC_COUNTS)

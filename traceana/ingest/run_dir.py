@@ -164,6 +164,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(f"{shown(r[2]['path'])}: rank {r[2]['rank']} has no usable event; it is analysed as empty"
                     for r in results if r[0].height == 0)
     warnings.extend(_check_ranks(results, manifest, run_dir))
+    warnings.extend(_contradictions(results, manifest, run_dir))
     results.sort(key=lambda r: r[2]["rank"])
     # One contiguous table (analysis needs one, and would otherwise copy it while the ranks' tables are still held).
     events = (pl.concat([r[0] for r in results], how="vertical", rechunk=True) if results
@@ -379,6 +380,48 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
         if unwritten:
             notes.append(f"{shown(run_dir / MANIFEST_NAME)}: ranks {unwritten} did not finish writing their trace "
                          "according to run.json; their data may be partial")
+    return notes
+
+
+def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: Path) -> list[str]:
+    """Notes for what is readable but contradicts itself: a trace's rank against its file name, run.json's stage
+    map against the traces' own stage metadata, overlapping or duplicated ProfilerStep spans and annotations,
+    events that all last zero. Only step spans and annotations are compared (a few rows per rank)."""
+    notes: list[str] = []
+    for ev, _, row in results:
+        name = Path(row["path"])
+        file_rank = rank_from_filename(name)
+        if row["rank_source"] == "distributedInfo" and file_rank is not None and file_rank != row["rank"]:
+            notes.append(f"{shown(row['path'])}: distributedInfo says rank {row['rank']} but the file name says "
+                         f"rank {file_rank}; using {row['rank']} (renamed or mixed-up files?)")
+        if manifest is not None and manifest.stage_of_rank is not None and row["stage"] is not None \
+                and 0 <= row["rank"] < len(manifest.stage_of_rank) and manifest.stage_of_rank[row["rank"]] != row["stage"]:
+            notes.append(f"{shown(run_dir / MANIFEST_NAME)}: stage_of_rank gives rank {row['rank']} stage "
+                         f"{manifest.stage_of_rank[row['rank']]} but its trace says stage {row['stage']}; "
+                         "run.json wins — fix whichever is wrong")
+        if not ev.height:
+            continue
+        marks = ev.filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
+                                                | pl.col("name").str.starts_with("PP:")))
+        key = marks.select("track", "name", "ts_ns", "dur_ns")
+        dups = key.height - key.unique().height
+        if dups:
+            notes.append(f"{shown(row['path'])}: {dups} step spans or annotations are copies of another (same name, "
+                         "thread, start and duration): the trace holds duplicated events, and counts from it are "
+                         "inflated — re-export it")
+        steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["track", "ts_ns", "name"])
+                 .sort("track", "ts_ns")
+                 .with_columns(prev_end=(pl.col("ts_ns") + pl.col("dur_ns")).shift(1).over("track"),
+                               prev=pl.col("name").shift(1).over("track"))
+                 .filter(pl.col("ts_ns") < pl.col("prev_end")))
+        if steps.height:
+            first = steps.row(0, named=True)
+            notes.append(f"{shown(row['path'])}: {steps.height} ProfilerStep spans overlap the previous step (first: "
+                         f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / 1e6:.3f} ms before "
+                         f"{first['prev']} ends); the overlap is counted in both steps")
+        if ev.select((pl.col("dur_ns") == 0).all()).item():
+            notes.append(f"{shown(row['path'])}: every one of its {ev.height:,} events lasts 0 ns: no time can be "
+                         "attributed on rank " + str(row["rank"]))
     return notes
 
 
