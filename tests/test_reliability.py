@@ -212,6 +212,12 @@ def test_terminal_escapes_in_file_names_are_printed_escaped(tmp_path, capsys):
     rc, _, err = _cli(["analyze", d, "--no-cache"], capsys)
     assert rc == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b[2J" in err
     assert printable("a\u202eb\tc") == "a\\u202eb\\tc"
+    # A run folder with an escape in its name: the tables' title shows it escaped.
+    e = tmp_path / "run\x1b[31mred"
+    e.mkdir()
+    write_two_stage_run(e)
+    rc, out, err = _cli(["analyze", e, "--no-cache"], capsys)
+    assert rc == 0 and "\x1b" not in out + err and "run\\x1b[31mred" in out
 
 
 # --- internal errors: a clear line (exit 2) or a correct answer --------------------------------------------------

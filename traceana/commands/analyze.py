@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from traceana.errors import BadInputError
+from traceana.errors import shown as printable_path
 from traceana.export import FORMATS
 
 
@@ -73,7 +74,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
 
     console = Console()
     ranks = analysis.rank_summary if analysis.rank_summary is not None else summarize_ranks(analysis.run)
-    t = Table(title=f"Ranks of {analysis.run.path}", title_justify="left")
+    t = Table(title=f"Ranks of {printable_path(analysis.run.path)}", title_justify="left")  # escapes printed inert
     for c in ("rank", "backend", "devices", "steps", "mean step ms", "events", "kernels", "P2P ops", "collectives",
               "trace"):
         t.add_column(c, justify="right" if c not in ("backend", "devices", "trace") else "left")
