@@ -110,11 +110,11 @@ def test_changed_trace_invalidates_its_cache_entry(run4):
 
 
 def test_new_tool_version_invalidates_the_cache(run4, monkeypatch):
-    import traceana
+    from traceana import version
 
     load_run(run4)
     before = set((run4 / CACHE_DIR / "ingest").iterdir())
-    monkeypatch.setattr(traceana, "__version__", "99.0")
+    monkeypatch.setattr(version, "__version__", "99.0")
     load_run(run4)
     after = set((run4 / CACHE_DIR / "ingest").iterdir())
     assert before.isdisjoint(after) and len(after) == 12

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os as _os
 
-__version__ = "0.1.0"
+from traceana.version import __version__  # noqa: E402
 
 # polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
 # frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning

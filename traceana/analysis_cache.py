@@ -33,7 +33,7 @@ from typing import Any
 import polars as pl
 
 import traceana
-from traceana import schema
+from traceana import schema, version
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
 from traceana.files import temporary_name
@@ -111,7 +111,7 @@ def _build(cls, values: dict[str, Any], extra: dict[str, Any]):
 @lru_cache(maxsize=1)
 def code_hash() -> str:
     """traceana's version, the analysis table schemas and its own source: any change makes every entry miss."""
-    h = hashlib.sha1(f"{traceana.__version__}|{ANALYSIS_FORMAT}".encode())
+    h = hashlib.sha1(f"{version.__version__}|{ANALYSIS_FORMAT}".encode())
     for s in (schema.STEPS, schema.P2P, schema.SCHEDULE, schema.ATTRIBUTION, schema.STAGE_MEMORY, schema.TRACES,
               schema.MEMORY, schema.EVENTS):
         h.update(repr(sorted((k, str(v)) for k, v in s.items())).encode())

@@ -17,8 +17,7 @@ from typing import Any
 
 import polars as pl
 
-import traceana
-from traceana import schema
+from traceana import schema, version
 from traceana.files import sweep_temporaries, temporary_name
 
 CACHE_DIR = ".traceana"
@@ -28,7 +27,7 @@ INGEST_FORMAT = 1  # bump when ingest produces different tables from the same tr
 
 def schema_hash() -> str:
     text = repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
-    return hashlib.sha1(f"{text}|{traceana.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
+    return hashlib.sha1(f"{text}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
 
 
 def fingerprint(path: Path) -> str:
