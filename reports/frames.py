@@ -142,15 +142,15 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
 def timeline_transfers(a: Analysis) -> pl.DataFrame:
     """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received), the wait before it."""
     origin = origin_ns(a)
-    p2p = a.p2p.filter(pl.col("data_ready").is_not_null() & pl.col("recv_end").is_not_null())
+    p2p = a.p2p.filter(pl.col("data_ready_ns").is_not_null() & pl.col("recv_end_ns").is_not_null())
     return p2p.select(
         pl.col("dst").alias("rank"),
         pl.col("src").alias("peer"),
         "step",
         pl.when(pl.col("channel") == "bpipe").then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("kind"),
         pl.col("nbytes"),
-        ((pl.col("data_ready") - origin) / NS_PER_MS).alias("start_ms"),
-        ((pl.col("recv_end") - origin) / NS_PER_MS).alias("end_ms"),
+        ((pl.col("data_ready_ns") - origin) / NS_PER_MS).alias("start_ms"),
+        ((pl.col("recv_end_ns") - origin) / NS_PER_MS).alias("end_ms"),
         (pl.col("transfer_ns") / NS_PER_MS).alias("transfer_ms"),
         (pl.col("wait_ns") / NS_PER_MS).alias("wait_ms"),
     ).sort("rank", "start_ms")

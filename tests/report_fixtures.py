@@ -126,12 +126,12 @@ def make_analysis(
     p2p = (
         pl.DataFrame(
             p2p_rows,
-            schema=["src", "dst", "tag", "seq", "step", "channel", "nbytes", "send_start", "recv_post",
-                    "data_ready", "recv_end"],
+            schema=["src", "dst", "tag", "seq", "step", "channel", "nbytes", "send_start_ns", "recv_post_ns",
+                    "data_ready_ns", "recv_end_ns"],
             orient="row",
         )
         .with_columns(
-            wait_ns=pl.col("data_ready") - pl.col("recv_post"), transfer_ns=pl.col("recv_end") - pl.col("data_ready")
+            wait_ns=pl.col("data_ready_ns") - pl.col("recv_post_ns"), transfer_ns=pl.col("recv_end_ns") - pl.col("data_ready_ns")
         )
         .pipe(schema.conform, schema.P2P)
     )

@@ -86,7 +86,7 @@ def test_cpu_two_stage_annotated():
 
 def test_p2p_pairs_split_wait_and_transfer():
     a = analyze(two_stage_cpu().run())
-    got = a.p2p.select("src", "dst", "seq", "channel", "send_start", "recv_post", "data_ready", "recv_end",
+    got = a.p2p.select("src", "dst", "seq", "channel", "send_start_ns", "recv_post_ns", "data_ready_ns", "recv_end_ns",
                        "wait_ns", "transfer_ns")
     want = pl.DataFrame(
         [(0, 1, 0, "p2p", 20, 5, 20, 26, 15, 6), (1, 0, 0, "p2p", 60, 30, 60, 70, 30, 10)],
@@ -274,7 +274,7 @@ def test_memory_per_stage_baseline_peak_and_balance():
 
 
 def test_clock_offsets_from_pairs_that_would_receive_before_sending():
-    pairs = pl.DataFrame({"src": [0, 1], "dst": [1, 2], "send_start": [1000, 5000], "recv_end": [500, 5200]})
+    pairs = pl.DataFrame({"src": [0, 1], "dst": [1, 2], "send_start_ns": [1000, 5000], "recv_end_ns": [500, 5200]})
     got, notes = timeline.clock_offsets(pairs, [0, 1, 2], same_host=None)
     # rank 1's clock reads at least 500 ns early relative to rank 0; every pair must be possible afterwards.
     o = dict(got.select("rank", "offset_ns").rows())
@@ -285,7 +285,7 @@ def test_clock_offsets_from_pairs_that_would_receive_before_sending():
 
 
 def test_clock_offsets_are_zero_on_one_host():
-    pairs = pl.DataFrame({"src": [0], "dst": [1], "send_start": [1000], "recv_end": [500]})
+    pairs = pl.DataFrame({"src": [0], "dst": [1], "send_start_ns": [1000], "recv_end_ns": [500]})
     got, _ = timeline.clock_offsets(pairs, [0, 1], same_host=True)
     assert got["offset_ns"].to_list() == [0, 0] and got["source"][0] == "same host"
 

@@ -40,8 +40,8 @@ def pipeline_trace(schedule: str, *, p: int = 4, m: int = 8, tf: int = 10, tb: i
     b = EventsBuilder()
     progs = [program(schedule, p, m, s) for s in range(p)]
     pos, free, phase = [0] * p, [0] * p, ["recv"] * p
-    send_start: dict[tuple, int] = {}  # (kind, k, src stage) -> when the sender's send began
-    recv_post: dict[tuple, int] = {}  # (kind, k, dst stage) -> when the receiver posted
+    send_start_ns: dict[tuple, int] = {}  # (kind, k, src stage) -> when the sender's send began
+    recv_post_ns: dict[tuple, int] = {}  # (kind, k, dst stage) -> when the receiver posted
     pending: list[tuple] = []
     done = 0
     while done < p:
@@ -55,10 +55,10 @@ def pipeline_trace(schedule: str, *, p: int = 4, m: int = 8, tf: int = 10, tb: i
             kind = "act" if act == "F" else "grad"
             if phase[s] == "recv":
                 if 0 <= src < p:
-                    recv_post.setdefault((kind, k, s), free[s])
-                    if (kind, k, src) not in send_start:
+                    recv_post_ns.setdefault((kind, k, s), free[s])
+                    if (kind, k, src) not in send_start_ns:
                         continue
-                    end = max(free[s], send_start[(kind, k, src)]) + lat
+                    end = max(free[s], send_start_ns[(kind, k, src)]) + lat
                     b.recv(rank[s], rank[src], free[s], end)
                     free[s] = end
                 dur = tf if act == "F" else tb
@@ -67,7 +67,7 @@ def pipeline_trace(schedule: str, *, p: int = 4, m: int = 8, tf: int = 10, tb: i
                 b.op(rank[s], "aten::mm" if act == "F" else BWD, free[s], free[s] + dur)
                 free[s] += dur
                 if 0 <= dst < p:
-                    send_start[(kind, k, s)] = free[s]
+                    send_start_ns[(kind, k, s)] = free[s]
                 phase[s] = "send"
                 progressed = True
             if phase[s] == "send":
@@ -86,7 +86,7 @@ def pipeline_trace(schedule: str, *, p: int = 4, m: int = 8, tf: int = 10, tb: i
                 progressed = True
         assert progressed, "synthetic pipeline deadlocked"
     for s, dst, start, key in pending:
-        b.send(rank[s], rank[dst], start, max(start, recv_post[key]) + lat)
+        b.send(rank[s], rank[dst], start, max(start, recv_post_ns[key]) + lat)
     end = max(free) + 5
     for s in range(p):
         b.step(rank[s], step, 0, end)
@@ -184,7 +184,7 @@ def test_skewed_clocks_are_corrected_from_p2p_pairs():
     o = dict(a.clock_offsets.select("rank", "offset_ns").rows())
     assert set(a.clock_offsets["source"]) == {"p2p constraints"}
     assert o[0] == 0 and -500 * US <= o[3] <= -(500 - 2) * US  # exact up to the 2 µs link latency
-    assert (a.p2p["transfer_ns"] >= 0).all() and (a.p2p["recv_end"] >= a.p2p["send_start"]).all()
+    assert (a.p2p["transfer_ns"] >= 0).all() and (a.p2p["recv_end_ns"] >= a.p2p["send_start_ns"]).all()
     cols = ["rank", "stage", "microbatch", "phase"]
     assert_frame_equal(a.schedule.select(cols), truth.schedule.select(cols))
     assert any("clocks differ" in n for n in a.notes)

@@ -9,9 +9,9 @@ Every instant of a step gets the first category (in this priority order) whose i
 2. ``collective`` — a collective op, span or kernel of the rank is running;
 3. ``bpipe`` — inside an EVICT/LOAD/ACCEPT/RETURN span or a BPipe op (or, on ranks without those annotations, while
    a BPipe message — either side classified as BPipe — is in flight);
-4. ``p2p`` — a P2P message is moving bytes (after ``data_ready``: the peer's send had started and the receiver
+4. ``p2p`` — a P2P message is moving bytes (after ``data_ready_ns``: the peer's send had started and the receiver
    had posted);
-5. waiting on a peer — before ``data_ready`` of a message (or anywhere in an unmatched one): a bubble by the
+5. waiting on a peer — before ``data_ready_ns`` of a message (or anywhere in an unmatched one): a bubble by the
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
@@ -130,8 +130,8 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
             return (pl.when(pl.col(rank).is_in(cpu))
                     .then(pl.max_horizontal(pl.lit(_last_mark(frame, rank, end, marks)), post)))
 
-        p = p.with_columns(block(p, "dst", "recv_end", "recv_post").alias("_recv_block"),
-                           block(p, "src", "send_end", "send_start").alias("_send_block"))
+        p = p.with_columns(block(p, "dst", "recv_end_ns", "recv_post_ns").alias("_recv_block"),
+                           block(p, "src", "send_end_ns", "send_start_ns").alias("_send_block"))
         um = um.with_columns(block(um, "rank", "end", "start").alias("_block"))
     else:
         p = p.with_columns(pl.lit(None, pl.Int64).alias("_recv_block"), pl.lit(None, pl.Int64).alias("_send_block"))
@@ -143,16 +143,16 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     # Sender: waiting until the receiver posted, then moving bytes until the receiver had them (or its own wait()
     # returned, if earlier): an asynchronous send waited on much later would otherwise count its whole span. Where
     # the blocked part is known (CPU ranks), the sender is in wait() until it returns, however late that is.
-    send_ready = pl.min_horizontal(pl.max_horizontal("send_start", "recv_post"), "send_end")
-    send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end"))
-                 .otherwise(pl.max_horizontal(send_ready, pl.min_horizontal("send_end", "recv_end"))))
+    send_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
+    send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end_ns"))
+                 .otherwise(pl.max_horizontal(send_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
     transfer = pl.concat([
-        p.select(blocked("dst", pl.col("data_ready"), pl.col("recv_end"), "_recv_block")),
+        p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
         p.select(blocked("src", send_ready, send_done, "_send_block")),
     ])
     wait = pl.concat([
-        p.select(blocked("dst", pl.col("recv_post"), pl.col("data_ready"), "_recv_block")),
-        p.select(blocked("src", pl.col("send_start"), send_ready, "_send_block")),
+        p.select(blocked("dst", pl.col("recv_post_ns"), pl.col("data_ready_ns"), "_recv_block")),
+        p.select(blocked("src", pl.col("send_start_ns"), send_ready, "_send_block")),
         um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
     ])
     return transfer, wait
@@ -196,8 +196,8 @@ def segments(
     annotated = events.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))
     bp = pairs.filter(pl.col("channel") == "bpipe")
     bp_msgs = pl.concat([
-        bp.select(pl.col("src").alias("rank"), pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
-        bp.select(pl.col("dst").alias("rank"), pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
+        bp.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end")),
+        bp.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end")),
         unmatched.filter(pl.col("channel") == "bpipe").select("rank", "start", "end"),
     ]).join(annotated.select("rank").unique(), on="rank", how="anti")
     bpipe = pl.concat([

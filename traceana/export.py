@@ -182,10 +182,10 @@ def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
     us = lambda c: ((c - origin) / 1000.0)  # noqa: E731
     common = [pl.col("channel").alias("name"), pl.lit("traceana.p2p").alias("cat")]
     starts = p.select(pl.lit("s").alias("ph"), "id", *common, pl.col("src").alias("pid"), pl.lit(tid).alias("tid"),
-                      us(pl.col("send_start")).alias("ts"), pl.lit(None, pl.String).alias("bp"))
+                      us(pl.col("send_start_ns")).alias("ts"), pl.lit(None, pl.String).alias("bp"))
     # Bind the arrow's head inside the slice that ends when the receive completed.
     ends = p.select(pl.lit("f").alias("ph"), "id", *common, pl.col("dst").alias("pid"), pl.lit(tid).alias("tid"),
-                    us(pl.max_horizontal(pl.col("recv_end") - 1, pl.col("recv_post"))).alias("ts"),
+                    us(pl.max_horizontal(pl.col("recv_end_ns") - 1, pl.col("recv_post_ns"))).alias("ts"),
                     pl.lit("e").alias("bp"))
     return pl.concat([starts, ends])
 

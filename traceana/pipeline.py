@@ -1,7 +1,7 @@
 """The pipeline seen from the traces: P2P messages and their pairing, the stage of each rank, and the schedule.
 
 P2P pairing (ARCHITECTURE.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
-For each pair, ``data_ready = max(recv_post, send_start)``: before it the receiver waited for its peer, after it
+For each pair, ``data_ready_ns = max(recv_post_ns, send_start_ns)``: before it the receiver waited for its peer, after it
 bytes were moving. The schedule comes from annotations (``PP:{stage}{ACTION}{mb}``, PyTorch's ``Forward {i}`` /
 ``Backward {i}``) or, for ranks without any, is inferred from P2P order (see ``infer_schedule``). Nothing is invented:
 a rank whose stage or micro-batches cannot be determined gets no schedule rows and a note says why.
@@ -21,7 +21,7 @@ from traceana.schema import P2P, SCHEDULE, conform
 from traceana.timeline import training_tracks
 
 # Extra columns kept beside schema.P2P for the sender's side of each pair.
-P2P_EXTRA = {"send_end": pl.Int64}
+P2P_EXTRA = {"send_end_ns": pl.Int64}
 
 MESSAGE = {
     "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
@@ -113,7 +113,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
 
 
 def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
-    """Match sends with recvs. Returns (pairs: schema.P2P + send_end, unmatched messages, the messages with the
+    """Match sends with recvs. Returns (pairs: schema.P2P + send_end_ns, unmatched messages, the messages with the
     channel of their pair, notes)."""
     # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
     # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
@@ -130,26 +130,26 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
                     pl.col("post_ns").alias(post), pl.col("end_ns").alias(end))
         )
 
-    sends = side("send", "src", "dst", "send_start", "send_end")
-    recvs = side("recv", "dst", "src", "recv_post", "recv_end")
+    sends = side("send", "src", "dst", "send_start_ns", "send_end_ns")
+    recvs = side("recv", "dst", "src", "recv_post_ns", "recv_end_ns")
     joined = (
         sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
         .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
                       .then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"))
     )
-    matched = joined.filter(pl.col("send_start").is_not_null() & pl.col("recv_post").is_not_null())
+    matched = joined.filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
     # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
-    ready = pl.min_horizontal(pl.max_horizontal("recv_post", "send_start"), "recv_end")
+    ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
     pairs = matched.with_columns(
-        ready.alias("data_ready"), pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
+        ready.alias("data_ready_ns"), pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
     ).with_columns(
-        (pl.col("data_ready") - pl.col("recv_post")).alias("wait_ns"),
-        (pl.col("recv_end") - pl.col("data_ready")).alias("transfer_ns"),
+        (pl.col("data_ready_ns") - pl.col("recv_post_ns")).alias("wait_ns"),
+        (pl.col("recv_end_ns") - pl.col("data_ready_ns")).alias("transfer_ns"),
     )
     pairs = pl.concat([conform(pairs, P2P), conform(pairs, P2P_EXTRA)], how="horizontal").sort(
         "step", "src", "dst", "tag", "seq")
-    unmatched_sends = joined.filter(pl.col("recv_post").is_null() & pl.col("send_start").is_not_null())
-    unmatched_recvs = joined.filter(pl.col("send_start").is_null() & pl.col("recv_post").is_not_null())
+    unmatched_sends = joined.filter(pl.col("recv_post_ns").is_null() & pl.col("send_start_ns").is_not_null())
+    unmatched_recvs = joined.filter(pl.col("send_start_ns").is_null() & pl.col("recv_post_ns").is_not_null())
     notes = []
     # Whether a peer's trace is missing or its messages just do not line up, each rank's side is reported.
     for label, frame, rank_col, peer_col in (("sends", unmatched_sends, "src", "dst"),
@@ -162,9 +162,9 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = pl.concat([
         unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
-                               pl.col("send_start").alias("start"), pl.col("send_end").alias("end")),
+                               pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end")),
         unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
-                               pl.col("recv_post").alias("start"), pl.col("recv_end").alias("end")),
+                               pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end")),
     ])
     rows = pl.concat([joined.select(pl.col("_send_row").alias("_row"), "channel"),
                       joined.select(pl.col("_recv_row").alias("_row"), "channel")]).drop_nulls("_row")
@@ -235,7 +235,7 @@ def _chain_positions(pairs: pl.DataFrame) -> tuple[dict[int, int], list[str]]:
         return {}, []
     first = (
         pairs.with_columns(pl.min_horizontal("src", "dst").alias("a"), pl.max_horizontal("src", "dst").alias("b"))
-        .sort("send_start").group_by("step", "a", "b", maintain_order=True).first()
+        .sort("send_start_ns").group_by("step", "a", "b", maintain_order=True).first()
         .group_by("src", "dst").agg(pl.len().alias("n"))
     )
     # Per neighbour pair, the direction most steps agree on.

@@ -93,12 +93,12 @@ P2P = {
     "step": pl.Int32,
     "channel": pl.String,  # "p2p" or "bpipe"
     "nbytes": pl.Int64,
-    "send_start": pl.Int64,
-    "recv_post": pl.Int64,
-    "data_ready": pl.Int64,  # max(recv_post, send_start): the data could exist from here on
-    "recv_end": pl.Int64,
-    "wait_ns": pl.Int64,  # data_ready − recv_post: waiting for the peer
-    "transfer_ns": pl.Int64,  # recv_end − data_ready: moving bytes
+    "send_start_ns": pl.Int64,
+    "recv_post_ns": pl.Int64,
+    "data_ready_ns": pl.Int64,  # max(recv_post_ns, send_start_ns): the data could exist from here on
+    "recv_end_ns": pl.Int64,
+    "wait_ns": pl.Int64,  # data_ready_ns − recv_post_ns: waiting for the peer
+    "transfer_ns": pl.Int64,  # recv_end_ns − data_ready_ns: moving bytes
 }
 
 SCHEDULE = {

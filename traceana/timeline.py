@@ -7,7 +7,7 @@
   gloo's wait() records no cpu_op, so the gap it leaves is idle and is explained later by the P2P spans).
 - Clocks: ranks on one host share the wall clock (FIELD-NOTES.md), so offsets are zero. Across hosts a per-rank
   offset is estimated from matched P2P pairs: a receive cannot complete before its send started, i.e.
-  ``send_start + o[src] <= recv_end + o[dst]``; the smallest corrections satisfying all pairs are the shortest
+  ``send_start_ns + o[src] <= recv_end_ns + o[dst]``; the smallest corrections satisfying all pairs are the shortest
   paths of that difference-constraint system (Bellman–Ford over ranks, not events).
 """
 
@@ -121,8 +121,8 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
         return zero.with_columns(pl.lit("same host").alias("source")), []
     if pairs.height == 0:
         return zero.with_columns(pl.lit("none (no matched P2P pairs)").alias("source")), []
-    # Tightest constraint per directed rank pair: o[src] - o[dst] <= min(recv_end - send_start).
-    edges = pairs.group_by("src", "dst").agg((pl.col("recv_end") - pl.col("send_start")).min().alias("c"))
+    # Tightest constraint per directed rank pair: o[src] - o[dst] <= min(recv_end_ns - send_start_ns).
+    edges = pairs.group_by("src", "dst").agg((pl.col("recv_end_ns") - pl.col("send_start_ns")).min().alias("c"))
     if edges["c"].min() >= 0:
         return zero.with_columns(pl.lit("consistent (no correction needed)").alias("source")), []
     dist = {r: 0 for r in ranks}

@@ -116,7 +116,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     # arrival to the start of the receiver's next forward/backward; it is part of the measured host time, so it is
     # taken out of the per-operation host time and put where it lies, on the message's critical path.
     nxt = (
-        p2p.select(pl.col("dst").alias("rank"), pl.col("recv_end").alias("t")).sort("t")
+        p2p.select(pl.col("dst").alias("rank"), pl.col("recv_end_ns").alias("t")).sort("t")
         .join_asof(sched.filter(pl.col("phase").is_in(["forward", "backward"]))
                    .select("rank", pl.col("start_ns").alias("t_op")).sort("t_op"),
                    left_on="t", right_on="t_op", by="rank", strategy="forward", check_sortedness=False)

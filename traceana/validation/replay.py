@@ -67,7 +67,7 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
         .with_columns(pl.col("src").replace_strict(stage_of, default=None).alias("s_src"),
                       pl.col("dst").replace_strict(stage_of, default=None).alias("s_dst"))
         .drop_nulls(["s_src", "s_dst"])
-        .sort("send_start")
+        .sort("send_start_ns")
         .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
     )
     per_msg = {
