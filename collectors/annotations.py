@@ -1,4 +1,4 @@
-"""Annotations for the ``PP:{stage}{ACTION}{microbatch}`` contract (ARCHITECTURE.md).
+"""Annotations for the ``PP:{stage}{ACTION}{microbatch}`` contract (docs/architecture.md).
 
 Names come from ``traceana.names`` only; collectors spell no annotation themselves. Each helper returns a
 ``torch.profiler.record_function`` context manager, which costs next to nothing when no profiler is running.

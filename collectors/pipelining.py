@@ -1,7 +1,7 @@
 """Per-micro-batch annotations for ``torch.distributed.pipelining`` schedules, with one call.
 
 ``Schedule1F1B`` emits no forward/backward annotations at all and ``ScheduleGPipe`` emits stage-less
-``Forward {i}`` / ``Backward {i}`` spans that also cover its P2P waits (FIELD-NOTES.md). ``annotate(schedule)`` wraps
+``Forward {i}`` / ``Backward {i}`` spans that also cover its P2P waits (docs/field-notes.md). ``annotate(schedule)`` wraps
 each of the schedule's ``PipelineStage`` objects so that every ``forward_one_chunk`` / ``backward_one_chunk`` /
 ``backward_weight_one_chunk`` runs inside ``PP:{stage}F{mb}`` / ``PP:{stage}B{mb}`` (``I`` for an input-only
 backward of zero-bubble schedules) / ``PP:{stage}W{mb}``. The user's model is untouched: only the stage objects'

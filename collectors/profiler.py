@@ -9,7 +9,7 @@
   cycle replaces the previous one's file: the directory holds the *last* completed cycle (one trace per rank, as
   the run directory layout requires); ``traceana.cycle`` in the trace says which.
 - ``record_shapes`` and ``profile_memory`` are on by default: gloo peers and tags are only visible with shapes
-  (FIELD-NOTES.md), memory per stage needs the allocator instants.
+  (docs/field-notes.md), memory per stage needs the allocator instants.
 - The trace carries a top-level ``"traceana"`` object (rank, stage, pp, world size, schedule, BPipe pairs, …) so a
   loose file describes itself; rank 0 writes ``run.json`` with ``ranks_written`` listing the ranks whose trace is on disk.
 - Writing is atomic (``.partial`` temporary, gzip, ``os.replace``): a trace that exists is complete. Any failure —

@@ -26,7 +26,7 @@ def _label(kind: str) -> str:
 
 
 def _pd(frame: pl.DataFrame):
-    # holoviews' grouping needs pandas (FIELD-NOTES.md: polars frames partly work, Bars grouping does not).
+    # holoviews' grouping needs pandas (docs/field-notes.md: polars frames partly work, Bars grouping does not).
     return frame.to_pandas()
 
 

@@ -1,6 +1,6 @@
 """Build schema.EVENTS frames (and a Run) directly, in integer microseconds, for attribution tests.
 
-Shaped like ingest's output for real traces (FIELD-NOTES.md): a CPU/gloo P2P message is a short ``c10d::send`` /
+Shaped like ingest's output for real traces (docs/field-notes.md): a CPU/gloo P2P message is a short ``c10d::send`` /
 ``c10d::recv_`` cpu_op carrying peer and tag, plus a ``gloo:send`` / ``gloo:recv`` user annotation from the post to
 the return of wait(); a GPU message is a ``record_param_comms`` op plus an ``ncclDevKernel_SendRecv`` kernel.
 """

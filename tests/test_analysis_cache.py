@@ -105,7 +105,7 @@ def test_read_only_run_dir_works_without_writing(run_dir):
     os.chmod(run_dir, mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no warning either: a read-only run is normal (../shared)
+            warnings.simplefilter("error")  # no warning either: a read-only run is normal (a shared folder)
             a = load_and_analyze(run_dir)
             b = load_and_analyze(run_dir)
         assert not (run_dir / ".traceana").exists()

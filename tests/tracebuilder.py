@@ -1,4 +1,4 @@
-"""Build tiny synthetic Kineto traces by hand, shaped like the real ones (see FIELD-NOTES.md).
+"""Build tiny synthetic Kineto traces by hand, shaped like the real ones (see docs/field-notes.md).
 
 Times are given in microseconds, as Kineto writes them. Used across the suite:
 

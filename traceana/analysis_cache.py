@@ -8,7 +8,7 @@ inode, ctime, ingest schema and tool version), run.json's ``fingerprint``, ``pea
 analysis table schemas and a hash of traceana's own source (so an edited analysis never reads a stale result).
 A changed input simply misses. An entry is a folder written under a temporary name and renamed into place, with
 ``meta.json`` written last: a half-written or damaged entry is a miss, never an error. A run directory that is not
-writable (like the read-only ../shared) is never written to; a failed write is a warning, never an error.
+writable (a read-only share) is never written to; a failed write is a warning, never an error.
 
 What a hit holds: every ``Analysis`` table (``tables()``), the run's ``traces`` and ``memory`` tables, the per-rank
 summary, the notes, warnings and memory balance. The two big event tables are not stored: ``run.events`` is read

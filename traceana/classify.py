@@ -1,7 +1,7 @@
 """A kind per event (schema.KINDS), plus the columns later stages need: P2P direction and channel, the launch
 time of GPU work, pipeline-annotation fields, and the step each event belongs to.
 
-Rules (ARCHITECTURE.md "Classification and attribution", FIELD-NOTES.md):
+Rules (docs/architecture.md "Classification and attribution", docs/field-notes.md):
 - GPU: NCCL kernels (``ncclDevKernel_*``, ``ncclKernel_*``) are communication; a SendRecv kernel is P2P when the
   cpu op that launched it (same External id) is a send/recv, else a collective (all_to_all also runs SendRecv
   kernels). Other kernels are compute; memcpy/memset keep their own kinds.

@@ -63,7 +63,7 @@ OVERLAP_PATTERN = r"^PP:\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
 GPIPE_PATTERN = r"^(Forward|Backward) (\d+)$"  # torch.distributed.pipelining ScheduleGPipe
 STEP_PATTERN = r"^ProfilerStep#(\d+)$"
 
-# Communication op names seen in Kineto traces (FIELD-NOTES.md).
+# Communication op names seen in Kineto traces (docs/field-notes.md).
 GLOO_SEND = "gloo:send"
 GLOO_RECV = "gloo:recv"
 C10D_SEND = "c10d::send"

@@ -1,6 +1,6 @@
 """The pipeline seen from the traces: P2P messages and their pairing, the stage of each rank, and the schedule.
 
-P2P pairing (ARCHITECTURE.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
+P2P pairing (docs/architecture.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
 For each pair, ``data_ready_ns = max(recv_post_ns, send_start_ns)``: before it the receiver waited for its peer, after it
 bytes were moving. The schedule comes from annotations (``PP:{stage}{ACTION}{mb}``, PyTorch's ``Forward {i}`` /
 ``Backward {i}``) or, for ranks without any, is inferred from P2P order (see ``infer_schedule``). Nothing is invented:
@@ -380,7 +380,7 @@ def infer_schedule(
     A message to/from a lower stage is upstream traffic (recv = activation in, send = gradient out), to/from a higher
     stage downstream (send = activation out, recv = gradient in). The k-th message of a role in a step belongs to
     micro-batch k. Compute is split into forward-like and backward-like work by the ops autograd records for every
-    backward node (``autograd::engine::evaluate_function: …``); then (the rules of ARCHITECTURE.md):
+    backward node (``autograd::engine::evaluate_function: …``); then (the rules of docs/architecture.md):
     forward work is micro-batch k's if it precedes the k-th activation sent downstream, or — on the last stage —
     follows the k-th activation received and precedes the k-th gradient sent; backward work is micro-batch k's if it
     precedes the k-th gradient sent upstream, or — on the first stage — follows the k-th gradient received.

@@ -5,7 +5,7 @@
 - Busy: on a rank with GPU work, kernels/memcpy/memset on the GPU (NCCL kernels are communication, not busy);
   on a CPU-only rank, the training thread's compute cpu_ops (communication posts and blocking waits excluded —
   gloo's wait() records no cpu_op, so the gap it leaves is idle and is explained later by the P2P spans).
-- Clocks: ranks on one host share the wall clock (FIELD-NOTES.md), so offsets are zero. Across hosts a per-rank
+- Clocks: ranks on one host share the wall clock (docs/field-notes.md), so offsets are zero. Across hosts a per-rank
   offset is estimated from matched P2P pairs: a receive cannot complete before its send started, i.e.
   ``send_start_ns + o[src] <= recv_end_ns + o[dst]``; the smallest corrections satisfying all pairs are the shortest
   paths of that difference-constraint system (Bellman–Ford over ranks, not events).

@@ -10,7 +10,7 @@ Sections (``--only`` picks some; sizes are flags so a quick run stays quick):
 - ``real``: HTA's two largest public test traces, ``mtia_trace_single_rank`` (87 MB raw) and ``df_index_resolver``
   (54 MB raw), read from ``--hta-data`` (default WORK/hta_data). They are not committed: ``--hta-repo`` copies
   them there from a git clone of https://github.com/facebookresearch/HolisticTraceAnalysis (tests/data/…).
-- ``third``: the third-party Kineto traces in ../shared/traces/third_party/hta that carry GPU kernels.
+- ``third``: the third-party Kineto traces in tests/data/third_party/hta that carry GPU kernels.
 - ``vs``: a generated GPU pipeline run (``--ranks`` × ``--mb`` MB raw JSON per rank, gzipped like real runs):
   traceana ingest + analyze vs HTA TraceAnalysis(...) + get_temporal_breakdown(); cached re-analysis vs the first;
   traceana's single-process ingest vs the raw decode limit (isal gunzip + msgspec scan of the same bytes, and orjson).
@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-THIRD_PARTY = ROOT.parent / "shared" / "traces" / "third_party" / "hta"
+THIRD_PARTY = ROOT / "tests" / "data" / "third_party" / "hta"
 # Third-party traces with GPU kernels (HTA's temporal breakdown needs them), by folder.
 THIRD_PARTY_GPU = ("trace_filter", "nccl_parser_config", "ns_resolution_trace")
 # HTA's public test traces of everyday size (folder in HTA's tests/data → its one trace file).

@@ -2,7 +2,7 @@
 
 One entry per trace file, keyed by the file's name, size, mtime, inode and ctime (``fingerprint``), the traceana version and a hash of the
 table schemas: a changed trace or a new tool version simply misses. Writing is best effort — a read-only run
-directory (for example ../shared) is never written to, and a failed write is a warning, never an error.
+directory (a read-only share, say) is never written to, and a failed write is a warning, never an error.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def cache_key(path: Path, rank: int | None = None) -> str:
 
 def _writable(directory: Path) -> bool:
     """True when we may create files here. Root ignores permission bits, but a directory with no write bit for
-    anyone (like the read-only ../shared) is treated as read-only all the same: we never touch the user's files."""
+    anyone (a read-only share) is treated as read-only all the same: we never touch the user's files."""
     try:
         mode = directory.stat().st_mode
     except OSError:

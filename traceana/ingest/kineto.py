@@ -8,7 +8,7 @@ Two decoders produce the same per-batch frames, which ``_finish`` turns into the
   in isal's own thread, through one reused window; the scanner parses the ``traceEvents`` array straight into Arrow
   column buffers (times as int64 ns from the digits, strings unescaped and UTF-8 checked) without the GIL, so a
   trace of many GB never exists as Python objects nor whole in memory, and threads can read several files at once;
-- the general decoder (FIELD-NOTES.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
+- the general decoder (docs/field-notes.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
   any file the scanner hands back (a type it does not take exactly as this decoder would, bad UTF-8, invalid or
   truncated JSON) or when it was not built:
   1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
@@ -56,7 +56,7 @@ try:  # the optional native scanner (traceana/ingest/_scan.c); without it the ge
 except ImportError:  # pragma: no cover - built without a C compiler
     _scan = None  # type: ignore[assignment]
 
-# isal (a core dependency) gunzips ~1.6x faster than zlib (FIELD-NOTES.md).
+# isal (a core dependency) gunzips ~1.6x faster than zlib (docs/field-notes.md).
 from isal import igzip, igzip_threaded
 from isal import isal_zlib as _zlib
 
@@ -71,7 +71,7 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "memcpy
 _GPU_CAT_NAMES = [*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]
 
 # Element sizes. record_param_comms writes c10::ScalarType names ("Float"); record_shapes "Input type" writes C++
-# type names ("float", "c10::Half"). Sources: c10/core/ScalarType.h and the traces in FIELD-NOTES.md.
+# type names ("float", "c10::Half"). Sources: c10/core/ScalarType.h and the traces in docs/field-notes.md.
 SCALAR_TYPE_BYTES = {
     "Byte": 1, "Char": 1, "Short": 2, "Int": 4, "Long": 8, "Half": 2, "Float": 4, "Double": 8,
     "ComplexHalf": 4, "ComplexFloat": 8, "ComplexDouble": 16, "Bool": 1, "BFloat16": 2,
