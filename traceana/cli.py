@@ -30,24 +30,38 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors about a command's arguments print that command's usage (``traceana analyze …``), not the top level's:
+    argparse leaves unrecognised arguments to the top-level parser, so they are reported here by the command's own."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            (getattr(ns, "_command_parser", None) or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv``, only the command it names is loaded (none for the top-level help)."""
+    from traceana.commands.options import HelpFormatter
+
     load = set(COMMANDS) if argv is None else {_command_in(argv)}
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="traceana",
         description="Profile and explain pipeline-parallel training from Kineto traces.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and which trace decoder is built")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
     for name, (module, help_) in COMMANDS.items():
         if name not in load:
             sub.add_parser(name, help=help_, description=help_)  # not run: its line in the help is enough
             continue
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip())
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=HelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _command_parser=p)
     return parser
 
 
