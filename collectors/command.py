@@ -4,7 +4,7 @@ Spawns one process per stage (gloo on CPU; NCCL when each rank has its own GPU; 
 communicate through host memory over gloo). Under torchrun (RANK/WORLD_SIZE set) this process is one rank.
 Impossible configurations are refused before any process starts.
 
-  traceana collect --preset tiny-gpt --pp 4 --microbatches 8 --schedule 1f1b --bpipe -o runs/bpipe
+  traceana collect --model tiny-gpt --pp 4 --microbatches 8 --schedule 1f1b --bpipe -o runs/bpipe
 
 The multi-stage schedules (interleaved-1f1b, looped-bfs, zero-bubble, zbv, dualpipev) run torch.distributed.pipelining's
 own schedule classes instead (collectors.pipelining_example): --pp stages on --pp/2 ranks, two per rank.
@@ -21,33 +21,34 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from collectors.trainer.config import PRESETS, SCHEDULES  # cheap: no torch import
+    from traceana.commands import options
     from traceana.manifest import MULTI_STAGE_SCHEDULES
 
-    parser.add_argument("--model", "--preset", dest="preset", default="tiny-gpt", metavar="PRESET",
-                        help=f"model preset: {', '.join(PRESETS)} (default tiny-gpt)")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages = processes (default 4)")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
-    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
+    options.model(parser, default="tiny-gpt", presets=PRESETS)
+    parser.add_argument("--pp", type=int, default=4, metavar="N", help="pipeline stages = processes")
+    options.microbatches(parser, default=8, help="micro-batches per step")
+    parser.add_argument("--microbatch-size", type=int, default=2, metavar="N", help="sequences per micro-batch")
     parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES),
-                        help="pipeline schedule (default 1f1b); multi-stage ones run torch.distributed.pipelining")
+                        help="pipeline schedule; multi-stage ones run torch.distributed.pipelining")
     parser.add_argument("--bpipe", action="store_true", help="evict activations from stage s to stage p-1-s (BPipe)")
     parser.add_argument("--bpipe-inflight", type=int, default=None, metavar="N",
                         help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)")
     parser.add_argument("--attention", default="naive", choices=("naive", "sdpa"),
-                        help="naive keeps the s×s scores; sdpa is flash-style (default naive)")
+                        help="naive keeps the s×s scores; sdpa is flash-style")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                        help="activation recomputation (default none)")
-    parser.add_argument("--steps", type=int, default=2, help="profiled training steps (default 2)")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="unprofiled steps before them (default 1)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("-o", "--out", type=Path, required=True, help="run directory to write")
+                        help="activation recomputation")
+    parser.add_argument("--steps", type=int, default=2, metavar="N", help="profiled training steps")
+    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N", help="unprofiled steps before them")
+    parser.add_argument("--seed", type=int, default=1234, help="random seed of the weights and the data")
+    options.output(parser, type=Path, required=True, metavar="DIR",
+                   help="run directory to write (required)")
 
 
 def config_from_args(args: argparse.Namespace):
     from collectors.trainer.config import CollectConfig
 
     return CollectConfig(
-        preset=args.preset, pp=args.pp, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
+        preset=args.model, pp=args.pp, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
         schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
         recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed,
     )
@@ -67,7 +68,7 @@ def run_pipelining(args: argparse.Namespace) -> int:
                           fix="give an even --pp, e.g. 4")
     from collectors.pipelining_example import collect
 
-    out = collect(args.schedule, args.out, preset=args.preset, microbatches=args.microbatches,
+    out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,
                   microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2)
     print(f"wrote {out}; next: traceana analyze {out}")
     return 0
@@ -82,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
     from collectors import launch
 
     if launch.in_torchrun():
-        launch.run_under_torchrun(config, args.out, progress=print)
+        launch.run_under_torchrun(config, args.output, progress=print)
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        launch.collect(config, args.out, progress=print)
-    print(f"wrote {args.out}; next: traceana analyze {args.out}")
+        launch.collect(config, args.output, progress=print)
+    print(f"wrote {args.output}; next: traceana analyze {args.output}")
     return 0

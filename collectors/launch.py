@@ -49,7 +49,7 @@ def check_out_dir(out_dir: Path) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out_dir,
-                          fix="choose a writable -o/--out directory") from None
+                          fix="choose a writable -o/--output directory") from None
 
 
 def collect(config: CollectConfig, out_dir: str | Path, *, progress: Progress | None = None,

@@ -15,21 +15,24 @@ from traceana.errors import BadInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories (or trace files); the first is the baseline")
-    parser.add_argument("-o", "--output", default="report.html", metavar="FILE",
-                        help="where to write the report (default: report.html)")
+    options.output(parser, default="report.html", help="where to write the report")
     parser.add_argument("--name", action="append", default=None, metavar="NAME",
                         help="a label per run, in order (default: the directory names)")
-    parser.add_argument("--title", default=None, help="the report's title")
-    parser.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
-                        help="peak FLOP/s per device for MFU, when run.json does not say")
+    parser.add_argument("--title", default=None, help="the report's title (default: 'traceana report')")
+    options.peak_flops(parser)
     parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
-    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    options.reading(parser)
 
 
-def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None, progress: bool = True) -> list:
-    """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects."""
+def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None, progress: bool = True,
+                 cache: bool = True, workers: int | None = None) -> list:
+    """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects.
+    ``cache``/``workers``: as ``traceana.analysis_cache.load_and_analyze``."""
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from traceana.analysis_cache import load_and_analyze
@@ -41,8 +44,9 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress,
                   transient=True) as bar:
         for p in paths:
-            task = bar.add_task(f"reading {p}", total=None)
-            out.append(load_and_analyze(p, peak_flops=peak_flops))  # cached under p/.traceana/analysis
+            task = bar.add_task(escape(f"reading {p}"), total=None)
+            # cached under p/.traceana/analysis unless cache is False
+            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers))
             bar.remove_task(task)
     return out
 
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     for r in args.runs:  # before any work: never write the report over a trace or run.json
         refuse_inputs(args.output, input_files(r))
     t0 = time.perf_counter()
-    analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet)
+    analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet, cache=not args.no_cache,
+                            workers=args.workers)
     with console.status("rendering the report (holoviews + bokeh)"):
         from reports.build import write_report
 

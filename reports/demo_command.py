@@ -35,10 +35,12 @@ def bpipe_headline(plain_mib: float | None, bpipe_mib: float | None) -> str | No
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
-                        help=f"folder for the runs and report.html (default: ./{DEFAULT_OUT})")
+    from traceana.commands import options
+
+    options.output(parser, type=Path, default=DEFAULT_OUT, metavar="DIR",
+                   help=f"folder for the runs and report.html (default: ./{DEFAULT_OUT})")
     parser.add_argument("--keep", action="store_true",
-                        help="keep the collected run directories (by default only the report stays)")
+                        help="keep the collected run directories, not only the report")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -89,7 +91,7 @@ def _short(msg: str, width: int = 90) -> str:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    out: Path = args.out
+    out: Path = args.output
     log = out / "collect.log"
     # rich draws on its own duplicate of stderr, so it stays on the terminal while fd 2 goes to the log
     terminal = os.fdopen(os.dup(2), "w", buffering=1)
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     report = out / "report.html"
@@ -118,9 +121,9 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
             try:
                 with workers_output_to(log):
                     collect_run(run_dir, bpipe=bpipe, progress=lambda msg, task=task, name=name: progress.update(
-                        task, description=f"collecting {name}: {_short(msg)}"))
+                        task, description=escape(f"collecting {name}: {_short(msg)}")))
             except BaseException:
-                console.print(f"the trainer's own output is in {log}")
+                console.print(escape(f"the trainer's own output is in {log}"))
                 raise
             progress.update(task, description=f"collected {name}", completed=1, total=1)
         from reports.command import analyse_runs
@@ -151,8 +154,8 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
 
     verdict = bpipe_verdict(analyses[0])
     if verdict:
-        console.print(f"  model, from the baseline alone: {verdict}", highlight=False)
-    kept = f" (runs kept in {runs_dir})" if args.keep else ""
+        console.print(escape(f"  model, from the baseline alone: {verdict}"), highlight=False)
+    kept = escape(f" (runs kept in {runs_dir})") if args.keep else ""
     console.print(f"done in {time.perf_counter() - t0:.0f} s{kept}")
     print(f"report: {report.resolve()}")
     return 0

@@ -73,9 +73,33 @@ def _write_error(path: Path, e: BaseException, what: str) -> BadInputError:
                          fix="free disk space or choose a writable folder")
 
 
+# Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
+# fractions under a bare name in the tables; ``*_pct`` columns are percents (0..100).
+FRACTION_FIELDS = frozenset({"mfu", "hfu", "efficiency", "error", "step_error", "sampled_error", "replay_error",
+                             "bubble_error", "memory_error", "median_abs_memory_error", "noise_floor"})
+
+
+def json_fractions(value: Any) -> Any:
+    """``value`` (dicts and lists, nested) with every share as ``<name>_fraction`` in 0..1: a field of
+    ``FRACTION_FIELDS`` is renamed, a ``<name>_pct`` percent becomes ``<name>_fraction`` divided by 100."""
+    if isinstance(value, list):
+        return [json_fractions(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for k, v in value.items():
+        if isinstance(k, str) and k.endswith("_pct"):
+            out[f"{k.removesuffix('_pct')}_fraction"] = None if v is None else v / 100
+        elif k in FRACTION_FIELDS:
+            out[f"{k}_fraction"] = v
+        else:
+            out[k] = json_fractions(v)
+    return out
+
+
 def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     """A JSON-ready summary: the run's headline figures (traceana.summary), per-rank table, notes, clocks (and
-    per-step attribution)."""
+    per-step attribution), with every share a ``*_fraction`` in 0..1 (``json_fractions``)."""
     out: dict[str, Any] = {
         "run": str(analysis.run.path),
         "summary": analysis.summary.as_dict(),
@@ -85,7 +109,7 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     }
     if per_step:
         out["per_step"] = per_step_table(analysis).to_dicts()
-    return _finite(out)
+    return json_fractions(_finite(out))
 
 
 def _finite(value: Any) -> Any:

@@ -217,8 +217,9 @@ def stage_map(
                 known[r] = (chain[r], "inferred from P2P chain")
     unknown = [r for r in ranks if r not in known]
     if unknown:
-        notes.append(f"stage of ranks {', '.join(map(str, unknown))} could not be determined (no run.json, no "
-                     "annotations, not on a P2P chain): they get no schedule")
+        which, they = ("rank", "it gets") if len(unknown) == 1 else ("ranks", "they get")
+        notes.append(f"stage of {which} {', '.join(map(str, unknown))} could not be determined (no run.json, no "
+                     f"annotations, not on a P2P chain): {they} no schedule")
     first = [known.get(r, (None, None))[0] for r in ranks]
     return pl.DataFrame(
         {"rank": ranks, "stage": first, "stage_source": [known.get(r, (None, "unknown"))[1] for r in ranks],

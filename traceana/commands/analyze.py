@@ -18,19 +18,19 @@ from traceana.export import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     parser.add_argument("--per-step", action="store_true", help="also show every (rank, step), not only means")
     parser.add_argument("--json", action="store_true", help="print a JSON summary instead of tables")
-    parser.add_argument("--export", metavar="DIR", help="write every table into DIR (Parquet by default)")
+    parser.add_argument("--export", metavar="DIR", help="write every table into DIR (default: no export)")
     parser.add_argument("--format", choices=FORMATS, default="parquet", help="table format for --export")
-    parser.add_argument("--peak-flops", type=float, metavar="FLOP/S",
-                        help="peak FLOP/s per device for MFU, when run.json does not say")
-    parser.add_argument("--workers", type=int, default=None, help="parallel trace parsers (default: automatic)")
-    parser.add_argument("--no-cache", action="store_true", help="do not read or write the .traceana/ cache")
-    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    options.peak_flops(parser)
+    options.reading(parser)
     parser.add_argument("--dask", metavar="ADDRESS",
                         help="analyse on a dask.distributed cluster (e.g. tcp://host:8786): one task per rank, then "
-                             "one per pipeline; workers must see RUN_DIR at the same path (docs/performance.md)")
+                             "one per pipeline; workers must see RUN_DIR at the same path (docs/performance.md) "
+                             "(default: in this process)")
 
 
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool,
@@ -57,73 +57,76 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress)
 
 
-def _ms_pct(ms, pct) -> str:
-    if ms is None:
-        return "–"
-    return f"{ms:,.2f} ({pct:.0f}%)" if ms else "·"
-
-
 def print_tables(analysis, *, per_step: bool) -> None:
-    import polars as pl
     from rich.console import Console
-    from rich.table import Table
 
     from traceana.export import per_step_table
     from traceana.ingest.run_dir import summarize_ranks
     from traceana.schema import CATEGORIES
+    from traceana.tables import UNKNOWN, print_line, print_table
+    from traceana.tables import cell as _num
+
+    def _ms_pct(ms, pct, step_ms) -> str:
+        if ms is None:
+            return UNKNOWN
+        if not ms:
+            return "·"
+        return f"{ms:,.2f} ({pct:.0f}%)" if step_ms else f"{ms:,.2f}"
+
+    def _unknown(category: str, stage) -> bool:
+        # without a stage there is no schedule, so idle time cannot be told apart as warm-up, stall or cool-down
+        return stage is None and category.startswith("bubble")
 
     console = Console()
     ranks = analysis.rank_summary if analysis.rank_summary is not None else summarize_ranks(analysis.run)
-    t = Table(title=f"Ranks of {printable_path(analysis.run.path)}", title_justify="left")  # escapes printed inert
-    for c in ("rank", "backend", "devices", "steps", "mean step ms", "events", "kernels", "P2P ops", "collectives",
-              "trace"):
-        t.add_column(c, justify="right" if c not in ("backend", "devices", "trace") else "left")
-    for r in ranks.iter_rows(named=True):  # one row per rank: display only
-        t.add_row(str(r["rank"]), str(r["backend"] or "–"), r["devices"], str(r["steps"]),
-                  "–" if r["mean_step_ms"] is None else f"{r['mean_step_ms']:,.2f}", f"{r['n_events']:,}",
-                  f"{r['kernels']:,}", f"{r['p2p_ops']:,}", f"{r['collectives']:,}",
-                  "truncated" if r["truncated"] else "complete")
-    console.print(t)
+    headers = ["rank", "backend", "devices", "steps", "mean step\nms", "events", "kernels", "P2P ops",
+               "collectives", "trace"]
+    rows = [[str(r["rank"]), str(r["backend"] or UNKNOWN), str(r["devices"] or UNKNOWN), str(r["steps"]),
+             _num(r["mean_step_ms"]), f"{r['n_events']:,}", f"{r['kernels']:,}", f"{r['p2p_ops']:,}",
+             f"{r['collectives']:,}", "truncated" if r["truncated"] else "complete"]
+            for r in ranks.iter_rows(named=True)]  # one row per rank: display only
+    print_table(console, f"Ranks of {printable_path(analysis.run.path)}", headers, rows, keys=1,
+                justify=["right", "left", "left", *["right"] * 6, "left"])
 
-    # Stages as columns, categories as rows: fits a terminal for any pipeline depth up to ~8 stages.
+    # Stages as columns, categories as rows; more stages than the terminal holds are split into several tables.
     st = analysis.stages
     shown = [c for c in CATEGORIES if st.height and (st[f"{c}_ms"].fill_null(0) > 0).any()]
-    rows = st.to_dicts()  # one dict per rank: display only
-    t = Table(title="Where each stage's step time goes (mean per step: ms and % of the step)", title_justify="left")
-    t.add_column("")
-    for r in rows:
-        label = "?" if r["stage"] is None else (r.get("stages") or str(r["stage"])).replace(",", "+")
-        t.add_column(f"stage{'s' if '+' in label else ''} {label}\nrank {r['rank']}", justify="right")
-    t.add_row("steps", *(str(r["steps"] or 0) for r in rows))
-    t.add_row("step ms", *("–" if r["step_ms"] is None else f"{r['step_ms']:,.2f}" for r in rows), end_section=True)
-    for c in shown:
-        t.add_row(c.replace("_", " "), *(_ms_pct(r[f"{c}_ms"], r[f"{c}_pct"]) for r in rows))
-    t.add_row("peak MiB", *("–" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:,.1f}"
-                            for r in rows), end_section=False)
-    t.add_row("activation MiB", *("–" if r["activation_peak_bytes"] is None
-                                  else f"{r['activation_peak_bytes'] / 2**20:,.1f}" for r in rows))
-    t.add_row("MFU", *("–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in rows))
-    t.add_row("stage from", *(str(r["stage_source"]) for r in rows))
-    console.print(t)
+    stages = st.to_dicts()  # one dict per rank: display only
+    def stage_label(r) -> str:  # an interleaved rank holds several stages: "stages 0+4"
+        label = UNKNOWN if r["stage"] is None else (r.get("stages") or str(r["stage"])).replace(",", "+")
+        return f"stage{'s' if '+' in label else ''} {label}"
+
+    headers = ["", *(f"{stage_label(r)}\nrank {r['rank']}" for r in stages)]
+    rows = [["steps", *(str(r["steps"] or 0) for r in stages)],
+            ["step ms", *(_num(r["step_ms"]) for r in stages)]]
+    rows += [[c.replace("_", " "), *(UNKNOWN if _unknown(c, r["stage"]) else _ms_pct(r[f"{c}_ms"], r[f"{c}_pct"],
+                                                                                      r["step_ms"]) for r in stages)]
+             for c in shown]
+    rows += [["peak MiB", *(_num(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, ",.1f")
+                            for r in stages)],
+             ["activation MiB", *(_num(None if r["activation_peak_bytes"] is None
+                                       else r["activation_peak_bytes"] / 2**20, ",.1f") for r in stages)],
+             ["MFU", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             ["stage from", *(str(r["stage_source"]) for r in stages)]]
+    print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
+                keys=1, sections=[1])
     for line in headline(analysis.summary):
-        console.print(line, markup=False, highlight=False)
+        print_line(console, line)
 
     if per_step:
         ps = per_step_table(analysis)
         cols = [c for c in ps.columns if c.endswith("_ms") and c != "step_ms" and (ps[c].fill_null(0) > 0).any()]
-        t = Table(title="Per step (ms)", title_justify="left")
-        for c in ("stage", "rank", "step", "step_ms", *cols):
-            t.add_column(c.removesuffix("_ms").replace("_", " "), justify="right")
-        for r in ps.with_columns(pl.col(pl.Float64).round(3)).iter_rows():  # display only
-            t.add_row(*("–" if v is None else str(v) for v in r[:4]),
-                      *("·" if not r[ps.columns.index(c)] else str(r[ps.columns.index(c)]) for c in cols))
-        console.print(t)
+        headers = ["stage", "rank", "step", "step time", *(c.removesuffix("_ms").replace("_", " ") for c in cols)]
+        rows = [[_num(r["stage"], "d"), str(r["rank"]), _num(r["step"], "d"), _num(r["step_ms"], ",.3f"),
+                 *(UNKNOWN if _unknown(c, r["stage"]) else "·" if not r[c] else f"{r[c]:,.3f}" for c in cols)]
+                for r in ps.iter_rows(named=True)]  # one row per (rank, step): display only
+        print_table(console, "Per step (ms)", headers, rows, keys=3, justify=["right"] * len(headers))
 
     offsets = analysis.clock_offsets
     if offsets.height and offsets["offset_ns"].abs().max():
-        console.print("clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
+        print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
-        console.print(f"[yellow]note:[/] {n}")
+        print_line(console, n, prefix="[yellow]note:[/] ")
 
 
 def headline(summary) -> list[str]:
@@ -149,6 +152,7 @@ def headline(summary) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.export import summary, write_tables
+    from traceana.tables import plural
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     if args.export:  # before any work: never export over a trace or run.json
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.export:
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:
-            print(f"wrote {len(written)} files to {args.export}", file=sys.stderr)
+            print(f"wrote {plural(len(written), 'file')} to {args.export}", file=sys.stderr)
     if args.json:
         json.dump(summary(analysis, per_step=args.per_step), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

@@ -12,57 +12,71 @@ import dataclasses
 import json
 
 from traceana.errors import ConfigError
-from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape
+from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 
 GiB = 2**30
+MiB = 2**20
 DEFAULT_DEVICE = "a100-80gb"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
     m = p.add_argument_group("model")
-    m.add_argument("--model", help=f"a preset: {', '.join(MODELS)}")
-    m.add_argument("--family", choices=FAMILIES)
-    for f in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
-        m.add_argument(f"--{f}", type=int, help="override or give the shape explicitly")
+    options.model(m, default=None, presets=MODELS, help="a model preset")
+    m.add_argument("--family", choices=FAMILIES, help="model family, for an explicit shape (default: the preset's)")
+    for f, what in (("layers", "transformer layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                    ("kv-heads", "key/value heads (grouped-query attention)"), ("ffn", "feed-forward size"),
+                    ("vocab", "vocabulary size"), ("seq", "sequence length")):
+        m.add_argument(f"--{f}", type=int, metavar="N", help=f"{what} (default: the preset's)")
     r = p.add_argument_group("training")
-    r.add_argument("--tp", type=int, default=1)
-    r.add_argument("--pp", type=int, default=1)
-    r.add_argument("--dp", type=int, default=1)
-    r.add_argument("--microbatch-size", type=int, default=1)
-    r.add_argument("--num-microbatches", type=int, help="per pipeline per step")
-    r.add_argument("--global-batch", type=int, help="sequences per step (sets the micro-batch count)")
-    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b")
-    r.add_argument("--virtual-stages", type=int, default=1)
-    r.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="naive keeps s×s scores; sdpa/flash not")
-    r.add_argument("--recompute", choices=RECOMPUTES, default="none")
-    r.add_argument("--bpipe", action="store_true", help="balance activations between stage s and p−1−s")
-    r.add_argument("--sequence-parallel", action="store_true")
-    r.add_argument("--distributed-optimizer", action="store_true")
-    r.add_argument("--precision", choices=PRECISIONS, default="mixed-adam")
+    r.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree")
+    r.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages")
+    r.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel degree")
+    r.add_argument("--microbatch-size", type=int, default=1, metavar="N", help="sequences per micro-batch")
+    options.microbatches(r, default=None,
+                         help="micro-batches per pipeline per step (default: from --global-batch, else --pp)")
+    r.add_argument("--global-batch", type=int, metavar="N",
+                   help="sequences per step, sets the micro-batch count (default: --microbatches × micro-batch size × "
+                        "dp)")
+    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b", help="pipeline schedule")
+    r.add_argument("--virtual-stages", type=int, default=1, metavar="N",
+                   help="model chunks per device (interleaved schedules)")
+    r.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
+                   help="naive keeps the s×s scores; sdpa/flash do not")
+    r.add_argument("--recompute", choices=RECOMPUTES, default="none", help="activation recomputation")
+    r.add_argument("--bpipe", action="store_true", help="balance activations between stage s and p−1−s (BPipe)")
+    r.add_argument("--sequence-parallel", action="store_true", help="shard activations across tensor-parallel ranks")
+    r.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across dp ranks")
+    r.add_argument("--precision", choices=PRECISIONS, default="mixed-adam", help="weights, gradients and optimizer")
     d = p.add_argument_group("device and network")
     d.add_argument("--device", default=DEFAULT_DEVICE, help=f"one of {', '.join(DEVICES)}")
-    d.add_argument("--device-memory-gib", type=float)
-    d.add_argument("--peak-tflops", type=float)
-    d.add_argument("--reserve-gib", type=float, help="memory to keep free (allocator, workspaces); default 10%% of it")
-    d.add_argument("--efficiency", help="measured compute efficiency per micro-batch size, e.g. 1:0.42,2:0.47")
+    d.add_argument("--device-memory-gib", type=float, metavar="GIB", help="device memory (default: the device's)")
+    options.peak_flops(d, help="peak FLOP/s per device, e.g. 312e12 (default: the device's)")
+    d.add_argument("--reserve-gib", type=float, metavar="GIB",
+                   help="memory to keep free (allocator, workspaces) (default: 10%% of the device's)")
+    d.add_argument("--efficiency", metavar="B:E,...",
+                   help="measured compute efficiency per micro-batch size, e.g. 1:0.42,2:0.47 (default: an assumed "
+                        "saturating curve)")
     d.add_argument("--efficiency-from", nargs="+", metavar="RUN_DIR",
                    help="measure the efficiency curve from traced runs at different micro-batch sizes (the BPipe "
-                        "re-evaluation's method), on the device given by --device/--peak-tflops")
-    d.add_argument("--p2p-gbps", type=float, default=25.0, help="GB/s for pipeline messages")
-    d.add_argument("--bpipe-gbps", type=float, default=25.0, help="GB/s for BPipe evictions")
+                        "re-evaluation's method), on the device given by --device/--peak-flops (default: none)")
+    d.add_argument("--p2p-gbps", type=float, default=25.0, metavar="GB/S", help="GB/s for pipeline messages")
+    d.add_argument("--bpipe-gbps", type=float, default=25.0, metavar="GB/S", help="GB/s for BPipe evictions")
     d.add_argument("--bpipe-blocking", action="store_true", help="BPipe transfers do not overlap compute")
     p.add_argument("--bpipe-baseline", default="best-without-bpipe",
                    choices=("as-configured", "best-without-bpipe", "full-recompute"),
                    help="what the BPipe verdict compares with (full-recompute: the BPipe paper's Megatron baseline)")
     p.add_argument("--from-run", metavar="RUN_DIR",
                    help="take the model and configuration from a collected run's run.json (its device: the CPU "
-                        "trainer's eager activations); what validate then compares with the measured peaks")
+                        "trainer's eager activations); what validate then compares with the measured peaks "
+                        "(default: the flags above)")
     p.add_argument("--no-verdict", action="store_true", help="skip the BPipe search")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -110,7 +124,7 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
         cfg = _from_run(args)
         return cfg, _device(args), _curve(args.efficiency), _network(args)
     model = _shape(args)
-    if args.num_microbatches is None:
+    if args.microbatches is None:
         if args.global_batch is None:
             m = args.pp
         else:
@@ -122,7 +136,7 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
                 )
             m = per // args.microbatch_size
     else:
-        m = args.num_microbatches
+        m = args.microbatches
     cfg = TrainingConfig(
         model=model, pp=args.pp, tp=args.tp, dp=args.dp, microbatch_size=args.microbatch_size, num_microbatches=m,
         schedule=args.schedule, attention=args.attention, recompute=args.recompute, bpipe=args.bpipe,
@@ -164,9 +178,10 @@ def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
 
 def _device(args: argparse.Namespace) -> Device:
     """The device with its usable memory: its memory less the reserve (``reserve_of``)."""
+    check_peak_flops(args.peak_flops)
     dev, total = _device_total(args)
     return Device(dev.name, total - reserve_of(args, total),
-                  args.peak_tflops * 1e12 if args.peak_tflops else dev.peak_flops, dev.source)
+                  args.peak_flops if args.peak_flops else dev.peak_flops, dev.source)
 
 
 def reserve_of(args: argparse.Namespace, total: float) -> float:
@@ -217,64 +232,68 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
     return out
 
 
-def render(out: dict) -> str:
+def render(out: dict, *, console) -> None:
+    """Print the estimate on ``console``: the configuration, one row per stage (memory in MiB), the step time (in one
+    unit), and the BPipe verdict."""
+    from traceana.tables import plural, print_line, print_table
+
     m, c = out["model"], out["config"]
-    lines = [
-        f"{m['name'] or m['family']}: {m['family']}, {m['layers']} layers, h {m['hidden']}, {m['heads']} heads"
-        f"{'' if not m['kv_heads'] else ' (' + str(m['kv_heads']) + ' kv)'}, ffn {m['ffn'] or 'default'}, "
-        f"vocab {m['vocab']}, seq {m['seq']}"
-        f" on {out['device']['name']} ({_usable(out['device'])})",
-        f"tp {c['tp']} · pp {c['pp']} · dp {c['dp']} · {c['schedule']}"
-        f"{' v=' + str(c['virtual_stages']) if c['virtual_stages'] > 1 else ''} · b {c['microbatch_size']} · "
-        f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
-        f"recompute {c['recompute']} · BPipe {'on' if c['bpipe'] else 'off'} · {c['precision']}",
-        "",
-    ]
-    big = max(s["total_bytes"] for s in out["stages"]) >= GiB
-    unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
-    lines.append(
-        f"{'stage':>5} {'layers':>6} {'params':>9} {'state ' + unit:>9} {'act/mb ' + unit:>10} {'in flight':>9} "
-        f"{'act ' + unit:>8} {'peak ' + unit:>8} {'total ' + unit:>9}  fits"
-    )
+    kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] else ""
+    print_line(console, f"{m['name'] or m['family']}: {m['family']}, {plural(m['layers'], 'layer')}, h {m['hidden']}, "
+               f"{plural(m['heads'], 'head')}{kv}, ffn {m['ffn'] or 'default'}, vocab {m['vocab']}, seq {m['seq']} "
+               f"on {out['device']['name']} ({_usable(out['device'])})")
+    print_line(console, f"tp {c['tp']} · pp {c['pp']} · dp {c['dp']} · {c['schedule']}"
+               f"{' v=' + str(c['virtual_stages']) if c['virtual_stages'] > 1 else ''} · b {c['microbatch_size']} · "
+               f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
+               f"recompute {c['recompute']} · BPipe {'on' if c['bpipe'] else 'off'} · {c['precision']}")
+    headers = ["stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB", "peak\nMiB",
+               "total\nMiB", "fits"]
+    rows = []
     for s in out["stages"]:
-        state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / div
+        state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / MiB
         held = f"{s['in_flight']:g}" + (f"+{s['foreign_in_flight']:g}" if s["foreign_in_flight"] else "")
         params = f"{s['params'] / 1e9:.2f}B" if s["params"] >= 1e8 else f"{s['params'] / 1e6:.2f}M"
-        lines.append(
-            f"{s['stage']:>5} {s['layers']:>6} {params:>9} {state:>9.1f} "
-            f"{s['activation_per_microbatch'] / div:>10.2f} {held:>9} {s['activation_bytes'] / div:>8.1f} "
-            f"{s['activation_peak_bytes'] / div:>8.2f} {s['total_bytes'] / div:>9.1f}  {'yes' if s['fits'] else 'NO'}"
-        )
-    lines += ["", "act: saved activations in flight; peak: act + one layer's backward (and recompute) working memory,"
-              " what validate compares with a run's measured activation peak; total: + weights, gradients, optimizer"]
+        rows.append([str(s["stage"]), str(s["layers"]), params, f"{state:,.1f}",
+                     f"{s['activation_per_microbatch'] / MiB:,.2f}", held, f"{s['activation_bytes'] / MiB:,.1f}",
+                     f"{s['activation_peak_bytes'] / MiB:,.2f}", f"{s['total_bytes'] / MiB:,.1f}",
+                     "yes" if s["fits"] else "NO"])
+    print_table(console, "Memory per stage", headers, rows, keys=1, justify=["right"] * 9 + ["left"])
+    print_line(console, "act: saved activations in flight; peak: act + one layer's backward (and recompute) working "
+               "memory, what validate compares with a run's measured activation peak; total: + weights, gradients, "
+               "optimizer")
+    print_line(console, f"fits: {'yes' if out['fits'] else 'NO'}")
     st = out["step"]
     if st is None:
-        lines += ["", f"fits: {'yes' if out['fits'] else 'NO'}",
-                  "step time: not estimated (no peak FLOP/s for this device; pass --peak-tflops)"]
-        return "\n".join(lines)
-    sec = (lambda x: f"{x:.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:.2f} ms")
+        print_line(console, "step time: not estimated (no peak FLOP/s for this device; pass --peak-flops)")
+        return
+    sec = (lambda x: f"{x:,.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:,.2f} ms")
     terms = ", ".join(f"{k} {sec(v)}" for k, v in st["terms_s"].items())
-    lines += [
-        "",
-        f"fits: {'yes' if out['fits'] else 'NO'}",
-        f"step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} (compute efficiency {st['efficiency']:.1%}, "
-        f"{st['efficiency_source']}); stage 0: {terms}",
-    ]
+    print_line(console, f"step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} (compute efficiency "
+               f"{st['efficiency']:.1%}, {st['efficiency_source']}); stage 0: {terms}")
     if "bpipe" in out:
-        lines += ["", out["bpipe"]["sentence"], out["bpipe"]["why"], "assumptions: " + "; ".join(out["bpipe"]["assumptions"])]
-    return "\n".join(lines)
+        print_line(console, out["bpipe"]["sentence"])
+        print_line(console, out["bpipe"]["why"])
+        print_line(console, "assumptions: " + "; ".join(out["bpipe"]["assumptions"]))
 
 
 def _usable(device: dict) -> str:
     usable, reserve = device["memory_bytes"], device.get("reserve_bytes", 0.0)
     if usable is None:
         return "no memory limit"
-    return f"{(usable + reserve) / GiB:.0f} GiB, {reserve / GiB:.1f} GiB kept free, {usable / GiB:.1f} GiB usable"
+    return (f"{(usable + reserve) / MiB:,.0f} MiB, {reserve / MiB:,.0f} MiB kept free, {usable / MiB:,.0f} MiB "
+            "usable")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg, dev, curve, net = build(args)
     out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline,
                  reserve=reserve_of(args, _device_total(args)[1]))
-    print(json.dumps(out, indent=2, default=str) if args.json else render(out))
+    if args.json:
+        from traceana.export import json_fractions
+
+        print(json.dumps(json_fractions(out), indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        render(out, console=Console())
     return 0

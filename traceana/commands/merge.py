@@ -12,12 +12,12 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
-    parser.add_argument("-o", "--output", default="merged.json.gz", metavar="FILE",
-                        help="where to write the merged trace (default: merged.json.gz; .json for plain text)")
-    parser.add_argument("--workers", type=int, default=None, help="parallel trace parsers (default: automatic)")
-    parser.add_argument("--no-cache", action="store_true", help="do not read or write the .traceana/ cache")
-    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    options.output(parser, default="merged.json.gz",
+                   help="where to write the merged trace (.json.gz compressed, .json plain text)")
+    options.reading(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from traceana.export import write_merged_trace
     from traceana.files import refuse_inputs
     from traceana.ingest.run_dir import input_files
+    from traceana.tables import plural
 
     refuse_inputs(args.output, input_files(args.run_dir))  # before any work: never write over a trace or run.json
     progress = not args.quiet and sys.stderr.isatty()
@@ -32,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
                                 progress=progress)
     path = write_merged_trace(analysis, args.output)
     if not args.quiet:
-        print(f"wrote {path} ({len(analysis.run.ranks)} ranks) — open it in https://ui.perfetto.dev", file=sys.stderr)
+        print(f"wrote {path} ({plural(len(analysis.run.ranks), 'rank')}) — open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0
