@@ -180,7 +180,7 @@ def test_collectives_and_the_optimizer_on_a_single_cpu_rank():
         # the optimizer step's whole window is the optimizer's (its own overhead, no wait in it); host only after it
         (0, 3, "other_compute", 40), (0, 3, "collective", 30), (0, 3, "optimizer", 20), (0, 3, "host", 10),
     ]))
-    assert any("stage of ranks 0 could not be determined" in n for n in a.notes)
+    assert any("stage of rank 0 could not be determined" in n for n in a.notes)
 
 
 def test_recompute_inside_backward_is_its_own_category():

@@ -136,7 +136,7 @@ def test_demo_writes_the_report_and_says_where(runs, tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(demo, "collect_run", copy_run)
     out = tmp_path / "demo"
-    assert demo.run(argparse.Namespace(out=out, keep=False, quiet=True)) == 0
+    assert demo.run(argparse.Namespace(output=out, keep=False, quiet=True)) == 0
     assert capsys.readouterr().out.strip() == f"report: {(out / 'report.html').resolve()}"
     assert (out / "report.html").stat().st_size > 100_000
     assert not (out / "runs").exists()

@@ -129,7 +129,7 @@ def test_validate_command_on_a_written_run(tmp_path, capsys, monkeypatch):
     (tmp_path / "run.json").write_text(manifest.to_json())
     assert main(["validate", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert abs(out["summary"]["step_error"]) < 0.02
+    assert abs(out["summary"]["step_error_fraction"]) < 0.02
     assert main(["validate", str(tmp_path), "--baseline", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "prediction (no duration of this run used)" in text and "step time: measured" in text and "replay" in text
