@@ -1,21 +1,18 @@
 """Terminal tables that never cut a number: a table wider than the console is split into several, each repeating
 the key columns (a row's label, or rank/stage/step), instead of being squeezed until rich writes "…".
 
-Imported only when a command prints (it loads rich). Cells are plain text, shown as written (never read as markup).
+Cells are plain text, shown as written (never read as markup). rich is imported only when something is drawn, so
+``plural`` and ``cell`` cost nothing to a command that prints JSON.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rich import box
-from rich.cells import cell_len
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Console
 
-BOX = box.HEAVY_HEAD
 UNKNOWN = "–"  # a value that could not be determined (never drawn as 0 or as some other field)
 
 
@@ -30,6 +27,8 @@ def cell(x, spec: str = ",.2f") -> str:
 
 
 def _width(text: str) -> int:
+    from rich.cells import cell_len
+
     return max((cell_len(line) for line in text.split("\n")), default=0)
 
 
@@ -65,13 +64,17 @@ def print_table(console: Console, title: str | None, headers: Sequence[str], row
     """Print ``rows`` (strings; headers may have two lines) under ``headers`` at the console's width, split into
     several tables with the first ``keys`` columns repeated when it is too narrow. ``sections``: row indices after
     which a rule is drawn."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     justify = list(justify) if justify is not None else ["left"] * keys + ["right"] * (len(headers) - keys)
     widths = [max([_width(h), *(_width(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     parts = split_columns(widths, keys=keys, width=console.width)
     for n, cols in enumerate(parts):
         if title:  # a line of its own: wrapped at the console's width, not squeezed into the table's
             console.print(Text(title if n == 0 else f"{title} (continued)"))
-        t = Table(box=BOX)
+        t = Table(box=box.HEAVY_HEAD)  # rich's default box, whose rules table_width counts
         for i in cols:
             t.add_column(Text(headers[i]), justify=justify[i], no_wrap=True, overflow="fold", min_width=widths[i])
         for k, r in enumerate(rows):
@@ -81,4 +84,6 @@ def print_table(console: Console, title: str | None, headers: Sequence[str], row
 
 def print_line(console: Console, text: str, *, style: str | None = None, prefix: str = "") -> None:
     """One line of our text: ``prefix`` is our markup (e.g. ``"[yellow]note:[/] "``); ``text`` is shown as written."""
+    from rich.markup import escape
+
     console.print(prefix + escape(text), style=style, highlight=False)
