@@ -131,8 +131,9 @@ def test_analyze_tables_keep_every_figure_at_80_columns_piped(four_stage):
 def test_two_stage_figures_by_hand_at_80_columns(two_stage):
     res = _cli("analyze", str(two_stage), "--per-step", "--no-cache")
     _whole(res.stdout)
-    # rank 1 waits from its recv post (5 µs) to stage 0's send (20 µs): 0.015 ms of warm-up in a 100 µs step
-    assert "0.015" in res.stdout and "0.01 (15%)" in res.stdout and "0.10" in res.stdout
+    # rank 1 posts its recv at 5 µs (the post call lasts until 10: time in a P2P call) and stage 0 sends at 20:
+    # 0.010 ms of warm-up in a 100 µs step
+    assert "0.010" in res.stdout and "0.01 (10%)" in res.stdout and "0.10" in res.stdout
 
 
 def test_validate_and_estimate_keep_every_figure_at_80_columns_piped(four_stage):
@@ -208,8 +209,8 @@ def test_json_shares_are_fractions(two_stage, four_stage, capsys):
     out = json.loads(capsys.readouterr().out)
     keys = _keys(out)
     assert not {k for k in keys if k.endswith("_pct")} and "mfu" not in keys and "mfu_fraction" in keys
-    # rank 1: 15 µs of warm-up in a 100 µs step (see test_two_stage_figures_by_hand_at_80_columns)
-    assert out["stages"][1]["bubble_warmup_fraction"] == pytest.approx(0.15)
+    # rank 1: 10 µs of warm-up in a 100 µs step (see test_two_stage_figures_by_hand_at_80_columns)
+    assert out["stages"][1]["bubble_warmup_fraction"] == pytest.approx(0.10)
     assert main(["validate", str(four_stage), "--json", "--no-cache"]) == 0
     keys = _keys(json.loads(capsys.readouterr().out))
     assert "step_error_fraction" in keys and not keys & {"step_error", "bubble_error", "memory_error"}
