@@ -33,19 +33,13 @@ MESSAGE = {
 # --- messages and pairs --------------------------------------------------------------------------------------
 def bpipe_groups(traces: pl.DataFrame) -> pl.DataFrame:
     """``rank, group_ranks``: the members (global ranks, in group-rank order) of each rank's BPipe process group,
-    from the trace's ``distributedInfo.pg_config``. One small JSON document per rank, parsed in Python."""
-    rows = []
-    if "pg_config" in traces.columns:
-        for rank, cfg in traces.select("rank", "pg_config").rows():
-            try:
-                groups = json.loads(cfg) if cfg else []
-            except ValueError:
-                continue
-            for g in groups if isinstance(groups, list) else []:
-                ranks = g.get("ranks") if isinstance(g, dict) else None
-                if (names.BPIPE_GROUP_DESC in str(g.get("pg_desc", ""))) and isinstance(ranks, list) and rank in ranks:
-                    rows.append((rank, [int(r) for r in ranks]))
-    return pl.DataFrame(rows, schema={"rank": pl.Int32, "group_ranks": pl.List(pl.Int32)}, orient="row")
+    from the trace's process groups (ingest reads them from ``distributedInfo.pg_config``)."""
+    return (
+        traces.select("rank", "process_groups").explode("process_groups").unnest("process_groups")
+        .filter(pl.col("desc").str.contains(names.BPIPE_GROUP_DESC, literal=True)
+                & pl.col("ranks").list.contains(pl.col("rank")))
+        .select(pl.col("rank").cast(pl.Int32), pl.col("ranks").cast(pl.List(pl.Int32)).alias("group_ranks"))
+    )
 
 
 def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.DataFrame:

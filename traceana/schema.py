@@ -73,6 +73,8 @@ TRACES = {
     "rank_source": pl.String,  # distributedInfo | traceana_meta | filename | single
     "devices": pl.String,  # JSON of deviceProperties
     "pg_config": pl.String,  # JSON of distributedInfo.pg_config
+    # distributedInfo.pg_config's process groups: their description and global ranks
+    "process_groups": pl.List(pl.Struct({"desc": pl.String, "ranks": pl.List(pl.Int32)})),
     "meta": pl.String,  # JSON of the trace's top-level "traceana" metadata
 }
 

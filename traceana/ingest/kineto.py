@@ -978,9 +978,22 @@ def read_trace(
         "base_time_ns": base_ns, "n_events": events.height, "n_bytes": n_bytes, "truncated": truncated,
         "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
         "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
+        "process_groups": _process_groups(pg_config),
         "warnings": warnings,
     }
     return events, memory, row
+
+
+def _process_groups(pg_config: Any) -> list[dict]:
+    """distributedInfo.pg_config's groups as (desc, global ranks), leaving out entries that are not such groups
+    (a handful per trace: plain Python)."""
+    out = []
+    for g in pg_config if isinstance(pg_config, list) else []:
+        ranks = g.get("ranks") if isinstance(g, dict) else None
+        if isinstance(ranks, list) and all(_as_int(r) is not None for r in ranks):
+            desc = g.get("pg_desc")
+            out.append({"desc": desc if isinstance(desc, str) else None, "ranks": [_as_int(r) for r in ranks]})
+    return out
 
 
 _X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,
