@@ -18,7 +18,8 @@ from traceana import schema
 from traceana.ingest import Run
 from traceana.ingest import run_dir as run_dir_mod
 from traceana.ingest.cache import CACHE_DIR, TraceCache
-from traceana.ingest.run_dir import load_run, summarize_ranks
+from traceana.classify import rank_summary
+from traceana.ingest.run_dir import load_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -172,8 +173,8 @@ def test_third_party_directory_is_read_without_caching(third_party, tmp_path):
     assert_frame_equal(load_run(copy).events, run.events)
 
 
-def test_summarize_ranks(run4):
-    summary = summarize_ranks(load_run(run4))
+def test_rank_summary(run4):
+    summary = rank_summary(load_run(run4))
     expected = pl.DataFrame({
         "rank": [0, 1, 2, 3], "devices": ["cpu"] * 4, "steps": [2] * 4, "first_step": [0] * 4,
         "last_step": [1] * 4, "mean_step_ms": [0.1] * 4, "p2p_ops": [2, 4, 4, 2], "collectives": [0] * 4,
@@ -184,7 +185,7 @@ def test_summarize_ranks(run4):
 
 
 def test_summarize_third_party(third_party):
-    s = summarize_ranks(load_run(third_party / "hta/nccl_parser_config")).row(0, named=True)
+    s = rank_summary(load_run(third_party / "hta/nccl_parser_config")).row(0, named=True)
     assert (s["rank"], s["world_size"], s["devices"], s["steps"], s["first_step"], s["last_step"]) == \
         (0, 2, "0", 3, 4, 6)
     assert (s["kernels"], s["nccl_kernels"], s["collectives"], s["p2p_ops"]) == (2700, 21, 21, 0)

@@ -17,7 +17,8 @@ import pytest
 from traceana import partitioned
 from traceana.analysis import analyze
 from traceana.errors import BadInputError
-from traceana.ingest.run_dir import load_run, summarize_ranks
+from traceana.classify import rank_summary
+from traceana.ingest.run_dir import load_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "benchmarks"))
 from gen_big_trace import write_run  # noqa: E402
@@ -35,7 +36,7 @@ def run_2x2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def single(run_2x2):
     run = load_run(run_2x2, cache=False)
-    return analyze(run), summarize_ranks(run)
+    return analyze(run), rank_summary(run)
 
 
 def _assert_same(got, single) -> None:

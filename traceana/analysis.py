@@ -42,7 +42,7 @@ class Analysis:
     notes: tuple[str, ...] = field(default_factory=tuple)  #: what was inferred, what could not be determined
     segments: pl.DataFrame | None = None  #: attribution.SEGMENTS: the category of every instant (timelines, merge)
     events: pl.DataFrame | None = None  #: classified events on the aligned clock (kind, step, comm_dir, channel, …)
-    #: per-rank counts of the run's traces (ingest.run_dir.summarize_ranks); filled by
+    #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
 

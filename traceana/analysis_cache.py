@@ -254,7 +254,8 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             hit = store.load(prefix, key, path, peak_flops=peak_flops, workers=workers)
             if hit is not None:
                 return hit
-    from traceana.ingest.run_dir import load_run, summarize_ranks
+    from traceana.classify import rank_summary
+    from traceana.ingest.run_dir import load_run
 
     run = load_run(path, workers=workers, cache=cache, progress=progress)
     if progress:
@@ -264,7 +265,7 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             result = analyze(run, peak_flops=peak_flops)
     else:
         result = analyze(run, peak_flops=peak_flops)
-    result = replace(result, rank_summary=summarize_ranks(run))
+    result = replace(result, rank_summary=rank_summary(run))
     if store is not None:
         store.store(prefix, key, result)
     return result

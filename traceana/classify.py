@@ -18,6 +18,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana import names
+from traceana.ingest import Run
 from traceana.schema import KINDS, Kind
 
 # Columns classify adds to schema.EVENTS.
@@ -209,3 +210,51 @@ def inside(points: pl.DataFrame, at: str, spans: pl.DataFrame, *, by: str = "ran
     if spans.height == 0:
         return pl.repeat(False, points.height, dtype=pl.Boolean, eager=True).alias("inside")
     return iv.containing(points, at, spans, by=by, columns=["start"])["start"].is_not_null().alias("inside")
+
+
+def rank_summary(run: Run) -> pl.DataFrame:
+    """One row per rank: devices, steps found and their mean duration, events, kernels, P2P and collective ops.
+
+    P2P ops are ``c10d::send``/``c10d::recv_`` (any backend), else NCCL ``record_param_comms`` send/recv.
+    Collective ops are the CPU-side ``nccl:*``/``gloo:*`` spans c10d records around each collective, P2P excluded.
+    """
+    ev = run.events
+    step_no = pl.col("name").str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False)
+    cpu = ~pl.col("is_gpu")
+    coll_prefix = pl.coalesce(*(pl.when(pl.col("name").str.starts_with(pre)).then(pl.col("name").str.strip_prefix(pre))
+                                for pre in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))
+    c10d_p2p = pl.col("name").is_in([names.C10D_SEND, names.C10D_RECV])
+    rpc_p2p = (pl.col("name") == names.RECORD_PARAM_COMMS) & pl.col("coll").is_in(list(names.P2P_COLL_NAMES))
+    per_rank = (
+        ev.lazy()
+        .group_by("rank")
+        .agg(
+            n_events=pl.len(),
+            devices=pl.col("device").filter(pl.col("is_gpu")).drop_nulls().unique().sort().cast(pl.String)
+            .str.join(","),
+            steps=step_no.filter(cpu).drop_nulls().n_unique(),
+            first_step=step_no.filter(cpu).min(),
+            last_step=step_no.filter(cpu).max(),
+            mean_step_ms=(pl.col("dur_ns").filter(cpu & step_no.is_not_null()).mean() / 1e6),
+            kernels=(pl.col("cat") == "kernel").sum(),
+            nccl_kernels=(pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[0])
+                          | pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[1])).sum(),
+            c10d_p2p=c10d_p2p.sum(),
+            rpc_p2p=rpc_p2p.sum(),
+            collectives=(cpu & coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES))).sum(),
+        )
+        .with_columns(p2p_ops=pl.when(pl.col("c10d_p2p") > 0).then("c10d_p2p").otherwise("rpc_p2p"))
+        .drop("c10d_p2p", "rpc_p2p")
+    )
+    traces = run.traces.lazy().select("rank", "world_size", "backend", "truncated", "path")
+    return (
+        traces.join(per_rank, on="rank", how="left")
+        .with_columns(devices=pl.when(pl.col("devices").fill_null("") == "").then(pl.lit("cpu"))
+                      .otherwise(pl.col("devices")))
+        .with_columns(pl.col("n_events", "steps", "kernels", "nccl_kernels", "p2p_ops", "collectives")
+                      .fill_null(0).cast(pl.Int64))
+        .select("rank", "world_size", "backend", "devices", "steps", "first_step", "last_step", "mean_step_ms",
+                "n_events", "kernels", "nccl_kernels", "p2p_ops", "collectives", "truncated", "path")
+        .sort("rank")
+        .collect()
+    )

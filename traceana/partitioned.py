@@ -105,13 +105,13 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
     """Round 2 in a worker: the Analysis tables of one pipeline group (its classified events stay in the worker;
     the segments, a few rows per step, come back: ``traceana merge`` and the report draw them)."""
     from traceana.analysis import analyze
-    from traceana.ingest.run_dir import summarize_ranks
+    from traceana.classify import rank_summary
 
     run = scale.load_parquet(task.out_dir, ranks=task.ranks)
     result = analyze(run, peak_flops=task.peak_flops)
     tables = {name: getattr(result, name) for name in TABLE_ORDER if name != "rank_summary"}
     tables["stages"] = result.stages
-    tables["rank_summary"] = summarize_ranks(run)
+    tables["rank_summary"] = rank_summary(run)
     tables["segments"] = result.segments
     return {"ranks": task.ranks, "tables": tables, "notes": list(result.notes)}
 

@@ -61,7 +61,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     from rich.console import Console
 
     from traceana.export import per_step_table
-    from traceana.ingest.run_dir import summarize_ranks
+    from traceana.classify import rank_summary
     from traceana.schema import CATEGORIES
     from traceana.tables import UNKNOWN, print_line, print_table
     from traceana.tables import cell as _num
@@ -78,7 +78,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
         return stage is None and category.startswith("bubble")
 
     console = Console()
-    ranks = analysis.rank_summary if analysis.rank_summary is not None else summarize_ranks(analysis.run)
+    ranks = analysis.rank_summary if analysis.rank_summary is not None else rank_summary(analysis.run)
     headers = ["rank", "backend", "devices", "steps", "mean step\nms", "events", "kernels", "P2P ops",
                "collectives", "trace"]
     rows = [[str(r["rank"]), str(r["backend"] or UNKNOWN), str(r["devices"] or UNKNOWN), str(r["steps"]),
