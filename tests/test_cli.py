@@ -236,7 +236,7 @@ def test_every_command_that_reads_a_run_takes_workers_cache_quiet(command):
     assert (ns.workers, ns.no_cache, ns.quiet) == (2, True, True)
 
 
-@pytest.mark.parametrize("command", ["merge", "report", "collect", "demo"])
+@pytest.mark.parametrize("command", ["merge", "report", "collect", "demo", "attach"])
 def test_every_command_that_writes_takes_o_output(command):
     before = ["a"] if command in ("merge", "report") else []
     assert str(_parse(command, *before, "-o", "x").output) == "x"

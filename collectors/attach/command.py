@@ -26,8 +26,10 @@ POLL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--out", type=Path, required=True,
-                        help="new (or empty) directory: the run directory (one per window with several windows)")
+    from traceana.commands import options
+
+    options.output(parser, type=Path, required=True, metavar="DIR",
+                   help="new (or empty) directory: the run directory (one per window with several windows) (required)")
     parser.add_argument("--steps", default="10:12", metavar="A:B[,C:D…]",
                         help="steps to profile, counted from 0, B excluded (default 10:12: steps 10 and 11); "
                              "several windows: one run directory each, OUT/steps{A}-{B-1}")
@@ -87,7 +89,7 @@ def _config(args: argparse.Namespace):
         if not sep or not module or not qualname or module == "__main__":
             raise ConfigError(f"--step-fn {args.step_fn!r} is not MODULE:QUALNAME of an importable module",
                               fix="e.g. --step-fn mytrainer.loop:train_step")
-    out = args.out.resolve()
+    out = args.output.resolve()
     made = _check_out(out)
     split = len(windows) > 1 or args.every is not None
     return Config(out=str(out), windows=windows, every=args.every, warmup=args.warmup, step_fn=args.step_fn,
