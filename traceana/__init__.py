@@ -5,6 +5,8 @@ The public API for notebooks::
     import traceana
     run = traceana.load_run("runs/demo")       # events, memory, traces frames (+ run.json when present)
     result = traceana.analyze(run)              # steps, p2p, schedule, attribution, stage memory frames
+    result.summary                              # the headline figures (traceana.summary)
+    traceana.load_and_analyze("runs/demo")      # both, cached under the run folder, with the per-rank counts
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def __getattr__(name: str):  # lazy: importing traceana stays cheap
         from traceana.analysis import analyze
 
         return analyze
+    if name == "load_and_analyze":
+        from traceana.analysis_cache import load_and_analyze
+
+        return load_and_analyze
     raise AttributeError(name)
 
 
-__all__ = ["TraceanaError", "load_run", "analyze", "__version__"]
+__all__ = ["TraceanaError", "load_run", "analyze", "load_and_analyze", "__version__"]
