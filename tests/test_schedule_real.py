@@ -13,7 +13,7 @@ import pytest
 
 from traceana.analysis import analyze, strip_annotations
 from traceana.ingest.run_dir import load_run
-from traceana.schema import COMPUTE_CATEGORIES
+from traceana.schema import CATEGORIES, COMPUTE_CATEGORIES
 
 pytestmark = pytest.mark.slow
 
@@ -94,12 +94,16 @@ def assert_inference_matches(a, inferred):
     # Idle time does not depend on how compute is split, so the bubbles together agree closely. Where one bubble
     # ends and the next begins does: cool-down starts when the last forward ends, and inferred forwards also take
     # in the loss computed just after torch.distributed.pipelining's F span (~10% of a tiny run's cool-down).
+    # Annotated actions also own the idle edges of their spans (docs/schedules.md), which inference sees as waiting:
+    # a few ms per action when the 2-core machine deschedules a rank, so the bounds allow 2% of all ranks' step time
+    # on top (seen: bubbles 99.7 → 106.7 ms in a 4-rank step, 1.2% of it).
+    edges = 0.02 * total(a, *CATEGORIES)
     bubbles = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
     truth, guess = total(a, *bubbles), total(inferred, *bubbles)
-    assert abs(guess - truth) <= 0.05 * max(truth, 1), ("bubbles", truth, guess)
+    assert abs(guess - truth) <= 0.05 * max(truth, 1) + edges, ("bubbles", truth, guess)
     for cat in bubbles:
         truth, guess = total(a, cat), total(inferred, cat)
-        assert abs(guess - truth) <= 0.2 * max(truth, 1), (cat, truth, guess)
+        assert abs(guess - truth) <= 0.2 * max(truth, 1) + edges, (cat, truth, guess)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_bpipe"])
@@ -122,9 +126,10 @@ def test_1f1b_bubbles_last_stage_waits_longest_first_stage_idles_longest_at_the_
         .sort("stage")["start_ns"].to_list()
     assert first_f == sorted(first_f) and len(set(first_f)) == len(first_f)
     assert warm[0] == 0 and all(w > 0 for w in warm[1:])
-    # The first stage idles longest at the end; the last stage's cool-down is only the step's tail (optimizer and
-    # profiler bookkeeping, a few ms of noise on a loaded machine), far below the first stage's.
-    assert cool.index(max(cool)) == 0 and cool[-1] < cool[0] / 4
+    # The first stage idles longest at the end; the last stage's cool-down is only the step's tail (waiting for its
+    # last gradient send to be taken, optimizer and profiler bookkeeping), well below the first stage's (seen: a
+    # quarter of it on a loaded machine).
+    assert cool.index(max(cool)) == 0 and cool[-1] < cool[0] / 2
 
 
 def test_bpipe_transfers_are_bpipe_time_not_p2p(analysed):
