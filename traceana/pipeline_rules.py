@@ -29,9 +29,10 @@ from typing import NamedTuple
 
 import polars as pl
 
+from traceana import names, schema
 from traceana.errors import ConfigError
 
-FORWARD, BACKWARD = "F", "B"  # the actions of names.FORWARD / names.BACKWARD, in orders
+FORWARD, BACKWARD = names.FORWARD, names.BACKWARD  # the actions of an order
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 BPIPE_SCHEDULES = ("gpipe", "1f1b")  # GPipe balances nothing by itself (every stage holds m); an explicit keep
 
@@ -309,7 +310,7 @@ def bpipe_holding(schedule: str, *, pp: int, num_microbatches: int, pairs: tuple
 
 
 # --- bubbles -----------------------------------------------------------------------------------------------------------
-BUBBLE_WARMUP, BUBBLE_STALL, BUBBLE_COOLDOWN = "bubble_warmup", "bubble_stall", "bubble_cooldown"
+BUBBLE_WARMUP, BUBBLE_COOLDOWN, BUBBLE_STALL = schema.BUBBLE_CATEGORIES
 
 
 def bubble_windows(steps: pl.DataFrame, forward_work: pl.DataFrame) -> pl.DataFrame:
