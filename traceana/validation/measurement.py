@@ -12,7 +12,8 @@ from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
-from traceana.pipeline_rules import bpipe_plan
+from traceana.model.flops import stage_flops
+from traceana.pipeline_rules import bpipe_plan, stage_layers
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,6 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
     FLOPs its stages computed per measured step (recompute included: what the hardware did) over the time they spent
     computing (forward + backward + recompute, the attribution's busy time) times the device's peak FLOP/s, summed
     over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
-    from traceana.model.flops import stage_flops
-    from traceana.pipeline_rules import stage_layers
-
     m = analysis.run.manifest
     peak = peak_flops or (m.peak_flops if m else None)
     if m is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
