@@ -11,9 +11,7 @@ import polars as pl
 
 from traceana import schema
 from traceana.analysis import Analysis
-
-NS_PER_MS = 1_000_000
-MIB = 2**20
+from traceana.units import MIB, NS_PER_MS
 
 BUBBLE_KINDS = schema.BUBBLE_CATEGORIES
 

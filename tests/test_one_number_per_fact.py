@@ -82,3 +82,23 @@ def test_every_surface_shows_the_same_figures(collected_run, tmp_path):
         assert row["step_ms"] == pytest.approx(by_stage[row["stage"]]["step_ms"], rel=1e-9)
         assert row["activation_peak_bytes"] / 2**20 == \
             pytest.approx(by_stage[row["stage"]]["activation_peak_mib"], rel=1e-9)
+
+
+def test_verdict_states_the_models_activation_peak_validate_prints(collected_run):
+    """The BPipe verdict's "Model: largest stage's activation peak" is the memory model's per-stage estimate that
+    validate's table prints next to the measured peak (it used to quote saved activations only, 5.1 against 5.4)."""
+    d = json.loads(_cli("validate", str(collected_run("1f1b")), "--json", "--no-cache"))
+    largest = max(row["estimated_activation_bytes"] for row in d["per_stage"]) / 2**20
+    assert _num(r"Model: largest stage's activation peak ([\d.]+) MiB", d["bpipe"]["sentence"]) == \
+        pytest.approx(largest, abs=0.006)
+
+
+def test_sizes_and_durations_are_written_in_a_readable_unit():
+    from traceana.units import bytes_text, seconds_text
+
+    assert bytes_text(3 * 2**30) == "3.0 GiB"
+    assert bytes_text(5.4 * 2**20) == "5.4 MiB"
+    assert bytes_text(512 * 2**10) == "512.0 KiB"  # never "0.0 GiB" or "0 MiB" for a tiny model
+    assert seconds_text(2.5) == "2.50 s"
+    assert seconds_text(0.1368) == "136.8 ms"
+    assert seconds_text(16.4e-6) == "16.4 µs"

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import re
 
+from traceana.units import bytes_text
+
 MAX_VALUE_BYTES = 64 << 20
 ENV = "TRACEANA_MEMORY_LIMIT"
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -121,7 +123,7 @@ def json_budget() -> int:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return bytes_text(n, 2 if n >= 2**30 else 0)
 
 
 def how_to_raise() -> str:

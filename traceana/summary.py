@@ -23,9 +23,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
-
-MIB = 2**20
-NS_PER_MS = 1_000_000
+from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 
 

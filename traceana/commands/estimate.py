@@ -17,9 +17,10 @@ from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estima
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
+from traceana.units import GIB as GiB
+from traceana.units import MIB as MiB
+from traceana.units import bytes_text
 
-GiB = 2**30
-MiB = 2**20
 DEFAULT_DEVICE = "a100-80gb"
 
 
@@ -280,8 +281,7 @@ def _usable(device: dict) -> str:
     usable, reserve = device["memory_bytes"], device.get("reserve_bytes", 0.0)
     if usable is None:
         return "no memory limit"
-    return (f"{(usable + reserve) / MiB:,.0f} MiB, {reserve / MiB:,.0f} MiB kept free, {usable / MiB:,.0f} MiB "
-            "usable")
+    return f"{bytes_text(usable + reserve)}, {bytes_text(reserve)} kept free, {bytes_text(usable)} usable"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
+from traceana.units import bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 
@@ -276,7 +277,7 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
     peak = lambda c: max(st.total_bytes for st in estimate_stage_memory(c))  # noqa: E731
     words = (f"{m.name or m.family}: the s×s attention terms (scores, probabilities"
              + (", their dropout mask" if cfg.has_dropout else "") + f") are {share:.0%} of a layer's saved "
-             f"activations with naive attention ({(naive - flash) / 2**20:.0f} of {naive / 2**20:.0f} MiB per "
+             f"activations with naive attention ({bytes_text(naive - flash)} of {bytes_text(naive)} per "
              f"layer at b={cfg.microbatch_size}, s={m.seq}); flash attention does not store them")
     if cfg.pp > 1:
         for att in ("naive", "sdpa"):
@@ -285,8 +286,8 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
             fit = "" if device_bytes is None else (
                 " — fits without BPipe" if before <= device_bytes else
                 (" — fits only with BPipe" if after <= device_bytes else " — does not fit either way"))
-            words += (f"; {att}, no recompute: largest stage {before / 2**30:.1f} GiB without BPipe, "
-                      f"{after / 2**30:.1f} GiB with it{fit}")
+            words += (f"; {att}, no recompute: largest stage {bytes_text(before)} without BPipe, "
+                      f"{bytes_text(after)} with it{fit}")
     return words + "."
 
 
@@ -342,7 +343,7 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
         + ("" if curve.points else f" (saturating, e_max={curve.e_max}, n_half={curve.tokens_half:g} tokens)"),
         f"P2P {network.p2p_bytes_per_s / 1e9:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / 1e9:g} GB/s "
         f"({'overlapped' if network.bpipe_overlap else 'blocking'})",
-        f"device memory {dev.memory_bytes / 2**30:.0f} GiB usable",
+        f"device memory {bytes_text(dev.memory_bytes, 0)} usable",
     )
     if best is None:
         return Verdict(False, 1.0, reference, given, None, "memory", {},
@@ -371,16 +372,16 @@ def _estimate(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCu
 def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate, deltas: dict[str, float],
               deciding: str, *, fits_without: bool, baseline: str, evicted: int) -> str:
     changed = describe_deltas(deltas) or "no term changes"
-    against = f"against {baseline} ({ref.describe()}, {ref.step_s:.2f} s per step)"
+    against = f"against {baseline} ({ref.describe()}, {seconds_text(ref.step_s)} per step)"
     nothing = " BPipe evicts nothing in this configuration." if evicted == 0 else ""
     if not fits_without:
         return (f"BPipe helps: without it the {baseline} configuration does not fit in memory; with it "
-                f"{best.describe()} runs at {best.step_s:.2f} s per step (MFU {best.mfu:.1%}).")
+                f"{best.describe()} runs at {seconds_text(best.step_s)} per step (MFU {best.mfu:.1%}).")
     if deciding == "no change":
         return (f"BPipe makes no difference ({speedup:.3f}×) {against}: best with it {best.describe()} "
-                f"{best.step_s:.2f} s; {changed}.{nothing} Deciding term: no change.")
+                f"{seconds_text(best.step_s)}; {changed}.{nothing} Deciding term: no change.")
     if not helps:
         return (f"BPipe does not help ({speedup:.3f}×) {against}: best with it {best.describe()} "
-                f"{best.step_s:.2f} s; {changed}.{nothing} Deciding term: {deciding}.")
-    return (f"BPipe helps by {speedup:.3f}× {against}: with it {best.describe()} {best.step_s:.2f} s per step; "
+                f"{seconds_text(best.step_s)}; {changed}.{nothing} Deciding term: {deciding}.")
+    return (f"BPipe helps by {speedup:.3f}× {against}: with it {best.describe()} {seconds_text(best.step_s)} per step; "
             f"{changed}. Deciding term: {deciding}.")

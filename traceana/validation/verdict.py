@@ -10,6 +10,7 @@ from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict,
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
+from traceana.units import bytes_text
 from traceana.validation.prediction import predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
@@ -48,9 +49,9 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
         + f"); {describe_deltas(deltas, spec='.1f') or 'no term changes'}"
         + (f"; BPipe evicts nothing at pp={cfg.pp}, m={cfg.num_microbatches}" if n_ev == 0 else
            f"; {n_ev} evictions per step")
-        + f". Deciding term: {deciding}. Model: largest stage's activations "
-        f"{max(s.activation_bytes for s in before) / 2**20:.1f} → "
-        f"{max(s.activation_bytes for s in after) / 2**20:.1f} MiB."
+        + f". Deciding term: {deciding}. Model: largest stage's activation peak "
+        f"{bytes_text(max(s.activation_peak_bytes for s in before), 2)} → "
+        f"{bytes_text(max(s.activation_peak_bytes for s in after), 2)}."
     )
     def est(c: TrainingConfig, s: Simulation, mem) -> StepEstimate:
         return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,

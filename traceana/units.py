@@ -1,0 +1,26 @@
+"""Units, and how a size is written for a person: one place, so every command says the same thing the same way."""
+
+from __future__ import annotations
+
+NS_PER_MS = 1_000_000
+NS_PER_S = 1_000_000_000
+MIB = 2**20
+GIB = 2**30
+
+
+def bytes_text(n: float, digits: int = 1) -> str:
+    """``n`` bytes in the unit that keeps the figure readable: GiB from 1 GiB up, MiB from 1 MiB, KiB below (never "0.0 GiB")."""
+    if abs(n) >= GIB:
+        return f"{n / GIB:,.{digits}f} GiB"
+    if abs(n) >= MIB or n == 0:
+        return f"{n / MIB:,.{digits}f} MiB"
+    return f"{n / 2**10:,.{digits}f} KiB"
+
+
+def seconds_text(s: float) -> str:
+    """A duration in s, ms or µs, whichever keeps three significant figures readable (never "0.00 s")."""
+    if abs(s) >= 1:
+        return f"{s:,.2f} s"
+    if abs(s) >= 1e-3 or s == 0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.1f} µs"
