@@ -26,6 +26,13 @@ def trace_path(out_dir: Path, rank: int) -> Path:
     return Path(out_dir) / TRACE_NAME.format(rank=rank)
 
 
+def host_facts(world_size: int) -> dict[str, int]:
+    """run.json's ``host_cpus`` and ``ranks_per_host``: whether the ranks had a processor each (validate says so
+    when they did not). A launch without torchrun's LOCAL_WORLD_SIZE put every rank on this host."""
+    return {"host_cpus": len(os.sched_getaffinity(0)),
+            "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}
+
+
 def ranks_written(out_dir: Path, *, since: float | None = None) -> tuple[int, ...]:
     """Ranks whose trace file exists (and, with ``since``, was written after that wall-clock time)."""
     found = []

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectors.launch import _start_method, free_port
-from collectors.manifest import finalize_manifest
+from collectors.manifest import finalize_manifest, host_facts
 from collectors.pipelining import annotate
 from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
@@ -165,6 +165,7 @@ def manifest(schedule: str, world: int, stages: int, microbatches: int, microbat
         microbatch_size=microbatch_size, num_microbatches=microbatches, global_batch=microbatch_size * microbatches,
         model=PRESETS[preset], dtype="float32", attention="naive", recompute="none", device="cpu",
         profiler={"wait": 0, "warmup": 1, "active": steps, "repeat": 1}, torch_version=torch.__version__,
+        **host_facts(world),
         extra={"collector": "torch.distributed.pipelining", "stages_of_rank": per_rank},
     )
 

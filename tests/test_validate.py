@@ -145,3 +145,20 @@ def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
     g = fake_analysis(tmp_path, schedule="gpipe", pp=2, m=4, times=StageTimes.uniform(2, forward=1e5, backward=2e5))
     with pytest.raises(AnalysisError):
         bpipe_verdict_from_run(g)
+
+
+@pytest.mark.parametrize("host_cpus, noted", [(2, True), (4, False), (None, False)])
+def test_validate_says_when_cpu_ranks_shared_cores(tmp_path, host_cpus, noted):
+    """4 CPU ranks on 2 cores cannot all compute at once (hand reasoning: at most 2 run, so a one-device-per-stage
+    simulator can be up to 4/2 = 2× short); on 4 cores, or with no host facts, there is nothing to say."""
+    import dataclasses
+
+    times = StageTimes(forward_ns=(100e3,) * 4, backward_ns=(200e3,) * 4, recompute_ns=(0,) * 4,
+                       optimizer_ns=(50e3,) * 4, host_ns=(10e3,) * 4)
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=4, times=times)
+    run = dataclasses.replace(a.run, manifest=dataclasses.replace(
+        a.run.manifest, host_cpus=host_cpus, ranks_per_host=None if host_cpus is None else 4))
+    notes = [n for n in validate(dataclasses.replace(a, run=run)).notes if "shared" in n]
+    assert notes == (["4 CPU ranks shared 2 cores on one host: they could not all compute at once, which the "
+                      "simulator (one device per stage) does not model, so its steps can be up to 2.0× too short "
+                      "here; an error of that size is the machine, not the model"] if noted else [])

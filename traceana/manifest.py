@@ -56,7 +56,7 @@ def _depth(value: Any, limit: int) -> int:
 
 # Fields of run.json by kind, checked on construction (Python callers and run.json alike).
 _POSITIVE_INTS = ("world_size", "dp", "tp")
-_OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_batch")
+_OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_batch", "host_cpus", "ranks_per_host")
 _OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
 
 
@@ -144,6 +144,8 @@ class Manifest:
     profiler: dict[str, int] = field(default_factory=dict)  # wait / warmup / active / repeat
     torch_version: str | None = None
     ranks_written: tuple[int, ...] | None = None  # ranks whose trace was written completely
+    host_cpus: int | None = None  # logical CPUs the ranks of one host could run on (their affinity mask)
+    ranks_per_host: int | None = None  # ranks sharing those CPUs (torchrun's LOCAL_WORLD_SIZE)
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 

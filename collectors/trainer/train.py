@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from collectors import annotations as ann
 from collectors.bpipe import Acceptor, Evictor, new_groups
+from collectors.manifest import host_facts
 from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.comm import Transport
@@ -78,6 +79,7 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         device=device_name,
         profiler={"wait": 0, "warmup": min(config.warmup_steps, 1), "active": config.steps, "repeat": 1},
         torch_version=torch.__version__,
+        **host_facts(setup.world_size),
         extra={"collector": "collectors.trainer", "backend": setup.backend, "host_staged": setup.host_staged,
                "preset": config.preset, "bpipe_inflight": config.bpipe_inflight},
     )

@@ -71,6 +71,8 @@ def render(v, cross: dict | None, *, console) -> None:
                    f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
                    f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
                    f"{_fmt(cross['measured_speedup'], '.3f')}×")
+        if cross.get("machine_note"):
+            print_line(console, cross["machine_note"], prefix="note: ")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,20 @@ class Measured:
     bpipe_step_ns: dict[int, float] = field(default_factory=dict)  # per stage: time in category "bpipe" per step
 
 
+def shared_cpus(analysis: Analysis) -> str | None:
+    """A note when the run's CPU ranks had fewer processors than ranks (run.json's ``host_cpus`` and
+    ``ranks_per_host``), else None. The simulator gives every stage its own device; ranks time-sharing cores do not
+    compute at once, so a replay then underestimates the step by up to ranks/cores (docs/model.md)."""
+    m = analysis.run.manifest
+    if m is None or not m.host_cpus or not m.ranks_per_host or m.ranks_per_host <= m.host_cpus:
+        return None
+    if analysis.run.events.select(pl.col("is_gpu").any()).item():
+        return None  # GPU ranks compute on their own devices; the host's cores only launch
+    return (f"{m.ranks_per_host} CPU ranks shared {m.host_cpus} cores on one host: they could not all compute at "
+            f"once, which the simulator (one device per stage) does not model, so its steps can be up to "
+            f"{m.ranks_per_host / m.host_cpus:.1f}× too short here; an error of that size is the machine, not the model")
+
+
 def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     """Per-stage durations per micro-batch from the measured attribution (busy time only, so waits inside annotation
     spans do not count as compute) and P2P costs from the matched pairs."""

@@ -10,7 +10,7 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation, StageTimes, simulate
-from traceana.validation.measurement import measure
+from traceana.validation.measurement import measure, shared_cpus
 
 LOCAL_COPY_BYTES_PER_NS = 1.0  # 1 GB/s: an assumption for moving activations between processes on one host
 
@@ -85,4 +85,5 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         # change (e.g. recompute) alters the work; anything else is the machine running at another speed
         "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
         / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
+        "machine_note": shared_cpus(target) or shared_cpus(baseline),
     }

@@ -18,7 +18,7 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
-from traceana.validation.measurement import Measured, measure
+from traceana.validation.measurement import Measured, measure, shared_cpus
 
 # "Waiting on the pipeline": the bubbles plus exposed P2P. Measured attribution labels idle time during which one of
 # the rank's own sends is still in flight as p2p, which the simulator cannot tell from a bubble; their sum compares.
@@ -228,5 +228,5 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
            + " per step in BPipe work" if bpipe else ""),
         "memory estimate: saved activations in flight"
         + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
-    )
+    ) + tuple(n for n in (shared_cpus(analysis),) if n)
     return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)
