@@ -44,6 +44,7 @@ from collectors.trainer import data
 from collectors.trainer.config import PRESETS
 from collectors.trainer.model import GPT
 from traceana.pipeline_rules import stage_layer_ranges
+from traceana.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
 from traceana.manifest import Manifest
 
 # name (as in run.json) -> (torch class, stage placement, virtual stages per rank)
@@ -60,11 +61,9 @@ SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
-    """The stages each rank holds: looped (rank r: r, r+world, …) or V (rank r: r and 2·world−1−r)."""
+    """The stages each rank holds (traceana.pipeline_rules.stages_of_ranks: looped or V)."""
     _, placement, virtual = SCHEDULE_CLASSES[schedule]
-    if placement == "v":
-        return [[r, 2 * world - 1 - r] for r in range(world)]
-    return [[r + k * world for k in range(virtual)] for r in range(world)]
+    return rules_stages_of_ranks("looped" if placement == "loop" else placement, world, virtual)
 
 
 # Runtime schedules' compute actions. (GPipe's ``Forward {i}`` / ``Backward {i}`` group a micro-batch's P2P posts

@@ -3,12 +3,20 @@
 Use the ``collected_run`` fixture from tests/conftest.py: ``run_dir = collected_run("1f1b_bpipe")``.
 Every run: tiny model, 4 stages (pp=2 where noted), 4 micro-batches of 1 sequence, 1 warm-up + 1 profiled step
 (2 where noted).
+
+``pipelining-<schedule>``: torch.distributed.pipelining's own schedule classes (collectors.pipelining_example, what
+``traceana collect --schedule NAME`` runs): 4 ranks for 1f1b and gpipe, 2 ranks × 2 stages for the multi-stage ones,
+4 micro-batches of 1 sequence, two profiled steps, with the independent wall-clock truth beside the run
+(``collectors.pipelining_example.truth_path(run_dir)``). ``@3``: on 3 ranks × 2 stages, 3 micro-batches, one profiled step, no truth.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from collectors.trainer.config import SCHEDULES  # no torch import
+from traceana.manifest import MULTI_STAGE_SCHEDULES
 
 RUNS = {
     # name: CollectConfig keyword arguments
@@ -24,6 +32,14 @@ RUNS = {
     "1f1b_m8_bpipe": dict(preset="tiny-gpt", pp=4, microbatches=8, microbatch_size=2, schedule="1f1b", bpipe=True,
                           steps=2),
 }
+PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
+PIPELINING_RUNS = {
+    # name: collectors.pipelining_example.collect keyword arguments
+    **{f"pipelining-{s}": dict(schedule=s, microbatches=4, microbatch_size=1, steps=2, truth=True)
+       for s in PIPELINING_SCHEDULES},
+    **{f"pipelining-{s}@3": dict(schedule=s, microbatches=3, microbatch_size=1, steps=1, ranks=3)
+       for s in ("interleaved-1f1b", "zbv")},
+}
 
 
 def build(name: str, root: Path) -> Path:
@@ -31,17 +47,27 @@ def build(name: str, root: Path) -> Path:
     from filelock import FileLock
 
     from collectors.launch import collect
+    from collectors.pipelining_example import truth_path
     from collectors.trainer.config import CollectConfig
 
-    if name not in RUNS:
-        raise KeyError(f"unknown collected run {name!r}; known: {', '.join(RUNS)}")
+    if name not in RUNS and name not in PIPELINING_RUNS:
+        raise KeyError(f"unknown collected run {name!r}; known: {', '.join([*RUNS, *PIPELINING_RUNS])}")
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     with FileLock(str(root / f"{name}.lock")):
         if not (final / "run.json").is_file():
             tmp = root / f".{name}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            collect(CollectConfig(**{"steps": 1, "warmup_steps": 1, **RUNS[name]}), tmp)
+            shutil.rmtree(truth_path(tmp), ignore_errors=True)
+            if name in PIPELINING_RUNS:
+                from collectors.pipelining_example import collect as collect_pipelining
+
+                collect_pipelining(out_dir=tmp, **PIPELINING_RUNS[name])
+            else:
+                collect(CollectConfig(**{"steps": 1, "warmup_steps": 1, **RUNS[name]}), tmp)
             shutil.rmtree(final, ignore_errors=True)
+            shutil.rmtree(truth_path(final), ignore_errors=True)
+            if truth_path(tmp).exists():  # the truth first: a run folder in place means everything is there
+                truth_path(tmp).rename(truth_path(final))
             tmp.rename(final)
     return final

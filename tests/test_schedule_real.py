@@ -38,17 +38,13 @@ def analysed(collected_run):
 
 
 @pytest.fixture(scope="module")
-def pipelining_run(tmp_path_factory):
-    pytest.importorskip("torch")
-    from collectors.pipelining_example import collect
-
-    root = tmp_path_factory.mktemp("pipelining")
+def pipelining_run(collected_run):
+    """The session's ``pipelining-<schedule>`` run (tests/collected_runs.py: 4 micro-batches of 1 sequence)."""
     cache: dict[str, tuple] = {}
 
     def get(schedule: str):
         if schedule not in cache:
-            path = collect(schedule, root / schedule, microbatches=4, microbatch_size=1, steps=1)
-            run = load(path)
+            run = load(collected_run(f"pipelining-{schedule}"))
             cache[schedule] = (run, analyze(run), analyze(replace(run, events=strip_annotations(run.events))))
         return cache[schedule]
 
@@ -159,6 +155,7 @@ def test_torch_pipelining_interleaved_annotated_and_not_guessed(pipelining_run):
     run, a, inferred = pipelining_run("interleaved-1f1b")
     got = fb(a.schedule).group_by("rank").agg(pl.col("stage").unique().sort())
     assert sorted(got.rows()) == [(0, [0, 2]), (1, [1, 3])]  # two virtual stages per rank, from PP: names
-    assert fb(a.schedule).height == 4 * 4 * 2  # 4 virtual stages × 4 micro-batches × F/B (one step)
+    # 4 virtual stages × 4 micro-batches × F/B, in each profiled step
+    assert fb(a.schedule).height == 4 * 4 * 2 * a.schedule["step"].n_unique()
     assert fb(inferred.schedule).height == 0
     assert any("interleaved" in n for n in inferred.notes)

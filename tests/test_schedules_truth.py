@@ -26,18 +26,20 @@ PROFILED_STEP = 1
 
 
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory):
-    from collectors.pipelining_example import collect, truth_path
+def collected(collected_run):
+    """``collected(schedule) -> (run, analysis, truth folder)``: the session's ``pipelining-<schedule>`` run
+    (tests/collected_runs.py: MICROBATCHES micro-batches of 1 sequence, two profiled steps, with the truth)."""
+    from collectors.pipelining_example import truth_path
 
-    root = tmp_path_factory.mktemp("schedules")
     cache: dict[str, tuple] = {}
 
     def get(schedule: str):
         if schedule not in cache:
-            path = collect(schedule, root / schedule, microbatches=MICROBATCHES, microbatch_size=1, steps=2, truth=True)
+            path = collected_run(f"pipelining-{schedule}")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 run = load_run(path, cache=False)
+            assert run.manifest.num_microbatches == MICROBATCHES
             cache[schedule] = (run, analyze(run), truth_path(Path(path)))
         return cache[schedule]
 

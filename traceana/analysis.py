@@ -96,7 +96,7 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
         pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     notes += pair_notes
-    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs)
+    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs)
     notes += n
 
     annotated = pipeline.annotated_schedule(events, stages)
@@ -108,15 +108,19 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     listed = m.extra.get("stages_of_rank") if m is not None else None
     interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES or (
         isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
-    # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
+    # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same,
+    # and without either the P2P pattern can (pipeline.placements: a V or a looped placement).
     interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
-    if unannotated and interleaved:
-        notes.append(f"ranks {', '.join(map(str, unannotated))} carry no forward/backward annotations and run a "
-                     f"{m.schedule if m else 'multi-stage'} schedule (several virtual stages per rank): which stage, "
-                     "micro-batch and phase each piece of their work belongs to cannot be told from P2P order, so their schedule is not inferred "
-                     "and no forward/backward is claimed for them")
-    elif unannotated:
-        inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=unannotated)
+    refused = unannotated if interleaved else sorted(set(unannotated) & set(pipeline.several_stages(stages)))
+    if refused:
+        notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
+                     f"{m.schedule if m and m.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
+                     "(several virtual stages per rank): which stage, micro-batch and phase each piece of their work "
+                     "belongs to cannot be told from P2P order, so their schedule is not inferred and no "
+                     "forward/backward is claimed for them (their compute counts as other compute)")
+    rest = sorted(set(unannotated) - set(refused))
+    if rest:
+        inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=rest)
         notes += n
         got = sorted(set(inferred["rank"].to_list()))
         if got:

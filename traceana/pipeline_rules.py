@@ -334,3 +334,21 @@ def bubble_windows(steps: pl.DataFrame, forward_work: pl.DataFrame) -> pl.DataFr
         w.filter(has_f).select("rank", "step", pl.lit(BUBBLE_COOLDOWN).alias("category"), f1.alias("start"), "end"),
     ]
     return pl.concat(parts).filter(pl.col("end") > pl.col("start")).sort("rank", "step", "start")
+
+
+# --- placements ----------------------------------------------------------------------------------------------------
+PLACEMENTS = ("single", "looped", "v")
+
+
+def stages_of_ranks(placement: str, ranks: int, virtual: int = 1) -> list[list[int]]:
+    """The virtual stages each of ``ranks`` pipeline ranks holds: ``single`` (rank r: r), ``looped`` (rank r: r,
+    r+p, …, r+(v−1)p; Narayanan et al. 2021 §2.2.2, torch's interleaved, looped-BFS and zero-bubble schedules) or
+    ``v`` (rank r: r and 2p−1−r; Qi et al. 2023's ZB-V, torch's ZBV and DualPipe-V: the last rank holds the two middle
+    stages and the first rank the first and the last)."""
+    if placement == "v":
+        return [[r, 2 * ranks - 1 - r] for r in range(ranks)]
+    if placement == "single":
+        return [[r] for r in range(ranks)]
+    if placement == "looped":
+        return [[r + k * ranks for k in range(virtual)] for r in range(ranks)]
+    raise ConfigError(f"unknown stage placement {placement!r}", fix=f"use one of {', '.join(PLACEMENTS)}")
