@@ -12,6 +12,10 @@ Schedules (per-device operation orders; an operation is (action, virtual stage, 
 - ``interleaved-1f1b`` (Narayanan et al. 2021 §2.2.2; Megatron-LM's schedules.py): device d owns virtual stages
   d, d+p, …; forwards go in rounds of p micro-batches through chunk 0, 1, …, v−1 (backwards through v−1, …, 0), with
   min((p−d−1)·2 + (v−1)·p, m·v) warm-up forwards.
+- ``looped-bfs``, ``zero-bubble`` (ZB-1P: the backward split into I and W, W deferred into the bubbles; Qi et al.
+  2023), ``zbv`` (ZB-V, V placement) and ``dualpipev`` (DualPipe-V, V placement, overlapped F+B pairs): torch 2.13's
+  orders (torch.distributed.pipelining.schedules), rewritten here without torch; docs/schedules.md has the rules.
+Placement (stage → device) is ``device_of_stage``: looped, or V for ``V_SCHEDULES``.
 
 BPipe (Kim et al. 2023, ICML): in 1F1B stage s holds p−s micro-batches while stage p−1−s holds s+1. The *evictor*
 s < p/2 keeps at most ⌈(n_s + n_{p−1−s})/2⌉ micro-batches (the pair's balanced level) and sends the rest to its
@@ -31,14 +35,18 @@ import polars as pl
 
 from traceana import names, schema
 from traceana.errors import ConfigError
+from traceana.manifest import MULTI_STAGE_SCHEDULES  # several virtual stages on a device
 
 FORWARD, BACKWARD = names.FORWARD, names.BACKWARD  # the actions of an order
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+BACKWARD_INPUT, BACKWARD_WEIGHT = names.BACKWARD_INPUT, names.BACKWARD_WEIGHT  # a backward split in two (I, W)
+SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE_SCHEDULES)  # every schedule run.json names (but "unknown")
+V_SCHEDULES = ("zbv", "dualpipev")  # V placement: device d holds stages d and 2p−1−d
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")  # backwards split into I and W
 BPIPE_SCHEDULES = ("gpipe", "1f1b")  # GPipe balances nothing by itself (every stage holds m); an explicit keep
 
 
 class Op(NamedTuple):
-    """One operation of a device's order: ``action`` "F" or "B" of ``microbatch`` on virtual ``stage``."""
+    """One operation of a device's order: ``action`` F, B, I or W of ``microbatch`` on virtual ``stage``."""
 
     action: str
     stage: int
@@ -53,46 +61,262 @@ def _check(schedule: str, pp: int, num_microbatches: int, device: int, virtual_s
                           f"{virtual_stages}", fix="check the configuration")
     if not 0 <= device < pp:
         raise ConfigError(f"stage {device} is outside 0..{pp - 1}", fix="check the pipeline degree")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+    check_virtual_stages(schedule, virtual_stages)
+    p, m = pp, num_microbatches
+    if schedule in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // p):
+        raise ConfigError(f"{schedule} needs the micro-batches ({m}) to be a multiple of its rounds "
+                          f"(max(1, m // pp) = {max(1, m // p)}), as torch's schedule does",
+                          fix="use a multiple of pp micro-batches")
+    if schedule == "dualpipev" and m < 2 * p:
+        raise ConfigError(f"dualpipev needs at least as many micro-batches as stages (2·pp = {2 * p}), got {m}",
+                          fix=f"use at least {2 * p} micro-batches")
+
+
+def check_virtual_stages(schedule: str, virtual_stages: int) -> None:
+    """Virtual stages per device each schedule takes: 1 for GPipe and 1F1B, exactly 2 for the V schedules, any for
+    the looped ones."""
+    if schedule in V_SCHEDULES and virtual_stages != 2:
+        raise ConfigError(f"schedule {schedule!r} places exactly 2 stages on each device, not {virtual_stages}",
+                          fix="use 2 virtual stages")
+    if schedule not in MULTI_STAGE_SCHEDULES and virtual_stages > 1:
         raise ConfigError(f"schedule {schedule!r} has one stage per device, not {virtual_stages}",
-                          fix="use interleaved-1f1b for virtual stages")
+                          fix=f"use one of {', '.join(MULTI_STAGE_SCHEDULES)} for virtual stages")
+
+
+def default_virtual_stages(schedule: str) -> int:
+    """Virtual stages per device when none are given: 2 for the V schedules (the only count they take), else 1."""
+    return 2 if schedule in V_SCHEDULES else 1
+
+
+# --- placement: which device holds which stage -------------------------------------------------------------------
+def device_of_stage(schedule: str, stage: int, *, pp: int) -> int:
+    """The device holding virtual ``stage``. Looped (every multi-stage schedule but the V ones): stage s on device
+    s mod p. V (zbv, dualpipev): the stages zig-zag, s on s mod p in even chunks and on p−1−(s mod p) in odd ones,
+    so with 2 chunks device d holds d and 2p−1−d and the last device runs stages p−1 and p back to back (torch's
+    ``generate_stage_to_rank_mapping``, style "v")."""
+    chunk, within = divmod(stage, pp)
+    return pp - 1 - within if schedule in V_SCHEDULES and chunk % 2 else within
+
+
+def stages_of_device(schedule: str, *, pp: int, device: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The virtual stages a device holds, in model order."""
+    return tuple(s for s in range(pp * virtual_stages) if device_of_stage(schedule, s, pp=pp) == device)
+
+
+def pipeline_messages(schedule: str, *, pp: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+    """Activation and gradient messages between devices in one step: 2·m per stage boundary that crosses devices.
+    1F1B: 2m(p−1). A V placement has 2p−1 boundaries of which one (p−1 → p, on the last device) is local: 2m(2p−2),
+    twice 1F1B's (Qi et al. 2023, ZB-V: twice the pipeline communication of 1F1B)."""
+    nv = pp * virtual_stages
+    crossing = sum(device_of_stage(schedule, s, pp=pp) != device_of_stage(schedule, s + 1, pp=pp)
+                   for s in range(nv - 1))
+    return 2 * num_microbatches * crossing
 
 
 def warmup_forwards(schedule: str, *, pp: int, num_microbatches: int, device: int, virtual_stages: int = 1) -> int:
-    """Forwards a device runs before its first backward (all of them for GPipe)."""
+    """Warm-up forwards of a device: all m for GPipe; min(p−d−1, m) for 1F1B and min((p−d−1)·2 + (v−1)·p, m·v)
+    for interleaved 1F1B (Megatron's counts, before the steady forward-backward pairs begin with a forward); for
+    the other schedules, the forwards before its first backward of any kind (B or I)."""
     _check(schedule, pp, num_microbatches, device, virtual_stages)
     p, m, d, v = pp, num_microbatches, device, virtual_stages
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(p - d - 1, m)
-    return min((p - d - 1) * 2 + (v - 1) * p, m * v)
+    if schedule == "interleaved-1f1b":
+        return min((p - d - 1) * 2 + (v - 1) * (m // max(1, m // p)), m * v)
+    order = device_order(schedule, pp=pp, num_microbatches=num_microbatches, device=device,
+                         virtual_stages=virtual_stages)
+    return next((i for i, op in enumerate(order) if op.action != FORWARD), len(order))
 
 
 def device_order(schedule: str, *, pp: int, num_microbatches: int, device: int,
                  virtual_stages: int = 1) -> list[Op]:
-    """The operations one device runs in one step, in order."""
+    """The compute operations one device runs in one step, in order (torch 2.13's orders, without their idle slots;
+    an overlapped forward+backward of DualPipe-V is its forward then its backward, the order torch runs them in)."""
+    _check(schedule, pp, num_microbatches, device, virtual_stages)
     p, m, d, v = pp, num_microbatches, device, virtual_stages
-    warm = warmup_forwards(schedule, pp=p, num_microbatches=m, device=d, virtual_stages=v)
-    if schedule == "interleaved-1f1b":
-        rounds = [range(r, min(r + p, m)) for r in range(0, m, p)]
-        fwd = [Op(FORWARD, c * p + d, j) for g in rounds for c in range(v) for j in g]
-        bwd = [Op(BACKWARD, c * p + d, j) for g in rounds for c in reversed(range(v)) for j in g]
-    else:
+    if schedule in ("gpipe", "1f1b"):
+        warm = m if schedule == "gpipe" else min(p - d - 1, m)
         fwd = [Op(FORWARD, d, j) for j in range(m)]
         bwd = [Op(BACKWARD, d, j) for j in range(m)]
-    order = fwd[:warm]
-    for i in range(len(fwd) - warm):
-        order += [fwd[warm + i], bwd[i]]
-    return order + bwd[len(fwd) - warm:]
+        order = fwd[:warm]
+        for i in range(len(fwd) - warm):
+            order += [fwd[warm + i], bwd[i]]
+        return order + bwd[len(fwd) - warm:]
+    if schedule == "looped-bfs":
+        return _looped_bfs(p, m, d, v)
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        return _interleaved(p, m, d, v, zero_bubble=schedule == "zero-bubble")
+    if schedule == "zbv":
+        return _zbv(p, m, d)
+    return _dualpipev(p, m, d)
+
+
+def _looped_bfs(p: int, m: int, d: int, v: int) -> list[Op]:
+    """Breadth-first (Lamy-Poirier 2023; torch's ScheduleLoopedBFS): every micro-batch through the device's first
+    chunk, then its next, …; backwards chunk by chunk from the last, micro-batches in reverse order."""
+    chunks = [c * p + d for c in range(v)]
+    return ([Op(FORWARD, s, j) for s in chunks for j in range(m)]
+            + [Op(BACKWARD, s, j) for s in reversed(chunks) for j in reversed(range(m))])
+
+
+def _interleaved(p: int, m: int, d: int, v: int, *, zero_bubble: bool) -> list[Op]:
+    """Interleaved 1F1B (Narayanan et al. 2021 §2.2.2) and its zero-bubble form ZB-1P (Qi et al. 2023), as torch's
+    ``_get_1f1b_rank_ops`` builds them: micro-batches go in rounds of m / max(1, m // p) through chunk 0, 1, …
+    (backwards through v−1, …, 0); warm-up (v−1)·round + k·(p−1−d) forwards (k = 2; 1 for zero-bubble), capped at
+    m·v; then one forward and one backward (I for zero-bubble) at a time, then the remaining backwards. Zero-bubble:
+    device d runs its first d backwards' W late — each W after the I that comes d backwards later, the rest at the
+    end — so the W passes fill the bubbles of the drain."""
+    per_round = m // max(1, m // p)
+    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - d), m * v)
+    steady = m * v - warm
+    back = BACKWARD_INPUT if zero_bubble else BACKWARD
+
+    def f_stage(k: int) -> int:
+        return (k // per_round) % v * p + d
+
+    def b_stage(k: int) -> int:
+        return (v - 1 - ((k - warm) // per_round) % v) * p + d
+
+    counters: dict[tuple[str, int], int] = {}
+
+    def op(action: str, stage: int) -> Op:
+        mb = counters.get((action, stage), 0)
+        counters[(action, stage)] = mb + 1
+        return Op(action, stage, mb)
+
+    order: list[Op] = []
+    backwards: list[int] = []  # the step index of every backward so far, for its W
+    n_w = 0
+    for k in range(warm + steady + warm):
+        if k < warm + steady:
+            order.append(op(FORWARD, f_stage(k)))
+        if k >= warm:
+            order.append(op(back, b_stage(k)))
+            backwards.append(k)
+            if zero_bubble and k - warm >= d:
+                order.append(op(BACKWARD_WEIGHT, b_stage(backwards[n_w])))
+                n_w += 1
+    while zero_bubble and n_w < len(backwards):
+        order.append(op(BACKWARD_WEIGHT, b_stage(backwards[n_w])))
+        n_w += 1
+    return order
+
+
+def _zbv(p: int, m: int, d: int) -> list[Op]:
+    """ZB-V (Qi et al. 2023 §6; torch's ScheduleZBVZeroBubble): device d holds chunk 0 = stage d and chunk 1 =
+    stage 2p−1−d. Warm-up 2(p−d)−1 forwards of chunk 0, then d pairs (F chunk 1, F chunk 0), then p−d triples
+    (F, I, W of chunk 1); steady: (F, I, W of chunk 0; F, I, W of chunk 1) until every forward ran; cool-down d
+    pairs of I (chunk 0, chunk 1), p−d pairs (I, W of chunk 0), then the W left on chunk 1, then on chunk 0. Built
+    for n = max(2p−1, m) micro-batches; those ≥ m are dropped, as torch does."""
+    n = max(2 * p - 1, m)
+    c0, c1 = d, 2 * p - 1 - d
+    cnt = {k: 0 for k in ("f0", "f1", "b0", "b1", "w0", "w1")}
+    order: list[Op] = []
+
+    def add(action: str, stage: int, key: str) -> None:
+        order.append(Op(action, stage, cnt[key]))
+        cnt[key] += 1
+
+    for _ in range(2 * (p - d) - 1):
+        add(FORWARD, c0, "f0")
+    for _ in range(d):
+        add(FORWARD, c1, "f1")
+        add(FORWARD, c0, "f0")
+    for _ in range(p - d):
+        add(FORWARD, c1, "f1")
+        order += [Op(BACKWARD_INPUT, c1, cnt["b1"]), Op(BACKWARD_WEIGHT, c1, cnt["b1"])]
+        cnt["b1"] += 1
+    while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
+        if cnt["f0"] < n:
+            add(FORWARD, c0, "f0")
+        order += [Op(BACKWARD_INPUT, c0, cnt["b0"]), Op(BACKWARD_WEIGHT, c0, cnt["b0"])]
+        cnt["b0"] += 1
+        add(FORWARD, c1, "f1")
+        order += [Op(BACKWARD_INPUT, c1, cnt["b1"]), Op(BACKWARD_WEIGHT, c1, cnt["b1"])]
+        cnt["b1"] += 1
+    cnt["w0"], cnt["w1"] = cnt["b0"], cnt["b1"]
+    for _ in range(d):
+        add(BACKWARD_INPUT, c0, "b0")
+        add(BACKWARD_INPUT, c1, "b1")
+    for _ in range(p - d):
+        add(BACKWARD_INPUT, c0, "b0")
+        add(BACKWARD_WEIGHT, c0, "w0")
+    while cnt["w1"] < cnt["b1"]:
+        add(BACKWARD_WEIGHT, c1, "w1")
+    while cnt["w0"] < cnt["b0"]:
+        add(BACKWARD_WEIGHT, c0, "w0")
+    return [o for o in order if o.microbatch < m]
+
+
+def _dualpipev(p: int, m: int, d: int) -> list[Op]:
+    """DualPipe-V (DeepSeek-AI 2024, arXiv 2412.19437; torch's ScheduleDualPipeV), device d holding stages d and
+    2p−1−d: (1) 2(p−d−1) forwards of chunk 0; (2) d+1 pairs F chunk 0, F chunk 1; (3) p−d−1 times I chunk 1, a
+    pending W, F chunk 1; (4) m−2p+d+1 times an overlapped (F chunk 0, B chunk 1) — plain on the last device's first
+    — and an overlapped (F chunk 1, B chunk 0); (5) p−d−1 times B chunk 1, overlapped (F chunk 1, B chunk 0);
+    (6) d+1 pairs of backwards chunk 1, chunk 0, switching to I (W deferred) half-way; (7) p−d−1 times a pending W,
+    a backward of chunk 0; (8) the pending W. An overlapped pair is its forward then its backward."""
+    s0, s1 = d, 2 * p - 1 - d
+    cnt: dict[tuple[int, str], int] = {}
+    pending: list[tuple[int, int]] = []  # (stage, micro-batch) whose W is still to run
+    order: list[Op] = []
+
+    def add(stage: int, action: str) -> None:
+        key = (stage, BACKWARD_INPUT if action == BACKWARD else action)
+        mb = cnt.get(key, 0)
+        order.append(Op(action, stage, mb))
+        cnt[key] = mb + 1
+        if action == BACKWARD_INPUT:
+            pending.append((stage, mb))
+
+    def weight() -> None:
+        if pending:
+            stage, mb = pending.pop(0)
+            order.append(Op(BACKWARD_WEIGHT, stage, mb))
+
+    for _ in range(2 * (p - d - 1)):
+        add(s0, FORWARD)
+    for _ in range(d + 1):
+        add(s0, FORWARD)
+        add(s1, FORWARD)
+    for _ in range(p - d - 1):
+        add(s1, BACKWARD_INPUT)
+        weight()
+        add(s1, FORWARD)
+    for i in range(m - 2 * p + d + 1):
+        add(s0, FORWARD)  # overlapped with the next backward, except on the last device's first
+        add(s1, BACKWARD)
+        add(s1, FORWARD)
+        add(s0, BACKWARD)
+    for _ in range(p - d - 1):
+        add(s1, BACKWARD)
+        add(s1, FORWARD)
+        add(s0, BACKWARD)
+    split = False
+    for i in range(d + 1):
+        if i == (d + 1) // 2 and d % 2 == 1:
+            split = True
+        add(s1, BACKWARD_INPUT if split else BACKWARD)
+        if i == (d + 1) // 2 and d % 2 == 0:
+            split = True
+        add(s0, BACKWARD_INPUT if split else BACKWARD)
+    for _ in range(p - d - 1):
+        weight()
+        add(s0, BACKWARD_INPUT if split else BACKWARD)
+    for _ in range(d + 1):
+        weight()
+    return order
 
 
 def peak_in_flight(order: list[Op], *, virtual_stages: int = 1) -> float:
-    """Most micro-batches whose forward ran and whose backward has not, in units of the device's whole share of
-    layers (a chunk of an interleaved device is 1/v of it, so the count may be fractional)."""
+    """Most micro-batches whose forward ran and whose backward has not ended, in units of the device's whole share
+    of layers (a chunk of a multi-stage device is 1/v of it, so the count may be fractional). A split backward
+    ends with its W: the weight gradient needs the layer inputs the forward saved, so a micro-batch is held until
+    its W has run (Qi et al. 2023, §2: W keeps M_W of the M_B an I needs; counted whole, an upper bound)."""
     live = peak = 0
     for op in order:
-        live += 1 if op.action == FORWARD else -1
+        live += {FORWARD: 1, BACKWARD: -1, BACKWARD_WEIGHT: -1}.get(op.action, 0)
         peak = max(peak, live)
     return peak / virtual_stages
 

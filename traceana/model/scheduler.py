@@ -17,6 +17,8 @@ class StageTimes:
     """Durations in ns of one micro-batch's operations, per virtual stage (p·v entries; p for plain schedules).
 
     ``backward_ns`` excludes recomputation, which is ``recompute_ns``. ``optimizer_ns`` is per device.
+    ``weight_ns``: the weight-gradient part (W) of ``backward_ns``, for schedules that split the backward (the
+    input-gradient part I is the rest); empty: half of it, Qi et al. 2023's T_B = T_W.
     """
 
     forward_ns: tuple[float, ...]
@@ -24,19 +26,21 @@ class StageTimes:
     recompute_ns: tuple[float, ...] = ()
     optimizer_ns: tuple[float, ...] = ()
     host_ns: tuple[float, ...] = ()  # per device: host time (Python, launches) before each operation
-    # Replay: exact durations of single operations, keyed (phase "F"/"B"/"R", virtual stage, micro-batch); they
+    weight_ns: tuple[float, ...] = ()
+    # Replay: exact durations of single operations, keyed (phase "F"/"B"/"I"/"W"/"R", virtual stage, micro-batch); they
     # override the per-stage values above (used to check the schedule logic against a measured timeline).
     per_op_ns: dict[tuple[str, int, int], float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
-        if n == 0 or len(self.backward_ns) != n or (self.recompute_ns and len(self.recompute_ns) != n):
+        if n == 0 or len(self.backward_ns) != n or (self.recompute_ns and len(self.recompute_ns) != n) or (
+                self.weight_ns and len(self.weight_ns) != n):
             raise ConfigError(
                 "stage times need one forward, backward (and recompute) duration per stage",
                 fix="give equally long tuples",
             )
         if any(x < 0 for x in (*self.forward_ns, *self.backward_ns, *self.recompute_ns, *self.optimizer_ns,
-                               *self.host_ns)):
+                               *self.host_ns, *self.weight_ns)):
             raise ConfigError("stage times must not be negative", fix="check the durations")
 
     @classmethod
@@ -129,23 +133,29 @@ class Policy:
 
 
 def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times: StageTimes, costs: Costs, pp: int,
-         virtual_stages: int, dur, schedule: str, num_microbatches: int
+         virtual_stages: int, dur, schedule: str, num_microbatches: int, device_of: tuple[int, ...] | None = None
          ) -> tuple[list[tuple[int, int, int, str, float, float]], list[float]]:
     """The scheduler: run every device's operations in order, each when the device is free and its input has
-    arrived (see the module docstring), asking ``policy`` at each. Returns the operation rows (device, virtual
-    stage, micro-batch, phase, start, end) and when each device is free at the end."""
+    arrived (see the module docstring), asking ``policy`` at each. ``dur(action, virtual stage, micro-batch)``
+    gives an operation's duration (action F, B, I, W or R for recompute). ``device_of``: the device of every virtual stage
+    (pipeline_rules.device_of_stage; default looped). Returns the operation rows (device, virtual stage,
+    micro-batch, phase, start, end) and when each device is free at the end.
+
+    A backward is B (whole), or I then W (Qi et al. 2023): I needs the gradient from the next stage and sends its
+    own upstream at once; W needs only its own I, and frees the micro-batch's activations."""
     p, v = pp, virtual_stages
     nv = p * v
+    dev = device_of or tuple(s % p for s in range(nv))
     idx = [0] * p
     free = [0.0] * p
     f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}  # end of the B or I that produced the stage's input gradient
     rows: list[tuple[int, int, int, str, float, float]] = []
 
     def arrival(src_vs: int, dst_dev: int, ready: float, key: tuple[str, int, int]
                 ) -> tuple[float, list[tuple[float, float, str]]]:
         """When a message produced at ``ready`` by virtual stage src_vs reaches device dst_dev, and its p2p window."""
-        if src_vs % p == dst_dev:
+        if dev[src_vs] == dst_dev:
             return ready, []
         if costs.per_message_ns and key in costs.per_message_ns:
             t = ready + costs.per_message_ns[key]
@@ -169,6 +179,10 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                         ready, windows = arrival(vs - 1, d, f_end[(vs - 1, mb)], ("F", vs - 1, mb))
                     else:
                         break
+                elif action == "W":
+                    if (vs, mb) not in b_end:
+                        break
+                    ready = b_end[(vs, mb)]
                 else:
                     if vs == nv - 1:
                         if (vs, mb) not in f_end:
@@ -187,28 +201,37 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                 rec.wait(d, free[d], start, windows)
                 t = policy.before_work(rec, d, idx[d], op, start)
                 if action == "F":
-                    end = t + dur(times.forward_ns, vs, ("F", mb))
+                    end = t + dur("F", vs, mb)
                     rec.busy(d, t, end, "forward")
                     rows.append((d, vs, mb, "forward", t, end))
                     f_end[(vs, mb)] = end
                     end = policy.after_work(rec, d, idx[d], op, end)
                     rec.note_held(end, d, 1.0 / v)
-                    if costs.send_ns and vs != nv - 1 and (vs + 1) % p != d:
+                    if costs.send_ns and vs != nv - 1 and dev[vs + 1] != d:
                         rec.busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
                     free[d] = end
+                elif action == "W":
+                    end = t + dur("W", vs, mb)
+                    rec.busy(d, t, end, "backward_weight")
+                    rows.append((d, vs, mb, "backward_weight", t, end))
+                    end = policy.after_work(rec, d, idx[d], op, end)
+                    rec.note_held(end, d, -1.0 / v)
+                    free[d] = end
                 else:
-                    r = dur(times.recompute_ns, vs, ("R", mb))
+                    phase = "backward" if action == "B" else "backward_input"
+                    r = dur("R", vs, mb)
                     if r:
                         rec.busy(d, t, t + r, "recompute")
                         rows.append((d, vs, mb, "recompute", t, t + r))
-                    end = t + r + dur(times.backward_ns, vs, ("B", mb))
-                    rec.busy(d, t + r, end, "backward")
-                    rows.append((d, vs, mb, "backward", t, end))  # measured B spans include their recompute
+                    end = t + r + dur(action, vs, mb)
+                    rec.busy(d, t + r, end, phase)
+                    rows.append((d, vs, mb, phase, t, end))  # measured B spans include their recompute
                     b_end[(vs, mb)] = end
                     end = policy.after_work(rec, d, idx[d], op, end)
-                    rec.note_held(end, d, -1.0 / v)
-                    if costs.send_ns and vs != 0 and (vs - 1) % p != d:
+                    if action == "B":
+                        rec.note_held(end, d, -1.0 / v)
+                    if costs.send_ns and vs != 0 and dev[vs - 1] != d:
                         rec.busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
                     free[d] = end

@@ -1,8 +1,12 @@
-"""A discrete-event simulator of pipeline schedules: GPipe, 1F1B, interleaved 1F1B and BPipe-1F1B.
+"""A discrete-event simulator of pipeline schedules: every schedule of the pipeline rules (GPipe, 1F1B, interleaved
+1F1B, looped BFS, zero-bubble ZB-1P, ZB-V, DualPipe-V) and BPipe-1F1B.
 
 Each device runs its schedule's operations in a fixed order (the order is the schedule); an operation starts when the
 device is free and its input has arrived: the forward of virtual stage v needs the activation of stage v−1, the
-backward of v needs the gradient of v+1 (the last stage needs only its own forward). A message leaves when the
+backward of v needs the gradient of v+1 (the last stage needs only its own forward). A split backward (Qi et al.
+2023) is I, which needs that gradient and sends its own upstream, and W, which needs only its I; a micro-batch's
+activations are held from its forward until its B or W ends. Stages sit on devices by the rules' placement
+(``device_of_stage``: looped or V); a message between two stages of one device costs nothing. A message leaves when the
 producing operation ends; the sender is busy ``send_ns`` posting it and it arrives ``p2p_ns`` later. With recompute,
 a backward starts by re-running ``recompute_ns`` of forward work (as torch.utils.checkpoint does once the gradient has
 arrived). Every device then runs its optimizer step.
@@ -30,7 +34,7 @@ from traceana.errors import ConfigError
 from traceana.model.bpipe_policy import BPipePolicy
 from traceana.model.scheduler import Costs, Policy, Recorder, StageTimes, run_schedule
 from traceana.pipeline_rules import SCHEDULES as SIM_SCHEDULES
-from traceana.pipeline_rules import bpipe_pairs, bubble_windows, device_order
+from traceana.pipeline_rules import bpipe_pairs, bubble_windows, device_of_stage, device_order
 
 __all__ = ["SIM_SCHEDULES", "Costs", "Simulation", "StageTimes", "bubble_fraction", "simulate"]
 
@@ -73,13 +77,20 @@ def simulate(
         raise ConfigError(f"stage times have {len(times.forward_ns)} entries for {nv} virtual stages",
                           fix="give one duration per (virtual) stage")
     per_chunk = len(times.forward_ns) == p and v > 1  # per-device durations: split over the chunks
+    device_of = tuple(device_of_stage(schedule, s, pp=p) for s in range(nv))
+    # A split backward: W is ``weight_ns`` of the backward (half of it if not given: Qi et al. 2023's T_B = T_W),
+    # I the rest.
+    weight = times.weight_ns or tuple(b / 2 for b in times.backward_ns)
+    kinds = {"F": times.forward_ns, "B": times.backward_ns, "R": times.recompute_ns, "W": weight,
+             "I": tuple(b - w for b, w in zip(times.backward_ns, weight))}
 
-    def dur(kind: tuple[float, ...], vs: int, op: tuple[str, int] | None = None) -> float:
-        if op is not None and times.per_op_ns and (op[0], vs, op[1]) in times.per_op_ns:
-            return times.per_op_ns[(op[0], vs, op[1])]
+    def dur(action: str, vs: int, mb: int) -> float:
+        if times.per_op_ns and (action, vs, mb) in times.per_op_ns:
+            return times.per_op_ns[(action, vs, mb)]
+        kind = kinds[action]
         if not kind:
             return 0.0
-        return kind[vs % p] / v if per_chunk else kind[vs]
+        return kind[device_of[vs]] / v if per_chunk else kind[vs]
 
     orders = [device_order(schedule, pp=p, num_microbatches=m, device=d, virtual_stages=v) for d in range(p)]
     if bpipe:
@@ -91,7 +102,7 @@ def simulate(
         policy = Policy()
     rec = Recorder(p)
     rows, free = run_schedule(orders, rec=rec, policy=policy, times=times, costs=costs, pp=p, virtual_stages=v, dur=dur,
-                      schedule=schedule, num_microbatches=m)
+                              schedule=schedule, num_microbatches=m, device_of=device_of)
     segments, n_evicted = rec.segments, policy.evicted(p)
 
     # Activations held per device over time (frees before arrivals at equal times), for the peak.
