@@ -15,6 +15,7 @@ from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
+from traceana.pipeline_rules import default_virtual_stages
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
@@ -44,9 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--global-batch", type=int, metavar="N",
                    help="sequences per step, sets the micro-batch count (default: --microbatches × micro-batch size × "
                         "dp)")
-    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b", help="pipeline schedule")
-    r.add_argument("--virtual-stages", type=int, default=1, metavar="N",
-                   help="model chunks per device (interleaved schedules)")
+    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b",
+                   help="pipeline schedule (the names of collect and run.json; docs/schedules.md)")
+    r.add_argument("--virtual-stages", type=int, default=None, metavar="N",
+                   help="model chunks per device, for the multi-stage schedules (default: 2 for zbv and dualpipev, else 1)")
     r.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
                    help="naive keeps the s×s scores; sdpa/flash do not")
     r.add_argument("--recompute", choices=RECOMPUTES, default="none", help="activation recomputation")
@@ -141,7 +143,8 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
     cfg = TrainingConfig(
         model=model, pp=args.pp, tp=args.tp, dp=args.dp, microbatch_size=args.microbatch_size, num_microbatches=m,
         schedule=args.schedule, attention=args.attention, recompute=args.recompute, bpipe=args.bpipe,
-        virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
+        virtual_stages=default_virtual_stages(args.schedule) if args.virtual_stages is None else args.virtual_stages,
+        sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer, precision=PRECISIONS[args.precision],
         # the tiny presets are the reference trainer's models: eager PyTorch, no dropout (collectors/trainer)
         eager=bool(args.model and args.model.lower() in TINY_MODELS),

@@ -118,19 +118,23 @@ class StepEstimate:
 
 
 def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) -> StageTimes:
-    """Per-stage durations (ns) of one micro-batch from FLOPs at a given efficiency (the backward is 2× the forward)."""
+    """Per-device durations (ns) of one micro-batch from FLOPs at a given efficiency (the backward is 2× the forward;
+    its weight-gradient half W is ``flops.stage_weight_gradient_flops``, which schedules splitting the backward
+    run apart)."""
     layers = cfg.stage_layers()
     rate = peak_flops * efficiency * cfg.tp  # the stage's tensor-parallel group works together
-    fwd, bwd, rec = [], [], []
+    fwd, bwd, rec, wgt = [], [], [], []
     for s, n in enumerate(layers):
-        last = s == cfg.pp - 1
+        last = s == cfg.last_device
         total = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last)
         extra = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last,
                                   recompute=cfg.recompute) - total
         fwd.append(total / 3 / rate * 1e9)
         bwd.append(2 * total / 3 / rate * 1e9)
         rec.append(extra / rate * 1e9)
-    return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp)
+        wgt.append(flops.stage_weight_gradient_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size,
+                                                     last=last) / rate * 1e9)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp, weight_ns=tuple(wgt))
 
 
 def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, RECOMPUTES, Manifest, ModelShape
-from traceana.pipeline_rules import SCHEDULES, stage_layers
+from traceana.pipeline_rules import SCHEDULES, check_virtual_stages, device_of_stage, stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
 MODEL_SCHEDULES = SCHEDULES  # every schedule the pipeline rules know
@@ -66,7 +66,7 @@ class TrainingConfig:
     recompute: str = "none"
     bpipe: bool = False  # pair stage s with p−1−s and balance their activations (Kim et al. 2023)
     bpipe_keep: int | None = None  # micro-batches an evictor keeps; None = pipeline_rules.bpipe_keep
-    virtual_stages: int = 1  # model chunks per device for interleaved 1F1B
+    virtual_stages: int = 1  # model chunks per device (multi-stage schedules; exactly 2 for zbv and dualpipev)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # shard master weights + optimizer state over dp (ZeRO stage 1)
     precision: Precision = MIXED_ADAM
@@ -86,11 +86,7 @@ class TrainingConfig:
             raise ConfigError(f"unknown attention {self.attention!r}", fix=f"use one of {', '.join(ATTENTIONS)}")
         if self.recompute not in RECOMPUTES:
             raise ConfigError(f"unknown recompute {self.recompute!r}", fix=f"use one of {', '.join(RECOMPUTES)}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
-            raise ConfigError(
-                f"virtual_stages={self.virtual_stages} needs the interleaved-1f1b schedule",
-                fix="use --schedule interleaved-1f1b or one virtual stage",
-            )
+        check_virtual_stages(self.schedule, self.virtual_stages)
         if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
             raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
                               fix="check run.json's bpipe_inflight")
@@ -126,6 +122,11 @@ class TrainingConfig:
         if self.layers_per_stage is not None:
             return self.layers_per_stage
         return stage_layers(self.model.layers, self.pp)
+
+    @property
+    def last_device(self) -> int:
+        """The device holding the model's last stage (the logits): p−1, or device 0 on a V placement."""
+        return device_of_stage(self.schedule, self.pp * self.virtual_stages - 1, pp=self.pp)
 
     def replace(self, **changes) -> TrainingConfig:
         return dataclasses.replace(self, **changes)

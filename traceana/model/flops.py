@@ -101,6 +101,17 @@ def stage_flops(
     return total
 
 
+def stage_weight_gradient_flops(model: ModelShape, *, layers: int, microbatch_size: int, last: bool = False) -> float:
+    """FLOPs of the weight-gradient half (W) of one micro-batch's backward on a stage: one matmul per weight matmul
+    of the forward, so the forward's FLOPs without the attention core (QKᵀ and attention·V have no weights), plus
+    the logit projection's on the last stage. The input-gradient half (I) is the rest of the backward. Qi et al.
+    2023, Table 1: F = sbh(24h + 4s), I ("B") = sbh(24h + 8s), W = sbh·24h per GPT layer."""
+    tokens = microbatch_size * model.seq
+    terms = layer_forward_flops(model, tokens=tokens)
+    total = layers * (sum(terms.values()) - terms["attention_core"])
+    return total + (logit_forward_flops(model, tokens=tokens) if last else 0.0)
+
+
 def iteration_flops(model: ModelShape, *, global_batch: int, recompute: str = "none") -> float:
     """Training FLOPs of one iteration over ``global_batch`` sequences (all layers, logits once)."""
     return stage_flops(model, layers=model.layers, microbatch_size=global_batch, recompute=recompute, last=True)

@@ -234,7 +234,8 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
     # With interleaving, device s holds chunks s, s+p, …: the first chunk of the model is on device 0 and the last on
     # device p−1, as without interleaving.
     per_mb = [
-        layers[s] * per_layer + stage_extra_activation_bytes(cfg, first=s == 0, last=s == p - 1) for s in range(p)
+        layers[s] * per_layer + stage_extra_activation_bytes(cfg, first=s == 0, last=s == cfg.last_device)
+        for s in range(p)
     ]
     in_flight = [
         microbatches_in_flight(cfg.schedule, pp=p, stage=s, num_microbatches=cfg.num_microbatches,
@@ -258,7 +259,7 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
     work = backward_working_bytes(cfg)
     out = []
     for s in range(p):
-        params = stage_params(model, layers=layers[s], first=s == 0, last=s == p - 1) / cfg.tp
+        params = stage_params(model, layers=layers[s], first=s == 0, last=s == cfg.last_device) / cfg.tp
         own, foreign = held[s]
         foreign_bytes = foreign * (per_mb[partner[s]] - pinned[partner[s]]) if foreign else 0.0
         foreign_bytes += evicted.get(s, 0.0) * pinned[s]  # an evictor still holds the pinned part of what it sent
