@@ -135,3 +135,18 @@ def test_split_backward_schedules_tile_the_step(schedule, p, extra, fwd, bwd, wg
     busy = sim.schedule.sort("rank", "start_ns", "end_ns")  # a zero-length W sorts before what follows it
     overlaps = busy.with_columns(prev=pl.col("end_ns").shift().over("rank")).filter(pl.col("start_ns") < pl.col("prev"))
     assert overlaps.height == 0
+
+
+def test_weight_gradient_flops_follow_qi_table_1():
+    # Qi et al. 2023, Table 1, per GPT layer: F = sbh(24h + 4s), B (the input gradient, our I) = sbh(24h + 8s),
+    # W = sbh·24h; b = 1 here. The last stage adds the logit projection's weight gradient, 2·s·h·V.
+    from traceana.manifest import ModelShape
+    from traceana.model import flops
+
+    s, h, V = 64, 32, 100
+    model = ModelShape("gpt", layers=3, hidden=h, heads=4, seq=s, vocab=V)
+    w = flops.stage_weight_gradient_flops(model, layers=3, microbatch_size=1)
+    assert w == 3 * s * h * 24 * h
+    total = flops.stage_flops(model, layers=3, microbatch_size=1)
+    assert total - 3 * s * h * (24 * h + 4 * s) - w == 3 * s * h * (24 * h + 8 * s)  # what is left is I
+    assert flops.stage_weight_gradient_flops(model, layers=0, microbatch_size=1, last=True) == 2 * s * h * V
