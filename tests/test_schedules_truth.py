@@ -123,3 +123,36 @@ def test_with_the_names_stripped_inference_recovers_single_stage_schedules_and_r
         assert share(stripped, 0, ("forward", "backward", "backward_input", "backward_weight")) == 0
         assert any("several virtual stages per rank" in n and "no forward/backward is claimed" in n
                    for n in stripped.notes)
+
+
+@pytest.mark.parametrize("schedule", ALL)
+def test_each_rank_runs_the_order_of_the_pipeline_rules(collected, schedule):
+    # What torch actually ran (the annotated passes of a profiled step, by start time) is the rules' device order.
+    from traceana.model.config import config_from_manifest
+    from traceana.pipeline_rules import device_order
+
+    run, a, _ = collected(schedule)
+    cfg = config_from_manifest(run.manifest)
+    op = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+    for rank in range(run.manifest.world_size):
+        ran = (a.schedule.filter((pl.col("rank") == rank) & (pl.col("step") == PROFILED_STEP)
+                                 & pl.col("phase").is_in(list(op)))
+               .sort("start_ns").select("phase", "stage", "microbatch").rows())
+        assert [(op[p], s, mb) for p, s, mb in ran] == [tuple(o) for o in device_order(
+            schedule, pp=cfg.pp, num_microbatches=MICROBATCHES, device=rank, virtual_stages=cfg.virtual_stages)]
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "zbv", "dualpipev"])
+def test_validate_replays_the_split_backward_schedules(collected, schedule):
+    # The replay (simulator fed with the run's own F, B, I and W durations) runs the same passes as the run did and
+    # lands within 35% of the measured step on this oversubscribed 2-core machine (docs/model.md gives the figures).
+    from traceana.validation import validate
+
+    run, a, _ = collected(schedule)
+    v = validate(a)
+    assert v.summary["kind"] == "replay" and v.summary["replay_step_ms"] is not None
+    assert abs(v.summary["replay_error"]) < 0.35, v.summary
+    key = ["stage", "microbatch", "phase"]
+    sim = v.simulation.schedule.filter(pl.col("phase") != "optimizer").select(key).unique().sort(key)
+    ran = a.schedule.filter((pl.col("step") == PROFILED_STEP) & (pl.col("phase") != "optimizer")).select(key)
+    assert sim.equals(ran.unique().sort(key).cast(sim.schema))

@@ -3,17 +3,51 @@ measured steps of the run's summary (traceana.summary), to feed the simulator.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import schema
+from traceana import intervals as iv
+from traceana import names, schema
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import bpipe_plan, stage_layers
+
+
+# "Waiting on the pipeline": the bubbles plus exposed P2P.
+WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
+
+
+def pass_durations(analysis: Analysis, steps: pl.DataFrame) -> pl.DataFrame:
+    """The schedule rows of ``steps`` (with a micro-batch) and ``d``, what each operation took: its span, less the
+    time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
+    torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
+    receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
+    without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
+    sched = (
+        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null())
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    if analysis.segments is None:
+        return sched
+    passes = sched.filter(pl.col("phase").is_in(names.PASS_PHASES)).with_row_index("_op")
+    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(WAIT_CATEGORIES)).select(
+        "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    waited = (
+        iv.clip(waits, windows, on="rank", window_keys="_op", keep_order=False)
+        .group_by("_op").agg((pl.col("end") - pl.col("start")).sum().alias("_wait"))
+    )
+    passes = (
+        passes.join(waited, on="_op", how="left")
+        .with_columns((pl.col("d") - pl.col("_wait").fill_null(0)).alias("d"))
+        .drop("_op", "_wait")
+    )
+    return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
 
 
 @dataclass(frozen=True)
@@ -70,57 +104,70 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     for c in schema.CATEGORIES:
         if c not in per_rank.columns:
             per_rank = per_rank.with_columns(pl.lit(0, pl.Int64).alias(c))
+    # A micro-batch's backward on a stage is one B, or one I and one W (zero-bubble schedules, Qi et al. 2023): the
+    # backward duration fed is the whole backward per micro-batch (B, or I + W), the W part separately; host time
+    # is per operation (F, B, I and W each).
     counts = (
-        sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+        sched.filter(pl.col("phase").is_in(names.PASS_PHASES))
         .group_by("rank", "step").agg(
-            (pl.col("phase") == "forward").sum().alias("n_f"), (pl.col("phase") == "backward").sum().alias("n_b"))
+            (pl.col("phase") == "forward").sum().alias("n_f"),
+            pl.col("phase").is_in(["backward", "backward_input"]).sum().alias("n_b"),
+            (pl.col("phase") == "backward_weight").sum().alias("n_w"),
+            pl.len().alias("n_ops"))
     )
     per_rank = per_rank.join(counts, on=["rank", "step"], how="left").fill_null(0)
+    whole_backward = pl.col("backward") + pl.col("backward_input") + pl.col("backward_weight")
     means = per_rank.group_by("rank").agg(
         (pl.col("forward") / pl.col("n_f")).mean().alias("f"),
-        (pl.col("backward") / pl.col("n_b")).mean().alias("b"),
+        (whole_backward / pl.col("n_b")).mean().alias("b"),
+        (pl.col("backward_weight") / pl.col("n_w")).mean().alias("w"),
         (pl.col("recompute") / pl.col("n_b")).mean().alias("r"),
         pl.col("optimizer").mean().alias("o"),
-        ((pl.col("host") + pl.col("other_compute")) / (pl.col("n_f") + pl.col("n_b"))).mean().alias("h"),
+        ((pl.col("host") + pl.col("other_compute")) / pl.col("n_ops")).mean().alias("h"),
         pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
         pl.sum_horizontal(*schema.BUBBLE_CATEGORIES, "p2p").mean().alias("bubble"),
     )
     # An operation lasts its annotation span: its compute plus the Python inside it, which delays the operation's
     # output as much as the compute does. The host time left for between operations is the rest.
+    span = pl.col("d").filter
     spans = (
-        sched.filter(pl.col("microbatch").is_not_null())
-        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+        pass_durations(analysis, steps)
         .group_by("rank", "step").agg(
-            pl.col("d").filter(pl.col("phase") == "forward").sum().alias("sf"),
-            pl.col("d").filter(pl.col("phase") == "backward").sum().alias("sb"),
-            pl.col("d").filter(pl.col("phase") == "recompute").sum().alias("sr"))
+            span(pl.col("phase") == "forward").sum().alias("sf"),
+            span(pl.col("phase").is_in(names.BACKWARD_PHASES)).sum().alias("sb"),
+            span(pl.col("phase") == "backward_weight").sum().alias("sw"),
+            span(pl.col("phase") == "recompute").sum().alias("sr"))
     )
     inside = (
         per_rank.join(spans, on=["rank", "step"], how="left").fill_null(0)
         .group_by("rank").agg(
             (pl.col("sf") / pl.col("n_f")).mean().alias("f_span"),
             ((pl.col("sb") - pl.col("sr")) / pl.col("n_b")).mean().alias("b_span"),
+            (pl.col("sw") / pl.col("n_w")).mean().alias("w_span"),
             (pl.col("sr") / pl.col("n_b")).mean().alias("r_span"),
-            ((pl.col("sf") + pl.col("sb") - pl.col("forward") - pl.col("backward") - pl.col("recompute"))
-             / (pl.col("n_f") + pl.col("n_b"))).mean().alias("inside"))
+            ((pl.col("sf") + pl.col("sb") - pl.col("forward") - whole_backward - pl.col("recompute"))
+             / pl.col("n_ops")).mean().alias("inside"))
     )
     means = means.join(inside, on="rank", how="left").with_columns(
         pl.max_horizontal("f", "f_span").alias("f"),
         pl.max_horizontal("b", "b_span").alias("b"),
+        pl.max_horizontal("w", "w_span").fill_nan(None).alias("w"),
         pl.max_horizontal("r", "r_span").alias("r"),
         pl.max_horizontal(pl.lit(0.0), pl.col("h") - pl.col("inside").clip(lower_bound=0).fill_null(0)).alias("h"),
     )
     if cfg.virtual_stages > 1:
         # Means are per chunk operation; the simulator takes a device's whole share and splits it over its chunks.
-        means = means.with_columns(pl.col("f", "b", "r") * cfg.virtual_stages)
+        means = means.with_columns(pl.col("f", "b", "w", "r") * cfg.virtual_stages)
     order = pl.DataFrame({"rank": [rank_of_stage[s] for s in range(p)]}, schema={"rank": means.schema["rank"]})
-    per_stage = order.join(means, on="rank", how="left").fill_null(0.0)  # one row per stage, in stage order
+    per_stage = order.join(means, on="rank", how="left")  # one row per stage, in stage order
+    split = per_stage["w"].is_not_null().all()  # W durations where the schedule ran any, else the rules' default
+    per_stage = per_stage.fill_null(0.0)
 
     def col(name: str) -> tuple[float, ...]:
         return tuple(float(x) for x in per_stage[name])
 
     times = StageTimes(forward_ns=col("f"), backward_ns=col("b"), recompute_ns=col("r"), optimizer_ns=col("o"),
-                       host_ns=col("h"))
+                       host_ns=col("h"), weight_ns=col("w") if split else ())
     pairs = analysis.p2p.join(steps, on="step")
     p2p = pairs.filter(pl.col("channel") == "p2p")
     bp = pairs.filter(pl.col("channel") == "bpipe")
@@ -132,7 +179,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     # taken out of the per-operation host time and put where it lies, on the message's critical path.
     nxt = (
         p2p.select(pl.col("dst").alias("rank"), pl.col("recv_end_ns").alias("t")).sort("t")
-        .join_asof(sched.filter(pl.col("phase").is_in(["forward", "backward"]))
+        .join_asof(sched.filter(pl.col("phase").is_in(names.PASS_PHASES))
                    .select("rank", pl.col("start_ns").alias("t_op")).sort("t_op"),
                    left_on="t", right_on="t_op", by="rank", strategy="forward", check_sortedness=False)
         .select((pl.col("t_op") - pl.col("t")).alias("gap"))
@@ -140,8 +187,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     )
     resume = float(nxt["gap"].median() or 0) if nxt.height else 0.0
     resume = min(resume, min(times.host_ns) if times.host_ns else 0.0)
-    times = StageTimes(times.forward_ns, times.backward_ns, times.recompute_ns, times.optimizer_ns,
-                       tuple(max(0.0, h - resume) for h in times.host_ns))
+    times = dataclasses.replace(times, host_ns=tuple(max(0.0, h - resume) for h in times.host_ns))
     # BPipe, as measured: the time each evictor and acceptor spent on BPipe (attribution category "bpipe": blocking
     # evictions, exposed loads, accepting and returning) per planned eviction; the transfers themselves overlap.
     evict_block = accept_block = 0.0

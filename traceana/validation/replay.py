@@ -18,11 +18,11 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
-from traceana.validation.measurement import Measured, measure, shared_cpus
+from traceana.validation.measurement import WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus
 
-# "Waiting on the pipeline": the bubbles plus exposed P2P. Measured attribution labels idle time during which one of
-# the rank's own sends is still in flight as p2p, which the simulator cannot tell from a bubble; their sum compares.
-WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
+# The waits compared are the bubbles plus exposed P2P (measurement.WAIT_CATEGORIES): measured attribution labels idle
+# time during which one of the rank's own sends is still in flight as p2p, which the simulator cannot tell from a
+# bubble; their sum compares.
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,21 @@ def _rel(est: pl.Expr, meas: pl.Expr) -> pl.Expr:
     return pl.when(meas != 0).then((est - meas) / meas).otherwise(None)
 
 
+OP_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}  # simulator op keys
+
+
+def _op_durations(rows: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """Every pass's duration (phase, ``keys``, d): a backward's span (B, or the I that begins a split one) holds its
+    recompute, which is its own operation in the simulator, so it is taken out."""
+    rc = rows.filter(pl.col("phase") == "recompute").select(*keys, pl.col("d").alias("r"))
+    return (
+        rows.filter(pl.col("phase").is_in(list(OP_OF_PHASE)))
+        .join(rc, on=keys, how="left")
+        .with_columns(pl.when(pl.col("phase").is_in(["backward", "backward_input"]))
+                      .then(pl.col("d") - pl.col("r").fill_null(0)).otherwise(pl.col("d")).alias("d"))
+    )
+
+
 def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tuple[StageTimes, Costs]:
     """The last measured step's own operation durations and message transfers, for a replay of that step.
 
@@ -44,24 +59,12 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
     what the model does not represent (per-operation host time, a different order), not run-to-run variance."""
     step = max(analysis.summary.steps)
     stage_of = {r: s for s, r in meas.rank_of_stage.items()}
-    rows = (
-        analysis.schedule.filter((pl.col("step") == step) & pl.col("microbatch").is_not_null()
-                                 & pl.col("rank").is_in(list(stage_of)))
-        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
-    )
-    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "microbatch", pl.col("d").alias("r"))
-    ops = (
-        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
-        .join(rc, on=["rank", "microbatch"], how="left")
-        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
-                      .otherwise(pl.col("d")).alias("d"))
-    )
-    per_op: dict[tuple[str, int, int], float] = {}
-    for phase, stage, mb, d, r in ops.select("phase", "stage", "microbatch", "d", "r").iter_rows():
-        key = "F" if phase == "forward" else "B"
-        per_op[(key, stage, mb)] = float(d)
-        if phase == "backward" and r is not None:
-            per_op[("R", stage, mb)] = float(r)
+    rows = pass_durations(analysis, pl.DataFrame({"step": [step]}, schema={"step": pl.Int32})).filter(
+        pl.col("rank").is_in(list(stage_of)))
+    per_op = {(OP_OF_PHASE[ph], st, mb): float(d) for ph, st, mb, d in
+              _op_durations(rows, ["stage", "microbatch"]).select("phase", "stage", "microbatch", "d").iter_rows()}
+    per_op |= {("R", st, mb): float(d) for st, mb, d in
+               rows.filter(pl.col("phase") == "recompute").select("stage", "microbatch", "d").iter_rows()}
     msgs = (
         analysis.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p"))
         .with_columns(pl.col("src").replace_strict(stage_of, default=None).alias("s_src"),
@@ -70,12 +73,13 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
         .sort("send_start_ns")
         .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
     )
+    # One stage per device: a message's stages are its ranks'. With several stages a device, which of them sent a
+    # message is not in the P2P table; those replays use the median transfer (Costs.p2p_ns) for every message.
     per_msg = {
         ("F" if s_dst > s_src else "B", s_src, mb): float(x)
         for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
-    }
-    times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
-                       meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+    } if cfg.virtual_stages == 1 else None
+    times = dataclasses.replace(meas.times, per_op_ns=per_op)
     c = meas.costs
     return times, dataclasses.replace(c, per_message_ns=per_msg)
 
@@ -88,21 +92,11 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
     Deterministic (seeded)."""
     steps = pl.DataFrame({"step": list(analysis.summary.steps)}, schema={"step": pl.Int32})
     stage_of = {r: s for s, r in meas.rank_of_stage.items()}
-    rows = (
-        analysis.schedule.join(steps, on="step")
-        .filter(pl.col("microbatch").is_not_null() & pl.col("rank").is_in(list(stage_of)))
-        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
-    )
-    rc = rows.filter(pl.col("phase") == "recompute").select("rank", "step", "microbatch", pl.col("d").alias("r"))
-    ops = (
-        rows.filter(pl.col("phase").is_in(["forward", "backward"]))
-        .join(rc, on=["rank", "step", "microbatch"], how="left")
-        .with_columns(pl.when(pl.col("phase") == "backward").then(pl.col("d") - pl.col("r").fill_null(0))
-                      .otherwise(pl.col("d")).alias("d"))
-    )
-    ops = ops.group_by("stage", "phase").agg(pl.col("d"), pl.col("r"))
-    pools = {(ph, st): (ds, [x for x in rs if x is not None]) for st, ph, ds, rs in
-             ops.select("stage", "phase", "d", "r").iter_rows()}
+    rows = pass_durations(analysis, steps).filter(pl.col("rank").is_in(list(stage_of)))
+    ops = _op_durations(rows, ["step", "stage", "microbatch"]).group_by("stage", "phase").agg(pl.col("d"))
+    pools = {(OP_OF_PHASE[ph], st): ds for st, ph, ds in ops.select("stage", "phase", "d").iter_rows()}
+    recomputes = rows.filter(pl.col("phase") == "recompute").group_by("stage").agg(pl.col("d"))
+    pools |= {("R", st): ds for st, ds in recomputes.select("stage", "d").iter_rows()}
     msgs = analysis.p2p.join(steps, on="step").filter(pl.col("channel") == "p2p")["transfer_ns"].to_list()
     rng = random.Random(seed)
     total = 0.0
@@ -112,19 +106,13 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
         per_msg: dict[tuple[str, int, int], float] = {}
         for st in range(nv):
             for mb in range(cfg.num_microbatches):
-                f, _r = pools.get(("forward", st), ([], []))
-                b, r = pools.get(("backward", st), ([], []))
-                if f:
-                    per_op[("F", st, mb)] = float(rng.choice(f))
-                if b:
-                    per_op[("B", st, mb)] = float(rng.choice(b))
-                if r:
-                    per_op[("R", st, mb)] = float(rng.choice(r))
+                for op in ("F", "B", "I", "W", "R"):
+                    if pools.get((op, st)):
+                        per_op[(op, st, mb)] = float(rng.choice(pools[(op, st)]))
                 if msgs:
                     per_msg[("F", st, mb)] = float(rng.choice(msgs))
                     per_msg[("B", st, mb)] = float(rng.choice(msgs))
-        times = StageTimes(meas.times.forward_ns, meas.times.backward_ns, meas.times.recompute_ns,
-                           meas.times.optimizer_ns, meas.times.host_ns, per_op_ns=per_op)
+        times = dataclasses.replace(meas.times, per_op_ns=per_op)
         c = meas.costs
         costs = dataclasses.replace(c, per_message_ns=per_msg)
         total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
@@ -145,11 +133,10 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
                    costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
                    window=window)
-    replay = None
-    if cfg.virtual_stages == 1:
-        r_times, r_costs = replay_inputs(analysis, cfg, meas)
-        replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
-                          costs=r_costs, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep, window=window)
+    r_times, r_costs = replay_inputs(analysis, cfg, meas)
+    replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
+                      costs=r_costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
+                      window=window)
     sampled = sampled_step_ns(analysis, cfg, meas, bpipe=bpipe)
     sim_per = (
         sim.attribution.group_by("stage").agg(
