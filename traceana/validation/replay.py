@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import schema
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
