@@ -89,18 +89,43 @@ def default_virtual_stages(schedule: str) -> int:
 
 
 # --- placement: which device holds which stage -------------------------------------------------------------------
-def device_of_stage(schedule: str, stage: int, *, pp: int) -> int:
-    """The device holding virtual ``stage``. Looped (every multi-stage schedule but the V ones): stage s on device
-    s mod p. V (zbv, dualpipev): the stages zig-zag, s on s mod p in even chunks and on p−1−(s mod p) in odd ones,
-    so with 2 chunks device d holds d and 2p−1−d and the last device runs stages p−1 and p back to back (torch's
-    ``generate_stage_to_rank_mapping``, style "v")."""
+PLACEMENTS = ("single", "looped", "v")
+
+
+def placement_of(schedule: str) -> str:
+    """A schedule's stage placement: ``v`` for the V schedules, ``looped`` for the other multi-stage ones, else
+    ``single`` (one stage per device)."""
+    return "v" if schedule in V_SCHEDULES else "looped" if schedule in MULTI_STAGE_SCHEDULES else "single"
+
+
+def device_of(placement: str, stage: int, *, pp: int) -> int:
+    """The device holding virtual ``stage`` under ``placement`` — the one placement rule. ``single``: stage s on
+    device s. ``looped`` (Narayanan et al. 2021 §2.2.2; torch's interleaved, looped-BFS and zero-bubble schedules):
+    s mod p. ``v`` (Qi et al. 2023's ZB-V; torch's ZBV and DualPipe-V): the stages zig-zag, s mod p in even chunks
+    and p−1−(s mod p) in odd ones, so with 2 chunks device d holds d and 2p−1−d, the first device the first and the
+    last stage, and the last device runs stages p−1 and p back to back (torch's ``generate_stage_to_rank_mapping``,
+    style "v")."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"unknown stage placement {placement!r}", fix=f"use one of {', '.join(PLACEMENTS)}")
     chunk, within = divmod(stage, pp)
-    return pp - 1 - within if schedule in V_SCHEDULES and chunk % 2 else within
+    return pp - 1 - within if placement == "v" and chunk % 2 else within
+
+
+def device_of_stage(schedule: str, stage: int, *, pp: int) -> int:
+    """The device holding virtual ``stage`` of ``schedule`` (``device_of`` its ``placement_of``)."""
+    return device_of(placement_of(schedule), stage, pp=pp)
 
 
 def stages_of_device(schedule: str, *, pp: int, device: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """The virtual stages a device holds, in model order."""
     return tuple(s for s in range(pp * virtual_stages) if device_of_stage(schedule, s, pp=pp) == device)
+
+
+def stages_of_ranks(placement: str, ranks: int, virtual: int = 1) -> list[list[int]]:
+    """The virtual stages each of ``ranks`` pipeline ranks holds under ``placement`` (``device_of``): ``single``
+    rank r: r; ``looped`` r, r+p, …, r+(v−1)p; ``v`` r and 2p−1−r (always two)."""
+    chunks = {"single": 1, "v": 2}.get(placement, virtual)
+    return [[s for s in range(ranks * chunks) if device_of(placement, s, pp=ranks) == r] for r in range(ranks)]
 
 
 def pipeline_messages(schedule: str, *, pp: int, num_microbatches: int, virtual_stages: int = 1) -> int:
@@ -558,21 +583,3 @@ def bubble_windows(steps: pl.DataFrame, forward_work: pl.DataFrame) -> pl.DataFr
         w.filter(has_f).select("rank", "step", pl.lit(BUBBLE_COOLDOWN).alias("category"), f1.alias("start"), "end"),
     ]
     return pl.concat(parts).filter(pl.col("end") > pl.col("start")).sort("rank", "step", "start")
-
-
-# --- placements ----------------------------------------------------------------------------------------------------
-PLACEMENTS = ("single", "looped", "v")
-
-
-def stages_of_ranks(placement: str, ranks: int, virtual: int = 1) -> list[list[int]]:
-    """The virtual stages each of ``ranks`` pipeline ranks holds: ``single`` (rank r: r), ``looped`` (rank r: r,
-    r+p, …, r+(v−1)p; Narayanan et al. 2021 §2.2.2, torch's interleaved, looped-BFS and zero-bubble schedules) or
-    ``v`` (rank r: r and 2p−1−r; Qi et al. 2023's ZB-V, torch's ZBV and DualPipe-V: the last rank holds the two middle
-    stages and the first rank the first and the last)."""
-    if placement == "v":
-        return [[r, 2 * ranks - 1 - r] for r in range(ranks)]
-    if placement == "single":
-        return [[r] for r in range(ranks)]
-    if placement == "looped":
-        return [[r + k * ranks for k in range(virtual)] for r in range(ranks)]
-    raise ConfigError(f"unknown stage placement {placement!r}", fix=f"use one of {', '.join(PLACEMENTS)}")
