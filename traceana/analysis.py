@@ -75,16 +75,35 @@ def _same_host(run: Run) -> bool | None:
     return None
 
 
-def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
+def analyze(run: Run, *, peak_flops: float | None = None,
+            name_rules: names.NameRules = names.DEFAULT_RULES) -> Analysis:
     """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
     map ranks to stages, reconstruct the schedule (annotated, else inferred from P2P order), attribute every instant
     of every step to a category, and measure memory per stage. ``peak_flops`` (FLOP/s per device) overrides
-    run.json's for MFU. Pure: the run is not modified. The headline figures are ``Analysis.summary``."""
+    run.json's for MFU; ``name_rules`` map other frameworks' names to phases and kinds (docs/naming.md;
+    ``names.rules_for_run`` reads a rules file or run.json's). Pure: the run is not modified. The headline figures
+    are ``Analysis.summary``."""
     notes: list[str] = []
-    events = cls.classify(run.events)
+    events = cls.classify(run.events, name_rules)
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
+    m = run.manifest
+    listed = m.extra.get("stages_of_rank") if m is not None else None
+    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES or (
+        isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
+    # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
+    interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
+    all_ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
+    events = cls.number_in_order(events, skip_ranks=all_ranks if interleaved else ())
+    notes += cls.rule_notes(events, name_rules)
+    unstaged = (events.filter(pl.col("pp_order") & pl.col("pp_stage").is_null())["rank"].unique().sort().to_list()
+                if interleaved else [])
+    if unstaged:
+        notes.append(f"ranks {', '.join(map(str, unstaged))} hold several (virtual) stages and the name rules that "
+                     "gave their forward/backward spans read no stage or micro-batch from the names: each phase's "
+                     "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
+                     "schedule lists those spans under the rank's first stage, with no micro-batch)")
     msgs = pipeline.messages(events, pipeline.bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
@@ -104,13 +123,8 @@ def analyze(run: Run, *, peak_flops: float | None = None) -> Analysis:
     fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
-    m = run.manifest
-    listed = m.extra.get("stages_of_rank") if m is not None else None
-    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES or (
-        isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
-    # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same,
-    # and without either the P2P pattern can (pipeline.placements: a V or a looped placement).
-    interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
+    # (interleaved: from run.json or the traces' metadata, above; without either the P2P pattern can tell:
+    # pipeline.placements, a V or a looped placement.)
     refused = unannotated if interleaved else sorted(set(unannotated) & set(pipeline.several_stages(stages)))
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "

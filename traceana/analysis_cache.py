@@ -33,7 +33,7 @@ from typing import Any
 import polars as pl
 
 import traceana
-from traceana import schema, version
+from traceana import names, schema, version
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
 from traceana.files import temporary_name
@@ -133,8 +133,9 @@ def _target(path: Path) -> tuple[Path, list[Path], str]:
     return path.parent, [path], path.name
 
 
-def entry_key(path: Path, files: list[Path], run_dir: Path, peak_flops: float | None) -> str:
-    parts = [str(path), repr(peak_flops), code_hash()]
+def entry_key(path: Path, files: list[Path], run_dir: Path, peak_flops: float | None,
+              rules_key: str = names.DEFAULT_RULES.key()) -> str:
+    parts = [str(path), repr(peak_flops), code_hash(), rules_key]
     parts += [f"{f.name}:{cache_key(f)}" for f in files]
     manifest = run_dir / MANIFEST_NAME
     if path.is_dir() and manifest.exists():
@@ -236,17 +237,32 @@ def input_files(path: str | Path) -> list[Path]:
     return of_path(path)
 
 
+def run_name_rules(path: str | Path, given: str | Path | names.NameRules | None = None) -> names.NameRules:
+    """The name rules for analysing ``path``: ``given`` (a rules file, ``"none"``, or NameRules), else run.json's
+    ``"names"``, else the built-ins (``names.rules_for_run``). A bad rules file is one BadInputError line, raised
+    before any trace is read."""
+    path = Path(path)
+    extra = None
+    if given is None and path.is_dir() and (path / MANIFEST_NAME).exists():
+        extra = Manifest.read(path / MANIFEST_NAME).extra
+    return names.rules_for_run(path, extra, given)
+
+
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,
-                     workers: int | None = None, progress: bool = False) -> Analysis:
-    """``analyze(load_run(path), peak_flops=...)`` with ``Analysis.rank_summary`` filled, read from / written to the
-    analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run`` does)."""
+                     workers: int | None = None, progress: bool = False,
+                     names_from: str | Path | names.NameRules | None = None) -> Analysis:
+    """``analyze(load_run(path), peak_flops=..., name_rules=...)`` with ``Analysis.rank_summary`` filled, read from /
+    written to the analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run``
+    does). ``names_from``: a name rules file (docs/naming.md), ``"none"``, or NameRules; default: run.json's
+    ``"names"``, else the built-ins."""
     path = Path(path)
     peak_flops = check_peak_flops(peak_flops)  # NaN, inf or 1e-300 would make MFU meaningless (and not JSON)
+    rules = run_name_rules(path, names_from)
     store = None
     if cache:
         try:
             run_dir, files, prefix = _target(path)
-            key = entry_key(path, files, run_dir, peak_flops)
+            key = entry_key(path, files, run_dir, peak_flops, rules.key())
             store = AnalysisCache(run_dir)
         except Exception:  # unreadable path etc.: load_run below reports it properly
             store = None
@@ -262,9 +278,9 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
         from rich.console import Console
 
         with Console(stderr=True).status("attributing step time"):
-            result = analyze(run, peak_flops=peak_flops)
+            result = analyze(run, peak_flops=peak_flops, name_rules=rules)
     else:
-        result = analyze(run, peak_flops=peak_flops)
+        result = analyze(run, peak_flops=peak_flops, name_rules=rules)
     result = replace(result, rank_summary=rank_summary(run))
     if store is not None:
         store.store(prefix, key, result)

@@ -10,6 +10,11 @@ Rules (docs/architecture.md "Classification and attribution", docs/field-notes.m
   any other ``c10d::`` / ``gloo:`` / ``nccl:`` op and other record_param_comms are collectives.
 - BPipe: communication and compute inside our EVICT/LOAD/ACCEPT/RETURN spans, or on the BPipe process group, is
   ``bpipe_transfer`` (channel "bpipe"); its P2P direction is kept in ``comm_dir``.
+- Python frames (``python_function``, recorded with ``with_stack=True``) are spans like annotations, not work: the
+  ops inside them are the work.
+- Name rules (``names.NameRules``: the built-in conventions of Megatron-LM, DeepSpeed, DualPipe and DeepEP, and a
+  user's rules file, docs/naming.md) give CPU spans a phase, stage and micro-batch where the PP: contract does not,
+  and any event a kind (DeepEP's kernels: collective, channel "ep"); evaluated once per distinct name.
 """
 
 from __future__ import annotations
@@ -25,22 +30,23 @@ from traceana.schema import KINDS, Kind
 CLASSIFIED = {
     "kind": Kind,
     "comm_dir": pl.String,  # "send" | "recv" for P2P posts, spans and kernels
-    "channel": pl.String,  # "p2p" | "bpipe" for P2P traffic
+    "channel": pl.String,  # "p2p" | "bpipe" for P2P traffic; a name rule's label for a collective ("ep")
     "launch_ns": pl.Int64,  # GPU work: start of the cuda_runtime call that launched it; CPU: ts_ns
     "pp_stage": pl.Int32,
     "pp_action": pl.String,
     "pp_microbatch": pl.Int32,
+    "pp_order": pl.Boolean,  # a name rule numbers this span's micro-batch in order of appearance (number_in_order)
 }
 
 # Rules compare categories and names many times per event, so each is looked up once per event and the rules
 # compare small integers: a category becomes a class, a name a row of rules evaluated once per distinct name (a few
 # hundred names in a million events).
-_KERNEL, _MEMCPY, _MEMSET, _RUNTIME, _ANNOTATION, _GPU_ANNOTATION, _CPU_OP, _OTHER_OP, _OTHER_CAT = range(9)
+_KERNEL, _MEMCPY, _MEMSET, _RUNTIME, _ANNOTATION, _GPU_ANNOTATION, _CPU_OP, _OTHER_OP, _PY_FRAME, _OTHER_CAT = range(10)
 _CAT_CLASS = {
     "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET,
     "cuda_runtime": _RUNTIME, "cuda_driver": _RUNTIME, "hip_runtime": _RUNTIME, "runtime": _RUNTIME,
     "user_annotation": _ANNOTATION, "gpu_user_annotation": _GPU_ANNOTATION,
-    "cpu_op": _CPU_OP, "operator": _OTHER_OP, "python_function": _OTHER_OP,
+    "cpu_op": _CPU_OP, "operator": _OTHER_OP, "python_function": _PY_FRAME,
 }
 _SEND, _RECV = range(2)  # comm_dir codes
 _COMM_DIRS = pl.Series(["send", "recv"])
@@ -61,7 +67,7 @@ def _dir_of(col: pl.Expr, sends: list[str], recvs: list[str]) -> pl.Expr:
     return pl.when(col.is_in(sends)).then(pl.lit(_SEND, pl.UInt8)).when(col.is_in(recvs)).then(pl.lit(_RECV, pl.UInt8))
 
 
-def _name_rules(distinct: pl.Series) -> pl.DataFrame:
+def _name_rules(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     """Every rule that reads only the event name, one row per distinct name."""
     name = pl.col("name")
     return pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
@@ -72,6 +78,12 @@ def _name_rules(distinct: pl.Series) -> pl.DataFrame:
         (name == names.RECORD_PARAM_COMMS).alias("_rpc"),
         _starts_with_any(name, (names.C10D_PREFIX, names.GLOO_PREFIX, names.NCCL_OP_PREFIX)).alias("_comm_op"),
         **names.pp_columns(name),
+        **names.rule_columns(name, rules),
+    ).with_columns(
+        # The PP: contract first; a name rule only where it says nothing.
+        *(pl.when(pl.col("pp_action").is_null()).then(pl.col(r)).otherwise(pl.col(c)).alias(c)
+          for c, r in (("pp_stage", "_rule_stage"), ("pp_microbatch", "_rule_mb"), ("pp_action", "_rule_action"))),
+        (pl.col("pp_action").is_null() & pl.col("_rule_order").fill_null(False)).alias("pp_order"),
     )
 
 
@@ -127,42 +139,50 @@ def _kind() -> pl.Expr:
     """The kind code of each event, from its category class, name rules and ``_dir`` (comm direction code)."""
     is_gpu, cat = pl.col("is_gpu"), pl.col("_cat")
     is_cpu_coll = ~is_gpu & pl.col("_cpu_dir").is_null() & (pl.col("_comm_op") | pl.col("_rpc"))
+    rule_kind = pl.col("_rule_kind")
     return (
         pl.when(~is_gpu & pl.col("_step")).then(_K["step"])
         .when(pl.col("_dir") == _SEND).then(_K["p2p_send"])
         .when(pl.col("_dir") == _RECV).then(_K["p2p_recv"])
+        .when(rule_kind.is_not_null()).then(
+            pl.when(rule_kind == "collective").then(_K["collective"]).when(rule_kind == "compute").then(_K["compute"])
+            .otherwise(_K["other"]))
         .when(((cat == _KERNEL) & pl.col("_nccl")) | is_cpu_coll).then(_K["collective"])
         .when(cat == _KERNEL).then(_K["compute"])
         .when(cat == _MEMCPY).then(_K["memcpy"])
         .when(cat == _MEMSET).then(_K["memset"])
         .when(cat == _RUNTIME).then(_K["runtime"])
-        .when(cat.is_in([_ANNOTATION, _GPU_ANNOTATION])).then(_K["annotation"])
+        .when(cat.is_in([_ANNOTATION, _GPU_ANNOTATION, _PY_FRAME])).then(_K["annotation"])
         .when(cat.is_in([_CPU_OP, _OTHER_OP])).then(_K["compute"])
         .otherwise(_K["other"])
     )
 
 
-def classify(events: pl.DataFrame) -> pl.DataFrame:
-    """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``)."""
+def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES) -> pl.DataFrame:
+    """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``), with the name
+    ``rules`` (default: the built-in conventions)."""
     # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
     # (the Parquet cache yields several).
     events = events.rechunk()
     n = events.height
     distinct = events["name"].unique().drop_nulls()
     code = events["name"].cast(pl.Enum(distinct)).to_physical()
-    table = _name_rules(distinct)
-    rules = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op").gather(code))
+    table = _name_rules(distinct, rules)
+    by_name = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind", "_rule_channel")
+                           .gather(code))
     cat_class = events["cat"].replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8).alias("_cat")
-    # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored).
-    pp_code = pl.select(pl.when(~events["is_gpu"] & (cat_class == _ANNOTATION)).then(code)).to_series()
-    pp = table.select(pl.col("pp_stage", "pp_action", "pp_microbatch").gather(pp_code))
+    # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored), or Python frames
+    # a name rule reads.
+    pp_code = pl.select(pl.when(~events["is_gpu"] & cat_class.is_in([_ANNOTATION, _PY_FRAME])).then(code)).to_series()
+    pp = table.select(pl.col("pp_stage", "pp_action", "pp_microbatch", "pp_order").gather(pp_code))
+    pp = pp.with_columns(pl.col("pp_order").fill_null(False))
     # record_param_comms is a P2P post when its collective name says so (few rows: looked at alone).
-    rpc_rows = rules["_rpc"].arg_true()
+    rpc_rows = by_name["_rpc"].arg_true()
     coll = events["coll"].gather(rpc_rows).str.to_lowercase()
     rpc_dir = pl.select(_dir_of(pl.lit(coll), ["send", "isend"], ["recv", "irecv"])).to_series()
-    cpu_dir = rules["_name_dir"].fill_null(_spread(n, rpc_rows, rpc_dir)).alias("_cpu_dir")
+    cpu_dir = by_name["_name_dir"].fill_null(_spread(n, rpc_rows, rpc_dir)).alias("_cpu_dir")
     f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
-                      cat_class, cpu_dir, *rules])
+                      cat_class, cpu_dir, *by_name])
     # GPU work: launched when its runtime call started; peer, size and group from its launching op where its own
     # args lack them; an NCCL kernel's direction is its launching op's.
     launch_ns, launch_dir = events["ts_ns"], pl.repeat(None, n, dtype=pl.UInt8, eager=True)
@@ -188,12 +208,53 @@ def classify(events: pl.DataFrame) -> pl.DataFrame:
         "peer", "nbytes", "pg", "launch_ns",
         pl.lit(_KINDS).gather(pl.when(is_bpipe).then(_K["bpipe_transfer"]).otherwise("_kind")).alias("kind"),
         pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
-        pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8))).alias("channel"),
+        pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8))),
+                    pl.when(pl.col("_kind") == _K["collective"]).then(pl.col("_rule_channel"))).alias("channel"),
     )
     return pl.DataFrame([
         *(out[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
         *pp, *out.select("launch_ns", "kind", "comm_dir", "channel"),
     ])
+
+
+def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, ...] = ()) -> pl.DataFrame:
+    """Micro-batches of the spans a name rule numbers in order (``pp_order``): 0, 1, … by start time per (rank,
+    step, stage, action). Needs steps (``timeline.assign_steps``). Ranks in ``skip_ranks`` (several virtual stages:
+    their spans of one phase alternate between stages the name does not give) keep a null micro-batch."""
+    rows = (events.select("rank", "step", "pp_stage", "pp_action", "ts_ns", "pp_order").with_row_index("_row")
+            .filter(pl.col("pp_order") & pl.col("step").is_not_null() & ~pl.col("rank").is_in(list(skip_ranks))))
+    if rows.height == 0:
+        return events
+    rows = rows.sort("ts_ns").with_columns(
+        pl.int_range(pl.len(), dtype=pl.Int32).over("rank", "step", "pp_stage", "pp_action").alias("_mb"))
+    return events.with_columns(_update(events["pp_microbatch"], rows["_row"], rows["_mb"]).alias("pp_microbatch"))
+
+
+def rule_notes(events: pl.DataFrame, rules: names.NameRules) -> list[str]:
+    """One note per name rule that labelled events: which convention, how many spans got a phase and how many
+    events a kind, so a reader sees what came from names rather than from the PP: contract. Rules are tried on the
+    distinct names; events are counted only when one matched."""
+    distinct = events["name"].unique().drop_nulls()
+    table = _name_rules(distinct, rules).select("_phase_rule", "_kind_rule", "pp_action", "_rule_action") \
+        .with_columns(distinct.alias("name"))
+    hit = table.filter((pl.col("_phase_rule").is_not_null() & (pl.col("pp_action") == pl.col("_rule_action")))
+                       | pl.col("_kind_rule").is_not_null())
+    if hit.height == 0:
+        return []
+    counted = (events.filter(pl.col("name").is_in(hit["name"].implode()))
+               .select("name", "kind", "pp_action", "is_gpu").join(hit.select("name", "_phase_rule", "_kind_rule"),
+                                                                  on="name"))
+    every = rules.all
+    notes = []
+    for source in dict.fromkeys(r.source for r in every):
+        ids = [i for i, r in enumerate(every) if r.source == source]
+        spans = counted.filter(pl.col("_phase_rule").is_in(ids) & pl.col("pp_action").is_not_null()).height
+        kinds = counted.filter(pl.col("_kind_rule").is_in(ids)).group_by("kind").len().sort("kind").rows()
+        if spans or kinds:
+            parts = ([f"{spans:,} spans given a phase"] if spans else []) + [f"{k:,} events as {kind}"
+                                                                             for kind, k in kinds]
+            notes.append(f"name rules ({source}): {', '.join(parts)} (docs/naming.md)")
+    return notes
 
 
 def bpipe_spans(events: pl.DataFrame) -> pl.DataFrame:

@@ -7,9 +7,14 @@ recompute, blocking waits and BPipe transfers. PyTorch's GPipe schedule emits ``
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import polars as pl
+
+from traceana.errors import BadInputError
 
 # --- PyTorch's actions -------------------------------------------------------------------------------------------
 FORWARD = "F"
@@ -137,3 +142,262 @@ def overlap_columns(name: pl.Expr) -> dict[str, pl.Expr]:
         out[f"{which}_action"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 2)
         out[f"{which}_mb"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 3).cast(pl.Int32, strict=False)
     return out
+
+
+# --- other frameworks' names: rules mapping a name to a phase or a kind ------------------------------------------
+# The PP: contract above is always read. Other conventions are name rules: a regular expression on the event name,
+# giving a phase (CPU-side spans: record_function annotations and, with ``with_stack=True``, the Python frames
+# Kineto records as ``path.py(LINE): function``) or a kind (any event: a GPU kernel, a CPU op, a span). Built-in
+# rules cover the public frameworks below; a rules file (docs/naming.md) adds a user's own, ahead of them.
+PHASES = tuple(PHASE_OF_ACTION.values())
+ACTION_OF_PHASE = {phase: action for action, phase in PHASE_OF_ACTION.items()}
+RULE_KINDS = ("compute", "collective", "other")  # what a name can make an event (P2P needs a peer: not by name)
+ORDER = "order"  # ``microbatch = "order"``: numbered 0, 1, … in order of appearance per (rank, step, stage, phase)
+RULE_KEYS = ("match", "phase", "kind", "channel", "microbatch")
+EXPERT_PARALLEL = "ep"  # the channel of expert-parallel all-to-all communication (DeepEP)
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """One rule: events whose name matches ``match`` get ``phase`` (CPU spans) and/or ``kind`` (any event).
+
+    ``match`` is a regular expression searched in the name (anchor it with ``^…$``; the syntax both Python's ``re``
+    and polars' Rust engine accept: no look-around, no back-references). Named groups ``(?P<stage>\\d+)`` and
+    ``(?P<microbatch>\\d+)`` give the stage and micro-batch; ``microbatch = "order"`` numbers the matches in order of
+    appearance instead (right for schedules that run one stage per rank, whose forwards and backwards each go in
+    micro-batch order: 1F1B, GPipe). ``channel`` labels a collective (``"ep"``: expert-parallel all-to-all)."""
+
+    match: str
+    phase: str | None = None
+    kind: str | None = None
+    channel: str | None = None
+    microbatch: str | None = None  # None | "order"; a (?P<microbatch>…) group is read from ``match`` itself
+    source: str = "rules"  # where the rule comes from, for notes: "built-in megatron", "rules.toml rule 2"
+
+    def group(self, name: str) -> int | None:
+        """The index of named group ``name`` in ``match`` (Python and Rust number groups alike), or None."""
+        return re.compile(self.match).groupindex.get(name)
+
+
+def _builtin(source: str, *rules: tuple[str, dict]) -> tuple[NameRule, ...]:
+    return tuple(NameRule(match=m, source=f"built-in {source}", **kw) for m, kw in rules)
+
+
+# Megatron-LM (megatron.core.pipeline_parallel.schedules) records no record_function of its own (its ranges are NVTX,
+# which Kineto does not keep): its forward_step / backward_step appear as Python frames with ``with_stack=True``,
+# e.g. ``megatron/core/pipeline_parallel/schedules.py(402): forward_step`` (older trees: ``megatron/schedules.py``).
+# Its P2P helpers (p2p_communication's send_forward, recv_backward, send_forward_recv_backward, …) run c10d ops,
+# which are read as P2P already.
+_MEGATRON = r"megatron/(?:core/pipeline_parallel/)?schedules\.py\(\d+\): "
+# DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/engine.py) runs its pipe instructions ForwardPass, BackwardPass,
+# OptimizerStep, Send/RecvActivation, Send/RecvGrad through ``_exec_forward_pass`` etc., seen the same way.
+_DEEPSPEED = r"deepspeed/runtime/pipe/engine\.py\(\d+\): "
+BUILTIN_RULES: dict[str, tuple[NameRule, ...]] = {
+    # torch.distributed's own collective functions, seen as Python frames: a synchronous call spans its wait(), for
+    # which gloo records no span of its own (a CPU rank blocked in it would otherwise look idle, or busy in the
+    # phase whose window holds it).
+    "torch": _builtin(
+        "torch",
+        (r"torch/distributed/distributed_c10d\.py\(\d+\): (?:all_reduce|broadcast|all_gather|all_gather_into_tensor"
+         r"|reduce_scatter|reduce_scatter_tensor|all_to_all|all_to_all_single|barrier|reduce|gather|scatter)$",
+         dict(kind="collective")),
+    ),
+    "megatron": _builtin(
+        "megatron",
+        (rf"{_MEGATRON}forward_step$", dict(phase="forward", microbatch=ORDER)),
+        (rf"{_MEGATRON}backward_step$", dict(phase="backward", microbatch=ORDER)),
+        # The data-parallel gradient reduction after the last backward (all-reduce / reduce-scatter and its wait).
+        (r"megatron/core/distributed/finalize_model_grads\.py\(\d+\): finalize_model_grads$",
+         dict(kind="collective")),
+    ),
+    "deepspeed": _builtin(
+        "deepspeed",
+        (rf"{_DEEPSPEED}_exec_forward_pass$", dict(phase="forward", microbatch=ORDER)),
+        (rf"{_DEEPSPEED}_exec_backward_pass$", dict(phase="backward", microbatch=ORDER)),
+        (rf"{_DEEPSPEED}_exec_optimizer_step$", dict(phase="optimizer")),
+        # ReduceGrads / ReduceTiedGrads (the data-parallel and tied-weight all-reduces) and the loss broadcast from
+        # the last stage: collectives whose wait() gloo records no span for — only its Python frame shows it.
+        (rf"{_DEEPSPEED}(?:_exec_reduce_grads|_exec_reduce_tied_grads|_aggregate_total_loss)$",
+         dict(kind="collective")),
+    ),
+    # DualPipe (DeepSeek-V3 §3.2.1) annotates each chunk's pieces ``attn(F)``, ``mlp(B)``, ``mlp(W)``,
+    # ``dispatch(F)``, ``combine(B)``: F forward, B the backward for inputs, W the backward for weights (split off
+    # and deferred, as in zero-bubble). No stage or micro-batch is in the name.
+    "dualpipe": _builtin(
+        "dualpipe",
+        (r"^(?:attn|mlp|dispatch|combine)\(F\)$", dict(phase="forward")),
+        (r"^(?:attn|mlp|dispatch|combine)\(B\)$", dict(phase="backward_input")),
+        (r"^(?:attn|mlp)\(W\)$", dict(phase="backward_weight")),
+    ),
+    # DeepEP's expert-parallel all-to-all kernels (csrc/kernels/intranode.cu, internode.cu, internode_ll.cu:
+    # ``void deep_ep::intranode::dispatch<…>(…)``, ``…::combine``, ``notify_dispatch``, ``cached_notify_combine``):
+    # communication, not NCCL, so without this rule they would count as compute. ``deep_ep::layout::…`` (the
+    # dispatch layout) is local work and stays compute.
+    "deepep": _builtin(
+        "deepep",
+        (r"\bdeep_ep::(?:intranode|internode|internode_ll)::", dict(kind="collective", channel=EXPERT_PARALLEL)),
+    ),
+}
+BUILTINS = tuple(BUILTIN_RULES)
+
+
+@dataclass(frozen=True)
+class NameRules:
+    """The name rules of one analysis, in the order they are tried (the first match wins): a rules file's own,
+    then the built-ins it keeps on (all by default)."""
+
+    rules: tuple[NameRule, ...] = ()
+    builtins: tuple[str, ...] = BUILTINS
+    origin: str = "built-in"  # "built-in", a file's path, "run.json"
+
+    @property
+    def all(self) -> tuple[NameRule, ...]:
+        return self.rules + tuple(r for b in self.builtins for r in BUILTIN_RULES[b])
+
+    def key(self) -> str:
+        """A text that changes whenever the rules do (for caches)."""
+        return repr([(r.match, r.phase, r.kind, r.channel, r.microbatch) for r in self.all])
+
+
+DEFAULT_RULES = NameRules()
+NO_RULES = NameRules(builtins=(), origin="none")  # only the PP: contract (``--names none``)
+
+
+def parse_rules(data: object, *, origin: str) -> NameRules:
+    """A rules document (a decoded TOML/JSON object: ``builtins = [...]``, ``[[rules]]`` tables) as NameRules, or
+    one BadInputError line naming ``origin`` and what to fix. Every regular expression is compiled here, by both
+    engines, so a bad one is refused before any trace is read."""
+    def bad(what: str) -> BadInputError:
+        return BadInputError(what, path=origin, fix="see docs/naming.md for the rules file format")
+
+    if not isinstance(data, dict):
+        raise bad(f"a rules file holds a table (builtins, rules), got {type(data).__name__}")
+    unknown = sorted(set(data) - {"builtins", "rules"})
+    if unknown:
+        raise bad(f"unknown key {unknown[0]!r} (known: builtins, rules)")
+    builtins = data.get("builtins", list(BUILTINS))
+    if not isinstance(builtins, list) or not all(isinstance(b, str) and b in BUILTIN_RULES for b in builtins):
+        raise bad(f"builtins must be a list of {', '.join(BUILTINS)}, got {builtins!r}"[:300])
+    raw = data.get("rules", [])
+    if not isinstance(raw, list):
+        raise bad(f"rules must be a list of tables, got {type(raw).__name__}")
+    rules = []
+    for i, r in enumerate(raw, 1):
+        where = f"rule {i}"
+        if not isinstance(r, dict):
+            raise bad(f"{where} must be a table (match, phase or kind, …), got {type(r).__name__}")
+        extra = sorted(set(r) - set(RULE_KEYS))
+        if extra:
+            raise bad(f"{where}: unknown key {extra[0]!r} (known: {', '.join(RULE_KEYS)})")
+        match, phase, kind = r.get("match"), r.get("phase"), r.get("kind")
+        channel, mb = r.get("channel"), r.get("microbatch")
+        if not isinstance(match, str) or not match:
+            raise bad(f"{where}: match must be a non-empty regular expression")
+        if phase is None and kind is None:
+            raise bad(f"{where} ({match!r}) gives neither a phase nor a kind")
+        if phase is not None and phase not in PHASES:
+            raise bad(f"{where}: unknown phase {phase!r} (known: {', '.join(PHASES)})")
+        if kind is not None and kind not in RULE_KINDS:
+            raise bad(f"{where}: kind {kind!r} cannot be given by a name (known: {', '.join(RULE_KINDS)})")
+        if channel is not None and (kind != "collective" or not isinstance(channel, str) or not channel):
+            raise bad(f"{where}: channel (a label such as \"ep\") is for kind = \"collective\" only")
+        if mb is not None and (mb != ORDER or phase is None):
+            raise bad(f"{where}: microbatch can only be \"order\", on a phase rule (or use a (?P<microbatch>…) group)")
+        try:
+            groups = re.compile(match).groupindex
+            pl.Series([""]).str.contains(match)
+        except Exception as e:  # re.error, polars' ComputeError: the message says where
+            raise bad(f"{where}: bad regular expression {match!r} ({str(e).splitlines()[0][:120]})") from None
+        if ("stage" in groups or "microbatch" in groups) and phase is None:
+            raise bad(f"{where}: stage/microbatch groups only mean something on a phase rule")
+        if "microbatch" in groups and mb == ORDER:
+            raise bad(f"{where}: a (?P<microbatch>…) group and microbatch = \"order\" contradict each other")
+        rules.append(NameRule(match=match, phase=phase, kind=kind, channel=channel, microbatch=mb,
+                              source=f"{origin} rule {i}"))
+    return NameRules(rules=tuple(rules), builtins=tuple(dict.fromkeys(builtins)), origin=origin)
+
+
+def load_rules(path: str | Path) -> NameRules:
+    """A rules file (``.toml``, or ``.json``) as NameRules; ``"none"`` is the PP: contract alone and ``"builtin"`` the
+    default. One BadInputError line for a missing, unreadable or malformed file."""
+    if str(path) in ("none", "builtin"):
+        return NO_RULES if str(path) == "none" else DEFAULT_RULES
+    from traceana.files import open_regular
+
+    p = Path(path)
+    try:
+        with open_regular(p) as f:
+            raw = f.read((1 << 20) + 1)
+    except BadInputError:
+        raise
+    except OSError as e:
+        raise BadInputError(f"cannot read the name rules file ({e.strerror or e})", path=p,
+                            fix="check the path given to --names") from None
+    if len(raw) > 1 << 20:
+        raise BadInputError("a name rules file is a few KB; this one is over 1 MiB", path=p,
+                            fix="pass the rules file (docs/naming.md), not a trace")
+    try:
+        text = raw.decode("utf-8")
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import tomllib
+
+            data = tomllib.loads(text)
+    except ImportError:
+        raise BadInputError("TOML rules files need Python 3.11+", path=p, fix="write the rules as JSON") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        kind = "JSON" if p.suffix.lower() == ".json" else "TOML"
+        raise BadInputError(f"not valid {kind} ({str(e).splitlines()[0][:160]})", path=p,
+                            fix="fix the file (docs/naming.md shows the format)") from None
+    return parse_rules(data, origin=str(p))
+
+
+def rules_for_run(run_dir: str | Path | None, extra: dict | None, given: str | Path | NameRules | None) -> NameRules:
+    """The rules an analysis uses: ``given`` (``--names``), else run.json's ``"names"`` (a path relative to the run
+    directory, or the rules themselves inline), else the built-ins."""
+    if isinstance(given, NameRules):
+        return given
+    if given is not None:
+        return load_rules(given)
+    spec = (extra or {}).get("names")
+    if spec is None:
+        return DEFAULT_RULES
+    if isinstance(spec, str):
+        base = Path(run_dir) if run_dir is not None else Path(".")
+        base = base if base.is_dir() else base.parent
+        return load_rules(spec if spec in ("none", "builtin") else base / spec)
+    return parse_rules(spec, origin="run.json names")
+
+
+def rule_columns(name: pl.Expr, rules: NameRules) -> dict[str, pl.Expr]:
+    """Vectorised rules on a column of (distinct) names: ``_phase_rule`` / ``_kind_rule`` (index into
+    ``rules.all`` of the first phase / kind rule that matches, else null), and from them ``_rule_action``,
+    ``_rule_stage``, ``_rule_mb``, ``_rule_order``, ``_rule_kind``, ``_rule_channel``."""
+    every = rules.all
+    none_i = pl.lit(None, pl.Int32)
+
+    def first(which: str) -> pl.Expr:
+        hits = [pl.when(name.str.contains(r.match)).then(pl.lit(i, pl.Int32))
+                for i, r in enumerate(every) if getattr(r, which) is not None]
+        return pl.coalesce(*hits, none_i) if hits else none_i
+
+    phase_i, kind_i = first("phase"), first("kind")
+
+    def pick(i: pl.Expr, values: list, dtype) -> pl.Expr:
+        return pl.lit(pl.Series(values, dtype=dtype)).gather(i) if every else pl.lit(None, dtype)
+
+    def group(which: str) -> pl.Expr:
+        out = [pl.when(phase_i == i).then(name.str.extract(r.match, g).cast(pl.Int32, strict=False))
+               for i, r in enumerate(every) if r.phase is not None and (g := r.group(which)) is not None]
+        return pl.coalesce(*out, pl.lit(None, pl.Int32)) if out else pl.lit(None, pl.Int32)
+
+    return {
+        "_phase_rule": phase_i, "_kind_rule": kind_i,
+        "_rule_action": pick(phase_i, [ACTION_OF_PHASE.get(r.phase) for r in every], pl.String),
+        "_rule_stage": group("stage"),
+        "_rule_mb": group("microbatch"),
+        "_rule_order": pick(phase_i, [r.microbatch == ORDER for r in every], pl.Boolean),
+        "_rule_kind": pick(kind_i, [r.kind for r in every], pl.String),
+        "_rule_channel": pick(kind_i, [r.channel for r in every], pl.String),
+    }

@@ -29,7 +29,7 @@ from typing import Any
 
 import polars as pl
 
-from traceana import scale
+from traceana import names, scale
 from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
@@ -56,6 +56,7 @@ class GroupTask:
     out_dir: str
     ranks: tuple[int, ...]
     peak_flops: float | None = None
+    name_rules: names.NameRules = names.DEFAULT_RULES
 
 
 def p2p_peers(events: pl.DataFrame) -> list[int]:
@@ -108,7 +109,7 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
     from traceana.classify import rank_summary
 
     run = scale.load_parquet(task.out_dir, ranks=task.ranks)
-    result = analyze(run, peak_flops=task.peak_flops)
+    result = analyze(run, peak_flops=task.peak_flops, name_rules=task.name_rules)
     tables = {name: getattr(result, name) for name in TABLE_ORDER if name != "rank_summary"}
     tables["stages"] = result.stages
     tables["rank_summary"] = rank_summary(run)
@@ -117,7 +118,7 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
 
 
 def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.Map = map,
-                        peak_flops: float | None = None):
+                        peak_flops: float | None = None, name_rules: names.NameRules = names.DEFAULT_RULES):
     """The ``Analysis`` of ``run_dir``, computed one rank, then one pipeline group, per task through ``map``.
 
     Its tables equal ``analyze(load_run(run_dir))``'s up to row order and the caveats in docs/performance.md;
@@ -139,7 +140,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
                        key=lambda r: (r["rank"], r["trace"]))
     scale.finish_dataset(run_dir, out, summaries)
     groups = pipeline_groups({r["rank"]: r["peers"] for r in summaries})
-    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops) for g in groups]))
+    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops, name_rules) for g in groups]))
 
     tables = {}
     for name in (*TABLE_ORDER, "stages"):
