@@ -24,12 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a label per run, in order (default: the directory names)")
     parser.add_argument("--title", default=None, help="the report's title (default: 'traceana report')")
     options.peak_flops(parser)
+    options.names(parser)
     parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
     options.reading(parser)
 
 
 def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None, progress: bool = True,
-                 cache: bool = True, workers: int | None = None) -> list:
+                 cache: bool = True, workers: int | None = None, names: str | None = None) -> list:
     """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects.
     ``cache``/``workers``: as ``traceana.analysis_cache.load_and_analyze``."""
     from rich.markup import escape
@@ -40,13 +41,18 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
     for p in paths:
         if not Path(p).exists():
             raise BadInputError("no such run directory or trace file", path=p, fix="check the path")
+    rules = None
+    if names is not None:  # one rules file for every run, refused before any trace is read
+        from traceana.names import load_rules
+
+        rules = load_rules(names)
     out = []
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress,
                   transient=True) as bar:
         for p in paths:
             task = bar.add_task(escape(f"reading {p}"), total=None)
             # cached under p/.traceana/analysis unless cache is False
-            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers))
+            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names_from=rules))
             bar.remove_task(task)
     return out
 
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_inputs(args.output, input_files(r))
     t0 = time.perf_counter()
     analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet, cache=not args.no_cache,
-                            workers=args.workers)
+                            workers=args.workers, names=args.names)
     with console.status("rendering the report (holoviews + bokeh)"):
         from reports.build import write_report
 

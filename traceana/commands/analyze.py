@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="DIR", help="write every table into DIR (default: no export)")
     parser.add_argument("--format", choices=FORMATS, default="parquet", help="table format for --export")
     options.peak_flops(parser)
+    options.names(parser)
     options.reading(parser)
     parser.add_argument("--dask", metavar="ADDRESS",
                         help="analyse on a dask.distributed cluster (e.g. tcp://host:8786): one task per rank, then "
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool,
-                     dask: str | None = None):
+                     dask: str | None = None, names: str | None = None):
     """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False),
     or with ``dask`` (a scheduler address) ``traceana.partitioned.analyze_partitioned`` on that cluster."""
     from traceana.manifest import check_peak_flops
@@ -42,6 +43,9 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
     check_peak_flops(peak_flops)
+    from traceana.analysis_cache import run_name_rules
+
+    rules = run_name_rules(path, names)  # a bad rules file is refused before any trace is read
     if dask is not None:
         from traceana import partitioned
         from traceana.ingest.cache import CACHE_DIR
@@ -51,10 +55,11 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
                                 fix="pass the folder of the run's traces, or drop --dask")
         with partitioned.connect(dask) as client:
             return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
-                                                   map=partitioned.dask_map(client), peak_flops=peak_flops)
+                                                   map=partitioned.dask_map(client), peak_flops=peak_flops,
+                                                   name_rules=rules)
     from traceana.analysis_cache import load_and_analyze as cached
 
-    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress)
+    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names_from=rules)
 
 
 def print_tables(analysis, *, per_step: bool) -> None:
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         for target in export_paths(args.export, ["notes"], args.format):  # the names checked again when written
             refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
-                                cache=not args.no_cache, progress=progress, dask=args.dask)
+                                cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names)
     if args.export:
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:

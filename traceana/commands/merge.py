@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, default="merged.json.gz",
                    help="where to write the merged trace (.json.gz compressed, .json plain text)")
+    options.names(parser)
     options.reading(parser)
 
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_inputs(args.output, input_files(args.run_dir))  # before any work: never write over a trace or run.json
     progress = not args.quiet and sys.stderr.isatty()
     analysis = load_and_analyze(args.run_dir, peak_flops=None, workers=args.workers, cache=not args.no_cache,
-                                progress=progress)
+                                progress=progress, names=args.names)
     path = write_merged_trace(analysis, args.output)
     if not args.quiet:
         print(f"wrote {path} ({plural(len(analysis.run.ranks), 'rank')}) — open it in https://ui.perfetto.dev", file=sys.stderr)

@@ -85,6 +85,15 @@ def peak_flops(parser, *, help: str = "peak FLOP/s per device, for MFU (default:
     parser.add_argument("--peak-tflops", dest="peak_flops", type=float, action=_TeraFlops, help=argparse.SUPPRESS)
 
 
+def names(parser) -> None:
+    """``--names FILE``: the name rules (docs/naming.md) mapping other frameworks' annotation names to phases and
+    their communication kernels to kinds."""
+    parser.add_argument("--names", dest="names", default=None, metavar="FILE",
+                        help="name rules file (TOML or JSON, docs/naming.md): your annotation names → phases, your "
+                             "communication kernels → kinds; 'none' turns the built-in Megatron/DeepSpeed/DualPipe/"
+                             "DeepEP rules off (default: run.json's \"names\", else the built-ins)")
+
+
 def reading(parser, *, quiet_help: str = "no progress display") -> None:
     """How a run is read: ``--workers N``, ``--no-cache``, ``--quiet``."""
     parser.add_argument("--workers", type=int, default=None, metavar="N",

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the BPipe verdict compares with (as-configured: the run as configured)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     options.peak_flops(p)
+    options.names(p)
     options.reading(p)
 
 
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
-    read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress)
+    read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
+                names=args.names)
     analysis = load_and_analyze(str(args.run_dir), **read)
     v = validate(analysis)
     cross = None

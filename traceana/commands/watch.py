@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=float, default=2.0, metavar="S",
                         help="a file is complete once unchanged for S seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per window instead of tables")
+    from traceana.commands import options
+
+    options.names(parser)
 
 
 # --- finding windows ---------------------------------------------------------------------------------------------
@@ -194,7 +197,7 @@ def running_comparison(history):
 
 
 # --- analysing and printing --------------------------------------------------------------------------------------
-def analyse_window(window: Window):
+def analyse_window(window: Window, names=None):
     """(the window's ``Analysis``, its notes): traceana analyze's attribution; no cache is written next to a live
     job's files, and a folder's other cycles are not read with this one."""
     from traceana.analysis_cache import load_and_analyze
@@ -203,12 +206,12 @@ def analyse_window(window: Window):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IngestWarning)  # the window's notes are printed with it
         if window.run_dir is not None:
-            analysis = load_and_analyze(window.run_dir, cache=False)
+            analysis = load_and_analyze(window.run_dir, cache=False, names_from=names)
             return analysis, list(analysis.notes) + list(analysis.run.warnings)
         with tempfile.TemporaryDirectory(prefix="traceana-watch-") as tmp:
             for f in window.files:
                 (Path(tmp) / f.name).symlink_to(f.resolve())
-            analysis = load_and_analyze(tmp, cache=False)
+            analysis = load_and_analyze(tmp, cache=False, names_from=names)
         folder = str(window.files[0].parent)  # notes name the user's files, not the links
         return analysis, [n.replace(tmp, folder) for n in (*analysis.notes, *analysis.run.warnings)]
 
@@ -274,9 +277,10 @@ def print_window(console, n: int, window: Window, table, comparison, notes: list
 
 def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s: float | None = None,
           interval_s: float = 1.0, settle_s: float = 2.0, as_json: bool = False,
-          stop: threading.Event | None = None, console=None) -> int:
+          stop: threading.Event | None = None, console=None, names=None) -> int:
     """Poll ``root`` and print every new window; returns how many were printed. ``stop``: end once it is set (after
-    a last look: ``traceana attach --live`` sets it when its job has ended)."""
+    a last look: ``traceana attach --live`` sets it when its job has ended). ``names``: the name rules
+    (``traceana.names.NameRules``; default: each window's run.json, else the built-ins)."""
     import polars as pl
 
     console = console or _console()
@@ -292,7 +296,7 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
                 continue
             seen.add(window.key)
             try:
-                analysis, notes = analyse_window(window)
+                analysis, notes = analyse_window(window, names)
             except TraceanaError as e:
                 console.print(f"traceana: warning: window {window.label}: {e.line()}", style="yellow")
                 continue
@@ -335,9 +339,14 @@ def run(args: argparse.Namespace) -> int:
                         ("--count", args.count)):
         if value is not None and value < 0 or name in ("--interval", "--count") and value == 0:
             raise BadInputError(f"{name} must be positive, got {value}", fix=f"give a positive {name}")
+    names = None
+    if args.names is not None:  # a bad rules file is refused now, not once per window
+        from traceana.names import load_rules
+
+        names = load_rules(args.names)
     try:
         printed = watch(root, once=args.once, count=args.count, timeout_s=args.timeout, interval_s=args.interval,
-                        settle_s=args.settle, as_json=args.json)
+                        settle_s=args.settle, as_json=args.json, names=names)
     except KeyboardInterrupt:  # the normal way to stop watching
         print("", file=sys.stderr)
         return 0
