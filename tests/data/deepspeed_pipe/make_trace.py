@@ -1,0 +1,125 @@
+"""Make the DeepSpeed pipeline trace in this folder: DeepSpeed's own PipelineEngine (deepspeed.pipe.PipelineModule,
+``train_batch``) on 2 CPU processes over gloo, a tiny MLP split in 2 stages, 4 micro-batches, under
+collectors.profiler.PipelineProfiler with ``with_stack=True`` (DeepSpeed writes no record_function of its own: its
+pipe instructions appear only as the Python frames ``engine.py(N): _exec_forward_pass`` etc.).
+
+The truth is recorded outside the trace: every pipe instruction the engine executes is timed with
+``time.perf_counter_ns()`` (a wrapper around each entry of ``PipelineEngine._INSTRUCTION_MAP``), and so is each
+``train_batch`` call; ``truth.json`` holds, per rank and step, the ``train_batch`` wall time and the summed time of
+each instruction class (the trace's ProfilerStep#N spans the same call, from one ``prof.step()`` to the next).
+
+    DS_ACCELERATOR=cpu python tests/data/deepspeed_pipe/make_trace.py OUT_DIR   # truth.rank{R}.json next to OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+MICROBATCHES, STEPS, HIDDEN, MB_SIZE = 4, 3, 64, 8
+
+
+def worker(rank: int, world: int, out: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from collectors.profiler import PipelineProfiler
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    layers = [torch.nn.Linear(HIDDEN, HIDDEN) if i % 2 == 0 else torch.nn.ReLU() for i in range(8)]
+    net = PipelineModule(layers=layers, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": MB_SIZE, "gradient_accumulation_steps": MICROBATCHES,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+
+    spans: list[tuple[int, str, int]] = []  # (step, instruction, ns)
+    comms: list[tuple[int, str, str | None, int]] = []  # (step, torch.distributed call, instruction running, ns)
+    current = {"step": -1, "instr": None, "depth": 0}
+    for cls, fn in list(PipelineEngine._INSTRUCTION_MAP.items()):
+        def timed(self, *a, _fn=fn, _name=cls.__name__, **kw):
+            t0 = time.perf_counter_ns()
+            current["instr"] = _name
+            try:
+                return _fn(self, *a, **kw)
+            finally:
+                current["instr"] = None
+                spans.append((current["step"], _name, time.perf_counter_ns() - t0))
+        PipelineEngine._INSTRUCTION_MAP[cls] = timed
+    # Every torch.distributed call DeepSpeed makes (its p2p module calls dist.send / dist.recv; deepspeed.comm calls
+    # all_reduce, broadcast, …, synchronously: the call returns after its wait), outermost calls only.
+    for op in ("send", "recv", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "barrier"):
+        orig = getattr(torch.distributed, op)
+
+        def timed_comm(*a, _orig=orig, _op=op, **kw):
+            current["depth"] += 1
+            t0 = time.perf_counter_ns()
+            try:
+                return _orig(*a, **kw)
+            finally:
+                current["depth"] -= 1
+                if current["depth"] == 0:
+                    comms.append((current["step"], _op, current["instr"], time.perf_counter_ns() - t0))
+        setattr(torch.distributed, op, timed_comm)
+    aggregate = PipelineEngine._aggregate_total_loss  # the loss broadcast from the last stage, outside instructions
+
+    def timed_aggregate(self, *a, **kw):
+        t0 = time.perf_counter_ns()
+        try:
+            return aggregate(self, *a, **kw)
+        finally:
+            spans.append((current["step"], "AggregateTotalLoss", time.perf_counter_ns() - t0))
+    PipelineEngine._aggregate_total_loss = timed_aggregate
+
+    def data():
+        g = torch.Generator().manual_seed(1)
+        while True:
+            x = torch.randn(MB_SIZE, HIDDEN, generator=g)
+            yield x, x.flip(-1)
+
+    it = data()
+    steps: list[tuple[int, int]] = []
+    stage = engine.stage_id
+    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world, schedule="1f1b",
+                          warmup=1, active=STEPS - 1, with_stack=True, profile_memory=False,
+                          metadata={"framework": f"deepspeed {deepspeed.__version__}"}) as prof:
+        for s in range(STEPS):
+            current["step"] = s
+            t0 = time.perf_counter_ns()
+            engine.train_batch(data_iter=it)
+            steps.append((s, time.perf_counter_ns() - t0))
+            prof.step()
+    truth = {"rank": rank, "stage": stage, "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+             "steps": {}}
+    for s, dur in steps:
+        per = {}
+        for st, name, ns in spans:
+            if st == s:
+                per[name] = per.get(name, 0) + ns
+        comm = {}
+        for st, op, instr, ns in comms:
+            if st == s:
+                key = f"{op} in {instr or 'train_batch'}"
+                comm[key] = comm.get(key, 0) + ns
+        truth["steps"][s] = {"train_batch_ns": dur, "instructions_ns": per, "comm_calls_ns": comm,
+                             "forward_passes": sum(1 for st, n, _ in spans if st == s and n == "ForwardPass")}
+    Path(out).parent.joinpath(f"truth.rank{rank}.json").write_text(json.dumps(truth, indent=1))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    mp.spawn(worker, args=(2, out, 29517), nprocs=2, join=True)

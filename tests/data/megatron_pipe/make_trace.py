@@ -1,0 +1,190 @@
+"""Make the Megatron-LM pipeline trace in this folder: megatron-core's own 1F1B schedule
+(``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving``, its P2PCommunicator)
+on 2 CPU processes over gloo, a tiny MLP stage per rank, 4 micro-batches, under collectors.profiler.PipelineProfiler
+with ``with_stack=True`` (Megatron's own ranges are NVTX, which Kineto does not record: its forward_step and
+backward_step appear as the Python frames ``schedules.py(N): forward_step``).
+
+megatron-core targets CUDA; three shims retarget its device strings to the CPU and change nothing else:
+``torch.cuda.current_device()`` returns the CPU device, ``torch.zeros(..., device="cuda")`` (the token counter the
+schedule makes) is made on the CPU, ``torch.cuda.synchronize()`` does nothing.
+
+The truth is recorded outside the trace with ``time.perf_counter_ns()``: every forward_step / backward_step call of the
+schedule, every P2P helper call (the P2PCommunicator's send_forward, recv_forward, send_backward, recv_backward,
+send_forward_recv_backward, send_backward_recv_forward: each returns after its wait; "p2p"), the time inside
+torch.distributed's P2P calls and their requests' wait() ("p2p_torch"), the optimizer step, and the whole step (the
+schedule call plus the optimizer step); ``truth.rank{R}.json`` next to OUT_DIR.
+
+    python tests/data/megatron_pipe/make_trace.py OUT_DIR [--interleaved]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+MICROBATCHES, STEPS, HIDDEN, SEQ, MB_SIZE = 4, 3, 64, 16, 2
+
+
+def _cpu_shims() -> None:
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.synchronize = lambda *a, **k: None
+    zeros = torch.zeros
+
+    def zeros_on_cpu(*a, **kw):
+        if str(kw.get("device", "")).startswith("cuda"):
+            kw["device"] = cpu
+        return zeros(*a, **kw)
+    torch.zeros = zeros_on_cpu
+
+
+class Stage(torch.nn.Module):
+    def __init__(self, config, first: bool) -> None:
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config, self.first, self.input_tensor = config, first, None
+        self.model_type = ModelType.encoder_or_decoder
+        self.net = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+
+    def forward(self, x):
+        return self.net(x if self.first else self.input_tensor)
+
+
+def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.manual_seed(rank)
+    torch.set_num_threads(1)
+    _cpu_shims()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron.core
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.transformer import TransformerConfig
+
+    from collectors.profiler import PipelineProfiler
+
+    chunks = 2 if interleaved else 1
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world,
+                                             virtual_pipeline_model_parallel_size=chunks if interleaved else None)
+    config = TransformerConfig(num_layers=2 * world * chunks, hidden_size=HIDDEN, num_attention_heads=4,
+                               pipeline_model_parallel_size=world, pipeline_dtype=torch.float32,
+                               use_cpu_initialization=True, virtual_pipeline_model_parallel_size=chunks
+                               if interleaved else None)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    models = [Stage(config, first=(stage == 0 and c == 0)) for c in range(chunks)]
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=1e-3)
+
+    calls: list[tuple[int, str, int]] = []
+    current = {"step": -1}
+
+    def timed(fn, name):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                calls.append((current["step"], name, time.perf_counter_ns() - t0))
+        return wrapper
+    schedules.forward_step = timed(schedules.forward_step, "forward_step")
+    schedules.backward_step = timed(schedules.backward_step, "backward_step")
+    for m in ("send_forward", "recv_forward", "send_backward", "recv_backward", "send_forward_recv_backward",
+              "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
+              "send_forward_backward_recv_forward_backward"):
+        if hasattr(p2p_communication.P2PCommunicator, m):
+            setattr(p2p_communication.P2PCommunicator, m, timed(getattr(p2p_communication.P2PCommunicator, m), "p2p"))
+
+    # The time the rank spends inside torch.distributed's P2P calls and in the wait() of the requests they return
+    # (Megatron posts with batch_isend_irecv, or isend/irecv, and waits on every request in _communicate).
+    class TimedWork:
+        def __init__(self, work) -> None:
+            self._work = work
+
+        def wait(self, *a, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return self._work.wait(*a, **kw)
+            finally:
+                calls.append((current["step"], "p2p_torch", time.perf_counter_ns() - t0))
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+    # (isend/irecv themselves stay unwrapped: P2POp accepts only the real functions; batch_isend_irecv calls them.)
+    for op in ("batch_isend_irecv", "send", "recv"):
+        orig = getattr(torch.distributed, op)
+
+        def timed_p2p(*a, _orig=orig, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                out = _orig(*a, **kw)
+            finally:
+                calls.append((current["step"], "p2p_torch", time.perf_counter_ns() - t0))
+            if isinstance(out, list):
+                return [TimedWork(w) for w in out]
+            return TimedWork(out) if out is not None else out
+        setattr(torch.distributed, op, timed_p2p)
+
+    def forward_step_func(data_iterator, model):
+        x = next(data_iterator)
+        out = model(x)
+
+        def loss_func(output):
+            loss = output.float().pow(2).mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    def data():
+        g = torch.Generator().manual_seed(1)
+        while True:
+            yield torch.randn(SEQ, MB_SIZE, HIDDEN, generator=g)
+
+    run = (schedules.forward_backward_pipelining_with_interleaving if interleaved
+           else schedules.forward_backward_pipelining_without_interleaving)
+    steps = []
+    stages = [stage + c * world for c in range(chunks)]
+    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world * chunks,
+                          schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=STEPS - 1,
+                          with_stack=True, profile_memory=False,
+                          metadata={"framework": f"megatron-core {megatron.core.__version__}", "stages": stages}) as prof:
+        for s in range(STEPS):
+            current["step"] = s
+            its = [data() for _ in range(chunks)]
+            t0 = time.perf_counter_ns()
+            run(forward_step_func=forward_step_func, data_iterator=its if interleaved else its[0],
+                model=models if interleaved else models[0], num_microbatches=MICROBATCHES, seq_length=SEQ,
+                micro_batch_size=MB_SIZE)
+            t1 = time.perf_counter_ns()
+            with torch.profiler.record_function("Optimizer.step#SGD.step"):  # as torch.optim itself records it
+                opt.step()
+                opt.zero_grad()
+            t2 = time.perf_counter_ns()
+            calls.append((s, "optimizer", t2 - t1))
+            steps.append((s, t2 - t0))
+            prof.step()
+    truth = {"rank": rank, "stage": stage, "stages": stages, "megatron_core": megatron.core.__version__,
+             "torch": torch.__version__, "steps": {}}
+    for s, dur in steps:
+        per: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for st, name, ns in calls:
+            if st == s:
+                per[name] = per.get(name, 0) + ns
+                counts[name] = counts.get(name, 0) + 1
+        truth["steps"][s] = {"step_ns": dur, "calls_ns": per, "calls": counts}
+    Path(out).parent.joinpath(f"truth.rank{rank}.json").write_text(json.dumps(truth, indent=1))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1], 29531, "--interleaved" in sys.argv), nprocs=2, join=True)
