@@ -108,7 +108,8 @@ def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFram
     """``rank, _mark``: every instant a CPU rank's training thread is seen doing something — the start and end of
     each of its ops, annotations, P2P posts and returns from a wait. A thread blocked in ``wait()`` records nothing,
     so it began to block after the last such mark."""
-    cpu = events.filter(~pl.col("is_gpu") & pl.col("step").is_not_null()).join(gpu_ranks, on="rank", how="anti")
+    cpu = events.filter(~pl.col("is_gpu") & pl.col("step").is_not_null()
+                        & ~pl.col("rank").is_in(gpu_ranks["rank"].implode()))
     cpu = cpu.join(training_tracks(cpu), on=["rank", "track"])
     return pl.concat([cpu.select("rank", pl.col("ts_ns").alias("_mark")),
                       cpu.select("rank", (pl.col("ts_ns") + pl.col("dur_ns")).alias("_mark"))]).sort("_mark")
@@ -205,7 +206,9 @@ def segments(
         _span(annotated), bp_msgs,
     ])
     gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
-    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu))
+    # The marks are read only for P2P messages: a run without any skips the join over its CPU events.
+    has_p2p = (pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()
+    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
     # A CPU rank inside a P2P call (gloo's post can itself block) is in communication.
     posts = events.filter(pl.col("kind").is_in(["p2p_send", "p2p_recv"]) & (pl.col("channel") == "p2p")
