@@ -286,23 +286,33 @@ def rank_summary(run: Run) -> pl.DataFrame:
                                 for pre in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))
     c10d_p2p = pl.col("name").is_in([names.C10D_SEND, names.C10D_RECV])
     rpc_p2p = (pl.col("name") == names.RECORD_PARAM_COMMS) & pl.col("coll").is_in(list(names.P2P_COLL_NAMES))
+    # Each string test once per event, in one pass; the aggregation then reads plain columns.
     per_rank = (
         ev.lazy()
+        .select(
+            "rank", "is_gpu", "device", "dur_ns",
+            step_no=pl.when(cpu).then(step_no),  # ProfilerStep spans on the CPU
+            kernel=pl.col("cat") == "kernel",
+            nccl_kernel=pl.col("is_gpu") & (pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[0])
+                                            | pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[1])),
+            c10d_p2p=c10d_p2p,
+            rpc_p2p=rpc_p2p,
+            collective=cpu & coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES)),
+        )
         .group_by("rank")
         .agg(
             n_events=pl.len(),
             devices=pl.col("device").filter(pl.col("is_gpu")).drop_nulls().unique().sort().cast(pl.String)
             .str.join(","),
-            steps=step_no.filter(cpu).drop_nulls().n_unique(),
-            first_step=step_no.filter(cpu).min(),
-            last_step=step_no.filter(cpu).max(),
-            mean_step_ms=(pl.col("dur_ns").filter(cpu & step_no.is_not_null()).mean() / 1e6),
-            kernels=(pl.col("cat") == "kernel").sum(),
-            nccl_kernels=(pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[0])
-                          | pl.col("is_gpu") & pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[1])).sum(),
-            c10d_p2p=c10d_p2p.sum(),
-            rpc_p2p=rpc_p2p.sum(),
-            collectives=(cpu & coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES))).sum(),
+            steps=pl.col("step_no").drop_nulls().n_unique(),
+            first_step=pl.col("step_no").min(),
+            last_step=pl.col("step_no").max(),
+            mean_step_ms=(pl.col("dur_ns").filter(pl.col("step_no").is_not_null()).mean() / 1e6),
+            kernels=pl.col("kernel").sum(),
+            nccl_kernels=pl.col("nccl_kernel").sum(),
+            c10d_p2p=pl.col("c10d_p2p").sum(),
+            rpc_p2p=pl.col("rpc_p2p").sum(),
+            collectives=pl.col("collective").sum(),
         )
         .with_columns(p2p_ops=pl.when(pl.col("c10d_p2p") > 0).then("c10d_p2p").otherwise("rpc_p2p"))
         .drop("c10d_p2p", "rpc_p2p")
