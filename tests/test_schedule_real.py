@@ -125,7 +125,15 @@ def test_1f1b_bubbles_last_stage_waits_longest_first_stage_idles_longest_at_the_
     # The first stage idles longest at the end; the last stage's cool-down is only the step's tail (waiting for its
     # last gradient send to be taken, optimizer and profiler bookkeeping), well below the first stage's (seen: a
     # quarter of it on a loaded machine).
-    assert cool.index(max(cool)) == 0 and cool[-1] < cool[0] / 2
+    assert cool[-1] < cool[0] / 2
+    m = a.run.manifest
+    if m.host_cpus and m.ranks_per_host and m.ranks_per_host > m.host_cpus:
+        # Ranks time-sharing fewer cores: a waiting stage 0 hands its core to the others, so stage 1 can idle longer
+        # than stage 0 (CI, 4 ranks on 2 cores: 71, 87, 49, 0 ms). What still holds is that stage 0 idles longer
+        # than the later stages do on average.
+        assert cool[0] > sum(cool[1:]) / len(cool[1:]), cool
+    else:
+        assert cool.index(max(cool)) == 0, cool
 
 
 def test_bpipe_transfers_are_bpipe_time_not_p2p(analysed):
