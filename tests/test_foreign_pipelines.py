@@ -140,3 +140,20 @@ def test_megatron_interleaved(megatron_interleaved):
     assert a.p2p.filter(pl.col("step") == last).group_by("src", "dst").len().sort("src").rows() == \
         [(0, 1, 12), (1, 0, 12)]
     _megatron_shares(a, truth)
+
+
+def test_megatron_interleaved_without_metadata(tmp_path):
+    """A user's Megatron trace carries no traceana metadata and no run.json: the P2P pattern shows the looped
+    placement, and the micro-batches are still not numbered."""
+    import gzip
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for f in (DATA / "megatron_pipe" / "interleaved" / "run").glob("*.gz"):
+        doc = json.loads(gzip.decompress(f.read_bytes()))
+        doc.pop("traceana", None)
+        (run / f.name).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    a = analyze(traceana.load_run(run, cache=False))
+    rows = a.schedule.filter(pl.col("phase").is_in(["forward", "backward"]))
+    assert rows.height == 2 * 2 * 2 * 8 and rows["microbatch"].is_null().all()
+    assert any("hold several (virtual) stages" in n for n in a.notes)

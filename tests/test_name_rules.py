@@ -250,3 +250,14 @@ def test_python_frames_are_spans_not_work(tmp_path):
     a = analyze(traceana.load_run(run, cache=False))
     got = _fractions(a)
     assert got["other_compute"] == pytest.approx(0.2) and got["host"] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("command", ["analyze", "validate", "report", "watch", "merge"])
+def test_every_command_that_reads_a_run_refuses_a_bad_rules_file(dualpipe, tmp_path, command, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rules": [{"match": "x", "phase": "fwd"}]}')
+    extra = {"watch": ["--once"], "merge": ["-o", str(tmp_path / "m.json.gz")],
+             "report": ["-o", str(tmp_path / "r.html")]}.get(command, [])
+    assert main([command, str(dualpipe), "--names", str(bad), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown phase 'fwd'" in err[0] and str(bad) in err[0]

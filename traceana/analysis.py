@@ -94,16 +94,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
-    all_ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    events = cls.number_in_order(events, skip_ranks=all_ranks if interleaved else ())
     notes += cls.rule_notes(events, name_rules)
-    unstaged = (events.filter(pl.col("pp_order") & pl.col("pp_stage").is_null())["rank"].unique().sort().to_list()
-                if interleaved else [])
-    if unstaged:
-        notes.append(f"ranks {', '.join(map(str, unstaged))} hold several (virtual) stages and the name rules that "
-                     "gave their forward/backward spans read no stage or micro-batch from the names: each phase's "
-                     "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
-                     "schedule lists those spans under the rank's first stage, with no micro-batch)")
     msgs = pipeline.messages(events, pipeline.bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
@@ -117,6 +108,17 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     notes += pair_notes
     stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs)
     notes += n
+    # Micro-batches a name rule numbers in order: not on ranks holding several stages (by run.json, the traces'
+    # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
+    several = ranks if interleaved else pipeline.several_stages(stages)
+    events = cls.number_in_order(events, skip_ranks=several)
+    unstaged = sorted(set(events.filter(pl.col("pp_order") & pl.col("pp_stage").is_null())["rank"].unique()
+                          .to_list()) & set(several))
+    if unstaged:
+        notes.append(f"ranks {', '.join(map(str, unstaged))} hold several (virtual) stages and the name rules that "
+                     "gave their forward/backward spans read no stage or micro-batch from the names: each phase's "
+                     "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
+                     "schedule lists those spans under the rank's first stage, with no micro-batch)")
 
     annotated = pipeline.annotated_schedule(events, stages)
     notes += pipeline.overlap_notes(events)

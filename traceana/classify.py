@@ -139,14 +139,11 @@ def _kind() -> pl.Expr:
     """The kind code of each event, from its category class, name rules and ``_dir`` (comm direction code)."""
     is_gpu, cat = pl.col("is_gpu"), pl.col("_cat")
     is_cpu_coll = ~is_gpu & pl.col("_cpu_dir").is_null() & (pl.col("_comm_op") | pl.col("_rpc"))
-    rule_kind = pl.col("_rule_kind")
     return (
         pl.when(~is_gpu & pl.col("_step")).then(_K["step"])
         .when(pl.col("_dir") == _SEND).then(_K["p2p_send"])
         .when(pl.col("_dir") == _RECV).then(_K["p2p_recv"])
-        .when(rule_kind.is_not_null()).then(
-            pl.when(rule_kind == "collective").then(_K["collective"]).when(rule_kind == "compute").then(_K["compute"])
-            .otherwise(_K["other"]))
+        .when(pl.col("_rule_kind_code").is_not_null()).then(pl.col("_rule_kind_code"))
         .when(((cat == _KERNEL) & pl.col("_nccl")) | is_cpu_coll).then(_K["collective"])
         .when(cat == _KERNEL).then(_K["compute"])
         .when(cat == _MEMCPY).then(_K["memcpy"])
@@ -168,7 +165,12 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
     distinct = events["name"].unique().drop_nulls()
     code = events["name"].cast(pl.Enum(distinct)).to_physical()
     table = _name_rules(distinct, rules)
-    by_name = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind", "_rule_channel")
+    # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
+    # from the rule's index, on the few events it labels).
+    table = table.with_columns(pl.col("_rule_kind").replace_strict({k: KINDS.index(k) for k in names.RULE_KINDS},
+                                                                   default=None, return_dtype=pl.UInt8)
+                               .alias("_rule_kind_code"))
+    by_name = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind_code", "_kind_rule")
                            .gather(code))
     cat_class = events["cat"].replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8).alias("_cat")
     # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored), or Python frames
@@ -209,7 +211,9 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
         pl.lit(_KINDS).gather(pl.when(is_bpipe).then(_K["bpipe_transfer"]).otherwise("_kind")).alias("kind"),
         pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
         pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8))),
-                    pl.when(pl.col("_kind") == _K["collective"]).then(pl.col("_rule_channel"))).alias("channel"),
+                    pl.when(pl.col("_kind") == _K["collective"])
+                    .then(pl.lit(pl.Series([r.channel for r in rules.all], dtype=pl.String)).gather("_kind_rule")))
+        .alias("channel"),
     )
     return pl.DataFrame([
         *(out[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
