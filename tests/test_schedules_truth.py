@@ -152,6 +152,19 @@ def test_validate_replays_the_split_backward_schedules(collected, schedule):
     v = validate(a)
     assert v.summary["kind"] == "replay" and v.summary["replay_step_ms"] is not None
     assert abs(v.summary["replay_error"]) < 0.35, v.summary
+    # every message of the replayed step is fed its own measured transfer, keyed by the pass that sent it; as many
+    # as the step's P2P pairs, and as the rules count (2m per stage boundary crossing devices)
+    from traceana.model.config import config_from_manifest
+    from traceana.pipeline_rules import pipeline_messages
+    from traceana.validation.measurement import measure
+    from traceana.validation.replay import replay_inputs
+
+    cfg = config_from_manifest(run.manifest)
+    _, costs = replay_inputs(a, cfg, measure(a, cfg))
+    step = max(a.summary.steps)
+    sent = a.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p")).height
+    assert len(costs.per_message_ns) == sent == pipeline_messages(
+        schedule, pp=cfg.pp, num_microbatches=MICROBATCHES, virtual_stages=cfg.virtual_stages)
     key = ["stage", "microbatch", "phase"]
     sim = v.simulation.schedule.filter(pl.col("phase") != "optimizer").select(key).unique().sort(key)
     ran = a.schedule.filter((pl.col("step") == PROFILED_STEP) & (pl.col("phase") != "optimizer")).select(key)

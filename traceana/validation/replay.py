@@ -17,6 +17,7 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
+from traceana.pipeline_rules import device_of_stage
 from traceana.validation.measurement import WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus
 
 # The waits compared are the bubbles plus exposed P2P (measurement.WAIT_CATEGORIES): measured attribution labels idle
@@ -51,6 +52,36 @@ def _op_durations(rows: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     )
 
 
+def _messages_by_producer(analysis: Analysis, cfg: TrainingConfig, rows: pl.DataFrame, step: int,
+                          rank_of_device: dict[int, int]) -> dict[tuple[str, int, int], float]:
+    """In-flight time of each message of ``step`` keyed as the simulator asks for it (F activation / B gradient,
+    producing stage, micro-batch). The passes that send are known from the rules' placement (a forward of stage s
+    sends to the device of s+1, a B or I to that of s−1, unless it is the same device); a rank posts its sends in
+    the order it ran them, so the k-th message from rank a to rank b is the k-th such pass of a towards b (an
+    overlapped F+B posts both after the pair: the order still holds)."""
+    nv = cfg.pp * cfg.virtual_stages
+    dev = {s: device_of_stage(cfg.schedule, s, pp=cfg.pp) for s in range(nv)}
+    sends = [
+        (ph, st, mb, end, rank_of_device.get(dev[st]), rank_of_device.get(dev[to]))
+        for ph, st, mb, end in rows.filter(pl.col("phase").is_in(["forward", "backward", "backward_input"]))
+        .select("phase", "stage", "microbatch", "end_ns").iter_rows()
+        for to in [st + 1 if ph == "forward" else st - 1] if 0 <= to < nv and dev[to] != dev[st]
+    ]
+    producers = (
+        pl.DataFrame(sends, schema={"phase": pl.String, "stage": pl.Int32, "microbatch": pl.Int32, "end_ns": pl.Int64,
+                                    "src": pl.Int32, "dst": pl.Int32}, orient="row")
+        .sort("end_ns").with_columns(pl.int_range(pl.len()).over("src", "dst").alias("k"))
+    )
+    msgs = (
+        analysis.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p"))
+        .select("src", "dst", "send_start_ns", "transfer_ns").sort("send_start_ns")
+        .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("k"))
+        .join(producers, on=["src", "dst", "k"])
+    )
+    return {("F" if ph == "forward" else "B", st, mb): float(x)
+            for ph, st, mb, x in msgs.select("phase", "stage", "microbatch", "transfer_ns").iter_rows()}
+
+
 def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tuple[StageTimes, Costs]:
     """The last measured step's own operation durations and message transfers, for a replay of that step.
 
@@ -72,12 +103,13 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
         .sort("send_start_ns")
         .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
     )
-    # One stage per device: a message's stages are its ranks'. With several stages a device, which of them sent a
-    # message is not in the P2P table; those replays use the median transfer (Costs.p2p_ns) for every message.
-    per_msg = {
-        ("F" if s_dst > s_src else "B", s_src, mb): float(x)
-        for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
-    } if cfg.virtual_stages == 1 else None
+    if cfg.virtual_stages == 1:  # one stage per device: a message's stages are its ranks'
+        per_msg = {
+            ("F" if s_dst > s_src else "B", s_src, mb): float(x)
+            for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
+        }
+    else:  # several: which pass sent a message, from the order the sender ran its passes in
+        per_msg = _messages_by_producer(analysis, cfg, rows, step, meas.rank_of_stage)
     times = dataclasses.replace(meas.times, per_op_ns=per_op)
     c = meas.costs
     return times, dataclasses.replace(c, per_message_ns=per_msg)
