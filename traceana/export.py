@@ -1,8 +1,9 @@
 """Write an Analysis out: every table as Parquet/CSV for notebooks, a JSON summary for scripts, and one merged
 Chrome/Perfetto trace of all ranks with added schedule, micro-batch and bubble tracks.
 
-The merged trace is built column-wise: polars writes the events as NDJSON (in Rust), and the lines are joined into
-the ``traceEvents`` array, so no per-event Python dict is ever made.
+The merged trace is built column-wise: polars writes the events as JSON lines (in Rust), a chunk of rows at a time,
+and each chunk's text is written (gzipped) before the next is built, so no per-event Python dict is ever made and
+the whole trace's text is never in memory.
 """
 
 from __future__ import annotations
@@ -145,20 +146,32 @@ def _tids(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def merged_trace_events(analysis) -> pl.DataFrame:
-    """Columns ph, name, cat, pid, tid, ts, dur (µs, from the run's first instant), args (JSON text): all ranks."""
+MERGE_CHUNK_ROWS = 250_000  # events turned into JSON text at a time: bounds the merged trace's memory (the text
+# of one chunk, ~40 MB), whatever the run's size (docs/reliability.md "Bounded memory")
+_MERGED_COLS = ["ph", "name", "cat", "pid", "tid", "ts", "dur"]
+
+
+def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
+    """The merged trace's complete events, as frames of at most ``chunk_rows`` rows with columns ph, name, cat,
+    pid, tid, ts, dur (µs, from the run's first instant) and args (JSON text): the ranks' own events chunk by
+    chunk, then the phase, micro-batch and attribution lanes (step- and micro-batch-sized)."""
     ev = analysis.events
     if ev is None:
         raise BadInputError("this analysis kept no events", fix="run analyze() again")
     origin = int(ev["ts_ns"].min() or 0)
     tids = _tids(ev)
     us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731 — one conversion, used for every table
-    base = (
-        ev.drop("tid").join(tids, on=["rank", "track"])
-        .select(pl.lit("X").alias("ph"), "name", pl.col("cat").fill_null(""), pl.col("rank").alias("pid"), "tid",
-                us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
-                pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
-    )
+
+    def done(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.select(*_MERGED_COLS, pl.col("args").struct.json_encode())
+
+    for lo in range(0, ev.height, chunk_rows):
+        yield done(
+            ev.slice(lo, chunk_rows).drop("tid").join(tids, on=["rank", "track"], how="left", maintain_order="left")
+            .select(pl.lit("X").alias("ph"), "name", pl.col("cat").fill_null(""), pl.col("rank").alias("pid"),
+                    "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
+                    pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
+        )
     first_extra = int(tids["tid"].max() or 0) + 1
     sched = analysis.schedule.filter(pl.col("end_ns") > pl.col("start_ns"))
     phase_track = sched.select(
@@ -192,11 +205,15 @@ def merged_trace_events(analysis) -> pl.DataFrame:
         pl.lit(first_extra + 1).alias("tid"), us("start_ns").alias("ts"),
         ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"), pl.struct("step").alias("args"),
     )
-    frames = [base, phase_track, mb_track, bubble_track]
-    cols = ["ph", "name", "cat", "pid", "tid", "ts", "dur"]
-    plain = pl.concat([f.select(cols) for f in frames], how="vertical_relaxed")
-    args = [f.select(pl.col("args").struct.json_encode()) for f in frames]
-    return plain.with_columns(pl.concat(args)["args"].alias("args"))
+    for frame in (phase_track, mb_track, bubble_track):
+        for lo in range(0, frame.height, chunk_rows):
+            yield done(frame.slice(lo, chunk_rows))
+
+
+def merged_trace_events(analysis) -> pl.DataFrame:
+    """Columns ph, name, cat, pid, tid, ts, dur (µs, from the run's first instant), args (JSON text): all ranks,
+    as one frame (``write_merged_trace`` writes the same rows chunk by chunk instead)."""
+    return pl.concat(list(_merged_parts(analysis)), how="vertical_relaxed")
 
 
 def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
@@ -230,45 +247,61 @@ def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, 
     return meta
 
 
-def write_merged_trace(analysis, path: str | Path) -> Path:
+def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CHUNK_ROWS) -> Path:
     """Write all ranks into one Chrome/Perfetto JSON trace (gzip when the name ends in .gz), under a temporary name
-    renamed into place; never over one of the analysis' own input files."""
+    renamed into place; never over one of the analysis' own input files.
+
+    Streamed: the events are turned into JSON text ``chunk_rows`` at a time and written (compressed) as they come,
+    so the text of the whole trace is never in memory (docs/reliability.md "Bounded memory")."""
     path = Path(path)
     refuse_inputs(path, input_files(analysis))
-    events = merged_trace_events(analysis)
+    if analysis.events is None:
+        raise BadInputError("this analysis kept no events", fix="run analyze() again")
     tids = _tids(analysis.events)
     first_extra = int(tids["tid"].max() or 0) + 1
     # every virtual stage a rank holds ("0,3" -> "stages 0+3"), else its one stage
     stages = {r: (v or (None if s is None else str(s)))
               for r, s, v in analysis.stages.select("rank", "stage", "stages").rows()}
-    mb_lanes = (  # sorted: the merged trace is the same bytes on every run (unique() has no order)
-        events.filter(pl.col("cat") == "traceana.microbatch").select("pid", "tid", "name").unique().sort("pid", "tid")
-    )
     meta = _metadata(analysis, tids, first_extra, stages)
-    meta += [{"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": f"micro-batch {n[3:]}"}}
-             for p, t, n in mb_lanes.rows()]
-    # One JSON object per event, built as strings by polars; the args column is already JSON text.
-    cols = ["ph", "name", "cat", "pid", "tid", "ts", "dur"]
-    lines = events.select(
-        pl.concat_str(pl.struct(cols).struct.json_encode().str.head(-1), pl.lit(',"args":'),
-                      pl.col("args").fill_null("{}"), pl.lit("}")).alias("line")
-    )["line"]
-    flows = flow_events(analysis, origin=int(analysis.events["ts_ns"].min() or 0), tid=first_extra + 1)
-    flow_lines = flows.select(
-        pl.when(pl.col("bp").is_null()).then(pl.struct(pl.all().exclude("bp")).struct.json_encode())
-        .otherwise(pl.struct(pl.all()).struct.json_encode()).alias("line"))["line"]
-    lines = pl.concat([lines, flow_lines])
-    body = lines.str.join(",\n")[0] if len(lines) else ""
+    mb_lanes = (  # sorted: the merged trace is the same bytes on every run (unique() has no order)
+        analysis.schedule.filter((pl.col("end_ns") > pl.col("start_ns")) & pl.col("microbatch").is_not_null())
+        .select(pl.col("rank").alias("pid"), (first_extra + 2 + pl.col("microbatch")).alias("tid"), "microbatch")
+        .unique().sort("pid", "tid")
+    )
+    meta += [{"ph": "M", "name": "thread_name", "pid": p, "tid": t, "args": {"name": f"micro-batch {m}"}}
+             for p, t, m in mb_lanes.rows()]
     header = {"displayTimeUnit": "ns", "otherData": {"producer": MERGED_PRODUCER, "run": str(analysis.run.path),
                                                      "clock_offsets": analysis.clock_offsets.to_dicts(),
                                                      "notes": list(analysis.notes)}}
-    text = (json.dumps(header)[:-1] + ', "traceEvents": [' + ",\n".join(json.dumps(m) for m in meta)
-            + (",\n" if meta and body else "") + body + "]}")
-    data = text.encode()
+    origin = int(analysis.events["ts_ns"].min() or 0)
+
+    def texts():
+        """The trace's text in pieces: header and metadata, then each chunk of events as JSON lines."""
+        yield json.dumps(header)[:-1] + ', "traceEvents": [' + ",\n".join(json.dumps(m) for m in meta)
+        first = not meta
+        for part in _merged_parts(analysis, chunk_rows=chunk_rows):
+            if part.height:  # one JSON object per event, built as strings by polars; args is already JSON text
+                yield ("" if first else ",\n") + part.select(
+                    pl.concat_str(pl.struct(_MERGED_COLS).struct.json_encode().str.head(-1), pl.lit(',"args":'),
+                                  pl.col("args").fill_null("{}"), pl.lit("}")).str.join(",\n"))[0, 0]
+                first = False
+        flows = flow_events(analysis, origin=origin, tid=first_extra + 1)
+        for lo in range(0, flows.height, chunk_rows):
+            yield ("" if first else ",\n") + flows.slice(lo, chunk_rows).select(
+                pl.when(pl.col("bp").is_null()).then(pl.struct(pl.all().exclude("bp")).struct.json_encode())
+                .otherwise(pl.struct(pl.all()).struct.json_encode()).str.join(",\n"))[0, 0]
+            first = False
+        yield "]}"
+
     try:
-        if path.suffix == ".gz":
-            data = igzip.compress(data, compresslevel=1)
-        write_bytes(path, data)
+        with atomic_path(path) as tmp, open(tmp, "xb") as raw:
+            out = igzip.IGzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if path.suffix == ".gz" else raw
+            try:
+                for text in texts():
+                    out.write(text.encode())
+            finally:
+                if out is not raw:
+                    out.close()
     except OSError as e:
         raise BadInputError(f"cannot write the merged trace ({e.strerror}); nothing partial was left",
                             path=shown(path), fix="free disk space or choose a writable path") from None
