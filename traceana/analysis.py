@@ -14,7 +14,8 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import names, pipeline, timeline
+from traceana import limits, names, pipeline, timeline
+from traceana.errors import BadInputError, shown
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.model.flops import stage_flops
@@ -83,6 +84,11 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     run.json's for MFU; ``name_rules`` map other frameworks' names to phases and kinds (docs/naming.md;
     ``names.rules_for_run`` reads a rules file or run.json's). Pure: the run is not modified. The headline figures
     are ``Analysis.summary``."""
+    short = limits.analysis_short(run.events.height)  # a failed allocation in polars would abort the process
+    if short is not None:
+        raise BadInputError(f"its {run.events.height:,} events would take about {limits.gib(short[0])} to analyse "
+                            f"and only {limits.gib(short[1])} of memory is left", path=shown(run.path),
+                            fix=limits.how_to_raise())
     notes: list[str] = []
     events = cls.classify(run.events, name_rules)
     steps, n = timeline.steps(events)

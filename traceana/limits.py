@@ -12,8 +12,11 @@ Rules (docs/reliability.md "Bounded memory"):
   building the final tables then takes about 1.5x that again). So a gzip bomb of
   tiny events is refused while it is being read, with a line saying how many events it had, instead of the process
   being killed (or aborting when an allocation fails under ``prlimit --as``).
-- ``json_budget()``: the general decoder (used when the native scanner is not built or hands a file back) holds a
-  trace's whole decompressed JSON; it refuses one over a sixth of the memory still free, while decompressing.
+- The general decoder (used when the native scanner is not built or hands a file back) streams as the scanner
+  does: it holds a JSON of at most 16 MiB whole, a larger one through a window of at most two 4 MB chunks ahead
+  or one value (``MAX_VALUE_BYTES``), with the same two rules.
+- ``analysis_short()`` before analysing a loaded run: twice ``ANALYSIS_BYTES_PER_EVENT`` per event must fit in
+  what is left, else one line says so (instead of polars aborting on a failed allocation under ``prlimit --as``).
 
 Limits: resident memory may not pass the smallest of ``TRACEANA_MEMORY_LIMIT`` (bytes; K/M/G/T suffixes), the
 cgroup's ``memory.max`` and the machine's physical memory; virtual memory may not pass ``RLIMIT_AS``
@@ -118,8 +121,17 @@ def short_of_room(since: tuple[int, int], now: tuple[int, int], factor: float = 
     return None
 
 
-def json_budget() -> int:
-    return max(room() // 6, 1 << 20)
+# Analysing a loaded run (pairing, schedule, segments, attribution: polars joins over every event) grew the
+# process by ~580 bytes per event resident (measured: 2 M and 3 M-event runs, 1.16 and 1.75 GB) and about twice
+# that in address space (polars' allocations reserve more than they touch).
+ANALYSIS_BYTES_PER_EVENT = 600
+
+
+def analysis_short(n_events: int) -> tuple[int, int] | None:
+    """(needed, left) when analysing ``n_events`` loaded events would not fit: twice ANALYSIS_BYTES_PER_EVENT per
+    event against what is left (``room``); None when it fits."""
+    need, left = 2 * ANALYSIS_BYTES_PER_EVENT * n_events, room()
+    return (need, left) if need > left else None
 
 
 def gib(n: int) -> str:

@@ -11,7 +11,9 @@ Two decoders produce the same per-batch frames, which ``_finish`` turns into the
 - the general decoder (docs/field-notes.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
   any file the scanner hands back (a type it does not take exactly as this decoder would, bad UTF-8, invalid or
   truncated JSON) or when it was not built:
-  1. the file is read (gunzipped with isal when it starts with the gzip magic) into one bytes buffer;
+  1. the file is read (gunzipped when it starts with the gzip magic) in pieces; a JSON of at most
+     ``WHOLE_JSON_BYTES`` is held whole, a larger one streams through a window (``_streamed``: at most two chunks
+     ahead, or one value of at most ``limits.MAX_VALUE_BYTES``), so no trace is ever whole in memory;
   2. the top level is decoded with msgspec into a small Struct whose ``traceEvents`` is one ``msgspec.Raw``: a
      fast validating pass that builds no per-event objects; the array is then cut between events (``bytes.find``
      of the separator Kineto writes, checked by the decode itself);
@@ -192,76 +194,176 @@ class _Budget:
                 path=shown(self.path), fix=limits.how_to_raise())
 
 
-def read_bytes(path: Path) -> tuple[bytes | bytearray, bool]:
-    """Raw JSON bytes of a trace file (gunzipped when it is gzip) and whether the gzip stream was cut short.
+WHOLE_JSON_BYTES = 16 << 20  # a trace whose JSON is at most this is decoded whole (every diagnostic of a bad file)
+STREAM_PIECE = 1 << 20  # bytes read, or decompressed, at a time by the general decoder
 
-    The whole JSON is held: it may take at most ``traceana.limits.json_budget()`` bytes, checked while reading and
-    decompressing (a gzip bomb is refused once that much came out, not after)."""
-    budget = limits.json_budget()
+
+def _pieces(path: Path, state: dict):
+    """The trace's JSON bytes (gunzipped when it starts with the gzip magic) in pieces of at most STREAM_PIECE,
+    never more than one piece of the file or its decompressed stream at once. ``state["truncated"]`` is set when
+    the gzip stream ended early (a writer killed mid-file: what decompressed is kept)."""
     with _open(path) as fh:
+        def read(n: int) -> bytes:
+            try:
+                data = fh.read(n)
+                state["read"] = state.get("read", 0) + len(data)
+                return data
+            except OSError as e:
+                raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
+                                    fix="check the file and any symlinks to it") from None
+
+        first = read(STREAM_PIECE)
+        if not first:
+            raise TraceFormatError("empty file (0 bytes)", path=shown(path),
+                                   fix="the profiler did not write this trace; re-collect it or remove the file")
+        if first[:2] != GZIP_MAGIC:
+            while first:
+                yield first
+                first = read(STREAM_PIECE)
+            return
+        tail = first
         try:
-            size = os.fstat(fh.fileno()).st_size
-            if size > budget:
-                raise _too_big(path, size, budget)
-            data = fh.read(budget + 1)
-        except OSError as e:
-            raise BadInputError(f"cannot read the file ({e.strerror or e})", path=shown(path),
-                                fix="check the file and any symlinks to it") from None
-    if not data:
-        raise TraceFormatError("empty file (0 bytes)", path=shown(path),
-                               fix="the profiler did not write this trace; re-collect it or remove the file")
-    if len(data) > budget:
-        raise _too_big(path, len(data), budget)
-    if data[:2] != GZIP_MAGIC:
-        return data, False
-    return _gunzip(data, path, budget)
+            while tail[:2] == GZIP_MAGIC:  # concatenated gzip members are one stream
+                d = _zlib.decompressobj(16 + zlib.MAX_WBITS)
+                while True:
+                    if not tail:
+                        tail = read(STREAM_PIECE)
+                        if not tail:  # the file ended inside a member
+                            state["truncated"] = True
+                            return
+                    piece = d.decompress(tail, STREAM_PIECE)
+                    if piece:
+                        yield piece
+                    tail = d.unconsumed_tail
+                    if d.eof:
+                        break
+                tail = d.unused_data or read(STREAM_PIECE)
+        except _ZLIB_ERRORS as e:
+            raise TraceFormatError(f"corrupt gzip data ({e})", path=shown(path),
+                                   fix="the file is damaged; copy it again from where it was written") from None
 
 
-def _too_big(path: Path, n: int, budget: int, *, gz: bool = False) -> TraceFormatError:
-    what = "decompresses to more than" if gz else "holds"
-    return TraceFormatError(
-        f"{what} {limits.gib(n if not gz else budget)} of JSON, over the {limits.gib(budget)} the general decoder may "
-        "hold (it keeps the whole JSON in memory: a sixth of this process's memory limit)", path=shown(path),
-        fix="install traceana where a C compiler is available (the native scanner streams any size), or "
-            + limits.how_to_raise())
+class _Window:
+    """The JSON behind a window: ``buf`` holds bytes ``base`` .. ``base + len(buf)`` of the stream."""
+
+    def __init__(self, pieces) -> None:
+        self.pieces, self.buf, self.base, self.eof = pieces, bytearray(), 0, False
+
+    def fill(self, n: int) -> None:
+        """Read until the window holds ``n`` bytes, or the stream ends."""
+        while len(self.buf) < n and not self.eof:
+            piece = next(self.pieces, None)
+            if piece is None:
+                self.eof = True
+            else:
+                self.buf += piece
+
+    def drop(self, k: int) -> None:
+        del self.buf[:k]
+        self.base += k
+
+    def copy(self, lo: int, hi: int, *, head: bytes = b"[", tail: bytes = b"]") -> bytearray:
+        """``head + buf[lo:hi] + tail`` as a fresh buffer (decoded values may point into it; the window moves)."""
+        out = bytearray(len(head) + hi - lo + len(tail))
+        with memoryview(self.buf) as view:
+            out[: len(head)] = head
+            out[len(head) : len(head) + hi - lo] = view[lo:hi]
+        out[len(head) + hi - lo :] = tail
+        return out
 
 
-GUNZIP_PIECE = 16 << 20  # bytes decompressed at a time by the general decoder (to check its budget as it goes)
+_EVENTS_KEY = re.compile(rb'"traceEvents"[ \t\r\n]*:[ \t\r\n]*\[')
 
 
-def _gunzip(data: bytes, path: Path, budget: int) -> tuple[bytearray, bool]:
-    out = bytearray()
-    rest = data
-    truncated = False
-    try:
-        while rest[:2] == GZIP_MAGIC:  # concatenated gzip members are one stream
-            d = _zlib.decompressobj(16 + zlib.MAX_WBITS)
-            tail = rest
-            while True:
-                piece = d.decompress(tail, GUNZIP_PIECE)
-                out += piece
-                if len(out) > budget:
-                    raise _too_big(path, len(out), budget, gz=True)
-                tail = d.unconsumed_tail
-                if d.eof or (not piece and not tail):
-                    break
-            out += d.flush()
-            if not d.eof:
-                # The stream ended early: a writer killed mid-file. Keep what decompressed; the JSON is truncated.
-                truncated = True
+def _stream_head(w: _Window, path: Path) -> tuple[_Top, int]:
+    """The top level before the traceEvents array, decoded, and where the array's first event may start.
+
+    The key is taken where the head before it closes as a JSON object (so not a "traceEvents" inside a string or a
+    nested value); the head may not exceed MAX_VALUE_BYTES."""
+    w.fill(limits.MAX_VALUE_BYTES + STREAM_PIECE)
+    lead = len(w.buf) - len(w.buf.lstrip(b" \t\r\n"))
+    if lead >= limits.MAX_VALUE_BYTES:
+        raise _oversized(path, lead)
+    _check_start(bytes(w.buf[lead : lead + 64]), path)
+    for m in _EVENTS_KEY.finditer(w.buf, lead, lead + limits.MAX_VALUE_BYTES):
+        head = bytes(w.buf[lead : m.start()]).rstrip(b" \t\r\n")
+        if head != b"{" and not head.endswith(b","):
+            continue
+        try:
+            return _TOP.decode(head.removesuffix(b",") + b"}"), m.end()
+        except _DECODE_ERRORS:
+            continue
+    if len(w.buf) > limits.MAX_VALUE_BYTES:
+        raise _oversized(path, limits.MAX_VALUE_BYTES)
+    # The whole JSON is in the window and has no traceEvents array: say what it is, as for a small file.
+    decoded, _ = _decode_top(bytes(w.buf), path)
+    what = "whose traceEvents is not a list" if len(decoded.traceEvents) else "without traceEvents"
+    raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
+                         fix="pass a trace written by torch.profiler (export_chrome_trace)")
+
+
+def _streamed(w: _Window, path: Path, problems: list[str], on_progress, size: int, state: dict):
+    """Typed events of a large trace read through the window ``w`` (the general decoder's streaming mode); yields
+    (events, their ts in ns) per chunk, and returns (top-level raw values, truncated).
+
+    Memory: the window holds at most two chunks (CHUNK_BYTES) of JSON ahead of the current one, or one value of at
+    most MAX_VALUE_BYTES (refused beyond it, as the native scanner refuses it). A chunk is cut at a separator
+    between events; a cut that was not one (inside a string, or past the array's end) fails to decode as a list,
+    and the chunk is retried twice as long. The array's last chunks and the rest of the top level are decoded as
+    one small document, which also recovers the complete events of a cut-off file."""
+    head, start = _stream_head(w, path)
+    top = {k: bytes(getattr(head, k)) for k in _META_KEYS}
+    while True:
+        w.fill(start + 2 * CHUNK_BYTES + 1)
+        if w.eof and len(w.buf) - start <= 2 * CHUNK_BYTES:
+            break
+        target, chunk = CHUNK_BYTES, None
+        while chunk is None:
+            m = _ANY_SEPARATOR.search(w.buf, start + target)
+            if m is None and not w.eof:
+                if len(w.buf) - start > limits.MAX_VALUE_BYTES + 2 * CHUNK_BYTES:
+                    raise _oversized(path, w.base + start)
+                w.fill(len(w.buf) + STREAM_PIECE)
+                continue
+            if m is None:  # the stream ended: the rest is the array's end and the top level's
                 break
-            rest = d.unused_data
-    except _ZLIB_ERRORS as e:
-        raise TraceFormatError(f"corrupt gzip data ({e})", path=shown(path),
-                               fix="the file is damaged; copy it again from where it was written") from None
-    del data, rest
-    return out, truncated
+            comma = w.buf.index(b",", m.start())
+            try:
+                evs, ts, _ = _decode_chunk(w.copy(start, comma), problems)
+            except _BadSplit:
+                if target > limits.MAX_VALUE_BYTES:
+                    raise TraceFormatError(f"not valid JSON in the traceEvents array after byte {w.base + start:,}",
+                                           path=shown(path),
+                                           fix="the file is damaged or not a trace; re-collect it") from None
+                target *= 2
+                w.fill(start + target + 2 * CHUNK_BYTES)
+                continue
+            chunk = evs
+            yield evs, ts
+            start = comma + 1
+        if chunk is None:
+            break
+        w.drop(start)
+        start = 0
+        if on_progress is not None:
+            on_progress(min(state.get("read", 0), size), size)
+    # The last chunks, the array's end and the rest of the top level: one small document, decoded like a whole file.
+    rest = w.copy(start, len(w.buf), head=b'{"traceEvents": [', tail=b"")
+    w.drop(len(w.buf))
+    try:
+        tail, truncated = _decode_top(rest, path)
+    except _NothingRecovered:  # cut off right after a chunk: the events so far are all there is
+        return top, True
+    top.update((k, bytes(getattr(tail, k))) for k in _META_KEYS if len(getattr(tail, k)))
+    for evs, ts, _, _ in _decoded_chunks(rest, tail.traceEvents, problems):
+        yield evs, ts
+    return top, truncated
 
 
 # --- top level ---------------------------------------------------------------------------------------------------
-def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
-    """Decode the top level; on a cut-off file recover every complete event. Returns (top, truncated)."""
-    head = buf[:64].lstrip()
+def _check_start(first: bytes, path: Path) -> None:
+    """The JSON must open an object: one line saying what the file is instead."""
+    head = first.lstrip()
     if not head:
         raise TraceFormatError("file holds only whitespace", path=shown(path), fix="re-collect the trace")
     if head[:1] != b"{":
@@ -269,6 +371,11 @@ def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
         cls = NotATraceError if head[:1] == b"[" else TraceFormatError
         raise cls(f"{what}, not a Kineto trace object", path=shown(path),
                   fix="pass the JSON file torch.profiler wrote (export_chrome_trace / tensorboard_trace_handler)")
+
+
+def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
+    """Decode the top level; on a cut-off file recover every complete event. Returns (top, truncated)."""
+    _check_start(bytes(buf[:64]), path)
     try:
         return _TOP.decode(buf), False
     except msgspec.ValidationError as e:
@@ -292,6 +399,10 @@ def _decode_top(buf: bytes, path: Path) -> tuple[_Top, bool]:
     else:  # only trailing NULs/whitespace were wrong
         return _TOP.decode(body), True
     return _recover(body, path), True
+
+
+class _NothingRecovered(TraceFormatError):
+    """A cut-off JSON with no complete event after its cut-off point."""
 
 
 def _recover(body: bytes, path: Path, max_tries: int = 64) -> _Top:
@@ -319,7 +430,7 @@ def _recover(body: bytes, path: Path, max_tries: int = 64) -> _Top:
             continue
         # Raw values point into ``buf``; keep it alive with the result.
         return top
-    raise TraceFormatError("truncated and no complete trace event could be recovered", path=shown(path),
+    raise _NothingRecovered("truncated and no complete trace event could be recovered", path=shown(path),
                            fix="the job was killed while writing; re-collect the trace")
 
 
@@ -890,25 +1001,44 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
             return top, batches, [], False, n_bytes
         except (_scan.Unsupported, _NotNative, OSError, EOFError, *_ZLIB_ERRORS):
             pass  # e.g. a truncated gzip stream (EOFError): the general decoder recovers what it can
-    buf, gz_truncated = read_bytes(path)
-    n_bytes = len(buf)
-    decoded, json_truncated = _decode_top(buf, path)
-    first = bytes(memoryview(decoded.traceEvents)[:1])
-    if first != b"[":
-        what = "without traceEvents" if not first else "whose traceEvents is not a list"
-        raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
-                             fix="pass a trace written by torch.profiler (export_chrome_trace)")
-    top = {k: bytes(getattr(decoded, k)) for k in _META_KEYS}
+    state: dict[str, bool] = {}
+    w = _Window(_pieces(path, state))
+    w.fill(WHOLE_JSON_BYTES + 1)
     batches = _Batches()
     problems: list[str] = []
     budget = _Budget(path)
-    for evs, ts, done, total in _decoded_chunks(buf, decoded.traceEvents, problems):
+    if w.eof and len(w.buf) <= WHOLE_JSON_BYTES:  # small: decoded whole, with every diagnostic
+        buf = bytes(w.buf)
+        w.drop(len(w.buf))
+        n_bytes = len(buf)
+        decoded, json_truncated = _decode_top(buf, path)
+        first = bytes(memoryview(decoded.traceEvents)[:1])
+        if first != b"[":
+            what = "without traceEvents" if not first else "whose traceEvents is not a list"
+            raise NotATraceError(f"JSON object {what}: not a Kineto trace", path=shown(path),
+                                 fix="pass a trace written by torch.profiler (export_chrome_trace)")
+        top = {k: bytes(getattr(decoded, k)) for k in _META_KEYS}
+        for evs, ts, done, total in _decoded_chunks(buf, decoded.traceEvents, problems):
+            batches.add(evs, ts)
+            del evs, ts
+            budget.check(batches)
+            if on_progress is not None:
+                on_progress(done, total)
+        return top, batches, problems, state.get("truncated", False) or json_truncated, n_bytes
+    size = path.stat().st_size
+    events = _streamed(w, path, problems, on_progress, size, state)
+    while True:
+        try:
+            evs, ts = next(events)
+        except StopIteration as done:
+            top, json_truncated = done.value
+            break
         batches.add(evs, ts)
         del evs, ts
         budget.check(batches)
-        if on_progress is not None:
-            on_progress(done, total)
-    return top, batches, problems, gz_truncated or json_truncated, n_bytes
+    if on_progress is not None:
+        on_progress(size, size)
+    return top, batches, problems, state.get("truncated", False) or json_truncated, w.base
 
 
 # Finishing a rank (building and sorting its table, polars-parallel itself) is its ingest's memory peak: ranks of
