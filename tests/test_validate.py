@@ -162,3 +162,25 @@ def test_validate_says_when_cpu_ranks_shared_cores(tmp_path, host_cpus, noted):
     assert notes == (["4 CPU ranks shared 2 cores on one host: they could not all compute at once, which the "
                       "simulator (one device per stage) does not model, so its steps can be up to 2.0× too short "
                       "here; an error of that size is the machine, not the model"] if noted else [])
+
+
+def test_validate_simulates_the_traces_schedule_and_micro_batches_not_a_contradicting_run_json(collected_run, tmp_path):
+    """run.json saying gpipe and 2 micro-batches on a 1F1B run of 4: validate simulates what the traces show and
+    says so — the same replay as with the true run.json (issue 13: it simulated the wrong schedule silently)."""
+    import json
+    import shutil
+
+    from traceana.analysis_cache import load_and_analyze
+    from traceana.validation import validate
+
+    src = collected_run("1f1b")
+    d = tmp_path / "run"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns(".traceana"))
+    m = json.loads((d / "run.json").read_text())
+    (d / "run.json").write_text(json.dumps({**m, "schedule": "gpipe", "num_microbatches": 2}))
+    truth = validate(load_and_analyze(src, cache=False))
+    v = validate(load_and_analyze(d, cache=False))
+    assert (v.summary["schedule"], v.summary["microbatches"]) == ("1f1b", 4)
+    assert v.summary["simulated_step_ms"] == truth.summary["simulated_step_ms"]
+    assert any("simulated as the traces show it: schedule 1f1b, 4 micro-batches (run.json says gpipe, 2)" in n
+               for n in v.notes)

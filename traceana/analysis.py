@@ -149,6 +149,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
+    notes += pipeline.dropped_annotation_notes(events)
+    notes += pipeline.contradiction_notes(pipeline.annotated_facts(annotated), run.manifest)
 
     labelled = attr.label_busy(timeline.busy_events(events), schedule)
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
@@ -162,7 +164,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         notes.append("CPU allocator samples count only memory allocated since profiling began (weights and optimizer "
                      "state allocated earlier are missing): peaks are relative, activation peaks are comparable")
     measured = measured_steps(attribution, schedule)
-    mfu, n = _mfu(run, stages, steps.filter(pl.col("step").is_in(measured)), peak_flops)
+    mfu, n = _mfu(pipeline.traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
+                  peak_flops)
     notes += n
     truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
     if truncated:
@@ -209,10 +212,9 @@ def stage_table(
     )
 
 
-def _mfu(run: Run, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
+def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
     """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak."""
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
-    m = run.manifest
     peak = peak_flops or (m.peak_flops if m else None)
     missing = [what for what, ok in (
         ("run.json", m is not None), ("model shape", m is not None and m.model is not None),

@@ -650,3 +650,112 @@ def infer_schedule(
         notes.append(f"ranks {', '.join(map(str, no_bwd))}: no autograd backward ops found on the CPU, so forward "
                      "and backward work could not be told apart there")
     return conform(rows, SCHEDULE).sort("rank", "step", "start_ns"), notes
+
+
+# --- what the annotations show, against run.json ---------------------------------------------------------------------
+def dropped_annotation_notes(events: pl.DataFrame) -> list[str]:
+    """A ``PP:`` name of the annotation form whose stage or micro-batch does not fit a number (``PP:1F9999…``)
+    is not taken as an annotation: say so, naming the first (a few rows: only names of that form are looked at)."""
+    from traceana.errors import printable
+
+    bad = events.filter(~pl.col("is_gpu") & pl.col("name").str.contains(names.PP_PATTERN)
+                        & pl.col("pp_action").is_null())
+    if not bad.height:
+        return []
+    first = bad.sort("rank", "ts_ns").row(0, named=True)
+    return [f"{bad.height} PP: annotations ignored (first: {printable(first['name'][:60])!r} on rank {first['rank']}): "
+            "their stage or micro-batch number is too large to be one, so their time counts as other compute"]
+
+
+def annotated_facts(schedule: pl.DataFrame) -> dict:
+    """What the annotated forward/backward spans show: ``num_microbatches`` (the most distinct micro-batches any
+    (rank, step) runs forwards of), ``interleaved`` (some rank starts a forward after one of its backwards in a
+    step, as 1F1B does and GPipe never does; with the first such (rank, step, micro-batch)), and ``missing``
+    ((rank, step, phase, micro-batch) rows that one annotated rank lacks while another has them in that step).
+    None where nothing is annotated."""
+    a = schedule.filter((pl.col("source") == "annotated") & pl.col("microbatch").is_not_null()
+                        & pl.col("phase").is_in(list(names.PASS_PHASES)) & pl.col("step").is_not_null())
+    if not a.height:
+        return {"num_microbatches": None, "interleaved": None, "missing": None}
+    fwd = pl.col("phase") == "forward"
+    per = a.group_by("rank", "step").agg(
+        m=pl.col("microbatch").filter(fwd).n_unique(),
+        first_b=pl.col("start_ns").filter(~fwd).min(),
+        late_f=pl.col("microbatch").filter(fwd).sort_by(pl.col("start_ns").filter(fwd)).last(),
+        last_f=pl.col("start_ns").filter(fwd).max(),
+    )
+    late = per.filter(pl.col("last_f") > pl.col("first_b")).sort("rank", "step")
+    have = a.select("rank", "step", pl.col("phase").replace(dict.fromkeys(names.BACKWARD_PHASES, "backward")),
+                    "microbatch").unique()
+    expected = have.select("rank", "step").unique().join(have.select("step", "phase", "microbatch").unique(),
+                                                          on="step")
+    missing = expected.join(have, on=["rank", "step", "phase", "microbatch"], how="anti").sort(
+        "rank", "step", "phase", "microbatch")
+    return {"num_microbatches": int(per["m"].max() or 0) or None,
+            "interleaved": late.row(0, named=True) if late.height else False,
+            "missing": missing, "stages": set(a["stage"].drop_nulls().unique().to_list())}
+
+
+def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
+    """Notes naming where run.json's schedule or micro-batch count contradicts the annotations, and the micro-batches
+    whose annotations one rank lacks (``annotated_facts``)."""
+    notes = []
+    missing = facts.get("missing")
+    if missing is not None and missing.height:
+        shown = ", ".join(f"rank {r} step {s} {p} of micro-batch {mb}" for r, s, p, mb in missing.head(4).rows())
+        notes.append(f"{missing.height} forward/backward annotation{'s' if missing.height > 1 else ''} missing on "
+                     f"one rank while the others have them ({shown}{', …' if missing.height > 4 else ''}): that "
+                     "work's time counts as other compute there, not as forward/backward")
+    if manifest is None:
+        return notes
+    m = facts.get("num_microbatches")
+    if m and manifest.num_microbatches and m != manifest.num_microbatches:
+        notes.append(f"run.json says num_microbatches {manifest.num_microbatches} but the traces' annotations show {m} "
+                     f"micro-batches per step: the traces' {m} are used — fix num_microbatches in run.json")
+    kind = observed_schedule(facts, manifest)
+    if kind is not None and kind != manifest.schedule:
+        why = (f"rank {facts['interleaved']['rank']} starts the forward of micro-batch "
+               f"{facts['interleaved']['late_f']} after a backward, as 1F1B does" if kind == "1f1b"
+               else "every rank runs all its forwards before any backward, as GPipe does")
+        notes.append(f"run.json says schedule {manifest.schedule} but in the traces {why}: {kind} is what the "
+                     f"traces show and what validate simulates — fix schedule in run.json")
+    return notes
+
+
+def observed_schedule(facts: dict, manifest: Manifest | None) -> str | None:
+    """``1f1b`` or ``gpipe`` as the annotations show it when run.json names one of those two (the only pair the
+    order of forwards and backwards tells apart, one stage per rank); None when they cannot tell."""
+    if manifest is None or manifest.schedule not in ("gpipe", "1f1b") or facts.get("interleaved") is None:
+        return None
+    if facts["interleaved"]:
+        return "1f1b"
+    # 1F1B's last stage alternates forward and backward from the first micro-batch on; with one micro-batch, one
+    # stage, or the last stage not annotated, all-forwards-then-backwards tells nothing.
+    m, pp = facts.get("num_microbatches") or 0, manifest.pp or 0
+    return "gpipe" if m >= 2 and pp >= 2 and (pp - 1) in facts.get("stages", ()) else None
+
+
+def traced_manifest(manifest: Manifest | None, schedule: pl.DataFrame) -> Manifest | None:
+    """run.json with its ``num_microbatches`` and ``schedule`` replaced by what the annotated schedule shows where
+    the two contradict (``contradiction_notes`` says so): what MFU and validate use, so that neither computes from a
+    micro-batch count or a schedule the run did not have."""
+    import dataclasses
+
+    from traceana.errors import BadInputError
+
+    if manifest is None:
+        return None
+    facts = annotated_facts(schedule)
+    changes: dict = {}
+    m = facts["num_microbatches"]
+    if m and manifest.num_microbatches and m != manifest.num_microbatches:
+        changes["num_microbatches"] = m
+    kind = observed_schedule(facts, manifest)
+    if kind is not None and kind != manifest.schedule:
+        changes["schedule"] = kind
+    if not changes:
+        return manifest
+    try:
+        return dataclasses.replace(manifest, **changes)
+    except BadInputError:
+        return manifest

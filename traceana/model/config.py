@@ -6,10 +6,12 @@ Shared by the memory model, the simulator, the BPipe estimate and the CLI, so ea
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from traceana.errors import ConfigError
-from traceana.manifest import ATTENTIONS, RECOMPUTES, Manifest, ModelShape
+from traceana.errors import ConfigError, shown
+from traceana.manifest import ATTENTIONS, MANIFEST_NAME, RECOMPUTES, Manifest, ModelShape
 from traceana.pipeline_rules import SCHEDULES, check_virtual_stages, device_of_stage, stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
@@ -132,8 +134,27 @@ class TrainingConfig:
         return dataclasses.replace(self, **changes)
 
 
-def config_from_manifest(manifest: Manifest, *, precision: Precision | None = None) -> TrainingConfig:
-    """The training configuration a run's manifest describes; ConfigError names what is missing."""
+def config_from_manifest(manifest: Manifest, *, precision: Precision | None = None,
+                         path: str | Path | None = None) -> TrainingConfig:
+    """The training configuration a run's manifest describes; ConfigError names what is missing, and what to fix in
+    run.json (``path``: the run folder or run.json), not an option of another command."""
+    try:
+        return _config_from_manifest(manifest, precision=precision)
+    except ConfigError as e:
+        if path is None:
+            raise
+        where = Path(path) if Path(path).name == MANIFEST_NAME else Path(path) / MANIFEST_NAME
+        fix = _FLAG.sub(lambda m: _RUN_JSON_KEY.get(m.group(1), m.group(1).replace("-", "_")), e.fix or "")
+        raise ConfigError(e.what, path=shown(where), fix=f"{fix} in run.json" if fix else "fix run.json") from None
+
+
+# TrainingConfig's messages name the flags of `estimate`/`collect`; from run.json they name its keys instead.
+_FLAG = re.compile(r"--([a-z][a-z-]*)")
+_RUN_JSON_KEY = {"microbatches": "num_microbatches", "microbatch-size": "microbatch_size", "bpipe": "bpipe",
+                 "schedule": "schedule", "pp": "pp", "tp": "tp", "dp": "dp"}
+
+
+def _config_from_manifest(manifest: Manifest, *, precision: Precision | None = None) -> TrainingConfig:
     missing = [f for f in ("model", "pp", "microbatch_size", "num_microbatches") if getattr(manifest, f) is None]
     if missing:
         raise ConfigError(

@@ -16,6 +16,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import bpipe_plan, stage_layers
+from traceana.pipeline import traced_manifest
 
 
 # "Waiting on the pipeline": the bubbles plus exposed P2P.
@@ -229,7 +230,7 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
     FLOPs its stages computed per measured step (recompute included: what the hardware did) over the time they spent
     computing (forward + backward + recompute, the attribution's busy time) times the device's peak FLOP/s, summed
     over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
-    m = analysis.run.manifest
+    m = traced_manifest(analysis.run.manifest, analysis.schedule)  # the traces' m where run.json contradicts them
     peak = peak_flops or (m.peak_flops if m else None)
     if m is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
         raise AnalysisError("measuring compute efficiency needs run.json with the model, pp and micro-batching",

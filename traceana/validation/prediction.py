@@ -8,6 +8,7 @@ import dataclasses
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.pipeline import traced_manifest
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation, StageTimes, simulate
 from traceana.validation.measurement import measure, shared_cpus
@@ -23,7 +24,7 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
     or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default one baseline P2P message's time
     plus the evictor's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS).
     """
-    base_cfg = base_cfg or config_from_manifest(baseline.run.manifest)
+    base_cfg = base_cfg or config_from_manifest(traced_manifest(baseline.run.manifest, baseline.schedule), path=baseline.run.path)
     if (target.pp, target.microbatch_size, target.model) != (base_cfg.pp, base_cfg.microbatch_size, base_cfg.model):
         raise AnalysisError("the cross-run prediction needs the same model, pp and micro-batch size",
                             path=baseline.run.path, fix="compare runs that differ only in schedule, BPipe, recompute")
@@ -60,8 +61,8 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     if baseline.run.manifest is None or target.run.manifest is None:
         raise AnalysisError("cross-run validation needs run.json in both runs", path=target.run.path,
                             fix="collect both with `traceana collect`")
-    base_cfg = config_from_manifest(baseline.run.manifest)
-    tgt_cfg = config_from_manifest(target.run.manifest)
+    base_cfg = config_from_manifest(traced_manifest(baseline.run.manifest, baseline.schedule), path=baseline.run.path)
+    tgt_cfg = config_from_manifest(traced_manifest(target.run.manifest, target.schedule), path=target.run.path)
     sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
     sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
     meas_t = measure(target, tgt_cfg)

@@ -15,6 +15,7 @@ import polars as pl
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.pipeline import traced_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
@@ -158,7 +159,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         if run.manifest is None:
             raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
                                 fix="collect with `traceana collect`, or write run.json")
-        cfg = config_from_manifest(run.manifest)
+        cfg = config_from_manifest(traced_manifest(run.manifest, analysis.schedule), path=run.path)
     meas = measure(analysis, cfg)
     bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
@@ -247,4 +248,8 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "memory estimate: saved activations in flight"
         + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
+    traced = traced_manifest(run.manifest, analysis.schedule)
+    if run.manifest is not None and traced is not run.manifest:
+        notes += (f"simulated as the traces show it: schedule {traced.schedule}, {traced.num_microbatches} micro-batches "
+                  f"(run.json says {run.manifest.schedule}, {run.manifest.num_microbatches}) — fix run.json",)
     return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)
