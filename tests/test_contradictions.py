@@ -155,3 +155,20 @@ def test_validate_names_what_to_fix_in_run_json_not_a_flag(tmp_path):
     line = e.value.line()
     assert "--" not in line and line.startswith(f"{tmp_path / 'run.json'}: BPipe is defined on the 1F1B schedule")
     assert line.endswith("use schedule 1f1b with bpipe in run.json")
+
+
+def test_duplicated_p2p_operations_are_named_instead_of_a_clock_cycle(tmp_path):
+    import gzip
+
+    from traceana.analysis import analyze
+
+    d = write_two_stage_run(tmp_path)
+    f = next(d.glob("rank1*"))
+    raw = f.read_bytes()
+    doc = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    doc["traceEvents"] = doc["traceEvents"] * 2  # every event of rank 1 twice: its 2 P2P operations (recv, send) too
+    f.write_bytes(gzip.compress(json.dumps(doc).encode()) if raw[:2] == b"\x1f\x8b" else json.dumps(doc).encode())
+    notes = analyze(_load(d)).notes
+    (note,) = [n for n in notes if "P2P operations are exact copies" in n]
+    assert note.startswith("2 P2P operations are exact copies of another")
+    assert not [n for n in notes if n.startswith("P2P timings contradict")]

@@ -105,6 +105,12 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
+    copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
+    if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
+        n = [f"{copies} P2P operations are exact copies of another (same rank, peer, tag and start: duplicated "
+             "events), so sends and receives cannot be matched one to one; clock offsets and P2P waits from them "
+             "are not the run's — re-export the traces"
+             + ("; clocks left as recorded" if any("cycle of impossible" in x for x in n) else "")]
     notes += n
     if offsets["offset_ns"].abs().max() or 0:
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
