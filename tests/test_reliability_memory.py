@@ -146,13 +146,14 @@ def test_a_bomb_handed_back_to_the_general_decoder_is_refused_not_aborted(tmp_pa
 def test_the_general_decoder_holds_a_window_not_the_json(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
-    # 150 000 events with a 2 KB call stack each: ~310 MB of JSON (in ~2 MB of gzip) whose tables are small.
+    # 300 000 events with a 2 KB call stack each: ~620 MB of JSON (in ~4 MB of gzip) whose tables are small.
     stack = b', "args": {"Call stack": "' + b"x" * 2000 + b'"}}'
     events = (b',\n{"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": %d, "dur": 1' % (2 * i + 1)
-              + stack for i in range(150_000))
-    step = b'{"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#0", "pid": 1, "tid": 1, "ts": 0, "dur": 400000}'
+              + stack for i in range(300_000))
+    step = b'{"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#0", "pid": 1, "tid": 1, "ts": 0, "dur": 700000}'
     _gzip(d / "rank0.json.gz", [HEAD, HANDED_BACK, step, *events, b"]}"])
     rc, err, rss = _analyze(d)
     assert rc == 0, err
-    # Holding the JSON whole took 416 MB (measured before it streamed); now the window is a few 4 MB chunks.
-    assert 0 < rss < 300 << 20, rss
+    # Holding the JSON whole needs more than the JSON (150 000 such events peaked at 416 MB before it streamed);
+    # streamed, the window is a few 4 MB chunks (234 MB measured alone, up to 400 MB seen in a loaded full suite).
+    assert 0 < rss < 500 << 20, rss

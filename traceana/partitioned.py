@@ -33,6 +33,7 @@ from traceana import names, scale
 from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.pipeline import traced_manifest
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
 # where it does; by their keys otherwise).
@@ -166,7 +167,8 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     measured = measured_steps(att, tables["schedule"])
     # the stage map's columns (pipeline.stage_map: rank, stage, …) are those stage_table puts before its means
     stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
-    mfu, _ = _mfu(run, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)
+    mfu, _ = _mfu(traced_manifest(manifest, tables["schedule"]), stage_map,
+                  tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)
     stages = stage_table(att.filter(pl.col("step").is_in(measured)), stage_map,
                          stage_mem.filter(pl.col("step").is_in(measured)), mfu)
     return Analysis(

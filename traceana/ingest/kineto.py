@@ -332,7 +332,8 @@ def _streamed(w: _Window, path: Path, problems: list[str], on_progress, size: in
                 evs, ts, _ = _decode_chunk(w.copy(start, comma), problems)
             except _BadSplit:
                 if target > limits.MAX_VALUE_BYTES:
-                    raise TraceFormatError(f"not valid JSON in the traceEvents array after byte {w.base + start:,}",
+                    raise TraceFormatError(f"not valid JSON (or one event over {limits.MAX_VALUE_BYTES >> 20} MiB) in "
+                                           f"the traceEvents array after byte {w.base + start:,} of the JSON",
                                            path=shown(path),
                                            fix="the file is damaged or not a trace; re-collect it") from None
                 target *= 2
