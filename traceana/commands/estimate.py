@@ -119,7 +119,7 @@ def _from_run(args: argparse.Namespace) -> TrainingConfig:
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
         raise BadInputError("no run.json here", path=path, fix="give a run directory written by `traceana collect`")
-    return config_from_manifest(Manifest.read(path))
+    return config_from_manifest(Manifest.read(path), path=path)  # its refusals name run.json keys, not flags
 
 
 def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyCurve, Network]:
