@@ -160,3 +160,17 @@ def test_the_general_decoder_holds_a_window_not_the_json(tmp_path):
     # Holding the JSON whole needs more than the JSON (150 000 such events peaked at 416 MB before it streamed);
     # streamed, the window is a few 4 MB chunks (234 MB measured alone, up to 400 MB seen in a loaded full suite).
     assert 0 < rss < 500 << 20, rss
+
+
+def test_the_room_to_analyse_rule(monkeypatch):
+    """ANALYSIS_BYTES_PER_EVENT (600) per event against the resident memory left, twice that against the address
+    space left: 1 M events need 600 MB resident and 1.2 GB of address space (hand arithmetic)."""
+    from traceana import limits
+
+    monkeypatch.setattr(limits, "_status", lambda: (1_000_000_000, 100_000_000))  # (virtual, resident) in use
+    monkeypatch.setattr(limits, "_limits", lambda: (700_000_000, None))  # 600 MB resident left
+    assert limits.analysis_short(1_000_000) is None
+    assert limits.analysis_short(1_000_001) == (600_000_600, 600_000_000)
+    monkeypatch.setattr(limits, "_limits", lambda: (None, 2_200_000_000))  # 1.2 GB of address space left
+    assert limits.analysis_short(1_000_000) is None
+    assert limits.analysis_short(1_000_001) == (1_200_001_200, 1_200_000_000)

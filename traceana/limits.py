@@ -15,8 +15,9 @@ Rules (docs/reliability.md "Bounded memory"):
 - The general decoder (used when the native scanner is not built or hands a file back) streams as the scanner
   does: it holds a JSON of at most 16 MiB whole, a larger one through a window of at most two 4 MB chunks ahead
   or one value (``MAX_VALUE_BYTES``), with the same two rules.
-- ``analysis_short()`` before analysing a loaded run: twice ``ANALYSIS_BYTES_PER_EVENT`` per event must fit in
-  what is left, else one line says so (instead of polars aborting on a failed allocation under ``prlimit --as``).
+- ``analysis_short()`` before analysing a loaded run: ``ANALYSIS_BYTES_PER_EVENT`` per event must fit in the
+  resident memory left, and twice that in the address space left, else one line says so (instead of polars
+  aborting on a failed allocation under ``prlimit --as``).
 
 Limits: resident memory may not pass the smallest of ``TRACEANA_MEMORY_LIMIT`` (bytes; K/M/G/T suffixes), the
 cgroup's ``memory.max`` and the machine's physical memory; virtual memory may not pass ``RLIMIT_AS``
@@ -128,10 +129,17 @@ ANALYSIS_BYTES_PER_EVENT = 600
 
 
 def analysis_short(n_events: int) -> tuple[int, int] | None:
-    """(needed, left) when analysing ``n_events`` loaded events would not fit: twice ANALYSIS_BYTES_PER_EVENT per
-    event against what is left (``room``); None when it fits."""
-    need, left = 2 * ANALYSIS_BYTES_PER_EVENT * n_events, room()
-    return (need, left) if need > left else None
+    """(needed, left) when analysing ``n_events`` loaded events would not fit: ANALYSIS_BYTES_PER_EVENT per event
+    against the resident memory left, twice that against the address space left (``prlimit --as``); None when
+    both fit."""
+    vm, rss = _status()
+    resident, address_space = _limits()
+    for limit, used, factor in ((resident, rss, 1), (address_space, vm, 2)):
+        if limit is not None:
+            need, left = factor * ANALYSIS_BYTES_PER_EVENT * n_events, max(limit - used, 0)
+            if need > left:
+                return need, left
+    return None
 
 
 def gib(n: int) -> str:
