@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from traceana.manifest import MULTI_STAGE_SCHEDULES
 
     options.model(parser, default="tiny-gpt", presets=PRESETS)
-    parser.add_argument("--pp", type=int, default=4, metavar="N", help="pipeline stages = processes")
+    parser.add_argument("--pp", type=int, default=4, metavar="N", help="pipeline stages")
+    parser.add_argument("--dp", type=int, default=1, metavar="N",
+                        help="data-parallel replicas of the pipeline (pp × dp processes; rank = stage · dp + replica)")
     options.microbatches(parser, default=8, help="micro-batches per step")
     parser.add_argument("--microbatch-size", type=int, default=2, metavar="N", help="sequences per micro-batch")
     parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES),
@@ -50,7 +52,7 @@ def config_from_args(args: argparse.Namespace):
     return CollectConfig(
         preset=args.model, pp=args.pp, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
         schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
-        recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed,
+        recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed, dp=args.dp,
     )
 
 
@@ -59,6 +61,7 @@ def run_pipelining(args: argparse.Namespace) -> int:
     from traceana.errors import ConfigError
 
     unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--recompute", args.recompute != "none"),
+                                         ("--dp", args.dp != 1),
                                          ("--attention", args.attention != "naive")) if on]
     if unsupported:
         raise ConfigError(f"{', '.join(unsupported)} is not available with schedule {args.schedule!r}",

@@ -74,7 +74,8 @@ def collect(config: CollectConfig, out_dir: str | Path, *, progress: Progress | 
 
 def describe(config: CollectConfig) -> str:
     bp = " + BPipe" if config.bpipe else ""
-    return (f"{config.preset} pp={config.pp} {config.schedule}{bp}, {config.microbatches}×{config.microbatch_size} "
+    dp = f" × dp={config.dp}" if config.dp > 1 else ""
+    return (f"{config.preset} pp={config.pp}{dp} {config.schedule}{bp}, {config.microbatches}×{config.microbatch_size} "
             f"micro-batches, attention={config.attention}, recompute={config.recompute}, "
             f"{config.steps} profiled step(s)")
 
@@ -82,21 +83,21 @@ def describe(config: CollectConfig) -> str:
 def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | None = None,
            results_dir: Path | None = None, configs: list[CollectConfig] | None = None,
            timeout_s: float = 600.0) -> None:
-    """Spawn ``config.pp`` worker processes and wait for them.
+    """Spawn ``config.world_size`` (pp × dp) worker processes and wait for them.
 
     ``configs`` runs several configurations (same ``pp``) one after the other in the same processes (tests use it to
     check many configurations for the cost of one start-up); ``results_dir`` receives each rank's ``RankResult``
     as ``{index}-rank{R}.pt``.
     """
     configs = configs or [config]
-    if any(c.pp != config.pp for c in configs):
-        raise ConfigError("all configurations of one launch need the same --pp", fix="launch them separately")
+    if any((c.pp, c.dp) != (config.pp, config.dp) for c in configs):
+        raise ConfigError("all configurations of one launch need the same --pp and --dp", fix="launch them separately")
     method = _start_method()
     ctx = multiprocessing.get_context(method)
     events = ctx.SimpleQueue() if progress else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    args = (configs, config.pp, init_method, out_dir, results_dir, events)
-    pc = mp.start_processes(_worker, args=args, nprocs=config.pp, join=False, start_method=method)
+    args = (configs, config.world_size, init_method, out_dir, results_dir, events)
+    pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout_s
     while not pc.join(timeout=0.25):
         if events is not None:
@@ -159,9 +160,9 @@ def run_under_torchrun(config: CollectConfig, out_dir: Path, *, progress: Progre
     from collectors.trainer.train import choose_device, init_process_group, train
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size != config.pp:
-        raise ConfigError(f"torchrun started {world_size} processes for --pp {config.pp}",
-                          fix=f"use --nproc-per-node {config.pp} (one stage per rank) or --pp {world_size}")
+    if world_size != config.world_size:
+        raise ConfigError(f"torchrun started {world_size} processes for --pp {config.pp} × --dp {config.dp}",
+                          fix=f"use --nproc-per-node {config.world_size} (one stage per rank) or --pp {world_size}")
     local = int(os.environ.get("LOCAL_RANK", rank))
     setup = choose_device(rank, world_size, local)
     init_process_group(setup, "env://")

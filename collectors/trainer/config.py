@@ -39,19 +39,26 @@ class CollectConfig:
     seed: int = 1234
     profile: bool = True  # False: train without the profiler (tests, overhead benchmark)
     batch_p2p: bool | None = None  # post each send with the next receive (batch_isend_irecv); None = on NCCL only
+    dp: int = 1  # data-parallel replicas of the pipeline (global rank = stage · dp + replica, as Megatron-LM orders)
+    # A straggler for tests: (rank, ms) sleeps that long inside each of that rank's forward passes. Not in run.json
+    # or the trace: the test that sets it holds the truth.
+    slow_rank: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
-        for name in ("pp", "microbatches", "microbatch_size", "steps"):
+        for name in ("pp", "dp", "microbatches", "microbatch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
                                   fix=f"pass a positive --{name.replace('_', '-')}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
+        if self.bpipe and self.dp > 1:
+            raise ConfigError("BPipe with data-parallel replicas is not implemented in the reference trainer",
+                              fix="drop --bpipe or use --dp 1")
         if self.bpipe and self.pp < 2:
             raise ConfigError("BPipe needs at least 2 pipeline stages (an evictor and an acceptor)",
                               fix="use --pp 2 or more, or drop --bpipe")
@@ -81,7 +88,14 @@ class CollectConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp
+        return self.pp * self.dp
+
+    def stage_of(self, rank: int) -> int:
+        """The stage a global rank runs (rank = stage · dp + replica)."""
+        return rank // self.dp
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return stage * self.dp + replica
 
     @property
     def total_steps(self) -> int:

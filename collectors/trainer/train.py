@@ -66,11 +66,12 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
     return Manifest(
         world_size=setup.world_size,
         pp=config.pp,
-        stage_of_rank=tuple(range(config.pp)),
+        dp=config.dp,
+        stage_of_rank=tuple(config.stage_of(r) for r in range(config.world_size)),
         schedule=config.schedule,
         microbatch_size=config.microbatch_size,
         num_microbatches=config.microbatches,
-        global_batch=config.microbatch_size * config.microbatches,
+        global_batch=config.microbatch_size * config.microbatches * config.dp,
         model=config.shape,
         dtype="float32",
         attention=config.attention,
@@ -86,11 +87,13 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
 
 
 def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> StageRunner:
-    stage, stages, shape = setup.rank, config.pp, config.shape
+    stage, stages, shape = config.stage_of(setup.rank), config.pp, config.shape
     torch.manual_seed(config.seed)  # the whole model on every rank from one seed: identical weights everywhere
     model = GPT(shape, attention=config.attention, recompute_mode=config.recompute)
     module = Stage(model, stage=stage, stages=stages).to(setup.device)
-    rank_of_stage = list(range(stages))
+    if config.slow_rank is not None and config.slow_rank[0] == setup.rank:
+        module.forward = _slowed(module.forward, config.slow_rank[1] / 1e3)
+    rank_of_stage = [config.rank_of(s, setup.rank % config.dp) for s in range(stages)]
     actions = device_order(config.schedule, pp=stages, num_microbatches=config.microbatches, device=stage)
     batch = setup.backend == "nccl" if config.batch_p2p is None else config.batch_p2p
     transport = Transport(setup.device, setup.host_staged, batch_sends=batch)
@@ -113,6 +116,37 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
             runner.acceptor = Acceptor(stage=stage, evictor_rank=rank_of_stage[evictor], plan=plan, layout=layout,
                                        transport=bp)
     return runner
+
+
+def _slowed(forward, seconds: float):
+    """``forward`` that first sleeps ``seconds`` (inside the forward's annotation: a slow replica's stage)."""
+    import time
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    return slow
+
+
+def _dp_group(config: CollectConfig, rank: int):
+    """The gloo group of this rank's stage across the replicas (every rank creates every group, in one order)."""
+    if config.dp == 1:
+        return None
+    groups = [dist.new_group([config.rank_of(s, r) for r in range(config.dp)]) for s in range(config.pp)]
+    return groups[config.stage_of(rank)]
+
+
+def _all_reduce_grads(module, group, dp: int) -> None:
+    """Average the stage's gradients over its replicas: one all-reduce of one flat buffer, as DDP's buckets do."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _measure_layout(runner: StageRunner, config: CollectConfig) -> list[int]:
@@ -143,6 +177,7 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
     """Train ``config.total_steps`` steps on this rank's stage; profile the last ``config.steps`` into ``out_dir``."""
     torch.set_num_threads(1)  # one stage per process; on a small CPU more threads only fight each other
     groups = new_groups(config.pp, list(range(config.pp)), backend="gloo") if config.bpipe else {}
+    dp_group = _dp_group(config, setup.rank)
     runner = build_runner(config, setup, groups)
     module, stage = runner.stage_module, runner.stage
     optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr)
@@ -158,10 +193,10 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
     )
     # The profiler's warm-up starts at the last unprofiled step; earlier warm-up steps run before it.
     for step in range(config.warmup_steps - 1):
-        _train_step(config, runner, optimizer, step, result)
+        _train_step(config, runner, optimizer, step, result, dp_group)
     with profiler:
         for step in range(max(config.warmup_steps - 1, 0), config.total_steps):
-            _train_step(config, runner, optimizer, step, result)
+            _train_step(config, runner, optimizer, step, result, dp_group)
             profiler.step()
             if progress is not None:
                 progress(step + 1, config.total_steps)
@@ -171,12 +206,17 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
     return result
 
 
-def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int, result: RankResult) -> None:
+def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int, result: RankResult,
+                dp_group=None) -> None:
     optimizer.zero_grad(set_to_none=True)
-    inputs, targets = data.batch(seed=config.seed, step=step, microbatches=config.microbatches,
+    replica = runner.rank_of_stage[0] % config.dp
+    # each replica trains on its own share of the batch (replica 0's is the single-pipeline run's)
+    inputs, targets = data.batch(seed=config.seed + 1000 * replica, step=step, microbatches=config.microbatches,
                                  microbatch_size=config.microbatch_size, seq=config.shape.seq,
                                  vocab=config.shape.vocab)
     loss = runner.step(inputs, targets)
+    if dp_group is not None:
+        _all_reduce_grads(runner.stage_module, dp_group, config.dp)
     with ann.optimizer(runner.stage):
         optimizer.step()
     if loss is not None:
