@@ -77,7 +77,49 @@ def attribution(page, runs: Runs, G) -> None:
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
         page.add(H.table(a.summary.per_stage, STAGE_COLUMNS, formats={"stage": "int", "bubble_fraction": "fraction"}))
+        replicas(page, name, a)
     page.add("</section>")
+
+
+REPLICA_STAGE_COLUMNS = [
+    ("stage", "stage"),
+    ("replicas", "replicas"),
+    ("step_ms", "mean step (ms)"),
+    ("own_ms", "mean own time (ms)"),
+    ("slowest_replica", "slowest replica"),
+    ("slowest_own_ms", "its own time (ms)"),
+    ("straggler_excess_fraction", "over the others' mean, in every step"),
+    ("straggler", "straggler"),
+]
+REPLICA_COLUMNS = [
+    ("stage", "stage"),
+    ("replica", "replica"),
+    ("rank", "rank"),
+    ("step_ms", "step (ms)"),
+    ("own_ms", "own time (ms)"),
+    ("compute_ms", "compute (ms)"),
+    ("collective_ms", "collective exposed (ms)"),
+]
+
+
+def replicas(page, name: str, a: Analysis) -> None:
+    """Data-parallel pipelines: each stage across its replicas, and every replica's exposed collective time
+    (traceana.summary's own time and straggler rule)."""
+    from traceana.summary import STRAGGLER_ABOVE
+
+    ps = a.summary.per_stage
+    if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
+        return
+    page.add(f"<h3>{H.esc(name)}: data-parallel replicas</h3>")
+    page.add(H.para("A replica is one pipeline (the ranks joined by P2P). Own time is a rank's step minus its exposed "
+                    "collective time (waiting in the gradient all-reduce is waiting for the slower replicas), the "
+                    "median over the measured steps. The slowest replica of a stage is named the straggler when its "
+                    f"own time was more than {100 * STRAGGLER_ABOVE:.0f}% above the other replicas' mean in every "
+                    "measured step.", css_class="lead"))
+    page.add(H.table(ps.filter(pl.col("replicas") > 1), REPLICA_STAGE_COLUMNS,
+                     formats={"stage": "int", "replicas": "int", "slowest_replica": "int", "straggler": "int",
+                              "straggler_excess_fraction": "signed_fraction"}))
+    page.add(H.table(a.summary.replicas, REPLICA_COLUMNS, formats={"stage": "int", "replica": "int", "rank": "int"}))
 
 
 def bubbles(page, runs: Runs, G) -> None:

@@ -14,6 +14,16 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   most on it.
 - **activation peak**: per stage the largest (peak − step-start allocation) of its ranks over the measured steps;
   the run's is the largest stage's. **Memory balance**: max/min over stages of their peak allocation.
+- **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
+  (``partitioned.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. A rank's
+  **own time** (``own_ms``) is its step minus its exposed collective time: waiting in the gradient all-reduce is
+  waiting for the slower replicas, so a fast replica's collective grows by what the slowest one's own time exceeds
+  it. Per stage across its replicas: the mean (``per_stage``: the stage's ranks' means), the **slowest replica**
+  (largest median own time over the measured steps) and ``straggler_excess_fraction``, the smallest, over the
+  measured steps, of its own time over the other replicas' mean − 1: how much slower it was *in every step*. It is
+  named the **straggler** (``straggler``) when that is above ``STRAGGLER_ABOVE``. A straggler is slow step after
+  step; a process descheduled in one step (noise) is not one, and equal replicas name none. Exposed collective
+  time per replica is in ``replicas``.
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ import polars as pl
 from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
+# A replica is a straggler when its own time exceeds the other replicas' mean by more than this in every measured
+# step. Equal replicas of a tiny CPU pipeline (pp=2 × dp=2 on 2 cores shared with other jobs) differed by up to 88 %
+# in one step, and by at most 13 % in every one of 5; one sleeping 300 ms in each forward by 110-336 %
+# (tests/test_replicas.py).
+STRAGGLER_ABOVE = 0.25
 
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
@@ -52,7 +67,15 @@ class RunSummary:
     largest_activation_peak_mib: float | None
     memory_balance: float | None
     per_stage: pl.DataFrame  # stage (null: unknown), ranks, step_ms, <category>_ms, compute_ms, bubble_ms,
-    #                          bubble_fraction, peak_mib, activation_peak_mib
+    #                          bubble_fraction, peak_mib, activation_peak_mib, and across replicas: replicas, own_ms,
+    #                          slowest_replica, slowest_rank, slowest_own_ms, straggler_excess_fraction, straggler
+    replicas: pl.DataFrame | None = None  # one row per rank: stage, replica, rank, step_ms, own_ms (median),
+    #                                       compute_ms, collective_ms (exposed)
+
+    @property
+    def stragglers(self) -> pl.DataFrame:
+        """The per-stage rows that name a straggler replica."""
+        return self.per_stage.filter(pl.col("straggler").is_not_null())
 
     def as_dict(self) -> dict:
         """JSON-ready: the headline figures and the per-stage rows."""
@@ -65,6 +88,7 @@ class RunSummary:
             "largest_activation_peak_mib": self.largest_activation_peak_mib,
             "memory_balance": self.memory_balance,
             "per_stage": self.per_stage.to_dicts(),
+            "replicas": [] if self.replicas is None else self.replicas.to_dicts(),
         }
 
 
@@ -109,11 +133,80 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
     )
 
 
+def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
+                  steps: list[int]) -> pl.DataFrame:
+    """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
+    own_ms (step − exposed collective), compute_ms, collective_ms."""
+    from traceana.partitioned import pipeline_groups
+
+    att = attribution.filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+    ranks = sorted(att["rank"].unique().to_list())
+    peers: dict[int, set[int]] = {r: set() for r in ranks}
+    for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
+        if a in peers and b in peers:
+            peers[a].add(b)
+            peers[b].add(a)
+    groups = pipeline_groups({r: sorted(p) for r, p in peers.items()})
+    replica = pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
+                           schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+    ms = lambda e: e / NS_PER_MS  # noqa: E731
+    return (
+        att.group_by("rank", "step").agg(
+            pl.col("ns").sum().alias("_step"),
+            pl.col("ns").filter(pl.col("category") == "collective").sum().alias("_collective"),
+            pl.col("ns").filter(pl.col("category").is_in(COMPUTE_CATEGORIES)).sum().alias("_compute"))
+        .with_columns(pl.col("rank").cast(pl.Int32))
+        .join(replica, on="rank", how="left")
+        .join(stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank", how="left")
+        .select("stage", "replica", "rank", "step", ms(pl.col("_step")).alias("step_ms"),
+                ms(pl.col("_step") - pl.col("_collective")).alias("own_ms"),
+                ms(pl.col("_compute")).alias("compute_ms"), ms(pl.col("_collective")).alias("collective_ms"))
+        .sort("stage", "replica", "rank", "step", nulls_last=True)
+    )
+
+
+def replica_table(per_step: pl.DataFrame) -> pl.DataFrame:
+    """One row per rank (``replica_steps`` over the measured steps): stage, replica, rank, step_ms, compute_ms,
+    collective_ms (means per step) and own_ms (the median over the steps)."""
+    return (
+        per_step.group_by("stage", "replica", "rank")
+        .agg(pl.col("step_ms").mean(), pl.col("own_ms").median(), pl.col("compute_ms", "collective_ms").mean())
+        .sort("stage", "replica", "rank", nulls_last=True)
+    )
+
+
+def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
+    """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
+    times), the slowest replica (largest median own time) and its rank, ``straggler_excess_fraction`` (by how much
+    its own time exceeded the other replicas' mean *in every measured step*: the smallest excess over the steps),
+    and ``straggler``: that replica when the excess is above ``STRAGGLER_ABOVE``, else null."""
+    r = per_step.group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min())
+    n = pl.len().over("stage", "step")
+    others = (pl.col("own_ms").sum().over("stage", "step") - pl.col("own_ms")) / (n - 1)
+    r = r.with_columns(pl.when((n > 1) & (others > 0)).then(pl.col("own_ms") / others - 1).alias("_excess"))
+    per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min(),
+                                                      pl.col("_excess").min())
+    slowest = (per_replica.sort(["own_ms", "replica"], descending=[True, False])  # a tie: the lowest replica
+               .group_by("stage", maintain_order=True).first())
+    stats = per_replica.group_by("stage").agg(pl.len().cast(pl.Int32).alias("replicas"), pl.col("own_ms").mean())
+    return (
+        stats.join(slowest.select("stage", pl.col("replica").alias("slowest_replica"),
+                                  pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms"),
+                                  pl.col("_excess").alias("straggler_excess_fraction")),
+                   on="stage", how="left", nulls_equal=True)
+        .with_columns(pl.when(pl.col("straggler_excess_fraction") > STRAGGLER_ABOVE).then(pl.col("slowest_replica"))
+                      .alias("straggler"))
+    )
+
+
 def summarize(analysis) -> RunSummary:
     """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
     att = analysis.attribution
     steps = measured_steps(att, analysis.schedule)
-    per_stage = _per_stage(att, analysis.stages, analysis.stage_memory, steps)
+    per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
+    replicas = replica_table(per_replica_step)
+    per_stage = _per_stage(att, analysis.stages, analysis.stage_memory, steps).join(
+        across_replicas(per_replica_step), on="stage", how="left", nulls_equal=True)
     used = att.filter(pl.col("step").is_in(steps))
     per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
     step_ms = (float(per_rank_step.group_by("step").agg(pl.col("ns").max())["ns"].mean()) / NS_PER_MS
@@ -133,6 +226,7 @@ def summarize(analysis) -> RunSummary:
         largest_activation_peak_mib=float(largest["activation_peak_mib"][0]) if largest.height else None,
         memory_balance=float(peaks.max() / peaks.min()) if len(peaks) > 1 and peaks.min() > 0 else None,
         per_stage=per_stage,
+        replicas=replicas,
     )
 
 

@@ -117,6 +117,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
                 keys=1, sections=[1])
     for line in headline(analysis.summary):
         print_line(console, line)
+    replicas_table(console, analysis.summary)
 
     if per_step:
         ps = per_step_table(analysis)
@@ -132,6 +133,38 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         print_line(console, n, prefix="[yellow]note:[/] ")
+
+
+def replicas_table(console, summary) -> None:
+    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time, the straggler rule)."""
+    import polars as pl
+
+    from traceana.summary import STRAGGLER_ABOVE
+    from traceana.tables import UNKNOWN, print_line, print_table
+    from traceana.tables import cell as _num
+
+    ps = summary.per_stage
+    if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
+        return
+    reps = summary.replicas
+    collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
+                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
+                  for s in ps["stage"].to_list()}
+    headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
+               "excess in\nevery step", "straggler", "collective exposed\nms per replica"]
+    rows = [[_num(r["stage"], "d"), str(r["replicas"]), _num(r["step_ms"]), _num(r["own_ms"]),
+             f"{r['slowest_replica']} (rank {r['slowest_rank']})", _num(r["slowest_own_ms"]),
+             UNKNOWN if r["straggler_excess_fraction"] is None else f"{100 * r['straggler_excess_fraction']:+.0f}%",
+             "–" if r["straggler"] is None else f"replica {r['straggler']}", collective[r["stage"]]]
+            for r in ps.iter_rows(named=True)]  # one row per stage: display only
+    print_table(console, "Data-parallel replicas per stage (own time = step − exposed collective; median over "
+                         "steps)", headers, rows,
+                keys=1)
+    for r in summary.stragglers.iter_rows(named=True):  # one per stage at most: display only
+        print_line(console, f"straggler: replica {r['straggler']} (rank {r['slowest_rank']}) on stage {r['stage']}: "
+                            f"own time {r['slowest_own_ms']:,.2f} ms, "
+                            f"at least {100 * r['straggler_excess_fraction']:.0f}% above the other replicas' mean in "
+                            f"every measured step (named above {100 * STRAGGLER_ABOVE:.0f}%)")
 
 
 def headline(summary) -> list[str]:

@@ -1,0 +1,96 @@
+"""Data-parallel pipelines (pp=2 × dp=2, the reference trainer, real processes): each stage across its replicas,
+the straggler rule (traceana.summary), and what analyze, --json and the report show of it.
+
+Layout (collectors.trainer.config: rank = stage · dp + replica, Megatron-LM's order): pipelines {0, 2} and {1, 3},
+so rank 1 is stage 0 of replica 1. The slow run sleeps SLOW_MS inside each of rank 1's forward passes (the
+collector's ``slow_rank``; nothing in the trace or run.json says so): the truth is that injection, and by hand
+replica 1 is then slower by at least MICROBATCHES × SLOW_MS of forward per step on stage 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import polars as pl
+import pytest
+
+from collected_runs import RUNS
+from traceana.analysis import analyze
+from traceana.ingest.run_dir import load_run
+from traceana.summary import STRAGGLER_ABOVE
+
+pytestmark = pytest.mark.slow
+
+SLOW_RANK, SLOW_MS = RUNS["1f1b_pp2dp2_slow"]["slow_rank"]
+MICROBATCHES = RUNS["1f1b_pp2dp2_slow"]["microbatches"]
+
+
+@pytest.fixture(scope="module")
+def analysed(collected_run):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run = load_run(collected_run(name), cache=False)
+            cache[name] = analyze(run)
+        return cache[name]
+
+    return get
+
+
+def test_replicas_are_the_pipelines(analysed):
+    s = analysed("1f1b_pp2dp2").summary
+    got = {(r["stage"], r["replica"]): r["rank"] for r in s.replicas.iter_rows(named=True)}
+    assert got == {(0, 0): 0, (1, 0): 2, (0, 1): 1, (1, 1): 3}
+    assert s.per_stage["replicas"].to_list() == [2, 2]
+    # every replica's gradient all-reduce is seen, exposed, on every rank
+    assert (s.replicas["collective_ms"] > 0).all()
+    # the stage's mean is over its replicas' ranks
+    assert s.per_stage["ranks"].to_list() == ["0, 1", "2, 3"]
+
+
+def test_equal_replicas_name_no_straggler(analysed):
+    s = analysed("1f1b_pp2dp2").summary
+    assert s.per_stage["straggler"].null_count() == s.per_stage.height, s.per_stage
+    assert (s.per_stage["straggler_excess_fraction"] < STRAGGLER_ABOVE).all()
+
+
+def test_the_slowed_replica_is_named_the_straggler(analysed):
+    a = analysed("1f1b_pp2dp2_slow")
+    s = a.summary
+    stage0 = s.per_stage.filter(pl.col("stage") == 0).row(0, named=True)
+    assert stage0["straggler"] == 1 and stage0["slowest_rank"] == SLOW_RANK
+    assert stage0["straggler_excess_fraction"] > STRAGGLER_ABOVE
+    # The sleeps are inside rank 1's forward spans: its forward exceeds replica 0's by at least the injected time
+    fwd = dict(a.stages.select("rank", "forward_ms").rows())
+    assert fwd[SLOW_RANK] - fwd[0] >= 0.8 * MICROBATCHES * SLOW_MS, fwd
+    # ... and replica 0 waits for it in the all-reduce: its exposed collective time is the larger
+    coll = {r["rank"]: r["collective_ms"] for r in s.replicas.iter_rows(named=True)}
+    assert coll[0] > coll[SLOW_RANK] and coll[2] > coll[3], coll
+
+
+def test_analyze_prints_and_exports_the_replicas(collected_run):
+    run_dir = collected_run("1f1b_pp2dp2_slow")
+    cmd = [sys.executable, "-m", "traceana", "analyze", str(run_dir), "--no-cache"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "Data-parallel replicas per stage" in out
+    assert f"straggler: replica 1 (rank {SLOW_RANK}) on stage 0" in out and "in every measured step" in out
+    doc = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout)
+    rows = {(r["stage"], r["replica"]): r for r in doc["summary"]["replicas"]}
+    assert set(rows) == {(0, 0), (0, 1), (1, 0), (1, 1)} and all(r["collective_ms"] > 0 for r in rows.values())
+    stage0 = next(r for r in doc["summary"]["per_stage"] if r["stage"] == 0)
+    assert stage0["straggler"] == 1 and 0 < stage0["straggler_excess_fraction"]
+
+
+def test_report_draws_the_replica_tables(analysed):
+    from reports.build import build_report
+
+    html = build_report([analysed("1f1b_pp2dp2_slow")])
+    assert "data-parallel replicas" in html and "straggler" in html and "collective exposed (ms)" in html
+    assert "in every measured step" in html
