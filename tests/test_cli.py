@@ -295,3 +295,17 @@ def test_our_own_bad_input_stays_one_line(two_stage, capsys):
     assert main(["estimate", "--model", "tiny-gpt", "--peak-flops", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--peak-flops must be" in err
+
+
+def test_exit_handlers_are_skipped_only_when_they_have_nothing_to_do():
+    """The program skips the interpreter's teardown (docs/performance.md) only when no exit handler has work: a live
+    child process (multiprocessing reaps it at exit) or an imported torch/Dask keeps the normal exit."""
+    code = ("import multiprocessing as mp, sys, time\n"
+            "from traceana.cli import _nothing_to_tear_down as quick\n"
+            "before = quick()\n"
+            "p = mp.get_context('fork').Process(target=time.sleep, args=(5,)); p.start()\n"
+            "during = quick(); p.terminate(); p.join()\n"
+            "sys.modules['torch'] = sys\n"
+            "print(before, during, quick())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr

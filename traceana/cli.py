@@ -113,9 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     freeing every module's objects one by one took ~35 ms of CPU after polars was imported (docs/performance.md
     "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns."""
     rc = _main(argv)
-    if argv is None and _is_program():
+    if argv is None and _is_program() and _nothing_to_tear_down():
         _exit_now(rc)
     return rc
+
+
+def _nothing_to_tear_down() -> bool:
+    """Whether skipping the interpreter's exit handlers loses nothing: not after a command that ran torch, started
+    child processes or a Dask/Ray client (collect, demo, attach, analyze --dask), whose atexit handlers reap
+    children and close process groups."""
+    if any(m in sys.modules for m in ("torch", "distributed", "ray")):
+        return False
+    if "multiprocessing.process" in sys.modules and sys.modules["multiprocessing.process"].active_children():
+        return False
+    return True
 
 
 def _is_program() -> bool:
@@ -139,6 +150,8 @@ def _exit_now(rc: int) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()  # flush and close log files, as the exit handlers would
     os._exit(rc)
 
 
