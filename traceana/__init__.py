@@ -21,13 +21,6 @@ from traceana.version import __version__  # noqa: E402
 # traceana is imported before polars; a value the user set is kept.
 _os.environ.setdefault("_RJEM_MALLOC_CONF", "dirty_decay_ms:0,muzzy_decay_ms:0")
 
-from traceana import _deferred  # noqa: E402
-
-# Imported by polars (iceberg and cloud I/O), the file helpers and the process-pool fallback, used by none of them
-# in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed cost"). Their code runs
-# on first use.
-_deferred.defer("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets")
-
 from traceana.errors import TraceanaError  # noqa: E402
 
 

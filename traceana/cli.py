@@ -112,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     traceana``) the process ends right after the command, its output flushed, without tearing down the interpreter:
     freeing every module's objects one by one took ~35 ms of CPU after polars was imported (docs/performance.md
     "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns."""
+    program = argv is None and _is_program()
+    if program:
+        # Imported by polars (iceberg and cloud I/O), the file helpers and the process-pool fallback, used by none
+        # of them in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed
+        # cost"). Their code runs on first use. Only in traceana's own process: a program that imports traceana
+        # (a notebook, a training job under attach) keeps its standard library as Python loads it.
+        from traceana import _deferred
+
+        _deferred.defer("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets")
     rc = _main(argv)
-    if argv is None and _is_program() and _nothing_to_tear_down():
+    if program and _nothing_to_tear_down():
         _exit_now(rc)
     return rc
 
