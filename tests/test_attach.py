@@ -237,3 +237,27 @@ def test_a_failing_hook_stops_profiling_never_training(monkeypatch, capsys):
         state.boundary("step_fn")  # the failure is injected at the window's first boundary (step 2)
     assert state.window is None and state.trigger == float("inf") and state.count["step_fn"] == 10
     assert capsys.readouterr().err.count("profiling stops, training goes on") == 1
+
+
+def test_ctrl_c_while_polling_still_waits_for_the_job(tmp_path, monkeypatch, capfd):
+    """A Ctrl-C that lands while attach is writing a window's run.json (not while it waits) is the same Ctrl-C: attach
+    lets the job end, finishes the run directory and exits 130, instead of a traceback that leaves the job behind."""
+    import argparse
+
+    from collectors.attach import command
+
+    polls = []
+
+    def poll(self) -> None:
+        polls.append(1)
+        if len(polls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(command._Finisher, "poll", poll)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["-o", str(tmp_path / "run"), "--", sys.executable, "-c",
+                              "import time; time.sleep(1.5); print('job done', flush=True)"])
+    assert command.run(args) == 130
+    out, err = capfd.readouterr()
+    assert "job done" in out and "no process reached the window" in err

@@ -179,12 +179,13 @@ def run(args: argparse.Namespace) -> int:
             Path(config.out).rmdir()  # the empty directory made above: leave nothing behind
         raise ConfigError(f"cannot start {command[0]!r} ({e.strerror or e})", fix="check the command after --") from None
     interrupted = False
-    while True:
-        try:
-            code = proc.wait(timeout=POLL_S)
-            break
-        except subprocess.TimeoutExpired:
-            finisher.poll()
+    code: int | None = None
+    while code is None:
+        try:  # a Ctrl-C while waiting or while polling: the same (not an exception out of an except clause)
+            try:
+                code = proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                finisher.poll()
         except KeyboardInterrupt:
             # The job got the same Ctrl-C (same process group): let it stop; a second Ctrl-C stops it harder.
             if interrupted:
