@@ -5,6 +5,10 @@
 
 A tiny MLP (16 → 32 → 1: 577 parameters) under DistributedDataParallel on gloo, SGD; rank 0 prints each step's
 loss, so two runs can be compared line by line. ``--die RANK STEP`` makes that rank crash (``os._exit``) there.
+
+Before it returns, each rank waits for its gloo worker threads to go idle (``_gloo_workers_idle``): with torch 2.13 a
+gloo job otherwise aborts now and then as it exits, traceana or not (docs/field-notes.md), and a fixture that can
+abort by itself proves nothing about ``traceana attach``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,38 @@ def train(rank: int, world: int, steps: int, init_method: str, die: tuple[int, i
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
     dist.destroy_process_group()
+    _gloo_workers_idle()
+
+
+def _gloo_workers_idle(timeout_s: float = 30.0) -> None:
+    """Return once every ``pt_gloo_runloop`` thread sleeps in its work queue (Linux; elsewhere at once).
+
+    A gloo worker drops its last reference to a finished Work after the rank has moved on; that can take the GIL
+    (DDP's Work keeps a Python object from backward), and when the interpreter is already finalizing CPython ends the
+    thread inside a noexcept destructor: std::terminate. An idle worker waits for work in
+    futex(FUTEX_WAIT_BITSET, no timeout); one waiting for the GIL waits with a timeout; a running one shows "running".
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return
+        busy = False
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() != "pt_gloo_runloop":
+                        continue
+                with open(f"/proc/self/task/{tid}/syscall") as f:
+                    call = f.read().split()
+            except OSError:
+                continue  # the thread has ended
+            idle = len(call) > 4 and call[0] == "202" and int(call[2], 16) & 0x7F == 9 and int(call[4], 16) == 0
+            busy = busy or not idle
+        if not busy:
+            return
+        time.sleep(0.01)
 
 
 def _free_port() -> int:
