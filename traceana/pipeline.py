@@ -222,7 +222,8 @@ def stage_map(
     unknown = [r for r in ranks if r not in known]
     if unknown:
         which, they = ("rank", "it gets") if len(unknown) == 1 else ("ranks", "they get")
-        notes.append(f"stage of {which} {', '.join(map(str, unknown))} could not be determined (no run.json, no "
+        facts = "no run.json" if manifest is None else "run.json gives no stage_of_rank"
+        notes.append(f"stage of {which} {', '.join(map(str, unknown))} could not be determined ({facts}, no "
                      f"annotations, not on a P2P chain): {they} no schedule")
     first = [known.get(r, (None, None))[0] for r in ranks]
     return pl.DataFrame(
