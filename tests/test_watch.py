@@ -173,3 +173,46 @@ def test_names_that_are_not_tensorboard_cycles(name):
     assert TB_NAME.match(name) is None
     assert TB_NAME.match("node-1.example_4000.1700000000000000001.pt.trace.json.gz").group("worker") == \
         "node-1.example_4000"
+
+
+REAL_HANDLER = """
+import json, sys, time
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+out, truth = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)
+x, ends = torch.randn(128, 128), []
+with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=2),
+             on_trace_ready=tensorboard_trace_handler(out, worker_name="worker0")) as prof:
+    for step in range(6):
+        for _ in range(10):
+            x = torch.tanh(x @ x)
+        time.sleep(0.03 if step < 3 else 0.06)  # the second cycle's steps are 30 ms longer
+        ends.append(time.perf_counter_ns())  # outside the trace: when each step handed over to prof.step()
+        prof.step()
+json.dump(ends, open(truth, "w"))
+"""
+
+
+def test_a_real_tensorboard_trace_handler_job(tmp_path):
+    """torch.profiler's own tensorboard_trace_handler, two cycles of two active steps: watch shows both cycles, and
+    each one's step time is the one measured outside the trace (perf_counter between the prof.step() calls that
+    bound the cycle's measured step: its second active step, the first being dropped as warm-up)."""
+    pytest.importorskip("torch")
+    import json
+
+    logs, truth = tmp_path / "tb", tmp_path / "truth.json"
+    job = subprocess.run([sys.executable, "-c", REAL_HANDLER, str(logs), str(truth)], capture_output=True, text=True,
+                         timeout=300)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert len(list(logs.glob("worker0.*.pt.trace.json"))) == 2
+    ends = json.loads(truth.read_text())
+    r = _watch(str(logs), "--once", "--settle", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    windows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [w["label"] for w in windows] == ["cycle 1", "cycle 2"]
+    for w, step in zip(windows, (2, 5)):  # cycle 1 records steps 1-2, cycle 2 steps 4-5
+        (stage,) = w["stages"]
+        assert stage["step_ms"] == pytest.approx((ends[step] - ends[step - 1]) / 1e6, rel=0.1, abs=3.0)
+    assert sorted(p.name for p in logs.iterdir() if not p.name.endswith(".pt.trace.json")) == []  # untouched
