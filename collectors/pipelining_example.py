@@ -43,27 +43,27 @@ from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.config import PRESETS
 from collectors.trainer.model import GPT
-from traceana.pipeline_rules import stage_layer_ranges
+from traceana.pipeline_rules import placement_of, stage_layer_ranges
 from traceana.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
 from traceana.manifest import Manifest
 
-# name (as in run.json) -> (torch class, stage placement, virtual stages per rank)
+# name (as in run.json) -> (torch class, virtual stages per rank this example runs); which rank holds which stage is
+# traceana.pipeline_rules' placement rule
 SCHEDULE_CLASSES = {
-    "1f1b": ("Schedule1F1B", "single", 1),
-    "gpipe": ("ScheduleGPipe", "single", 1),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
-    "looped-bfs": ("ScheduleLoopedBFS", "loop", 2),
-    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop", 2),
-    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
-    "dualpipev": ("ScheduleDualPipeV", "v", 2),
+    "1f1b": ("Schedule1F1B", 1),
+    "gpipe": ("ScheduleGPipe", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "looped-bfs": ("ScheduleLoopedBFS", 2),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
 }
 SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
     """The stages each rank holds (traceana.pipeline_rules.stages_of_ranks: looped or V)."""
-    _, placement, virtual = SCHEDULE_CLASSES[schedule]
-    return rules_stages_of_ranks("looped" if placement == "loop" else placement, world, virtual)
+    return rules_stages_of_ranks(placement_of(schedule), world, SCHEDULE_CLASSES[schedule][1])
 
 
 # Runtime schedules' compute actions. (GPipe's ``Forward {i}`` / ``Backward {i}`` group a micro-batch's P2P posts
@@ -176,7 +176,7 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     shape = PRESETS[preset]
-    cls_name, placement, virtual = SCHEDULE_CLASSES[schedule_name]
+    cls_name, virtual = SCHEDULE_CLASSES[schedule_name]
     stages = world * virtual
     torch.manual_seed(1234)
     model = GPT(shape, attention="naive")
@@ -188,7 +188,7 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     truth = Truth() if truth_dir is not None else None
     cls = getattr(pipelining.schedules, cls_name)
     timed_loss = truth.wrap("compute", loss_fn) if truth else loss_fn
-    schedule = cls(pipe[0] if placement == "single" else pipe, n_microbatches=microbatches, loss_fn=timed_loss)
+    schedule = cls(pipe[0] if placement_of(schedule_name) == "single" else pipe, n_microbatches=microbatches, loss_fn=timed_loss)
     annotate(schedule)  # <- traceana: per-micro-batch PP:{stage}F{mb} / B spans
     if truth:
         truth.install(pipe, optimizer)
@@ -226,7 +226,7 @@ def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", mic
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    virtual = SCHEDULE_CLASSES[schedule][2]
+    virtual = SCHEDULE_CLASSES[schedule][1]
     world = ranks or (4 if virtual == 1 else 2)
     truth_dir = truth_path(out_dir) if truth else None
     started = time.time()
