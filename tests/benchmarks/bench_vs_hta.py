@@ -293,17 +293,25 @@ def section_third(a, results: dict) -> None:
         if not src.is_dir():
             print(f"  {name}: absent, skipped")
             continue
-        files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
-        nbytes = raw_bytes(files)
-        ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
-        theirs = measure(hta_cmd(a.hta_python, src))
-        print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
-        print(line("traceana", ours, nbytes))
-        print(line("HTA", theirs, nbytes))
-        print(compare(name, ours, theirs))
-        results.setdefault("third", {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
-        _summary_row(results, f"HTA tests/data {name} ({len(files)} rank{'s' if len(files) > 1 else ''})",
-                     nbytes, ours, theirs)
+        _both_tools(a, results, "third", name, src,
+                    label=lambda n: f"HTA tests/data {name} ({n} rank{'s' if n > 1 else ''})")
+
+
+def _both_tools(a, results: dict, section: str, name: str, src: Path, *, label, clear: bool = False) -> None:
+    """traceana and HTA on the folder ``src``, one after the other: printed, kept under ``results[section]`` and as
+    a row of the side-by-side summary labelled ``label(number of files)``. ``clear``: delete traceana's cache first."""
+    files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
+    nbytes = raw_bytes(files)
+    if clear:
+        clear_cache(src)
+    ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
+    theirs = measure(hta_cmd(a.hta_python, src))
+    print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
+    print(line("traceana", ours, nbytes))
+    print(line("HTA", theirs, nbytes))
+    print(compare(name, ours, theirs))
+    results.setdefault(section, {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
+    _summary_row(results, label(len(files)), nbytes, ours, theirs)
 
 
 def _summary_row(results: dict, label: str, nbytes: int, ours: dict, theirs: dict | None) -> None:
@@ -375,17 +383,7 @@ def section_real(a, results: dict) -> None:
         if not src.is_dir():
             print(f"  {name}: absent — pass --hta-repo PATH (a git clone of HolisticTraceAnalysis) to fetch it")
             continue
-        files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
-        nbytes = raw_bytes(files)
-        clear_cache(src)
-        ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
-        theirs = measure(hta_cmd(a.hta_python, src))
-        print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
-        print(line("traceana", ours, nbytes))
-        print(line("HTA", theirs, nbytes))
-        print(compare(name, ours, theirs))
-        results.setdefault("real", {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
-        _summary_row(results, f"HTA tests/data {name}", nbytes, ours, theirs)
+        _both_tools(a, results, "real", name, src, label=lambda n: f"HTA tests/data {name}", clear=True)
 
 
 def print_summary(results: dict) -> None:
