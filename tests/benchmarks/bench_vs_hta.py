@@ -14,6 +14,9 @@ Sections (``--only`` picks some; sizes are flags so a quick run stays quick):
 - ``vs``: a generated GPU pipeline run (``--ranks`` × ``--mb`` MB raw JSON per rank, gzipped like real runs):
   traceana ingest + analyze vs HTA TraceAnalysis(...) + get_temporal_breakdown(); cached re-analysis vs the first;
   traceana's single-process ingest vs the raw decode limit (isal gunzip + msgspec scan of the same bytes, and orjson).
+- ``small``: a generated run of ``--small-ranks`` ranks of ``--small-mb`` MB (default 8 × 1 MB), both tools: a
+  small multi-rank job, where only the fixed cost counts. (HTA's own 8-rank ``vision_transformer`` traces would be
+  the real one, but they are Git LFS objects a snapshot of HTA's repository does not carry.)
 - ``parallel``: ingest of ``--par-ranks`` ranks with workers=2 vs workers=1.
 - ``big``: one rank of ``--big-gb`` GB raw JSON analysed with progress; reports time and peak RSS (deleted afterwards).
 
@@ -294,10 +297,31 @@ def section_third(a, results: dict) -> None:
             print(f"  {name}: absent, skipped")
             continue
         _both_tools(a, results, "third", name, src,
-                    label=lambda n: f"HTA tests/data {name} ({n} rank{'s' if n > 1 else ''})")
+                    label=lambda n: f"HTA tests/data {name} ({n} rank{'s' if n > 1 else ''})",
+                    target=TARGET_SMALL if len(list(src.glob("*.json*"))) > 1 else None)
 
 
-def _both_tools(a, results: dict, section: str, name: str, src: Path, *, label, clear: bool = False) -> None:
+def section_small(a, results: dict) -> None:
+    """A small multi-rank job: ``--small-ranks`` generated ranks of ``--small-mb`` MB, both tools."""
+    run_dir = Path(a.work) / f"small_{a.small_ranks}x{a.small_mb:g}"
+    print(f"\n## small multi-rank job: {a.small_ranks} generated ranks x {a.small_mb:g} MB raw JSON (gzipped)")
+    # One step of the generator's defaults (8 micro-batches, 48 kernels per forward) is ~1.7 MB; smaller steps make
+    # a ~1 MB rank of several steps.
+    _reuse_or_generate(run_dir, a.small_ranks, a.small_mb, microbatches=4, kernels=24)
+    _both_tools(a, results, "small", run_dir.name, run_dir, clear=True, target=TARGET_SMALL,
+                label=lambda n: f"generated {n} ranks x {a.small_mb:g} MB (small job)")
+    if not a.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# Issue #16's targets for a summary row: (HTA's wall / traceana's at least, traceana's peak RSS / HTA's at most).
+TARGET_REAL = (10.0, 1 / 3)     # a real trace of 50 MB or more
+TARGET_LARGE = (25.0, 1 / 3)    # a large multi-rank run
+TARGET_SMALL = (3.0, None)      # a small multi-rank job (8 ranks of ~1 MB): only the fixed cost counts
+
+
+def _both_tools(a, results: dict, section: str, name: str, src: Path, *, label, clear: bool = False,
+                target: tuple | None = None) -> None:
     """traceana and HTA on the folder ``src``, one after the other: printed, kept under ``results[section]`` and as
     a row of the side-by-side summary labelled ``label(number of files)``. ``clear``: delete traceana's cache first."""
     files = sorted(p for p in src.iterdir() if p.name.endswith((".json", ".gz")))
@@ -311,11 +335,24 @@ def _both_tools(a, results: dict, section: str, name: str, src: Path, *, label, 
     print(line("HTA", theirs, nbytes))
     print(compare(name, ours, theirs))
     results.setdefault(section, {})[name] = {"raw_bytes": nbytes, "traceana": ours, "hta": theirs}
-    _summary_row(results, label(len(files)), nbytes, ours, theirs)
+    _summary_row(results, label(len(files)), nbytes, ours, theirs, target)
 
 
-def _summary_row(results: dict, label: str, nbytes: int, ours: dict, theirs: dict | None) -> None:
-    results.setdefault("summary", []).append({"label": label, "raw_bytes": nbytes, "traceana": ours, "hta": theirs})
+def _summary_row(results: dict, label: str, nbytes: int, ours: dict, theirs: dict | None,
+                 target: tuple | None = None) -> None:
+    results.setdefault("summary", []).append({"label": label, "raw_bytes": nbytes, "traceana": ours, "hta": theirs,
+                                              "target": target})
+
+
+def _verdict(ours: dict, theirs: dict, target: tuple | None) -> str:
+    """'>=10x met, RSS <=0.33 NOT met': the row's figures against its target; '' when the issue sets none."""
+    if target is None:
+        return ""
+    speed, rss = target
+    out = [f">={speed:g}x {'met' if theirs['wall'] / ours['wall'] >= speed else 'NOT met'}"]
+    if rss is not None:
+        out.append(f"RSS <={rss:.2f} {'met' if ours['peak_rss'] / theirs['peak_rss'] <= rss else 'NOT met'}")
+    return ", ".join(out)
 
 
 def section_fixed(a, results: dict) -> None:
@@ -383,7 +420,8 @@ def section_real(a, results: dict) -> None:
         if not src.is_dir():
             print(f"  {name}: absent — pass --hta-repo PATH (a git clone of HolisticTraceAnalysis) to fetch it")
             continue
-        _both_tools(a, results, "real", name, src, label=lambda n: f"HTA tests/data {name}", clear=True)
+        _both_tools(a, results, "real", name, src, label=lambda n: f"HTA tests/data {name}", clear=True,
+                    target=TARGET_REAL if raw_bytes(sorted(src.glob("*.json*"))) >= 50e6 else None)
 
 
 def print_summary(results: dict) -> None:
@@ -404,27 +442,27 @@ def print_summary(results: dict) -> None:
         k = ((theirs.get("ingest_s", 0) + theirs.get("analyze_s", 0))
              / max(1e-9, ours.get("ingest_s", 0) + ours.get("analyze_s", 0)))
         print(f"  {r['label']:<44} {r['raw_bytes'] / 1e6:7.1f} | {cell(ours):>26} | {cell(theirs):>26} | "
-              f"{w:6.1f} {k:6.1f} {ours['peak_rss'] / theirs['peak_rss']:5.2f}")
-    print("  (wall x, work x: HTA's time / traceana's; RSS: traceana's peak / HTA's)")
+              f"{w:6.1f} {k:6.1f} {ours['peak_rss'] / theirs['peak_rss']:5.2f}  {_verdict(ours, theirs, r.get('target'))}")
+    print("  (wall x, work x: HTA's time / traceana's; RSS: traceana's peak / HTA's; targets from issue #16)")
 
 
-def _generate(out: Path, ranks: int, size_mb: float, *, gz: bool = True) -> list[Path]:
+def _generate(out: Path, ranks: int, size_mb: float, *, gz: bool = True, **kw) -> list[Path]:
     sys.path.insert(0, str(HERE))
     from gen_big_trace import write_run
 
     t0 = time.perf_counter()
-    facts = write_run(out, ranks=ranks, mb=size_mb, gz=gz)
+    facts = write_run(out, ranks=ranks, mb=size_mb, gz=gz, **kw)
     print(f"  generated {ranks} rank(s) x {facts[0]['raw_bytes'] / 1e6:.0f} MB raw in {time.perf_counter() - t0:.1f} s "
           f"-> {out}")
     return [Path(f["path"]) for f in facts]
 
 
-def _reuse_or_generate(run_dir: Path, ranks: int, size_mb: float) -> list[Path]:
+def _reuse_or_generate(run_dir: Path, ranks: int, size_mb: float, **kw) -> list[Path]:
     """The run left by an earlier --keep invocation when it has the right ranks, else a freshly generated one."""
     files = sorted(run_dir.glob("rank*.pt.trace.json*")) if run_dir.is_dir() else []
     if len(files) != ranks:
         shutil.rmtree(run_dir, ignore_errors=True)
-        files = _generate(run_dir, ranks, size_mb)
+        files = _generate(run_dir, ranks, size_mb, **kw)
     return files
 
 
@@ -457,7 +495,8 @@ def section_vs(a, results: dict) -> None:
     best = min(r["gunzip_s"] + r["decode_s"] for r in limit.values())
     print(f"  => traceana single-process ingest is {ingest1['ingest_s'] / best:.2f}x the raw decode limit "
           f"(work; {ingest1['wall'] / best:.2f}x counting interpreter start and imports)")
-    _summary_row(results, f"generated {a.ranks} ranks x {a.mb:g} MB, workers={a.workers}", nbytes, cold, theirs)
+    _summary_row(results, f"generated {a.ranks} ranks x {a.mb:g} MB, workers={a.workers}", nbytes, cold, theirs,
+                 TARGET_LARGE)
     results["vs"] = {"raw_bytes": nbytes, "files": len(files), "traceana": cold, "hta": theirs, "first": first,
                      "cached": cached, "ingest_workers1": ingest1, "decode": limit}
     if not a.keep:
@@ -521,14 +560,17 @@ def main() -> None:
     p.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/work/bench", help="scratch folder for generated runs (outside the repo)")
     p.add_argument("--hta-python", default="/work/hta-venv/bin/python", help="python of HTA's own venv")
-    p.add_argument("--only", nargs="*", default=["fixed", "real", "third", "vs", "parallel"],
-                   choices=("fixed", "real", "third", "vs", "parallel", "big"), help="sections to run (big is opt-in)")
+    p.add_argument("--only", nargs="*", default=["fixed", "real", "third", "small", "vs", "parallel"],
+                   choices=("fixed", "real", "third", "small", "vs", "parallel", "big"),
+                   help="sections to run (big is opt-in)")
     p.add_argument("--repeat", type=int, default=5, help="fixed: runs of each command (the best is shown)")
     p.add_argument("--hta-data", help="folder of HTA's public test traces (default: WORK/hta_data)")
     p.add_argument("--hta-repo", help="a git clone of HolisticTraceAnalysis to copy those traces from")
     p.add_argument("--workers", type=int, default=2, help="traceana ingest workers in the comparisons")
     p.add_argument("--ranks", type=int, default=4, help="vs: ranks of the generated run")
     p.add_argument("--mb", type=float, default=200.0, help="vs: raw JSON MB per rank")
+    p.add_argument("--small-ranks", type=int, default=8, help="small: ranks of the small generated job")
+    p.add_argument("--small-mb", type=float, default=1.0, help="small: raw JSON MB per rank")
     p.add_argument("--par-ranks", type=int, default=8, help="parallel: ranks")
     p.add_argument("--par-mb", type=float, default=100.0, help="parallel: raw JSON MB per rank")
     p.add_argument("--big-gb", type=float, default=4.2, help="big: raw JSON GB of the single rank")
@@ -554,7 +596,7 @@ def main() -> None:
     results: dict = {}
     t0 = time.perf_counter()
     for name in a.only:
-        {"fixed": section_fixed, "real": section_real, "third": section_third, "vs": section_vs,
+        {"fixed": section_fixed, "real": section_real, "third": section_third, "small": section_small, "vs": section_vs,
          "parallel": section_parallel, "big": section_big}[name](a, results)
     print_summary(results)
     print(f"\nbench_vs_hta: {time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.1f} at end")
