@@ -180,7 +180,7 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
     pp = pp.with_columns(pl.col("pp_order").fill_null(False))
     # record_param_comms is a P2P post when its collective name says so (few rows: looked at alone).
     rpc_rows = by_name["_rpc"].arg_true()
-    coll = events["coll"].gather(rpc_rows).str.to_lowercase()
+    coll = events["coll"].gather(rpc_rows).cast(pl.String).str.to_lowercase()
     rpc_dir = pl.select(_dir_of(pl.lit(coll), ["send", "isend"], ["recv", "irecv"])).to_series()
     cpu_dir = by_name["_name_dir"].fill_null(_spread(n, rpc_rows, rpc_dir)).alias("_cpu_dir")
     f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
@@ -204,7 +204,10 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
     # BPipe: communication and compute inside its annotated spans or on its process group.
     annotated = pl.DataFrame([events["rank"], events["ts_ns"], events["dur_ns"], pp["pp_action"]])
     in_span = inside(f, "launch_ns", bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null())))
-    on_group = pl.col("pg").is_not_null() & pl.col("pg").str.contains(names.BPIPE_GROUP_DESC, literal=True)
+    # pg is categorical (schema.EVENTS): the few distinct groups are matched as text, the events by membership.
+    groups = f["pg"].unique().drop_nulls()
+    on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC,
+                                                                                    literal=True)))
     is_bpipe = (pl.lit(in_span) | on_group) & pl.col("_kind").is_in(_MOVABLE)
     out = f.select(
         "peer", "nbytes", "pg", "launch_ns",

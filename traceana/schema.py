@@ -29,13 +29,18 @@ BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
 
 # --- ingest ------------------------------------------------------------------------------------------------------
 # One row per complete ("X") trace event. GPU events (kernels, memcpy, memset, gpu annotations) have device/stream.
+# The text columns with few distinct values (threads, tracks, categories, collectives, groups) are pl.Categorical:
+# 4 bytes per event instead of a 16-byte string view (docs/performance.md "Memory"). polars' categories are one
+# global mapping, so frames of different ranks concat and join on them, and a filter by a literal works as on text;
+# string functions (.str.*) and joins with a String column need .cast(pl.String) first. ``name`` stays pl.String
+# (dictionary-encoded at ingest, string views sharing one copy of each name): the analysis matches it with .str.*.
 EVENTS = {
     "rank": pl.Int32,
-    "pid": pl.String,  # OS pid as text (Kineto also uses strings such as "Spans")
-    "tid": pl.String,
-    "track": pl.String,  # "cpu:{pid}:{tid}" or "gpu:{device}:{stream}"
+    "pid": pl.Categorical(),  # OS pid as text (Kineto also uses strings such as "Spans")
+    "tid": pl.Categorical(),
+    "track": pl.Categorical(),  # "cpu:{pid}:{tid}" or "gpu:{device}:{stream}"
     "is_gpu": pl.Boolean,
-    "cat": pl.String,  # Kineto category: cpu_op, user_annotation, kernel, gpu_memcpy, cuda_runtime, …
+    "cat": pl.Categorical(),  # Kineto category: cpu_op, user_annotation, kernel, gpu_memcpy, cuda_runtime, …
     "name": pl.String,
     "ts_ns": pl.Int64,
     "dur_ns": pl.Int64,
@@ -46,8 +51,8 @@ EVENTS = {
     "peer": pl.Int32,  # P2P peer rank (c10d Concrete Inputs[2], or record_param_comms src/dst)
     "tag": pl.Int32,  # P2P tag (c10d Concrete Inputs[3])
     "nbytes": pl.Int64,  # message size where the trace says it
-    "coll": pl.String,  # record_param_comms "Collective name" (send, recv, allreduce, …)
-    "pg": pl.String,  # process group name or description, where the trace says it
+    "coll": pl.Categorical(),  # record_param_comms "Collective name" (send, recv, allreduce, …)
+    "pg": pl.Categorical(),  # process group name or description, where the trace says it
 }
 
 # One row per allocator instant ("[memory]").

@@ -1212,7 +1212,9 @@ def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
     del by
     out = []
     while columns:
-        out.append(columns.pop(0).gather(order))
+        # One chunk first: polars' gather from a string column of several chunks (the batches, each with its own
+        # dictionary buffer) writes every value out in full (~120 bytes per event here) instead of 16-byte views.
+        out.append(columns.pop(0).rechunk().gather(order))
     return pl.DataFrame(out)
 
 
