@@ -6,19 +6,24 @@
  * JSON) raises ``Unsupported`` and kineto.py decodes the whole file with the general decoder instead, so the two
  * paths cannot disagree on the tables they produce.
  *
- * Two functions, both resumable so a file can be fed in pieces (streaming decompression):
+ * Two functions, both resumable so a file can be fed in pieces (streaming decompression), and a Scanner object
+ * that carries one file's state across ``events`` calls:
  *   top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])
  *       the top-level object's keys up to the traceEvents array (status EVENTS, pos just after its '['), or to
  *       the end of the object (status END, pos after '}'); opening: pos is before '{' (else after a value).
- *   events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events,
- *                                                 names)
+ *   events(buf, pos, first, max_bytes, final, scanner) -> (status, pos, first, x, memory, gpu, comm, shapes, odd,
+ *                                                          n_events)
  *       events of the array from pos (after '[' or a ','), until about max_bytes were consumed (MORE), the
  *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
- * x_columns and memory_columns are Batch objects: the columns in Arrow's layouts (int64; large_string with int64
- * offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly); an X
- * event's name is a code into ``names``, the batch's distinct names (dictionary encoding: a name is stored once per
- * batch, not once per event — kernel names run to hundreds of bytes). odd: [(table, column, row, raw JSON)] for args
- * values of another type than their column's (0: X, 1: memory), which Python converts like the general decoder.
+ *   Scanner(gpu_cats, comm_names, shaped_names, shaped_prefixes).dictionaries() -> (name, cat, pid, tid)
+ *       the file's distinct names, categories, pids and tids so far, in code order.
+ * The five tables are Batch objects (see "emitting rows"): columns in Arrow's layouts (int32, int64; large_string
+ * with int64 offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly).
+ * An X event's name, cat, pid and tid are codes into the scanner's dictionaries (dictionary encoding: each distinct
+ * value is stored once per file, not once per event — kernel names run to hundreds of bytes), and the few columns
+ * that only some events have (GPU args, collective args, record_shapes lists) are sparse tables of those events'
+ * rows. odd: [(table, column, row, raw JSON)] for args values of another type than their column's (tables T_*),
+ * which Python converts like the general decoder.
  * Times are converted to integer nanoseconds from the decimal digits (exact: no float rounding).
  * The parse runs without the GIL, so threads can scan several files at once.
  */
@@ -75,7 +80,7 @@ static inline int buf_put(Buf *b, const void *src, Py_ssize_t n) {
     return ST_OK;
 }
 
-typedef struct { Buf data, offs, valid; Py_ssize_t n, nulls; int is_str; } Col;
+typedef struct { Buf data, offs, valid; Py_ssize_t n, nulls; char fmt; } Col; /* fmt: 'l' int64, 'i' int32, 'U' string */
 
 static inline int col_valid(Col *c, int ok) {
     if ((c->n & 7) == 0) {
@@ -97,6 +102,14 @@ static inline int put8(Buf *b, int64_t v) {
 
 static inline int col_int(Col *c, int64_t v, int ok) {
     TRY(put8(&c->data, ok ? v : 0));
+    return col_valid(c, ok);
+}
+
+static inline int col_i32(Col *c, int32_t v, int ok) {
+    TRY(buf_reserve(&c->data, 4));
+    if (!ok) v = 0;
+    memcpy(c->data.d + c->data.len, &v, 4);
+    c->data.len += 4;
     return col_valid(c, ok);
 }
 
@@ -248,13 +261,14 @@ static PyObject *batch_export(Batch *b, PyObject *args, PyObject *kw) {
         x->col = *c;
         memset(c, 0, sizeof *c);
         c = &x->col;
-        *skids[i] = (struct ArrowSchema){c->is_str ? "U" : "l", b->names[i], NULL, ARROW_FLAG_NULLABLE, 0, NULL, NULL,
+        int is_str = c->fmt == 'U';
+        *skids[i] = (struct ArrowSchema){is_str ? "U" : c->fmt == 'i' ? "i" : "l", b->names[i], NULL, ARROW_FLAG_NULLABLE, 0, NULL, NULL,
                                          release_schema, NULL};
         const void *valid = c->nulls ? (const void *)c->valid.d : NULL;
         const void *data = c->data.d ? (const void *)c->data.d : (const void *)EMPTY_BUF;
-        if (c->is_str) { x->bufs[0] = valid; x->bufs[1] = c->offs.d; x->bufs[2] = data; }
+        if (is_str) { x->bufs[0] = valid; x->bufs[1] = c->offs.d; x->bufs[2] = data; }
         else { x->bufs[0] = valid; x->bufs[1] = data; }
-        *akids[i] = (struct ArrowArray){(int64_t)c->n, (int64_t)c->nulls, 0, c->is_str ? 3 : 2, 0, x->bufs, NULL, NULL,
+        *akids[i] = (struct ArrowArray){(int64_t)c->n, (int64_t)c->nulls, 0, is_str ? 3 : 2, 0, x->bufs, NULL, NULL,
                                         release_col_array, x};
     }
     free(cx);
@@ -813,34 +827,74 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
 }
 
 /* --- emitting rows -------------------------------------------------------------------------------------------- */
-enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, X_DEVICE, X_STREAM, X_COLL, X_NELEMS, X_DTYPE,
-       X_SRC, X_DST, X_PGN, X_PGD, X_CONCRETE, X_DIMS, X_TYPES, N_X };
-/* X_NAME holds each event's code in the batch's name dictionary (a few hundred distinct names for ~10^6 events). */
-static const char X_IS_STR[N_X] = {0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1};
+/* Five tables per call, each a Batch:
+ *   X (every complete event): name, cat, pid, tid as int32 codes into the file's dictionaries (below), ts, dur and the
+ *     two ids as int64;
+ *   M (each [memory] instant): its time and three args;
+ *   G (X events whose cat is a GPU stream's): the X row, args device and stream;
+ *   C (X events named as a communication op, record_param_comms): the X row and its collective args;
+ *   S (X events named as gloo P2P ops): the X row and their record_shapes lists as JSON text.
+ * Rows of X are numbered across calls (the file's whole table), so G, C and S point into it. */
+enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, N_X };
+static const char X_FMT[N_X] = {'i', 'i', 'i', 'i', 'l', 'l', 'l', 'l'};
+static const char *const X_NAMES[N_X] = {"name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id"};
 enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
-static const char *const X_NAMES[N_X] = {"name_code", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id",
-                                         "arg_device", "arg_stream", "coll", "in_nelems", "dtype", "src_rank",
-                                         "dst_rank", "pg_name", "pg_desc", "concrete_inputs", "input_dims",
-                                         "input_type"};
+static const char M_FMT[N_M] = {'l', 'l', 'l', 'l'};
 static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device"};
+enum { G_ROW, G_DEVICE, G_STREAM, N_G };
+static const char G_FMT[N_G] = {'l', 'l', 'l'};
+static const char *const G_NAMES[N_G] = {"row", "arg_device", "arg_stream"};
+enum { C_ROW, C_COLL, C_NELEMS, C_DTYPE, C_SRC, C_DST, C_PGN, C_PGD, N_C };
+static const char C_FMT[N_C] = {'l', 'U', 'l', 'U', 'l', 'l', 'U', 'U'};
+static const char *const C_NAMES[N_C] = {"row", "coll", "in_nelems", "dtype", "src_rank", "dst_rank", "pg_name",
+                                         "pg_desc"};
+enum { S_ROW, S_CONCRETE, S_DIMS, S_TYPES, N_S };
+static const char S_FMT[N_S] = {'l', 'U', 'U', 'U'};
+static const char *const S_NAMES[N_S] = {"row", "concrete_inputs", "input_dims", "input_type"};
+enum { T_X, T_M, T_G, T_C, N_T }; /* tables an odd value can be in */
+static const char *const DICT_NAMES[1] = {"value"};
 
-typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd; /* table 0: X, 1: memory */
-static const char *const DICT_NAMES[1] = {"name"};
+typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd;
 
-/* The distinct event names of a batch: an open-addressing table of codes into ``dict`` (a string column). */
-typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; } Intern;
-typedef struct { Col x[N_X]; Col m[N_M]; Col dict; Intern names; Buf scratch, scratch2, odd; } Out;
+/* The distinct values of a text column across a file (dictionary encoding: an event holds a code; a kernel's name of
+ * hundreds of bytes is stored once, not once per event): an open-addressing table of codes into ``col``, and a flag
+ * byte per value (F_*), decided once when the value is first seen. */
+enum { D_NAME, D_CAT, D_PID, D_TID, N_D };
+enum { F_GPU = 1, F_COMM = 2, F_SHAPED = 4 };
+typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; Col col; Buf flags; } Dict;
 
-static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* FNV-1a, then a final mix */
-    uint64_t h = 1469598103934665603ULL;
-    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ (uchar)s[i]) * 1099511628211ULL;
+/* Byte strings given by Python (kineto.py holds the names; they are not repeated here). */
+typedef struct { char **s; Py_ssize_t *n; Py_ssize_t count; } Words;
+
+typedef struct {
+    PyObject_HEAD
+    Dict d[N_D];
+    int64_t rows; /* X rows emitted so far */
+    Words gpu_cats, comm_names, shaped_names, shaped_prefixes;
+    int busy;
+} Scanner;
+
+typedef struct { Col x[N_X], m[N_M], g[N_G], c[N_C], s[N_S]; Buf scratch, scratch2, odd; } Out;
+
+static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* 8 bytes a step, then a final mix */
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, w;
+    for (; n >= 8; s += 8, n -= 8) {
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdULL;
+        h ^= h >> 32;
+    }
+    if (n) {
+        w = 0;
+        memcpy(&w, s, (size_t)n);
+        h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
+    }
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     return h ^ (h >> 33);
 }
 
-static int intern_grow(Intern *t) {
-    Py_ssize_t cap = t->cap ? t->cap * 2 : 1024;
+static int dict_grow(Dict *t) {
+    Py_ssize_t cap = t->cap ? t->cap * 2 : 64;
     int32_t *slots = malloc(sizeof(int32_t) * (size_t)cap);
     uint64_t *hashes = realloc(t->hashes, sizeof(uint64_t) * (size_t)(cap / 2));
     if (!slots || !hashes) { free(slots); if (hashes) t->hashes = hashes; return ST_NOMEM; }
@@ -857,33 +911,50 @@ static int intern_grow(Intern *t) {
     return ST_OK;
 }
 
-/* The code of name s[0:n] in the batch's dictionary, adding it when new. */
-static int intern(Out *o, const char *s, Py_ssize_t n, int64_t *code) {
-    Intern *t = &o->names;
-    if ((t->n + 1) * 2 > t->cap) TRY(intern_grow(t));
+static int in_words(const Words *w, const char *s, Py_ssize_t n, int prefix) {
+    for (Py_ssize_t i = 0; i < w->count; i++)
+        if ((prefix ? n >= w->n[i] : n == w->n[i]) && !memcmp(s, w->s[i], (size_t)w->n[i])) return 1;
+    return 0;
+}
+
+static unsigned char flags_of(const Scanner *sc, int which, const char *s, Py_ssize_t n) {
+    if (which == D_CAT) return in_words(&sc->gpu_cats, s, n, 0) ? F_GPU : 0;
+    if (which != D_NAME) return 0;
+    return (unsigned char)((in_words(&sc->comm_names, s, n, 0) ? F_COMM : 0) |
+                           (in_words(&sc->shaped_names, s, n, 0) || in_words(&sc->shaped_prefixes, s, n, 1) ? F_SHAPED
+                                                                                                              : 0));
+}
+
+/* The code of s[0:n] in dictionary ``which``, adding it when new; *flags: its F_* flags. */
+static int intern(Scanner *sc, int which, const char *s, Py_ssize_t n, int32_t *code, unsigned char *flags) {
+    Dict *t = &sc->d[which];
+    if ((t->n + 1) * 2 > t->cap) TRY(dict_grow(t));
     uint64_t h = hash_bytes(s, n);
     size_t mask = (size_t)(t->cap - 1), i = (size_t)h & mask;
-    const int64_t *offs;
+    const int64_t *offs = (const int64_t *)t->col.offs.d;
     for (;; i = (i + 1) & mask) {
         int32_t c = t->slots[i];
         if (c < 0) break;
-        offs = (const int64_t *)o->dict.offs.d;
-        if (t->hashes[c] == h && offs[c + 1] - offs[c] == n && !memcmp(o->dict.data.d + offs[c], s, (size_t)n)) {
+        if (t->hashes[c] == h && offs[c + 1] - offs[c] == n && !memcmp(t->col.data.d + offs[c], s, (size_t)n)) {
             *code = c;
+            *flags = (unsigned char)t->flags.d[c];
             return ST_OK;
         }
     }
     if (t->n >= INT32_MAX) return ST_NOMEM;
-    TRY(buf_put(&o->dict.data, s, n));
-    TRY(col_str_end(&o->dict, 1));
+    unsigned char f = flags_of(sc, which, s, n);
+    TRY(buf_put(&t->col.data, s, n));
+    TRY(col_str_end(&t->col, 1));
+    TRY(buf_put(&t->flags, &f, 1));
     t->hashes[t->n] = h;
     t->slots[i] = (int32_t)t->n;
-    *code = t->n++;
+    *code = (int32_t)t->n++;
+    *flags = f;
     return ST_OK;
 }
 
-static inline int put_int(Out *o, int table, int col, const IntV *v) {
-    Col *c = table ? &o->m[col] : &o->x[col];
+static inline int put_int(Out *o, Col *cols, int table, int col, const IntV *v) {
+    Col *c = &cols[col];
     if (v->odd_s) {
         Odd d = {table, col, c->n, v->odd_s, v->odd_e};
         TRY(buf_put(&o->odd, &d, sizeof d));
@@ -899,15 +970,27 @@ static int put_span(Col *c, const Span *sp) {
     return col_str_end(c, 0);
 }
 
-static int put_raw(Col *c, const uchar *s, const uchar *e, int keep) {
-    if (keep && s) {
+/* A text field (string, or a number's literal for pid/tid) as its code in dictionary ``which``; null when absent. */
+static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, unsigned char *flags) {
+    *flags = 0;
+    if (sp->kind != K_STR && sp->kind != K_INT) return col_i32(c, 0, 0);
+    const char *s;
+    Py_ssize_t n;
+    int32_t code;
+    TRY(text_of(sp, &o->scratch2, &s, &n));
+    TRY(intern(sc, which, s, n, &code, flags));
+    return col_i32(c, code, 1);
+}
+
+static int put_raw(Col *c, const uchar *s, const uchar *e) {
+    if (s) {
         TRY(buf_put(&c->data, s, e - s));
         return col_str_end(c, 1);
     }
     return col_str_end(c, 0);
 }
 
-static int emit(Out *o, const Ev *ev) {
+static int emit(Out *o, Scanner *sc, const Ev *ev) {
     const char *ph = "", *name = "";
     Py_ssize_t phn = 0, namen = 0;
     if (ev->ph.kind == K_STR) TRY(text_of(&ev->ph, &o->scratch, &ph, &phn));
@@ -916,59 +999,78 @@ static int emit(Out *o, const Ev *ev) {
     if (ph[0] == 'i') {
         if (!is_key(name, namen, "[memory]")) return ST_OK;
         TRY(col_int(&o->m[M_TS], ev->ts.v, ev->ts.ok));
-        TRY(put_int(o, 1, M_TOTAL, &ev->a[A_TOTAL]));
-        TRY(put_int(o, 1, M_BYTES, &ev->a[A_BYTES]));
-        return put_int(o, 1, M_DEVID, &ev->a[A_DEVID]);
+        TRY(put_int(o, o->m, T_M, M_TOTAL, &ev->a[A_TOTAL]));
+        TRY(put_int(o, o->m, T_M, M_BYTES, &ev->a[A_BYTES]));
+        return put_int(o, o->m, T_M, M_DEVID, &ev->a[A_DEVID]);
     }
     Col *x = o->x;
-    int64_t code;
-    TRY(intern(o, name, namen, &code));
-    TRY(col_int(&x[X_NAME], code, 1));
-    TRY(put_span(&x[X_CAT], &ev->cat));
-    TRY(put_span(&x[X_PID], &ev->pid));
-    TRY(put_span(&x[X_TID], &ev->tid));
+    int64_t row = sc->rows + x[X_NAME].n;
+    int32_t code;
+    unsigned char name_flags, cat_flags, unused;
+    TRY(intern(sc, D_NAME, name, namen, &code, &name_flags)); /* name: scratch2 is free again after this */
+    TRY(col_i32(&x[X_NAME], code, 1));
+    TRY(put_code(sc, o, D_CAT, &x[X_CAT], &ev->cat, &cat_flags));
+    TRY(put_code(sc, o, D_PID, &x[X_PID], &ev->pid, &unused));
+    TRY(put_code(sc, o, D_TID, &x[X_TID], &ev->tid, &unused));
     TRY(col_int(&x[X_TS], ev->ts.v, ev->ts.ok));
     TRY(col_int(&x[X_DUR], ev->dur.v, ev->dur.ok));
-    static const int ints[][2] = {{X_CORR, A_CORR}, {X_EXT, A_EXT}, {X_DEVICE, A_DEVICE}, {X_STREAM, A_STREAM},
-                                  {X_NELEMS, A_NELEMS}, {X_SRC, A_SRC}, {X_DST, A_DST}};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) TRY(put_int(o, 0, ints[i][0], &ev->a[ints[i][1]]));
-    static const int strs[][2] = {{X_COLL, S_COLL}, {X_DTYPE, S_DTYPE}, {X_PGN, S_PGN}, {X_PGD, S_PGD}};
-    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
-        const Span *sp = &ev->s[strs[i][1]];
-        Col *c = &x[strs[i][0]];
-        if (sp->kind == K_ODD) {
-            Odd d = {0, strs[i][0], c->n, sp->s, sp->s + sp->n};
-            TRY(buf_put(&o->odd, &d, sizeof d));
-            TRY(col_str_end(c, 0));
-        } else {
-            TRY(put_span(c, sp));
+    TRY(put_int(o, x, T_X, X_CORR, &ev->a[A_CORR]));
+    TRY(put_int(o, x, T_X, X_EXT, &ev->a[A_EXT]));
+    if (cat_flags & F_GPU) {
+        TRY(col_int(&o->g[G_ROW], row, 1));
+        TRY(put_int(o, o->g, T_G, G_DEVICE, &ev->a[A_DEVICE]));
+        TRY(put_int(o, o->g, T_G, G_STREAM, &ev->a[A_STREAM]));
+    }
+    if (name_flags & F_COMM) {
+        Col *c = o->c;
+        TRY(col_int(&c[C_ROW], row, 1));
+        static const int ints[][2] = {{C_NELEMS, A_NELEMS}, {C_SRC, A_SRC}, {C_DST, A_DST}};
+        for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) TRY(put_int(o, c, T_C, ints[i][0], &ev->a[ints[i][1]]));
+        static const int strs[][2] = {{C_COLL, S_COLL}, {C_DTYPE, S_DTYPE}, {C_PGN, S_PGN}, {C_PGD, S_PGD}};
+        for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+            const Span *sp = &ev->s[strs[i][1]];
+            Col *col = &c[strs[i][0]];
+            if (sp->kind == K_ODD) {
+                Odd d = {T_C, strs[i][0], col->n, sp->s, sp->s + sp->n};
+                TRY(buf_put(&o->odd, &d, sizeof d));
+                TRY(col_str_end(col, 0));
+            } else {
+                TRY(put_span(col, sp));
+            }
         }
     }
     /* record_shapes lists: kept (as JSON text) only for the gloo P2P events whose peers and sizes ingest reads */
-    int shaped = is_key(name, namen, "c10d::send") || is_key(name, namen, "c10d::recv_") ||
-                 (namen >= 5 && !memcmp(name, "gloo:", 5));
-    for (int i = 0; i < N_RAW; i++) TRY(put_raw(&x[X_CONCRETE + i], ev->raw_s[i], ev->raw_e[i], shaped));
+    if (name_flags & F_SHAPED) {
+        TRY(col_int(&o->s[S_ROW], row, 1));
+        for (int i = 0; i < N_RAW; i++) TRY(put_raw(&o->s[S_CONCRETE + i], ev->raw_s[i], ev->raw_e[i]));
+    }
+    return ST_OK;
+}
+
+static int cols_init(Col *cols, int n, const char *fmt) {
+    int64_t zero = 0;
+    for (int i = 0; i < n; i++) {
+        cols[i].fmt = fmt[i];
+        if (fmt[i] == 'U') TRY(buf_put(&cols[i].offs, &zero, 8));
+    }
     return ST_OK;
 }
 
 static int out_init(Out *o) {
     memset(o, 0, sizeof *o);
-    int64_t zero = 0;
-    for (int i = 0; i < N_X; i++) {
-        o->x[i].is_str = X_IS_STR[i];
-        if (X_IS_STR[i]) TRY(buf_put(&o->x[i].offs, &zero, 8));
-    }
-    o->dict.is_str = 1;
-    TRY(buf_put(&o->dict.offs, &zero, 8));
-    return ST_OK;
+    TRY(cols_init(o->x, N_X, X_FMT));
+    TRY(cols_init(o->m, N_M, M_FMT));
+    TRY(cols_init(o->g, N_G, G_FMT));
+    TRY(cols_init(o->c, N_C, C_FMT));
+    return cols_init(o->s, N_S, S_FMT);
 }
 
 static void out_free(Out *o) {
     for (int i = 0; i < N_X; i++) col_free(&o->x[i]);
     for (int i = 0; i < N_M; i++) col_free(&o->m[i]);
-    col_free(&o->dict);
-    free(o->names.slots);
-    free(o->names.hashes);
+    for (int i = 0; i < N_G; i++) col_free(&o->g[i]);
+    for (int i = 0; i < N_C; i++) col_free(&o->c[i]);
+    for (int i = 0; i < N_S; i++) col_free(&o->s[i]);
     free(o->scratch.d);
     free(o->scratch2.d);
     free(o->odd.d);
@@ -986,6 +1088,119 @@ static PyObject *odd_result(Out *o) {
     }
     return list;
 }
+
+/* --- the scanner's state across a file: its dictionaries ------------------------------------------------------ */
+static void words_free(Words *w) {
+    for (Py_ssize_t i = 0; i < w->count; i++) free(w->s[i]);
+    free(w->s);
+    free(w->n);
+    memset(w, 0, sizeof *w);
+}
+
+static int words_from(PyObject *seq, Words *w) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of bytes");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    w->s = calloc((size_t)(n ? n : 1), sizeof *w->s);
+    w->n = calloc((size_t)(n ? n : 1), sizeof *w->n);
+    if (!w->s || !w->n) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        char *s;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(item, &s, &len) < 0) { Py_DECREF(fast); return -1; }
+        w->s[i] = malloc((size_t)(len ? len : 1));
+        if (!w->s[i]) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+        memcpy(w->s[i], s, (size_t)len);
+        w->n[i] = len;
+        w->count = i + 1;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void scanner_dealloc(Scanner *sc) {
+    for (int i = 0; i < N_D; i++) {
+        free(sc->d[i].slots);
+        free(sc->d[i].hashes);
+        col_free(&sc->d[i].col);
+        free(sc->d[i].flags.d);
+    }
+    words_free(&sc->gpu_cats);
+    words_free(&sc->comm_names);
+    words_free(&sc->shaped_names);
+    words_free(&sc->shaped_prefixes);
+    Py_TYPE(sc)->tp_free((PyObject *)sc);
+}
+
+static PyObject *scanner_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"gpu_cats", "comm_names", "shaped_names", "shaped_prefixes", NULL};
+    PyObject *a, *b, *c, *d;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO", kwlist, &a, &b, &c, &d)) return NULL;
+    Scanner *sc = (Scanner *)type->tp_alloc(type, 0); /* zero-filled */
+    if (!sc) return NULL;
+    int64_t zero = 0;
+    for (int i = 0; i < N_D; i++) {
+        sc->d[i].col.fmt = 'U';
+        if (buf_put(&sc->d[i].col.offs, &zero, 8)) { Py_DECREF(sc); return PyErr_NoMemory(); }
+    }
+    if (words_from(a, &sc->gpu_cats) || words_from(b, &sc->comm_names) || words_from(c, &sc->shaped_names) ||
+        words_from(d, &sc->shaped_prefixes)) {
+        Py_DECREF(sc);
+        return NULL;
+    }
+    return (PyObject *)sc;
+}
+
+static int col_copy(Col *dst, const Col *src) {
+    memset(dst, 0, sizeof *dst);
+    dst->fmt = src->fmt;
+    dst->n = src->n;
+    dst->nulls = src->nulls;
+    if (buf_put(&dst->data, src->data.d, src->data.len) || buf_put(&dst->offs, src->offs.d, src->offs.len) ||
+        buf_put(&dst->valid, src->valid.d, src->valid.len)) {
+        col_free(dst);
+        return ST_NOMEM;
+    }
+    return ST_OK;
+}
+
+static PyObject *batch_new(Col *cols, int n, const char *const *names);
+
+/* dictionaries() -> (name, cat, pid, tid): each a Batch of one string column "value", the distinct values so far
+ * in code order (copies: the scanner goes on adding to its own). */
+static PyObject *scanner_dictionaries(Scanner *sc, PyObject *unused) {
+    PyObject *out = PyTuple_New(N_D);
+    if (!out) return NULL;
+    for (int i = 0; i < N_D; i++) {
+        Col c;
+        if (col_copy(&c, &sc->d[i].col)) { Py_DECREF(out); return PyErr_NoMemory(); }
+        PyObject *b = batch_new(&c, 1, DICT_NAMES);
+        col_free(&c);
+        if (!b) { Py_DECREF(out); return NULL; }
+        PyTuple_SET_ITEM(out, i, b);
+    }
+    return out;
+}
+
+static PyMethodDef scanner_methods[] = {
+    {"dictionaries", (PyCFunction)scanner_dictionaries, METH_NOARGS,
+     "dictionaries() -> (name, cat, pid, tid) Batches: each dictionary's distinct values in code order"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ScannerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceana.ingest._scan.Scanner",
+    .tp_basicsize = sizeof(Scanner),
+    .tp_dealloc = (destructor)scanner_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Scanner(gpu_cats, comm_names, shaped_names, shaped_prefixes): one file's dictionaries and row count "
+              "across events() calls; the byte strings say which cats are a GPU stream's and which names get the "
+              "communication (C) and record_shapes (S) tables.",
+    .tp_methods = scanner_methods,
+    .tp_new = scanner_new,
+};
 
 /* --- the two entry points ------------------------------------------------------------------------------------- */
 static PyObject *fail(int st, P *ps) {
@@ -1059,8 +1274,17 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos, max_bytes;
     int first, final;
-    if (!PyArg_ParseTuple(args, "y*npnp", &view, &pos, &first, &max_bytes, &final)) return NULL;
+    PyObject *scanner;
+    if (!PyArg_ParseTuple(args, "y*npnpO!", &view, &pos, &first, &max_bytes, &final, &ScannerType, &scanner))
+        return NULL;
+    Scanner *sc = (Scanner *)scanner;
     if (!check_pos(&view, pos)) { PyBuffer_Release(&view); return NULL; }
+    if (sc->busy) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, "a Scanner is used by one thread at a time");
+        return NULL;
+    }
+    sc->busy = 1;
     Out o;
     PyObject *result = NULL;
     P ps = {view.buf, (const uchar *)view.buf + pos, (const uchar *)view.buf + view.len, NULL};
@@ -1085,13 +1309,14 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
         int last = *ps.p == ']';
         if (!last && *ps.p != ',') { st = bad(&ps, "expected ',' or ']' after an event"); break; }
         ps.p++;
-        if ((st = emit(&o, &ev))) break;
+        if ((st = emit(&o, sc, &ev))) break;
         n_events++;
         first = 0;
         if (last) { status = R_END; break; }
         if (ps.p - start >= max_bytes) break;
     }
     Py_END_ALLOW_THREADS
+    sc->busy = 0;
     if (st == ST_NEED && !final) {
         st = ST_OK;
         status = R_NEED;
@@ -1100,17 +1325,20 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
     if (st) {
         fail(st, &ps);
     } else {
+        sc->rows += o.x[X_NAME].n;
         PyObject *x = batch_new(o.x, N_X, X_NAMES), *m = x ? batch_new(o.m, N_M, M_NAMES) : NULL;
-        PyObject *d = m ? batch_new(&o.dict, 1, DICT_NAMES) : NULL;
-        PyObject *odd = d ? odd_result(&o) : NULL;
-        if (x && m && d && odd)
-            result = Py_BuildValue("(inONNNnN)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
-                                   m, odd, n_events, d);
+        PyObject *g = m ? batch_new(o.g, N_G, G_NAMES) : NULL, *c = g ? batch_new(o.c, N_C, C_NAMES) : NULL;
+        PyObject *s = c ? batch_new(o.s, N_S, S_NAMES) : NULL;
+        PyObject *odd = s ? odd_result(&o) : NULL;
+        if (odd)
+            result = Py_BuildValue("(inONNNNNNn)", status, (Py_ssize_t)(ps.p - ps.base), first ? Py_True : Py_False, x,
+                                   m, g, c, s, odd, n_events);
         else {
             Py_XDECREF(x);
             Py_XDECREF(m);
-            Py_XDECREF(d);
-            Py_XDECREF(odd);
+            Py_XDECREF(g);
+            Py_XDECREF(c);
+            Py_XDECREF(s);
         }
     }
     out_free(&o);
@@ -1121,8 +1349,8 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"top", scan_top, METH_VARARGS, "top(buf, pos, opening, final) -> (status, pos, [(key, start, end), ...])"},
     {"events", scan_events, METH_VARARGS,
-     "events(buf, pos, first, max_bytes, final) -> (status, pos, first, x_columns, memory_columns, odd, n_events, "
-     "names)"},
+     "events(buf, pos, first, max_bytes, final, scanner) -> (status, pos, first, x, memory, gpu, comm, shapes, odd, "
+     "n_events)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1130,10 +1358,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native colu
                                     methods};
 
 PyMODINIT_FUNC PyInit__scan(void) {
-    if (PyType_Ready(&BatchType) < 0) return NULL;
+    if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&ScannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0) return NULL;
+    if (PyModule_AddObjectRef(m, "Scanner", (PyObject *)&ScannerType) < 0) return NULL;
     Unsupported = PyErr_NewException("traceana.ingest._scan.Unsupported", PyExc_ValueError, NULL);
     if (!Unsupported || PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0) return NULL;
     static const struct { const char *name; int v; } consts[] = {

@@ -678,6 +678,9 @@ class _Batches:
         self.shapes: list[pl.DataFrame] = []
         self.rows = 0  # X events so far
         self.n_mem = 0  # [memory] instants so far
+        # The native scanner's X frames hold name, cat, pid and tid as codes into these (each a String Series of the
+        # file's distinct values); None: the general decoder's frames hold the text (see _finish).
+        self.dicts: tuple[pl.Series, ...] | None = None
 
     def add(self, evs: list[_Event], ts: pl.Series) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
@@ -724,31 +727,28 @@ class _Batches:
             self.shapes.append(_shape_facts(*(list(map(attrgetter(f), sub)) for f in _SHAPE_ARGS), shaped + self.rows))
         self.rows += frame.height
 
-    def add_columns(self, x_cols, mem_cols, odd: list, names_: Any) -> None:
-        """The same frames from the native scanner's column buffers (X events and memory instants only)."""
-        mem = _with_odd(_arrow_frame(mem_cols), odd, 1)
+    def add_columns(self, x_cols, mem_cols, gpu_cols, comm_cols, shape_cols, odd: list) -> None:
+        """The scanner's tables of one call (``_scan.c`` "emitting rows"): X events with name, cat, pid and tid as codes
+        into the file's dictionaries, memory instants, and the sparse GPU, communication and record_shapes rows, which
+        already hold their X event's row in the file."""
+        mem = _with_odd(_arrow_frame(mem_cols), odd, _ODD_MEM)
         if mem.height:
             self.mem.append(mem)
             self.n_mem += mem.height
-        x = _with_odd(_arrow_frame(x_cols), odd, 0)
-        if not x.height:
-            return
-        # Names arrive dictionary-encoded; gathering from the batch's distinct names gives string views that share
-        # its one copy of each name (16 bytes per event instead of the name's bytes: kernel names are long).
-        x = x.with_columns(_arrow_frame(names_).to_series().gather(x["name_code"]).alias("name"))
-        x = x.with_row_index("row", offset=self.rows)
-        gpu = x.filter(pl.col("cat").is_in(_GPU_CAT_NAMES)).select("row", *(c for c, _, _ in _GPU_ARGS))
+        x = _with_odd(_arrow_frame(x_cols), odd, _ODD_X)
+        gpu = _with_odd(_arrow_frame(gpu_cols), odd, _ODD_GPU)
         if gpu.height:
-            self.gpu.append(gpu)
-        comm = x.filter(pl.col("name") == names.RECORD_PARAM_COMMS).select("row", *(c for c, _, _ in _COMM_ARGS))
+            self.gpu.append(gpu.with_columns(pl.col("row").cast(pl.UInt32)))
+        comm = _with_odd(_arrow_frame(comm_cols), odd, _ODD_COMM)
         if comm.height:
-            self.comm.append(comm)
-        shaped = x.filter(pl.col("name").is_in(list(_SHAPES_NAMES)) | pl.col("name").str.starts_with(_GLOO_PREFIX))
+            self.comm.append(comm.with_columns(pl.col("row").cast(pl.UInt32)))
+        shaped = _arrow_frame(shape_cols)
         if shaped.height:
             raws = (shaped[c].to_list() for c in _SHAPE_ARGS)
             self.shapes.append(_shape_facts(*raws, shaped["row"]))
-        self.x.append(x.select(list(_X_SCHEMA)))
-        self.rows += x.height
+        if x.height:
+            self.x.append(x)
+            self.rows += x.height
 
 
 def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
@@ -834,6 +834,13 @@ _META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "tra
 def native_available() -> bool:
     """Whether the native scanner was built (it needs a C compiler at install time)."""
     return _scan is not None
+
+
+# Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
+_GPU_CAT_BYTES = tuple(c.encode() for c in _GPU_CAT_NAMES)
+_COMM_NAME_BYTES = (names.RECORD_PARAM_COMMS.encode(),)
+_SHAPES_NAME_BYTES = tuple(n.encode() for n in _SHAPES_NAMES)
+_ODD_X, _ODD_MEM, _ODD_GPU, _ODD_COMM = range(4)  # the tables of the scanner's odd values (_scan.c T_*)
 
 
 class _NotNative(Exception):
@@ -940,11 +947,11 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
         top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
         first = True
         budget = _Budget(path)
+        scanner = _scan.Scanner(_GPU_CAT_BYTES, _COMM_NAME_BYTES, _SHAPES_NAME_BYTES, (_GLOO_PREFIX.encode(),))
         while True:
-            status, pos, first, x_cols, mem_cols, odd, _, names_ = _scan.events(r.buf, pos, first, NATIVE_CHUNK,
-                                                                                 r.final)
-            batches.add_columns(x_cols, mem_cols, odd, names_)
-            del x_cols, mem_cols, names_
+            status, pos, first, *tables, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final, scanner)
+            batches.add_columns(*tables, odd)
+            del tables
             budget.check(batches)
             if on_progress is not None:
                 on_progress(r.done(), r.size)
@@ -960,6 +967,7 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
         if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
             raise _NotNative("a second traceEvents")
         top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
+        batches.dicts = tuple(_arrow_frame(d).to_series() for d in scanner.dictionaries())
         while True:  # only whitespace may follow
             if bytes(r.buf[end:]).strip(b" \t\r\n"):
                 raise _NotNative("data after the trace object")
@@ -1142,11 +1150,29 @@ def _absolute(ts_rel: pl.Expr, base_ns: int | None, sample: pl.Series | None) ->
     return pl.when(ts_rel.is_between(0, 2**62)).then(ts_rel)
 
 
+_TEXT = ("name", "cat", "pid", "tid")  # the X columns the native scanner gives as codes into the file's dictionaries
+
+
+def _codes(x: pl.DataFrame) -> tuple[pl.DataFrame, tuple[pl.Series, ...]]:
+    """The general decoder's text columns as codes into their distinct values, as the native scanner gives them."""
+    dicts = tuple(x[c].drop_nulls().unique(maintain_order=True).alias("value") for c in _TEXT)
+    return x.with_columns(x[c].cast(pl.Enum(d)).to_physical().alias(c) for c, d in zip(_TEXT, dicts)), dicts
+
+
 def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """Per-batch columns → EVENTS and MEMORY tables (whole-column polars expressions only)."""
-    # rechunk=False: the batches stay as they are (no copy of the whole table; the sort below makes it contiguous)
-    x = pl.concat(batches.x, how="vertical", rechunk=False) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
+    """Per-batch columns → EVENTS and MEMORY tables (whole-column polars expressions only).
+
+    name, cat, pid and tid stay codes into the file's distinct values until the table is sorted: what is derived
+    from them (GPU or not, device and stream numbers, the track's text) is computed once per distinct value, and
+    the sorted table's text columns are gathered from the distinct values at the end (the name as string views of
+    one copy of each name, the others categorical)."""
+    x = pl.concat(batches.x, how="vertical", rechunk=True) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
     batches.x.clear()
+    if batches.dicts is None or not x.height:
+        x, dicts = _codes(x.cast({c: pl.String for c in _TEXT}) if not x.height else x)
+    else:
+        dicts = batches.dicts
+    name_d, cat_d, pid_d, tid_d = dicts
     gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
     x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
                        for c, _, _ in _GPU_ARGS)
@@ -1162,31 +1188,38 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         schema.MEMORY,
     )
 
+    # Per distinct value: a GPU stream's category; pid and tid as numbers (Kineto writes a GPU's device as pid and
+    # its stream as tid, the stream sometimes as text: "stream 7"). A null pid or tid is "" in the table.
+    pid_text, tid_text = (pl.concat([d, pl.Series("value", [""])]) for d in (pid_d, tid_d))  # code len(d): null
+    pid_code = pl.col("pid").fill_null(len(pid_d))
+    tid_code = pl.col("tid").fill_null(len(tid_d))
+    per_value = pl.DataFrame({"t": tid_text}).select(
+        pl.coalesce(pl.col("t").cast(pl.Int64, strict=False),
+                    pl.col("t").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))).to_series()
     # Until the filter below, "row" is also each event's position: facts are put in place by position.
     x = x.with_row_index("row").with_columns(
         ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
         dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
         rank=rank_lit,
-        is_gpu=pl.col("cat").is_in(_GPU_CAT_NAMES).fill_null(False),
-        pid=pl.col("pid").fill_null(""),
-        tid=pl.col("tid").fill_null(""),
+        is_gpu=pl.lit(cat_d.is_in(_GPU_CAT_NAMES)).gather(pl.col("cat")).fill_null(False),
+        pid=pid_code,
+        tid=tid_code,
     )
-    stream_from_tid = pl.col("tid").cast(pl.Int64, strict=False)
-    if x.select((pl.col("is_gpu") & pl.col("arg_stream").is_null() & stream_from_tid.is_null()).any()).item():
-        # A GPU stream named in text ("stream 7"): only then is the regex worth running over the column.
-        stream_from_tid = pl.coalesce(stream_from_tid,
-                                      pl.col("tid").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))
     x = x.with_columns(
-        device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"), pl.col("pid").cast(pl.Int64, strict=False))),
-        stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), stream_from_tid)),
+        device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"),
+                                                  pl.lit(pid_text.cast(pl.Int64, strict=False)).gather("pid"))),
+        stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), pl.lit(per_value).gather("tid"))),
     )
-    # "gpu:{device}:{stream}" or "cpu:{pid}:{tid}" in one pass (device/stream are null off the GPU).
-    x = x.with_columns(
+    # "gpu:{device}:{stream}" or "cpu:{pid}:{tid}" (device/stream are null off the GPU), formatted once per distinct
+    # (GPU or not, device, stream, pid, tid) and joined back.
+    keys = ["is_gpu", "device", "stream", "pid", "tid"]
+    tracks = x.select(keys).unique().with_columns(
         track=pl.format("{}:{}:{}", pl.when("is_gpu").then(pl.lit("gpu")).otherwise(pl.lit("cpu")),
-                        pl.coalesce(pl.col("device").cast(pl.String), pl.col("pid")),
-                        pl.coalesce(pl.col("stream").cast(pl.String), pl.col("tid"))),
-    )
-    x = _comms(x, batches, pg_config)
+                        pl.coalesce(pl.col("device").cast(pl.String), pl.lit(pid_text).gather("pid")),
+                        pl.coalesce(pl.col("stream").cast(pl.String), pl.lit(tid_text).gather("tid")))
+        .cast(schema.EVENTS["track"]))
+    x = x.join(tracks, on=keys, how="left", nulls_equal=True, maintain_order="left")
+    x = _comms(x, batches, pg_config, name_d)
     in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
               for c in ("device", "stream", "peer", "tag")]
     x = x.with_columns(*in_i32, keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
@@ -1196,9 +1229,13 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         x = x.filter("keep")
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
     # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
-    columns = schema.conform(x, schema.EVENTS).get_columns()
+    body = {c: t for c, t in schema.EVENTS.items() if c not in _TEXT}
+    columns = [*x.select(_TEXT).get_columns(), *schema.conform(x, body).get_columns()]
     del x  # the list holds the only reference to each column now (helper columns are freed here)
     events = _sorted_by_columns(columns)
+    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
+            "tid": tid_text.cast(schema.EVENTS["tid"])}
+    events = events.with_columns(pl.lit(d).gather(c).alias(c) for c, d in text.items()).select(list(schema.EVENTS))
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
 
 
@@ -1221,7 +1258,7 @@ def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
 _COMM_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _COMM_ARGS}}
 
 
-def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any) -> pl.DataFrame:
+def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series) -> pl.DataFrame:
     """peer, tag, nbytes, coll and pg for communication events (joined from the sparse per-batch facts).
 
     NCCL: ``record_param_comms`` gives "Collective name", "In msg nelems" × "dtype", and for P2P "Dst Rank"/"Src
@@ -1241,8 +1278,10 @@ def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any) -> pl.DataFrame:
     ).drop("pg_name")
     shapes = pl.concat(batches.shapes) if batches.shapes else None
     if shapes is not None and shapes.height:
-        shaped = pl.concat([x.select("row", "name", "track", "ts_ns", "dur_ns")[shapes["row"]], shapes.drop("row")],
-                           how="horizontal").filter(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
+        ev = x.select("row", "ts_ns", "dur_ns", name=pl.lit(name_d).gather("name"),
+                      track=pl.col("track").cast(pl.String))[shapes["row"]]  # x's name is a code into name_d
+        shaped = pl.concat([ev, shapes.drop("row")], how="horizontal").filter(
+            pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
         comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
     facts = {"peer": pl.Int64, "tag": pl.Int64, "nbytes": pl.Int64, "coll": pl.String, "pg": pl.String}
     comm = comm.select("row", *[(pl.col(c) if c in comm.columns else pl.lit(None)).cast(t).alias(c)
