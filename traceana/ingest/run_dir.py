@@ -130,6 +130,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         warnings.append(trace_cache.note)
     parsed: dict[Path, Parsed] = {}
     misses = []
+    hit = result = None
     for f in files:
         hit = trace_cache.load(f)
         if hit is not None:
@@ -166,20 +167,33 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(_check_ranks(results, manifest, run_dir))
     warnings.extend(_contradictions(results, manifest, run_dir))
     results.sort(key=lambda r: r[2]["rank"])
-    # One contiguous table (analysis needs one, and would otherwise copy it while the ranks' tables are still held).
-    events = (pl.concat([r[0] for r in results], how="vertical", rechunk=True) if results
-              else schema.empty(schema.EVENTS))
     memory = pl.concat([r[1] for r in results], how="vertical") if results else schema.empty(schema.MEMORY)
     traces = schema.conform(
         pl.DataFrame([{k: v for k, v in r[2].items() if k in schema.TRACES} for r in results],
                      schema=schema.TRACES),
         schema.TRACES,
     )
+    frames = [r[0] for r in results]
+    del results, hit, result  # from here ``frames`` holds the only reference to each rank's table
+    parsed.clear()
+    events = _one_table(frames) if frames else schema.empty(schema.EVENTS)
     for w in warnings:
         pywarnings.warn(w, IngestWarning, stacklevel=2)
     return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
                memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
                warnings=tuple(warnings))
+
+
+def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
+    """The ranks' tables as one contiguous table (the analysis needs one), joined a column at a time, each rank's
+    copy of a column dropped as soon as the joined column exists: ``pl.concat(rechunk=True)`` held the whole run's
+    table twice. ``frames`` must hold the only references to the tables; it is emptied."""
+    columns = []
+    for c in frames[0].columns:
+        columns.append(pl.concat([f[c] for f in frames], rechunk=True))
+        frames[:] = [f.drop(c) for f in frames]
+    frames.clear()
+    return pl.DataFrame(columns)
 
 
 # --- parsing, serial or parallel -----------------------------------------------------------------------------------
