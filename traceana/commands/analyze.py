@@ -63,12 +63,11 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
 
 
 def print_tables(analysis, *, per_step: bool) -> None:
-    from rich.console import Console
-
     from traceana.export import per_step_table
     from traceana.classify import rank_summary
     from traceana.schema import CATEGORIES
     from traceana.tables import UNKNOWN, print_line, print_table
+    from traceana.tables import console as output_console
     from traceana.tables import cell as _num
 
     def _ms_pct(ms, pct, step_ms) -> str:
@@ -82,7 +81,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
         # without a stage there is no schedule, so idle time cannot be told apart as warm-up, stall or cool-down
         return stage is None and category.startswith("bubble")
 
-    console = Console()
+    console = output_console()
     ranks = analysis.rank_summary if analysis.rank_summary is not None else rank_summary(analysis.run)
     headers = ["rank", "backend", "devices", "steps", "mean step\nms", "events", "kernels", "P2P ops",
                "collectives", "trace"]

@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(json_fractions(out), indent=2, default=str))
     else:
-        from rich.console import Console
+        from traceana.tables import console
 
-        render(out, console=Console())
+        render(out, console=console())
     return 0

@@ -104,11 +104,10 @@ def run(args: argparse.Namespace) -> int:
                 "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
                 "sentence": verdict.sentence}}), indent=2, default=str))
     else:
-        from rich.console import Console
-
+        from traceana.tables import console as output_console
         from traceana.tables import print_line
 
-        console = Console()
+        console = output_console()
         render(v, cross, console=console)
         if verdict is not None:
             print_line(console, verdict.sentence)
