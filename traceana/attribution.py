@@ -194,17 +194,22 @@ def segments(
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
     # alone): where annotations exist, a message posted early and waited on inside LOAD/ACCEPT would otherwise
     # claim all the idle time in between, which is the pipeline's bubble, not BPipe's cost.
+    # A run without BPipe (no BPipe span, op or message) skips the joins (docs/performance.md "Fixed cost").
     annotated = events.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))
     bp = pairs.filter(pl.col("channel") == "bpipe")
-    bp_msgs = pl.concat([
-        bp.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end")),
-        bp.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end")),
-        unmatched.filter(pl.col("channel") == "bpipe").select("rank", "start", "end"),
-    ]).join(annotated.select("rank").unique(), on="rank", how="anti")
-    bpipe = pl.concat([
-        _span(events.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))),
-        _span(annotated), bp_msgs,
-    ])
+    bp_unmatched = unmatched.filter(pl.col("channel") == "bpipe")
+    bp_ops = events.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))
+    if annotated.height or bp.height or bp_unmatched.height or bp_ops.height:
+        bp_msgs = pl.concat([
+            bp.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
+                      pl.col("send_end_ns").alias("end")),
+            bp.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"),
+                      pl.col("recv_end_ns").alias("end")),
+            bp_unmatched.select("rank", "start", "end"),
+        ]).join(annotated.select("rank").unique(), on="rank", how="anti")
+        bpipe = pl.concat([_span(bp_ops), _span(annotated), bp_msgs])
+    else:
+        bpipe = _span(bp_ops)
     gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
     # The marks are read only for P2P messages: a run without any skips the join over its CPU events.
     has_p2p = (pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()

@@ -67,8 +67,28 @@ def _dir_of(col: pl.Expr, sends: list[str], recvs: list[str]) -> pl.Expr:
     return pl.when(col.is_in(sends)).then(pl.lit(_SEND, pl.UInt8)).when(col.is_in(recvs)).then(pl.lit(_RECV, pl.UInt8))
 
 
+# The last table ``_name_rules`` built, with its rules and names: ``rule_notes`` asks for the table ``classify`` built
+# (the same names and rules, one analysis later), and building it is a few ms of regular expressions even on a tiny
+# trace (docs/performance.md "Fixed cost").
+_LAST_RULES_TABLE: tuple = ()
+
+
+def _distinct_names(events: pl.DataFrame) -> pl.Series:
+    return events["name"].unique(maintain_order=True).drop_nulls()  # in order: the same Series for the same column
+
+
 def _name_rules(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     """Every rule that reads only the event name, one row per distinct name."""
+    global _LAST_RULES_TABLE
+    last = _LAST_RULES_TABLE
+    if last and last[0] is rules and last[1].equals(distinct):
+        return last[2]
+    table = _rules_table(distinct, rules)
+    _LAST_RULES_TABLE = (rules, distinct, table)
+    return table
+
+
+def _rules_table(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     name = pl.col("name")
     return pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
         name.str.contains(names.STEP_PATTERN).alias("_step"),
@@ -162,7 +182,7 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
     # (the Parquet cache yields several).
     events = events.rechunk()
     n = events.height
-    distinct = events["name"].unique().drop_nulls()
+    distinct = _distinct_names(events)
     code = events["name"].cast(pl.Enum(distinct)).to_physical()
     table = _name_rules(distinct, rules)
     # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
@@ -241,7 +261,7 @@ def rule_notes(events: pl.DataFrame, rules: names.NameRules) -> list[str]:
     """One note per name rule that labelled events: which convention, how many spans got a phase and how many
     events a kind, so a reader sees what came from names rather than from the PP: contract. Rules are tried on the
     distinct names; events are counted only when one matched."""
-    distinct = events["name"].unique().drop_nulls()
+    distinct = _distinct_names(events)
     table = _name_rules(distinct, rules).select("_phase_rule", "_kind_rule", "pp_action", "_rule_action") \
         .with_columns(distinct.alias("name"))
     hit = table.filter((pl.col("_phase_rule").is_not_null() & (pl.col("pp_action") == pl.col("_rule_action")))
@@ -334,5 +354,5 @@ def rank_summary(run: Run) -> pl.DataFrame:
         .select("rank", "world_size", "backend", "devices", "steps", "first_step", "last_step", "mean_step_ms",
                 "n_events", "kernels", "nccl_kernels", "p2p_ops", "collectives", "truncated", "path")
         .sort("rank")
-        .collect()
+        .collect(engine=iv.ENGINE)
     )

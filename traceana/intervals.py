@@ -14,6 +14,10 @@ from collections.abc import Sequence
 import polars as pl
 
 START, END = "start", "end"
+# The engine that runs traceana's lazy queries (``LazyFrame.collect(engine=ENGINE)``): polars' "auto" picks its
+# streaming engine, which costs about twice the CPU of the in-memory one on a small frame (~1 ms a query) and was
+# no faster on an 87 MB trace; the frames are in memory already (docs/performance.md "Fixed cost").
+ENGINE = "in-memory"
 
 
 def _keys(by: Sequence[str] | str | None) -> list[str]:
@@ -38,7 +42,7 @@ def _runs(frame: pl.LazyFrame, new: pl.Expr, keep: list, last: list) -> pl.DataF
     ``last`` from its last row. Filters instead of a group-by: runs are contiguous, so the k-th first row and the
     k-th last row belong to the same run."""
     df = frame.with_columns(new.alias("_new")).with_columns(pl.col("_new").shift(-1, fill_value=True).alias("_last"))
-    df = df.collect()
+    df = df.collect(engine=ENGINE)
     return df.filter("_new").select(*keep).hstack(df.filter("_last").select(*last))
 
 
@@ -129,7 +133,7 @@ def _has(i: int) -> pl.Expr:
 
 def _combine(a: pl.DataFrame, b: pl.DataFrame, by, keep: pl.Expr) -> pl.DataFrame:
     keys = _keys(by)
-    segs = _sweep([a, b], keys).filter(keep).select(*keys, START, END).collect()
+    segs = _sweep([a, b], keys).filter(keep).select(*keys, START, END).collect(engine=ENGINE)
     return merge(segs, keys)
 
 
@@ -184,7 +188,7 @@ def clip(
         .with_columns(pl.max_horizontal(START, "_ws").alias(START), pl.min_horizontal(END, "_we").alias(END))
         .filter(pl.col(END) > pl.col(START))
         .drop("_ws", "_we")
-        .collect()
+        .collect(engine=ENGINE)
     )
     if not keep_order:
         return pl.concat([simple, spanning.select(simple.columns)]).drop("_clip_row")

@@ -77,7 +77,8 @@ def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
         .sort("rank", "n", "track", descending=[False, True, False]).unique("rank", keep="first")
         .select("rank", "track")
     )
-    return pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank").collect()
+    return (pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank")
+            .collect(engine=iv.ENGINE))
 
 
 _GPU_BUSY = pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"])
