@@ -52,6 +52,14 @@ COMPUTE_ORDER = ("recompute", "optimizer", "backward", "backward_input", "backwa
 SEGMENTS = {"rank": pl.Int32, "step": pl.Int32, "category": Category, "start_ns": pl.Int64, "end_ns": pl.Int64}
 
 
+def _by(frame: pl.DataFrame, column: str, values) -> dict[str, pl.DataFrame]:
+    """The rows of ``frame`` (without ``column``) for each of ``values`` of ``column``, in their order; empty where
+    none: one pass instead of a filter per value (docs/performance.md "Fixed cost")."""
+    parts = frame.partition_by(column, as_dict=True, include_key=False)
+    empty = frame.head(0).drop(column)
+    return {v: parts.get((v,), empty) for v in values}
+
+
 def _span(frame: pl.DataFrame, start: str = "ts_ns", end: pl.Expr | None = None) -> pl.DataFrame:
     e = (pl.col("ts_ns") + pl.col("dur_ns")) if end is None else end
     return frame.select("rank", pl.col(start).alias("start"), e.alias("end"))
@@ -167,7 +175,7 @@ def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, 
     # ops, and the time between them is not claimed for an action nobody named.
     w = (schedule.filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
          .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end")))
-    return {ph: w.filter(pl.col("phase") == ph).drop("phase") for ph in COMPUTE_ORDER if ph != "other_compute"}
+    return _by(w, "phase", [ph for ph in COMPUTE_ORDER if ph != "other_compute"])
 
 
 def segments(
@@ -188,7 +196,7 @@ def segments(
 
     # Big layers stay keyed by rank and are cut into steps once, inside partition.
     busy_iv = labelled.select("rank", "start", "end", "phase")
-    compute = {ph: busy_iv.filter(pl.col("phase") == ph).drop("phase") for ph in COMPUTE_ORDER}
+    compute = _by(busy_iv, "phase", COMPUTE_ORDER)
     collective = _span(events.filter(pl.col("kind") == "collective"))
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -228,8 +236,8 @@ def segments(
     layers = [
         *((ph, compute[ph]) for ph in COMPUTE_ORDER),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
-        *((b, bubbles.filter(pl.col("category") == b).drop("category")) for b in (
-            pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN, pipeline_rules.BUBBLE_STALL)),
+        *_by(bubbles, "category", (pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN,
+                                   pipeline_rules.BUBBLE_STALL)).items(),
         *fill.items(),
     ]
     segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category")

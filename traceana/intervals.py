@@ -270,8 +270,7 @@ def partition(
     by_keys: dict[tuple[str, ...], list[pl.DataFrame]] = {}
     for i, (_, layer) in enumerate(layers, start=1):
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
-        by_keys.setdefault(tuple(lk), []).append(
-            layer.select(*lk, START, END).with_columns(pl.lit(i, pl.UInt8).alias("_set")))
+        by_keys.setdefault(tuple(lk), []).append(layer.select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
     cut = [w.select(pl.lit(0, pl.UInt8).alias("_set"), START, END, "_shift")]
     for lk, frames in by_keys.items():
         rest = [k for k in keys if k not in lk]
