@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import decimal
 import json
+import math
 import os
 import re
 import threading
@@ -1210,33 +1211,72 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                                                   pl.lit(pid_text.cast(pl.Int64, strict=False)).gather("pid"))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), pl.lit(per_value).gather("tid"))),
     )
-    # "gpu:{device}:{stream}" or "cpu:{pid}:{tid}" (device/stream are null off the GPU), formatted once per distinct
-    # (GPU or not, device, stream, pid, tid) and joined back.
-    keys = ["is_gpu", "device", "stream", "pid", "tid"]
-    tracks = x.select(keys).unique().with_columns(
-        track=pl.format("{}:{}:{}", pl.when("is_gpu").then(pl.lit("gpu")).otherwise(pl.lit("cpu")),
-                        pl.coalesce(pl.col("device").cast(pl.String), pl.lit(pid_text).gather("pid")),
-                        pl.coalesce(pl.col("stream").cast(pl.String), pl.lit(tid_text).gather("tid")))
-        .cast(schema.EVENTS["track"]))
-    x = x.join(tracks, on=keys, how="left", nulls_equal=True, maintain_order="left")
-    x = _comms(x, batches, pg_config, name_d)
-    in_i32 = [pl.when(pl.col(c).is_between(-(2**31), 2**31 - 1)).then(pl.col(c)).alias(c)
-              for c in ("device", "stream", "peer", "tag")]
-    x = x.with_columns(*in_i32, keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
+    x = x.with_columns(track=_tracks(x, pid_text, tid_text))
+    facts = _comms(x, batches, pg_config, name_d)
+    x = x.with_columns(*(_in_range(pl.col(c), c).alias(c) for c in ("device", "stream")),
+                       keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
                        & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
-    dropped = x.height - x["keep"].sum()
+    n_read = x.height
+    dropped = n_read - x["keep"].sum()
     if dropped:  # copying the table only when some event has no usable time
         x = x.filter("keep")
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
-    # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
-    body = {c: t for c, t in schema.EVENTS.items() if c not in _TEXT}
-    columns = [*x.select(_TEXT).get_columns(), *schema.conform(x, body).get_columns()]
+    # the table in file order; helper columns are dropped first, so only the table's own columns are copied). The
+    # communication facts (sparse) and the rank (constant) are put in after the sort, not sorted with the table.
+    body = {c: t for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")}
+    columns = [*x.select(*_TEXT, "row").get_columns(), *schema.conform(x, body).get_columns()]
     del x  # the list holds the only reference to each column now (helper columns are freed here)
     events = _sorted_by_columns(columns)
+    n = events.height
+    where = pl.repeat(None, n_read, dtype=pl.UInt32, eager=True).scatter(
+        events["row"], pl.int_range(n, dtype=pl.UInt32, eager=True)).gather(facts["row"])  # a fact's sorted row
+    facts = facts.with_columns(where.alias("row")).drop_nulls("row")
     text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
             "tid": tid_text.cast(schema.EVENTS["tid"])}
-    events = events.with_columns(pl.lit(d).gather(c).alias(c) for c, d in text.items()).select(list(schema.EVENTS))
+    events = events.with_columns(
+        *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
+        *(pl.repeat(None, n, dtype=t, eager=True).scatter(facts["row"], facts[c]).alias(c) for c, t in _FACTS.items()),
+        rank=pl.repeat(rank, n, dtype=pl.Int32, eager=True),
+    ).select(list(schema.EVENTS))
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+
+
+def _tracks(x: pl.DataFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.Series:
+    """Each event's track, "gpu:{device}:{stream}" or "cpu:{pid}:{tid}" (device and stream are null off the GPU;
+    pid and tid are codes into pid_text and tid_text), formatted once per distinct track.
+
+    The five parts are numbered densely (device and stream values by their sorted distinct values) and packed into
+    one int64 per event, whose few distinct values are formatted and looked up by binary search: a join on the five
+    columns took ~15% of finishing a rank. A run whose parts have too many distinct values to pack is joined."""
+    keys = ["is_gpu", "device", "stream", "pid", "tid"]
+    text = (pl.format("{}:{}:{}", pl.when("is_gpu").then(pl.lit("gpu")).otherwise(pl.lit("cpu")),
+                         pl.coalesce(pl.col("device").cast(pl.String), pl.lit(pid_text).gather("pid")),
+                         pl.coalesce(pl.col("stream").cast(pl.String), pl.lit(tid_text).gather("tid")))
+            .cast(schema.EVENTS["track"]))
+    values = {c: x[c].drop_nulls().unique().sort() for c in ("device", "stream")}
+    sizes = [2, len(values["device"]) + 1, len(values["stream"]) + 1, len(pid_text), len(tid_text)]
+    if math.prod(sizes) >= 2**62:
+        tracks = x.select(keys).unique().with_columns(track=text)
+        return x.select(keys).join(tracks, on=keys, how="left", nulls_equal=True, maintain_order="left")["track"]
+    dense = {c: pl.when(pl.col(c).is_null()).then(len(v)).otherwise(pl.lit(v).search_sorted(pl.col(c))
+                                                                       .cast(pl.Int64)) for c, v in values.items()}
+    parts = [pl.col("is_gpu").cast(pl.Int64), dense["device"], dense["stream"], pl.col("pid").cast(pl.Int64),
+             pl.col("tid").cast(pl.Int64)]
+    packed = parts[0]
+    for part, size in zip(parts[1:], sizes[1:]):
+        packed = packed * size + part
+    key = x.select(packed.alias("key")).to_series()
+    distinct = key.unique().sort()
+    rest, unpacked = pl.col("key"), {}
+    for c, size in zip(reversed(keys), reversed(sizes)):
+        unpacked[c], rest = rest % size, rest // size
+    parts_of = distinct.to_frame().select(
+        is_gpu=unpacked["is_gpu"].cast(pl.Boolean),
+        device=pl.lit(values["device"].extend_constant(None, 1)).gather(unpacked["device"]),
+        stream=pl.lit(values["stream"].extend_constant(None, 1)).gather(unpacked["stream"]),
+        pid=unpacked["pid"], tid=unpacked["tid"])
+    track = parts_of.select(text).to_series()
+    return track.gather(distinct.search_sorted(key)).alias("track")
 
 
 def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
@@ -1258,8 +1298,18 @@ def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
 _COMM_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _COMM_ARGS}}
 
 
+_FACTS = {c: schema.EVENTS[c] for c in ("peer", "tag", "nbytes", "coll", "pg")}  # communication events' only
+
+
+def _in_range(value: pl.Expr, column: str) -> pl.Expr:
+    """Null where an int32 column of schema.EVENTS cannot hold the value."""
+    if schema.EVENTS[column] != pl.Int32:
+        return value
+    return pl.when(value.is_between(-(2**31), 2**31 - 1)).then(value)
+
+
 def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series) -> pl.DataFrame:
-    """peer, tag, nbytes, coll and pg for communication events (joined from the sparse per-batch facts).
+    """``row`` and its peer, tag, nbytes, coll and pg, for communication events (from the sparse per-batch facts).
 
     NCCL: ``record_param_comms`` gives "Collective name", "In msg nelems" × "dtype", and for P2P "Dst Rank"/"Src
     Rank" (a rank within its process group; mapped to a global rank through distributedInfo.pg_config by
@@ -1283,12 +1333,9 @@ def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series
         shaped = pl.concat([ev, shapes.drop("row")], how="horizontal").filter(
             pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
         comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
-    facts = {"peer": pl.Int64, "tag": pl.Int64, "nbytes": pl.Int64, "coll": pl.String, "pg": pl.String}
-    comm = comm.select("row", *[(pl.col(c) if c in comm.columns else pl.lit(None)).cast(t).alias(c)
-                                for c, t in facts.items()])
-    # Each event has at most one row of facts; x's "row" is its position (see _finish), so they are put in place.
-    return x.with_columns(pl.repeat(None, x.height, dtype=t, eager=True).scatter(comm["row"], comm[c]).alias(c)
-                          for c, t in facts.items())
+    # Each event has at most one row of facts: its "row" is the event's position in x (see _finish).
+    return comm.select("row", *[_in_range(pl.col(c) if c in comm.columns else pl.lit(None), c).cast(t).alias(c)
+                                for c, t in _FACTS.items()])
 
 
 def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
