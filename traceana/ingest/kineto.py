@@ -1169,6 +1169,8 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     one copy of each name, the others categorical)."""
     x = pl.concat(batches.x, how="vertical", rechunk=True) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
     batches.x.clear()
+    if _scan is not None and x.height >= FINISH_ALONE_ROWS:  # the scanner's buffers (C malloc) were just freed
+        _scan.release_memory()
     if batches.dicts is None or not x.height:
         x, dicts = _codes(x.cast({c: pl.String for c in _TEXT}) if not x.height else x)
     else:
