@@ -29,11 +29,14 @@ from traceana.schema import KINDS, Kind
 # Columns classify adds to schema.EVENTS.
 CLASSIFIED = {
     "kind": Kind,
-    "comm_dir": pl.String,  # "send" | "recv" for P2P posts, spans and kernels
-    "channel": pl.String,  # "p2p" | "bpipe" for P2P traffic; a name rule's label for a collective ("ep")
+    # comm_dir, channel and pp_action are null on nearly every event: as text they would hold a 16-byte string
+    # view per event, as an enum or categorical 1 or 4 bytes (docs/performance.md "How the analysis stays small").
+    # They compare with text literals as strings do; cast to pl.String before .str functions.
+    "comm_dir": pl.Enum(["send", "recv"]),  # P2P posts, spans and kernels
+    "channel": pl.Categorical(),  # "p2p" | "bpipe" for P2P traffic; a name rule's label for a collective ("ep")
     "launch_ns": pl.Int64,  # GPU work: start of the cuda_runtime call that launched it; CPU: ts_ns
     "pp_stage": pl.Int32,
-    "pp_action": pl.String,
+    "pp_action": pl.Categorical(),
     "pp_microbatch": pl.Int32,
     "pp_order": pl.Boolean,  # a name rule numbers this span's micro-batch in order of appearance (number_in_order)
 }
@@ -49,8 +52,8 @@ _CAT_CLASS = {
     "cpu_op": _CPU_OP, "operator": _OTHER_OP, "python_function": _PY_FRAME,
 }
 _SEND, _RECV = range(2)  # comm_dir codes
-_COMM_DIRS = pl.Series(["send", "recv"])
-_CHANNELS = pl.Series(["p2p", "bpipe"])
+_COMM_DIRS = pl.Series(["send", "recv"], dtype=CLASSIFIED["comm_dir"])
+_CHANNELS = pl.Series(["p2p", "bpipe"], dtype=CLASSIFIED["channel"])
 _KINDS = pl.Series(KINDS, dtype=Kind)
 _K = {k: pl.lit(i, pl.UInt8) for i, k in enumerate(KINDS)}  # kind codes
 _MOVABLE = [KINDS.index(k) for k in ("p2p_send", "p2p_recv", "compute", "memcpy", "collective")]  # BPipe's if so
@@ -71,10 +74,6 @@ def _dir_of(col: pl.Expr, sends: list[str], recvs: list[str]) -> pl.Expr:
 # (the same names and rules, one analysis later), and building it is a few ms of regular expressions even on a tiny
 # trace (docs/performance.md "Fixed cost").
 _LAST_RULES_TABLE: tuple = ()
-
-
-def _distinct_names(events: pl.DataFrame) -> pl.Series:
-    return events["name"].unique(maintain_order=True).drop_nulls()  # in order: the same Series for the same column
 
 
 def _name_rules(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
@@ -175,14 +174,16 @@ def _kind() -> pl.Expr:
     )
 
 
-def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES) -> pl.DataFrame:
+def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES, *,
+             distinct: pl.Series | None = None) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``), with the name
-    ``rules`` (default: the built-in conventions)."""
+    ``rules`` (default: the built-in conventions). ``distinct``: the frame's distinct names (``distinct_names``),
+    if the caller has them already."""
     # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
     # (the Parquet cache yields several).
     events = events.rechunk()
     n = events.height
-    distinct = _distinct_names(events)
+    distinct = distinct_names(events) if distinct is None else distinct
     code = events["name"].cast(pl.Enum(distinct)).to_physical()
     table = _name_rules(distinct, rules)
     # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
@@ -192,12 +193,26 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
                                .alias("_rule_kind_code"))
     by_name = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind_code", "_kind_rule")
                            .gather(code))
-    cat_class = events["cat"].replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8).alias("_cat")
+    # Classes looked up per distinct category (a handful), then gathered by each event's category code.
+    cats = events["cat"].unique().drop_nulls().cast(pl.String)
+    cat_class = (cats.replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8)
+                 .gather(events["cat"].cast(pl.Enum(cats)).to_physical()).fill_null(_OTHER_CAT).alias("_cat"))
     # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored), or Python frames
     # a name rule reads.
-    pp_code = pl.select(pl.when(~events["is_gpu"] & cat_class.is_in([_ANNOTATION, _PY_FRAME])).then(code)).to_series()
-    pp = table.select(pl.col("pp_stage", "pp_action", "pp_microbatch", "pp_order").gather(pp_code))
-    pp = pp.with_columns(pl.col("pp_order").fill_null(False))
+    # Only the few events whose name gives a pipeline field are looked up; the columns are null (pp_order False)
+    # elsewhere, written at those rows into null columns: a column gathered for every event would hold a 16-byte
+    # string view per event for pp_action even where it is null (docs/performance.md "How the analysis stays small").
+    pp_cols = ("pp_stage", "pp_action", "pp_microbatch", "pp_order")
+    names_with_pp = table.select(pl.any_horizontal(pl.col("pp_stage", "pp_action", "pp_microbatch").is_not_null())
+                                 | pl.col("pp_order").fill_null(False)).to_series()
+    pp_rows = pl.select((~events["is_gpu"] & cat_class.is_in([_ANNOTATION, _PY_FRAME])
+                         & names_with_pp.gather(code).fill_null(False)).arg_true()).to_series()
+    pp_found = table.select(pl.col(*pp_cols).gather(code.gather(pp_rows)))
+    pp_found = pp_found.with_columns(pl.col("pp_action").cast(CLASSIFIED["pp_action"]))
+    pp = [_spread(n, pp_rows, pp_found[c]) for c in pp_cols[:3]]
+    pp.append(pl.repeat(False, n, dtype=pl.Boolean, eager=True).scatter(pp_rows, pp_found["pp_order"].fill_null(False))
+              .alias("pp_order"))
+    pp = pl.DataFrame(pp)
     # record_param_comms is a P2P post when its collective name says so (few rows: looked at alone).
     rpc_rows = by_name["_rpc"].arg_true()
     coll = events["coll"].gather(rpc_rows).cast(pl.String).str.to_lowercase()
@@ -213,8 +228,11 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
         launch_ns = _update(launch_ns, by_corr["_row"], by_corr["_launch_ts"])
         launch_dir = _update(launch_dir, by_ext["_row"], by_ext["_launch_cpu_dir"])
         rows = by_ext["_row"]
-        f = f.with_columns(_update(f[c], rows, f[c].gather(rows).fill_null(by_ext[f"_launch_{c}"]))
-                           for c in ("peer", "nbytes", "pg"))
+        for c in ("peer", "nbytes", "pg"):
+            own = f[c].gather(rows)
+            filled = own.fill_null(by_ext[f"_launch_{c}"])
+            if filled.null_count() < own.null_count():  # else nothing to fill: no copy of the column
+                f = f.with_columns(_update(f[c], rows, filled))
     nccl_kernel = (pl.col("_cat") == _KERNEL) & pl.col("_nccl")
     f = f.with_columns(
         launch_ns.alias("launch_ns"),
@@ -222,25 +240,29 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES)
         .alias("_dir"),
     ).with_columns(_kind().alias("_kind"))
     # BPipe: communication and compute inside its annotated spans or on its process group.
-    annotated = pl.DataFrame([events["rank"], events["ts_ns"], events["dur_ns"], pp["pp_action"]])
+    annotated = events.select("rank", "ts_ns", "dur_ns").gather(pp_rows).with_columns(pp_found["pp_action"])
     in_span = inside(f, "launch_ns", bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null())))
     # pg is categorical (schema.EVENTS): the few distinct groups are matched as text, the events by membership.
     groups = f["pg"].unique().drop_nulls()
     on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC,
                                                                                     literal=True)))
     is_bpipe = (pl.lit(in_span) | on_group) & pl.col("_kind").is_in(_MOVABLE)
-    out = f.select(
-        "peer", "nbytes", "pg", "launch_ns",
-        pl.lit(_KINDS).gather(pl.when(is_bpipe).then(_K["bpipe_transfer"]).otherwise("_kind")).alias("kind"),
+    f = f.with_columns(is_bpipe.alias("_bpipe"))
+    kind = f.select(pl.lit(_KINDS).gather(pl.when("_bpipe").then(_K["bpipe_transfer"]).otherwise("_kind"))
+                    .alias("kind")).to_series()
+    # comm_dir and channel: text on the few communication events only, written into null columns (as pp above).
+    comm_rows = f.select((pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"])).arg_true()).to_series()
+    comm = f.select("_dir", "_kind", "_kind_rule", "_bpipe").gather(comm_rows).select(
         pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
-        pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(is_bpipe.cast(pl.UInt8))),
+        pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(pl.col("_bpipe").cast(pl.UInt8))),
                     pl.when(pl.col("_kind") == _K["collective"])
-                    .then(pl.lit(pl.Series([r.channel for r in rules.all], dtype=pl.String)).gather("_kind_rule")))
+                    .then(pl.lit(pl.Series([r.channel for r in rules.all], dtype=CLASSIFIED["channel"]))
+                          .gather("_kind_rule")))
         .alias("channel"),
     )
     return pl.DataFrame([
-        *(out[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
-        *pp, *out.select("launch_ns", "kind", "comm_dir", "channel"),
+        *(f[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
+        *pp, f["launch_ns"], kind, _spread(n, comm_rows, comm["comm_dir"]), _spread(n, comm_rows, comm["channel"]),
     ])
 
 
@@ -257,11 +279,17 @@ def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, 
     return events.with_columns(_update(events["pp_microbatch"], rows["_row"], rows["_mb"]).alias("pp_microbatch"))
 
 
-def rule_notes(events: pl.DataFrame, rules: names.NameRules) -> list[str]:
+def distinct_names(events: pl.DataFrame) -> pl.Series:
+    """The distinct event names (nulls dropped), the keys of every rule evaluated once per name; in order of first
+    appearance, so that the same column gives the same Series (``_name_rules``' table is reused on it)."""
+    return events["name"].unique(maintain_order=True).drop_nulls()
+
+
+def rule_notes(events: pl.DataFrame, rules: names.NameRules, *, distinct: pl.Series | None = None) -> list[str]:
     """One note per name rule that labelled events: which convention, how many spans got a phase and how many
     events a kind, so a reader sees what came from names rather than from the PP: contract. Rules are tried on the
     distinct names; events are counted only when one matched."""
-    distinct = _distinct_names(events)
+    distinct = distinct_names(events) if distinct is None else distinct
     table = _name_rules(distinct, rules).select("_phase_rule", "_kind_rule", "pp_action", "_rule_action") \
         .with_columns(distinct.alias("name"))
     hit = table.filter((pl.col("_phase_rule").is_not_null() & (pl.col("pp_action") == pl.col("_rule_action")))

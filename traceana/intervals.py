@@ -244,6 +244,7 @@ def partition(
     default: str,
     label: str = "label",
     on: Sequence[str] | str | None = None,
+    label_dtype: pl.DataType = pl.String,
 ) -> pl.DataFrame:
     """Split every window into segments labelled by the first layer (in priority order) covering each instant.
 
@@ -251,7 +252,8 @@ def partition(
     columns (or only the ``on`` subset of them, e.g. rank for layers not yet cut into steps: each is then clipped to
     the windows of its group). Time covered by no layer gets ``default``. The segments of a window are disjoint and
     their lengths sum exactly to the window's length. Returns ``by + [label, start, end]`` with adjacent same-label
-    segments merged.
+    segments merged, the label of type ``label_dtype`` (an enum of every layer name and ``default`` spares a text
+    column per segment).
     """
     keys = _keys(by)
     names = [n for n, _ in layers]
@@ -281,8 +283,7 @@ def partition(
     segs = _sweep_stacked(on_axis, len(layers) + 1).filter(_has(0))
     # The first layer covering a segment is the lowest set bit above the window's bit 0.
     layer_bits = pl.col("_mask") & ~pl.lit(1, pl.Int64)
-    lowest = layer_bits & (-layer_bits)
-    index = lowest.log(2).round().cast(pl.Int64) - 1
+    index = layer_bits.bitwise_trailing_zeros().cast(pl.Int64) - 1
     labels = pl.Series([*names, default])
     choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
@@ -295,7 +296,7 @@ def partition(
     w = w.with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
     window = w.select(*keys, "_shift").gather(w["_at"].search_sorted(runs[START], side="right") - 1)
     return pl.DataFrame([*window.select(keys), runs["_label"]]).with_columns(
-        pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=pl.String)
+        pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=label_dtype)
         .alias(label),
         (runs[START] - window["_shift"]).alias(START),
         (runs[END] - window["_shift"]).alias(END),

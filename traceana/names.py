@@ -61,10 +61,11 @@ PHASE_OF_ACTION = {
 PASS_PHASES = ("forward", "backward", "backward_input", "backward_weight")
 BACKWARD_PHASES = PASS_PHASES[1:]
 
-PP_PATTERN = r"^PP:(\d+)([A-Z_]+)(\d*)$"
+PP_PREFIX = "PP:"  # every name of the contract starts so (PP_PATTERN, OVERLAP_PATTERN)
+PP_PATTERN = rf"^{PP_PREFIX}(\d+)([A-Z_]+)(\d*)$"
 _PP_RE = re.compile(PP_PATTERN)
 # torch writes an overlapped action as its sub-actions in run order: ``PP:({stage}{F|B|I}{mb};…)OVERLAP_F_B``.
-OVERLAP_PATTERN = r"^PP:\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
+OVERLAP_PATTERN = rf"^{PP_PREFIX}\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
 GPIPE_PATTERN = r"^(Forward|Backward) (\d+)$"  # torch.distributed.pipelining ScheduleGPipe
 STEP_PATTERN = r"^ProfilerStep#(\d+)$"
 

@@ -80,7 +80,8 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
         pl.max_horizontal(end, pl.col("_span_end")).alias("end_ns"), pl.lit(False).alias("on_gpu"))
     gpu_msgs = kernels.with_columns(end.alias("end_ns"), pl.lit(True).alias("on_gpu"))
     out = pl.concat(
-        [m.select("rank", pl.col("comm_dir").alias("dir"), "channel", "peer", "tag", "nbytes", "step",
+        [m.select("rank", pl.col("comm_dir").cast(pl.String).alias("dir"), pl.col("channel").cast(pl.String),
+                  "peer", "tag", "nbytes", "step",
                   pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu", "launch_ns")
          for m in (cpu_msgs, gpu_msgs)],
         how="vertical_relaxed",
@@ -255,8 +256,8 @@ def _placement_inputs(events: pl.DataFrame, msgs: pl.DataFrame | None, pairs: pl
         sends = pairs.filter(pl.col("channel") == "p2p").select(
             pl.col("src").alias("rank"), pl.col("dst").alias("peer"), "step", pl.col("send_start_ns").alias("at"))
     first_backward = (
-        events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
-                      & _backward_like(pl.col("name")))
+        events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null())
+        .filter(_backward_like(pl.col("name")))  # the text test on those events only
         .group_by("rank", "step").agg(pl.col("ts_ns").min().alias("at"))
         .select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int32), "at")
     )
@@ -436,7 +437,8 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
                         & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX) & pl.col("step").is_not_null())
     rows = pl.concat([
         pp.select("rank", "step", "pp_stage", "pp_microbatch",
-                  pl.col("pp_action").replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String).alias("phase"),
+                  pl.col("pp_action").cast(pl.String).replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String)
+                  .alias("phase"),
                   "ts_ns", "dur_ns"),
         opt.select("rank", "step", pl.lit(None, pl.Int32).alias("pp_stage"),
                    pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
@@ -659,8 +661,10 @@ def dropped_annotation_notes(events: pl.DataFrame) -> list[str]:
     is not taken as an annotation: say so, naming the first (a few rows: only names of that form are looked at)."""
     from traceana.errors import printable
 
-    bad = events.filter(~pl.col("is_gpu") & pl.col("name").str.contains(names.PP_PATTERN)
-                        & pl.col("pp_action").is_null())
+    # The regular expression runs only on names with the contract's prefix (a cheap test on every event).
+    bad = (events.filter(~pl.col("is_gpu") & pl.col("pp_action").is_null()
+                         & pl.col("name").str.starts_with(names.PP_PREFIX))
+           .filter(pl.col("name").str.contains(names.PP_PATTERN)))
     if not bad.height:
         return []
     first = bad.sort("rank", "ts_ns").row(0, named=True)
