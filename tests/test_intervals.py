@@ -113,3 +113,36 @@ def test_partition_covers_each_window_exactly_once(a_rows, b_rows, w_rows):
         for r in mine.rows(named=True):
             for t in range(r["start"], r["end"]):
                 assert r["label"] == ("a" if t in ca else "b" if t in cb else "rest")
+
+
+def apart(rows):
+    """Windows ``(g, k, start, length)`` with those overlapping an earlier one of their group dropped."""
+    kept = []
+    for g, k, s, d in rows:
+        if all(g != g2 or s + d <= s2 or s2 + d2 <= s for g2, _, s2, d2 in kept):
+            kept.append((g, k, s, d))
+    return kept
+
+
+@settings(max_examples=100, deadline=None)
+@given(sets, sets, st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 30), st.integers(0, 12)),
+                            max_size=6, unique_by=lambda t: (t[0], t[1])).map(apart))
+def test_partition_of_layers_keyed_by_group_covers_each_window_exactly_once(a_rows, b_rows, w_rows):
+    """Several windows per group (steps of a rank: apart or touching, in or out of key order) and layers keyed by
+    the group alone, each cut at the windows' boundaries."""
+    windows = frame([(g, k, s, s + d) for g, k, s, d in w_rows], keys=("g", "k"))
+    segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by=["g", "k"], on="g",
+                        default="rest")
+    assert segs.columns == ["g", "k", "label", "start", "end"]
+    assert segs.height == segs.unique(["g", "k", "start"]).height
+    for g, k, s, d in w_rows:
+        mine = segs.filter((pl.col("g") == g) & (pl.col("k") == k)).sort("start")
+        covered = [t for r in mine.rows(named=True) for t in range(r["start"], r["end"])]
+        assert covered == list(range(s, s + d))
+        ca, cb = cover(a_rows, g), cover(b_rows, g)
+        for r in mine.rows(named=True):
+            for t in range(r["start"], r["end"]):
+                assert r["label"] == ("a" if t in ca else "b" if t in cb else "rest")
+        # adjacent segments of one window differ in label (runs are merged)
+        assert all(x != y for x, y in zip(mine["label"], mine["label"][1:]))
+    assert segs.height == sum(segs.filter((pl.col("g") == g) & (pl.col("k") == k)).height for g, k, _, _ in w_rows)

@@ -236,6 +236,25 @@ def containing(
                          .scatter(hit["_row"], hit[c]) for c in cols])
 
 
+def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.DataFrame] | None:
+    """``partition``'s axis by group: ``w`` (windows sorted by their keys) with ``_shift``, its group's, and the
+    groups (``group``, ``_lo``, ``_hi``: their extent, ``_shift``); None where that axis does not keep every window
+    apart in key order (windows of a group overlapping or out of time order, null bounds)."""
+    if any(w[c].null_count() for c in (*group, START, END)):
+        return None
+    groups = (
+        w.group_by(group, maintain_order=True).agg(pl.col(START).min().alias("_lo"), pl.col(END).max().alias("_hi"))
+        .with_columns(((pl.col("_hi") - pl.col("_lo")).clip(lower_bound=0) + 1).alias("_len"))
+        .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col("_lo")).alias("_shift"))
+        .drop("_len")
+    )
+    w = w.join(groups.select(*group, "_shift"), on=group, maintain_order="left")
+    on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START) + pl.col("_shift"), pl.col(END) + pl.col("_shift"))
+    if not bool(on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all()).item()):
+        return None
+    return w, groups
+
+
 def partition(
     windows: pl.DataFrame,
     layers: Sequence[tuple[str, pl.DataFrame]],
@@ -258,42 +277,56 @@ def partition(
     keys = _keys(by)
     names = [n for n, _ in layers]
     on_ = keys if on is None else _keys(on)
-    # Lay the windows end to end on one time axis, sorted by group, a gap of 1 ns between neighbours: a window's
-    # instant t sits at t + _shift. Then no interval crosses or touches another group's, and the sweep needs one
-    # sort by axis time instead of a sort by group keys and time.
-    w = (
-        windows.select(*keys, START, END).sort(keys)
-        .with_columns(((pl.col(END) - pl.col(START)).clip(lower_bound=0) + 1).alias("_len"))
-        .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(START)).alias("_shift"))
-        .drop("_len")
-    )
+    w = windows.select(*keys, START, END).sort(keys)
+    # Put every window on one time axis where no two groups' intervals cross or touch, so that the sweep needs one
+    # sort by axis time instead of a sort by group keys and time; a window's instant t sits at t + _shift.
+    # Where the windows of each ``on`` group are apart and in time order (a rank's steps), the groups are laid end
+    # to end, 1 ns apart, each keeping its own times: a layer keyed by the group alone then needs only its group's
+    # shift, and the sweep itself cuts it at the window boundaries. Otherwise every window is laid end to end.
+    grouped = _group_axis(w, on_) if on_ != keys else None
+    if grouped is None:
+        w = (
+            w.with_columns(((pl.col(END) - pl.col(START)).clip(lower_bound=0) + 1).alias("_len"))
+            .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(START)).alias("_shift"))
+            .drop("_len")
+        )
+    else:
+        w, groups = grouped
 
-    # Cut the layers to the windows: one clip for all layers keyed alike (set i + 1 is layer i; set 0 the windows).
+    # Cut the layers to the windows: one clip for all layers keyed alike (set i + 2 is layer i; sets 0 and 1 the
+    # windows, alternately in axis order: touching windows of a group would merge into one within a set).
     by_keys: dict[tuple[str, ...], list[pl.DataFrame]] = {}
-    for i, (_, layer) in enumerate(layers, start=1):
+    for i, (_, layer) in enumerate(layers, start=2):
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
         by_keys.setdefault(tuple(lk), []).append(layer.select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
-    cut = [w.select(pl.lit(0, pl.UInt8).alias("_set"), START, END, "_shift")]
+    cut = [w.filter(pl.col(END) > pl.col(START))
+           .select((pl.int_range(pl.len()) % 2).cast(pl.UInt8).alias("_set"), START, END, "_shift")]
     for lk, frames in by_keys.items():
+        layer = pl.concat(frames, how="vertical_relaxed")
+        if grouped is not None and list(lk) == on_:  # kept within its group's extent: it must not reach another's
+            cut.append(layer.join(groups, on=on_).select(
+                "_set", pl.max_horizontal(START, "_lo").alias(START), pl.min_horizontal(END, "_hi").alias(END),
+                "_shift"))
+            continue
         rest = [k for k in keys if k not in lk]
-        cut.append(clip(pl.concat(frames, how="vertical_relaxed"), w, on=list(lk), window_keys=[*rest, "_shift"],
-                        keep_order=False))
+        cut.append(clip(layer, w, on=list(lk), window_keys=[*rest, "_shift"], keep_order=False))
     on_axis = pl.concat([c.select("_set", *((pl.col(e) + pl.col("_shift")).alias(e) for e in (START, END)))
                          for c in cut], how="vertical_relaxed")
-    segs = _sweep_stacked(on_axis, len(layers) + 1).filter(_has(0))
-    # The first layer covering a segment is the lowest set bit above the window's bit 0.
-    layer_bits = pl.col("_mask") & ~pl.lit(1, pl.Int64)
-    index = layer_bits.bitwise_trailing_zeros().cast(pl.Int64) - 1
+    segs = _sweep_stacked(on_axis, len(layers) + 2).filter(_has(0) | _has(1))
+    # The first layer covering a segment is the lowest set bit above the windows' bits 0 and 1.
+    layer_bits = pl.col("_mask") & ~pl.lit(3, pl.Int64)
+    index = layer_bits.bitwise_trailing_zeros().cast(pl.Int64) - 2
     labels = pl.Series([*names, default])
     choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
-    # them needlessly), then name the labels on the (much shorter) result. Windows are apart on the axis, so a
-    # gap begins a run too.
+    # them needlessly), then name the labels on the (much shorter) result. A gap, or a window's start (windows of
+    # a group may touch), begins a run too.
+    w = w.filter(pl.col(END) > pl.col(START)).with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
     segs = segs.select(choice.alias("_label"), START, END)
     runs = _runs(segs, (pl.int_range(pl.len()) == 0) | (pl.col("_label") != pl.col("_label").shift(1))
-                 | (pl.col(START) != pl.col(END).shift(1)), ["_label", START], [END])
+                 | (pl.col(START) != pl.col(END).shift(1)) | pl.col(START).is_in(w["_at"].implode()),
+                 ["_label", START], [END])
     # Back from the axis: the window holding each segment is the last one starting on the axis at or before it.
-    w = w.with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
     window = w.select(*keys, "_shift").gather(w["_at"].search_sorted(runs[START], side="right") - 1)
     return pl.DataFrame([*window.select(keys), runs["_label"]]).with_columns(
         pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=label_dtype)
