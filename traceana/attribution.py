@@ -249,7 +249,8 @@ def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> 
     """schema.ATTRIBUTION: nanoseconds per (rank, step, category), every category present (zero when absent)."""
     # polars' streaming engine groups a large frame in about half the CPU time of the in-memory one (and starts
     # slower: small frames stay in memory).
-    sums = (segs.lazy().group_by("rank", "step", "category").agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns"))
+    sums = (segs.lazy().group_by("rank", "step", "category")
+            .agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns"))
             .collect(engine="streaming" if segs.height > 50_000 else "in-memory"))
     grid = steps.select("rank", "step", "dur_ns").join(
         pl.DataFrame({"category": list(CATEGORIES)}, schema={"category": Category}), how="cross")

@@ -199,9 +199,8 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
                  .gather(events["cat"].cast(pl.Enum(cats)).to_physical()).fill_null(_OTHER_CAT).alias("_cat"))
     # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored), or Python frames
     # a name rule reads.
-    # Only the few events whose name gives a pipeline field are looked up; the columns are null (pp_order False)
-    # elsewhere, written at those rows into null columns: a column gathered for every event would hold a 16-byte
-    # string view per event for pp_action even where it is null (docs/performance.md "How the analysis stays small").
+    # Only the few events whose name gives a pipeline field are looked up, and written at their rows into columns
+    # that are null elsewhere (pp_order False), instead of a lookup for every event.
     pp_cols = ("pp_stage", "pp_action", "pp_microbatch", "pp_order")
     names_with_pp = table.select(pl.any_horizontal(pl.col("pp_stage", "pp_action", "pp_microbatch").is_not_null())
                                  | pl.col("pp_order").fill_null(False)).to_series()
@@ -254,7 +253,8 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     comm_rows = f.select((pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"])).arg_true()).to_series()
     comm = f.select("_dir", "_kind", "_kind_rule", "_bpipe").gather(comm_rows).select(
         pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
-        pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null()).then(pl.col("_bpipe").cast(pl.UInt8))),
+        pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null())
+                                             .then(pl.col("_bpipe").cast(pl.UInt8))),
                     pl.when(pl.col("_kind") == _K["collective"])
                     .then(pl.lit(pl.Series([r.channel for r in rules.all], dtype=CLASSIFIED["channel"]))
                           .gather("_kind_rule")))

@@ -249,7 +249,7 @@ def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.Dat
         .drop("_len")
     )
     w = w.join(groups.select(*group, "_shift"), on=group, maintain_order="left")
-    on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START) + pl.col("_shift"), pl.col(END) + pl.col("_shift"))
+    on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START, END) + pl.col("_shift"))
     if not bool(on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all()).item()):
         return None
     return w, groups
