@@ -251,7 +251,7 @@ def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> 
     # slower: small frames stay in memory).
     sums = (segs.lazy().group_by("rank", "step", "category")
             .agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns"))
-            .collect(engine="streaming" if segs.height > 50_000 else "in-memory"))
+            .collect(engine="streaming" if segs.height > 50_000 else iv.ENGINE))
     grid = steps.select("rank", "step", "dur_ns").join(
         pl.DataFrame({"category": list(CATEGORIES)}, schema={"category": Category}), how="cross")
     out = (
