@@ -182,6 +182,8 @@ def clip(
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
     simple = located.filter(inside & (pl.col(END) > pl.col(START))).drop("_ws", "_we")
     rest = located.filter(~inside).select(f.columns)
+    if rest.height == 0:  # every interval inside one window: nothing to cut or join
+        return (simple if ordered or not keep_order else simple.sort("_clip_row")).drop("_clip_row")
     spanning = (
         (rest.lazy().join(w.lazy(), on=on_) if on_ else rest.lazy().join(w.lazy(), how="cross"))
         .filter((pl.col(START) < pl.col("_we")) & (pl.col(END) > pl.col("_ws")))
