@@ -41,6 +41,10 @@ def assert_same(a, b):
     assert_frame_equal(a.run.memory, b.run.memory)
     assert a.notes == b.notes and a.run.warnings == b.run.warnings
     assert a.summary.as_dict() == b.summary.as_dict()
+    assert_frame_equal(a.summary.per_stage, b.summary.per_stage, check_row_order=True)  # the hit's, kept as Parquet
+    assert (a.summary.replicas is None) == (b.summary.replicas is None)
+    if a.summary.replicas is not None:
+        assert_frame_equal(a.summary.replicas, b.summary.replicas, check_row_order=True)
     assert a.run.path == b.run.path and a.run.manifest == b.run.manifest
 
 
@@ -50,8 +54,10 @@ def test_hit_equals_miss_and_equals_plain_analyze(run_dir):
     assert len(_entries(run_dir)) == 1
     hit = load_and_analyze(run_dir)
     assert isinstance(hit, CachedAnalysis)
+    assert "summary" in hit.__dict__  # read from the entry, not recomputed
     assert_same(miss, hit)
     plain = analyze(load_run(run_dir, cache=False))
+    assert plain.summary.as_dict() == hit.summary.as_dict()
     for name, table in plain.tables().items():
         assert_frame_equal(table, hit.tables()[name])
     # the big tables come back on demand, equal to a fresh computation

@@ -42,10 +42,13 @@ from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 1  # bump when what an entry holds changes
+ANALYSIS_FORMAT = 2  # bump when what an entry holds changes (2: the summary)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary")
 _RUN_TABLES = ("traces", "memory")
+# The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
+# it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").
+_SUMMARY_TABLES = ("per_stage", "replicas")
 
 
 class AnalysisCacheWarning(UserWarning):
@@ -169,6 +172,7 @@ class AnalysisCache:
                       for name in (*_TABLES, *_RUN_TABLES)}
             traces = schema.check(tables.pop("traces"), schema.TRACES, "cached traces")
             memory = schema.check(tables.pop("memory"), schema.MEMORY, "cached memory")
+            summary = _read_summary(entry, meta["summary"])
         except Exception:  # a damaged, partial or foreign entry is a miss, never an error
             return None
         manifest = Manifest.read(path / MANIFEST_NAME) if path.is_dir() and (path / MANIFEST_NAME).exists() else None
@@ -178,7 +182,7 @@ class AnalysisCache:
             pywarnings.warn(w, _ingest_warning(), stacklevel=3)
         return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]),
                                            **tables),
-                      {"_peak_flops": peak_flops})
+                      {"_peak_flops": peak_flops, "summary": summary})  # Analysis.summary's cached value
 
     def store(self, prefix: str, key: str, analysis: Analysis) -> None:
         if not self.enabled:
@@ -194,7 +198,7 @@ class AnalysisCache:
                 if table is not None:
                     table.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
             meta = {"key": key, "none": [n for n, t in tables.items() if t is None], "notes": list(analysis.notes),
-                    "warnings": list(analysis.run.warnings)}
+                    "warnings": list(analysis.run.warnings), "summary": _write_summary(tmp, analysis.summary)}
             (tmp / "meta.json").write_text(json.dumps(meta))  # last: an entry without it is a miss
             # Stale entries of the same target go, and so does a damaged entry under this key (it just missed).
             for old in self.dir.glob(f"{_glob_escape(prefix)}.*"):
@@ -217,6 +221,28 @@ class AnalysisCache:
             pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
                             "without it — make the run directory writable or pass cache=False / --no-cache",
                             AnalysisCacheWarning, stacklevel=3)
+
+
+def _write_summary(entry: Path, summary) -> dict:
+    """The summary's tables as Parquet in ``entry``; returns its other fields (for meta.json)."""
+    fields_ = {f.name: getattr(summary, f.name) for f in fields(summary)}
+    for name in _SUMMARY_TABLES:
+        table = fields_.pop(name)
+        if table is not None:
+            table.write_parquet(entry / f"summary_{name}.parquet", compression="lz4", statistics=False)
+    return fields_ | {"steps": list(summary.steps), "none": [n for n in _SUMMARY_TABLES if getattr(summary, n) is None]}
+
+
+def _read_summary(entry: Path, meta: dict):
+    from traceana.summary import RunSummary
+
+    values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"])}
+    for name in _SUMMARY_TABLES:
+        path = entry / f"summary_{name}.parquet"
+        if name not in meta["none"] and not regular_file(path):
+            raise FileNotFoundError(path)
+        values[name] = None if name in meta["none"] else pl.read_parquet(path)
+    return RunSummary(**values)
 
 
 def _ingest_warning():
