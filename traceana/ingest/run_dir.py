@@ -29,6 +29,7 @@ from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto
 from traceana.ingest.kineto import NotATraceError, is_trace_name, rank_from_filename, read_trace, shown
+from traceana.intervals import ENGINE
 from traceana.manifest import MANIFEST_NAME, Manifest
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
@@ -415,25 +416,30 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
                          "run.json wins — fix whichever is wrong")
         if not ev.height:
             continue
-        marks = ev.filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
-                                                | pl.col("name").str.starts_with("PP:")))
+        # One query per trace (collect_all): a few operations on a few rows each, whose fixed cost was the most of
+        # this check on a small run (docs/performance.md "Fixed cost").
+        marks = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
+                                                       | pl.col("name").str.starts_with("PP:")))
         key = marks.select("track", "name", "ts_ns", "dur_ns")
-        dups = key.height - key.unique().height
-        if dups:
-            notes.append(f"{shown(row['path'])}: {dups} step spans or annotations are copies of another (same name, "
-                         "thread, start and duration): the trace holds duplicated events, and counts from it are "
-                         "inflated — re-export it")
         steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["track", "ts_ns", "name"])
                  .sort("track", "ts_ns")
                  .with_columns(prev_end=(pl.col("ts_ns") + pl.col("dur_ns")).shift(1).over("track"),
                                prev=pl.col("name").shift(1).over("track"))
                  .filter(pl.col("ts_ns") < pl.col("prev_end")))
+        n_keys, n_unique, steps, zero = pl.collect_all(
+            [key.select(pl.len()), key.unique().select(pl.len()), steps,
+             ev.lazy().select((pl.col("dur_ns") == 0).all())], engine=ENGINE)
+        dups = n_keys.item() - n_unique.item()
+        if dups:
+            notes.append(f"{shown(row['path'])}: {dups} step spans or annotations are copies of another (same name, "
+                         "thread, start and duration): the trace holds duplicated events, and counts from it are "
+                         "inflated — re-export it")
         if steps.height:
             first = steps.row(0, named=True)
             notes.append(f"{shown(row['path'])}: {steps.height} ProfilerStep spans overlap the previous step (first: "
                          f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / 1e6:.3f} ms before "
                          f"{first['prev']} ends); the overlap is counted in both steps")
-        if ev.select((pl.col("dur_ns") == 0).all()).item():
+        if zero.item():
             notes.append(f"{shown(row['path'])}: every one of its {ev.height:,} events lasts 0 ns: no time can be "
                          "attributed on rank " + str(row["rank"]))
     return notes
