@@ -53,6 +53,7 @@ import polars as pl
 from traceana import limits, names, schema
 from traceana.errors import BadInputError, TraceFormatError, shown
 from traceana.files import open_regular
+from traceana.intervals import ENGINE
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
     from traceana.ingest import _scan
@@ -1350,7 +1351,9 @@ def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("name").is_in([names.C10D_SEND, names.GLOO_SEND])).then(pl.lit("send"))
         .when(pl.col("name").is_in([names.C10D_RECV, names.GLOO_RECV])).then(pl.lit("recv"))
     )
-    own = shaped.with_columns(
+    # Two lazy queries (the pieces, then the pairs) instead of ~16 eager operations per gloo trace: on a small run
+    # their fixed cost was most of this (docs/performance.md "Fixed cost").
+    own = shaped.lazy().with_columns(
         direction=direction,
         peer=pl.col("shape_peer"),
         tag=pl.col("shape_tag"),
@@ -1367,22 +1370,23 @@ def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
         .select("track", "direction", "ts_ns", ann_row=pl.col("row"), ann_nbytes=pl.col("nbytes"))
         .sort("ts_ns")
     )
-    out = own.select("row", "peer", "tag", "nbytes")
+    ops, anns, out = pl.collect_all([ops, anns, own.select("row", "peer", "tag", "nbytes")], engine=ENGINE)
     if ops.height == 0 or anns.height == 0:
         return out
     pairs = (
-        anns.join_asof(ops, left_on="ts_ns", right_on="op_ts", by=["track", "direction"], strategy="backward",
-                       check_sortedness=False)
+        anns.lazy().join_asof(ops.lazy(), left_on="ts_ns", right_on="op_ts", by=["track", "direction"],
+                              strategy="backward", check_sortedness=False)
         .filter(pl.col("op_row").is_not_null() & (pl.col("ts_ns") <= pl.col("op_end")))
     )
     to_ann = pairs.select(row=pl.col("ann_row"), p_peer=pl.col("op_peer"), p_tag=pl.col("op_tag"))
     to_op = pairs.group_by("op_row").agg(p_nbytes=pl.col("ann_nbytes").sort_by("ts_ns").first()).rename(
         {"op_row": "row"})
     return (
-        out.join(to_ann, on="row", how="left")
+        out.lazy().join(to_ann, on="row", how="left")
         .join(to_op, on="row", how="left")
         .select("row", peer=pl.coalesce("peer", "p_peer"), tag=pl.coalesce("tag", "p_tag"),
                 nbytes=pl.coalesce("nbytes", "p_nbytes"))
+        .collect(engine=ENGINE)
     )
 
 
