@@ -667,7 +667,10 @@ static const struct { const char *key; Py_ssize_t len; int slot; } ARG_KEYS[] = 
     ARG("Input type", ARG_RAW + R_TYPES),
 };
 
+static uint64_t arg_lengths; /* bit n: some key read is n bytes long (set at module init) */
+
 static int arg_slot(const char *k, Py_ssize_t n) { /* -1: a key ingest does not read */
+    if (n >= 64 || !((arg_lengths >> n) & 1)) return -1; /* most args keys (kernels have a dozen) end here */
     for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++)
         if (ARG_KEYS[i].len == n && k[0] == ARG_KEYS[i].key[0] && !memcmp(k, ARG_KEYS[i].key, (size_t)n))
             return ARG_KEYS[i].slot;
@@ -1395,6 +1398,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native colu
                                     methods};
 
 PyMODINIT_FUNC PyInit__scan(void) {
+    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++)
+        if (ARG_KEYS[i].len < 64) arg_lengths |= (uint64_t)1 << ARG_KEYS[i].len;
     if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&ScannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -38,6 +38,7 @@ from __future__ import annotations
 import decimal
 import json
 import math
+import mmap
 import os
 import re
 import threading
@@ -872,6 +873,31 @@ def _with_odd(frame: pl.DataFrame, odd: list, table: int) -> pl.DataFrame:
     )
 
 
+MMAP_WINDOW_BYTES = 1 << 21  # a window at least this large is an anonymous mapping, not a bytearray
+
+
+def _new_window(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of ``size`` bytes for the reading window. A large one is an anonymous mapping: its pages are
+    zero-filled by the kernel when first written (a bytearray is zeroed by a pass of its own, ~20 ms for 16 MB, then
+    written again), in huge pages where the kernel allows (2 MB faults instead of 4 KB), and go back to the OS when
+    it is closed (a freed 16 MB bytearray stayed in glibc's heap, and raised its mmap threshold for everything
+    after it)."""
+    if size < MMAP_WINDOW_BYTES:
+        return bytearray(size)
+    window = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            window.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return window
+
+
+def _free_window(window: bytearray | mmap.mmap) -> None:
+    if isinstance(window, mmap.mmap):
+        window.close()
+
+
 class _Reader:
     """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
 
@@ -895,7 +921,7 @@ class _Reader:
         # The window fits the file (grown in extend() should one event not fit): a 16 MB window for a 6 KB trace
         # was most of the memory a small analysis used.
         expect = self.size * (GZ_RATIO if gz else 1) + 1
-        self.window = bytearray(min(READ_PIECE, max(MIN_PIECE, expect)))
+        self.window = _new_window(min(READ_PIECE, max(MIN_PIECE, expect)))
         self.length = 0
         self.buf = memoryview(self.window)[:0]
         self.n_bytes = 0  # decompressed bytes so far
@@ -905,14 +931,17 @@ class _Reader:
         """Keep the window from ``keep_from`` on and read more after it; returns where ``keep_from`` now is (0)."""
         self.buf.release()
         kept = self.length - keep_from
-        if kept >= len(self.window) // 2:  # one event larger than half the window: make room
+        old = self.window
+        if kept >= len(old) // 2:  # one event larger than half the window: make room
             if kept >= limits.MAX_VALUE_BYTES:
                 raise _oversized(self.path, self.n_bytes - kept)
             # Doubled, but never past the rule's size (plus a read's worth): a longer value reaches it and is refused.
-            grow = min(len(self.window), limits.MAX_VALUE_BYTES + MIN_PIECE - len(self.window))
+            grow = min(len(old), limits.MAX_VALUE_BYTES + MIN_PIECE - len(old))
             if grow > 0:
-                self.window.extend(bytes(grow))
-        self.window[:kept] = self.window[keep_from:self.length]
+                self.window = _new_window(len(old) + grow)
+        self.window[:kept] = old[keep_from:self.length]
+        if self.window is not old:
+            _free_window(old)
         view = memoryview(self.window)
         n = self.src.readinto(view[kept:])
         view.release()
@@ -927,6 +956,7 @@ class _Reader:
 
     def close(self) -> None:
         self.buf.release()
+        _free_window(self.window)
         if self.src is not self.fh:
             self.src.close()
         self.fh.close()
