@@ -1317,8 +1317,7 @@ def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
     (popped from ``columns``, which must hold the only reference) once its sorted copy exists: sorting the frame at
     once held the whole table twice, the peak of ingesting a rank."""
     by = {c.name: c for c in columns if c.name in ("ts_ns", "dur_ns")}
-    order = pl.DataFrame([by["ts_ns"], by["dur_ns"]]).select(
-        pl.arg_sort_by(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)).to_series()
+    order = _time_order(pl.DataFrame([by["ts_ns"], by["dur_ns"]]))
     del by
     out = []
     while columns:
@@ -1326,6 +1325,21 @@ def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
         # dictionary buffer) writes every value out in full (~120 bytes per event here) instead of 16-byte views.
         out.append(columns.pop(0).rechunk().gather(order))
     return pl.DataFrame(out)
+
+
+def _time_order(times: pl.DataFrame) -> pl.Series:
+    """The stable order by ts_ns, then dur_ns descending, of ``times`` (no nulls): a stable sort by ts_ns alone, then
+    the few runs of equal ts_ns sorted by duration in place (a sort on two keys took ~1.5x as long as on one; ~0.2%
+    of a generated or real trace's events share a start)."""
+    order = times.select(pl.arg_sort_by("ts_ns", maintain_order=True)).to_series()
+    ts = times["ts_ns"].gather(order)
+    tied = pl.select((ts == ts.shift(1)) | (ts == ts.shift(-1))).to_series().fill_null(False).arg_true()
+    if not len(tied):
+        return order
+    rows = order.gather(tied)
+    sub = times[rows].with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("i"))
+    within = sub.sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)["i"]
+    return order.scatter(tied, rows.gather(within))
 
 
 _COMM_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _COMM_ARGS}}
