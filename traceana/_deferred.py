@@ -15,6 +15,11 @@ import sys
 import threading
 import types
 
+# Imported by polars (iceberg and cloud I/O), traceana's file helpers and its process-pool fallback, used by none of
+# them in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed cost"). Deferred
+# only in traceana's own process (traceana.cli.main run as the program, the benchmark's jobs).
+FOR_PROGRAM = ("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets")
+
 _LOCK = threading.RLock()
 _RUNNING: set[str] = set()
 

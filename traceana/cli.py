@@ -114,13 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns."""
     program = argv is None and _is_program()
     if program:
-        # Imported by polars (iceberg and cloud I/O), the file helpers and the process-pool fallback, used by none
-        # of them in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed
-        # cost"). Their code runs on first use. Only in traceana's own process: a program that imports traceana
-        # (a notebook, a training job under attach) keeps its standard library as Python loads it.
+        # Only in traceana's own process: a program that imports traceana (a notebook, a training job under
+        # attach) keeps its standard library as Python loads it.
         from traceana import _deferred
 
-        _deferred.defer("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets")
+        _deferred.defer(*_deferred.FOR_PROGRAM)
     rc = _main(argv)
     if program and _nothing_to_tear_down():
         _exit_now(rc)

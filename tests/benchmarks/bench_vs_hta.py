@@ -148,8 +148,12 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
 # --- the jobs, each run as ``python bench_vs_hta.py --job NAME …`` in a fresh process -----------------------------
 def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: bool) -> dict:
     """Ingest (and analysis). With ``cache``, what ``traceana analyze`` does: the ingest and analysis caches under
-    RUN_DIR/.traceana are read when valid and written when not (``analysis_cache.load_and_analyze``)."""
+    RUN_DIR/.traceana are read when valid and written when not (``analysis_cache.load_and_analyze``). The standard
+    library is deferred as the ``traceana`` program defers it (traceana.cli.main); nothing is printed."""
     t0 = time.perf_counter()
+    from traceana import _deferred
+
+    _deferred.defer(*_deferred.FOR_PROGRAM)
     from traceana.ingest.run_dir import load_run
 
     if cache and analyze:
