@@ -216,15 +216,6 @@ def analyse_window(window: Window, names=None):
         return analysis, [n.replace(tmp, folder) for n in (*analysis.notes, *analysis.run.warnings)]
 
 
-def _console():
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:  # a pipe or a file: wide enough for a table of 8 stages
-        console = Console(width=max(console.width, 140))
-    return console
-
-
 def _ms(ms: float | None, step: float | None) -> str:
     if ms is None:
         return "–"
@@ -234,29 +225,27 @@ def _ms(ms: float | None, step: float | None) -> str:
 
 
 def print_window(console, n: int, window: Window, table, comparison, notes: list[str]) -> None:
-    from rich.table import Table
+    """One window: its mean step per rank, the step against window 1 once there are several, and its new notes."""
+    from traceana.tables import print_line, print_table
 
     rows = table.to_dicts()  # one dict per rank: display only
-    console.print(f"[bold]window {n}[/]: {window.label} — {window.run_dir or Path(window.files[0]).parent}")
-    t = Table(title="mean per step: ms (% of the step)", title_justify="left")
-    t.add_column("")
-    for r in rows:
-        t.add_column(f"stage {'?' if r['stage'] is None else r['stage']}\nrank {r['rank']}", justify="right")
-    t.add_row("steps", *(str(r["steps"] or 0) for r in rows))
+    print_line(console, f"{window.label} — {window.run_dir or Path(window.files[0]).parent}",
+               prefix=f"[bold]window {n}[/]: ")
+    heads = ["", *(f"stage {'?' if r['stage'] is None else r['stage']}\nrank {r['rank']}" for r in rows)]
+    body = [["steps", *(str(r["steps"] or 0) for r in rows)]]
+    sections = []
     for label, col in ROWS:
         if col == "step_ms":
-            t.add_row(label, *("–" if r["step_ms"] is None else f"{r['step_ms']:,.2f}" for r in rows),
-                      end_section=True)
+            body.append([label, *("–" if r["step_ms"] is None else f"{r['step_ms']:,.2f}" for r in rows)])
+            sections.append(len(body) - 1)
         else:
-            t.add_row(label, *(_ms(r[col], r["step_ms"]) for r in rows))
-    console.print(t)
+            body.append([label, *(_ms(r[col], r["step_ms"]) for r in rows)])
+    print_table(console, "mean per step: ms (% of the step)", heads, body, sections=sections)
     if comparison["window"].n_unique() > 1:
         ranks = sorted(set(comparison["rank"].to_list()))
-        c = Table(title="step ms vs window 1", title_justify="left")
-        c.add_column("window")
         stage_of = dict(zip(table["rank"].to_list(), table["stage"].to_list()))
-        for r in ranks:
-            c.add_column(f"stage {'?' if stage_of.get(r) is None else stage_of[r]}\nrank {r}", justify="right")
+        heads = ["window", *(f"stage {'?' if stage_of.get(r) is None else stage_of[r]}\nrank {r}" for r in ranks)]
+        body = []
         for (w, label), part in comparison.group_by("window", "label", maintain_order=True):  # one row per window
             by_rank = {d["rank"]: d for d in part.to_dicts()}
             cells = []
@@ -269,10 +258,10 @@ def print_window(console, n: int, window: Window, table, comparison, notes: list
                 else:
                     pct = "" if d["d_step_pct"] is None else f", {d['d_step_pct']:+.1f}%"
                     cells.append(f"{d['step_ms']:,.2f} ({d['d_step_ms']:+,.2f}{pct})")
-            c.add_row(f"{w + 1}: {label}", *cells)
-        console.print(c)
+            body.append([f"{w + 1}: {label}", *cells])
+        print_table(console, "step ms vs window 1", heads, body)
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        print_line(console, note, prefix="[yellow]note:[/] ")
 
 
 def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s: float | None = None,
@@ -283,7 +272,9 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
     (``traceana.names.NameRules``; default: each window's run.json, else the built-ins)."""
     import polars as pl
 
-    console = console or _console()
+    from traceana.tables import console as tables_console, print_line
+
+    console = console or tables_console()
     seen: set[str] = set()
     history = []
     first_notes: set[str] | None = None
@@ -298,7 +289,7 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
             try:
                 analysis, notes = analyse_window(window, names)
             except TraceanaError as e:
-                console.print(f"traceana: warning: window {window.label}: {e.line()}", style="yellow")
+                print_line(console, f"traceana: warning: window {window.label}: {e.line()}", style="yellow")
                 continue
             table = window_table(analysis.stages)
             history.append(table.select("rank", "stage", "step_ms", "compute_ms", "bubble_ms")
