@@ -895,7 +895,10 @@ def _new_window(size: int) -> bytearray | mmap.mmap:
 
 def _free_window(window: bytearray | mmap.mmap) -> None:
     if isinstance(window, mmap.mmap):
-        window.close()
+        try:
+            window.close()
+        except BufferError:  # a view of it is still alive (an error while reading): unmapped when it is collected
+            pass
 
 
 class _Reader:
@@ -942,9 +945,8 @@ class _Reader:
         self.window[:kept] = old[keep_from:self.length]
         if self.window is not old:
             _free_window(old)
-        view = memoryview(self.window)
-        n = self.src.readinto(view[kept:])
-        view.release()
+        with memoryview(self.window) as view, view[kept:] as rest:
+            n = self.src.readinto(rest)
         self.n_bytes += n
         self.final = n == 0
         self.length = kept + n
