@@ -893,18 +893,29 @@ typedef struct {
 
 typedef struct { Col x[N_X], m[N_M], g[N_G], c[N_C], s[N_S]; Buf scratch, scratch2, odd; } Out;
 
-static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* 8 bytes a step, then a final mix */
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, w;
-    for (; n >= 8; s += 8, n -= 8) {
+static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* two lanes of 8 bytes a step, then a mix */
+    uint64_t a = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, b = 0xC2B2AE3D27D4EB4FULL, w, v;
+    for (; n >= 16; s += 16, n -= 16) {
         memcpy(&w, s, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdULL;
-        h ^= h >> 32;
+        memcpy(&v, s + 8, 8);
+        a = (a ^ w) * 0xff51afd7ed558ccdULL;
+        b = (b ^ v) * 0xc4ceb9fe1a85ec53ULL;
+        a ^= a >> 32;
+        b ^= b >> 29;
+    }
+    if (n >= 8) {
+        memcpy(&w, s, 8);
+        a = (a ^ w) * 0xff51afd7ed558ccdULL;
+        a ^= a >> 32;
+        s += 8;
+        n -= 8;
     }
     if (n) {
         w = 0;
         memcpy(&w, s, (size_t)n);
-        h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
+        b = (b ^ w) * 0xc4ceb9fe1a85ec53ULL;
     }
+    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     return h ^ (h >> 33);
