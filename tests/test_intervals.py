@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -129,10 +131,17 @@ def apart(rows):
                             max_size=6, unique_by=lambda t: (t[0], t[1])).map(apart))
 def test_partition_of_layers_keyed_by_group_covers_each_window_exactly_once(a_rows, b_rows, w_rows):
     """Several windows per group (steps of a rank: apart or touching, in or out of key order) and layers keyed by
-    the group alone, each cut at the windows' boundaries."""
+    the group alone, each cut at the windows' boundaries; in one pass, and a few groups at a time as a large run
+    is (iv.PARTITION_BATCH)."""
     windows = frame([(g, k, s, s + d) for g, k, s, d in w_rows], keys=("g", "k"))
-    segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by=["g", "k"], on="g",
-                        default="rest")
+    for batch in (iv.PARTITION_BATCH, 2):
+        with patch.object(iv, "PARTITION_BATCH", batch):
+            segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by=["g", "k"], on="g",
+                                default="rest")
+        check_group_partition(segs, a_rows, b_rows, w_rows)
+
+
+def check_group_partition(segs, a_rows, b_rows, w_rows):
     assert segs.columns == ["g", "k", "label", "start", "end"]
     assert segs.height == segs.unique(["g", "k", "start"]).height
     for g, k, s, d in w_rows:

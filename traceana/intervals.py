@@ -275,10 +275,43 @@ def partition(
     their lengths sum exactly to the window's length. Returns ``by + [label, start, end]`` with adjacent same-label
     segments merged, the label of type ``label_dtype`` (an enum of every layer name and ``default`` spares a text
     column per segment).
+
+    Groups are independent, so a large input is partitioned a batch of ``on`` groups at a time (about
+    ``PARTITION_BATCH`` layer intervals each, whole groups, in key order): the sweep's intermediate frames then
+    hold one batch, not the whole run, and the concatenated result is the same.
     """
     keys = _keys(by)
-    names = [n for n, _ in layers]
     on_ = keys if on is None else _keys(on)
+    if on_ == keys[:len(on_)] and sum(layer.height for _, layer in layers) > PARTITION_BATCH:
+        batches = _batches(windows, layers, on_)
+        if len(batches) > 1:
+            return pl.concat([
+                _partition(windows.join(b, on=on_, how="semi"),
+                           [(n, layer.join(b, on=on_, how="semi")) for n, layer in layers],
+                           keys, on_, default, label, label_dtype)
+                for b in batches])
+    return _partition(windows, layers, keys, on_, default, label, label_dtype)
+
+
+# Layer intervals per batch of ``partition`` (docs/performance.md "How the analysis stays small"): large enough that
+# a batch's few dozen polars operations are cheap beside its rows, small enough to bound the sweep's frames.
+PARTITION_BATCH = 250_000
+
+
+def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]], on: list[str]) -> list[pl.DataFrame]:
+    """The ``on`` groups of ``windows`` in key order, cut into consecutive batches of about ``PARTITION_BATCH``
+    layer intervals (a group is never split)."""
+    groups = windows.select(on).unique().sort(on)
+    counts = pl.concat([layer.group_by(on).len() for _, layer in layers if layer.height], how="vertical_relaxed")
+    sized = groups.join(counts.group_by(on).agg(pl.col("len").sum()), on=on, how="left", maintain_order="left")
+    sized = sized.with_columns((pl.col("len").fill_null(0).cum_sum() // PARTITION_BATCH).alias("_batch"))
+    return sized.select(*on, "_batch").partition_by("_batch", maintain_order=True, include_key=False)
+
+
+def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]], keys: list[str], on_: list[str],
+               default: str, label: str, label_dtype: pl.DataType) -> pl.DataFrame:
+    """``partition`` of one batch."""
+    names = [n for n, _ in layers]
     w = windows.select(*keys, START, END).sort(keys)
     # Put every window on one time axis where no two groups' intervals cross or touch, so that the sweep needs one
     # sort by axis time instead of a sort by group keys and time; a window's instant t sits at t + _shift.
