@@ -116,8 +116,8 @@ def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFram
     """``rank, _mark``: every instant a CPU rank's training thread is seen doing something — the start and end of
     each of its ops, annotations, P2P posts and returns from a wait. A thread blocked in ``wait()`` records nothing,
     so it began to block after the last such mark."""
-    cpu = events.filter(~pl.col("is_gpu") & pl.col("step").is_not_null()
-                        & ~pl.col("rank").is_in(gpu_ranks["rank"].implode()))
+    cpu = events.select("rank", "track", "is_gpu", "kind", "ts_ns", "dur_ns", "step").filter(  # (the columns first)
+        ~pl.col("is_gpu") & pl.col("step").is_not_null() & ~pl.col("rank").is_in(gpu_ranks["rank"].implode()))
     cpu = cpu.join(training_tracks(cpu), on=["rank", "track"])
     return pl.concat([cpu.select("rank", pl.col("ts_ns").alias("_mark")),
                       cpu.select("rank", (pl.col("ts_ns") + pl.col("dur_ns")).alias("_mark"))]).sort("_mark")

@@ -256,7 +256,8 @@ def _placement_inputs(events: pl.DataFrame, msgs: pl.DataFrame | None, pairs: pl
         sends = pairs.filter(pl.col("channel") == "p2p").select(
             pl.col("src").alias("rank"), pl.col("dst").alias("peer"), "step", pl.col("send_start_ns").alias("at"))
     first_backward = (
-        events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null())
+        events.select("rank", "step", "ts_ns", "name", "is_gpu", "kind")  # a filter copies only these columns
+        .filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null())
         .filter(_backward_like(pl.col("name")))  # the text test on those events only
         .group_by("rank", "step").agg(pl.col("ts_ns").min().alias("at"))
         .select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int32), "at")
@@ -574,9 +575,9 @@ def infer_schedule(
     # Top-level compute ops, each tagged forward- or backward-like by its outermost op: on a CPU rank those of the
     # training thread; on a GPU rank those of every CPU thread (autograd runs backward on its own device thread).
     tracks = training_tracks(events)
-    gpu = events.filter(pl.col("is_gpu") & (pl.col("kind") == "compute")).select("rank").unique()
-    cpu_ops = events.filter(~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null()
-                            & pl.col("rank").is_in(ranks))
+    gpu = events.select(pl.col("rank").filter(pl.col("is_gpu") & (pl.col("kind") == "compute")).unique())
+    cpu_ops = events.select("rank", "track", "name", "ts_ns", "dur_ns", "step", "is_gpu", "kind").filter(
+        ~pl.col("is_gpu") & (pl.col("kind") == "compute") & pl.col("step").is_not_null() & pl.col("rank").is_in(ranks))
     cpu = pl.concat([cpu_ops.join(gpu, on="rank", how="anti").join(tracks, on=["rank", "track"]),
                      cpu_ops.join(gpu, on="rank")])
     ops = (

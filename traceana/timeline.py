@@ -91,13 +91,15 @@ def gpu_ranks(events: pl.DataFrame) -> pl.DataFrame:
 
 def busy_events(events: pl.DataFrame) -> pl.DataFrame:
     """The events that make a rank busy (see module doc): ``rank, track, is_gpu, kind, launch_ns, start, end``."""
-    busy = events.select("rank", "track", "is_gpu", "kind", "launch_ns", pl.col("ts_ns").alias("start"),
-                         (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
+    # The columns first, then the filters: a filter of the events copies every column of the rows it keeps.
+    busy = events.select("rank", "track", "is_gpu", "kind", "launch_ns", "ts_ns", "dur_ns")
+    cols = ["rank", "track", "is_gpu", "kind", "launch_ns", pl.col("ts_ns").alias("start"),
+            (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
     on_gpu_rank = pl.col("rank").is_in(gpu_ranks(events)["rank"].implode())
-    on_gpu = busy.filter(on_gpu_rank & _GPU_BUSY)
-    tracks = training_tracks(events.select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~on_gpu_rank))
-    on_cpu = busy.filter(~on_gpu_rank & (pl.col("kind") == "compute")).join(tracks, on=["rank", "track"],
-                                                                             maintain_order="left")
+    on_gpu = busy.filter(on_gpu_rank & _GPU_BUSY).select(cols)
+    tracks = training_tracks(busy.select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~on_gpu_rank))
+    on_cpu = busy.filter(~on_gpu_rank & (pl.col("kind") == "compute")).select(cols).join(
+        tracks, on=["rank", "track"], maintain_order="left")
     return pl.concat([on_gpu, on_cpu])
 
 
