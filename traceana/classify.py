@@ -335,24 +335,31 @@ def rank_summary(run: Run) -> pl.DataFrame:
     Collective ops are the CPU-side ``nccl:*``/``gloo:*`` spans c10d records around each collective, P2P excluded.
     """
     ev = run.events
-    step_no = pl.col("name").str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False)
-    cpu = ~pl.col("is_gpu")
-    coll_prefix = pl.coalesce(*(pl.when(pl.col("name").str.starts_with(pre)).then(pl.col("name").str.strip_prefix(pre))
+    # The name tests run once per distinct name and are gathered by each event's name code: on every event they
+    # built text columns (a prefix stripped from every name) that set the peak of a whole `traceana analyze`.
+    name = pl.col("name")
+    coll_prefix = pl.coalesce(*(pl.when(name.str.starts_with(pre)).then(name.str.strip_prefix(pre))
                                 for pre in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))
-    c10d_p2p = pl.col("name").is_in([names.C10D_SEND, names.C10D_RECV])
-    rpc_p2p = (pl.col("name") == names.RECORD_PARAM_COMMS) & pl.col("coll").is_in(list(names.P2P_COLL_NAMES))
-    # Each string test once per event, in one pass; the aggregation then reads plain columns.
+    distinct = distinct_names(ev)
+    by_name = pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
+        _step_no=name.str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False),
+        _nccl=name.str.starts_with(names.NCCL_KERNEL_PREFIXES[0]) | name.str.starts_with(names.NCCL_KERNEL_PREFIXES[1]),
+        _c10d_p2p=name.is_in([names.C10D_SEND, names.C10D_RECV]),
+        _rpc=name == names.RECORD_PARAM_COMMS,
+        _coll=coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES)),
+    ).select(pl.all().gather(ev["name"].cast(pl.Enum(distinct)).to_physical()))
+    cpu = ~pl.col("is_gpu")
+    # Each test once per event, in one pass; the aggregation then reads plain columns.
     per_rank = (
-        ev.lazy()
+        pl.concat([ev.select("rank", "is_gpu", "device", "dur_ns", "cat", "coll"), by_name], how="horizontal").lazy()
         .select(
             "rank", "is_gpu", "device", "dur_ns",
-            step_no=pl.when(cpu).then(step_no),  # ProfilerStep spans on the CPU
+            step_no=pl.when(cpu).then("_step_no"),  # ProfilerStep spans on the CPU
             kernel=pl.col("cat") == "kernel",
-            nccl_kernel=pl.col("is_gpu") & (pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[0])
-                                            | pl.col("name").str.starts_with(names.NCCL_KERNEL_PREFIXES[1])),
-            c10d_p2p=c10d_p2p,
-            rpc_p2p=rpc_p2p,
-            collective=cpu & coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES)),
+            nccl_kernel=pl.col("is_gpu") & pl.col("_nccl"),
+            c10d_p2p="_c10d_p2p",
+            rpc_p2p=pl.col("_rpc") & pl.col("coll").is_in(list(names.P2P_COLL_NAMES)),
+            collective=cpu & pl.col("_coll"),
         )
         .group_by("rank")
         .agg(
