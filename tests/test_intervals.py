@@ -59,6 +59,15 @@ def test_clip_cuts_intervals_to_each_window_they_overlap():
                                                         "step": [1, 2]}))
 
 
+def test_clip_gives_a_piece_to_each_of_two_overlapping_windows():
+    # Windows 1 [0, 10) and 2 [5, 15) overlap (a trace's overlapping steps): an interval in both, by hand, is cut
+    # once for each; an interval only in the later one stays whole there.
+    steps = pl.DataFrame({"g": [0, 0], "step": [1, 2], "start": [0, 5], "end": [10, 15]})
+    got = iv.clip(frame([(0, 6, 8), (0, 11, 12)]), steps, on="g", window_keys="step")
+    assert_frame_equal(got.sort("step", "start"), pl.DataFrame({"g": [0, 0, 0], "start": [6, 6, 11],
+                                                                "end": [8, 8, 12], "step": [1, 2, 2]}))
+
+
 def test_partition_gives_priority_to_earlier_layers_and_default_to_the_rest():
     windows = frame([(0, 0, 10)])
     got = iv.partition(
@@ -139,6 +148,17 @@ def test_partition_of_layers_keyed_by_group_covers_each_window_exactly_once(a_ro
             segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by=["g", "k"], on="g",
                                 default="rest")
         check_group_partition(segs, a_rows, b_rows, w_rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sets, sets, st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 30), st.integers(1, 12)),
+                            max_size=6, unique_by=lambda t: (t[0], t[1])))
+def test_partition_covers_each_of_overlapping_windows_exactly_once(a_rows, b_rows, w_rows):
+    """Windows of a group that overlap (a trace's overlapping steps): each is still covered whole, by its own cut
+    of the layers (the per-window axis and intervals.clip, not the rank axis)."""
+    windows = frame([(g, k, s, s + d) for g, k, s, d in w_rows], keys=("g", "k"))
+    segs = iv.partition(windows, [("a", frame(a_rows)), ("b", frame(b_rows))], by=["g", "k"], on="g", default="rest")
+    check_group_partition(segs, a_rows, b_rows, w_rows)
 
 
 def check_group_partition(segs, a_rows, b_rows, w_rows):

@@ -175,11 +175,15 @@ def clip(
         return frame.join(w.drop("_ws", "_we"), on=on_).head(0) if on_ else frame.head(0)
     # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
+    # That shortcut holds only where a group's windows do not overlap (an interval inside the later of two
+    # overlapping windows is in the earlier one too): with any overlap every interval takes the join.
     f = frame.with_row_index("_clip_row")
     ordered = len(on_) == 1 and in_time_order(f, on_[0], START)  # as ingest leaves events: no sort needed
     located = (f if ordered else f.sort(START)).join_asof(
         w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward", check_sortedness=False)
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
+    if _windows_overlap(w, on_):
+        inside = pl.lit(False)
     simple = located.filter(inside & (pl.col(END) > pl.col(START))).drop("_ws", "_we")
     rest = located.filter(~inside).select(f.columns)
     if rest.height == 0:  # every interval inside one window: nothing to cut or join
@@ -197,6 +201,13 @@ def clip(
     if ordered:  # both in row order already: interleave them instead of sorting
         return simple.merge_sorted(spanning.select(simple.columns).sort("_clip_row"), "_clip_row").drop("_clip_row")
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
+
+
+def _windows_overlap(w: pl.DataFrame, on: list[str]) -> bool:
+    """Does any window (``_ws``, ``_we``) start before an earlier-starting window of its group has ended?"""
+    prev_end = pl.col("_we").cum_max().shift(1)
+    starts_inside = pl.col("_ws") < (prev_end.over(on) if on else prev_end)
+    return bool(w.sort(*on, "_ws").select(starts_inside.any()).item())
 
 
 def in_time_order(frame: pl.DataFrame, by: str, at: str) -> bool:
