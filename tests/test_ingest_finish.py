@@ -55,3 +55,41 @@ def test_tracks_are_formatted_once_per_distinct_track_as_for_every_event(rows):
 def test_tracks_of_parts_too_many_to_pack_are_joined_to_the_same_texts(rows):
     with mock.patch.object(kineto.math, "prod", return_value=2**62):  # as if the packed key could overflow
         check_tracks(rows)
+
+
+def _both_sorts(path, monkeypatch):
+    """read_trace's events as the one-query path of small tables gives them, and as the column-at-a-time path of
+    large tables gives them (forced for a small file by lowering the size switch)."""
+    whole = kineto.read_trace(path)[0]
+    with monkeypatch.context() as m:
+        m.setattr(kineto, "SORT_WHOLE_ROWS", 0)
+        by_columns = kineto.read_trace(path)[0]
+    return whole, by_columns
+
+
+def test_small_and_large_tables_are_sorted_and_filled_alike(tmp_path, monkeypatch):
+    import json
+
+    def x(name, ts, dur, **args):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 2, "ts": ts, "dur": dur, "args": args}
+
+    events = [x("a", 5, 1), x("b", 3, 2), x("c", 3, 4), x("d", 3, 4), x("e", None, 1),
+              x("record_param_comms", 4, 1, **{"Collective name": "send", "Dst Rank": 1, "dtype": "Float",
+                                               "In msg nelems": 8})]
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"traceEvents": events}))
+    for got in _both_sorts(f, monkeypatch):
+        # By start; of equal starts the longer first, then file order; "e" (no start) dropped; the facts stay with
+        # their event: 8 float32 elements = 32 bytes to rank 1.
+        assert got["name"].to_list() == ["c", "d", "b", "record_param_comms", "a"]
+        assert got["peer"].to_list() == [None, None, None, 1, None]
+        assert got["nbytes"].to_list() == [None, None, None, 32, None]
+        assert got.schema == pl.Schema(schema.EVENTS)
+
+
+def test_third_party_tables_are_the_same_either_way(third_party, monkeypatch):
+    from polars.testing import assert_frame_equal
+
+    for f in sorted(third_party.rglob("*.json*")):
+        whole, by_columns = _both_sorts(f, monkeypatch)
+        assert_frame_equal(whole, by_columns)

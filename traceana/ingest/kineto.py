@@ -1087,6 +1087,10 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
 # Finishing a rank (building and sorting its table, polars-parallel itself) is its ingest's memory peak: ranks of
 # more events than this are finished one at a time, while other threads go on scanning.
 FINISH_ALONE_ROWS = 200_000
+# A table of fewer events is sorted whole, in one query with its derived columns: the column-at-a-time sort of the
+# larger tables (_sorted_by_columns) exists for their memory, and its few dozen operations were most of finishing a
+# small rank (docs/performance.md "Fixed cost").
+SORT_WHOLE_ROWS = 200_000
 _FINISH_LOCK = threading.Lock()
 
 
@@ -1233,26 +1237,31 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         pl.coalesce(pl.col("t").cast(pl.Int64, strict=False),
                     pl.col("t").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))).to_series()
     # Until the filter below, "row" is also each event's position: facts are put in place by position.
-    x = x.with_row_index("row").with_columns(
+    x = x.lazy().with_row_index("row").with_columns(
         ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
         dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
         rank=rank_lit,
         is_gpu=pl.lit(cat_d.is_in(_GPU_CAT_NAMES)).gather(pl.col("cat")).fill_null(False),
         pid=pid_code,
         tid=tid_code,
-    )
-    x = x.with_columns(
+    ).with_columns(
         device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"),
                                                   pl.lit(pid_text.cast(pl.Int64, strict=False)).gather("pid"))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), pl.lit(per_value).gather("tid"))),
-    )
-    x = x.with_columns(track=_tracks(x, pid_text, tid_text))
-    facts = _comms(x, batches, pg_config, name_d)
-    x = x.with_columns(*(_in_range(pl.col(c), c).alias(c) for c in ("device", "stream")),
+    ).collect(engine=ENGINE)
+    track = _tracks(x, pid_text, tid_text)
+    facts = _comms(x, track, batches, pg_config, name_d)
+    x = x.with_columns(*(_in_range(pl.col(c), c).alias(c) for c in ("device", "stream")), track=track,
                        keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
                        & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
+    del track
     n_read = x.height
     dropped = n_read - x["keep"].sum()
+    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
+            "tid": tid_text.cast(schema.EVENTS["tid"])}
+    if n_read < SORT_WHOLE_ROWS:  # small: one query (a few dozen eager operations cost more than the work here)
+        return schema.check(_small_events(x, facts, text, rank), schema.EVENTS, "events"), \
+            schema.check(memory, schema.MEMORY, "memory"), dropped
     if dropped:  # copying the table only when some event has no usable time
         x = x.filter("keep")
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
@@ -1266,14 +1275,29 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     where = pl.repeat(None, n_read, dtype=pl.UInt32, eager=True).scatter(
         events["row"], pl.int_range(n, dtype=pl.UInt32, eager=True)).gather(facts["row"])  # a fact's sorted row
     facts = facts.with_columns(where.alias("row")).drop_nulls("row")
-    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
-            "tid": tid_text.cast(schema.EVENTS["tid"])}
     events = events.with_columns(
         *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
         *(pl.repeat(None, n, dtype=t, eager=True).scatter(facts["row"], facts[c]).alias(c) for c, t in _FACTS.items()),
         rank=pl.repeat(rank, n, dtype=pl.Int32, eager=True),
     ).select(list(schema.EVENTS))
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+
+
+def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int) -> pl.DataFrame:
+    """The events table of a table under SORT_WHOLE_ROWS rows, in one query: the same rows and order as the
+    column-at-a-time path below it in _finish (a stable sort by ts_ns, then dur_ns descending, of the kept events in
+    file order; the facts joined by file position; text gathered from the distinct values)."""
+    body = [(pl.col(c).cast(t) if c in x.columns else pl.lit(None, dtype=t)).alias(c)
+            for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")]
+    return (
+        x.lazy().filter("keep")
+        .join(facts.lazy(), on="row", how="left", maintain_order="left")
+        .sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
+        .select(*(pl.lit(d).gather(pl.col(c)).alias(c) for c, d in text.items()), *body,
+                *(pl.col(c) for c in _FACTS), rank=pl.lit(rank, dtype=pl.Int32))
+        .select(list(schema.EVENTS))
+        .collect(engine=ENGINE)
+    )
 
 
 def _tracks(x: pl.DataFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.Series:
@@ -1357,7 +1381,7 @@ def _in_range(value: pl.Expr, column: str) -> pl.Expr:
     return pl.when(value.is_between(-(2**31), 2**31 - 1)).then(value)
 
 
-def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series) -> pl.DataFrame:
+def _comms(x: pl.DataFrame, track: pl.Series, batches: _Batches, pg_config: Any, name_d: pl.Series) -> pl.DataFrame:
     """``row`` and its peer, tag, nbytes, coll and pg, for communication events (from the sparse per-batch facts).
 
     NCCL: ``record_param_comms`` gives "Collective name", "In msg nelems" × "dtype", and for P2P "Dst Rank"/"Src
@@ -1378,7 +1402,7 @@ def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series
     shapes = pl.concat(batches.shapes) if batches.shapes else None
     if shapes is not None and shapes.height:
         ev = x.select("row", "ts_ns", "dur_ns", name=pl.lit(name_d).gather("name"),
-                      track=pl.col("track").cast(pl.String))[shapes["row"]]  # x's name is a code into name_d
+                      track=track.cast(pl.String))[shapes["row"]]  # x's name is a code into name_d
         shaped = pl.concat([ev, shapes.drop("row")], how="horizontal").filter(
             pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
         comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
