@@ -1312,7 +1312,8 @@ def _tracks(x: pl.DataFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.Ser
                          pl.coalesce(pl.col("device").cast(pl.String), pl.lit(pid_text).gather("pid")),
                          pl.coalesce(pl.col("stream").cast(pl.String), pl.lit(tid_text).gather("tid")))
             .cast(schema.EVENTS["track"]))
-    values = {c: x[c].drop_nulls().unique().sort() for c in ("device", "stream")}
+    values = {c: v[0] for c, v in x.select(pl.col(c).drop_nulls().unique().sort().implode()
+                                          for c in ("device", "stream")).to_dict().items()}
     sizes = [2, len(values["device"]) + 1, len(values["stream"]) + 1, len(pid_text), len(tid_text)]
     if math.prod(sizes) >= 2**62:
         tracks = x.select(keys).unique().with_columns(track=text)
@@ -1325,17 +1326,17 @@ def _tracks(x: pl.DataFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.Ser
     for part, size in zip(parts[1:], sizes[1:]):
         packed = packed * size + part
     key = x.select(packed.alias("key")).to_series()
-    distinct = key.unique().sort()
     rest, unpacked = pl.col("key"), {}
     for c, size in zip(reversed(keys), reversed(sizes)):
         unpacked[c], rest = rest % size, rest // size
-    parts_of = distinct.to_frame().select(
+    distinct = key.to_frame().lazy().select(pl.col("key").unique().sort()).select(
+        "key",
         is_gpu=unpacked["is_gpu"].cast(pl.Boolean),
-        device=pl.lit(values["device"].extend_constant(None, 1)).gather(unpacked["device"]),
-        stream=pl.lit(values["stream"].extend_constant(None, 1)).gather(unpacked["stream"]),
-        pid=unpacked["pid"], tid=unpacked["tid"])
-    track = parts_of.select(text).to_series()
-    return track.gather(distinct.search_sorted(key)).alias("track")
+        device=pl.lit(values["device"]).append(pl.lit(None, dtype=values["device"].dtype)).gather(unpacked["device"]),
+        stream=pl.lit(values["stream"]).append(pl.lit(None, dtype=values["stream"].dtype)).gather(unpacked["stream"]),
+        pid=unpacked["pid"], tid=unpacked["tid"]).select("key", track=text).collect(engine=ENGINE)
+    return pl.select(pl.lit(distinct["track"]).gather(pl.lit(distinct["key"]).search_sorted(pl.lit(key))))\
+        .to_series().alias("track")
 
 
 def _sorted_by_columns(columns: list[pl.Series]) -> pl.DataFrame:
@@ -1393,11 +1394,11 @@ def _comms(x: pl.DataFrame, track: pl.Series, batches: _Batches, pg_config: Any,
     """
     comm = pl.concat(batches.comm) if batches.comm else pl.DataFrame(schema=_COMM_SCHEMA)
     elem = pl.col("dtype").replace_strict(SCALAR_TYPE_BYTES, default=None, return_dtype=pl.Int64)
-    comm = _group_to_global(
-        comm.select("row", "coll", "pg_name", nbytes=pl.col("in_nelems") * elem,
-                    peer=pl.coalesce(pl.col("dst_rank"), pl.col("src_rank")),
-                    pg=pl.coalesce(pl.col("pg_desc"), pl.col("pg_name"))),
-        pg_config,
+    comm = _group_to_global(  # one lazy query from here to the end (a few eager operations each cost as much here)
+        comm.lazy().select("row", "coll", "pg_name", nbytes=pl.col("in_nelems") * elem,
+                           peer=pl.coalesce(pl.col("dst_rank"), pl.col("src_rank")),
+                           pg=pl.coalesce(pl.col("pg_desc"), pl.col("pg_name"))),
+        pg_config if comm.height else None,
     ).drop("pg_name")
     shapes = pl.concat(batches.shapes) if batches.shapes else None
     if shapes is not None and shapes.height:
@@ -1405,10 +1406,11 @@ def _comms(x: pl.DataFrame, track: pl.Series, batches: _Batches, pg_config: Any,
                       track=track.cast(pl.String))[shapes["row"]]  # x's name is a code into name_d
         shaped = pl.concat([ev, shapes.drop("row")], how="horizontal").filter(
             pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
-        comm = pl.concat([comm, _gloo_pairs(shaped)], how="diagonal_relaxed")
+        comm = pl.concat([comm, _gloo_pairs(shaped).lazy()], how="diagonal_relaxed")
     # Each event has at most one row of facts: its "row" is the event's position in x (see _finish).
-    return comm.select("row", *[_in_range(pl.col(c) if c in comm.columns else pl.lit(None), c).cast(t).alias(c)
-                                for c, t in _FACTS.items()])
+    columns = comm.collect_schema().names()
+    return comm.select("row", *[_in_range(pl.col(c) if c in columns else pl.lit(None), c).cast(t).alias(c)
+                                for c, t in _FACTS.items()]).collect(engine=ENGINE)
 
 
 def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
@@ -1460,9 +1462,9 @@ def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _group_to_global(comm: pl.DataFrame, pg_config: Any) -> pl.DataFrame:
+def _group_to_global(comm: pl.LazyFrame, pg_config: Any) -> pl.LazyFrame:
     """Map record_param_comms P2P peers from group ranks to global ranks using distributedInfo.pg_config."""
-    if not isinstance(pg_config, list) or comm.height == 0:
+    if not isinstance(pg_config, list):
         return comm
     rows = []
     for pg in pg_config:  # one entry per process group: tiny
@@ -1472,8 +1474,8 @@ def _group_to_global(comm: pl.DataFrame, pg_config: Any) -> pl.DataFrame:
                     rows.append((str(pg.get("pg_name")), group_rank, global_rank))
     if not rows:
         return comm
-    table = pl.DataFrame(rows, schema={"pg_name": pl.String, "peer": pl.Int64, "global_peer": pl.Int64},
-                         orient="row").unique(["pg_name", "peer"], keep="first")
+    table = pl.LazyFrame(rows, schema={"pg_name": pl.String, "peer": pl.Int64, "global_peer": pl.Int64},
+                         orient="row").unique(["pg_name", "peer"], keep="first", maintain_order=True)
     return (
         comm.join(table, on=["pg_name", "peer"], how="left")
         .with_columns(peer=pl.coalesce("global_peer", "peer"))

@@ -190,6 +190,10 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
     copy of a column dropped as soon as the joined column exists: ``pl.concat(rechunk=True)`` held the whole run's
     table twice. ``frames`` must hold the only references to the tables; it is emptied."""
     names = frames[0].columns
+    if sum(f.height for f in frames) < kineto.SORT_WHOLE_ROWS:  # small: at once (the column rounds cost ~4 ms a run)
+        out = pl.concat(frames, rechunk=True)
+        frames.clear()
+        return out
     # polars copies without the GIL: a few columns at a time in threads (on 2 cores the end of a parallel ingest
     # took half as long), each round's copies dropped before the next.
     k = min(len(names), os.cpu_count() or 1) if sum(f.height for f in frames) >= kineto.FINISH_ALONE_ROWS else 1
