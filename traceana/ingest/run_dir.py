@@ -413,7 +413,8 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
     map against the traces' own stage metadata, overlapping or duplicated ProfilerStep spans and annotations,
     events that all last zero. Only step spans and annotations are compared (a few rows per rank)."""
     notes: list[str] = []
-    for ev, _, row in results:
+    found = _marks_found(results)
+    for i, (ev, _, row) in enumerate(results):
         name = Path(row["path"])
         file_rank = rank_from_filename(name)
         if row["rank_source"] == "distributedInfo" and file_rank is not None and file_rank != row["rank"]:
@@ -426,20 +427,7 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
                          "run.json wins — fix whichever is wrong")
         if not ev.height:
             continue
-        # One query per trace (collect_all): a few operations on a few rows each, whose fixed cost was the most of
-        # this check on a small run (docs/performance.md "Fixed cost").
-        marks = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
-                                                       | pl.col("name").str.starts_with("PP:")))
-        key = marks.select("track", "name", "ts_ns", "dur_ns")
-        steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["track", "ts_ns", "name"])
-                 .sort("track", "ts_ns")
-                 .with_columns(prev_end=(pl.col("ts_ns") + pl.col("dur_ns")).shift(1).over("track"),
-                               prev=pl.col("name").shift(1).over("track"))
-                 .filter(pl.col("ts_ns") < pl.col("prev_end")))
-        n_keys, n_unique, steps, zero = pl.collect_all(
-            [key.select(pl.len()), key.unique().select(pl.len()), steps,
-             ev.lazy().select((pl.col("dur_ns") == 0).all())], engine=ENGINE)
-        dups = n_keys.item() - n_unique.item()
+        dups, steps, zero = found[i]
         if dups:
             notes.append(f"{shown(row['path'])}: {dups} step spans or annotations are copies of another (same name, "
                          "thread, start and duration): the trace holds duplicated events, and counts from it are "
@@ -449,10 +437,38 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
             notes.append(f"{shown(row['path'])}: {steps.height} ProfilerStep spans overlap the previous step (first: "
                          f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / 1e6:.3f} ms before "
                          f"{first['prev']} ends); the overlap is counted in both steps")
-        if zero.item():
+        if zero:
             notes.append(f"{shown(row['path'])}: every one of its {ev.height:,} events lasts 0 ns: no time can be "
                          "attributed on rank " + str(row["rank"]))
     return notes
+
+
+def _marks_found(results: list[Parsed]) -> dict[int, tuple[int, pl.DataFrame, bool]]:
+    """Per trace with events (by its index in ``results``): how many step spans or annotations copy another, the
+    ProfilerStep spans that overlap their thread's previous step, and whether every event lasts 0 ns. One query for
+    all the traces, each trace's rows marked by its index: a few operations on a few rows per trace, whose fixed cost
+    was most of this check on a small run (docs/performance.md "Fixed cost")."""
+    present = [(i, ev) for i, (ev, _, _) in enumerate(results) if ev.height]
+    if not present:
+        return {}
+    f = pl.lit(0, dtype=pl.UInt32)
+    marks = pl.concat([
+        ev.lazy().filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
+                                              | pl.col("name").str.starts_with("PP:")))
+        .select("track", "name", "ts_ns", "dur_ns", f=f + i) for i, ev in present])
+    steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["f", "track", "ts_ns", "name"])
+             .sort("f", "track", "ts_ns")
+             .with_columns(prev_end=(pl.col("ts_ns") + pl.col("dur_ns")).shift(1).over("f", "track"),
+                           prev=pl.col("name").shift(1).over("f", "track"))
+             .filter(pl.col("ts_ns") < pl.col("prev_end")))
+    zero = pl.concat([ev.lazy().select(f=f + i, zero=(pl.col("dur_ns") == 0).all()) for i, ev in present])
+    n_keys, n_unique, steps, zero = pl.collect_all(
+        [marks.group_by("f").len(), marks.unique().group_by("f").len(), steps, zero], engine=ENGINE)
+    keys, distinct = (dict(zip(t["f"].to_list(), t["len"].to_list())) for t in (n_keys, n_unique))
+    zeros = dict(zip(zero["f"].to_list(), zero["zero"].to_list()))
+    by_file = steps.partition_by("f", as_dict=True, include_key=False)
+    empty = steps.clear().drop("f")
+    return {i: (keys.get(i, 0) - distinct.get(i, 0), by_file.get((i,), empty), zeros[i]) for i, _ in present}
 
 
 # --- per-rank summary ----------------------------------------------------------------------------------------------
