@@ -1089,8 +1089,9 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
 FINISH_ALONE_ROWS = 200_000
 # A table of fewer events is sorted whole, in one query with its derived columns: the column-at-a-time sort of the
 # larger tables (_sorted_by_columns) exists for their memory, and its few dozen operations were most of finishing a
-# small rank (docs/performance.md "Fixed cost").
-SORT_WHOLE_ROWS = 200_000
+# small rank (docs/performance.md "Fixed cost"). Sorting whole holds the table twice: at 200,000 HTA's 123k- and
+# 138k-event traces peaked 3-7 MiB higher in ingest (~50 bytes an event), so the switch stays well below them.
+SORT_WHOLE_ROWS = 50_000
 _FINISH_LOCK = threading.Lock()
 
 
