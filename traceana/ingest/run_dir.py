@@ -454,7 +454,7 @@ def _marks_found(results: list[Parsed]) -> dict[int, tuple[int, pl.DataFrame, bo
     f = pl.lit(0, dtype=pl.UInt32)
     marks = pl.concat([
         ev.lazy().filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
-                                              | pl.col("name").str.starts_with("PP:")))
+                                              | pl.col("name").str.starts_with(names.PP_PREFIX)))
         .select("track", "name", "ts_ns", "dur_ns", f=f + i) for i, ev in present])
     steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["f", "track", "ts_ns", "name"])
              .sort("f", "track", "ts_ns")
