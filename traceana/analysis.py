@@ -90,8 +90,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                             f"and only {limits.gib(short[1])} of memory is left", path=shown(run.path),
                             fix=limits.how_to_raise())
     notes: list[str] = []
-    distinct = cls.distinct_names(run.events)  # for both classify and rule_notes
-    events = cls.classify(run.events, name_rules, distinct=distinct)
+    by_name = cls.name_table(run.events, name_rules)  # for both classify and rule_notes
+    events = cls.classify(run.events, name_rules, by_name=by_name)
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
@@ -101,7 +101,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
-    notes += cls.rule_notes(events, name_rules, distinct=distinct)
+    notes += cls.rule_notes(events, name_rules, by_name=by_name)
     msgs = pipeline.messages(events, pipeline.bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))

@@ -19,6 +19,8 @@ Rules (docs/architecture.md "Classification and attribution", docs/field-notes.m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 from traceana import intervals as iv
@@ -70,24 +72,33 @@ def _dir_of(col: pl.Expr, sends: list[str], recvs: list[str]) -> pl.Expr:
     return pl.when(col.is_in(sends)).then(pl.lit(_SEND, pl.UInt8)).when(col.is_in(recvs)).then(pl.lit(_RECV, pl.UInt8))
 
 
-# The last table ``_name_rules`` built, with its rules and names: ``rule_notes`` asks for the table ``classify`` built
-# (the same names and rules, one analysis later), and building it is a few ms of regular expressions even on a tiny
-# trace (docs/performance.md "Fixed cost").
-_LAST_RULES_TABLE: tuple = ()
+@dataclass(frozen=True)
+class NameTable:
+    """An events frame's distinct names (``distinct_names``) and every rule of ``rules`` that reads only the name,
+    evaluated on them (``table``: one row per distinct name, in that order). ``classify`` and ``rule_notes`` both
+    read it: an analysis builds it once (``name_table``) and hands it to both, instead of trying the rules' regular
+    expressions twice (a few ms even on a tiny trace, docs/performance.md "Fixed cost")."""
+
+    rules: names.NameRules
+    distinct: pl.Series
+    table: pl.DataFrame
+
+
+def name_table(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES) -> NameTable:
+    distinct = distinct_names(events)
+    return NameTable(rules, distinct, _name_rules(distinct, rules))
+
+
+def _given_table(events: pl.DataFrame, rules: names.NameRules, given: NameTable | None) -> NameTable:
+    if given is None:
+        return name_table(events, rules)
+    if given.rules is not rules:
+        raise ValueError("the NameTable was built with other name rules")
+    return given
 
 
 def _name_rules(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     """Every rule that reads only the event name, one row per distinct name."""
-    global _LAST_RULES_TABLE
-    last = _LAST_RULES_TABLE
-    if last and last[0] is rules and last[1].equals(distinct):
-        return last[2]
-    table = _rules_table(distinct, rules)
-    _LAST_RULES_TABLE = (rules, distinct, table)
-    return table
-
-
-def _rules_table(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     name = pl.col("name")
     return pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
         name.str.contains(names.STEP_PATTERN).alias("_step"),
@@ -175,17 +186,17 @@ def _kind() -> pl.Expr:
 
 
 def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES, *,
-             distinct: pl.Series | None = None) -> pl.DataFrame:
+             by_name: NameTable | None = None) -> pl.DataFrame:
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``), with the name
-    ``rules`` (default: the built-in conventions). ``distinct``: the frame's distinct names (``distinct_names``),
-    if the caller has them already."""
+    ``rules`` (default: the built-in conventions). ``by_name``: ``name_table(events, rules)``, if the caller has
+    it already."""
     # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
     # (the Parquet cache yields several).
     events = events.rechunk()
     n = events.height
-    distinct = distinct_names(events) if distinct is None else distinct
+    by_name = _given_table(events, rules, by_name)
+    distinct, table = by_name.distinct, by_name.table
     code = events["name"].cast(pl.Enum(distinct)).to_physical()
-    table = _name_rules(distinct, rules)
     # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
     # from the rule's index, on the few events it labels).
     table = table.with_columns(pl.col("_rule_kind").replace_strict({k: KINDS.index(k) for k in names.RULE_KINDS},
@@ -243,8 +254,8 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     in_span = inside(f, "launch_ns", bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null())))
     # pg is categorical (schema.EVENTS): the few distinct groups are matched as text, the events by membership.
     groups = f["pg"].unique().drop_nulls()
-    on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC,
-                                                                                    literal=True)))
+    bpipe_groups = groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC, literal=True))
+    on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(bpipe_groups)
     is_bpipe = (pl.lit(in_span) | on_group) & pl.col("_kind").is_in(_MOVABLE)
     f = f.with_columns(is_bpipe.alias("_bpipe"))
     kind = f.select(pl.lit(_KINDS).gather(pl.when("_bpipe").then(_K["bpipe_transfer"]).otherwise("_kind"))
@@ -280,18 +291,18 @@ def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, 
 
 
 def distinct_names(events: pl.DataFrame) -> pl.Series:
-    """The distinct event names (nulls dropped), the keys of every rule evaluated once per name; in order of first
-    appearance, so that the same column gives the same Series (``_name_rules``' table is reused on it)."""
+    """The distinct event names (nulls dropped), the keys of every rule evaluated once per name."""
     return events["name"].unique(maintain_order=True).drop_nulls()
 
 
-def rule_notes(events: pl.DataFrame, rules: names.NameRules, *, distinct: pl.Series | None = None) -> list[str]:
+def rule_notes(events: pl.DataFrame, rules: names.NameRules, *, by_name: NameTable | None = None) -> list[str]:
     """One note per name rule that labelled events: which convention, how many spans got a phase and how many
     events a kind, so a reader sees what came from names rather than from the PP: contract. Rules are tried on the
-    distinct names; events are counted only when one matched."""
-    distinct = distinct_names(events) if distinct is None else distinct
-    table = _name_rules(distinct, rules).select("_phase_rule", "_kind_rule", "pp_action", "_rule_action") \
-        .with_columns(distinct.alias("name"))
+    distinct names (``by_name``: ``name_table`` of these events' names, if the caller has it); events are counted
+    only when one matched."""
+    by_name = _given_table(events, rules, by_name)
+    table = by_name.table.select("_phase_rule", "_kind_rule", "pp_action", "_rule_action") \
+        .with_columns(by_name.distinct.alias("name"))
     hit = table.filter((pl.col("_phase_rule").is_not_null() & (pl.col("pp_action") == pl.col("_rule_action")))
                        | pl.col("_kind_rule").is_not_null())
     if hit.height == 0:
