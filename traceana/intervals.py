@@ -249,18 +249,25 @@ def containing(
                          .scatter(hit["_row"], hit[c]) for c in cols])
 
 
+def _end_to_end(frame: pl.DataFrame, lo: str, hi: str) -> pl.DataFrame:
+    """``frame`` with ``_shift``: its rows' spans [lo, hi] laid end to end on one axis in row order, 1 ns apart (an
+    instant t of a row sits at t + _shift)."""
+    return (
+        frame.with_columns(((pl.col(hi) - pl.col(lo)).clip(lower_bound=0) + 1).alias("_len"))
+        .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(lo)).alias("_shift"))
+        .drop("_len")
+    )
+
+
 def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.DataFrame] | None:
     """``partition``'s axis by group: ``w`` (windows sorted by their keys) with ``_shift``, its group's, and the
     groups (``group``, ``_lo``, ``_hi``: their extent, ``_shift``); None where that axis does not keep every window
     apart in key order (windows of a group overlapping or out of time order, null bounds)."""
     if any(w[c].null_count() for c in (*group, START, END)):
         return None
-    groups = (
-        w.group_by(group, maintain_order=True).agg(pl.col(START).min().alias("_lo"), pl.col(END).max().alias("_hi"))
-        .with_columns(((pl.col("_hi") - pl.col("_lo")).clip(lower_bound=0) + 1).alias("_len"))
-        .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col("_lo")).alias("_shift"))
-        .drop("_len")
-    )
+    groups = _end_to_end(
+        w.group_by(group, maintain_order=True).agg(pl.col(START).min().alias("_lo"), pl.col(END).max().alias("_hi")),
+        "_lo", "_hi")
     w = w.join(groups.select(*group, "_shift"), on=group, maintain_order="left")
     on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START, END) + pl.col("_shift"))
     if not bool(on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all()).item()):
@@ -331,11 +338,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
     # shift, and the sweep itself cuts it at the window boundaries. Otherwise every window is laid end to end.
     grouped = _group_axis(w, on_) if on_ != keys else None
     if grouped is None:
-        w = (
-            w.with_columns(((pl.col(END) - pl.col(START)).clip(lower_bound=0) + 1).alias("_len"))
-            .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(START)).alias("_shift"))
-            .drop("_len")
-        )
+        w = _end_to_end(w, START, END)
     else:
         w, groups = grouped
 
