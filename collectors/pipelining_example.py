@@ -19,7 +19,9 @@ call (the stage's
 the loss, merging the outputs, the optimizer step) and of
 every P2P call (torch's ``_batch_p2p`` / ``_sorted_batch_p2p`` posts and ``_wait_batch_p2p`` waits; time in one
 is blocked, not compute, even inside an action), per step, into ``<out>.truth/rank{R}.json``: an independent
-measurement to check traceana's compute and blocked shares against.
+measurement to check traceana's compute and blocked shares against. Each span and step also carries how long the
+thread was runnable but waiting for a CPU inside it (Linux's schedstat run delay): on a machine with fewer cores than
+ranks a descheduled thread records nothing in the trace, and that is where a trace and a timer can disagree.
 """
 
 from __future__ import annotations
@@ -71,20 +73,32 @@ def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
 COMPUTE_ACTION = re.compile(r"^(PP:\d+[FBIW]\d+|PP:\(.*\)OVERLAP_F_B)$")
 
 
+def run_delay_ns() -> int:
+    """How long this thread has been runnable but waiting for a CPU, in all (Linux: /proc/thread-self/schedstat's
+    second field); 0 where the kernel does not tell."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 class Truth:
-    """``time.perf_counter_ns()`` spans of compute calls and blocking P2P waits, kept outside the profiler."""
+    """``time.perf_counter_ns()`` spans of compute calls and blocking P2P waits, kept outside the profiler, each with
+    the time the thread spent descheduled (runnable, waiting for a CPU) inside it."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[str, int, int]] = []
-        self.steps: list[tuple[int, int]] = []
+        self.spans: list[tuple[str, int, int, int]] = []  # kind, start, end, run-queue delay inside
+        self.steps: list[tuple[int, int, int]] = []  # start, end, run-queue delay inside
 
     def wrap(self, kind: str, fn):
         def timed(*args, **kwargs):
-            t0 = time.perf_counter_ns()
+            d0, t0 = run_delay_ns(), time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spans.append((kind, t0, time.perf_counter_ns()))
+                t1 = time.perf_counter_ns()
+                self.spans.append((kind, t0, t1, run_delay_ns() - d0))
         return timed
 
     def install(self, pipe: list, optimizer) -> None:
@@ -109,13 +123,14 @@ class Truth:
                 self.name, self.inner = name, real(name, *args, **kwargs)
 
             def __enter__(self):
-                self.t0 = time.perf_counter_ns()
+                self.d0, self.t0 = run_delay_ns(), time.perf_counter_ns()
                 return self.inner.__enter__()
 
             def __exit__(self, *exc):
                 out = self.inner.__exit__(*exc)
                 if COMPUTE_ACTION.match(self.name):
-                    spans.append(("compute", self.t0, time.perf_counter_ns()))
+                    t1 = time.perf_counter_ns()
+                    spans.append(("compute", self.t0, t1, run_delay_ns() - self.d0))
                 return out
 
         schedules.record_function = timed_record_function
@@ -204,15 +219,16 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
         batches = [((inputs[0],) if 0 in my_stages else (),
                     {"target": targets[0], "losses": []} if stages - 1 in my_stages else {})
                    for inputs, targets in batches]
-        begun = time.perf_counter_ns()
+        delay, begun = run_delay_ns(), time.perf_counter_ns()
         for args, kwargs in batches:
             optimizer.zero_grad(set_to_none=True)
             schedule.step(*args, **kwargs)
             optimizer.step()
             if truth:
-                truth.steps.append((begun, time.perf_counter_ns()))
+                now = time.perf_counter_ns()
+                truth.steps.append((begun, now, run_delay_ns() - delay))
             prof.step()
-            begun = time.perf_counter_ns()
+            delay, begun = run_delay_ns(), time.perf_counter_ns()
     dist.destroy_process_group()
     if truth:
         truth.write(truth_dir / f"rank{rank}.json")

@@ -5,6 +5,7 @@ per rank, the share of each profiled step spent in compute calls and in blocking
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -44,10 +45,89 @@ def shares(truth_dir: Path, rank: int, steps: list[int]) -> dict[str, float]:
     doc = json.loads((Path(truth_dir) / f"rank{rank}.json").read_text())
     total = {"compute": 0, "blocked": 0, "step": 0}
     for step in steps:
-        lo, hi = doc["steps"][step]
-        compute = _union([(s, e) for k, s, e in doc["spans"] if k == "compute"], lo, hi)
-        blocked = _union([(s, e) for k, s, e in doc["spans"] if k == "blocked"], lo, hi)
+        lo, hi, *_ = doc["steps"][step]
+        compute = _union([(s, e) for k, s, e, *_ in doc["spans"] if k == "compute"], lo, hi)
+        blocked = _union([(s, e) for k, s, e, *_ in doc["spans"] if k == "blocked"], lo, hi)
         total["compute"] += _length(compute) - _overlap(compute, blocked)
         total["blocked"] += _length(blocked)
         total["step"] += hi - lo
     return {"compute": total["compute"] / total["step"], "blocked": total["blocked"] / total["step"]}
+
+
+def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``a`` without ``b`` (both disjoint and sorted)."""
+    out, j = [], 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > s:
+                out.append((s, b[k][0]))
+            s = max(s, b[k][1])
+            k += 1
+        if s < e:
+            out.append((s, e))
+    return out
+
+
+def _covered(spans: list[tuple[int, int]], by: list[tuple[int, int]]) -> int:
+    """How much of ``spans`` lies inside ``by`` (disjoint, sorted)."""
+    starts = [s for s, _ in by]
+    total = 0
+    for s, e in spans:
+        i = max(bisect.bisect_right(starts, s) - 1, 0)
+        while i < len(by) and by[i][0] < e:
+            total += max(0, min(e, by[i][1]) - max(s, by[i][0]))
+            i += 1
+    return total
+
+
+def descheduled_disagreement(truth_dir: Path, rank: int, steps: list[int], trace_steps: list[tuple[int, int]],
+                             measured: dict[str, list[tuple[int, int]]]) -> dict[str, float]:
+    """For ``compute`` and ``blocked``: the share of ``steps`` where ``measured`` (intervals of each on the trace's
+    clock, e.g. a tool's compute and blocked time) disagrees with the truth *while the thread was descheduled*.
+
+    A thread that is runnable but waiting for a CPU records nothing in a trace, so a trace cannot say whether that
+    time was a P2P call's, a compute call's or the Python between them; a timer around the call can. Each piece of
+    the truth (a P2P call; a compute span without the P2P calls inside it; the step's time outside every span) holds
+    the run delay measured inside it, and disagreement there is put down to descheduling up to that delay. On an idle
+    machine the delays are ~0 and so is this. ``trace_steps``: the same steps' (start, end) on the trace's clock,
+    which align the two clocks."""
+    doc = json.loads((Path(truth_dir) / f"rank{rank}.json").read_text())
+    offsets = sorted(t - doc["steps"][k][i] for k, bounds in zip(steps, trace_steps) for i, t in enumerate(bounds))
+    offset = offsets[len(offsets) // 2]
+    mine = {kind: _union([(s - offset, e - offset) for s, e in spans], -(2**62), 2**62)
+            for kind, spans in measured.items()}
+    explained = {"compute": 0, "blocked": 0}
+    step_total = 0
+    for step in steps:
+        lo, hi, step_delay = doc["steps"][step]
+        step_total += hi - lo
+        spans = sorted(((k, max(s, lo), min(e, hi), d) for k, s, e, d in doc["spans"] if s < hi and e > lo),
+                       key=lambda x: (x[1], -x[2]))
+        blocked = _union([(s, e) for k, s, e, _ in spans if k == "blocked"], lo, hi)
+        # pieces: (what the truth says it is, its intervals, the run delay inside)
+        pieces, top, reach = [], [], lo
+        for k, s, e, d in spans:
+            if s >= reach:  # not inside an earlier span: a top-level one
+                top.append((k, s, e, d))
+                reach = e
+            else:
+                reach = max(reach, e)
+        for k, s, e, d in top:
+            if k == "blocked":
+                pieces.append(("blocked", [(s, e)], d))
+            else:
+                inner = [x for x in spans if x[0] == "blocked" and s <= x[1] and x[2] <= e]
+                pieces.append(("compute", _minus([(s, e)], blocked), d - sum(x[3] for x in inner)))
+                pieces.extend(("blocked", [(x[1], x[2])], x[3]) for x in inner)
+        outside = _minus([(lo, hi)], _union([(s, e) for _, s, e, _ in top], lo, hi))
+        pieces.append((None, outside, step_delay - sum(d for *_, d in top)))
+        for truth_says, intervals, delay in pieces:
+            length = _length(intervals)
+            for kind in explained:
+                inside = _covered(intervals, mine.get(kind, []))
+                wrong = length - inside if truth_says == kind else inside
+                explained[kind] += min(max(delay, 0), wrong)
+    return {kind: v / step_total for kind, v in explained.items()}

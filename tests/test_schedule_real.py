@@ -11,6 +11,7 @@ from dataclasses import replace
 import polars as pl
 import pytest
 
+from traceana import names
 from traceana.analysis import analyze, strip_annotations
 from traceana.ingest.run_dir import load_run
 from traceana.schema import CATEGORIES, COMPUTE_CATEGORIES
@@ -68,6 +69,65 @@ def assert_schedule_complete(run, a):
     assert all(mbs == list(range(m.num_microbatches)) for mbs in got["microbatch"].to_list())
 
 
+WORK = (*COMPUTE_CATEGORIES, "host")
+
+
+STEP = pl.col("name").str.starts_with("ProfilerStep#")
+
+
+def activity_points(events: pl.DataFrame, thread: pl.DataFrame) -> pl.DataFrame:
+    """``rank, t``: every start and end of an event on the training ``thread`` (rank, tid), the step spans left
+    out: the instants at which the thread was seen running."""
+    ev = events.join(thread, on=["rank", "tid"]).filter(~STEP)
+    return pl.concat([ev.select("rank", t="ts_ns"), ev.select("rank", t=pl.col("ts_ns") + pl.col("dur_ns"))])
+
+
+def annotation_edges(a, inferred) -> pl.DataFrame:
+    """``rank, start, end`` (disjoint): where taking the annotations away can move time between working and waiting.
+
+    An annotation's start and end are instants the thread was seen running. Without them, the last activity before
+    a wait returns can be earlier, and a wait annotation no longer holds the time after its op returned. Either way,
+    what can change lies between an annotation's edge and the last instant before it at which a kept event shows
+    the thread running (docs/schedules.md: an action owns the idle edges of its span). A WAIT_F/WAIT_B span also
+    says the thread waited all along, where inference goes by the last activity it sees (an asynchronous BPipe
+    send completing in the middle of it, say), so all of that span is in too. Found from the events alone.
+    """
+    key = ["rank", "tid", "ts_ns", "dur_ns", "name"]
+    thread = a.events.filter(STEP).select("rank", "tid").unique()  # the one holding ProfilerStep spans
+    assert thread.height > 0, "no ProfilerStep spans"
+    removed = a.events.join(inferred.events.select(key), on=key, how="anti")
+    kept = activity_points(inferred.events, thread).unique().sort("rank", "t").with_columns(kept=pl.col("t"))
+    edges = (activity_points(removed, thread).sort("rank", "t")
+             .join_asof(kept, on="t", by="rank", strategy="backward", check_sortedness=False).drop_nulls()
+             .select("rank", start="kept", end="t"))
+    waits = removed.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])).select(
+        "rank", start="ts_ns", end=pl.col("ts_ns") + pl.col("dur_ns"))
+    # their union: a span starts a new piece where it begins after every earlier one (of its rank) has ended
+    spans = pl.concat([edges, waits]).sort("rank", "start")
+    piece = (pl.col("start") > pl.col("end").cum_max().shift(1).over("rank")).fill_null(True).cum_sum()
+    return spans.group_by("rank", piece.alias("piece")).agg(pl.col("start").min(), pl.col("end").max()).drop("piece")
+
+
+def work_wait_disagreement(a, inferred) -> pl.DataFrame:
+    """``rank, start, end``: the instants one analysis counts as working (compute or host) and the other as waiting
+    (P2P, BPipe, a bubble)."""
+    def side(x):
+        return x.segments.select("rank", "start_ns", "end_ns", work=pl.col("category").cast(pl.String).is_in(WORK))
+
+    both = side(a).join(side(inferred), on="rank", suffix="_inf").select(
+        "rank", "work", "work_inf", start=pl.max_horizontal("start_ns", "start_ns_inf"),
+        end=pl.min_horizontal("end_ns", "end_ns_inf"))
+    return both.filter(pl.col("end") > pl.col("start"), pl.col("work") != pl.col("work_inf")).select(
+        "rank", "start", "end")
+
+
+def covered_ns(spans: pl.DataFrame, by: pl.DataFrame) -> int:
+    """How much of ``spans`` (disjoint per rank) lies inside ``by`` (disjoint per rank)."""
+    x = spans.join(by, on="rank", suffix="_by").select(
+        (pl.min_horizontal("end", "end_by") - pl.max_horizontal("start", "start_by")).clip(lower_bound=0))
+    return int(x.to_series().sum())
+
+
 def assert_inference_matches(a, inferred):
     key = ["rank", "step", "stage", "microbatch", "phase"]
     assert set(inferred.schedule.filter(pl.col("phase") != "optimizer")["source"]) == {"inferred"}
@@ -84,22 +144,23 @@ def assert_inference_matches(a, inferred):
     for cats, low in ((("backward",), 0.5), (("forward", "other_compute"), 0.5)):
         truth, guess = total(a, *cats), total(inferred, *cats)
         assert low * truth <= guess <= 1.05 * truth, (cats, truth, guess)
-    work = (*COMPUTE_CATEGORIES, "host")
-    truth, guess = total(a, *work), total(inferred, *work)
-    assert abs(guess - truth) <= 0.05 * truth, ("compute + host", truth, guess)
+    # Working against waiting (compute + host against P2P, BPipe and bubbles): the two analyses agree at every
+    # instant except next to an annotation's edge, the only activity inference loses. How much sits there depends on
+    # how long the 2-core machine descheduled a rank at that moment (seen: 2-19 ms in 12 runs of a 4-rank step, up to
+    # 5% of compute + host), so it is located rather than bounded, and the bubbles below allow it on top.
+    moved = work_wait_disagreement(a, inferred)
+    moved_ns = int((moved["end"] - moved["start"]).sum())
+    outside = moved_ns - covered_ns(moved, annotation_edges(a, inferred))
+    assert outside <= 1e-4 * total(a, *CATEGORIES), ("working vs waiting away from annotation edges", outside)
     # Idle time does not depend on how compute is split, so the bubbles together agree closely. Where one bubble
     # ends and the next begins does: cool-down starts when the last forward ends, and inferred forwards also take
     # in the loss computed just after torch.distributed.pipelining's F span (~10% of a tiny run's cool-down).
-    # Annotated actions also own the idle edges of their spans (docs/schedules.md), which inference sees as waiting:
-    # a few ms per action when the 2-core machine deschedules a rank, so the bounds allow 2% of all ranks' step time
-    # on top (seen: bubbles 99.7 → 106.7 ms in a 4-rank step, 1.2% of it).
-    edges = 0.02 * total(a, *CATEGORIES)
     bubbles = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
     truth, guess = total(a, *bubbles), total(inferred, *bubbles)
-    assert abs(guess - truth) <= 0.05 * max(truth, 1) + edges, ("bubbles", truth, guess)
+    assert abs(guess - truth) <= 0.05 * max(truth, 1) + moved_ns, ("bubbles", truth, guess, moved_ns)
     for cat in bubbles:
         truth, guess = total(a, cat), total(inferred, cat)
-        assert abs(guess - truth) <= 0.2 * max(truth, 1) + edges, (cat, truth, guess)
+        assert abs(guess - truth) <= 0.2 * max(truth, 1) + moved_ns, (cat, truth, guess, moved_ns)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_bpipe"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from schedule_truth import shares
+from schedule_truth import descheduled_disagreement, shares
 from traceana.analysis import analyze
 from traceana.ingest.run_dir import load_run
 from traceana.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
@@ -58,14 +58,30 @@ def share(a, rank: int, categories) -> float:
     return x.filter(pl.col("category").cast(pl.String).is_in(list(categories)))["ns"].sum() / x["ns"].sum()
 
 
+BLOCKED = ("p2p", *BUBBLE_CATEGORIES)
+
+
+def intervals(a, rank: int, categories) -> list[tuple[int, int]]:
+    seg = a.segments.filter((pl.col("rank") == rank) & pl.col("category").cast(pl.String).is_in(list(categories)))
+    return seg.select("start_ns", "end_ns").rows()
+
+
 @pytest.mark.parametrize("schedule", ALL)
 def test_compute_and_blocked_shares_match_the_wall_clock_truth(collected, schedule):
     run, a, truth_dir = collected(schedule)
     for rank in range(run.manifest.world_size):
         truth = shares(truth_dir, rank, PROFILED)
-        compute, blocked = share(a, rank, COMPUTE_CATEGORIES), share(a, rank, ("p2p", *BUBBLE_CATEGORIES))
-        assert abs(compute - truth["compute"]) <= 0.05, (schedule, rank, compute, truth)
-        assert abs(blocked - truth["blocked"]) <= 0.05, (schedule, rank, blocked, truth)
+        compute, blocked = share(a, rank, COMPUTE_CATEGORIES), share(a, rank, BLOCKED)
+        # 5 points, and where the two disagree while the rank was descheduled (4 ranks on 2 cores, or a loaded
+        # machine: a thread waiting for a CPU records nothing, so the trace cannot tell whose time it was), that too
+        # (seen on a loaded CI machine: 0.68 against 0.73 blocked, 16 and 13 ms descheduled inside P2P posts).
+        steps = a.steps.filter((pl.col("rank") == rank) & pl.col("step").is_in(PROFILED)).sort("step")
+        assert steps["step"].to_list() == PROFILED
+        lost = descheduled_disagreement(truth_dir, rank, PROFILED, steps.select("start_ns", "end_ns").rows(),
+                                        {"compute": intervals(a, rank, COMPUTE_CATEGORIES),
+                                         "blocked": intervals(a, rank, BLOCKED)})
+        assert abs(compute - truth["compute"]) <= 0.05 + lost["compute"], (schedule, rank, compute, truth, lost)
+        assert abs(blocked - truth["blocked"]) <= 0.05 + lost["blocked"], (schedule, rank, blocked, truth, lost)
 
 
 @pytest.mark.parametrize("schedule", ALL)
