@@ -28,7 +28,8 @@ more than 32767 events: an int16-downcast correlation column rejects larger indi
     .venv/bin/python tests/benchmarks/bench_vs_hta.py --only vs --ranks 2 --mb 50             # a quick look
     .venv/bin/python tests/benchmarks/bench_vs_hta.py --only fixed real --hta-repo ~/src/HolisticTraceAnalysis
 
-The last lines are every figure of the run side by side (both tools, same files).
+In ``real``, ``third`` and ``small`` each tool runs ``--rounds`` times (default 3), interleaved, and the best wall of
+each is shown. The last lines are every figure of the run side by side (both tools, same files).
 """
 
 from __future__ import annotations
@@ -343,9 +344,16 @@ def _both_tools(a, results: dict, section: str, name: str, src: Path, *, label, 
     nbytes = raw_bytes(files)
     if clear:
         clear_cache(src)
-    ours = measure(traceana_cmd(src, workers=a.workers, cache=False))
-    theirs = measure(hta_cmd(a.hta_python, src))
-    print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON")
+    # --rounds runs of each tool, interleaved (traceana, HTA, traceana, …), the best wall of each kept: one run of a
+    # sub-second job on this noisy machine moved its ratio by a third between benchmark runs.
+    ours, theirs = {}, {}
+    for _ in range(max(1, a.rounds)):
+        r = measure(traceana_cmd(src, workers=a.workers, cache=False))
+        ours = r if not ours or r["wall"] < ours["wall"] else ours
+        r = measure(hta_cmd(a.hta_python, src))
+        theirs = r if not theirs or r["wall"] < theirs["wall"] else theirs
+    print(f" {name}: {len(files)} file(s), {nbytes / 1e6:.1f} MB raw JSON"
+          + (f" (best of {a.rounds} interleaved runs of each tool)" if a.rounds > 1 else ""))
     print(line("traceana", ours, nbytes))
     print(line("HTA", theirs, nbytes))
     print(compare(name, ours, theirs))
@@ -609,6 +617,8 @@ def main() -> None:
                    choices=("fixed", "real", "third", "small", "vs", "parallel", "big"),
                    help="sections to run (big is opt-in)")
     p.add_argument("--repeat", type=int, default=5, help="fixed: runs of each command (the best is shown)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="real, third, small: interleaved runs of each tool on the same files (the best of each is shown)")
     p.add_argument("--hta-data", help="folder of HTA's public test traces (default: WORK/hta_data)")
     p.add_argument("--hta-repo", help="a git clone of HolisticTraceAnalysis to copy those traces from")
     p.add_argument("--workers", type=int, default=2, help="traceana ingest workers in the comparisons")
