@@ -219,8 +219,10 @@ def segments(
     else:
         bpipe = _span(bp_ops)
     gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
-    # The marks are read only for P2P messages: a run without any skips the join over its CPU events.
-    has_p2p = (pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()
+    # The marks are read only for P2P messages on CPU ranks: a run without any skips the join over its CPU events
+    # (where every rank with events is a GPU rank the marks would be empty: the same as none).
+    has_p2p = ((pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()) and (
+        gpu.height < events["rank"].n_unique())
     transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
     # A CPU rank inside a P2P call (gloo's post can itself block) is in communication.

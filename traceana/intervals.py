@@ -177,19 +177,25 @@ def clip(
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
     # That shortcut holds only where a group's windows do not overlap (an interval inside the later of two
     # overlapping windows is in the earlier one too): with any overlap every interval takes the join.
+    # Both questions are one query, and the as-of join and the split are another (docs/performance.md "Fixed cost").
     f = frame.with_row_index("_clip_row")
-    ordered = len(on_) == 1 and in_time_order(f, on_[0], START)  # as ingest leaves events: no sort needed
-    located = (f if ordered else f.sort(START)).join_asof(
-        w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward", check_sortedness=False)
+    checks = [w.lazy().sort(*on_, "_ws").select(_windows_overlap_expr(on_).alias("_overlap"))]
+    if len(on_) == 1:  # in time order, as ingest leaves events: no sort needed
+        checks.append(f.lazy().select(_time_order_expr(on_[0], START).alias("_ordered")))
+    overlap, *ordered = pl.concat(checks, how="horizontal").collect(engine=ENGINE).row(0)
+    ordered = bool(ordered and ordered[0])
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
-    if _windows_overlap(w, on_):
+    if overlap:
         inside = pl.lit(False)
-    simple = located.filter(inside & (pl.col(END) > pl.col(START))).drop("_ws", "_we")
-    rest = located.filter(~inside).select(f.columns)
-    if rest.height == 0:  # every interval inside one window: nothing to cut or join
+    located = (f.lazy() if ordered else f.lazy().sort(START)).join_asof(
+        w.lazy().sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward",
+        check_sortedness=False).with_columns(inside.alias("_inside")).collect(engine=ENGINE)
+    simple = located.filter(pl.col("_inside") & (pl.col(END) > pl.col(START))).drop("_ws", "_we", "_inside")
+    if bool(located["_inside"].all()):  # every interval inside one window: nothing to cut or join
         return (simple if ordered or not keep_order else simple.sort("_clip_row")).drop("_clip_row")
+    rest = located.lazy().filter(~pl.col("_inside")).select(f.columns)
     spanning = (
-        (rest.lazy().join(w.lazy(), on=on_) if on_ else rest.lazy().join(w.lazy(), how="cross"))
+        (rest.join(w.lazy(), on=on_) if on_ else rest.join(w.lazy(), how="cross"))
         .filter((pl.col(START) < pl.col("_we")) & (pl.col(END) > pl.col("_ws")))
         .with_columns(pl.max_horizontal(START, "_ws").alias(START), pl.min_horizontal(END, "_we").alias(END))
         .filter(pl.col(END) > pl.col(START))
@@ -203,19 +209,23 @@ def clip(
     return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
 
 
-def _windows_overlap(w: pl.DataFrame, on: list[str]) -> bool:
-    """Does any window (``_ws``, ``_we``) start before an earlier-starting window of its group has ended?"""
+def _windows_overlap_expr(on: list[str]) -> pl.Expr:
+    """On windows (``_ws``, ``_we``) sorted by ``on`` and ``_ws``: does any start before an earlier-starting window
+    of its group has ended?"""
     prev_end = pl.col("_we").cum_max().shift(1)
-    starts_inside = pl.col("_ws") < (prev_end.over(on) if on else prev_end)
-    return bool(w.sort(*on, "_ws").select(starts_inside.any()).item())
+    return (pl.col("_ws") < (prev_end.over(on) if on else prev_end)).any()
+
+
+def _time_order_expr(by: str, at: str) -> pl.Expr:
+    """``in_time_order`` as one boolean expression over a non-empty frame."""
+    step = pl.col(by).diff()
+    ordered = (step > 0) | ((step == 0) & (pl.col(at).diff() >= 0))
+    return ordered.slice(1).all() & (pl.col(by).null_count() == 0) & (pl.col(at).null_count() == 0)
 
 
 def in_time_order(frame: pl.DataFrame, by: str, at: str) -> bool:
     """Is ``frame`` sorted by ``(by, at)`` with no nulls? (Events come so from ingest: ranks in order, each by time.)"""
-    step = pl.col(by).diff()
-    ordered = (step > 0) | ((step == 0) & (pl.col(at).diff() >= 0))
-    return frame.height == 0 or bool(frame.select(
-        ordered.slice(1).all() & (pl.col(by).null_count() == 0) & (pl.col(at).null_count() == 0)).item())
+    return frame.height == 0 or bool(frame.select(_time_order_expr(by, at)).item())
 
 
 def containing(
@@ -346,6 +356,8 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
     # windows, alternately in axis order: touching windows of a group would merge into one within a set).
     by_keys: dict[tuple[str, ...], list[pl.DataFrame]] = {}
     for i, (_, layer) in enumerate(layers, start=2):
+        if layer.height == 0:  # covers nothing (most of a small run's layers): set i just stays empty
+            continue
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
         by_keys.setdefault(tuple(lk), []).append(layer.select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
     cut = [w.filter(pl.col(END) > pl.col(START))

@@ -466,8 +466,10 @@ def _overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
     rank) inside it: ``_bwd_start`` (first backward op start) and ``_bwd_end`` (last backward op end), null if none."""
     end = pl.col("ts_ns") + pl.col("dur_ns")
     spans = (
-        events.filter((pl.col("pp_action") == names.OVERLAP_F_B) & pl.col("step").is_not_null() & ~pl.col("is_gpu"))
+        events.lazy()
+        .filter((pl.col("pp_action") == names.OVERLAP_F_B) & pl.col("step").is_not_null() & ~pl.col("is_gpu"))
         .select("rank", "step", "ts_ns", end.alias("_end"), **names.overlap_columns(pl.col("name")))
+        .collect(engine=iv.ENGINE)
     )
     if spans.height == 0:
         return spans.with_columns(pl.lit(None, pl.Int64).alias("_bwd_start"), pl.lit(None, pl.Int64).alias("_bwd_end"))
@@ -490,7 +492,7 @@ def overlap_rows(events: pl.DataFrame) -> pl.DataFrame:
     the sub-actions one after the other in the order its name lists them (schedules.py, ``OVERLAP_F_B``), so the
     span splits where the backward's work begins (F first) or ends (B first). A span with no backward op inside
     cannot be split and gives no rows (``overlap_notes`` says so)."""
-    sp = _overlap_spans(events).filter(pl.col("_bwd_start").is_not_null())
+    sp = _overlap_spans(events).lazy().filter(pl.col("_bwd_start").is_not_null())  # one query (docs/performance.md)
     f_first = pl.col("first_action") == names.FORWARD
     split = pl.when(f_first).then(pl.col("_bwd_start")).otherwise(pl.col("_bwd_end"))
     out = []
@@ -499,7 +501,8 @@ def overlap_rows(events: pl.DataFrame) -> pl.DataFrame:
             "rank", "step", pl.col(f"{which}_stage").alias("pp_stage"), pl.col(f"{which}_mb").alias("pp_microbatch"),
             pl.col(f"{which}_action").replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String).alias("phase"),
             lo.alias("ts_ns"), (hi - lo).alias("dur_ns")))
-    return pl.concat(out).filter(pl.col("dur_ns") > 0).with_columns(pl.col("pp_stage", "pp_microbatch").cast(pl.Int32))
+    return (pl.concat(out).filter(pl.col("dur_ns") > 0).with_columns(pl.col("pp_stage", "pp_microbatch").cast(pl.Int32))
+            .collect(engine=iv.ENGINE))
 
 
 def overlap_notes(events: pl.DataFrame) -> list[str]:
