@@ -115,9 +115,10 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
     # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
     keys = ["src", "dst", "tag", "step"]
-    m = msgs.with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
+    # A few lazy queries instead of ~30 eager operations (docs/performance.md "Fixed cost").
+    m = msgs.lazy().with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
 
-    def side(direction: str, me: str, other: str, post: str, end: str) -> pl.DataFrame:
+    def side(direction: str, me: str, other: str, post: str, end: str) -> pl.LazyFrame:
         """One direction's messages numbered in posting order per (src, dst, tag, step)."""
         return (
             m.filter(pl.col("dir") == direction).rename({"rank": me, "peer": other})
@@ -133,8 +134,9 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
         sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
         .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
                       .then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"))
+        .collect(engine=iv.ENGINE)
     )
-    matched = joined.filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
+    matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
     # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
     ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
     pairs = matched.with_columns(
@@ -143,32 +145,35 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
         (pl.col("data_ready_ns") - pl.col("recv_post_ns")).alias("wait_ns"),
         (pl.col("recv_end_ns") - pl.col("data_ready_ns")).alias("transfer_ns"),
     )
-    pairs = pl.concat([conform(pairs, P2P), conform(pairs, P2P_EXTRA)], how="horizontal").sort(
-        "step", "src", "dst", "tag", "seq")
-    unmatched_sends = joined.filter(pl.col("recv_post_ns").is_null() & pl.col("send_start_ns").is_not_null())
-    unmatched_recvs = joined.filter(pl.col("send_start_ns").is_null() & pl.col("recv_post_ns").is_not_null())
+    pairs = conform(pairs, {**P2P, **P2P_EXTRA}).sort("step", "src", "dst", "tag", "seq")
+    unmatched_sends = joined.lazy().filter(pl.col("recv_post_ns").is_null() & pl.col("send_start_ns").is_not_null())
+    unmatched_recvs = joined.lazy().filter(pl.col("send_start_ns").is_null() & pl.col("recv_post_ns").is_not_null())
+    unmatched = pl.concat([
+        unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
+                               pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end"),
+                               pl.col("dst").alias("_peer")),
+        unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
+                               pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end"),
+                               pl.col("src").alias("_peer")),
+    ])
+    rows = pl.concat([joined.lazy().select(pl.col("_send_row").alias("_row"), "channel"),
+                      joined.lazy().select(pl.col("_recv_row").alias("_row"), "channel")]).drop_nulls("_row")
+    msgs = (
+        msgs.lazy().with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
+        .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
+    )
+    pairs, unmatched, msgs = pl.collect_all([pairs, unmatched, msgs], engine=iv.ENGINE)
     notes = []
     # Whether a peer's trace is missing or its messages just do not line up, each rank's side is reported.
-    for label, frame, rank_col, peer_col in (("sends", unmatched_sends, "src", "dst"),
-                                             ("recvs", unmatched_recvs, "dst", "src")):
+    for label, direction in (("sends", "send"), ("recvs", "recv")):
+        frame = unmatched.filter(pl.col("dir") == direction) if unmatched.height else unmatched
         if frame.height:
-            per = frame.group_by(rank_col, peer_col).agg(pl.len()).sort(rank_col, peer_col)
+            per = frame.group_by("rank", "_peer").agg(pl.len()).sort("rank", "_peer")
             desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
                              for a, b, n in per.rows())
             notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace ({desc}); "
                          "their time counts as waiting, with no wait/transfer split")
-    unmatched = pl.concat([
-        unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
-                               pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end")),
-        unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
-                               pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end")),
-    ])
-    rows = pl.concat([joined.select(pl.col("_send_row").alias("_row"), "channel"),
-                      joined.select(pl.col("_recv_row").alias("_row"), "channel")]).drop_nulls("_row")
-    msgs = (
-        msgs.with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
-        .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
-    )
+    unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
 
 

@@ -147,10 +147,12 @@ def empty(schema: dict[str, pl.DataType]) -> pl.DataFrame:
 
 
 def conform(frame: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
-    """Select the schema's columns in order, adding missing ones as nulls and casting to the declared types."""
+    """Select the schema's columns in order, adding missing ones as nulls and casting to the declared types (a
+    LazyFrame gives a LazyFrame: one step of a larger query)."""
+    have = frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns
     return frame.select(
         [
-            (pl.col(c) if c in frame.columns else pl.lit(None)).cast(t).alias(c)
+            (pl.col(c) if c in have else pl.lit(None)).cast(t).alias(c)
             for c, t in schema.items()
         ]
     )
