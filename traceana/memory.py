@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import polars as pl
 
+from traceana.intervals import ENGINE
 from traceana.schema import STAGE_MEMORY, conform
 
 
 def device_samples(memory: pl.DataFrame) -> pl.DataFrame:
-    """Samples of the device that carries each rank's model: its GPU if it has one, else the CPU."""
+    """Samples of the device that carries each rank's model: its GPU if it has one, else the CPU (a LazyFrame gives
+    a LazyFrame)."""
     counts = memory.group_by("rank", "device").agg(pl.len().alias("n"))
     chosen = (
         counts.with_columns((pl.col("device") >= 0).alias("gpu"))
@@ -30,8 +32,8 @@ def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame
     """schema.STAGE_MEMORY: one row per (rank, step) that has allocator samples or a baseline before it."""
     if memory.height == 0:
         return conform(pl.DataFrame(), STAGE_MEMORY).clear()
-    samples = device_samples(memory).sort("ts_ns")
-    w = steps.select("rank", "step", "start_ns", "end_ns").sort("start_ns")
+    samples = device_samples(memory.lazy()).sort("ts_ns")  # one query (docs/performance.md "Fixed cost")
+    w = steps.lazy().select("rank", "step", "start_ns", "end_ns").sort("start_ns")
     before = (
         w.join_asof(samples.select("rank", "ts_ns", "allocated_bytes"), left_on="start_ns", right_on="ts_ns",
                     by="rank", strategy="backward", allow_exact_matches=False, check_sortedness=False)
@@ -51,6 +53,6 @@ def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame
         .filter(pl.col("baseline_bytes").is_not_null())
         .with_columns(pl.max_horizontal("_peak", "baseline_bytes").alias("peak_bytes"))
         .with_columns((pl.col("peak_bytes") - pl.col("baseline_bytes")).alias("activation_peak_bytes"))
-        .join(stages.select("rank", "stage"), on="rank", how="left")
+        .join(stages.lazy().select("rank", "stage"), on="rank", how="left")
     )
-    return conform(out, STAGE_MEMORY).sort("rank", "step")
+    return conform(out, STAGE_MEMORY).sort("rank", "step").collect(engine=ENGINE)

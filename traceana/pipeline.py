@@ -196,12 +196,14 @@ def stage_map(
     if "stage" in traces.columns:
         for r, s in traces.select("rank", "stage").drop_nulls().rows():
             known.setdefault(r, (s, "trace metadata"))
-    overlapped = overlap_rows(events).select("rank", "pp_stage")
+    overlapped = overlap_rows(events).lazy().select("rank", "pp_stage")
     annotated = (
-        pl.concat([events.filter(pl.col("pp_stage").is_not_null()
-                                 & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS))).select("rank", "pp_stage"),
+        pl.concat([events.lazy().filter(pl.col("pp_stage").is_not_null()
+                                        & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS)))
+                   .select("rank", "pp_stage"),
                    overlapped])
         .group_by("rank").agg(pl.col("pp_stage").min().alias("first"), pl.col("pp_stage").unique().sort().alias("all"))
+        .collect(engine=iv.ENGINE)
     )
     virtual: dict[int, list[int]] = {r: list(all_) for r, _, all_ in annotated.rows()}
     listed = manifest.extra.get("stages_of_rank") if manifest is not None else None
@@ -438,9 +440,11 @@ def virtual_stage_ranks(traces: pl.DataFrame) -> list[int]:
 def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
     """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges;
     an overlapped ``PP:(…;…)OVERLAP_F_B`` span gives one row per sub-action (see ``overlap_rows``)."""
-    pp = events.filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
-    opt = events.filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
-                        & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX) & pl.col("step").is_not_null())
+    # Three queries instead of ~14 eager operations (docs/performance.md "Fixed cost").
+    pp = events.lazy().filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
+    opt = events.lazy().filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
+                               & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX)
+                               & pl.col("step").is_not_null())
     rows = pl.concat([
         pp.select("rank", "step", "pp_stage", "pp_microbatch",
                   pl.col("pp_action").cast(pl.String).replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String)
@@ -449,21 +453,21 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
         opt.select("rank", "step", pl.lit(None, pl.Int32).alias("pp_stage"),
                    pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
                    "ts_ns", "dur_ns"),
-        overlap_rows(events),
-    ])
+        overlap_rows(events).lazy(),
+    ]).collect(engine=iv.ENGINE)
     # A rank annotated both ways (our PP: names and PyTorch's GPipe names) keeps the PP: rows, which carry a stage.
     has_pp = rows.filter(pl.col("pp_stage").is_not_null() & (pl.col("phase") != "optimizer")).select("rank").unique()
     gpipe_dup = (pl.col("pp_stage").is_null() & (pl.col("phase") != "optimizer")
                  & pl.col("rank").is_in(has_pp["rank"].implode()))
-    rows = rows.filter(~gpipe_dup)
+    rows = rows.lazy().filter(~gpipe_dup)
     return conform(
-        rows.join(stages.select("rank", "stage"), on="rank", how="left").select(
+        rows.join(stages.lazy().select("rank", "stage"), on="rank", how="left").select(
             "rank", "step", pl.coalesce("pp_stage", "stage").alias("stage"),
             pl.col("pp_microbatch").alias("microbatch"), "phase", pl.col("ts_ns").alias("start_ns"),
             (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), pl.lit("annotated").alias("source"),
         ),
         SCHEDULE,
-    )
+    ).collect(engine=iv.ENGINE)
 
 
 def _overlap_spans(events: pl.DataFrame) -> pl.DataFrame:

@@ -25,14 +25,15 @@ WHOLE_TRACE_STEP = -1
 def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
     """schema.STEPS from ProfilerStep spans, with a whole-trace fallback per rank that has none."""
     notes: list[str] = []
-    marked = (
-        events.filter((pl.col("kind") == "step") & ~pl.col("is_gpu"))
+    marked = (  # (a few queries, docs/performance.md "Fixed cost")
+        events.lazy().filter((pl.col("kind") == "step") & ~pl.col("is_gpu"))
         .with_columns(pl.col("name").str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
         .group_by("rank", "step")
         .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
+        .collect(engine=iv.ENGINE)
     )
-    all_ranks = events.select("rank").unique()
-    missing = all_ranks.join(marked.select("rank").unique(), on="rank", how="anti")
+    missing = (events.lazy().select("rank").unique().join(marked.lazy().select("rank").unique(), on="rank", how="anti")
+               .collect(engine=iv.ENGINE))
     if missing.height:
         extent = (
             events.join(missing, on="rank")
@@ -49,13 +50,14 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
                          f"{WHOLE_TRACE_STEP} (profile with torch.profiler.schedule and prof.step() for per-step "
                          "results)")
         marked = pl.concat([marked, extent.select(marked.columns)], how="vertical_relaxed")
-    out = conform(marked.with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("dur_ns")), STEPS)
-    numbered = out.filter(pl.col("step") != WHOLE_TRACE_STEP)
-    if numbered.height:
-        per_rank = numbered.group_by("rank").agg(pl.col("step").sort().alias("s"))
-        if per_rank["s"].n_unique() > 1:
-            notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
-    return out.sort("rank", "step"), notes
+    out = conform(marked.lazy().with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("dur_ns")), STEPS)
+    out, per_rank = pl.collect_all([
+        out.sort("rank", "step"),
+        out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank").agg(pl.col("step").sort().alias("s")),
+    ], engine=iv.ENGINE)
+    if per_rank.height and per_rank["s"].n_unique() > 1:
+        notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
+    return out, notes
 
 
 def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame:
@@ -65,7 +67,8 @@ def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame
 
 
 def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
-    """``rank, track``: the CPU thread driving training — the one holding ProfilerStep spans, else the busiest."""
+    """``rank, track``: the CPU thread driving training — the one holding ProfilerStep spans, else the busiest
+    (``events`` may be a LazyFrame: one query either way)."""
     cpu = events.lazy().select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~pl.col("is_gpu"))
     by_steps = (
         cpu.filter(pl.col("kind") == "step").group_by("rank", "track").agg(pl.len().alias("n"))
@@ -92,15 +95,16 @@ def gpu_ranks(events: pl.DataFrame) -> pl.DataFrame:
 def busy_events(events: pl.DataFrame) -> pl.DataFrame:
     """The events that make a rank busy (see module doc): ``rank, track, is_gpu, kind, launch_ns, start, end``."""
     # The columns first, then the filters: a filter of the events copies every column of the rows it keeps.
-    busy = events.select("rank", "track", "is_gpu", "kind", "launch_ns", "ts_ns", "dur_ns")
+    # (Three queries, docs/performance.md "Fixed cost".)
+    busy = events.lazy().select("rank", "track", "is_gpu", "kind", "launch_ns", "ts_ns", "dur_ns")
     cols = ["rank", "track", "is_gpu", "kind", "launch_ns", pl.col("ts_ns").alias("start"),
             (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
     on_gpu_rank = pl.col("rank").is_in(gpu_ranks(events)["rank"].implode())
     on_gpu = busy.filter(on_gpu_rank & _GPU_BUSY).select(cols)
     tracks = training_tracks(busy.select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~on_gpu_rank))
     on_cpu = busy.filter(~on_gpu_rank & (pl.col("kind") == "compute")).select(cols).join(
-        tracks, on=["rank", "track"], maintain_order="left")
-    return pl.concat([on_gpu, on_cpu])
+        tracks.lazy(), on=["rank", "track"], maintain_order="left")
+    return pl.concat([on_gpu, on_cpu]).collect(engine=iv.ENGINE)
 
 
 def shift(frame: pl.DataFrame, offsets: pl.DataFrame, columns: list[str], *, rank: str = "rank") -> pl.DataFrame:
