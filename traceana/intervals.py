@@ -42,8 +42,9 @@ def _runs(frame: pl.LazyFrame, new: pl.Expr, keep: list, last: list) -> pl.DataF
     ``last`` from its last row. Filters instead of a group-by: runs are contiguous, so the k-th first row and the
     k-th last row belong to the same run."""
     df = frame.with_columns(new.alias("_new")).with_columns(pl.col("_new").shift(-1, fill_value=True).alias("_last"))
-    df = df.collect(engine=ENGINE)
-    return df.filter("_new").select(*keep).hstack(df.filter("_last").select(*last))
+    df = df.collect(engine=ENGINE).lazy()  # (once: both halves read it)
+    return pl.concat([df.filter("_new").select(*keep), df.filter("_last").select(*last)],
+                     how="horizontal").collect(engine=ENGINE)
 
 
 def merge(frame: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
@@ -340,7 +341,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
                default: str, label: str, label_dtype: pl.DataType) -> pl.DataFrame:
     """``partition`` of one batch."""
     names = [n for n, _ in layers]
-    w = windows.select(*keys, START, END).sort(keys)
+    w = windows.lazy().select(*keys, START, END).sort(keys).collect(engine=ENGINE)
     # Put every window on one time axis where no two groups' intervals cross or touch, so that the sweep needs one
     # sort by axis time instead of a sort by group keys and time; a window's instant t sits at t + _shift.
     # Where the windows of each ``on`` group are apart and in time order (a rank's steps), the groups are laid end
@@ -359,20 +360,23 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
         if layer.height == 0:  # covers nothing (most of a small run's layers): set i just stays empty
             continue
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
-        by_keys.setdefault(tuple(lk), []).append(layer.select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
-    cut = [w.filter(pl.col(END) > pl.col(START))
+        by_keys.setdefault(tuple(lk), []).append(
+            layer.lazy().select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
+    # (Lazy up to the sweep: the layers' pieces are one query, docs/performance.md "Fixed cost".)
+    cut = [w.lazy().filter(pl.col(END) > pl.col(START))
            .select((pl.int_range(pl.len()) % 2).cast(pl.UInt8).alias("_set"), START, END, "_shift")]
     for lk, frames in by_keys.items():
         layer = pl.concat(frames, how="vertical_relaxed")
         if grouped is not None and list(lk) == on_:  # kept within its group's extent: it must not reach another's
-            cut.append(layer.join(groups, on=on_).select(
+            cut.append(layer.join(groups.lazy(), on=on_).select(
                 "_set", pl.max_horizontal(START, "_lo").alias(START), pl.min_horizontal(END, "_hi").alias(END),
                 "_shift"))
             continue
         rest = [k for k in keys if k not in lk]
-        cut.append(clip(layer, w, on=list(lk), window_keys=[*rest, "_shift"], keep_order=False))
+        cut.append(clip(layer.collect(engine=ENGINE), w, on=list(lk), window_keys=[*rest, "_shift"],
+                        keep_order=False).lazy())
     on_axis = pl.concat([c.select("_set", *((pl.col(e) + pl.col("_shift")).alias(e) for e in (START, END)))
-                         for c in cut], how="vertical_relaxed")
+                         for c in cut], how="vertical_relaxed").collect(engine=ENGINE)
     segs = _sweep_stacked(on_axis, len(layers) + 2).filter(_has(0) | _has(1))
     # The first layer covering a segment is the lowest set bit above the windows' bits 0 and 1.
     layer_bits = pl.col("_mask") & ~pl.lit(3, pl.Int64)
@@ -382,16 +386,19 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
     # them needlessly), then name the labels on the (much shorter) result. A gap, or a window's start (windows of
     # a group may touch), begins a run too.
-    w = w.filter(pl.col(END) > pl.col(START)).with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
+    w = w.lazy().filter(pl.col(END) > pl.col(START)).with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
+    w = w.collect(engine=ENGINE)
     segs = segs.select(choice.alias("_label"), START, END)
     runs = _runs(segs, (pl.int_range(pl.len()) == 0) | (pl.col("_label") != pl.col("_label").shift(1))
                  | (pl.col(START) != pl.col(END).shift(1)) | pl.col(START).is_in(w["_at"].implode()),
                  ["_label", START], [END])
     # Back from the axis: the window holding each segment is the last one starting on the axis at or before it.
-    window = w.select(*keys, "_shift").gather(w["_at"].search_sorted(runs[START], side="right") - 1)
-    return pl.DataFrame([*window.select(keys), runs["_label"]]).with_columns(
+    window = w.lazy().select(*keys, "_shift").select(
+        pl.all().gather(w["_at"].search_sorted(runs[START], side="right") - 1))
+    return pl.concat([window, runs.lazy()], how="horizontal").select(
+        *keys,
         pl.col("_label").replace_strict(list(range(len(names) + 1)), labels.to_list(), return_dtype=label_dtype)
         .alias(label),
-        (runs[START] - window["_shift"]).alias(START),
-        (runs[END] - window["_shift"]).alias(END),
-    ).select(*keys, label, START, END)
+        (pl.col(START) - pl.col("_shift")).alias(START),
+        (pl.col(END) - pl.col("_shift")).alias(END),
+    ).collect(engine=ENGINE)
