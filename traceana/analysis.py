@@ -16,6 +16,7 @@ from traceana import classify as cls
 from traceana import memory as mem
 from traceana import limits, names, pipeline, timeline
 from traceana.errors import BadInputError, shown
+from traceana.intervals import ENGINE
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.model.flops import stage_flops
@@ -191,9 +192,10 @@ def stage_table(
 ) -> pl.DataFrame:
     """One row per rank: mean over the given steps (analyze passes the measured steps, traceana.summary) of the step
     time and of every category (ms and % of the step)."""
-    per_step = attribution.group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
+    # The pivot, then one lazy query (docs/performance.md "Fixed cost").
+    per_step = attribution.lazy().group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
     wide = attribution.pivot(on="category", index=["rank", "step"], values="ns")
-    wide = wide.with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
+    wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
     means = (
         wide.join(per_step, on=["rank", "step"])
         .group_by("rank")
@@ -206,16 +208,17 @@ def stage_table(
         *(pl.when(pl.col("_step") > 0).then(100 * pl.col(f"_{c}") / pl.col("_step")).otherwise(0.0).alias(f"{c}_pct")
           for c in CATEGORIES),
     )
-    memory = stage_mem.group_by("rank").agg(pl.col("peak_bytes").max().alias("peak_memory_bytes"),
+    memory = stage_mem.lazy().group_by("rank").agg(pl.col("peak_bytes").max().alias("peak_memory_bytes"),
                                             pl.col("activation_peak_bytes").max())
     return (
-        stages.join(out, on="rank", how="left")
+        stages.lazy().join(out, on="rank", how="left")
         .join(memory, on="rank", how="left")
-        .join(mfu, on="rank", how="left")
+        .join(mfu.lazy(), on="rank", how="left")
         .select("rank", "stage", "stages", "stage_source", "steps", "step_ms",
                 *(f"{c}_ms" for c in CATEGORIES), *(f"{c}_pct" for c in CATEGORIES),
                 "peak_memory_bytes", "activation_peak_bytes", "mfu", "hfu")
         .sort("stage", "rank", nulls_last=True)
+        .collect(engine=ENGINE)
     )
 
 

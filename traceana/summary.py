@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from traceana.intervals import ENGINE
 from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
@@ -45,12 +46,11 @@ STRAGGLER_ABOVE = 0.25
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
     ranks = attribution["rank"].n_unique()
-    on_all = (attribution.group_by("step").agg(pl.col("rank").n_unique().alias("n"))
-              .filter(pl.col("n") == ranks)["step"])
-    with_forward = (
-        schedule.filter(pl.col("phase") == "forward").group_by("step").agg(pl.col("rank").n_unique().alias("n"))
-        .filter(pl.col("n") == ranks)["step"]
-    )
+    on_all, with_forward = (f["step"] for f in pl.collect_all([  # one call (docs/performance.md "Fixed cost")
+        attribution.lazy().group_by("step").agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
+        schedule.lazy().filter(pl.col("phase") == "forward").group_by("step")
+        .agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
+    ], engine=ENGINE))
     chosen = sorted(set(with_forward.to_list()) & set(on_all.to_list())) or sorted(on_all.to_list())
     if not chosen:  # no step common to every rank: each rank's own steps
         return sorted(attribution["step"].unique().to_list())
@@ -94,15 +94,12 @@ class RunSummary:
 
 def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
                steps: list[int]) -> pl.DataFrame:
-    att = attribution.filter(pl.col("step").is_in(steps))
-    rank_stage = stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
-    wide = (
-        att.with_columns(pl.col("category").cast(pl.String))
-        .pivot(on="category", index=["rank", "step"], values="ns", aggregate_function="sum")
-    )
-    for c in CATEGORIES:
-        if c not in wide.columns:
-            wide = wide.with_columns(pl.lit(0, pl.Int64).alias(c))
+    # The pivot, then one lazy query (docs/performance.md "Fixed cost").
+    att = attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+    rank_stage = stages.lazy().select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
+    wide = att.collect(engine=ENGINE).pivot(on="category", index=["rank", "step"], values="ns",
+                                            aggregate_function="sum")
+    wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
     per_rank = (
         wide.with_columns(pl.sum_horizontal(*CATEGORIES).alias("step"))
         .group_by("rank").agg(*(pl.col(c).mean() for c in (*CATEGORIES, "step")))
@@ -110,7 +107,7 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
         .join(rank_stage, on="rank", how="left")
     )
     mem = (
-        stage_memory.filter(pl.col("step").is_in(steps))
+        stage_memory.lazy().filter(pl.col("step").is_in(steps))
         .group_by("rank").agg(pl.col("peak_bytes").max(), pl.col("activation_peak_bytes").max())
         .with_columns(pl.col("rank").cast(pl.Int32))
     )
@@ -130,6 +127,7 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
         .with_columns(pl.when(pl.col("step_ms") > 0).then(pl.col("bubble_ms") / pl.col("step_ms"))
                       .otherwise(None).alias("bubble_fraction"))
         .sort("stage", nulls_last=True)
+        .collect(engine=ENGINE)
     )
 
 
