@@ -175,3 +175,20 @@ def check_group_partition(segs, a_rows, b_rows, w_rows):
         # adjacent segments of one window differ in label (runs are merged)
         assert all(x != y for x, y in zip(mine["label"], mine["label"][1:]))
     assert segs.height == sum(segs.filter((pl.col("g") == g) & (pl.col("k") == k)).height for g, k, _, _ in w_rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sets, sets, st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 30), st.integers(0, 12)),
+                            max_size=6, unique_by=lambda t: (t[0], t[1])).map(apart), st.booleans())
+def test_partition_of_layers_given_in_one_frame_covers_each_window_exactly_once(a_rows, b_rows, w_rows, in_order):
+    """Two layers in one frame (``iv.LAYER``: each interval's index in the names), batched or not, and with the
+    frame in group order (each batch then reads a slice of it) or not: the same brute-force check as two frames."""
+    windows = frame([(g, k, s, s + d) for g, k, s, d in w_rows], keys=("g", "k"))
+    both = pl.concat([frame(a_rows).with_columns(pl.lit(0, pl.UInt8).alias(iv.LAYER)),
+                      frame(b_rows).with_columns(pl.lit(1, pl.UInt8).alias(iv.LAYER))])
+    if in_order:
+        both = both.sort("g", maintain_order=True)
+    for batch in (iv.PARTITION_BATCH, 2):
+        with patch.object(iv, "PARTITION_BATCH", batch):
+            segs = iv.partition(windows, [(("a", "b"), both)], by=["g", "k"], on="g", default="rest")
+        check_group_partition(segs, a_rows, b_rows, w_rows)

@@ -50,6 +50,9 @@ from traceana.timeline import training_tracks
 COMPUTE_ORDER = ("recompute", "optimizer", "backward", "backward_input", "backward_weight", "forward", "other_compute")
 
 SEGMENTS = {"rank": pl.Int32, "step": pl.Int32, "category": Category, "start_ns": pl.Int64, "end_ns": pl.Int64}
+# A busy interval's phase: one byte, not a text column, and its code is the phase's place in COMPUTE_ORDER (the
+# compute layers' priority in segments).
+Phase = pl.Enum(list(COMPUTE_ORDER))
 
 
 def _by(frame: pl.DataFrame, column: str, values) -> dict[str, pl.DataFrame]:
@@ -66,18 +69,21 @@ def _span(frame: pl.DataFrame, start: str = "ts_ns", end: pl.Expr | None = None)
 
 
 def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
-    """Add ``phase`` to busy events: the schedule window (same rank) containing the launch time, recompute winning
-    over the backward it is nested in; ``other_compute`` when none contains it. ``window_start`` says which window
-    (its ``start_ns``), so that GPU work can be traced back to the schedule row that launched it."""
+    """Busy events' ``rank, is_gpu, start, end`` with ``phase`` (``Phase``): the schedule window (same rank)
+    containing the launch time, recompute winning over the backward it is nested in; ``other_compute`` when none
+    contains it. ``window_start`` says which window (its ``start_ns``), so that GPU work can be traced back to the
+    schedule row that launched it. (Only the columns later steps read: the busy kernels of a large run are hundreds
+    of thousands.)"""
     def containing(windows: pl.DataFrame) -> pl.DataFrame:
         return iv.containing(busy, "launch_ns", windows, by="rank", columns=["phase", "start_ns"], start="start_ns",
                              end="end_ns").rename({"start_ns": "window_start"})
 
-    w = schedule.select("rank", "start_ns", "end_ns", "phase")
+    w = schedule.select("rank", "start_ns", "end_ns", pl.col("phase").cast(Phase))
     outer = containing(w.filter(pl.col("phase") != "recompute"))
     inner = containing(w.filter(pl.col("phase") == "recompute"))
-    return busy.with_columns(
-        pl.coalesce(inner["phase"], outer["phase"], pl.lit("other_compute")).alias("phase"),
+    return busy.select(
+        "rank", "is_gpu", "start", "end",
+        pl.coalesce(inner["phase"], outer["phase"], pl.lit("other_compute", Phase)).alias("phase"),
         pl.coalesce(inner["window_start"], outer["window_start"]).alias("window_start"),
     )
 
@@ -85,7 +91,8 @@ def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
 def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.DataFrame:
     """Schedule rows of GPU ranks span the GPU work they launched (first kernel start to last kernel end), not the
     CPU range that launched it; rows that launched no GPU work keep their CPU times."""
-    gpu = labelled.filter(pl.col("is_gpu") & pl.col("window_start").is_not_null())
+    gpu = labelled.select("rank", "is_gpu", "window_start", "start", "end").filter(  # (the columns first)
+        pl.col("is_gpu") & pl.col("window_start").is_not_null())
     if gpu.height == 0:
         return schedule
     ext = gpu.group_by("rank", "window_start").agg(pl.col("start").min().alias("_s"), pl.col("end").max().alias("_e"))
@@ -167,10 +174,15 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     return transfer, wait
 
 
+def _gpu_ranks(labelled: pl.DataFrame) -> pl.DataFrame:
+    """``rank``: the ranks of ``label_busy``'s intervals that are GPU work."""
+    return labelled.select("rank", "is_gpu").filter("is_gpu").select("rank").unique()
+
+
 def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, pl.DataFrame]:
     """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
     action that no op covers and no wait explains is that action's (module doc)."""
-    gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
+    gpu = _gpu_ranks(labelled)
     # Only windows the trace itself drew (annotations): an inferred window is traceana's reconstruction from the
     # ops, and the time between them is not claimed for an action nobody named.
     w = (schedule.filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
@@ -194,9 +206,10 @@ def segments(
     def clip(frame: pl.DataFrame) -> pl.DataFrame:
         return iv.clip(frame.select("rank", "start", "end"), windows, on="rank", window_keys="step")
 
-    # Big layers stay keyed by rank and are cut into steps once, inside partition.
-    busy_iv = labelled.select("rank", "start", "end", "phase")
-    compute = _by(busy_iv, "phase", COMPUTE_ORDER)
+    # Big layers stay keyed by rank and are cut into steps once, inside partition; the busy intervals are every
+    # compute layer at once, each in its phase's (iv.partition's multi-layer frame: no copy per phase).
+    compute = labelled.select("rank", "start", "end", pl.col("phase").to_physical().alias(iv.LAYER))
+    forward = labelled.select("rank", "start", "end", "phase").filter(pl.col("phase") == "forward").drop("phase")
     collective = _span(events.filter(pl.col("kind") == "collective"))
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -218,7 +231,7 @@ def segments(
         bpipe = pl.concat([_span(bp_ops), _span(annotated), bp_msgs])
     else:
         bpipe = _span(bp_ops)
-    gpu = labelled.filter(pl.col("is_gpu")).select("rank").unique()
+    gpu = _gpu_ranks(labelled)
     # The marks are read only for P2P messages on CPU ranks: a run without any skips the join over its CPU events
     # (where every rank with events is a GPU rank the marks would be empty: the same as none).
     has_p2p = ((pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()) and (
@@ -233,10 +246,10 @@ def segments(
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
-    bubbles = iv.clip(wait, bubble_windows(windows, clip(compute["forward"])), on=["rank", "step"],
+    bubbles = iv.clip(wait, bubble_windows(windows, clip(forward)), on=["rank", "step"],
                       window_keys="category", keep_order=False)
     layers = [
-        *((ph, compute[ph]) for ph in COMPUTE_ORDER),
+        (COMPUTE_ORDER, compute),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
         *_by(bubbles, "category", (pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN,
                                    pipeline_rules.BUBBLE_STALL)).items(),

@@ -288,7 +288,7 @@ def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.Dat
 
 def partition(
     windows: pl.DataFrame,
-    layers: Sequence[tuple[str, pl.DataFrame]],
+    layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]],
     *,
     by: Sequence[str] | str,
     default: str,
@@ -305,9 +305,14 @@ def partition(
     segments merged, the label of type ``label_dtype`` (an enum of every layer name and ``default`` spares a text
     column per segment).
 
+    A layer may also be several layers in one frame: ``(names, frame)`` with a tuple of names (consecutive in the
+    priority order) and a column ``LAYER`` holding each interval's index in ``names`` (e.g. the busy intervals
+    with their phase's code), which spares a copy of the intervals per layer.
+
     Groups are independent, so a large input is partitioned a batch of ``on`` groups at a time (about
     ``PARTITION_BATCH`` layer intervals each, whole groups, in key order): the sweep's intermediate frames then
-    hold one batch, not the whole run, and the concatenated result is the same.
+    hold one batch, not the whole run, and the concatenated result is the same. A layer sorted by its one ``on``
+    key (as the events come from ingest) gives each batch a slice of itself, not a copy.
     """
     keys = _keys(by)
     on_ = keys if on is None else _keys(on)
@@ -315,11 +320,27 @@ def partition(
         batches = _batches(windows, layers, on_)
         if len(batches) > 1:
             return pl.concat([
-                _partition(windows.join(b, on=on_, how="semi"),
-                           [(n, layer.join(b, on=on_, how="semi")) for n, layer in layers],
+                _partition(windows.join(b, on=on_, how="semi"), [(n, _of_batch(layer, b, on_)) for n, layer in layers],
                            keys, on_, default, label, label_dtype)
                 for b in batches])
     return _partition(windows, layers, keys, on_, default, label, label_dtype)
+
+
+# The column of a multi-layer frame (``partition``) giving each interval's layer: its index in the entry's names.
+LAYER = "_layer"
+
+
+def _of_batch(layer: pl.DataFrame, batch: pl.DataFrame, on: list[str]) -> pl.DataFrame:
+    """The rows of ``layer`` a batch of groups (``batch``: consecutive ``on`` keys, in order) needs: a zero-copy
+    slice from its first key to its last where ``layer`` is sorted by its single key, else the rows of its keys.
+    (A slice may hold keys between them that have no window: ``_partition`` drops those as the semi-join would.)"""
+    if len(on) == 1 and layer.height:
+        k = layer[on[0]]
+        if k.null_count() == 0 and k.is_sorted():
+            lo, hi = batch[on[0]][0], batch[on[0]][-1]
+            start, end = int(k.search_sorted(lo, side="left")), int(k.search_sorted(hi, side="right"))
+            return layer.slice(start, end - start)
+    return layer.join(batch, on=on, how="semi")
 
 
 # Layer intervals per batch of ``partition`` (docs/performance.md "How the analysis stays small"): large enough that
@@ -327,7 +348,8 @@ def partition(
 PARTITION_BATCH = 250_000
 
 
-def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]], on: list[str]) -> list[pl.DataFrame]:
+def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]],
+             on: list[str]) -> list[pl.DataFrame]:
     """The ``on`` groups of ``windows`` in key order, cut into consecutive batches of about ``PARTITION_BATCH``
     layer intervals (a group is never split)."""
     groups = windows.select(on).unique().sort(on)
@@ -337,10 +359,10 @@ def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]], 
     return sized.select(*on, "_batch").partition_by("_batch", maintain_order=True, include_key=False)
 
 
-def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]], keys: list[str], on_: list[str],
-               default: str, label: str, label_dtype: pl.DataType) -> pl.DataFrame:
+def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]], keys: list[str],
+               on_: list[str], default: str, label: str, label_dtype: pl.DataType) -> pl.DataFrame:
     """``partition`` of one batch."""
-    names = [n for n, _ in layers]
+    names = [x for n, _ in layers for x in ((n,) if isinstance(n, str) else n)]
     w = windows.lazy().select(*keys, START, END).sort(keys).collect(engine=ENGINE)
     # Put every window on one time axis where no two groups' intervals cross or touch, so that the sweep needs one
     # sort by axis time instead of a sort by group keys and time; a window's instant t sits at t + _shift.
@@ -356,12 +378,14 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
     # Cut the layers to the windows: one clip for all layers keyed alike (set i + 2 is layer i; sets 0 and 1 the
     # windows, alternately in axis order: touching windows of a group would merge into one within a set).
     by_keys: dict[tuple[str, ...], list[pl.DataFrame]] = {}
-    for i, (_, layer) in enumerate(layers, start=2):
-        if layer.height == 0:  # covers nothing (most of a small run's layers): set i just stays empty
+    i = 2
+    for n, layer in layers:
+        first, i = i, i + (1 if isinstance(n, str) else len(n))
+        if layer.height == 0:  # covers nothing (most of a small run's layers): its sets just stay empty
             continue
         lk = keys if set(keys) <= set(layer.columns) else on_  # a layer may already be cut into windows
-        by_keys.setdefault(tuple(lk), []).append(
-            layer.lazy().select(*lk, START, END, pl.lit(i, pl.UInt8).alias("_set")))
+        set_ = pl.lit(first, pl.UInt8) if isinstance(n, str) else (pl.col(LAYER).cast(pl.UInt8) + first)
+        by_keys.setdefault(tuple(lk), []).append(layer.lazy().select(*lk, START, END, set_.alias("_set")))
     # (Lazy up to the sweep: the layers' pieces are one query, docs/performance.md "Fixed cost".)
     cut = [w.lazy().filter(pl.col(END) > pl.col(START))
            .select((pl.int_range(pl.len()) % 2).cast(pl.UInt8).alias("_set"), START, END, "_shift")]
@@ -377,7 +401,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str, pl.DataFrame]]
                         keep_order=False).lazy())
     on_axis = pl.concat([c.select("_set", *((pl.col(e) + pl.col("_shift")).alias(e) for e in (START, END)))
                          for c in cut], how="vertical_relaxed").collect(engine=ENGINE)
-    segs = _sweep_stacked(on_axis, len(layers) + 2).filter(_has(0) | _has(1))
+    segs = _sweep_stacked(on_axis, len(names) + 2).filter(_has(0) | _has(1))
     # The first layer covering a segment is the lowest set bit above the windows' bits 0 and 1.
     layer_bits = pl.col("_mask") & ~pl.lit(3, pl.Int64)
     index = layer_bits.bitwise_trailing_zeros().cast(pl.Int64) - 2
