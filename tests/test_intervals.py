@@ -192,3 +192,29 @@ def test_partition_of_layers_given_in_one_frame_covers_each_window_exactly_once(
         with patch.object(iv, "PARTITION_BATCH", batch):
             segs = iv.partition(windows, [(("a", "b"), both)], by=["g", "k"], on="g", default="rest")
         check_group_partition(segs, a_rows, b_rows, w_rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 12)), max_size=8),
+       st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.one_of(st.none(), st.integers(-5, 45))),
+                max_size=12), st.booleans())
+def test_containing_finds_the_window_holding_each_point(w_rows, p_rows, in_order):
+    """Against a brute-force scan: each point (group, instant; either may be null) gets the id of the window of
+    its group whose [start, end) holds it, else null; a group's windows do not overlap (later ones dropped).
+    Points in (group, instant) order, as events come from ingest, or not."""
+    if in_order:
+        p_rows = sorted((g, t) for g, t in p_rows if g is not None and t is not None)
+    kept = []
+    for g, s, d in w_rows:
+        if all(g != g2 or s + d <= s2 or s2 + d2 <= s for g2, s2, d2 in kept):
+            kept.append((g, s, d))
+    windows = pl.DataFrame({"g": [g for g, _, _ in kept], "start": [s for _, s, _ in kept],
+                            "end": [s + d for _, s, d in kept], "id": list(range(len(kept)))},
+                           schema={"g": pl.Int32, "start": pl.Int64, "end": pl.Int64, "id": pl.Int32})
+    points = pl.DataFrame({"g": [g for g, _ in p_rows], "t": [t for _, t in p_rows]},
+                          schema={"g": pl.Int32, "t": pl.Int64})
+    got = iv.containing(points, "t", windows, by="g", columns=["id"])
+    want = [next((i for i, (g2, s, d) in enumerate(kept) if g is not None and t is not None and g == g2
+                  and s <= t < s + d), None) for g, t in p_rows]
+    assert got["id"].to_list() == want
+    assert got.schema == {"id": pl.Int32}

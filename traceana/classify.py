@@ -128,8 +128,8 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     ``by_ext``: the direction, peer, size and process group of the cpu op that launched it (same External id; the
     first of each among that id's ops). ``by_corr``: ``_launch_ts``, the start of the runtime call that launched
     it (same correlation id; the earliest). Only the few cpu ops that carry one of those facts are grouped, and
-    calls are matched by a sorted as-of join on the exact id rather than a hash join: on a GPU run both sides
-    hold a third of the events.
+    calls are matched by a binary search of the sorted (rank, id) keys (else a sorted as-of join on the exact id)
+    rather than a hash join: on a GPU run both sides hold a third of the events.
     """
     gpu = f.select("rank", "ext_id", "corr_id").with_row_index("_row").filter(f["is_gpu"])
     facts = (
@@ -145,9 +145,29 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         f.select("rank", pl.col("corr_id").alias("_call"), pl.col("ts_ns").alias("_launch_ts"))
         .filter((f["_cat"] == _RUNTIME) & f["corr_id"].is_not_null() & (f["corr_id"] != 0))
     )
+    in_order = iv.in_time_order(calls, "rank", "_launch_ts")
+    axis = iv.group_axis([gpu["rank"], calls["rank"]], [gpu["corr_id"], calls["_call"]])
+    if axis is not None:
+        # (rank, id) as one key: the calls sorted by it (by time among a rank's calls with one id), each GPU event's
+        # call is the first at or after its key, found by a binary search (no sort of the GPU events, no as-of
+        # join's grouping). Calls come from ingest in (rank, time) order, and ids grow with time: often sorted.
+        calls = calls.select(axis.key("rank", "_call").alias("_key"), "_launch_ts")
+        if calls["_key"].null_count():  # a call without a rank launches nothing
+            calls = calls.filter(pl.col("_key").is_not_null())
+        if not in_order:
+            calls = calls.sort("_key", "_launch_ts")
+        elif not calls["_key"].is_sorted():
+            calls = calls.sort("_key", maintain_order=True)
+        key = gpu.select(axis.key("rank", "corr_id")).to_series()
+        i = calls["_key"].search_sorted(key, side="left")
+        hit = calls.gather(i.clip(upper_bound=max(calls.height - 1, 0))) if calls.height else None
+        if hit is None:
+            return by_ext, gpu.head(0).select("_row", pl.lit(None, pl.Int64).alias("_launch_ts"))
+        match = (hit["_key"] == key).fill_null(False)
+        return by_ext, pl.DataFrame([gpu["_row"], hit["_launch_ts"]]).filter(match)
     # By id, and by time among a rank's calls with one id: a stable sort by id does both when the calls come in
     # (rank, time) order, as from ingest, at a fraction of a two-key sort's cost.
-    if iv.in_time_order(calls, "rank", "_launch_ts"):
+    if in_order:
         calls = calls.sort("_call", maintain_order=True)
     else:
         calls = calls.sort("_call", "_launch_ts")
