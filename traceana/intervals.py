@@ -355,20 +355,21 @@ def partition(
     priority order) and a column ``LAYER`` holding each interval's index in ``names`` (e.g. the busy intervals
     with their phase's code), which spares a copy of the intervals per layer.
 
-    Groups are independent, so a large input is partitioned a batch of ``on`` groups at a time (about
-    ``PARTITION_BATCH`` layer intervals each, whole groups, in key order): the sweep's intermediate frames then
-    hold one batch, not the whole run, and the concatenated result is the same. A layer sorted by its one ``on``
-    key (as the events come from ingest) gives each batch a slice of itself, not a copy.
+    Groups are independent, and so are windows, so a large input is partitioned a batch at a time (about
+    ``PARTITION_BATCH`` layer intervals each, in key order: whole ``on`` groups, or consecutive windows of one
+    group too large for a batch, with the intervals of its layers that reach them): the sweep's intermediate
+    frames then hold one batch, not the whole run (nor the whole of one large rank), and the concatenated result
+    is the same. A layer sorted by its one ``on`` key (as the events come from ingest) gives each batch a slice
+    of itself, not a copy.
     """
     keys = _keys(by)
     on_ = keys if on is None else _keys(on)
     if on_ == keys[:len(on_)] and sum(layer.height for _, layer in layers) > PARTITION_BATCH:
-        batches = _batches(windows, layers, on_)
+        batches = _batches(windows, layers, keys, on_)
         if len(batches) > 1:
-            return pl.concat([
-                _partition(windows.join(b, on=on_, how="semi"), [(n, _of_batch(layer, b, on_)) for n, layer in layers],
-                           keys, on_, default, label, label_dtype)
-                for b in batches])
+            return pl.concat([_partition(*_of_batch(windows, layers, b, split, keys, on_), keys, on_, default, label,
+                                         label_dtype)
+                              for b, split in batches])
     return _partition(windows, layers, keys, on_, default, label, label_dtype)
 
 
@@ -376,33 +377,73 @@ def partition(
 LAYER = "_layer"
 
 
-def _of_batch(layer: pl.DataFrame, batch: pl.DataFrame, on: list[str]) -> pl.DataFrame:
-    """The rows of ``layer`` a batch of groups (``batch``: consecutive ``on`` keys, in order) needs: a zero-copy
-    slice from its first key to its last where ``layer`` is sorted by its single key, else the rows of its keys.
-    (A slice may hold keys between them that have no window: ``_partition`` drops those as the semi-join would.)"""
-    if len(on) == 1 and layer.height:
-        k = layer[on[0]]
-        if k.null_count() == 0 and k.is_sorted():
-            lo, hi = batch[on[0]][0], batch[on[0]][-1]
-            start, end = int(k.search_sorted(lo, side="left")), int(k.search_sorted(hi, side="right"))
-            return layer.slice(start, end - start)
-    return layer.join(batch, on=on, how="semi")
+def _layer_keys(layer: pl.DataFrame, keys: list[str], on: list[str]) -> list[str]:
+    """The keys of a ``partition`` layer: every key where it has them (already cut into windows), else ``on``."""
+    return keys if set(keys) <= set(layer.columns) else on
+
+
+def _of_batch(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]],
+              batch: pl.DataFrame, split: bool, keys: list[str],
+              on: list[str]) -> tuple[pl.DataFrame, list[tuple[str | tuple[str, ...], pl.DataFrame]]]:
+    """The windows of a batch (``batch``: their keys, consecutive in key order) and the rows of each layer they
+    need: of a layer keyed by ``on`` alone, its batch's groups' (a zero-copy slice from the first group to the last
+    where the layer is sorted by its single key; a slice may hold groups between them that have no window, which
+    ``_partition`` drops as a semi-join would), and of a ``split`` batch (part of one group's windows) only the
+    intervals reaching the batch's time span."""
+    w = windows.join(batch, on=keys, how="semi")
+    groups = batch.select(on).unique(maintain_order=True)
+    lo, hi = w[START].min(), w[END].max()
+    out = []
+    for n, layer in layers:
+        if _layer_keys(layer, keys, on) == keys:
+            out.append((n, layer.join(batch, on=keys, how="semi")))
+            continue
+        part = None
+        if len(on) == 1 and layer.height:
+            k = layer[on[0]]
+            if k.null_count() == 0 and k.is_sorted():
+                first, last = groups[on[0]][0], groups[on[0]][-1]
+                start, end = int(k.search_sorted(first, side="left")), int(k.search_sorted(last, side="right"))
+                part = layer.slice(start, end - start)
+        if part is None:
+            part = layer.join(groups, on=on, how="semi")
+        if split:
+            part = part.filter((pl.col(END) > lo) & (pl.col(START) < hi)) if lo is not None else part.head(0)
+        out.append((n, part))
+    return w, out
 
 
 # Layer intervals per batch of ``partition`` (docs/performance.md "How the analysis stays small"): large enough that
 # a batch's few dozen polars operations are cheap beside its rows, small enough to bound the sweep's frames.
-PARTITION_BATCH = 250_000
+PARTITION_BATCH = 150_000
 
 
-def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]],
-             on: list[str]) -> list[pl.DataFrame]:
-    """The ``on`` groups of ``windows`` in key order, cut into consecutive batches of about ``PARTITION_BATCH``
-    layer intervals (a group is never split)."""
-    groups = windows.select(on).unique().sort(on)
+def _batches(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]], keys: list[str],
+             on: list[str]) -> list[tuple[pl.DataFrame, bool]]:
+    """The windows' keys in key order, cut into consecutive batches of about ``PARTITION_BATCH`` layer intervals:
+    ``(keys of the batch's windows, split)``. Whole ``on`` groups share a batch; a group with more intervals is
+    cut into batches of its own (``split``), each of an equal share of its windows (its intervals are assumed
+    spread evenly over them: a rank's steps are alike)."""
+    w = windows.select(keys).sort(keys)
     counts = pl.concat([layer.group_by(on).len() for _, layer in layers if layer.height], how="vertical_relaxed")
-    sized = groups.join(counts.group_by(on).agg(pl.col("len").sum()), on=on, how="left", maintain_order="left")
-    sized = sized.with_columns((pl.col("len").fill_null(0).cum_sum() // PARTITION_BATCH).alias("_batch"))
-    return sized.select(*on, "_batch").partition_by("_batch", maintain_order=True, include_key=False)
+    w = w.join(counts.group_by(on).agg(pl.col("len").sum()), on=on, how="left", maintain_order="left")
+    first = pl.int_range(pl.len()).over(on) == 0
+    w = w.with_columns(pl.col("len").fill_null(0), pl.len().over(on).alias("_n"),
+                       pl.int_range(pl.len()).over(on).alias("_i"))
+    w = w.with_columns(pl.min_horizontal((pl.col("len") + PARTITION_BATCH - 1) // PARTITION_BATCH, "_n")
+                       .clip(lower_bound=1).alias("_parts"))
+    split = pl.col("_parts") > 1
+    # Runs of whole groups between split ones share batches by their cumulative count; a split group's windows
+    # are numbered by part. A batch begins where (run, split, number) changes.
+    w = w.with_columns((split & first).cum_sum().alias("_run"), split.alias("_split"))
+    w = w.with_columns(
+        pl.when(split).then(pl.col("_i") * pl.col("_parts") // pl.col("_n"))
+        .otherwise(pl.when(first & ~split).then(pl.col("len")).otherwise(0).cum_sum().over("_run") // PARTITION_BATCH)
+        .alias("_part"))
+    changed = pl.any_horizontal(pl.col(c).ne_missing(pl.col(c).shift(1)) for c in ("_run", "_split", "_part"))
+    w = w.with_columns((changed | (pl.int_range(pl.len()) == 0)).cum_sum().alias("_batch"))
+    return [(b.select(keys), bool(b["_split"][0]))
+            for b in w.partition_by("_batch", maintain_order=True, include_key=False)]
 
 
 def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ...], pl.DataFrame]], keys: list[str],

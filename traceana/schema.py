@@ -148,8 +148,15 @@ def empty(schema: dict[str, pl.DataType]) -> pl.DataFrame:
 
 def conform(frame: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
     """Select the schema's columns in order, adding missing ones as nulls and casting to the declared types (a
-    LazyFrame gives a LazyFrame: one step of a larger query)."""
-    have = frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns
+    LazyFrame gives a LazyFrame: one step of a larger query). A DataFrame already so is returned as it is: a select
+    would copy a frame of several chunks (the attribution's segments, concatenated from batches, are a million
+    rows)."""
+    if isinstance(frame, pl.LazyFrame):
+        have = frame.collect_schema().names()
+    elif list(frame.schema.items()) == list(schema.items()):
+        return frame
+    else:
+        have = frame.columns
     return frame.select(
         [
             (pl.col(c) if c in have else pl.lit(None)).cast(t).alias(c)
