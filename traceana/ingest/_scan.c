@@ -720,6 +720,15 @@ static int int_field(P *ps, IntV *out) {
         out->odd_e = ps->p;
         return ST_OK;
     }
+    int neg;
+    int64_t whole, frac;
+    const uchar *end;
+    if (quick_number(ps->p, ps->end, 0, &neg, &whole, &frac, &end)) { /* an integer of at most 15 digits */
+        out->v = neg ? -whole : whole;
+        out->ok = 1;
+        ps->p = end;
+        return ST_OK;
+    }
     if (*ps->p != '-' && !is_digit(*ps->p)) return bad(ps, "an args value of another type than number or string");
     TRY(scan_number(ps, &nm));
     if (nm.is_int && int_value(&nm, &out->v)) {
@@ -738,8 +747,50 @@ static int str_field(P *ps, Span *out, int null_ok) {
 }
 
 
+/* The common number in one pass: an optional '-', an integer part of at most 15 digits without a leading zero
+ * (or "0"), then at most ``max_frac`` decimals (none when 0) and no exponent, followed by a byte that is not part of
+ * a number. *whole, *frac (the decimals as thousandths) and *end then say what it is; 0 when it is anything else (a
+ * longer number, an exponent, the buffer's end): the caller goes the general way (scan_number), from the start. */
+static inline int quick_number(const uchar *q, const uchar *e, int max_frac, int *neg, int64_t *whole, int64_t *frac,
+                               const uchar **end) {
+    if (e - q < 20 + max_frac) return 0; /* every read below stays inside the buffer */
+    *neg = *q == '-';
+    q += *neg;
+    int64_t w = 0, f = 0;
+    if (*q == '0') {
+        q++;
+    } else {
+        const uchar *s = q;
+        while (q - s < 16 && is_digit(*q)) w = w * 10 + (*q++ - '0');
+        if (q == s || q - s > 15) return 0;
+    }
+    int k = 0;
+    if (*q == '.') {
+        if (!max_frac || !is_digit(q[1])) return 0;
+        q++;
+        while (k <= max_frac && is_digit(*q)) { f = f * 10 + (*q++ - '0'); k++; }
+        if (k > max_frac) return 0;
+    }
+    if (is_digit(*q) || *q == '.' || *q == 'e' || *q == 'E') return 0;
+    for (; k < 3; k++) f *= 10;
+    *whole = w;
+    *frac = f;
+    *end = q;
+    return 1;
+}
+
 static int time_field(P *ps, IntV *out, int is_ts) {
     Num nm;
+    int neg;
+    int64_t whole, frac;
+    const uchar *end;
+    /* the exact path of us_to_ns: at most three decimals and a value below 2**43 µs (15 digits: below 10**15) */
+    if (quick_number(ps->p, ps->end, 3, &neg, &whole, &frac, &end) && whole < (int64_t)FLOAT_EXACT_US) {
+        out->v = neg ? -(whole * 1000 + frac) : whole * 1000 + frac;
+        out->ok = 1;
+        ps->p = end;
+        return ST_OK;
+    }
     if (*ps->p == 'n') { TRY(literal(ps, "null", 4)); out->ok = 0; return ST_OK; }
     if (*ps->p != '-' && !is_digit(*ps->p)) return bad(ps, "ts or dur of another type than number");
     TRY(scan_number(ps, &nm));
@@ -774,14 +825,53 @@ static int open_object(P *ps, const char *not_an_object, int *done) {
     return ST_OK;
 }
 
+/* The ':' after a key and the whitespace around it (ps->p just after the key's closing quote). */
+static inline int after_key(P *ps) {
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    if (*ps->p != ':') return bad(ps, "expected ':'");
+    ps->p++;
+    ws(ps);
+    if (ps->p >= ps->end) return ST_NEED;
+    return ST_OK;
+}
+
+/* Whether the key at p is the literal ``quoted`` (the key's text between quotes, written as is): then its raw bytes
+ * are the key with nothing to scan or decode. Any other spelling (an escape) goes the general way. */
+static inline int key_is(const uchar *p, const uchar *e, const char *quoted, Py_ssize_t n) {
+    return e - p > n && !memcmp(p, quoted, (size_t)n);
+}
+
+static uint64_t arg_first[4]; /* bit c: some args key read starts with the byte c (set at module init) */
+
+/* The slot of the args key at ps->p when it is one of ARG_KEYS written plainly (ps->p moved past it), else -2
+ * (ps->p unmoved: scan the key the general way). */
+static inline int quick_arg_slot(P *ps) {
+    const uchar *p = ps->p, *e = ps->end;
+    if (e - p < 2 || !((arg_first[p[1] >> 6] >> (p[1] & 63)) & 1)) return -2;
+    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++) {
+        Py_ssize_t n = ARG_KEYS[i].len;
+        if (ARG_KEYS[i].key[0] == (char)p[1] && e - p > n + 2 && p[n + 1] == '"' && !memcmp(p + 1, ARG_KEYS[i].key, (size_t)n)) {
+            ps->p = p + n + 2;
+            return ARG_KEYS[i].slot;
+        }
+    }
+    return -2;
+}
+
 static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
     int done;
     TRY(open_object(ps, "args is not an object", &done));
     while (!done) {
         const char *k;
         Py_ssize_t kn;
-        TRY(scan_key(ps, scratch, &k, &kn));
-        int slot = arg_slot(k, kn);
+        int slot = *ps->p == '"' ? quick_arg_slot(ps) : -2;
+        if (slot == -2) {
+            TRY(scan_key(ps, scratch, &k, &kn));
+            slot = arg_slot(k, kn);
+        } else {
+            TRY(after_key(ps));
+        }
         if (slot < 0) {
             TRY(skip_value(ps, depth + 1));
         } else if (slot < ARG_STR) {
@@ -816,6 +906,38 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
     while (!done) {
         const char *k;
         Py_ssize_t kn;
+        /* The keys torch writes, as they are written: matched on their raw bytes, closing quote included. */
+        const uchar *p = ps->p, *e = ps->end;
+        int f = -1;
+        switch (e - p > 1 && p[0] == '"' ? p[1] : 0) {
+        case 'p':
+            if (key_is(p, e, "\"ph\"", 4)) f = 0, ps->p += 4;
+            else if (key_is(p, e, "\"pid\"", 5)) f = 1, ps->p += 5;
+            break;
+        case 't':
+            if (key_is(p, e, "\"ts\"", 4)) f = 2, ps->p += 4;
+            else if (key_is(p, e, "\"tid\"", 5)) f = 3, ps->p += 5;
+            break;
+        case 'c': if (key_is(p, e, "\"cat\"", 5)) f = 4, ps->p += 5; break;
+        case 'd': if (key_is(p, e, "\"dur\"", 5)) f = 5, ps->p += 5; break;
+        case 'n': if (key_is(p, e, "\"name\"", 6)) f = 6, ps->p += 6; break;
+        case 'a': if (key_is(p, e, "\"args\"", 6)) f = 7, ps->p += 6; break;
+        }
+        if (f >= 0) {
+            TRY(after_key(ps));
+            switch (f) {
+            case 0: TRY(str_field(ps, &ev->ph, 0)); break;
+            case 1: TRY(text_or_number(ps, &ev->pid, K_INT)); break;
+            case 2: TRY(time_field(ps, &ev->ts, 1)); break;
+            case 3: TRY(text_or_number(ps, &ev->tid, K_INT)); break;
+            case 4: TRY(str_field(ps, &ev->cat, 1)); break;
+            case 5: TRY(time_field(ps, &ev->dur, 0)); break;
+            case 6: TRY(str_field(ps, &ev->name, 0)); break;
+            default: TRY(parse_args(ps, ev, scratch, 1)); break;
+            }
+            TRY(next_member(ps, &done));
+            continue;
+        }
         TRY(scan_key(ps, scratch, &k, &kn));
         switch (kn) {
         case 2:
@@ -1409,8 +1531,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native colu
                                     methods};
 
 PyMODINIT_FUNC PyInit__scan(void) {
-    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++)
+    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++) {
         if (ARG_KEYS[i].len < 64) arg_lengths |= (uint64_t)1 << ARG_KEYS[i].len;
+        uchar c = (uchar)ARG_KEYS[i].key[0];
+        arg_first[c >> 6] |= (uint64_t)1 << (c & 63);
+    }
     if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&ScannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
