@@ -131,6 +131,53 @@ def test_number_literals_read_the_same(tmp_path, monkeypatch, num):
         assert_same(f, monkeypatch)
 
 
+def _raw_events(*events: str) -> bytes:
+    pad = '{"ph": "M", "name": "padding", "args": {"name": "' + "p" * 40 + '"}}'
+    return ('{"traceEvents": [' + ", ".join(events) + ", " + pad + "]}").encode()
+
+
+def _x(name: str, cat: str = '"kernel"', pid: str = "0", tid: str = "7", args: str = '{"correlation": 1}') -> str:
+    return f'{{"ph": "X", "cat": {cat}, "name": {name}, "pid": {pid}, "tid": {tid}, "ts": 1.5, "dur": 2, "args": {args}}}'
+
+
+# The scanner takes a name, category, pid or tid it has seen before (and args keys it does not read) by comparing the
+# bytes as written with the text it holds: each case repeats values spelled alike, spelled otherwise, or nearly alike.
+@pytest.mark.parametrize("events", [
+    [_x('"void kernel_long_name<int>(int)"'), _x('"void kernel_long_name<int>(int)x"'), _x('"void kernel_long_name"'),
+     _x('"void kernel_long_name<int>(int)"')],
+    [_x('"caf\\u00e9 au lait"'), _x('"café au lait"'), _x('"caf\\u00e9 au lait"'), _x('"café au lai\\u0074"')],
+    [_x('"quote \\" inside"'), _x('"quote \\" inside"'), _x('"quote "')],
+    [_x('"op"', pid="7", tid="7"), _x('"op"', pid='"7"', tid='"7"'), _x('"op"', pid="70", tid="-7"),
+     _x('"op"', pid='"70"', tid='"-7"'), _x('"op"', pid="7", tid="7")],
+    [_x('"op"', pid='"-x"'), _x('"op"', pid='"0"', tid='"00"'), _x('"op"', pid="0", tid="0"), _x('"op"', pid='"-"')],
+    [_x('"op"', cat='"cpu_op"'), _x('"op"', cat='"cpu_op2"'), _x('"op"', cat='"cpu_o"'), _x('"op"', cat="null"),
+     _x('"op"', cat='"cpu\\u005fop"'), _x('"op"', cat='"cpu_op"')],
+    [_x('"op"', args='{"queued": 0, "queue": 1, "queued2": [1, {"a": "b"}], "queued": 3, "correlation": 4}'),
+     _x('"op"', args='{"queued": 0, "queue": 1, "queued2": 2, "q\\u0075eued": 3, "correlation": 5}'),
+     _x('"op"', args='{"correlatio": 1, "correlation2": 2, "correlation": 6, "Correlation": 7}')],
+    [_x('"op"').replace('"name": "op"', '"name": "op", "name": "second"'), _x('"op"'), _x('"second"'),
+     _x('"op"').replace('"name": "op"', '"name": "op", "na\\u006de": "third"')],
+])
+def test_repeated_values_read_the_same(tmp_path, monkeypatch, events):
+    f = tmp_path / "t.json"
+    f.write_bytes(_raw_events(*events))
+    assert _uses_native(f)
+    assert_same(f, monkeypatch)
+
+
+@pytest.mark.parametrize("bad", [
+    _raw_events(_x('"op"', pid="0"), _x('"op"', pid="01")),  # a known pid, then a number with a leading zero
+    _raw_events(_x('"op"', pid="7"), _x('"op"', pid="7.5")),  # a known pid, then a float
+    _raw_events(_x('"op"', pid='"-x"'), _x('"op"', pid="-x")),  # a known text, then the same bytes unquoted
+    _raw_events(_x('"kernel_name"'), _x('"kernel_name\\x"')),  # a known name, then a bad escape after it
+])
+def test_repeated_values_spelled_wrong_are_handed_back(tmp_path, monkeypatch, bad):
+    f = tmp_path / "t.json"
+    f.write_bytes(bad)
+    assert not _uses_native(f)
+    assert_same(f, monkeypatch)
+
+
 @pytest.mark.parametrize("bad", [
     b'{"traceEvents": [{"ph": "X", "ts": "10"}]}',  # a string time: the general decoder skips the event
     b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 1, "args": null}]}',

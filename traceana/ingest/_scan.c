@@ -327,7 +327,21 @@ static inline int is_ws(uchar c) { return c <= ' ' && (c == ' ' || c == '\n' || 
 
 static inline void ws(P *ps) {
     const uchar *p = ps->p, *e = ps->end;
-    if (p < e && !is_ws(*p)) return; /* the usual case: no whitespace, or (below) a short run of it */
+    if (p >= e || !is_ws(*p)) return; /* the usual case: no whitespace, */
+    p++;
+    if (p < e && !is_ws(*p)) { ps->p = p; return; } /* or one space (after ':' and ','), */
+#ifdef __SSE2__
+    /* or a line break and an indent: 16 bytes a step */
+    const __m128i sp = _mm_set1_epi8(' '), nl = _mm_set1_epi8('\n'), cr = _mm_set1_epi8('\r'), tab = _mm_set1_epi8('\t');
+    while (e - p >= 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)p);
+        __m128i w = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, sp), _mm_cmpeq_epi8(v, nl)),
+                                 _mm_or_si128(_mm_cmpeq_epi8(v, cr), _mm_cmpeq_epi8(v, tab)));
+        unsigned other = ~(unsigned)_mm_movemask_epi8(w) & 0xFFFFu;
+        if (other) { ps->p = p + __builtin_ctz(other); return; }
+        p += 16;
+    }
+#endif
     while (p < e && is_ws(*p)) p++;
     ps->p = p;
 }
@@ -637,6 +651,144 @@ static int skip_value(P *ps, int depth) {
     }
 }
 
+#define PREDICT_SLOTS 1024
+#define PREDICT_WAYS 4
+#define RECENT_WAYS 4
+#define UNREAD_SLOTS 256
+#define UNREAD_MAX 32
+/* The distinct values of a text column across a file (dictionary encoding: an event holds a code; a kernel's name of
+ * hundreds of bytes is stored once, not once per event): an open-addressing table of codes into ``col``, and a flag
+ * byte per value (F_*), decided once when the value is first seen. */
+enum { D_NAME, D_CAT, D_PID, D_TID, N_D };
+enum { F_GPU = 1, F_COMM = 2, F_SHAPED = 4, F_PLAIN = 8, F_INT = 16 };
+/* F_PLAIN: a JSON string of it can be its bytes as they are; F_INT: its bytes are a JSON integer literal */
+typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; Col col; Buf flags; int32_t last; } Dict;
+
+/* Byte strings given by Python (kineto.py holds the names; they are not repeated here). */
+typedef struct { char **s; Py_ssize_t *n; Py_ssize_t count; } Words;
+
+typedef struct {
+    PyObject_HEAD
+    Dict d[N_D];
+    int64_t rows; /* X rows emitted so far */
+    Words gpu_cats, comm_names, shaped_names, shaped_prefixes;
+    int busy;
+    /* The names seen, by their first 8 bytes as written (a kernel's name is hundreds of bytes; its first 8 nearly
+     * always tell it from the other names seen): a few codes + 1 per bucket (0: none), latest first. A name found
+     * there is checked against its text and taken without scanning or hashing it. */
+    int32_t names_by_head[PREDICT_SLOTS][PREDICT_WAYS];
+    int32_t recent[N_D][RECENT_WAYS]; /* the categories, pids and tids seen last: codes + 1, latest first */
+    /* args keys ingest does not read, as written (kernels carry a dozen): one per slot, by their first bytes */
+    uchar unread[UNREAD_SLOTS][UNREAD_MAX];
+    uint8_t unread_len[UNREAD_SLOTS]; /* 0: empty */
+} Scanner;
+
+static inline size_t unread_slot(const uchar *p) { /* p: the key's opening quote, with 3 bytes after it */
+    return ((size_t)p[1] * 961 + (size_t)p[2] * 31 + (size_t)p[3]) & (UNREAD_SLOTS - 1);
+}
+
+static inline int64_t head_key(const uchar *q, const uchar *e) { /* -1: fewer than 8 bytes left */
+    if (e - q < 8) return -1;
+    uint64_t w;
+    memcpy(&w, q, 8);
+    w *= 0x9E3779B97F4A7C15ULL;
+    return (int64_t)((w >> 40) & (PREDICT_SLOTS - 1));
+}
+
+/* Whether the JSON string starting after its quote at q is exactly value ``c`` of t, written as its plain bytes
+ * (a value of F_PLAIN has no quote, backslash or control byte, and is valid UTF-8: so these bytes followed by a
+ * quote are a valid JSON string of that value). *n: its length. */
+static inline int plain_match(const Dict *t, int32_t c, const uchar *q, const uchar *e, Py_ssize_t *n) {
+    if (c < 0 || c >= t->n || !(t->flags.d[c] & F_PLAIN)) return 0;
+    const int64_t *offs = (const int64_t *)t->col.offs.d;
+    Py_ssize_t len = (Py_ssize_t)(offs[c + 1] - offs[c]);
+    if (e - q <= len || q[len] != '"' || memcmp(q, t->col.data.d + offs[c], (size_t)len)) return 0;
+    *n = len;
+    return 1;
+}
+
+/* The name string at ps->p ('"') when it is a name seen before, written plainly: taken without scanning or hashing
+ * it. *key: its bucket (head_key), for name_seen. */
+static inline int known_name(Scanner *sc, P *ps, Span *sp, int32_t *code, int32_t *key) {
+    const Dict *t = &sc->d[D_NAME];
+    const uchar *q = ps->p + 1;
+    int64_t k = head_key(q, ps->end);
+    *key = (int32_t)k;
+    if (k < 0) return 0;
+    const int32_t *way = sc->names_by_head[k];
+    for (int i = 0; i < PREDICT_WAYS && way[i]; i++) {
+        Py_ssize_t n;
+        if (plain_match(t, way[i] - 1, q, ps->end, &n)) {
+            sp->s = q;
+            sp->n = n;
+            sp->esc = 0;
+            sp->kind = K_STR;
+            ps->p = q + n + 1;
+            *code = way[i] - 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static inline int same_bytes(const uchar *a, const char *b, Py_ssize_t n) { /* memcmp without a call when short */
+    if (n > 16) return !memcmp(a, b, (size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (a[i] != (uchar)b[i]) return 0;
+    return 1;
+}
+
+/* The category, pid or tid at ps->p when it is one seen last, written plainly (a string), or as the same integer
+ * literal (a number: pid and tid): taken without scanning or interning it. */
+static inline int known_value(Scanner *sc, int which, P *ps, Span *sp, int32_t *code) {
+    const Dict *t = &sc->d[which];
+    const uchar *p = ps->p, *e = ps->end;
+    int str = *p == '"';
+    if (!str && (which == D_CAT || !(*p == '-' || is_digit(*p)))) return 0;
+    const uchar *q = p + str;
+    const int64_t *offs = (const int64_t *)t->col.offs.d;
+    const int32_t *r = sc->recent[which];
+    for (int i = 0; i < RECENT_WAYS && r[i]; i++) {
+        int32_t c = r[i] - 1;
+        if (!(t->flags.d[c] & (str ? F_PLAIN : F_INT))) continue;
+        Py_ssize_t len = (Py_ssize_t)(offs[c + 1] - offs[c]);
+        if (e - q <= len) continue;
+        uchar next = q[len];
+        if (str ? next != '"' : (is_digit(next) || next == '.' || next == 'e' || next == 'E')) continue;
+        if (!same_bytes(q, t->col.data.d + offs[c], len)) continue;
+        sp->s = q;
+        sp->n = len;
+        sp->esc = 0;
+        sp->kind = str ? K_STR : K_INT;
+        ps->p = q + len + str;
+        *code = c;
+        return 1;
+    }
+    return 0;
+}
+
+static inline void value_seen(Scanner *sc, int which, int32_t code) {
+    int32_t *r = sc->recent[which];
+    if (r[0] == code + 1) return;
+    int i = 0;
+    while (i < RECENT_WAYS - 1 && r[i] != code + 1) i++;
+    for (; i > 0; i--) r[i] = r[i - 1];
+    r[0] = code + 1;
+}
+
+/* An X event's name: its code put first in its bucket. */
+static inline void name_seen(Scanner *sc, int32_t key, int32_t code) {
+    if (key < 0 || !(sc->d[D_NAME].flags.d[code] & F_PLAIN)) return;
+    int32_t *way = sc->names_by_head[key];
+    if (way[0] == code + 1) return;
+    int i = 0;
+    while (i < PREDICT_WAYS - 1 && way[i] != code + 1) i++;
+    for (; i > 0; i--) way[i] = way[i - 1];
+    way[0] = code + 1;
+}
+
+
+
 /* --- one event ---------------------------------------------------------------------------------------------- */
 /* An args value of the expected type, or an "odd" one (a string or float where an int is expected, a number where
  * a string is): its raw JSON is handed to Python, which converts it exactly as the general decoder does. */
@@ -652,6 +804,9 @@ typedef struct {
     IntV a[N_AINT];
     Span s[N_ASTR];
     const uchar *raw_s[N_RAW], *raw_e[N_RAW];
+    int32_t name_code; /* the name's code when it was known (known_name), else -1 */
+    int32_t name_key;  /* its bucket in names_by_head (-1: none) */
+    int32_t code[N_D]; /* cat, pid, tid: the code when known (known_value), else -1 */
 } Ev;
 
 /* The args keys read, by slot: ints, then strings (ARG_STR + i), then raw values (ARG_RAW + i). */
@@ -708,6 +863,38 @@ static int next_member(P *ps, int *done) {
     return ST_OK;
 }
 
+/* The common number in one pass: an optional '-', an integer part of at most 15 digits without a leading zero
+ * (or "0"), then at most ``max_frac`` decimals (none when 0) and no exponent, followed by a byte that is not part of
+ * a number. *whole, *frac (the decimals as thousandths) and *end then say what it is; 0 when it is anything else (a
+ * longer number, an exponent, the buffer's end): the caller goes the general way (scan_number), from the start. */
+static inline int quick_number(const uchar *q, const uchar *e, int max_frac, int *neg, int64_t *whole, int64_t *frac,
+                               const uchar **end) {
+    if (e - q < 20 + max_frac) return 0; /* every read below stays inside the buffer */
+    *neg = *q == '-';
+    q += *neg;
+    int64_t w = 0, f = 0;
+    if (*q == '0') {
+        q++;
+    } else {
+        const uchar *s = q;
+        while (q - s < 16 && is_digit(*q)) w = w * 10 + (*q++ - '0');
+        if (q == s || q - s > 15) return 0;
+    }
+    int k = 0;
+    if (*q == '.') {
+        if (!max_frac || !is_digit(q[1])) return 0;
+        q++;
+        while (k <= max_frac && is_digit(*q)) { f = f * 10 + (*q++ - '0'); k++; }
+        if (k > max_frac) return 0;
+    }
+    if (is_digit(*q) || *q == '.' || *q == 'e' || *q == 'E') return 0;
+    for (; k < 3; k++) f *= 10;
+    *whole = w;
+    *frac = f;
+    *end = q;
+    return 1;
+}
+
 static int int_field(P *ps, IntV *out) {
     Num nm;
     Span sp;
@@ -746,38 +933,6 @@ static int str_field(P *ps, Span *out, int null_ok) {
     return scan_string(ps, out);
 }
 
-
-/* The common number in one pass: an optional '-', an integer part of at most 15 digits without a leading zero
- * (or "0"), then at most ``max_frac`` decimals (none when 0) and no exponent, followed by a byte that is not part of
- * a number. *whole, *frac (the decimals as thousandths) and *end then say what it is; 0 when it is anything else (a
- * longer number, an exponent, the buffer's end): the caller goes the general way (scan_number), from the start. */
-static inline int quick_number(const uchar *q, const uchar *e, int max_frac, int *neg, int64_t *whole, int64_t *frac,
-                               const uchar **end) {
-    if (e - q < 20 + max_frac) return 0; /* every read below stays inside the buffer */
-    *neg = *q == '-';
-    q += *neg;
-    int64_t w = 0, f = 0;
-    if (*q == '0') {
-        q++;
-    } else {
-        const uchar *s = q;
-        while (q - s < 16 && is_digit(*q)) w = w * 10 + (*q++ - '0');
-        if (q == s || q - s > 15) return 0;
-    }
-    int k = 0;
-    if (*q == '.') {
-        if (!max_frac || !is_digit(q[1])) return 0;
-        q++;
-        while (k <= max_frac && is_digit(*q)) { f = f * 10 + (*q++ - '0'); k++; }
-        if (k > max_frac) return 0;
-    }
-    if (is_digit(*q) || *q == '.' || *q == 'e' || *q == 'E') return 0;
-    for (; k < 3; k++) f *= 10;
-    *whole = w;
-    *frac = f;
-    *end = q;
-    return 1;
-}
 
 static int time_field(P *ps, IntV *out, int is_ts) {
     Num nm;
@@ -842,16 +997,19 @@ static inline int key_is(const uchar *p, const uchar *e, const char *quoted, Py_
     return e - p > n && !memcmp(p, quoted, (size_t)n);
 }
 
-static uint64_t arg_first[4]; /* bit c: some args key read starts with the byte c (set at module init) */
+#define ARG_FIRST_MAX 4
+static int8_t arg_first[256][ARG_FIRST_MAX]; /* the ARG_KEYS starting with each byte, -1 after the last (module init) */
 
 /* The slot of the args key at ps->p when it is one of ARG_KEYS written plainly (ps->p moved past it), else -2
  * (ps->p unmoved: scan the key the general way). */
 static inline int quick_arg_slot(P *ps) {
     const uchar *p = ps->p, *e = ps->end;
-    if (e - p < 2 || !((arg_first[p[1] >> 6] >> (p[1] & 63)) & 1)) return -2;
-    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++) {
+    if (e - p < 2) return -2;
+    const int8_t *cand = arg_first[p[1]];
+    for (int j = 0; j < ARG_FIRST_MAX && cand[j] >= 0; j++) {
+        int i = cand[j];
         Py_ssize_t n = ARG_KEYS[i].len;
-        if (ARG_KEYS[i].key[0] == (char)p[1] && e - p > n + 2 && p[n + 1] == '"' && !memcmp(p + 1, ARG_KEYS[i].key, (size_t)n)) {
+        if (e - p > n + 2 && p[n + 1] == '"' && !memcmp(p + 1, ARG_KEYS[i].key, (size_t)n)) {
             ps->p = p + n + 2;
             return ARG_KEYS[i].slot;
         }
@@ -859,16 +1017,32 @@ static inline int quick_arg_slot(P *ps) {
     return -2;
 }
 
-static int parse_args(P *ps, Ev *ev, Buf *scratch, int depth) {
+static int parse_args(P *ps, Ev *ev, Buf *scratch, Scanner *sc, int depth) {
     int done;
     TRY(open_object(ps, "args is not an object", &done));
     while (!done) {
         const char *k;
         Py_ssize_t kn;
-        int slot = *ps->p == '"' ? quick_arg_slot(ps) : -2;
+        const uchar *kp = ps->p;
+        int slot = *kp == '"' ? quick_arg_slot(ps) : -2;
+        if (slot == -2 && *kp == '"' && ps->end - kp > UNREAD_MAX + 1) { /* a key not read, seen before? */
+            size_t u = unread_slot(kp);
+            Py_ssize_t n = sc->unread_len[u];
+            if (n && kp[n + 1] == '"' && !memcmp(kp + 1, sc->unread[u], (size_t)n)) {
+                ps->p = kp + n + 2;
+                slot = -1;
+            }
+        }
         if (slot == -2) {
             TRY(scan_key(ps, scratch, &k, &kn));
             slot = arg_slot(k, kn);
+            /* remembered when written plainly (the raw bytes are the key: no escape) */
+            if (slot < 0 && kn > 0 && kn < UNREAD_MAX && ps->end - kp > UNREAD_MAX + 1 && kp[kn + 1] == '"' &&
+                !memcmp(kp + 1, k, (size_t)kn)) {
+                size_t u = unread_slot(kp);
+                memcpy(sc->unread[u], k, (size_t)kn);
+                sc->unread_len[u] = (uint8_t)kn;
+            }
         } else {
             TRY(after_key(ps));
         }
@@ -897,9 +1071,11 @@ static inline void ev_reset(Ev *ev) {
     for (int i = 0; i < N_AINT; i++) { ev->a[i].ok = 0; ev->a[i].odd_s = NULL; }
     for (int i = 0; i < N_ASTR; i++) ev->s[i].kind = K_ABSENT;
     for (int i = 0; i < N_RAW; i++) ev->raw_s[i] = ev->raw_e[i] = NULL;
+    ev->name_code = ev->name_key = -1;
+    ev->code[D_CAT] = ev->code[D_PID] = ev->code[D_TID] = -1;
 }
 
-static int parse_event(P *ps, Ev *ev, Buf *scratch) {
+static int parse_event(P *ps, Ev *ev, Buf *scratch, Scanner *sc) {
     int done;
     ev_reset(ev);
     TRY(open_object(ps, "an event that is not an object", &done));
@@ -927,13 +1103,26 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
             TRY(after_key(ps));
             switch (f) {
             case 0: TRY(str_field(ps, &ev->ph, 0)); break;
-            case 1: TRY(text_or_number(ps, &ev->pid, K_INT)); break;
+            case 1:
+                ev->code[D_PID] = -1;
+                if (!known_value(sc, D_PID, ps, &ev->pid, &ev->code[D_PID])) TRY(text_or_number(ps, &ev->pid, K_INT));
+                break;
             case 2: TRY(time_field(ps, &ev->ts, 1)); break;
-            case 3: TRY(text_or_number(ps, &ev->tid, K_INT)); break;
-            case 4: TRY(str_field(ps, &ev->cat, 1)); break;
+            case 3:
+                ev->code[D_TID] = -1;
+                if (!known_value(sc, D_TID, ps, &ev->tid, &ev->code[D_TID])) TRY(text_or_number(ps, &ev->tid, K_INT));
+                break;
+            case 4:
+                ev->code[D_CAT] = -1;
+                if (!known_value(sc, D_CAT, ps, &ev->cat, &ev->code[D_CAT])) TRY(str_field(ps, &ev->cat, 1));
+                break;
             case 5: TRY(time_field(ps, &ev->dur, 0)); break;
-            case 6: TRY(str_field(ps, &ev->name, 0)); break;
-            default: TRY(parse_args(ps, ev, scratch, 1)); break;
+            case 6:
+                ev->name_code = ev->name_key = -1; /* a repeated key: the last one counts */
+                if (*ps->p == '"' && known_name(sc, ps, &ev->name, &ev->name_code, &ev->name_key)) break;
+                TRY(str_field(ps, &ev->name, 0));
+                break;
+            default: TRY(parse_args(ps, ev, scratch, sc, 1)); break;
             }
             TRY(next_member(ps, &done));
             continue;
@@ -946,15 +1135,15 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch) {
             TRY(skip_value(ps, 1));
             break;
         case 3:
-            if (!memcmp(k, "cat", 3)) { TRY(str_field(ps, &ev->cat, 1)); break; }
-            if (!memcmp(k, "pid", 3)) { TRY(text_or_number(ps, &ev->pid, K_INT)); break; }
-            if (!memcmp(k, "tid", 3)) { TRY(text_or_number(ps, &ev->tid, K_INT)); break; }
+            if (!memcmp(k, "cat", 3)) { ev->code[D_CAT] = -1; TRY(str_field(ps, &ev->cat, 1)); break; }
+            if (!memcmp(k, "pid", 3)) { ev->code[D_PID] = -1; TRY(text_or_number(ps, &ev->pid, K_INT)); break; }
+            if (!memcmp(k, "tid", 3)) { ev->code[D_TID] = -1; TRY(text_or_number(ps, &ev->tid, K_INT)); break; }
             if (!memcmp(k, "dur", 3)) { TRY(time_field(ps, &ev->dur, 0)); break; }
             TRY(skip_value(ps, 1));
             break;
         case 4:
-            if (!memcmp(k, "name", 4)) { TRY(str_field(ps, &ev->name, 0)); break; }
-            if (!memcmp(k, "args", 4)) { TRY(parse_args(ps, ev, scratch, 1)); break; }
+            if (!memcmp(k, "name", 4)) { ev->name_code = ev->name_key = -1; TRY(str_field(ps, &ev->name, 0)); break; }
+            if (!memcmp(k, "args", 4)) { TRY(parse_args(ps, ev, scratch, sc, 1)); break; }
             TRY(skip_value(ps, 1));
             break;
         default:
@@ -994,24 +1183,6 @@ enum { T_X, T_M, T_G, T_C, N_T }; /* tables an odd value can be in */
 static const char *const DICT_NAMES[1] = {"value"};
 
 typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd;
-
-/* The distinct values of a text column across a file (dictionary encoding: an event holds a code; a kernel's name of
- * hundreds of bytes is stored once, not once per event): an open-addressing table of codes into ``col``, and a flag
- * byte per value (F_*), decided once when the value is first seen. */
-enum { D_NAME, D_CAT, D_PID, D_TID, N_D };
-enum { F_GPU = 1, F_COMM = 2, F_SHAPED = 4 };
-typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; Col col; Buf flags; int32_t last; } Dict;
-
-/* Byte strings given by Python (kineto.py holds the names; they are not repeated here). */
-typedef struct { char **s; Py_ssize_t *n; Py_ssize_t count; } Words;
-
-typedef struct {
-    PyObject_HEAD
-    Dict d[N_D];
-    int64_t rows; /* X rows emitted so far */
-    Words gpu_cats, comm_names, shaped_names, shaped_prefixes;
-    int busy;
-} Scanner;
 
 typedef struct { Col x[N_X], m[N_M], g[N_G], c[N_C], s[N_S]; Buf scratch, scratch2, odd; } Out;
 
@@ -1099,6 +1270,14 @@ static int intern(Scanner *sc, int which, const char *s, Py_ssize_t n, int32_t *
     }
     if (t->n >= INT32_MAX) return ST_NOMEM;
     unsigned char f = flags_of(sc, which, s, n);
+    Py_ssize_t k = 0;
+    while (k < n && (uchar)s[k] >= 0x20 && s[k] != '"' && s[k] != '\\') k++;
+    if (k == n) f |= F_PLAIN;
+    k = n && s[0] == '-';
+    if (k < n && (s[k] == '0' ? k + 1 == n : s[k] >= '1' && s[k] <= '9')) {
+        while (k < n && is_digit((uchar)s[k])) k++;
+        if (k == n) f |= F_INT;
+    }
     TRY(buf_put(&t->col.data, s, n));
     TRY(col_str_end(&t->col, 1));
     TRY(buf_put(&t->flags, &f, 1));
@@ -1127,14 +1306,19 @@ static int put_span(Col *c, const Span *sp) {
 }
 
 /* A text field (string, or a number's literal for pid/tid) as its code in dictionary ``which``; null when absent. */
-static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, unsigned char *flags) {
+static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, int32_t known, unsigned char *flags) {
     *flags = 0;
     if (sp->kind != K_STR && sp->kind != K_INT) return col_i32(c, 0, 0);
-    const char *s;
-    Py_ssize_t n;
-    int32_t code;
-    TRY(text_of(sp, &o->scratch2, &s, &n));
-    TRY(intern(sc, which, s, n, &code, flags));
+    int32_t code = known;
+    if (code >= 0) {
+        *flags = (unsigned char)sc->d[which].flags.d[code];
+    } else {
+        const char *s;
+        Py_ssize_t n;
+        TRY(text_of(sp, &o->scratch2, &s, &n));
+        TRY(intern(sc, which, s, n, &code, flags));
+    }
+    value_seen(sc, which, code);
     return col_i32(c, code, 1);
 }
 
@@ -1163,11 +1347,17 @@ static int emit(Out *o, Scanner *sc, const Ev *ev) {
     int64_t row = sc->rows + x[X_NAME].n;
     int32_t code;
     unsigned char name_flags, cat_flags, unused;
-    TRY(intern(sc, D_NAME, name, namen, &code, &name_flags)); /* name: scratch2 is free again after this */
+    if (ev->name_code >= 0) {
+        code = ev->name_code;
+        name_flags = (unsigned char)sc->d[D_NAME].flags.d[code];
+    } else {
+        TRY(intern(sc, D_NAME, name, namen, &code, &name_flags)); /* name: scratch2 is free again after this */
+    }
+    name_seen(sc, ev->name_key, code);
     TRY(col_i32(&x[X_NAME], code, 1));
-    TRY(put_code(sc, o, D_CAT, &x[X_CAT], &ev->cat, &cat_flags));
-    TRY(put_code(sc, o, D_PID, &x[X_PID], &ev->pid, &unused));
-    TRY(put_code(sc, o, D_TID, &x[X_TID], &ev->tid, &unused));
+    TRY(put_code(sc, o, D_CAT, &x[X_CAT], &ev->cat, ev->code[D_CAT], &cat_flags));
+    TRY(put_code(sc, o, D_PID, &x[X_PID], &ev->pid, ev->code[D_PID], &unused));
+    TRY(put_code(sc, o, D_TID, &x[X_TID], &ev->tid, ev->code[D_TID], &unused));
     TRY(col_int(&x[X_TS], ev->ts.v, ev->ts.ok));
     TRY(col_int(&x[X_DUR], ev->dur.v, ev->dur.ok));
     TRY(put_int(o, x, T_X, X_CORR, &ev->a[A_CORR]));
@@ -1459,7 +1649,7 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
             status = R_END;
             break;
         }
-        if ((st = parse_event(&ps, &ev, &o.scratch))) break;
+        if ((st = parse_event(&ps, &ev, &o.scratch, sc))) break;
         ws(&ps);
         if (ps.p >= ps.end) { st = ST_NEED; break; }
         int last = *ps.p == ']';
@@ -1533,8 +1723,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_scan", "Native colu
 PyMODINIT_FUNC PyInit__scan(void) {
     for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++) {
         if (ARG_KEYS[i].len < 64) arg_lengths |= (uint64_t)1 << ARG_KEYS[i].len;
-        uchar c = (uchar)ARG_KEYS[i].key[0];
-        arg_first[c >> 6] |= (uint64_t)1 << (c & 63);
+    }
+    memset(arg_first, 0xff, sizeof arg_first);
+    for (size_t i = 0; i < sizeof ARG_KEYS / sizeof ARG_KEYS[0]; i++) {
+        int8_t *cand = arg_first[(uchar)ARG_KEYS[i].key[0]];
+        int j = 0;
+        while (j < ARG_FIRST_MAX && cand[j] >= 0) j++;
+        if (j == ARG_FIRST_MAX) { PyErr_SetString(PyExc_SystemError, "ARG_FIRST_MAX too small"); return NULL; }
+        cand[j] = (int8_t)i;
     }
     if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&ScannerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
