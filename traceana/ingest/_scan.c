@@ -323,7 +323,8 @@ static PyObject *batch_new(Col *cols, int n, const char *const *names) {
 }
 
 /* --- JSON lexing ------------------------------------------------------------------------------------------ */
-static inline int is_ws(uchar c) { return c <= ' ' && (c == ' ' || c == '\n' || c == '\r' || c == '\t'); }
+static const uchar WS[256] = {[' '] = 1, ['\n'] = 1, ['\r'] = 1, ['\t'] = 1};
+static inline int is_ws(uchar c) { return WS[c]; }
 
 static inline void ws(P *ps) {
     const uchar *p = ps->p, *e = ps->end;
@@ -863,22 +864,59 @@ static int next_member(P *ps, int *done) {
     return ST_OK;
 }
 
-/* The common number in one pass: an optional '-', an integer part of at most 15 digits without a leading zero
+/* How many of the 8 bytes at q are digits before the first that is not (0-8). A byte is a digit when its high nibble
+ * is 3 and adding 6 keeps it so; a carry out of a byte only reaches bytes after the first non-digit. */
+static inline uint64_t load_le64(const uchar *q) {
+    uint64_t x;
+    memcpy(&x, q, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);
+#endif
+    return x;
+}
+
+static inline int digits8(const uchar *q) {
+    uint64_t x = load_le64(q);
+    uint64_t hi = 0xF0F0F0F0F0F0F0F0ULL, three = 0x3030303030303030ULL;
+    uint64_t not_digit = ((x & hi) ^ three) | (((x + 0x0606060606060606ULL) & hi) ^ three);
+    return not_digit ? __builtin_ctzll(not_digit) >> 3 : 8;
+}
+
+/* The value of 8 digits at q (little-endian bytes: the first digit lowest). */
+static inline uint64_t parse8(const uchar *q) {
+    uint64_t x = load_le64(q);
+    x = ((x & 0x0F0F0F0F0F0F0F0FULL) * 2561) >> 8;
+    x = ((x & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+    return ((x & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+}
+
+/* The common number in one pass: an optional '-', an integer part of at most 16 digits without a leading zero
  * (or "0"), then at most ``max_frac`` decimals (none when 0) and no exponent, followed by a byte that is not part of
  * a number. *whole, *frac (the decimals as thousandths) and *end then say what it is; 0 when it is anything else (a
  * longer number, an exponent, the buffer's end): the caller goes the general way (scan_number), from the start. */
 static inline int quick_number(const uchar *q, const uchar *e, int max_frac, int *neg, int64_t *whole, int64_t *frac,
                                const uchar **end) {
-    if (e - q < 20 + max_frac) return 0; /* every read below stays inside the buffer */
+    if (e - q < 20 + max_frac) return 0; /* every read below stays inside the buffer (at most 19 + max_frac on) */
     *neg = *q == '-';
     q += *neg;
     int64_t w = 0, f = 0;
     if (*q == '0') {
         q++;
-    } else {
-        const uchar *s = q;
-        while (q - s < 16 && is_digit(*q)) w = w * 10 + (*q++ - '0');
-        if (q == s || q - s > 15) return 0;
+    } else { /* 8 digits a step (SWAR) */
+        int c = digits8(q);
+        if (c == 0) return 0;
+        if (c == 8) {
+            w = (int64_t)parse8(q);
+            q += 8;
+            c = digits8(q);
+            if (c == 8) {
+                w = w * 100000000 + (int64_t)parse8(q);
+                q += 8;
+                if (is_digit(*q)) return 0; /* a 17th digit */
+                c = 0;
+            }
+        }
+        for (int i = 0; i < c; i++) w = w * 10 + (*q++ - '0');
     }
     int k = 0;
     if (*q == '.') {
@@ -910,7 +948,7 @@ static int int_field(P *ps, IntV *out) {
     int neg;
     int64_t whole, frac;
     const uchar *end;
-    if (quick_number(ps->p, ps->end, 0, &neg, &whole, &frac, &end)) { /* an integer of at most 15 digits */
+    if (quick_number(ps->p, ps->end, 0, &neg, &whole, &frac, &end)) { /* an integer of at most 16 digits */
         out->v = neg ? -whole : whole;
         out->ok = 1;
         ps->p = end;
@@ -939,8 +977,10 @@ static int time_field(P *ps, IntV *out, int is_ts) {
     int neg;
     int64_t whole, frac;
     const uchar *end;
-    /* the exact path of us_to_ns: at most three decimals and a value below 2**43 µs (15 digits: below 10**15) */
-    if (quick_number(ps->p, ps->end, 3, &neg, &whole, &frac, &end) && whole < (int64_t)FLOAT_EXACT_US) {
+    /* the exact path of us_to_ns: at most three decimals and a value below 2**43 µs, or a ts below 9e15 µs (Kineto's
+     * epoch µs: 16 digits) */
+    if (quick_number(ps->p, ps->end, 3, &neg, &whole, &frac, &end) &&
+        (whole < (int64_t)FLOAT_EXACT_US || (is_ts && whole < 9000000000000000LL))) {
         out->v = neg ? -(whole * 1000 + frac) : whole * 1000 + frac;
         out->ok = 1;
         ps->p = end;
