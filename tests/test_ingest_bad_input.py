@@ -342,6 +342,15 @@ def test_one_bad_file_in_a_run_names_that_file(tmp_path):
     assert "rank1.json.gz" in e.value.line()
 
 
+def test_a_bad_first_file_in_a_run_is_the_error_reported(tmp_path):
+    (tmp_path / "rank0.json.gz").write_bytes(b"\x1f\x8b" + os.urandom(100))
+    for r in (1, 2):
+        good_trace(rank=r, world_size=3).write(tmp_path / f"rank{r}.json")
+    with pytest.raises(TraceFormatError) as e:
+        load_run(tmp_path, workers=1)
+    assert "rank0.json.gz" in e.value.line()
+
+
 def test_ranks_written_by_manifest_flags_partial_ranks(tmp_path):
     good_trace(rank=0, world_size=2).write(tmp_path / "rank0.json")
     good_trace(rank=1, world_size=2).write(tmp_path / "rank1.json")

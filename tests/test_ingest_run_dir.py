@@ -82,6 +82,19 @@ def test_parallel_ingest_equals_serial(run4, decoder):
     assert_frame_equal(serial.traces, parallel.traces)
 
 
+def test_serial_ingest_finishing_one_rank_while_scanning_the_next_equals_one_at_a_time(run4, monkeypatch):
+    """workers=1 finishes a rank in a second thread while it scans the next (with the native scanner): the same
+    tables as reading the ranks strictly one after the other."""
+    overlapped = load_run(run4, workers=1, cache=False)
+    monkeypatch.setattr(run_dir_mod, "_parse_pipelined",
+                        lambda files, bar: [run_dir_mod._parse_serial(f, None) for f in files])
+    one_at_a_time = load_run(run4, workers=1, cache=False)
+    assert_frame_equal(overlapped.events, one_at_a_time.events)
+    assert_frame_equal(overlapped.memory, one_at_a_time.memory)
+    assert_frame_equal(overlapped.traces, one_at_a_time.traces)
+    assert overlapped.warnings == one_at_a_time.warnings
+
+
 def test_cached_ingest_equals_uncached_and_skips_parsing(run4, monkeypatch):
     fresh = load_run(run4, cache=False)
     assert not (run4 / CACHE_DIR).exists()  # cache=False writes nothing

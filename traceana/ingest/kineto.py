@@ -1106,6 +1106,14 @@ def read_trace(
     The row also holds ``warnings`` (a list of one-line strings) beyond the TRACES columns. ``rank`` overrides the
     rank found in the trace. ``on_progress(done, total)`` is called after each batch of events.
     """
+    return scan_trace(path, rank=rank, on_progress=on_progress)()
+
+
+def scan_trace(path: str | Path, *, rank: int | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> Callable[[], tuple]:
+    """The first half of read_trace: the file read into columns (the native scanner or the general decoder) and its
+    metadata; returns the second half (building and sorting the tables: call it for read_trace's result). A caller
+    reading many files can finish one while it scans the next (run_dir.load_run)."""
     path = Path(path)
     top, batches, problems, truncated, n_bytes = _decode(path, on_progress)
     warnings: list[str] = []
@@ -1142,24 +1150,31 @@ def read_trace(
         warnings.append(f"{shown(path)}: skipped {len(problems)} malformed trace events (first: {problems[0]}) — "
                         "the rest of the trace is used")
 
-    if batches.rows >= FINISH_ALONE_ROWS:  # two threads finishing two large ranks at once hold both peaks at once
-        with _FINISH_LOCK:
-            events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
-    else:
-        events, memory, dropped = _finish(batches, rank=rank, base_ns=base_ns, pg_config=pg_config)
-    if dropped:
-        warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or out-of-range "
-                        "ts/dur — the rest of the trace is used")
-    row = {
-        "rank": rank, "path": shown(path), "world_size": world_size,
-        "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
-        "base_time_ns": base_ns, "n_events": events.height, "n_bytes": n_bytes, "truncated": truncated,
-        "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
-        "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
-        "process_groups": _process_groups(pg_config),
-        "warnings": warnings,
-    }
-    return events, memory, row
+    def finish() -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+        nonlocal batches
+        held, batches = batches, None  # finishing frees the scanned columns as it goes: no second reference here
+        if held.rows >= FINISH_ALONE_ROWS:  # two threads finishing two large ranks at once hold both peaks at once
+            with _FINISH_LOCK:
+                events, memory, dropped = _finish(held, rank=rank, base_ns=base_ns, pg_config=pg_config)
+        else:
+            events, memory, dropped = _finish(held, rank=rank, base_ns=base_ns, pg_config=pg_config)
+        del held
+        if dropped:
+            warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or "
+                            "out-of-range ts/dur — the rest of the trace is used")
+        row = {
+            "rank": rank, "path": shown(path), "world_size": world_size,
+            "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
+            "base_time_ns": base_ns, "n_events": events.height, "n_bytes": n_bytes, "truncated": truncated,
+            "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
+            "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
+            "process_groups": _process_groups(pg_config),
+            "warnings": warnings,
+        }
+        return events, memory, row
+
+    return finish
+
 
 
 def _process_groups(pg_config: Any) -> list[dict]:
