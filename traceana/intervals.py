@@ -172,16 +172,17 @@ def clip(
     of a rank): the join is intervals × windows per group.
     """
     on_, wk = _keys(on), _keys(window_keys)
-    w = windows.select(*on_, *wk, pl.col(window_start).alias("_ws"), pl.col(window_end).alias("_we"))
-    if frame.height == 0 or w.height == 0:
+    w = windows.lazy().select(*on_, *wk, pl.col(window_start).alias("_ws"), pl.col(window_end).alias("_we"))
+    if frame.height == 0 or windows.height == 0:
+        w = w.collect(engine=ENGINE)
         return frame.join(w.drop("_ws", "_we"), on=on_).head(0) if on_ else frame.head(0)
     # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
     # That shortcut holds only where a group's windows do not overlap (an interval inside the later of two
     # overlapping windows is in the earlier one too): with any overlap every interval takes the join.
-    # Both questions are one query, and the as-of join and the split are another (docs/performance.md "Fixed cost").
+    # Three queries: both questions, the as-of join, the pieces (docs/performance.md "Fixed cost").
     f = frame.with_row_index("_clip_row")
-    checks = [w.lazy().sort(*on_, "_ws").select(_windows_overlap_expr(on_).alias("_overlap"))]
+    checks = [w.sort(*on_, "_ws").select(_windows_overlap_expr(on_).alias("_overlap"))]
     if len(on_) == 1:  # in time order, as ingest leaves events: no sort needed
         checks.append(f.lazy().select(_time_order_expr(on_[0], START).alias("_ordered")))
     overlap, *ordered = pl.concat(checks, how="horizontal").collect(engine=ENGINE).row(0)
@@ -190,25 +191,28 @@ def clip(
     if overlap:
         inside = pl.lit(False)
     located = (f.lazy() if ordered else f.lazy().sort(START)).join_asof(
-        w.lazy().sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward",
+        w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward",
         check_sortedness=False).with_columns(inside.alias("_inside")).collect(engine=ENGINE)
-    simple = located.filter(pl.col("_inside") & (pl.col(END) > pl.col(START))).drop("_ws", "_we", "_inside")
+    columns = [c for c in located.columns if c not in ("_ws", "_we", "_inside")]
+    simple = located.lazy().filter(pl.col("_inside") & (pl.col(END) > pl.col(START))).select(columns)
     if bool(located["_inside"].all()):  # every interval inside one window: nothing to cut or join
-        return (simple if ordered or not keep_order else simple.sort("_clip_row")).drop("_clip_row")
+        return (simple if ordered or not keep_order else simple.sort("_clip_row")).drop("_clip_row").collect(
+            engine=ENGINE)
     rest = located.lazy().filter(~pl.col("_inside")).select(f.columns)
     spanning = (
-        (rest.join(w.lazy(), on=on_) if on_ else rest.join(w.lazy(), how="cross"))
+        (rest.join(w, on=on_) if on_ else rest.join(w, how="cross"))
         .filter((pl.col(START) < pl.col("_we")) & (pl.col(END) > pl.col("_ws")))
         .with_columns(pl.max_horizontal(START, "_ws").alias(START), pl.min_horizontal(END, "_we").alias(END))
         .filter(pl.col(END) > pl.col(START))
-        .drop("_ws", "_we")
-        .collect(engine=ENGINE)
+        .select(columns)
     )
     if not keep_order:
-        return pl.concat([simple, spanning.select(simple.columns)]).drop("_clip_row")
-    if ordered:  # both in row order already: interleave them instead of sorting
-        return simple.merge_sorted(spanning.select(simple.columns).sort("_clip_row"), "_clip_row").drop("_clip_row")
-    return pl.concat([simple, spanning.select(simple.columns)]).sort("_clip_row").drop("_clip_row")
+        out = pl.concat([simple, spanning])
+    elif ordered:  # both in row order already: interleave them instead of sorting
+        out = simple.merge_sorted(spanning.sort("_clip_row"), "_clip_row")
+    else:
+        out = pl.concat([simple, spanning]).sort("_clip_row")
+    return out.drop("_clip_row").collect(engine=ENGINE)
 
 
 def _windows_overlap_expr(on: list[str]) -> pl.Expr:
