@@ -210,16 +210,26 @@ def segments(
     # compute layer at once, each in its phase's (iv.partition's multi-layer frame: no copy per phase).
     compute = labelled.select("rank", "start", "end", pl.col("phase").to_physical().alias(iv.LAYER))
     forward = labelled.select("rank", "start", "end", "phase").filter(pl.col("phase") == "forward").drop("phase")
-    collective = _span(events.filter(pl.col("kind") == "collective"))
+    gpu = _gpu_ranks(labelled)
+    # The event subsets each layer reads are one collect_all (docs/performance.md "Fixed cost").
+    ev = events.lazy()
+    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait = pl.collect_all([
+        _span(ev.filter(pl.col("kind") == "collective")),
+        ev.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS))).select("rank", "ts_ns", "dur_ns"),
+        pairs.lazy().filter(pl.col("channel") == "bpipe"),
+        unmatched.lazy().filter(pl.col("channel") == "bpipe"),
+        _span(ev.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))),
+        # A CPU rank inside a P2P call (gloo's post can itself block) is in communication.
+        _span(ev.filter(pl.col("kind").is_in(["p2p_send", "p2p_recv"]) & (pl.col("channel") == "p2p")
+                        & ~pl.col("is_gpu") & (pl.col("cat") != "user_annotation"))
+              .join(gpu.lazy(), on="rank", how="anti")),
+        _span(ev.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B]))),
+    ], engine=iv.ENGINE)
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
     # alone): where annotations exist, a message posted early and waited on inside LOAD/ACCEPT would otherwise
     # claim all the idle time in between, which is the pipeline's bubble, not BPipe's cost.
     # A run without BPipe (no BPipe span, op or message) skips the joins (docs/performance.md "Fixed cost").
-    annotated = events.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS)))
-    bp = pairs.filter(pl.col("channel") == "bpipe")
-    bp_unmatched = unmatched.filter(pl.col("channel") == "bpipe")
-    bp_ops = events.filter((pl.col("kind") == "bpipe_transfer") & (pl.col("cat") != "user_annotation"))
     if annotated.height or bp.height or bp_unmatched.height or bp_ops.height:
         bp_msgs = pl.concat([
             bp.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
@@ -228,21 +238,16 @@ def segments(
                       pl.col("recv_end_ns").alias("end")),
             bp_unmatched.select("rank", "start", "end"),
         ]).join(annotated.select("rank").unique(), on="rank", how="anti")
-        bpipe = pl.concat([_span(bp_ops), _span(annotated), bp_msgs])
+        bpipe = pl.concat([bp_ops, _span(annotated), bp_msgs])
     else:
-        bpipe = _span(bp_ops)
-    gpu = _gpu_ranks(labelled)
+        bpipe = bp_ops
     # The marks are read only for P2P messages on CPU ranks: a run without any skips the join over its CPU events
     # (where every rank with events is a GPU rank the marks would be empty: the same as none).
     has_p2p = ((pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()) and (
         gpu.height < events["rank"].n_unique())
     transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
-    # A CPU rank inside a P2P call (gloo's post can itself block) is in communication.
-    posts = events.filter(pl.col("kind").is_in(["p2p_send", "p2p_recv"]) & (pl.col("channel") == "p2p")
-                          & ~pl.col("is_gpu") & (pl.col("cat") != "user_annotation"))
-    transfer = pl.concat([transfer, _span(posts.join(gpu, on="rank", how="anti"))])
-    explicit_wait = _span(events.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])))
+    transfer = pl.concat([transfer, posts])
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
