@@ -696,6 +696,7 @@ def annotated_facts(schedule: pl.DataFrame) -> dict:
     if not a.height:
         return {"num_microbatches": None, "interleaved": None, "missing": None}
     fwd = pl.col("phase") == "forward"
+    a = a.lazy()  # the rest is one collect_all (docs/performance.md "Fixed cost")
     per = a.group_by("rank", "step").agg(
         m=pl.col("microbatch").filter(fwd).n_unique(),
         first_b=pl.col("start_ns").filter(~fwd).min(),
@@ -709,9 +710,11 @@ def annotated_facts(schedule: pl.DataFrame) -> dict:
                                                           on="step")
     missing = expected.join(have, on=["rank", "step", "phase", "microbatch"], how="anti").sort(
         "rank", "step", "phase", "microbatch")
+    per, late, missing, stages = pl.collect_all(
+        [per, late, missing, a.select(pl.col("stage").drop_nulls().unique())], engine=iv.ENGINE)
     return {"num_microbatches": int(per["m"].max() or 0) or None,
             "interleaved": late.row(0, named=True) if late.height else False,
-            "missing": missing, "stages": set(a["stage"].drop_nulls().unique().to_list())}
+            "missing": missing, "stages": set(stages["stage"].to_list())}
 
 
 def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:

@@ -35,6 +35,7 @@ import polars as pl
 
 from traceana import names, schema
 from traceana.errors import ConfigError
+from traceana.intervals import ENGINE
 from traceana.manifest import MULTI_STAGE_SCHEDULES  # several virtual stages on a device
 
 FORWARD, BACKWARD = names.FORWARD, names.BACKWARD  # the actions of an order
@@ -569,9 +570,9 @@ def bubble_windows(steps: pl.DataFrame, forward_work: pl.DataFrame) -> pl.DataFr
     ``steps``: rank, step, start, end. ``forward_work``: rank, step, start, end of the rank's forward work (busy time
     labelled forward; on a GPU the kernels, which run later than the CPU annotation says). A step without forward
     work is one stall window. Idle or waiting time is a bubble of the window it falls in (``intervals.clip``)."""
-    marks = forward_work.group_by("rank", "step").agg(pl.col("start").min().alias("_f0"),
-                                                     pl.col("end").max().alias("_f1"))
-    w = steps.select("rank", "step", "start", "end").join(marks, on=["rank", "step"], how="left")
+    marks = forward_work.lazy().group_by("rank", "step").agg(pl.col("start").min().alias("_f0"),
+                                                            pl.col("end").max().alias("_f1"))
+    w = steps.lazy().select("rank", "step", "start", "end").join(marks, on=["rank", "step"], how="left")
     has_f = pl.col("_f0").is_not_null()
     f0 = pl.min_horizontal(pl.max_horizontal("_f0", "start"), "end")
     f1 = pl.max_horizontal(pl.min_horizontal("_f1", "end"), f0)
@@ -582,4 +583,5 @@ def bubble_windows(steps: pl.DataFrame, forward_work: pl.DataFrame) -> pl.DataFr
                  pl.when(has_f).then(f1).otherwise("end").alias("end")),
         w.filter(has_f).select("rank", "step", pl.lit(BUBBLE_COOLDOWN).alias("category"), f1.alias("start"), "end"),
     ]
-    return pl.concat(parts).filter(pl.col("end") > pl.col("start")).sort("rank", "step", "start")
+    return (pl.concat(parts).filter(pl.col("end") > pl.col("start")).sort("rank", "step", "start")
+            .collect(engine=ENGINE))  # one query (docs/performance.md "Fixed cost")
