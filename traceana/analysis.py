@@ -120,7 +120,11 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
         pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     notes += pair_notes
-    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs)
+    # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
+    # order below changes neither).
+    overlap_spans = pipeline.overlap_spans(events)
+    overlapped = pipeline.overlap_rows(events, spans=overlap_spans)
+    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
     notes += n
     # Micro-batches a name rule numbers in order: not on ranks holding several stages (by run.json, the traces'
     # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
@@ -134,8 +138,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                      "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
                      "schedule lists those spans under the rank's first stage, with no micro-batch)")
 
-    annotated = pipeline.annotated_schedule(events, stages)
-    notes += pipeline.overlap_notes(events)
+    annotated = pipeline.annotated_schedule(events, stages, overlapped=overlapped)
+    notes += pipeline.overlap_notes(events, spans=overlap_spans)
     fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()

@@ -51,7 +51,9 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     the post op (``c10d::send``/``c10d::recv_``, else record_param_comms / ``nccl:*``) extended to the end of the
     matching ``gloo:send``/``gloo:recv`` span, which lasts until wait() returned.
     """
-    comm = events.filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null())
+    # (A few lazy queries instead of ~20 eager operations, docs/performance.md "Fixed cost".)
+    comm = events.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null()).collect(
+        engine=iv.ENGINE).lazy()
     end = pl.col("ts_ns") + pl.col("dur_ns")
     kernels = comm.filter(pl.col("is_gpu") & (pl.col("cat") == "kernel"))
     cpu = comm.filter(~pl.col("is_gpu"))
@@ -60,9 +62,11 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
         .when(pl.col("name") == names.RECORD_PARAM_COMMS).then(1).otherwise(2).alias("_prio")
     )
     # One post source per rank (c10d ops contain record_param_comms on some builds: do not count twice).
-    posts = posts.filter(pl.col("_prio") == pl.col("_prio").min().over("rank")).with_row_index("_post")
-    spans = cpu.filter(pl.col("cat") == "user_annotation").select(
-        "rank", "track", "comm_dir", pl.col("ts_ns").alias("_span_start"), end.alias("_span_end"))
+    posts, spans = pl.collect_all([
+        posts.filter(pl.col("_prio") == pl.col("_prio").min().over("rank")).with_row_index("_post"),
+        cpu.filter(pl.col("cat") == "user_annotation").select(
+            "rank", "track", "comm_dir", pl.col("ts_ns").alias("_span_start"), end.alias("_span_end")),
+    ], engine=iv.ENGINE)
     if spans.height and posts.height:
         attached = (
             spans.sort("_span_start")
@@ -76,7 +80,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     else:
         posts = posts.with_columns(pl.lit(None, pl.Int64).alias("_span_end"))
     gpu_msg_ranks = kernels.select("rank").unique()
-    cpu_msgs = posts.join(gpu_msg_ranks, on="rank", how="anti").with_columns(
+    cpu_msgs = posts.lazy().join(gpu_msg_ranks, on="rank", how="anti").with_columns(
         pl.max_horizontal(end, pl.col("_span_end")).alias("end_ns"), pl.lit(False).alias("on_gpu"))
     gpu_msgs = kernels.with_columns(end.alias("end_ns"), pl.lit(True).alias("on_gpu"))
     out = pl.concat(
@@ -85,12 +89,12 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
                   pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu", "launch_ns")
          for m in (cpu_msgs, gpu_msgs)],
         how="vertical_relaxed",
-    )
+    ).collect(engine=iv.ENGINE)
     # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
     # inside a receiving BPipe span (LOAD on the evictor, ACCEPT on the acceptor).
     receiving = iv.merge(
-        events.filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
-        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")), "rank")
+        events.lazy().filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
+        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")).collect(engine=iv.ENGINE), "rank")
     if receiving.height:
         ends_inside = inside(out.with_columns((pl.col("end_ns") - 1).alias("_last")), "_last", receiving)
         out = out.with_columns(pl.when(pl.lit(ends_inside) & (pl.col("dir") == "recv")).then(pl.lit("bpipe"))
@@ -106,7 +110,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
                           .otherwise(pl.col("peer")).alias("peer"))
             .drop("group_ranks")
         )
-    return conform(out, MESSAGE).sort("rank", "post_ns")
+    return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(engine=iv.ENGINE)
 
 
 def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
@@ -180,13 +184,14 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
 # --- stages --------------------------------------------------------------------------------------------------
 def stage_map(
     events: pl.DataFrame, traces: pl.DataFrame, manifest: Manifest | None, pairs: pl.DataFrame,
-    msgs: pl.DataFrame | None = None,
+    msgs: pl.DataFrame | None = None, *, overlapped: pl.DataFrame | None = None,
 ) -> tuple[pl.DataFrame, list[str]]:
     """``rank, stage, stage_source, stages`` for every rank: run.json, else the trace's own metadata, else the stage
     in its PP: annotations, else the position in the P2P neighbour chain. Unknown stays null (with a note).
 
     ``stage`` is the rank's first stage; ``stages`` lists every (virtual) stage it holds, e.g. ``"0,3"`` on rank 0
-    of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else ``stage`` alone."""
+    of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else ``stage`` alone.
+    ``overlapped``: ``overlap_rows(events)``, if the caller has it already."""
     ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     known: dict[int, tuple[int, str]] = {}
     if manifest is not None and manifest.stage_of_rank is not None:
@@ -196,7 +201,7 @@ def stage_map(
     if "stage" in traces.columns:
         for r, s in traces.select("rank", "stage").drop_nulls().rows():
             known.setdefault(r, (s, "trace metadata"))
-    overlapped = overlap_rows(events).lazy().select("rank", "pp_stage")
+    overlapped = (overlap_rows(events) if overlapped is None else overlapped).lazy().select("rank", "pp_stage")
     annotated = (
         pl.concat([events.lazy().filter(pl.col("pp_stage").is_not_null()
                                         & pl.col("pp_action").is_in(list(names.COMPUTE_ACTIONS)))
@@ -437,9 +442,11 @@ def virtual_stage_ranks(traces: pl.DataFrame) -> list[int]:
 
 
 # --- schedule ------------------------------------------------------------------------------------------------
-def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:
+def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame, *,
+                       overlapped: pl.DataFrame | None = None) -> pl.DataFrame:
     """schema.SCHEDULE rows from PP: compute annotations, PyTorch's GPipe names and torch.optim's step ranges;
-    an overlapped ``PP:(…;…)OVERLAP_F_B`` span gives one row per sub-action (see ``overlap_rows``)."""
+    an overlapped ``PP:(…;…)OVERLAP_F_B`` span gives one row per sub-action (see ``overlap_rows``; ``overlapped``:
+    its rows, if the caller has them already)."""
     # Three queries instead of ~14 eager operations (docs/performance.md "Fixed cost").
     pp = events.lazy().filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
     opt = events.lazy().filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
@@ -453,7 +460,7 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
         opt.select("rank", "step", pl.lit(None, pl.Int32).alias("pp_stage"),
                    pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
                    "ts_ns", "dur_ns"),
-        overlap_rows(events).lazy(),
+        (overlap_rows(events) if overlapped is None else overlapped).lazy(),
     ]).collect(engine=iv.ENGINE)
     # A rank annotated both ways (our PP: names and PyTorch's GPipe names) keeps the PP: rows, which carry a stage.
     has_pp = rows.filter(pl.col("pp_stage").is_not_null() & (pl.col("phase") != "optimizer")).select("rank").unique()
@@ -470,7 +477,7 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFra
     ).collect(engine=iv.ENGINE)
 
 
-def _overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
+def overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
     """Every ``OVERLAP_F_B`` span with its sub-actions and the backward work (autograd's ops, any CPU thread of the
     rank) inside it: ``_bwd_start`` (first backward op start) and ``_bwd_end`` (last backward op end), null if none."""
     end = pl.col("ts_ns") + pl.col("dur_ns")
@@ -496,12 +503,13 @@ def _overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def overlap_rows(events: pl.DataFrame) -> pl.DataFrame:
+def overlap_rows(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) -> pl.DataFrame:
     """Two rows (``rank, step, pp_stage, pp_microbatch, phase, ts_ns, dur_ns``) per overlapped F/B span: torch runs
     the sub-actions one after the other in the order its name lists them (schedules.py, ``OVERLAP_F_B``), so the
     span splits where the backward's work begins (F first) or ends (B first). A span with no backward op inside
-    cannot be split and gives no rows (``overlap_notes`` says so)."""
-    sp = _overlap_spans(events).lazy().filter(pl.col("_bwd_start").is_not_null())  # one query (docs/performance.md)
+    cannot be split and gives no rows (``overlap_notes`` says so). ``spans``: ``overlap_spans(events)``, if the
+    caller has them already."""
+    sp = (overlap_spans(events) if spans is None else spans).lazy().filter(pl.col("_bwd_start").is_not_null())  # one query (docs/performance.md)
     f_first = pl.col("first_action") == names.FORWARD
     split = pl.when(f_first).then(pl.col("_bwd_start")).otherwise(pl.col("_bwd_end"))
     out = []
@@ -514,9 +522,9 @@ def overlap_rows(events: pl.DataFrame) -> pl.DataFrame:
             .collect(engine=iv.ENGINE))
 
 
-def overlap_notes(events: pl.DataFrame) -> list[str]:
-    """What ``overlap_rows`` could not split."""
-    sp = _overlap_spans(events)
+def overlap_notes(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) -> list[str]:
+    """What ``overlap_rows`` could not split (``spans``: ``overlap_spans(events)``, if the caller has them)."""
+    sp = overlap_spans(events) if spans is None else spans
     unsplit = sp.filter(pl.col("_bwd_start").is_null())
     notes = []
     if sp.height:
