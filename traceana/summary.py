@@ -137,7 +137,8 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
     own_ms (step − exposed collective), compute_ms, collective_ms."""
     from traceana.partitioned import pipeline_groups
 
-    att = attribution.filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+    att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+           .collect(engine=ENGINE))
     ranks = sorted(att["rank"].unique().to_list())
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
@@ -148,18 +149,20 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
     replica = pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
                            schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
     ms = lambda e: e / NS_PER_MS  # noqa: E731
-    return (
-        att.group_by("rank", "step").agg(
+    return (  # one query (docs/performance.md "Fixed cost")
+        att.lazy().group_by("rank", "step").agg(
             pl.col("ns").sum().alias("_step"),
             pl.col("ns").filter(pl.col("category") == "collective").sum().alias("_collective"),
             pl.col("ns").filter(pl.col("category").is_in(COMPUTE_CATEGORIES)).sum().alias("_compute"))
         .with_columns(pl.col("rank").cast(pl.Int32))
-        .join(replica, on="rank", how="left")
-        .join(stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank", how="left")
+        .join(replica.lazy(), on="rank", how="left")
+        .join(stages.lazy().select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank",
+              how="left")
         .select("stage", "replica", "rank", "step", ms(pl.col("_step")).alias("step_ms"),
                 ms(pl.col("_step") - pl.col("_collective")).alias("own_ms"),
                 ms(pl.col("_compute")).alias("compute_ms"), ms(pl.col("_collective")).alias("collective_ms"))
         .sort("stage", "replica", "rank", "step", nulls_last=True)
+        .collect(engine=ENGINE)
     )
 
 
@@ -178,7 +181,8 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
     times), the slowest replica (largest median own time) and its rank, ``straggler_excess_fraction`` (by how much
     its own time exceeded the other replicas' mean *in every measured step*: the smallest excess over the steps),
     and ``straggler``: that replica when the excess is above ``STRAGGLER_ABOVE``, else null."""
-    r = per_step.group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min())
+    # One query (docs/performance.md "Fixed cost").
+    r = per_step.lazy().group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min())
     n = pl.len().over("stage", "step")
     others = (pl.col("own_ms").sum().over("stage", "step") - pl.col("own_ms")) / (n - 1)
     r = r.with_columns(pl.when((n > 1) & (others > 0)).then(pl.col("own_ms") / others - 1).alias("_excess"))
@@ -194,6 +198,7 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
                    on="stage", how="left", nulls_equal=True)
         .with_columns(pl.when(pl.col("straggler_excess_fraction") > STRAGGLER_ABOVE).then(pl.col("slowest_replica"))
                       .alias("straggler"))
+        .collect(engine=ENGINE)
     )
 
 
