@@ -59,7 +59,7 @@ def _by(frame: pl.DataFrame, column: str, values) -> dict[str, pl.DataFrame]:
     """The rows of ``frame`` (without ``column``) for each of ``values`` of ``column``, in their order; empty where
     none: one pass instead of a filter per value (docs/performance.md "Fixed cost")."""
     parts = frame.partition_by(column, as_dict=True, include_key=False)
-    empty = frame.head(0).drop(column)
+    empty = pl.DataFrame(schema={c: t for c, t in frame.schema.items() if c != column})
     return {v: parts.get((v,), empty) for v in values}
 
 
@@ -91,16 +91,18 @@ def label_busy(busy: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
 def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.DataFrame:
     """Schedule rows of GPU ranks span the GPU work they launched (first kernel start to last kernel end), not the
     CPU range that launched it; rows that launched no GPU work keep their CPU times."""
-    gpu = labelled.select("rank", "is_gpu", "window_start", "start", "end").filter(  # (the columns first)
-        pl.col("is_gpu") & pl.col("window_start").is_not_null())
+    gpu = (labelled.lazy().select("rank", "is_gpu", "window_start", "start", "end")
+           .filter(pl.col("is_gpu") & pl.col("window_start").is_not_null()).collect(engine=iv.ENGINE))
     if gpu.height == 0:
         return schedule
-    ext = gpu.group_by("rank", "window_start").agg(pl.col("start").min().alias("_s"), pl.col("end").max().alias("_e"))
-    return (
-        schedule.join(ext, left_on=["rank", "start_ns"], right_on=["rank", "window_start"], how="left")
+    ext = (gpu.lazy().group_by("rank", "window_start")
+           .agg(pl.col("start").min().alias("_s"), pl.col("end").max().alias("_e")))
+    return (  # one query (docs/performance.md "Fixed cost")
+        schedule.lazy().join(ext, left_on=["rank", "start_ns"], right_on=["rank", "window_start"], how="left")
         .with_columns(pl.coalesce("_s", "start_ns").alias("start_ns"), pl.coalesce("_e", "end_ns").alias("end_ns"))
         .drop("_s", "_e")
         .sort("rank", "step", "start_ns")
+        .collect(engine=iv.ENGINE)
     )
 
 
@@ -182,11 +184,12 @@ def _gpu_ranks(labelled: pl.DataFrame) -> pl.DataFrame:
 def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, pl.DataFrame]:
     """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
     action that no op covers and no wait explains is that action's (module doc)."""
-    gpu = _gpu_ranks(labelled)
+    gpu = _gpu_ranks(labelled).lazy()
     # Only windows the trace itself drew (annotations): an inferred window is traceana's reconstruction from the
     # ops, and the time between them is not claimed for an action nobody named.
-    w = (schedule.filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
-         .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end")))
+    w = (schedule.lazy().filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
+         .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+         .collect(engine=iv.ENGINE))
     return _by(w, "phase", [ph for ph in COMPUTE_ORDER if ph != "other_compute"])
 
 
@@ -270,15 +273,17 @@ def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> 
     # polars' streaming engine groups a large frame in about half the CPU time of the in-memory one (and starts
     # slower: small frames stay in memory).
     sums = (segs.lazy().group_by("rank", "step", "category")
-            .agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns"))
-            .collect(engine="streaming" if segs.height > 50_000 else iv.ENGINE))
-    grid = steps.select("rank", "step", "dur_ns").join(
-        pl.DataFrame({"category": list(CATEGORIES)}, schema={"category": Category}), how="cross")
+            .agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias("ns")))
+    if segs.height > 50_000:
+        sums = sums.collect(engine="streaming").lazy()
+    # (The rest is one query, docs/performance.md "Fixed cost".)
+    grid = steps.lazy().select("rank", "step", "dur_ns").join(
+        pl.LazyFrame({"category": list(CATEGORIES)}, schema={"category": Category}), how="cross")
     out = (
         grid.join(sums, on=["rank", "step", "category"], how="left")
-        .join(stages.select("rank", "stage"), on="rank", how="left")
+        .join(stages.lazy().select("rank", "stage"), on="rank", how="left")
         .with_columns(pl.col("ns").fill_null(0))
         .with_columns(pl.when(pl.col("dur_ns") > 0).then(pl.col("ns") / pl.col("dur_ns")).otherwise(0.0)
                       .alias("fraction"))
     )
-    return conform(out, ATTRIBUTION).sort("rank", "step", "category")
+    return conform(out, ATTRIBUTION).sort("rank", "step", "category").collect(engine=iv.ENGINE)

@@ -312,7 +312,7 @@ def group_axis(groups: Sequence[pl.Series], values: Sequence[pl.Series]) -> Grou
 
 def _end_to_end(frame: pl.DataFrame, lo: str, hi: str) -> pl.DataFrame:
     """``frame`` with ``_shift``: its rows' spans [lo, hi] laid end to end on one axis in row order, 1 ns apart (an
-    instant t of a row sits at t + _shift)."""
+    instant t of a row sits at t + _shift). A LazyFrame gives a LazyFrame."""
     return (
         frame.with_columns(((pl.col(hi) - pl.col(lo)).clip(lower_bound=0) + 1).alias("_len"))
         .with_columns((pl.col("_len").cum_sum() - pl.col("_len") - pl.col(lo)).alias("_shift"))
@@ -327,11 +327,14 @@ def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.Dat
     if any(w[c].null_count() for c in (*group, START, END)):
         return None
     groups = _end_to_end(
-        w.group_by(group, maintain_order=True).agg(pl.col(START).min().alias("_lo"), pl.col(END).max().alias("_hi")),
+        w.lazy().group_by(group, maintain_order=True)
+        .agg(pl.col(START).min().alias("_lo"), pl.col(END).max().alias("_hi")),
         "_lo", "_hi")
-    w = w.join(groups.select(*group, "_shift"), on=group, maintain_order="left")
+    w = w.lazy().join(groups.select(*group, "_shift"), on=group, maintain_order="left")
     on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START, END) + pl.col("_shift"))
-    if not bool(on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all()).item()):
+    groups, w, apart = pl.collect_all(  # one call (docs/performance.md "Fixed cost")
+        [groups, w, on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all())], engine=ENGINE)
+    if not bool(apart.item()):
         return None
     return w, groups
 
@@ -462,7 +465,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
     # shift, and the sweep itself cuts it at the window boundaries. Otherwise every window is laid end to end.
     grouped = _group_axis(w, on_) if on_ != keys else None
     if grouped is None:
-        w = _end_to_end(w, START, END)
+        w = _end_to_end(w.lazy(), START, END).collect(engine=ENGINE)
     else:
         w, groups = grouped
 
