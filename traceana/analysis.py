@@ -130,8 +130,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
     several = ranks if interleaved else pipeline.several_stages(stages)
     events = cls.number_in_order(events, skip_ranks=several)
-    unstaged = sorted(set(events.filter(pl.col("pp_order") & pl.col("pp_stage").is_null())["rank"].unique()
-                          .to_list()) & set(several))
+    unstaged = sorted(set(events.lazy().filter(pl.col("pp_order") & pl.col("pp_stage").is_null()).select("rank")
+                          .unique().collect(engine=ENGINE)["rank"].to_list()) & set(several))
     if unstaged:
         notes.append(f"ranks {', '.join(map(str, unstaged))} hold several (virtual) stages and the name rules that "
                      "gave their forward/backward spans read no stage or micro-batch from the names: each phase's "

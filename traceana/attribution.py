@@ -164,6 +164,7 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     send_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
     send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end_ns"))
                  .otherwise(pl.max_horizontal(send_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
+    p, um = p.lazy(), um.lazy()  # both sets are one collect_all (docs/performance.md "Fixed cost")
     transfer = pl.concat([
         p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
         p.select(blocked("src", send_ready, send_done, "_send_block")),
@@ -173,6 +174,7 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
         p.select(blocked("src", pl.col("send_start_ns"), send_ready, "_send_block")),
         um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
     ])
+    transfer, wait = pl.collect_all([transfer, wait], engine=iv.ENGINE)
     return transfer, wait
 
 
