@@ -165,9 +165,12 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     notes += pipeline.contradiction_notes(pipeline.annotated_facts(annotated), run.manifest)
 
     labelled = attr.label_busy(timeline.busy_events(events), schedule)
+    # (The GPU extents before the segments, which they do not change: their group-by of the busy kernels then
+    # does not add to the segments' memory, the analysis' peak.)
+    extents = attr.gpu_schedule_extents(schedule, labelled)
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
                          schedule=schedule)
-    schedule = attr.gpu_schedule_extents(schedule, labelled)
+    schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     stage_mem = mem.stage_memory(run.memory, steps, stages)
     if run.memory.height == 0:
