@@ -640,9 +640,15 @@ static int skip_container(P *ps, int depth) {
 static int skip_value(P *ps, int depth) {
     Span sp;
     Num nm;
-    switch (*ps->p) {
-    case '"': return scan_string(ps, &sp);
-    case '{': case '[': return skip_container(ps, depth);
+    const uchar *p = ps->p;
+    switch (*p) {
+    case '"':
+        if (ps->end - p >= 2 && p[1] == '"') { ps->p = p + 2; return ST_OK; } /* "" (record_shapes lists are full of them) */
+        return scan_string(ps, &sp);
+    case '[':
+        if (depth <= MAX_DEPTH && ps->end - p >= 2 && p[1] == ']') { ps->p = p + 2; return ST_OK; } /* [] */
+        return skip_container(ps, depth);
+    case '{': return skip_container(ps, depth);
     case 't': return literal(ps, "true", 4);
     case 'f': return literal(ps, "false", 5);
     case 'n': return literal(ps, "null", 4);
