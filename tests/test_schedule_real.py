@@ -102,10 +102,26 @@ def annotation_edges(a, inferred) -> pl.DataFrame:
              .select("rank", start="kept", end="t"))
     waits = removed.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B])).select(
         "rank", start="ts_ns", end=pl.col("ts_ns") + pl.col("dur_ns"))
-    # their union: a span starts a new piece where it begins after every earlier one (of its rank) has ended
-    spans = pl.concat([edges, waits]).sort("rank", "start")
+    return union(pl.concat([edges, waits]))
+
+
+def union(spans: pl.DataFrame) -> pl.DataFrame:
+    """``rank, start, end`` made disjoint per rank: a span starts a new piece where it begins after every earlier one
+    of its rank has ended."""
+    spans = spans.sort("rank", "start")
     piece = (pl.col("start") > pl.col("end").cum_max().shift(1).over("rank")).fill_null(True).cum_sum()
     return spans.group_by("rank", piece.alias("piece")).agg(pl.col("start").min(), pl.col("end").max()).drop("piece")
+
+
+def idle_ns(a, *cats) -> int:
+    """How much of the time ``a`` counts as ``cats`` no op of the rank's training thread runs in: the idle inside an
+    annotated action's span (its Python, or the rank descheduled), which the action owns (docs/schedules.md)."""
+    seg = a.segments.filter(pl.col("category").cast(pl.String).is_in(list(cats))).select(
+        "rank", start="start_ns", end="end_ns")
+    thread = a.events.filter(STEP).select("rank", "tid").unique()
+    ops = a.events.join(thread, on=["rank", "tid"]).filter(pl.col("kind") == "compute").select(
+        "rank", start="ts_ns", end=pl.col("ts_ns") + pl.col("dur_ns"))
+    return int((seg["end"] - seg["start"]).sum()) - covered_ns(seg, union(ops))
 
 
 def work_wait_disagreement(a, inferred) -> pl.DataFrame:
@@ -137,13 +153,18 @@ def assert_inference_matches(a, inferred):
         return sum(sum(per_stage(x, c)) for c in cats)
 
     # Backward work is told apart exactly (autograd names it), but an annotated action also owns the idle time
-    # between its span's edges and its first and last op (its Python, or the process descheduled on a loaded
-    # machine: docs/schedules.md), which inference cannot see and leaves to host: inferred phases are at most the
-    # annotated ones, and the time they leave out is host. Forward work is everything else between the transfers,
-    # so inference also counts what runs just outside an annotated F span (the loss), taken from other_compute.
-    for cats, low in ((("backward",), 0.5), (("forward", "other_compute"), 0.5)):
+    # inside its span, where no op runs (its Python, or the process descheduled on a loaded machine:
+    # docs/schedules.md), which inference cannot see and leaves to host: inferred phases are at most the annotated
+    # ones, and all of them together leave out at most that idle time (seen: an annotated forward 77 ms, inferred
+    # 38 ms, with four busy loops besides the 4 ranks). Forward work is everything else between the transfers, so
+    # inference also counts what runs just outside an annotated F span (the loss), taken from other_compute, and
+    # the forward ops (the loss) at the start of the last stage's B span, taken from backward.
+    for cats in (("backward",), ("forward", "other_compute")):
         truth, guess = total(a, *cats), total(inferred, *cats)
-        assert low * truth <= guess <= 1.05 * truth, (cats, truth, guess)
+        assert guess <= 1.05 * truth, (cats, truth, guess)
+    truth, guess = total(a, *COMPUTE_CATEGORIES), total(inferred, *COMPUTE_CATEGORIES)
+    idle = idle_ns(a, *COMPUTE_CATEGORIES)
+    assert truth - idle - 0.05 * truth <= guess, ("compute", truth, guess, idle)
     # Working against waiting (compute + host against P2P, BPipe and bubbles): the two analyses agree at every
     # instant except next to an annotation's edge, the only activity inference loses. How much sits there depends on
     # how long the 2-core machine descheduled a rank at that moment (seen: 2-19 ms in 12 runs of a 4-rank step, up to
