@@ -839,12 +839,8 @@ static int arg_slot(const char *k, Py_ssize_t n) { /* -1: a key ingest does not 
     return -1;
 }
 
-/* A key at ps->p, decoded into scratch; then the ':' and whitespace after it. */
-static int scan_key(P *ps, Buf *scratch, const char **s, Py_ssize_t *n) {
-    Span k;
-    if (*ps->p != '"') return bad(ps, "expected a key");
-    TRY(scan_string(ps, &k));
-    TRY(text_of(&k, scratch, s, n));
+/* The ':' after a key and the whitespace around it (ps->p just after the key's closing quote). */
+static inline int after_key(P *ps) {
     ws(ps);
     if (ps->p >= ps->end) return ST_NEED;
     if (*ps->p != ':') return bad(ps, "expected ':'");
@@ -852,6 +848,15 @@ static int scan_key(P *ps, Buf *scratch, const char **s, Py_ssize_t *n) {
     ws(ps);
     if (ps->p >= ps->end) return ST_NEED;
     return ST_OK;
+}
+
+/* A key at ps->p, decoded into scratch; then the ':' and whitespace after it. */
+static int scan_key(P *ps, Buf *scratch, const char **s, Py_ssize_t *n) {
+    Span k;
+    if (*ps->p != '"') return bad(ps, "expected a key");
+    TRY(scan_string(ps, &k));
+    TRY(text_of(&k, scratch, s, n));
+    return after_key(ps);
 }
 
 static inline int is_key(const char *s, Py_ssize_t n, const char *key) {
@@ -1023,17 +1028,6 @@ static int open_object(P *ps, const char *not_an_object, int *done) {
     if (ps->p >= ps->end) return ST_NEED;
     *done = *ps->p == '}';
     if (*done) ps->p++;
-    return ST_OK;
-}
-
-/* The ':' after a key and the whitespace around it (ps->p just after the key's closing quote). */
-static inline int after_key(P *ps) {
-    ws(ps);
-    if (ps->p >= ps->end) return ST_NEED;
-    if (*ps->p != ':') return bad(ps, "expected ':'");
-    ps->p++;
-    ws(ps);
-    if (ps->p >= ps->end) return ST_NEED;
     return ST_OK;
 }
 
