@@ -774,24 +774,23 @@ static inline int known_value(Scanner *sc, int which, P *ps, Span *sp, int32_t *
     return 0;
 }
 
-static inline void value_seen(Scanner *sc, int which, int32_t code) {
-    int32_t *r = sc->recent[which];
-    if (r[0] == code + 1) return;
+/* ``code`` put first among the ``ways`` codes (stored + 1, 0 empty) of a small most-recent-first list. */
+static inline void to_front(int32_t *way, int ways, int32_t code) {
+    if (way[0] == code + 1) return;
     int i = 0;
-    while (i < RECENT_WAYS - 1 && r[i] != code + 1) i++;
-    for (; i > 0; i--) r[i] = r[i - 1];
-    r[0] = code + 1;
+    while (i < ways - 1 && way[i] != code + 1) i++;
+    for (; i > 0; i--) way[i] = way[i - 1];
+    way[0] = code + 1;
+}
+
+static inline void value_seen(Scanner *sc, int which, int32_t code) {
+    to_front(sc->recent[which], RECENT_WAYS, code);
 }
 
 /* An X event's name: its code put first in its bucket. */
 static inline void name_seen(Scanner *sc, int32_t key, int32_t code) {
     if (key < 0 || !(sc->d[D_NAME].flags.d[code] & F_PLAIN)) return;
-    int32_t *way = sc->names_by_head[key];
-    if (way[0] == code + 1) return;
-    int i = 0;
-    while (i < PREDICT_WAYS - 1 && way[i] != code + 1) i++;
-    for (; i > 0; i--) way[i] = way[i - 1];
-    way[0] = code + 1;
+    to_front(sc->names_by_head[key], PREDICT_WAYS, code);
 }
 
 
