@@ -146,8 +146,9 @@ def replicas_table(console, summary) -> None:
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
     reps = summary.replicas
+    # eq_missing: ranks whose stage is unknown (null) are replicas of stage '–' too; == null matches nothing
     collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
-                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
+                               reps.filter(pl.col("stage").eq_missing(s)).select("stage", "replica", "collective_ms").rows())
                   for s in ps["stage"].to_list()}
     headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
                "excess in\nevery step", "straggler", "collective exposed\nms per replica"]
