@@ -35,3 +35,20 @@ def test_replicas_of_an_unknown_stage_show_their_collective_time(tmp_path, capsy
     out = capsys.readouterr().out
     assert rc == 0
     assert "r0: 0.03, r1: 0.04" in out or "r0: 0.03, r1: 0.05" in out, out
+
+
+def test_an_empty_last_profiler_step_is_not_the_measured_step(tmp_path):
+    """A trace without pipeline names whose last ProfilerStep is an empty stub (as torch.profiler leaves when the
+    loop ends: HTA's amd_trace has a 9.3 ms step and then a 49 µs one holding no event). The stub is not a training
+    step: by hand the measured step is the 100 µs one, not the 5 µs stub that dropping the first step would leave."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    tb = TraceBuilder(rank=0, world_size=1)
+    tb.step(1, 0, 100)
+    tb.cpu_op("aten::mm", 2, 90)
+    tb.step(2, 100, 105)
+    run = load_run(tb.write(tmp_path / "rank0.pt.trace.json.gz"), cache=False)
+    s = analyze(run).summary
+    assert s.steps == (1,)
+    assert s.step_ms == pytest.approx(0.100)

@@ -2,8 +2,10 @@
 ``demo``), computed once, here, from the analysis tables.
 
 Definitions (each figure is one of these, and is labelled so wherever it is shown):
-- **measured steps**: the profiled steps every rank recorded, preferring those with forward work on every rank; the
-  first of them is dropped when there are more (it pays one-off costs: allocator growth, optimizer state creation,
+- **measured steps**: the profiled steps every rank recorded, preferring those with forward work on every rank,
+  else those in which every rank did anything but host time (the profiler's last ``ProfilerStep`` is often an empty
+  stub: HTA's amd_trace ends with one of 49 µs holding no event, after a step of 9.3 ms); the first of them is
+  dropped when there are more (it pays one-off costs: allocator growth, optimizer state creation,
   lazy initialisation); when no step is common to every rank, all steps. Every figure below is over these steps.
 - **step time** (``step_ms``): per measured step the slowest rank's step (a pipeline step ends when its last rank
   ends), averaged over the measured steps. A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
@@ -46,12 +48,16 @@ STRAGGLER_ABOVE = 0.25
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
     ranks = attribution["rank"].n_unique()
-    on_all, with_forward = (f["step"] for f in pl.collect_all([  # one call (docs/performance.md "Fixed cost")
+    on_all, with_work, with_forward = (f["step"] for f in pl.collect_all([  # one call (docs/performance.md)
         attribution.lazy().group_by("step").agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
+        attribution.lazy().filter((pl.col("category") != "host") & (pl.col("ns") > 0)).group_by("step")
+        .agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
         schedule.lazy().filter(pl.col("phase") == "forward").group_by("step")
         .agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
     ], engine=ENGINE))
-    chosen = sorted(set(with_forward.to_list()) & set(on_all.to_list())) or sorted(on_all.to_list())
+    on_all = set(on_all.to_list())
+    chosen = (sorted(set(with_forward.to_list()) & on_all) or sorted(set(with_work.to_list()) & on_all)
+              or sorted(on_all))
     if not chosen:  # no step common to every rank: each rank's own steps
         return sorted(attribution["step"].unique().to_list())
     return chosen[1:] if len(chosen) > 1 else chosen
