@@ -60,15 +60,29 @@ def run_pipelining(args: argparse.Namespace) -> int:
     """A multi-stage schedule: torch.distributed.pipelining's own class, two stages per rank."""
     from traceana.errors import ConfigError
 
-    unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--recompute", args.recompute != "none"),
-                                         ("--dp", args.dp != 1),
-                                         ("--attention", args.attention != "naive")) if on]
+    # collectors.pipelining_example runs one warm-up step and seed 1234, without BPipe or recompute: a flag it would
+    # ignore is refused, not dropped silently
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    default = {name: defaults.get_default(name) for name in ("warmup_steps", "seed")}
+    unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--bpipe-inflight", args.bpipe_inflight is not None),
+                                         ("--recompute", args.recompute != "none"), ("--dp", args.dp != 1),
+                                         ("--attention", args.attention != "naive"),
+                                         ("--warmup-steps", args.warmup_steps != default["warmup_steps"]),
+                                         ("--seed", args.seed != default["seed"])) if on]
     if unsupported:
         raise ConfigError(f"{', '.join(unsupported)} is not available with schedule {args.schedule!r}",
                           fix="use it with the reference trainer's gpipe or 1f1b schedules")
     if args.pp < 2 or args.pp % 2:
         raise ConfigError(f"schedule {args.schedule!r} puts two stages on each rank: --pp must be even, got {args.pp}",
                           fix="give an even --pp, e.g. 4")
+    # the trainer's own checks of the flags both paths share (positive counts, a preset whose layers fill --pp
+    # stages), then the schedule's rules (traceana.pipeline_rules: torch's constraints on the micro-batches), so an
+    # impossible configuration is refused here and not as a traceback from inside the spawned ranks
+    from traceana.pipeline_rules import device_order
+
+    config_from_args(argparse.Namespace(**{**vars(args), "schedule": "gpipe"}))
+    device_order(args.schedule, pp=args.pp // 2, num_microbatches=args.microbatches, device=0, virtual_stages=2)
     from collectors.pipelining_example import collect
 
     out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,

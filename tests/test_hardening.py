@@ -52,3 +52,24 @@ def test_an_empty_last_profiler_step_is_not_the_measured_step(tmp_path):
     s = analyze(run).summary
     assert s.steps == (1,)
     assert s.step_ms == pytest.approx(0.100)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--schedule", "dualpipev", "--microbatches", "3"], "at least 4 micro-batches"),  # torch: m >= 4 stages
+    (["--schedule", "zero-bubble", "--microbatches", "5"], "multiple of"),  # torch: m % max(1, m // 2) == 0
+    (["--schedule", "zbv", "--steps", "0"], "--steps"),
+    (["--schedule", "zbv", "--microbatches", "0"], "--microbatches"),
+    (["--schedule", "zbv", "--microbatch-size", "0"], "--microbatch-size"),
+    (["--schedule", "zbv", "--seed", "7"], "--seed"),  # the pipelining example always uses seed 1234
+    (["--schedule", "zbv", "--warmup-steps", "3"], "--warmup-steps"),  # ... and one warm-up step
+    (["--schedule", "zbv", "--bpipe-inflight", "2"], "--bpipe-inflight"),
+])
+def test_collect_refuses_what_torch_pipelining_cannot_run_before_any_process_starts(flags, says, tmp_path, capsys):
+    """The multi-stage schedules run torch.distributed.pipelining in spawned ranks: a configuration torch refuses
+    (or a flag the example would ignore) ended as 'internal error: ProcessRaisedException' (exit 1) after the
+    processes started; it must be one line, exit 2, with nothing written."""
+    out = tmp_path / "run"
+    assert main(["collect", "--pp", "4", *flags, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("traceana: error:") and "\n" not in err and says in err, err
+    assert not out.exists()
