@@ -11,6 +11,7 @@ import polars as pl
 
 from traceana import schema
 from traceana.analysis import Analysis
+from traceana.timeline import shift
 from traceana.units import MIB, NS_PER_MS
 
 BUBBLE_KINDS = schema.BUBBLE_CATEGORIES
@@ -177,7 +178,8 @@ def memory_curves(a: Analysis, *, bins: int = 400) -> pl.DataFrame:
     Taking the bin's maximum keeps every peak visible, which is what a memory plot is for. For each rank the
     accelerator (highest device id) is shown when the trace has one, otherwise the CPU allocator (device -1).
     """
-    mem = a.run.memory.filter(pl.col("allocated_bytes").is_not_null())
+    # on the analysis' corrected clock, as its steps and schedule (traceana.timeline.shift)
+    mem = shift(a.run.memory, a.clock_offsets, ["ts_ns"]).filter(pl.col("allocated_bytes").is_not_null())
     if mem.height == 0:
         return pl.DataFrame(schema={"rank": pl.Int32, "stage": pl.Int32, "t_ms": pl.Float64, "mib": pl.Float64})
     origin = origin_ns(a) or int(mem["ts_ns"].min())

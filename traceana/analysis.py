@@ -172,7 +172,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                          schedule=schedule)
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
-    stage_mem = mem.stage_memory(run.memory, steps, stages)
+    # the allocator samples on the same corrected clock as the steps they are measured in
+    stage_mem = mem.stage_memory(timeline.shift(run.memory, offsets, ["ts_ns"]), steps, stages)
     if run.memory.height == 0:
         notes.append("no allocator samples ([memory] events): profile with profile_memory=True for memory per stage")
     elif stage_mem.height and (stage_mem["baseline_bytes"] == 0).any() and (run.memory["device"] < 0).all():
