@@ -112,3 +112,24 @@ def test_memory_follows_the_clock_correction(tmp_path):
     got = a.stage_memory.filter(pl.col("rank") == 1).select("step", "baseline_bytes", "peak_bytes",
                                                           "activation_peak_bytes").rows()
     assert got == [(5, 0, 12288, 12288)]
+
+
+def test_validate_names_the_rank_whose_trace_is_missing(tmp_path, capsys):
+    """run.json places stage 1 on rank 1 and rank 1's trace is not in the folder: validate's refusal says that
+    (the stage's rank and its absent trace), not 'check stage_of_rank or the P2P chain', which are both right."""
+    import dataclasses
+
+    import test_validate_roundtrip as rt
+    from tracebuilder import write_two_stage_run
+
+    from traceana.manifest import Manifest
+
+    run = write_two_stage_run(tmp_path)
+    manifest = Manifest(world_size=2, pp=2, stage_of_rank=(0, 1), schedule="1f1b", microbatch_size=1,
+                        num_microbatches=1, model=dataclasses.replace(rt.TINY, layers=2), dtype="float32",
+                        attention="sdpa", recompute="none")
+    (run / "run.json").write_text(manifest.to_json())
+    (run / "rank1.pt.trace.json.gz").unlink()
+    assert main(["validate", str(run), "--no-cache", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("traceana: error:") and "rank 1" in err and "trace" in err, err

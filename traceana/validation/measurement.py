@@ -94,6 +94,13 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         rank_of_stage.setdefault(s % p, r)  # the first data-parallel replica of each stage
     missing = [s for s in range(p) if s not in rank_of_stage]
     if missing:
+        listed = m.stage_of_rank if (m := analysis.run.manifest) is not None and m.stage_of_rank else []
+        absent = sorted(set(r for r, s in enumerate(listed) if s % p in missing) - set(analysis.run.ranks))
+        if absent:  # run.json names the stage's ranks: their traces are what is missing
+            raise AnalysisError(f"stages {missing} have no trace: run.json places them on rank"
+                                f"{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}, whose trace is "
+                                "not in the run", path=analysis.run.path,
+                                fix="copy the missing rank traces into the run directory, or re-collect")
         raise AnalysisError(f"no rank found for stages {missing}", path=analysis.run.path,
                             fix="check run.json's stage_of_rank or the traces' P2P chain")
     per_rank = (
