@@ -133,3 +133,18 @@ def test_validate_names_the_rank_whose_trace_is_missing(tmp_path, capsys):
     assert main(["validate", str(run), "--no-cache", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("traceana: error:") and "rank 1" in err and "trace" in err, err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--p2p-gbps", "0"], "--p2p-gbps"),  # was ZeroDivisionError (internal error, exit 1)
+    (["--bpipe-gbps", "nan"], "--bpipe-gbps"),  # was accepted: NaN transfer times
+    (["--device-memory-gib", "-1"], "--device-memory-gib"),  # was accepted: 'fits: NO' on a -1 GiB device
+    (["--reserve-gib", "nan"], "--reserve-gib"),
+    (["--microbatch-size", "100000000000"], "years"),  # was ComputeError: an i128 step in nanoseconds
+    (["--microbatches", "0"], "--microbatches"),  # named the hidden old spelling --num-microbatches
+])
+def test_estimate_refuses_impossible_numbers_in_one_line(flags, says, capsys):
+    assert main(["estimate", "--model", "llama-65b", "--pp", "8", "--no-verdict", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("traceana: error:") and "\n" not in err and says in err, err
+    assert "--num-microbatches" not in err

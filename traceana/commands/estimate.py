@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
@@ -177,7 +178,11 @@ def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
         dev = Device("cpu", float("inf"), 0.0, "collected run")
     else:
         dev = device_preset(args.device)
-    return dev, args.device_memory_gib * GiB if args.device_memory_gib else dev.memory_bytes
+    for flag, v in (("--device-memory-gib", args.device_memory_gib), ("--reserve-gib", args.reserve_gib)):
+        if v is not None and not (math.isfinite(v) and (v > 0 if flag == "--device-memory-gib" else v >= 0)):
+            raise ConfigError(f"{flag} must be a {'positive' if flag == '--device-memory-gib' else 'non-negative'} "
+                              f"number of GiB, got {v}", fix=f"give {flag} in GiB, e.g. 80")
+    return dev, args.device_memory_gib * GiB if args.device_memory_gib is not None else dev.memory_bytes
 
 
 def _device(args: argparse.Namespace) -> Device:

@@ -100,6 +100,13 @@ class Network:
     bpipe_bytes_per_s: float = 25e9  # evictor → acceptor crosses the same fabric (pairs s, p−1−s are far apart)
     bpipe_overlap: bool = True
 
+    def __post_init__(self) -> None:
+        for what, flag, v in (("pipeline messages", "--p2p-gbps", self.p2p_bytes_per_s),
+                              ("BPipe transfers", "--bpipe-gbps", self.bpipe_bytes_per_s)):
+            if not (isinstance(v, (int, float)) and v > 0):  # (NaN compares false; inf: free transfers)
+                raise ConfigError(f"the bandwidth for {what} must be a positive number of bytes/s, got {v!r}",
+                                  fix=f"give {flag} a positive GB/s, e.g. 25")
+
 
 @dataclass(frozen=True)
 class StepEstimate:

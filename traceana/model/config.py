@@ -79,7 +79,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for f in ("pp", "tp", "dp", "microbatch_size", "num_microbatches", "virtual_stages"):
             if getattr(self, f) <= 0:
-                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}", fix=f"set --{f.replace('_', '-')} ≥ 1")
+                flag = {"num_microbatches": "microbatches"}.get(f, f).replace("_", "-")  # the CLI's spelling
+                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}", fix=f"set --{flag} ≥ 1")
         if self.schedule not in MODEL_SCHEDULES:
             raise ConfigError(
                 f"the model does not know schedule {self.schedule!r}", fix=f"use one of {', '.join(MODEL_SCHEDULES)}"
