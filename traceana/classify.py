@@ -366,47 +366,47 @@ def rank_summary(run: Run) -> pl.DataFrame:
     Collective ops are the CPU-side ``nccl:*``/``gloo:*`` spans c10d records around each collective, P2P excluded.
     """
     ev = run.events
-    # The name tests run once per distinct name and are gathered by each event's name code: on every event they
-    # built text columns (a prefix stripped from every name) that set the peak of a whole `traceana analyze`.
+    # The name tests run once per distinct name. Only events whose name passes one of them (steps, NCCL kernels,
+    # P2P and collective ops: a few percent of a GPU run) are looked at one by one, found by one membership test
+    # of the names; the whole table is read only for what every event counts in (events, kernels, devices)
+    # (docs/performance.md "How the analysis stays fast and small").
     name = pl.col("name")
     coll_prefix = pl.coalesce(*(pl.when(name.str.starts_with(pre)).then(name.str.strip_prefix(pre))
                                 for pre in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))
-    distinct = distinct_names(ev)
-    by_name = pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
+    by_name = pl.DataFrame({"name": distinct_names(ev)}, schema={"name": pl.String}).with_columns(
         _step_no=name.str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False),
         _nccl=name.str.starts_with(names.NCCL_KERNEL_PREFIXES[0]) | name.str.starts_with(names.NCCL_KERNEL_PREFIXES[1]),
         _c10d_p2p=name.is_in([names.C10D_SEND, names.C10D_RECV]),
         _rpc=name == names.RECORD_PARAM_COMMS,
         _coll=coll_prefix.is_not_null() & ~coll_prefix.is_in(list(names.P2P_COLL_NAMES)),
-    ).select(pl.all().gather(ev["name"].cast(pl.Enum(distinct)).to_physical()))
+    ).filter(pl.col("_step_no").is_not_null() | pl.any_horizontal("_nccl", "_c10d_p2p", "_rpc", "_coll"))
     cpu = ~pl.col("is_gpu")
-    # Each test once per event, in one pass; the aggregation then reads plain columns.
-    per_rank = (
-        pl.concat([ev.select("rank", "is_gpu", "device", "dur_ns", "cat", "coll"), by_name], how="horizontal").lazy()
-        .select(
-            "rank", "is_gpu", "device", "dur_ns",
-            step_no=pl.when(cpu).then("_step_no"),  # ProfilerStep spans on the CPU
-            kernel=pl.col("cat") == "kernel",
-            nccl_kernel=pl.col("is_gpu") & pl.col("_nccl"),
-            c10d_p2p="_c10d_p2p",
-            rpc_p2p=pl.col("_rpc") & pl.col("coll").is_in(list(names.P2P_COLL_NAMES)),
-            collective=cpu & pl.col("_coll"),
-        )
+    every = ev.lazy().group_by("rank").agg(
+        n_events=pl.len(),
+        devices=pl.col("device").filter(pl.col("is_gpu")).drop_nulls().unique().sort().cast(pl.String).str.join(","),
+        kernels=(pl.col("cat") == "kernel").sum(),
+    )
+    named = (
+        ev.lazy().select("rank", "is_gpu", "name", "dur_ns", "coll").filter(name.is_in(by_name["name"].implode()))
+        .join(by_name.lazy(), on="name")
+        .select("rank", "dur_ns", step_no=pl.when(cpu).then("_step_no"),  # ProfilerStep spans on the CPU
+                nccl_kernel=pl.col("is_gpu") & pl.col("_nccl"), c10d_p2p="_c10d_p2p",
+                rpc_p2p=pl.col("_rpc") & pl.col("coll").is_in(list(names.P2P_COLL_NAMES)),
+                collective=cpu & pl.col("_coll"))
         .group_by("rank")
         .agg(
-            n_events=pl.len(),
-            devices=pl.col("device").filter(pl.col("is_gpu")).drop_nulls().unique().sort().cast(pl.String)
-            .str.join(","),
             steps=pl.col("step_no").drop_nulls().n_unique(),
             first_step=pl.col("step_no").min(),
             last_step=pl.col("step_no").max(),
             mean_step_ms=(pl.col("dur_ns").filter(pl.col("step_no").is_not_null()).mean() / 1e6),
-            kernels=pl.col("kernel").sum(),
             nccl_kernels=pl.col("nccl_kernel").sum(),
             c10d_p2p=pl.col("c10d_p2p").sum(),
             rpc_p2p=pl.col("rpc_p2p").sum(),
             collectives=pl.col("collective").sum(),
         )
+    )
+    per_rank = (
+        every.join(named, on="rank", how="left")
         .with_columns(p2p_ops=pl.when(pl.col("c10d_p2p") > 0).then("c10d_p2p").otherwise("rpc_p2p"))
         .drop("c10d_p2p", "rpc_p2p")
     )
