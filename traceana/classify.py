@@ -131,7 +131,8 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     calls are matched by a binary search of the sorted (rank, id) keys (else a sorted as-of join on the exact id)
     rather than a hash join: on a GPU run both sides hold a third of the events.
     """
-    gpu = f.select("rank", "ext_id", "corr_id").with_row_index("_row").filter(f["is_gpu"])
+    rows = f["is_gpu"].arg_true()
+    gpu = f.select(rows.alias("_row"), *(pl.col(c).gather(rows) for c in ("rank", "ext_id", "corr_id")))
     facts = (
         f.filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
                  & pl.col("_cat").is_in([_CPU_OP, _ANNOTATION])
@@ -216,73 +217,92 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     n = events.height
     by_name = _given_table(events, rules, by_name)
     distinct, table = by_name.distinct, by_name.table
-    code = events["name"].cast(pl.Enum(distinct)).to_physical()
     # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
     # from the rule's index, on the few events it labels).
     table = table.with_columns(pl.col("_rule_kind").replace_strict({k: KINDS.index(k) for k in names.RULE_KINDS},
                                                                    default=None, return_dtype=pl.UInt8)
                                .alias("_rule_kind_code"))
-    by_name = table.select(pl.col("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind_code", "_kind_rule")
-                           .gather(code))
-    # Classes looked up per distinct category (a handful), then gathered by each event's category code.
-    cats = events["cat"].unique().drop_nulls().cast(pl.String)
-    cat_class = (cats.replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8)
-                 .gather(events["cat"].cast(pl.Enum(cats)).to_physical()).fill_null(_OTHER_CAT).alias("_cat"))
+    # Classes looked up per distinct category (a handful), then gathered by each event's category code (its
+    # physical code: a table as long as the largest code, no text per event).
+    cats = events["cat"].unique().drop_nulls()
+    classes = pl.repeat(_OTHER_CAT, int(cats.to_physical().max() or 0) + 1, dtype=pl.UInt8, eager=True).scatter(
+        cats.to_physical(), cats.cast(pl.String).replace_strict(_CAT_CLASS, default=_OTHER_CAT, return_dtype=pl.UInt8))
+    cat_class = classes.gather(events["cat"].to_physical()).fill_null(_OTHER_CAT).alias("_cat")
+    # Most events' kind follows from their category alone: a name that no rule below reads (no step, NCCL kernel,
+    # communication op or name rule's kind) leaves every branch of ``_kind`` but the category's. Only the events
+    # with such a name, or with a pipeline field in their name (a few percent of a GPU run), are looked at one by
+    # one (``named``: their rows, in order), and their kinds, directions and fields written at their rows.
+    reads = table.select(
+        special=pl.col("_step") | pl.col("_nccl") | pl.col("_name_dir").is_not_null() | pl.col("_rpc")
+        | pl.col("_comm_op") | pl.col("_rule_kind_code").is_not_null(),
+        pp=pl.any_horizontal(pl.col("pp_stage", "pp_action", "pp_microbatch").is_not_null())
+        | pl.col("pp_order").fill_null(False))
+    # (Found by one membership test of the names: cheaper than coding every event's name, which only these need.)
+    rows = events["name"].is_in(distinct.filter(reads["special"] | reads["pp"]).implode()).arg_true().alias("_row")
+    name_code = events["name"].gather(rows).cast(pl.Enum(distinct)).to_physical()
+    per_name = table.select("_step", "_nccl", "_name_dir", "_rpc", "_comm_op", "_rule_kind_code", "_kind_rule",
+                            "pp_stage", "pp_action", "pp_microbatch", "pp_order").with_columns(
+        reads["special"].alias("_special"), reads["pp"].alias("_pp"))
+    named = pl.DataFrame([rows, events["is_gpu"].gather(rows), events["coll"].gather(rows), cat_class.gather(rows),
+                          *per_name.select(pl.all().gather(name_code))])
     # Pipeline annotations are CPU-side record_function ranges (their GPU mirrors are ignored), or Python frames
-    # a name rule reads.
-    # Only the few events whose name gives a pipeline field are looked up, and written at their rows into columns
-    # that are null elsewhere (pp_order False), instead of a lookup for every event.
+    # a name rule reads. Their fields are written at their rows into columns that are null elsewhere (pp_order
+    # False).
     pp_cols = ("pp_stage", "pp_action", "pp_microbatch", "pp_order")
-    names_with_pp = table.select(pl.any_horizontal(pl.col("pp_stage", "pp_action", "pp_microbatch").is_not_null())
-                                 | pl.col("pp_order").fill_null(False)).to_series()
-    pp_rows = pl.select((~events["is_gpu"] & cat_class.is_in([_ANNOTATION, _PY_FRAME])
-                         & names_with_pp.gather(code).fill_null(False)).arg_true()).to_series()
-    pp_found = table.select(pl.col(*pp_cols).gather(code.gather(pp_rows)))
-    pp_found = pp_found.with_columns(pl.col("pp_action").cast(CLASSIFIED["pp_action"]))
+    pp_found = named.filter(~pl.col("is_gpu") & pl.col("_cat").is_in([_ANNOTATION, _PY_FRAME]) & pl.col("_pp")).select(
+        "_row", *pp_cols).with_columns(pl.col("pp_action").cast(CLASSIFIED["pp_action"]))
+    pp_rows = pp_found["_row"]
     pp = [_spread(n, pp_rows, pp_found[c]) for c in pp_cols[:3]]
     pp.append(pl.repeat(False, n, dtype=pl.Boolean, eager=True).scatter(pp_rows, pp_found["pp_order"].fill_null(False))
               .alias("pp_order"))
     pp = pl.DataFrame(pp)
-    # record_param_comms is a P2P post when its collective name says so (few rows: looked at alone).
-    rpc_rows = by_name["_rpc"].arg_true()
-    coll = events["coll"].gather(rpc_rows).cast(pl.String).str.to_lowercase()
-    rpc_dir = pl.select(_dir_of(pl.lit(coll), ["send", "isend"], ["recv", "irecv"])).to_series()
-    cpu_dir = by_name["_name_dir"].fill_null(_spread(n, rpc_rows, rpc_dir)).alias("_cpu_dir")
+    # record_param_comms is a P2P post when its collective name says so.
+    named = named.filter("_special").with_columns(pl.col("_name_dir").fill_null(
+        pl.when(pl.col("_rpc")).then(_dir_of(pl.col("coll").cast(pl.String).str.to_lowercase(), ["send", "isend"],
+                                              ["recv", "irecv"]))).alias("_cpu_dir"))
+    dirs = named.filter(pl.col("_cpu_dir").is_not_null())
     f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
-                      cat_class, cpu_dir, *by_name])
+                      cat_class, _spread(n, dirs["_row"], dirs["_cpu_dir"]).alias("_cpu_dir")])
     # GPU work: launched when its runtime call started; peer, size and group from its launching op where its own
     # args lack them; an NCCL kernel's direction is its launching op's.
-    launch_ns, launch_dir = events["ts_ns"], pl.repeat(None, n, dtype=pl.UInt8, eager=True)
+    launch_ns = events["ts_ns"]
+    launch_dir = pl.DataFrame(schema={"_row": pl.UInt32, "_launch_dir": pl.UInt8})
     if bool(events["is_gpu"].any()):  # a CPU-only run launches nothing
         by_ext, by_corr = _launches(f)
         launch_ns = _update(launch_ns, by_corr["_row"], by_corr["_launch_ts"])
-        launch_dir = _update(launch_dir, by_ext["_row"], by_ext["_launch_cpu_dir"])
+        launch_dir = by_ext.select(pl.col("_row").cast(pl.UInt32), pl.col("_launch_cpu_dir").alias("_launch_dir"))
         rows = by_ext["_row"]
         for c in ("peer", "nbytes", "pg"):
             own = f[c].gather(rows)
             filled = own.fill_null(by_ext[f"_launch_{c}"])
             if filled.null_count() < own.null_count():  # else nothing to fill: no copy of the column
                 f = f.with_columns(_update(f[c], rows, filled))
+    f = f.with_columns(launch_ns.alias("launch_ns"))
     nccl_kernel = (pl.col("_cat") == _KERNEL) & pl.col("_nccl")
-    f = f.with_columns(
-        launch_ns.alias("launch_ns"),
-        pl.when(pl.col("is_gpu")).then(pl.when(nccl_kernel).then(pl.lit(launch_dir))).otherwise("_cpu_dir")
-        .alias("_dir"),
+    named = named.join(launch_dir, on="_row", how="left", maintain_order="left").with_columns(
+        pl.when(pl.col("is_gpu")).then(pl.when(nccl_kernel).then("_launch_dir")).otherwise("_cpu_dir").alias("_dir"),
     ).with_columns(_kind().alias("_kind"))
+    # Every other event's kind is its category class's.
+    by_class = pl.DataFrame({"_cat": range(_OTHER_CAT + 1)}, schema={"_cat": pl.UInt8}).with_columns(
+        _step=False, _dir=pl.lit(None, pl.UInt8), _rule_kind_code=pl.lit(None, pl.UInt8), _nccl=False, _rpc=False,
+        _comm_op=False, _cpu_dir=pl.lit(None, pl.UInt8), is_gpu=False).select(_kind())
+    kind = by_class.to_series().gather(cat_class).scatter(named["_row"], named["_kind"])
     # BPipe: communication and compute inside its annotated spans or on its process group.
     annotated = events.select("rank", "ts_ns", "dur_ns").gather(pp_rows).with_columns(pp_found["pp_action"])
-    in_span = inside(f, "launch_ns", bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null())))
+    spans = bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null()))
     # pg is categorical (schema.EVENTS): the few distinct groups are matched as text, the events by membership.
     groups = f["pg"].unique().drop_nulls()
     bpipe_groups = groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC, literal=True))
-    on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(bpipe_groups)
-    is_bpipe = (pl.lit(in_span) | on_group) & pl.col("_kind").is_in(_MOVABLE)
-    f = f.with_columns(is_bpipe.alias("_bpipe"))
-    kind = f.select(pl.lit(_KINDS).gather(pl.when("_bpipe").then(_K["bpipe_transfer"]).otherwise("_kind"))
-                    .alias("kind")).to_series()
+    bpipe = pl.repeat(False, 0, dtype=pl.Boolean, eager=True)
+    if spans.height or bpipe_groups.len():
+        in_span = inside(f, "launch_ns", spans)
+        on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(bpipe_groups.implode())
+        bpipe = f.select((pl.lit(in_span) | on_group) & pl.lit(kind).is_in(_MOVABLE)).to_series()
+        kind = kind.scatter(bpipe.arg_true(), KINDS.index("bpipe_transfer"))
     # comm_dir and channel: text on the few communication events only, written into null columns (as pp above).
-    comm_rows = f.select((pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"])).arg_true()).to_series()
-    comm = f.select("_dir", "_kind", "_kind_rule", "_bpipe").gather(comm_rows).select(
+    comm = named.filter(pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"]))
+    comm = comm.with_columns((bpipe.gather(comm["_row"]) if bpipe.len() else pl.lit(False)).alias("_bpipe")).select(
+        "_row",
         pl.lit(_COMM_DIRS).gather("_dir").alias("comm_dir"),
         pl.coalesce(pl.lit(_CHANNELS).gather(pl.when(pl.col("_dir").is_not_null())
                                              .then(pl.col("_bpipe").cast(pl.UInt8))),
@@ -291,9 +311,11 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
                           .gather("_kind_rule")))
         .alias("channel"),
     )
+    comm_rows = comm["_row"]
     return pl.DataFrame([
         *(f[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
-        *pp, f["launch_ns"], kind, _spread(n, comm_rows, comm["comm_dir"]), _spread(n, comm_rows, comm["channel"]),
+        *pp, f["launch_ns"], pl.select(pl.lit(_KINDS).gather(kind)).to_series().alias("kind"),
+        _spread(n, comm_rows, comm["comm_dir"]), _spread(n, comm_rows, comm["channel"]),
     ])
 
 
