@@ -218,3 +218,28 @@ def test_containing_finds_the_window_holding_each_point(w_rows, p_rows, in_order
                   and s <= t < s + d), None) for g, t in p_rows]
     assert got["id"].to_list() == want
     assert got.schema == {"id": pl.Int32}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 12)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(-5, 45)), max_size=14))
+def test_containing_of_points_in_order_takes_the_row_runs_and_agrees_with_a_brute_force_scan(w_rows, p_rows):
+    """Points in (group, instant) order without nulls (events as ingest leaves them) are placed by the runs of
+    rows each window holds (``_sorted_containing``), not on one searched axis: the window whose [start, end)
+    holds each point, else null, as a brute-force scan finds it."""
+    p_rows = sorted(p_rows)
+    kept = []
+    for g, s, d in w_rows:  # a group's windows do not overlap and start apart
+        if all(g != g2 or (s != s2 and (s + d <= s2 or s2 + d2 <= s)) for g2, s2, d2 in kept):
+            kept.append((g, s, d))
+    windows = pl.DataFrame({"g": [g for g, _, _ in kept], "start": [s for _, s, _ in kept],
+                            "end": [s + d for _, s, d in kept], "id": list(range(len(kept)))},
+                           schema={"g": pl.Int32, "start": pl.Int64, "end": pl.Int64, "id": pl.Int32})
+    points = pl.DataFrame({"g": [g for g, _ in p_rows], "t": [t for _, t in p_rows]},
+                          schema={"g": pl.Int32, "t": pl.Int64})
+    w = windows.select("g", pl.col("start").alias("_ws"), pl.col("end").alias("_we"), "id")
+    assert not p_rows or iv._sorted_containing(points, "t", w, "g") is not None
+    got = iv.containing(points, "t", windows, by="g", columns=["id"])
+    want = [next((i for i, (g2, s, d) in enumerate(kept) if g == g2 and s <= t < s + d), None) for g, t in p_rows]
+    assert got["id"].to_list() == want
+    assert got.schema == {"id": pl.Int32}
