@@ -92,7 +92,10 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                             fix=limits.how_to_raise())
     notes: list[str] = []
     by_name = cls.name_table(run.events, name_rules)  # for both classify and rule_notes
-    events = cls.classify(run.events, name_rules, by_name=by_name)
+    # The peer, size and group GPU work takes from its launching op are written into the events last, once the
+    # analysis' largest frames are gone (docs/performance.md "How the analysis stays fast and small"); until then
+    # only the P2P messages read them, from the few rows they come from.
+    events, fill = cls.classify_apart(run.events, name_rules, by_name=by_name)
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
@@ -103,7 +106,10 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
-    msgs = pipeline.messages(events, pipeline.bpipe_groups(run.traces))
+    # (messages reads the communication events and the LOAD/ACCEPT spans, nothing else.)
+    msgs = pipeline.messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
+                                             | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
+                             pipeline.bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
@@ -166,10 +172,12 @@ def analyze(run: Run, *, peak_flops: float | None = None,
 
     labelled = attr.label_busy(timeline.busy_events(events), schedule)
     # (The GPU extents before the segments, which they do not change: their group-by of the busy kernels then
-    # does not add to the segments' memory, the analysis' peak.)
+    # does not add to the segments' memory, the analysis' peak; the segments do not read the windows.)
     extents = attr.gpu_schedule_extents(schedule, labelled)
+    labelled = labelled.drop("window_start")
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
                          schedule=schedule)
+    del labelled
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     # the allocator samples on the same corrected clock as the steps they are measured in
@@ -183,6 +191,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     mfu, n = _mfu(pipeline.traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
                   peak_flops)
     notes += n
+    events = cls.apply_fill(events, fill)
     truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
     if truncated:
         notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "

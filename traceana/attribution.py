@@ -258,6 +258,7 @@ def segments(
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
     bubbles = iv.clip(wait, bubble_windows(windows, clip(forward)), on=["rank", "step"],
                       window_keys="category", keep_order=False)
+    del forward  # (a copy of the forward busy intervals: not held while the segments are built)
     layers = [
         (COMPUTE_ORDER, compute),
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),

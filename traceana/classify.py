@@ -211,6 +211,33 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     """Add ``CLASSIFIED`` columns to an EVENTS frame (no step yet; see ``timeline.assign_steps``), with the name
     ``rules`` (default: the built-in conventions). ``by_name``: ``name_table(events, rules)``, if the caller has
     it already."""
+    return apply_fill(*classify_apart(events, rules, by_name=by_name))
+
+
+def apply_fill(events: pl.DataFrame, fill: pl.DataFrame) -> pl.DataFrame:
+    """``events`` with ``classify_apart``'s fill written at its rows (``_row``)."""
+    return events.with_columns(_update(events[c], fill["_row"], fill[c]) for c in fill.columns if c != "_row")
+
+
+def filled_rows(events: pl.DataFrame, fill: pl.DataFrame, keep: pl.Expr) -> pl.DataFrame:
+    """The rows of ``events`` where ``keep`` holds, in order, with ``classify_apart``'s fill written where it has
+    them: what ``classify`` gives for those rows, without a copy of the filled columns of every event."""
+    rows = events.select(keep.fill_null(False)).to_series().arg_true()
+    part = events[rows]
+    if fill.width < 2 or not rows.len() or not fill.height:
+        return part
+    at = rows.search_sorted(fill["_row"], side="left")
+    hit = (at < rows.len()) & (rows.gather(at.clip(upper_bound=rows.len() - 1)) == fill["_row"])
+    return apply_fill(part, fill.filter(hit).with_columns(at.filter(hit).alias("_row")))
+
+
+def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES, *,
+                   by_name: NameTable | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``classify``'s table with the ingested ``peer``, ``nbytes`` and ``pg``, and apart from it the fill: ``_row``
+    and those of the three columns GPU work takes from its launching op where its own args lack them (a few
+    thousand rows of a GPU run). ``apply_fill`` of both is ``classify``'s table; an analysis holds the two until
+    its largest frames are gone, instead of a copy of three columns of every event (docs/performance.md "How the
+    analysis stays fast and small")."""
     # One chunk per column: every later step filters and gathers these columns, which is slower across chunks
     # (the Parquet cache yields several).
     events = events.rechunk()
@@ -267,16 +294,19 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     # args lack them; an NCCL kernel's direction is its launching op's.
     launch_ns = events["ts_ns"]
     launch_dir = pl.DataFrame(schema={"_row": pl.UInt32, "_launch_dir": pl.UInt8})
+    fill = pl.DataFrame(schema={"_row": pl.UInt32})
     if bool(events["is_gpu"].any()):  # a CPU-only run launches nothing
         by_ext, by_corr = _launches(f)
         launch_ns = _update(launch_ns, by_corr["_row"], by_corr["_launch_ts"])
         launch_dir = by_ext.select(pl.col("_row").cast(pl.UInt32), pl.col("_launch_cpu_dir").alias("_launch_dir"))
         rows = by_ext["_row"]
+        fill = [rows.cast(pl.UInt32).alias("_row")]
         for c in ("peer", "nbytes", "pg"):
             own = f[c].gather(rows)
             filled = own.fill_null(by_ext[f"_launch_{c}"])
-            if filled.null_count() < own.null_count():  # else nothing to fill: no copy of the column
-                f = f.with_columns(_update(f[c], rows, filled))
+            if filled.null_count() < own.null_count():  # else nothing to fill
+                fill.append(filled.alias(c))
+        fill = pl.DataFrame(fill)
     f = f.with_columns(launch_ns.alias("launch_ns"))
     nccl_kernel = (pl.col("_cat") == _KERNEL) & pl.col("_nccl")
     named = named.join(launch_dir, on="_row", how="left", maintain_order="left").with_columns(
@@ -291,12 +321,13 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     annotated = events.select("rank", "ts_ns", "dur_ns").gather(pp_rows).with_columns(pp_found["pp_action"])
     spans = bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null()))
     # pg is categorical (schema.EVENTS): the few distinct groups are matched as text, the events by membership.
-    groups = f["pg"].unique().drop_nulls()
+    groups = (pl.concat([f["pg"], fill["pg"]]) if "pg" in fill.columns else f["pg"]).unique().drop_nulls()
     bpipe_groups = groups.filter(groups.cast(pl.String).str.contains(names.BPIPE_GROUP_DESC, literal=True))
     bpipe = pl.repeat(False, 0, dtype=pl.Boolean, eager=True)
     if spans.height or bpipe_groups.len():
         in_span = inside(f, "launch_ns", spans)
-        on_group = pl.col("pg").is_not_null() & pl.col("pg").is_in(bpipe_groups.implode())
+        pg = pl.lit(_update(f["pg"], fill["_row"], fill["pg"]) if "pg" in fill.columns else f["pg"])
+        on_group = pg.is_not_null() & pg.is_in(bpipe_groups.implode())
         bpipe = f.select((pl.lit(in_span) | on_group) & pl.lit(kind).is_in(_MOVABLE)).to_series()
         kind = kind.scatter(bpipe.arg_true(), KINDS.index("bpipe_transfer"))
     # comm_dir and channel: text on the few communication events only, written into null columns (as pp above).
@@ -313,10 +344,9 @@ def classify(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_RULES,
     )
     comm_rows = comm["_row"]
     return pl.DataFrame([
-        *(f[c] if c in ("peer", "nbytes", "pg") else events[c] for c in events.columns),
-        *pp, f["launch_ns"], pl.select(pl.lit(_KINDS).gather(kind)).to_series().alias("kind"),
+        *events, *pp, f["launch_ns"], pl.select(pl.lit(_KINDS).gather(kind)).to_series().alias("kind"),
         _spread(n, comm_rows, comm["comm_dir"]), _spread(n, comm_rows, comm["channel"]),
-    ])
+    ]), fill
 
 
 def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, ...] = ()) -> pl.DataFrame:
