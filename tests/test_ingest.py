@@ -170,6 +170,7 @@ def test_concatenated_gzip_members_are_one_stream(tmp_path):
 @pytest.mark.parametrize("layout", ["compact", "kineto", "indent4", "one_line"])
 def test_traces_are_decoded_in_chunks_cut_between_events(tmp_path, monkeypatch, layout):
     import traceana.ingest.kineto as kineto
+    import traceana.ingest.reading as reading
 
     tb = TraceBuilder()
     for i in range(60):
@@ -191,8 +192,8 @@ def test_traces_are_decoded_in_chunks_cut_between_events(tmp_path, monkeypatch, 
     # Many chunks; some candidate cuts of the general decoder fall inside "nested"; the native scanner resumes
     # mid-event at every piece boundary.
     monkeypatch.setattr(kineto, "CHUNK_BYTES", 150)
-    monkeypatch.setattr(kineto, "NATIVE_CHUNK", 150)
-    monkeypatch.setattr(kineto, "READ_PIECE", 97)
+    monkeypatch.setattr(reading, "NATIVE_CHUNK", 150)
+    monkeypatch.setattr(reading, "READ_PIECE", 97)
     seen = []
     chunked = read_trace(f, on_progress=lambda done, total: seen.append((done, total)))
     assert_frame_equal(whole[0], chunked[0])

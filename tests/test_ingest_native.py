@@ -18,7 +18,7 @@ from polars.testing import assert_frame_equal
 from tracebuilder import TraceBuilder
 
 from traceana.errors import TraceanaError
-from traceana.ingest import kineto
+from traceana.ingest import kineto, reading
 
 pytestmark = pytest.mark.skipif(kineto._scan is None, reason="the native scanner is not built here")
 
@@ -244,8 +244,8 @@ def test_a_big_trace_in_pieces_reads_the_same(tmp_path, monkeypatch):
     f = tmp_path / "t.json.gz"
     f.write_bytes(gzip.compress(tb.to_bytes()))
     whole = kineto.read_trace(f)
-    monkeypatch.setattr(kineto, "READ_PIECE", 1000)  # gunzipped 1000 bytes at a time, events cut at every piece
-    monkeypatch.setattr(kineto, "NATIVE_CHUNK", 3000)
+    monkeypatch.setattr(reading, "READ_PIECE", 1000)  # gunzipped 1000 bytes at a time, events cut at every piece
+    monkeypatch.setattr(reading, "NATIVE_CHUNK", 3000)
     pieces = kineto.read_trace(f)
     assert_frame_equal(whole[0], pieces[0])
     assert_frame_equal(whole[1], pieces[1])

@@ -17,11 +17,11 @@ import polars as pl
 from isal import igzip
 
 from traceana.errors import BadInputError, shown
-from traceana.files import atomic_path, refuse_inputs, write_bytes
+from traceana.files import TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 
-FORMATS = ("parquet", "csv")
+FORMATS = TABLE_FORMATS
 
 
 def input_files(analysis) -> list[Path]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from traceana.errors import BadInputError
 
+TABLE_FORMATS = ("parquet", "csv")  # what tables are written as (traceana.export; here so the CLI needs no polars)
 # Ours: ".NAME.PID.TOKEN.tmp"; earlier versions wrote ".NAME.PID.tmp" (and ".NAME.PID.old" while replacing).
 _TMP = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]{8}\.tmp|\.tmp|\.old)$")
 STALE_AFTER_S = 60.0  # a temporary of a dead writer older than this is swept (younger: it may be on another host)

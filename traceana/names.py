@@ -11,10 +11,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from traceana.errors import BadInputError
+
+if TYPE_CHECKING:
+    import polars as pl
+# polars is imported by the functions that build expressions: the names themselves are read by the native scanner's
+# reader before polars is imported (traceana.ingest.reading).
 
 # --- PyTorch's actions -------------------------------------------------------------------------------------------
 FORWARD = "F"
@@ -115,6 +119,8 @@ def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     GPipe's ``Forward {i}`` / ``Backward {i}`` carry no stage (null) and map to actions F / B. An overlapped span
     gets action ``OVERLAP_F_B`` and no stage or micro-batch: ``overlap_columns`` parses its two sub-actions.
     """
+    import polars as pl
+
     gp_kind = name.str.extract(GPIPE_PATTERN, 1)
     gp_mb = name.str.extract(GPIPE_PATTERN, 2)
     stage_text = name.str.extract(PP_PATTERN, 1)
@@ -137,6 +143,8 @@ def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
 def overlap_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     """The two sub-actions of ``PP:(0F7;7B3)OVERLAP_F_B``, in run order: ``first_stage, first_action, first_mb,
     second_stage, second_action, second_mb`` (null for other names)."""
+    import polars as pl
+
     out = {}
     for i, which in enumerate(("first", "second")):
         out[f"{which}_stage"] = name.str.extract(OVERLAP_PATTERN, 3 * i + 1).cast(pl.Int32, strict=False)
@@ -306,6 +314,8 @@ def parse_rules(data: object, *, origin: str) -> NameRules:
             raise bad(f"{where}: microbatch can only be \"order\", on a phase rule (or use a (?P<microbatch>…) group)")
         try:
             groups = re.compile(match).groupindex
+            import polars as pl  # polars' regex dialect is not Python's: the rule must compile in both
+
             pl.Series([""]).str.contains(match)
         except Exception as e:  # re.error, polars' ComputeError: the message says where
             raise bad(f"{where}: bad regular expression {match!r} ({str(e).splitlines()[0][:120]})") from None
@@ -375,6 +385,8 @@ def rule_columns(name: pl.Expr, rules: NameRules) -> dict[str, pl.Expr]:
     """Vectorised rules on a column of (distinct) names: ``_phase_rule`` / ``_kind_rule`` (index into
     ``rules.all`` of the first phase / kind rule that matches, else null), and from them ``_rule_action``,
     ``_rule_stage``, ``_rule_mb``, ``_rule_order``, ``_rule_kind``, ``_rule_channel``."""
+    import polars as pl
+
     every = rules.all
     none_i = pl.lit(None, pl.Int32)
 

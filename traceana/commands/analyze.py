@@ -14,7 +14,7 @@ from pathlib import Path
 
 from traceana.errors import BadInputError
 from traceana.errors import shown as printable_path
-from traceana.export import FORMATS
+from traceana.files import TABLE_FORMATS  # not traceana.export: building the parser imports no polars (cli.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-step", action="store_true", help="also show every (rank, step), not only means")
     parser.add_argument("--json", action="store_true", help="print a JSON summary instead of tables")
     parser.add_argument("--export", metavar="DIR", help="write every table into DIR (default: no export)")
-    parser.add_argument("--format", choices=FORMATS, default="parquet", help="table format for --export")
+    parser.add_argument("--format", choices=TABLE_FORMATS, default="parquet", help="table format for --export")
     options.peak_flops(parser)
     options.names(parser)
     options.reading(parser)

@@ -1,13 +1,18 @@
-"""Ingest: Kineto JSON → schema-checked polars tables. Knows JSON, nothing of pipelines."""
+"""Ingest: Kineto JSON → schema-checked polars tables. Knows JSON, nothing of pipelines.
+
+Importing the package imports no polars: ``traceana.ingest.reading`` (the native scanner's reader) runs before
+polars is imported (docs/performance.md "Fixed cost")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from traceana.manifest import Manifest
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,15 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
-
-from traceana import schema, version
+from traceana import version
 from traceana.files import sweep_temporaries, temporary_name
+
+if TYPE_CHECKING:
+    import polars as pl
+# polars and the schemas are imported where a key or an entry is made: the names of the cache's folders are read
+# before polars is imported (traceana.ingest.reading).
 
 CACHE_DIR = ".traceana"
 SUBDIR = "ingest"
@@ -26,6 +29,8 @@ INGEST_FORMAT = 1  # bump when ingest produces different tables from the same tr
 
 
 def schema_hash() -> str:
+    from traceana import schema
+
     text = repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
     return hashlib.sha1(f"{text}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
 
@@ -144,6 +149,10 @@ class TraceCache:
     def load(self, trace: Path, rank: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]] | None:
         if not self.enabled:
             return None
+        import polars as pl
+
+        from traceana import schema
+
         try:
             ev_path, mem_path, row_path = self._paths(trace, cache_key(trace, rank))
             if not (regular_file(ev_path) and regular_file(mem_path) and regular_file(row_path)):

@@ -7,7 +7,9 @@ Two decoders produce the same per-batch frames, which ``_finish`` turns into the
 - the native scanner (``_scan.c``, an optional C extension built at install time): the file is read, and gunzipped
   in isal's own thread, through one reused window; the scanner parses the ``traceEvents`` array straight into Arrow
   column buffers (times as int64 ns from the digits, strings unescaped and UTF-8 checked) without the GIL, so a
-  trace of many GB never exists as Python objects nor whole in memory, and threads can read several files at once;
+  trace of many GB never exists as Python objects nor whole in memory, and threads can read several files at once.
+  Its reading loop is ``traceana.ingest.reading`` (no polars there: the CLI starts it before importing polars);
+  here its Arrow tables become frames;
 - the general decoder (docs/field-notes.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
   any file the scanner hands back (a type it does not take exactly as this decoder would, bad UTF-8, invalid or
   truncated JSON) or when it was not built:
@@ -38,8 +40,6 @@ from __future__ import annotations
 import decimal
 import json
 import math
-import mmap
-import os
 import re
 import threading
 import zlib
@@ -53,27 +53,22 @@ import polars as pl
 
 from traceana import limits, names, schema
 from traceana.errors import BadInputError, TraceFormatError, shown
-from traceana.files import open_regular
+from traceana.ingest import reading
+from traceana.ingest.reading import (GPU_CAT_NAMES as _GPU_CAT_NAMES, GPU_CATS, GZ_RATIO, GZIP_MAGIC,  # noqa: F401
+                                     META_KEYS as _META_KEYS, MMAP_WINDOW_BYTES, SHAPES_NAMES as _SHAPES_NAMES,
+                                     TRACE_SUFFIXES, ZLIB_ERRORS as _ZLIB_ERRORS, Budget as _Budget,
+                                     NotNative as _NotNative, is_trace_name, open_trace as _open,
+                                     oversized as _oversized)
 from traceana.intervals import ENGINE
 
-try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
-    from traceana.ingest import _scan
-except ImportError:  # pragma: no cover - built without a C compiler
-    _scan = None  # type: ignore[assignment]
+# The native scanner (traceana/ingest/_scan.c), or None where it was not built: then (or with this set to None) the
+# general decoder does everything.
+_scan = reading._scan
 
 # isal (a core dependency) gunzips ~1.6x faster than zlib (docs/field-notes.md).
-from isal import igzip, igzip_threaded
-from isal import isal_zlib as _zlib
+from isal import isal_zlib as _zlib  # noqa: E402
 
-_ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
-
-GZIP_MAGIC = b"\x1f\x8b"
 EPOCH_US = 1e14  # ts above this (µs) is already an epoch wall clock (1e14 µs ≈ 3 years after 1970)
-TRACE_SUFFIXES = (".json", ".json.gz")
-
-# Kineto categories of events that run on a GPU stream (newer Kineto writes lower case, older "Kernel", "Memcpy").
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "memcpy", "memset")
-_GPU_CAT_NAMES = [*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]
 
 # Element sizes. record_param_comms writes c10::ScalarType names ("Float"); record_shapes "Input type" writes C++
 # type names ("float", "c10::Half"). Sources: c10/core/ScalarType.h and the traces in docs/field-notes.md.
@@ -160,43 +155,10 @@ _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _STREAM_IN_TID = r"(\d+)\s*$"
 
-# Events whose record_shapes args we decode (few per step): peers, tags and message sizes of gloo P2P.
-_SHAPES_NAMES = (names.C10D_SEND, names.C10D_RECV)
-_GLOO_PREFIX = "gloo:"
+_GLOO_PREFIX = names.GLOO_PREFIX  # gloo events carry record_shapes facts too (the scanner's shaped prefixes)
 
 
-# --- reading bytes -----------------------------------------------------------------------------------------------
-def _open(path: Path):
-    """The trace file opened for reading when it is a regular file, or a one-line BadInputError saying why not."""
-    if path.is_dir():
-        raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
-    return open_regular(path, shown=shown(path))
-
-
-def _oversized(path: Path, offset: int) -> TraceFormatError:
-    return TraceFormatError(
-        f"one JSON value (an event, or the top level before traceEvents) exceeds "
-        f"{limits.MAX_VALUE_BYTES >> 20} MiB at about byte {offset:,} of the JSON; no profiler event is that large",
-        path=shown(path), fix="the file is damaged or not a profiler trace; re-collect it")
-
-
-class _Budget:
-    """The bounded-memory rule (``traceana.limits``): after each batch, the memory still free must be at least
-    twice what reading this trace has taken so far (building its tables takes about as much again)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.start = path, limits.usage()
-
-    def check(self, batches: "_Batches") -> None:
-        short = limits.short_of_room(self.start, limits.usage())
-        if short is not None:
-            taken, free = short
-            raise TraceFormatError(
-                f"after {batches.rows + batches.n_mem:,} events, reading it has taken {limits.gib(taken)} and only "
-                f"{limits.gib(free)} of memory is left: its tables would not fit",
-                path=shown(self.path), fix=limits.how_to_raise())
-
-
+# --- reading bytes (the general decoder) -------------------------------------------------------------------------
 WHOLE_JSON_BYTES = 16 << 20  # a trace whose JSON is at most this is decoded whole (every diagnostic of a bad file)
 STREAM_PIECE = 1 << 20  # bytes read, or decompressed, at a time by the general decoder
 
@@ -825,30 +787,8 @@ def _numel(dims: Any) -> int | None:
     return None
 
 
-# --- the native scanner --------------------------------------------------------------------------------------------
-NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
-READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
-MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
-GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
-THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and its queue cost more
-_META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "traceana")
-
-
-def native_available() -> bool:
-    """Whether the native scanner was built (it needs a C compiler at install time)."""
-    return _scan is not None
-
-
-# Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
-_GPU_CAT_BYTES = tuple(c.encode() for c in _GPU_CAT_NAMES)
-_COMM_NAME_BYTES = (names.RECORD_PARAM_COMMS.encode(),)
-_SHAPES_NAME_BYTES = tuple(n.encode() for n in _SHAPES_NAMES)
+# --- the native scanner's tables -> frames (its reading loop: traceana.ingest.reading) --------------------------------
 _ODD_X, _ODD_MEM, _ODD_GPU, _ODD_COMM = range(4)  # the tables of the scanner's odd values (_scan.c T_*)
-
-
-class _NotNative(Exception):
-    """A file the native scanner leaves to the general decoder (which also says what is wrong with it, if anything)."""
-
 
 def _arrow_frame(batch) -> pl.DataFrame:
     """A scanner batch → a frame: polars imports its Arrow columns through the PyCapsule protocol, without a copy
@@ -873,146 +813,20 @@ def _with_odd(frame: pl.DataFrame, odd: list, table: int) -> pl.DataFrame:
     )
 
 
-MMAP_WINDOW_BYTES = 1 << 21  # a window at least this large is an anonymous mapping, not a bytearray
-
-
-def _new_window(size: int) -> bytearray | mmap.mmap:
-    """A writable buffer of ``size`` bytes for the reading window. A large one is an anonymous mapping: its pages are
-    zero-filled by the kernel when first written (a bytearray is zeroed by a pass of its own, ~20 ms for 16 MB, then
-    written again), in huge pages where the kernel allows (2 MB faults instead of 4 KB), and go back to the OS when
-    it is closed (a freed 16 MB bytearray stayed in glibc's heap, and raised its mmap threshold for everything
-    after it)."""
-    if size < MMAP_WINDOW_BYTES:
-        return bytearray(size)
-    window = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            window.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return window
-
-
-def _free_window(window: bytearray | mmap.mmap) -> None:
-    if isinstance(window, mmap.mmap):
-        try:
-            window.close()
-        except BufferError:  # a view of it is still alive (an error while reading): unmapped when it is collected
-            pass
-
-
-class _Reader:
-    """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
-
-    ``buf`` is a view of the window; ``extend(keep_from)`` moves the bytes from ``keep_from`` on (at most one event
-    cut by the window's end) to its start and fills the rest. One buffer is reused throughout: the whole file is
-    never in memory, and no fresh memory is touched per piece.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fh = _open(path)
-        self.size = os.fstat(self.fh.fileno()).st_size
-        gz = self.fh.read(2) == GZIP_MAGIC
-        self.fh.seek(0)
-        if gz and self.size >= THREADED_GUNZIP_BYTES:
-            self.src = igzip_threaded.open(self.fh, "rb", threads=1)
-        elif gz:
-            self.src = igzip.open(self.fh, "rb")
-        else:
-            self.src = self.fh
-        # The window fits the file (grown in extend() should one event not fit): a 16 MB window for a 6 KB trace
-        # was most of the memory a small analysis used.
-        expect = self.size * (GZ_RATIO if gz else 1) + 1
-        self.window = _new_window(min(READ_PIECE, max(MIN_PIECE, expect)))
-        self.length = 0
-        self.buf = memoryview(self.window)[:0]
-        self.n_bytes = 0  # decompressed bytes so far
-        self.final = False  # the window reaches the end of the stream
-
-    def extend(self, keep_from: int) -> int:
-        """Keep the window from ``keep_from`` on and read more after it; returns where ``keep_from`` now is (0)."""
-        self.buf.release()
-        kept = self.length - keep_from
-        old = self.window
-        if kept >= len(old) // 2:  # one event larger than half the window: make room
-            if kept >= limits.MAX_VALUE_BYTES:
-                raise _oversized(self.path, self.n_bytes - kept)
-            # Doubled, but never past the rule's size (plus a read's worth): a longer value reaches it and is refused.
-            grow = min(len(old), limits.MAX_VALUE_BYTES + MIN_PIECE - len(old))
-            if grow > 0:
-                self.window = _new_window(len(old) + grow)
-        self.window[:kept] = old[keep_from:self.length]
-        if self.window is not old:
-            _free_window(old)
-        with memoryview(self.window) as view, view[kept:] as rest:
-            n = self.src.readinto(rest)
-        self.n_bytes += n
-        self.final = n == 0
-        self.length = kept + n
-        self.buf = memoryview(self.window)[: self.length]
-        return 0
-
-    def done(self) -> int:
-        return self.fh.tell()
-
-    def close(self) -> None:
-        self.buf.release()
-        _free_window(self.window)
-        if self.src is not self.fh:
-            self.src.close()
-        self.fh.close()
+def native_available() -> bool:
+    """Whether the native scanner was built (it needs a C compiler at install time)."""
+    return _scan is not None
 
 
 def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], None] | None) -> tuple[dict, int]:
-    """Decode a trace with the native scanner into ``batches``; returns (top-level raw values, JSON bytes)."""
-    r = _Reader(path)
-    try:
-        r.extend(0)
-        if not r.buf:
-            raise _NotNative("empty file")
-        while True:  # the top level up to the traceEvents array (kept whole in the window until found)
-            status, pos, keys = _scan.top(r.buf, 0, True, r.final)
-            if status != _scan.NEED:
-                break
-            r.extend(0)  # grow the window: nothing is dropped before the array starts
-        if status != _scan.EVENTS:
-            raise _NotNative("no traceEvents array")
-        top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
-        first = True
-        budget = _Budget(path)
-        scanner = _scan.Scanner(_GPU_CAT_BYTES, _COMM_NAME_BYTES, _SHAPES_NAME_BYTES, (_GLOO_PREFIX.encode(),))
-        while True:
-            status, pos, first, *tables, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final, scanner)
-            batches.add_columns(*tables, odd)
-            del tables
-            budget.check(batches)
-            if on_progress is not None:
-                on_progress(r.done(), r.size)
-            if status == _scan.END:
-                break
-            if status == _scan.NEED:
-                pos = r.extend(pos)
-        while True:  # the rest of the top level
-            status, end, keys = _scan.top(r.buf, pos, False, r.final)
-            if status != _scan.NEED:
-                break
-            pos = r.extend(pos)
-        if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
-            raise _NotNative("a second traceEvents")
-        top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
-        batches.dicts = tuple(_arrow_frame(d).to_series() for d in scanner.dictionaries())
-        while True:  # only whitespace may follow
-            if bytes(r.buf[end:]).strip(b" \t\r\n"):
-                raise _NotNative("data after the trace object")
-            if r.final:
-                break
-            end = r.extend(len(r.buf))
-    finally:
-        r.close()
-    if on_progress is not None:
-        on_progress(r.size, r.size)
-    return top, r.n_bytes
+    """Decode a trace with the native scanner (``reading.scan``: its read-ahead when the command started one) into
+    ``batches``; returns (top-level raw values, JSON bytes)."""
+    scanned = reading.scan(path, on_progress)
+    calls, scanned.calls = scanned.calls, []
+    while calls:  # each call's Arrow buffers move into polars (no copy), and the raw tables go as they are taken
+        batches.add_columns(*calls.pop(0))
+    batches.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
+    return scanned.top, scanned.n_bytes
 
 
 # --- whole trace -------------------------------------------------------------------------------------------------
@@ -1042,7 +856,7 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
         try:
             top, n_bytes = _scan_file(path, batches, on_progress)
             return top, batches, [], False, n_bytes
-        except (_scan.Unsupported, _NotNative, OSError, EOFError, *_ZLIB_ERRORS):
+        except reading.HANDED_BACK:
             pass  # e.g. a truncated gzip stream (EOFError): the general decoder recovers what it can
     state: dict[str, bool] = {}
     w = _Window(_pieces(path, state))

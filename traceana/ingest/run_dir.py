@@ -13,9 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
-import re
 import sys
-import zlib
 import warnings as pywarnings
 from pathlib import Path
 from typing import Any, Callable
@@ -24,11 +22,11 @@ import polars as pl
 
 from traceana import names, schema
 from traceana.errors import BadInputError, RunDirError, TraceanaError
-from traceana.files import open_regular
 from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto
-from traceana.ingest.kineto import NotATraceError, is_trace_name, rank_from_filename, read_trace, shown
+from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trace, shown
+from traceana.ingest.reading import MERGED_PRODUCER, find_traces, is_merged_trace  # noqa: F401 (polars-free: the CLI)
 from traceana.intervals import ENGINE
 from traceana.manifest import MANIFEST_NAME, Manifest
 
@@ -41,39 +39,6 @@ class IngestWarning(UserWarning):
     Commands that print ``Run.warnings`` themselves can silence these with
     ``warnings.simplefilter("ignore", IngestWarning)``.
     """
-
-
-def find_traces(directory: Path) -> list[Path]:
-    """Kineto trace files directly in ``directory`` (``*.json``, ``*.json.gz``; run.json and hidden files excluded)."""
-    try:
-        entries = sorted(directory.iterdir())
-    except PermissionError:
-        raise BadInputError("permission denied listing the directory", path=shown(directory),
-                            fix="make it readable (chmod +rx)") from None
-    except OSError as e:
-        raise BadInputError(f"cannot list the directory ({e.strerror or e})", path=shown(directory),
-                            fix="check the path") from None
-    return [p for p in entries
-            if is_trace_name(p) and p.name != MANIFEST_NAME and not p.name.startswith(".")
-            and not (p.is_dir() and not p.is_symlink())]
-
-
-MERGED_PRODUCER = "traceana merge"  # otherData.producer in the header of the trace ``traceana merge`` writes
-_MERGED_MARK = re.compile(rb'^\s*\{\s*"displayTimeUnit"\s*:\s*"ns"\s*,\s*"otherData"\s*:\s*\{\s*"producer"\s*:\s*"'
-                          + re.escape(MERGED_PRODUCER.encode()) + rb'"')
-
-
-def is_merged_trace(path: Path) -> bool:
-    """Whether ``path`` is traceana's own merged trace (its header, written first, names the producer): a run
-    folder holding one must still analyse as the ranks' traces alone. Reads at most the first 64 KiB."""
-    try:
-        with open_regular(path) as fh:
-            head = fh.read(1 << 16)
-        if head[:2] == kineto.GZIP_MAGIC:
-            head = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, 4096)
-    except (TraceanaError, OSError, zlib.error, EOFError):
-        return False  # unreadable: the parse says why
-    return bool(_MERGED_MARK.match(head))
 
 
 def input_files(path: str | Path) -> list[Path]:

@@ -1,0 +1,465 @@
+"""Reading trace files without polars: which files a run holds, their bytes through one window, the native
+scanner's loop, and the first trace of a run read ahead while the command still imports polars.
+
+Everything here imports only the standard library, isal, msgspec-free helpers and the native scanner
+(``_scan.c``), so that ``traceana.cli`` can start reading a run's first trace right after parsing its arguments:
+the scanner and isal's gunzip run without the GIL, so on a second core they read the file while the main thread
+imports polars and the analysis (docs/performance.md "Fixed cost"). ``traceana.ingest.kineto`` turns what the
+scanner hands back (Arrow tables, the few values of another type, the top level's raw values) into polars frames;
+it is the only caller of ``scan``, and the one place a read-ahead is taken (``scan`` does both).
+
+Read-ahead is bounded: one file (the first trace load_run would read), at most ``AHEAD_BYTES`` of JSON scanned
+in the background, after which the thread stops; whoever takes it goes on from there in its own thread under the
+memory rule (``Budget``). A read-ahead is used only for the same file unchanged (device, inode, size, mtime and
+ctime as when it was opened), its errors are raised where the file is taken, exactly as a scan there would raise
+them, and one never taken costs only its thread's work.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+from traceana import limits, names
+from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
+from traceana.files import open_regular
+from traceana.manifest import MANIFEST_NAME
+
+try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
+    from traceana.ingest import _scan
+except ImportError:  # pragma: no cover - built without a C compiler
+    _scan = None  # type: ignore[assignment]
+
+# isal (a core dependency) gunzips ~1.6x faster than zlib (docs/field-notes.md).
+from isal import igzip, igzip_threaded
+from isal import isal_zlib as _zlib
+
+ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
+GZIP_MAGIC = b"\x1f\x8b"
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+# Kineto categories of events that run on a GPU stream (newer Kineto writes lower case, older "Kernel", "Memcpy").
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "memcpy", "memset")
+GPU_CAT_NAMES = [*GPU_CATS, *(c.capitalize() for c in GPU_CATS)]
+# Events whose record_shapes args ingest decodes (few per step): peers, tags and message sizes of gloo P2P.
+SHAPES_NAMES = (names.C10D_SEND, names.C10D_RECV)
+META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "traceana")
+
+
+# --- which files ---------------------------------------------------------------------------------------------------
+def is_trace_name(path: Path) -> bool:
+    return path.name.endswith(TRACE_SUFFIXES)
+
+
+def find_traces(directory: Path) -> list[Path]:
+    """Kineto trace files directly in ``directory`` (``*.json``, ``*.json.gz``; run.json and hidden files excluded)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except PermissionError:
+        raise BadInputError("permission denied listing the directory", path=shown(directory),
+                            fix="make it readable (chmod +rx)") from None
+    except OSError as e:
+        raise BadInputError(f"cannot list the directory ({e.strerror or e})", path=shown(directory),
+                            fix="check the path") from None
+    return [p for p in entries
+            if is_trace_name(p) and p.name != MANIFEST_NAME and not p.name.startswith(".")
+            and not (p.is_dir() and not p.is_symlink())]
+
+
+MERGED_PRODUCER = "traceana merge"  # otherData.producer in the header of the trace ``traceana merge`` writes
+_MERGED_MARK = re.compile(rb'^\s*\{\s*"displayTimeUnit"\s*:\s*"ns"\s*,\s*"otherData"\s*:\s*\{\s*"producer"\s*:\s*"'
+                          + re.escape(MERGED_PRODUCER.encode()) + rb'"')
+
+
+def is_merged_trace(path: Path) -> bool:
+    """Whether ``path`` is traceana's own merged trace (its header, written first, names the producer): a run
+    folder holding one must still analyse as the ranks' traces alone. Reads at most the first 64 KiB."""
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(1 << 16)
+        if head[:2] == GZIP_MAGIC:
+            head = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, 4096)
+    except (TraceanaError, OSError, zlib.error, EOFError):
+        return False  # unreadable: the parse says why
+    return bool(_MERGED_MARK.match(head))
+
+
+# --- reading bytes -------------------------------------------------------------------------------------------------
+def open_trace(path: Path):
+    """The trace file opened for reading when it is a regular file, or a one-line BadInputError saying why not."""
+    if path.is_dir():
+        raise BadInputError("is a directory, not a trace file", path=shown(path), fix="pass a trace file or use load_run")
+    return open_regular(path, shown=shown(path))
+
+
+def oversized(path: Path, offset: int) -> TraceFormatError:
+    return TraceFormatError(
+        f"one JSON value (an event, or the top level before traceEvents) exceeds "
+        f"{limits.MAX_VALUE_BYTES >> 20} MiB at about byte {offset:,} of the JSON; no profiler event is that large",
+        path=shown(path), fix="the file is damaged or not a profiler trace; re-collect it")
+
+
+class Budget:
+    """The bounded-memory rule (``traceana.limits``): after each batch, the memory still free must be at least
+    twice what reading this trace has taken so far (building its tables takes about as much again). ``batches``
+    is anything counting its X events (``rows``) and memory instants (``n_mem``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.start = path, limits.usage()
+
+    def check(self, batches) -> None:
+        short = limits.short_of_room(self.start, limits.usage())
+        if short is not None:
+            taken, free = short
+            raise TraceFormatError(
+                f"after {batches.rows + batches.n_mem:,} events, reading it has taken {limits.gib(taken)} and only "
+                f"{limits.gib(free)} of memory is left: its tables would not fit",
+                path=shown(self.path), fix=limits.how_to_raise())
+
+
+# --- the native scanner ------------------------------------------------------------------------------------------
+NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
+READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
+MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
+GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
+THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and its queue cost more
+
+
+# Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
+_GPU_CAT_BYTES = tuple(c.encode() for c in GPU_CAT_NAMES)
+_COMM_NAME_BYTES = (names.RECORD_PARAM_COMMS.encode(),)
+_SHAPES_NAME_BYTES = tuple(n.encode() for n in SHAPES_NAMES)
+_SHAPES_PREFIX_BYTES = (names.GLOO_PREFIX.encode(),)
+
+
+class NotNative(Exception):
+    """A file the native scanner leaves to the general decoder (which also says what is wrong with it, if anything)."""
+
+
+# What the native scanner raises for a file it hands back to the general decoder (a truncated gzip stream is an
+# EOFError: the general decoder recovers what it can).
+HANDED_BACK: tuple[type[BaseException], ...] = (NotNative, OSError, EOFError, *ZLIB_ERRORS,
+                                                *((_scan.Unsupported,) if _scan is not None else ()))
+
+MMAP_WINDOW_BYTES = 1 << 21  # a window at least this large is an anonymous mapping, not a bytearray
+
+
+def _new_window(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of ``size`` bytes for the reading window. A large one is an anonymous mapping: its pages are
+    zero-filled by the kernel when first written (a bytearray is zeroed by a pass of its own, ~20 ms for 16 MB, then
+    written again), in huge pages where the kernel allows (2 MB faults instead of 4 KB), and go back to the OS when
+    it is closed (a freed 16 MB bytearray stayed in glibc's heap, and raised its mmap threshold for everything
+    after it)."""
+    if size < MMAP_WINDOW_BYTES:
+        return bytearray(size)
+    window = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            window.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return window
+
+
+def _free_window(window: bytearray | mmap.mmap) -> None:
+    if isinstance(window, mmap.mmap):
+        try:
+            window.close()
+        except BufferError:  # a view of it is still alive (an error while reading): unmapped when it is collected
+            pass
+
+
+def _gunzip_inline(fh):
+    """isal's gzip reader itself (the one its gunzip thread and ``igzip.open`` wrap): its ``readinto`` inflates
+    straight into the window, the GIL released. ``igzip.open``'s file object reads a bytes object and copies it:
+    on a 54 MB trace a copy of every byte and ~11 MB more memory kept (the freed 16 MB blocks)."""
+    reader = getattr(igzip, "_IGzipReader", None)
+    return reader(fh, igzip.READ_BUFFER_SIZE) if reader is not None else igzip.open(fh, "rb")
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class Reader:
+    """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
+
+    ``buf`` is a view of the window; ``extend(keep_from)`` moves the bytes from ``keep_from`` on (at most one event
+    cut by the window's end) to its start and fills the rest. One buffer is reused throughout: the whole file is
+    never in memory, and no fresh memory is touched per piece.
+
+    isal's gunzip thread stops when the thread that opened the file has ended (its stream then ends early: the
+    scanner finds it truncated and hands the file back), so a Reader is opened in a thread that outlives its use:
+    the read-ahead's in the command's main thread, not in its own.
+    """
+
+    def __init__(self, path: Path, *, threads_from: int = THREADED_GUNZIP_BYTES) -> None:
+        """``threads_from``: a gzip file of at least this many bytes is gunzipped in isal's thread, a smaller one
+        inline (in the thread that reads, the GIL released while it inflates)."""
+        self.path = path
+        self.fh = open_trace(path)
+        st = os.fstat(self.fh.fileno())
+        self.identity = _identity(st)  # the file as opened: a read-ahead is used only for the same file unchanged
+        self.size = st.st_size
+        gz = self.fh.read(2) == GZIP_MAGIC
+        self.fh.seek(0)
+        if gz and self.size >= threads_from:
+            self.src = igzip_threaded.open(self.fh, "rb", threads=1)
+        elif gz:
+            self.src = _gunzip_inline(self.fh)
+        else:
+            self.src = self.fh
+        # The window fits the file (grown in extend() should one event not fit): a 16 MB window for a 6 KB trace
+        # was most of the memory a small analysis used.
+        expect = self.size * (GZ_RATIO if gz else 1) + 1
+        self.window = _new_window(min(READ_PIECE, max(MIN_PIECE, expect)))
+        self.length = 0
+        self.buf = memoryview(self.window)[:0]
+        self.n_bytes = 0  # decompressed bytes so far
+        self.final = False  # the window reaches the end of the stream
+
+    def extend(self, keep_from: int) -> int:
+        """Keep the window from ``keep_from`` on and read more after it; returns where ``keep_from`` now is (0)."""
+        self.buf.release()
+        kept = self.length - keep_from
+        old = self.window
+        if kept >= len(old) // 2:  # one event larger than half the window: make room
+            if kept >= limits.MAX_VALUE_BYTES:
+                raise oversized(self.path, self.n_bytes - kept)
+            # Doubled, but never past the rule's size (plus a read's worth): a longer value reaches it and is refused.
+            grow = min(len(old), limits.MAX_VALUE_BYTES + MIN_PIECE - len(old))
+            if grow > 0:
+                self.window = _new_window(len(old) + grow)
+        self.window[:kept] = old[keep_from:self.length]
+        if self.window is not old:
+            _free_window(old)
+        with memoryview(self.window) as view, view[kept:] as rest:
+            n = self.src.readinto(rest)
+        self.n_bytes += n
+        self.final = n == 0
+        self.length = kept + n
+        self.buf = memoryview(self.window)[: self.length]
+        return 0
+
+    def done(self) -> int:
+        return self.fh.tell()
+
+    def close(self) -> None:
+        """Close the file and free the window (again: nothing)."""
+        if self.fh.closed:
+            return
+        self.buf.release()
+        _free_window(self.window)
+        if self.src is not self.fh:
+            self.src.close()
+        self.fh.close()
+
+
+class Scanned:
+    """What the native scanner read of one trace, before polars: per scanner call the X, memory, GPU,
+    communication and record_shapes tables (Arrow arrays, ``_scan.c`` "emitting rows") and the values of another
+    type than their column's (``odd``); at the end the file's four dictionaries, the top level's raw values and
+    the JSON's size. ``rows``/``n_mem`` count X events and memory instants (the memory rule's ``Budget``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.calls: list[tuple[Any, ...]] = []  # (x, memory, gpu, comm, shapes, odd) per call, in file order
+        self.rows = self.n_mem = 0
+        self.top: dict[str, bytes] = {}
+        self.dicts: tuple[Any, ...] | None = None
+        self.n_bytes = 0
+        self.size = 0
+
+    def steps(self, reader: Reader | None = None):
+        """The scan, one scanner call at a time: a generator yielding the Reader after each call (so a caller can
+        check the memory rule, report progress, or stop and hand the rest to another thread); when it ends, the
+        scan is complete. Raises what the scanner raises for a file it hands back (HANDED_BACK) or a
+        TraceanaError; the file (``reader``, else opened at the first step) is closed when it ends or fails, or
+        when the generator is closed."""
+        r = Reader(self.path) if reader is None else reader
+        self.size = r.size
+        try:
+            r.extend(0)
+            if not r.buf:
+                raise NotNative("empty file")
+            while True:  # the top level up to the traceEvents array (kept whole in the window until found)
+                status, pos, keys = _scan.top(r.buf, 0, True, r.final)
+                if status != _scan.NEED:
+                    break
+                r.extend(0)  # grow the window: nothing is dropped before the array starts
+            if status != _scan.EVENTS:
+                raise NotNative("no traceEvents array")
+            self.top = {k: bytes(r.buf[a:b]) for k, a, b in keys}
+            first = True
+            scanner = _scan.Scanner(_GPU_CAT_BYTES, _COMM_NAME_BYTES, _SHAPES_NAME_BYTES, _SHAPES_PREFIX_BYTES)
+            while True:
+                status, pos, first, *tables, odd, _ = _scan.events(r.buf, pos, first, NATIVE_CHUNK, r.final, scanner)
+                self.calls.append((*tables, odd))
+                self.rows += len(tables[0])
+                self.n_mem += len(tables[1])
+                del tables
+                yield r
+                if status == _scan.END:
+                    break
+                if status == _scan.NEED:
+                    pos = r.extend(pos)
+            while True:  # the rest of the top level
+                status, end, keys = _scan.top(r.buf, pos, False, r.final)
+                if status != _scan.NEED:
+                    break
+                pos = r.extend(pos)
+            if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
+                raise NotNative("a second traceEvents")
+            self.top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
+            self.dicts = scanner.dictionaries()
+            while True:  # only whitespace may follow
+                if bytes(r.buf[end:]).strip(b" \t\r\n"):
+                    raise NotNative("data after the trace object")
+                if r.final:
+                    break
+                end = r.extend(len(r.buf))
+            self.n_bytes = r.n_bytes
+        finally:
+            r.close()
+
+
+def _run(scanned: Scanned, steps, on_progress: Callable[[int, int], None] | None) -> Scanned:
+    """The rest of a scan, in this thread, under the memory rule, with progress after each call and at the end."""
+    budget = Budget(scanned.path)
+    for r in steps:
+        budget.check(scanned)
+        if on_progress is not None:
+            on_progress(r.done(), r.size)
+    if on_progress is not None:
+        on_progress(scanned.size, scanned.size)
+    return scanned
+
+
+def scan(path: Path, on_progress: Callable[[int, int], None] | None = None) -> Scanned:
+    """A trace read by the native scanner (it must be built): the read-ahead of this file when one was started
+    (``read_ahead``) and the file is unchanged, finished here; else the file scanned here. Raises HANDED_BACK for a
+    file the general decoder must read, a TraceanaError for one nobody can (exactly as either way)."""
+    ahead = _take(path)
+    if ahead is not None:
+        return _run(ahead.scanned, ahead.steps, on_progress)
+    scanned = Scanned(path)
+    return _run(scanned, scanned.steps(), on_progress)
+
+
+# --- reading ahead ---------------------------------------------------------------------------------------------
+AHEAD_BYTES = 128 << 20  # JSON a read-ahead scans at most before it waits to be taken (HTA's traces are 54-87 MB)
+# A read-ahead gunzips inline what it can read whole: isal's gunzip thread hands each 1 MB over through Python code,
+# so while the main thread imports (running Python code itself) each handover waited for the GIL; inline, the
+# reading thread takes the GIL only between its ~16 MB reads and scanner calls.
+AHEAD_THREADS_FROM = max(THREADED_GUNZIP_BYTES, AHEAD_BYTES // GZ_RATIO)
+_AHEAD: dict[str, "_Ahead"] = {}
+_AHEAD_LOCK = threading.Lock()
+
+
+class _Ahead:
+    """One file scanned in a background thread until AHEAD_BYTES of its JSON, the end, an error, or ``stop``."""
+
+    def __init__(self, path: Path) -> None:
+        self.scanned = Scanned(path)
+        # Opened in this thread (see Reader); a file that cannot be opened is not read ahead.
+        self.reader = Reader(path, threads_from=AHEAD_THREADS_FROM)
+        self.steps = self.scanned.steps(self.reader)
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._scan, name="traceana-read-ahead", daemon=True)
+
+    def _scan(self) -> None:
+        try:
+            for r in self.steps:
+                if self.stopping.is_set() or r.n_bytes >= AHEAD_BYTES:
+                    return  # the rest is read by whoever takes it (under the memory rule), or never
+        except BaseException as e:  # raised where the file is taken, as a scan there would raise it
+            self.error = e
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def close(self) -> None:
+        self.steps.close()
+        self.reader.close()
+
+
+def _key(path: Path | str) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+def _take(path: Path) -> _Ahead | None:
+    """The read-ahead of ``path``, stopped (what it has not read yet is read by the caller): None when there is
+    none, or the file is no longer the file it opened. Raises the read-ahead's error."""
+    with _AHEAD_LOCK:
+        ahead = _AHEAD.pop(_key(path), None)
+    if ahead is None:
+        return None
+    ahead.stop()
+    try:
+        same = _identity(os.stat(path)) == ahead.reader.identity
+    except OSError:
+        same = False
+    if not same:  # changed or replaced: read it again as if nothing had been read ahead
+        ahead.close()
+        return None
+    if ahead.error is not None:
+        error, ahead.error = ahead.error, None
+        raise error
+    return ahead
+
+
+def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
+    """Start reading the first trace that ``load_run(path)`` would read, in a background thread (native scanner
+    only); returns that file, or None when nothing was started: no scanner, nothing readable (load_run says
+    why), or, with ``cache``, an entry of the run's cache for that file (a cache hit must not pay a scan)."""
+    if _scan is None:
+        return None
+    try:
+        path = Path(path)
+        if path.is_dir():
+            run_dir, files = path, find_traces(path)
+        elif path.is_file():
+            run_dir, files = path.parent, [path]
+        else:
+            return None
+        first = next((f for f in files if not is_merged_trace(f)), None)
+        if first is None or (cache and _cached(run_dir, first)):
+            return None
+        ahead = _Ahead(first)
+        with _AHEAD_LOCK:
+            if _key(first) in _AHEAD:
+                return None
+            _AHEAD[_key(first)] = ahead
+        ahead.thread.start()
+        return first
+    except (TraceanaError, OSError, ValueError):
+        return None
+
+
+def _cached(run_dir: Path, trace: Path) -> bool:
+    """Whether the run's ingest cache holds an entry for ``trace``: its key needs polars' schemas, so any entry of
+    that file counts (a stale one only costs this read-ahead). An analysis cache hit implies one: load_run wrote
+    it in the same folder when the analysis was stored."""
+    from traceana.ingest.cache import CACHE_DIR, SUBDIR
+
+    try:
+        return any(n.startswith(f"{trace.name}.") for n in os.listdir(run_dir / CACHE_DIR / SUBDIR))
+    except OSError:
+        return False
+
+
+def drop_ahead() -> None:
+    """Stop and forget every read-ahead not taken (a command that ended before reading it, or failed)."""
+    with _AHEAD_LOCK:
+        left = list(_AHEAD.values())
+        _AHEAD.clear()
+    for ahead in left:
+        ahead.stop()
+        ahead.close()
