@@ -162,11 +162,27 @@ def _exit_now(rc: int) -> None:
     os._exit(rc)
 
 
+def _read_ahead(args: argparse.Namespace) -> bool:
+    """A command that reads a run in this process (``run_dir``, or ``runs`` of which the first is read first, and
+    the reading options) starts reading its first trace now, in a thread, while it imports polars and the analysis
+    (``traceana.ingest.reading.read_ahead``: bounded, used only for the same file unchanged, never on a cache hit).
+    Returns whether one was started."""
+    path = getattr(args, "run_dir", None)
+    if path is None and getattr(args, "runs", None):
+        path = args.runs[0]
+    if path is None or not hasattr(args, "no_cache") or getattr(args, "dask", None) is not None:
+        return False
+    from traceana.ingest import reading
+
+    return reading.read_ahead(path, cache=not args.no_cache) is not None
+
+
 def _main(argv: list[str] | None) -> int:
     warnings.showwarning = _show_warning
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    ahead = _read_ahead(args)
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -200,6 +216,10 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 1
     finally:
+        if ahead:  # not taken (a cache hit, an error before reading): stopped, its memory freed
+            from traceana.ingest import reading
+
+            reading.drop_ahead()
         # After an interrupt the signals stay ignored: the process is on its way out (see _quiet_signals).
         if previous is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:
             try:
