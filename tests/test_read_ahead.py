@@ -238,3 +238,18 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("polars", "msgspec", 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_read_ahead_of_a_huge_trace_stops_early(tmp_path):
+    # ~50 MB of JSON in tiny events (~600k): the read-ahead, which the memory rule does not watch, stops after
+    # AHEAD_EVENTS events (plus what its last scanner call read) and waits; the rest is read under the rule.
+    event = b'{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 1}'
+    f = tmp_path / "rank0.json.gz"
+    f.write_bytes(gzip.compress(b'{"traceEvents": [' + b",\n".join([event] * 600_000) + b"]}", 1))
+    assert reading.read_ahead(f, cache=False) == f
+    (ahead,) = reading._AHEAD.values()
+    ahead.thread.join(timeout=60)
+    assert not ahead.thread.is_alive() and ahead.error is None
+    per_call = reading.NATIVE_CHUNK // len(event)
+    assert reading.AHEAD_EVENTS <= ahead.scanned.rows < reading.AHEAD_EVENTS + per_call + 1
+    assert kineto.read_trace(f)[0].height == 600_000

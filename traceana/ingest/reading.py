@@ -8,9 +8,9 @@ imports polars and the analysis (docs/performance.md "Fixed cost"). ``traceana.i
 scanner hands back (Arrow tables, the few values of another type, the top level's raw values) into polars frames;
 it is the only caller of ``scan``, and the one place a read-ahead is taken (``scan`` does both).
 
-Read-ahead is bounded: one file (the first trace load_run would read), at most ``AHEAD_BYTES`` of JSON scanned
-in the background, after which the thread stops; whoever takes it goes on from there in its own thread under the
-memory rule (``Budget``). A read-ahead is used only for the same file unchanged (device, inode, size, mtime and
+Read-ahead is bounded: one file (the first trace load_run would read), at most ``AHEAD_BYTES`` of JSON or
+``AHEAD_EVENTS`` events scanned in the background, after which the thread stops; whoever takes it goes on from
+there in its own thread under the memory rule (``Budget``). A read-ahead is used only for the same file unchanged (device, inode, size, mtime and
 ctime as when it was opened), its errors are raised where the file is taken, exactly as a scan there would raise
 them, and one never taken costs only its thread's work.
 """
@@ -352,7 +352,12 @@ def scan(path: Path, on_progress: Callable[[int, int], None] | None = None) -> S
 
 
 # --- reading ahead ---------------------------------------------------------------------------------------------
-AHEAD_BYTES = 128 << 20  # JSON a read-ahead scans at most before it waits to be taken (HTA's traces are 54-87 MB)
+# A read-ahead stops (and waits to be taken) after this much JSON or this many events: HTA's public traces (54 and
+# 87 MB, 123k and 138k events) are read whole. The memory rule (Budget) runs where the read is taken and counts from
+# there: what the read-ahead holds by then (its tables: ~60 bytes an event, so at most ~30 MB with the last call's
+# overshoot of a 16 MB chunk) is not in its count — nor is polars' import, which ran meanwhile.
+AHEAD_BYTES = 128 << 20
+AHEAD_EVENTS = 250_000
 # A read-ahead gunzips inline what it can read whole: isal's gunzip thread hands each 1 MB over through Python code,
 # so while the main thread imports (running Python code itself) each handover waited for the GIL; inline, the
 # reading thread takes the GIL only between its ~16 MB reads and scanner calls.
@@ -362,7 +367,8 @@ _AHEAD_LOCK = threading.Lock()
 
 
 class _Ahead:
-    """One file scanned in a background thread until AHEAD_BYTES of its JSON, the end, an error, or ``stop``."""
+    """One file scanned in a background thread until AHEAD_BYTES of its JSON or AHEAD_EVENTS events, the end, an
+    error, or ``stop``."""
 
     def __init__(self, path: Path) -> None:
         self.scanned = Scanned(path)
@@ -376,7 +382,8 @@ class _Ahead:
     def _scan(self) -> None:
         try:
             for r in self.steps:
-                if self.stopping.is_set() or r.n_bytes >= AHEAD_BYTES:
+                if (self.stopping.is_set() or r.n_bytes >= AHEAD_BYTES
+                        or self.scanned.rows + self.scanned.n_mem >= AHEAD_EVENTS):
                     return  # the rest is read by whoever takes it (under the memory rule), or never
         except BaseException as e:  # raised where the file is taken, as a scan there would raise it
             self.error = e
