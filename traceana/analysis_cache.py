@@ -300,6 +300,9 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
     from traceana.ingest.run_dir import load_run
 
     run = load_run(path, workers=workers, cache=cache, progress=progress)
+    # (The per-rank counts before the analysis: their few frames then come on top of the ingested events alone,
+    # not on top of everything the analysis holds at its end.)
+    ranks = rank_summary(run)
     if progress:
         from rich.console import Console
 
@@ -307,7 +310,7 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             result = analyze(run, peak_flops=peak_flops, name_rules=rules)
     else:
         result = analyze(run, peak_flops=peak_flops, name_rules=rules)
-    result = replace(result, rank_summary=rank_summary(run))
+    result = replace(result, rank_summary=ranks)
     if store is not None:
         store.store(prefix, key, result)
     return result

@@ -527,6 +527,12 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
     for lk, frames in by_keys.items():
         layer = pl.concat(frames, how="vertical_relaxed")
         if grouped is not None and list(lk) == on_:  # kept within its group's extent: it must not reach another's
+            if groups.height == 1 and len(on_) == 1:  # (a batch of one large group: its bounds as literals)
+                (g, lo, hi, shift), = groups.select(*on_, "_lo", "_hi", "_shift").rows()
+                cut.append(layer.filter(pl.col(on_[0]) == g).select(
+                    "_set", pl.max_horizontal(START, pl.lit(lo)).alias(START),
+                    pl.min_horizontal(END, pl.lit(hi)).alias(END), pl.lit(shift, pl.Int64).alias("_shift")))
+                continue
             cut.append(layer.join(groups.lazy(), on=on_).select(
                 "_set", pl.max_horizontal(START, "_lo").alias(START), pl.min_horizontal(END, "_hi").alias(END),
                 "_shift"))
@@ -538,19 +544,23 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
                          for c in cut], how="vertical_relaxed").collect(engine=ENGINE)
     segs = _sweep_stacked(on_axis, len(names) + 2).filter(_has(0) | _has(1))
     # The first layer covering a segment is the lowest set bit above the windows' bits 0 and 1.
+    # (One byte a segment: at most 62 sets.)
     layer_bits = pl.col("_mask") & ~pl.lit(3, pl.Int64)
-    index = layer_bits.bitwise_trailing_zeros().cast(pl.Int64) - 2
+    index = (layer_bits.bitwise_trailing_zeros() - 2).cast(pl.UInt8)
     labels = pl.Series([*names, default])
-    choice = pl.when(layer_bits == 0).then(len(names)).otherwise(index)
+    choice = pl.when(layer_bits == 0).then(pl.lit(len(names), pl.UInt8)).otherwise(index)
     # Segments of a window are contiguous and sorted: merge runs of one label (boundaries of lower layers split
     # them needlessly), then name the labels on the (much shorter) result. A gap, or a window's start (windows of
     # a group may touch), begins a run too.
     w = w.lazy().filter(pl.col(END) > pl.col(START)).with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
     w = w.collect(engine=ENGINE)
-    segs = segs.select(choice.alias("_label"), START, END)
-    runs = _runs(segs, (pl.int_range(pl.len()) == 0) | (pl.col("_label") != pl.col("_label").shift(1))
-                 | (pl.col(START) != pl.col(END).shift(1)) | pl.col(START).is_in(w["_at"].implode()),
-                 ["_label", START], [END])
+    # A window's start: where the segment's window bits (0, 1) differ from the previous segment's, whose window
+    # (alternating between the two sets) is another, or where there is a gap.
+    window_bits = pl.col("_mask") & 3
+    segs = segs.select(choice.alias("_label"), START, END,
+                       (window_bits != window_bits.shift(1)).fill_null(True).alias("_window_start"))
+    runs = _runs(segs, pl.col("_window_start") | (pl.col("_label") != pl.col("_label").shift(1))
+                 | (pl.col(START) != pl.col(END).shift(1)), ["_label", START], [END])
     # Back from the axis: the window holding each segment is the last one starting on the axis at or before it.
     window = w.lazy().select(*keys, "_shift").select(
         pl.all().gather(w["_at"].search_sorted(runs[START], side="right") - 1))
