@@ -86,3 +86,4 @@ def test_rank_summary_counts_what_a_plain_per_event_count_finds(gpu_run):
         got = cls.rank_summary(run)
         want = _plain_rank_summary(run.events)
         assert_frame_equal(got.select(want.columns), want)
+        assert_frame_equal(cls.rank_summary(run, by_name=cls.name_table(run.events)), got)

@@ -78,12 +78,13 @@ def _same_host(run: Run) -> bool | None:
 
 
 def analyze(run: Run, *, peak_flops: float | None = None,
-            name_rules: names.NameRules = names.DEFAULT_RULES) -> Analysis:
+            name_rules: names.NameRules = names.DEFAULT_RULES, by_name: cls.NameTable | None = None) -> Analysis:
     """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
     map ranks to stages, reconstruct the schedule (annotated, else inferred from P2P order), attribute every instant
     of every step to a category, and measure memory per stage. ``peak_flops`` (FLOP/s per device) overrides
     run.json's for MFU; ``name_rules`` map other frameworks' names to phases and kinds (docs/naming.md;
-    ``names.rules_for_run`` reads a rules file or run.json's). Pure: the run is not modified. The headline figures
+    ``names.rules_for_run`` reads a rules file or run.json's); ``by_name``: ``classify.name_table(run.events,
+    name_rules)``, if the caller has it. Pure: the run is not modified. The headline figures
     are ``Analysis.summary``."""
     short = limits.analysis_short(run.events.height)  # a failed allocation in polars would abort the process
     if short is not None:
@@ -91,7 +92,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                             f"and only {limits.gib(short[1])} of memory is left", path=shown(run.path),
                             fix=limits.how_to_raise())
     notes: list[str] = []
-    by_name = cls.name_table(run.events, name_rules)  # for both classify and rule_notes
+    if by_name is None:  # (the caller may have it: classify.name_table(run.events, name_rules))
+        by_name = cls.name_table(run.events, name_rules)  # for both classify and rule_notes
     # The peer, size and group GPU work takes from its launching op are written into the events last, once the
     # analysis' largest frames are gone (docs/performance.md "How the analysis stays fast and small"); until then
     # only the P2P messages read them, from the few rows they come from.

@@ -296,20 +296,21 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             hit = store.load(prefix, key, path, peak_flops=peak_flops, workers=workers)
             if hit is not None:
                 return hit
-    from traceana.classify import rank_summary
+    from traceana.classify import name_table, rank_summary
     from traceana.ingest.run_dir import load_run
 
     run = load_run(path, workers=workers, cache=cache, progress=progress)
     # (The per-rank counts before the analysis: their few frames then come on top of the ingested events alone,
     # not on top of everything the analysis holds at its end.)
-    ranks = rank_summary(run)
+    by_name = name_table(run.events, rules)  # (the distinct names, found once for both)
+    ranks = rank_summary(run, by_name=by_name)
     if progress:
         from rich.console import Console
 
         with Console(stderr=True).status("attributing step time"):
-            result = analyze(run, peak_flops=peak_flops, name_rules=rules)
+            result = analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
     else:
-        result = analyze(run, peak_flops=peak_flops, name_rules=rules)
+        result = analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
     result = replace(result, rank_summary=ranks)
     if store is not None:
         store.store(prefix, key, result)

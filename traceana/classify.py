@@ -411,11 +411,12 @@ def inside(points: pl.DataFrame, at: str, spans: pl.DataFrame, *, by: str = "ran
     return iv.containing(points, at, spans, by=by, columns=["start"])["start"].is_not_null().alias("inside")
 
 
-def rank_summary(run: Run) -> pl.DataFrame:
+def rank_summary(run: Run, *, by_name: NameTable | None = None) -> pl.DataFrame:
     """One row per rank: devices, steps found and their mean duration, events, kernels, P2P and collective ops.
 
     P2P ops are ``c10d::send``/``c10d::recv_`` (any backend), else NCCL ``record_param_comms`` send/recv.
     Collective ops are the CPU-side ``nccl:*``/``gloo:*`` spans c10d records around each collective, P2P excluded.
+    ``by_name``: ``name_table(run.events, …)``, if the caller has it (its distinct names are read).
     """
     ev = run.events
     # The name tests run once per distinct name. Only events whose name passes one of them (steps, NCCL kernels,
@@ -425,7 +426,8 @@ def rank_summary(run: Run) -> pl.DataFrame:
     name = pl.col("name")
     coll_prefix = pl.coalesce(*(pl.when(name.str.starts_with(pre)).then(name.str.strip_prefix(pre))
                                 for pre in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))
-    by_name = pl.DataFrame({"name": distinct_names(ev)}, schema={"name": pl.String}).with_columns(
+    distinct = distinct_names(ev) if by_name is None else by_name.distinct
+    by_name = pl.DataFrame({"name": distinct}, schema={"name": pl.String}).with_columns(
         _step_no=name.str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False),
         _nccl=name.str.starts_with(names.NCCL_KERNEL_PREFIXES[0]) | name.str.starts_with(names.NCCL_KERNEL_PREFIXES[1]),
         _c10d_p2p=name.is_in([names.C10D_SEND, names.C10D_RECV]),
