@@ -133,10 +133,12 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """
     rows = f["is_gpu"].arg_true()
     gpu = f.select(rows.alias("_row"), *(pl.col(c).gather(rows) for c in ("rank", "ext_id", "corr_id")))
+    # (The few events with one of those facts first, by their columns' validity alone; the other tests on them.)
+    carry = f.select(pl.any_horizontal(pl.col("_cpu_dir", "peer", "nbytes", "pg").is_not_null())).to_series()
     facts = (
-        f.filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
-                 & pl.col("_cat").is_in([_CPU_OP, _ANNOTATION])
-                 & pl.any_horizontal(pl.col("_cpu_dir", "peer", "nbytes", "pg").is_not_null()))
+        f[carry.arg_true()]
+        .filter(~pl.col("is_gpu") & pl.col("ext_id").is_not_null() & (pl.col("ext_id") != 0)
+                & pl.col("_cat").is_in([_CPU_OP, _ANNOTATION]))
         .group_by("rank", "ext_id")
         .agg(*(pl.col(c).drop_nulls().first().alias(f"_launch_{c.lstrip('_')}")
                for c in ("_cpu_dir", "peer", "nbytes", "pg")))
