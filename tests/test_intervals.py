@@ -239,7 +239,9 @@ def test_containing_of_points_in_order_takes_the_row_runs_and_agrees_with_a_brut
                           schema={"g": pl.Int32, "t": pl.Int64})
     w = windows.select("g", pl.col("start").alias("_ws"), pl.col("end").alias("_we"), "id")
     assert not p_rows or iv._sorted_containing(points, "t", w, "g") is not None
-    got = iv.containing(points, "t", windows, by="g", columns=["id"])
     want = [next((i for i, (g2, s, d) in enumerate(kept) if g == g2 and s <= t < s + d), None) for g, t in p_rows]
-    assert got["id"].to_list() == want
-    assert got.schema == {"id": pl.Int32}
+    for groups in (iv.SORTED_CONTAINING_GROUPS, 0):  # (0: every group count takes the one searched axis)
+        with patch.object(iv, "SORTED_CONTAINING_GROUPS", groups):
+            got = iv.containing(points, "t", windows, by="g", columns=["id"])
+        assert got["id"].to_list() == want
+        assert got.schema == {"id": pl.Int32}

@@ -287,6 +287,11 @@ def containing(
                          .scatter(hit["_row"], hit[c]) for c in cols])
 
 
+# ``_sorted_containing`` searches each group's times in turn (a few polars calls a group): above this many groups
+# (a run of hundreds of small ranks) the one searched axis costs less.
+SORTED_CONTAINING_GROUPS = 64
+
+
 def _sorted_containing(points: pl.DataFrame, at: str, w: pl.DataFrame, by: str) -> pl.Series | None:
     """``containing``'s answer as one index per point (its window's row in ``w`` plus one, 0 where none) when the
     points are in (group, time) order without nulls, as ingest leaves events; None otherwise (or where a group's
@@ -297,6 +302,8 @@ def _sorted_containing(points: pl.DataFrame, at: str, w: pl.DataFrame, by: str) 
     if points.height == 0 or not g.dtype.is_integer() or g.null_count() or t.null_count() or not g.is_sorted():
         return None
     w = w.with_row_index("_w").filter(pl.col(by).is_not_null() & pl.col("_ws").is_not_null()).sort(by, "_ws")
+    if w[by].n_unique() > SORTED_CONTAINING_GROUPS:
+        return None
     # A point belongs to the window starting last at or before it, if it is before that window's end: the rows
     # from the window's start up to its end or the next window's start, whichever is first.
     w = w.with_columns(pl.min_horizontal(pl.col("_we").fill_null(pl.col("_ws")),
