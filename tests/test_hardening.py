@@ -148,3 +148,33 @@ def test_estimate_refuses_impossible_numbers_in_one_line(flags, says, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("traceana: error:") and "\n" not in err and says in err, err
     assert "--num-microbatches" not in err
+
+
+def test_p2p_peers_recorded_as_group_ranks_are_not_paired_with_the_rank_itself(tmp_path):
+    """gloo's c10d::send/recv_ record the peer as a rank *within the process group* and not the group. Ranks 1 and 2
+    of a 3-rank job form a pipeline group [1, 2]: rank 1 (group rank 0) sends to group rank 1 — global rank 2 — and
+    the trace says peer 1, its own rank. By hand no message here names a global rank that can be checked: none may
+    be paired (rank 1 'with itself' made a one-rank ring, read as a looped placement holding several stages), and
+    a note must say why."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    for r in range(3):
+        tb = TraceBuilder(rank=r, world_size=3, pid=10 + r, tid=10 + r)
+        tb.step(0, 0, 100)
+        tb.step(1, 100, 200)
+        for t0 in (0, 100):
+            tb.cpu_op("aten::mm", t0 + 1, 20)
+            if r == 1:  # stage 0 of the group: activation out, gradient back (both to group rank 1)
+                tb.send(peer=1, ts=t0 + 25, dur=5)
+                tb.recv(peer=1, ts=t0 + 35, dur=30)
+                tb.cpu_op("autograd::engine::evaluate_function: MmBackward0", t0 + 70, 20)
+            if r == 2:  # stage 1: from and to group rank 0 (global 1)
+                tb.recv(peer=0, ts=t0 + 22, dur=10)
+                tb.cpu_op("autograd::engine::evaluate_function: MmBackward0", t0 + 40, 20)
+                tb.send(peer=0, ts=t0 + 62, dur=3)
+        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
+    a = analyze(load_run(tmp_path, cache=False))
+    assert a.p2p.filter(pl.col("src") == pl.col("dst")).height == 0
+    assert not a.stages["stage_source"].str.starts_with("inferred from P2P pattern").any(), a.stages
+    assert any("name their own rank as the peer" in n for n in a.notes), a.notes

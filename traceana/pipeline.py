@@ -121,6 +121,11 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     keys = ["src", "dst", "tag", "step"]
     # A few lazy queries instead of ~30 eager operations (docs/performance.md "Fixed cost").
     m = msgs.lazy().with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
+    # A message whose peer is its own rank was recorded with a rank *within its process group* (gloo's c10d ops do
+    # not say which group; NCCL's are mapped in ingest): it names no rank of the run, so it is never paired (a
+    # "pair" with itself would make a one-rank ring of the P2P chain) and stays unmatched, with a note.
+    to_self = m.filter(pl.col("peer") == pl.col("rank"))
+    m = m.filter(pl.col("peer").is_null() | (pl.col("peer") != pl.col("rank")))
 
     def side(direction: str, me: str, other: str, post: str, end: str) -> pl.LazyFrame:
         """One direction's messages numbered in posting order per (src, dst, tag, step)."""
@@ -153,6 +158,8 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     unmatched_sends = joined.lazy().filter(pl.col("recv_post_ns").is_null() & pl.col("send_start_ns").is_not_null())
     unmatched_recvs = joined.lazy().filter(pl.col("send_start_ns").is_null() & pl.col("recv_post_ns").is_not_null())
     unmatched = pl.concat([
+        to_self.select("rank", "dir", pl.lit("p2p").alias("channel"), "step", pl.col("post_ns").alias("start"),
+                       pl.col("end_ns").alias("end"), pl.col("peer").alias("_peer")),
         unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
                                pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end"),
                                pl.col("dst").alias("_peer")),
@@ -166,8 +173,16 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
         msgs.lazy().with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
         .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
     )
-    pairs, unmatched, msgs = pl.collect_all([pairs, unmatched, msgs], engine=iv.ENGINE)
+    pairs, unmatched, msgs, to_self = pl.collect_all([pairs, unmatched, msgs, to_self.select("rank")],
+                                                     engine=iv.ENGINE)
     notes = []
+    if to_self.height:
+        on = sorted(set(to_self["rank"].to_list()))
+        notes.append(f"{to_self.height} P2P messages on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "
+                     "name their own rank as the peer: the trace records peers as ranks within a process group, "
+                     "and does not say which group, so they are not matched to any rank (nor used for stages or "
+                     "clocks); the other peers of such a trace may be group ranks too — give run.json's "
+                     "stage_of_rank, or profile with NCCL, whose messages name their group")
     # Whether a peer's trace is missing or its messages just do not line up, each rank's side is reported.
     for label, direction in (("sends", "send"), ("recvs", "recv")):
         frame = unmatched.filter(pl.col("dir") == direction) if unmatched.height else unmatched
