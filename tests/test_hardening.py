@@ -178,3 +178,16 @@ def test_p2p_peers_recorded_as_group_ranks_are_not_paired_with_the_rank_itself(t
     assert a.p2p.filter(pl.col("src") == pl.col("dst")).height == 0
     assert not a.stages["stage_source"].str.starts_with("inferred from P2P pattern").any(), a.stages
     assert any("name their own rank as the peer" in n for n in a.notes), a.notes
+
+
+def test_watch_says_why_a_run_with_a_broken_run_json_never_shows(tmp_path, capsys):
+    """A run folder whose run.json is not JSON and no longer changing: watch --once printed only 'no complete
+    window' (waiting for ever without --once), where analyze says what is wrong; it must say it too."""
+    from tracebuilder import write_two_stage_run
+
+    (tmp_path / "run").mkdir()
+    run = write_two_stage_run(tmp_path / "run")
+    (run / "run.json").write_text('{"pp": 2, ')
+    assert main(["watch", str(run), "--once", "--settle", "0"]) == 0
+    out = capsys.readouterr()
+    assert "not valid JSON" in out.out + out.err, out
