@@ -191,3 +191,25 @@ def test_watch_says_why_a_run_with_a_broken_run_json_never_shows(tmp_path, capsy
     assert main(["watch", str(run), "--once", "--settle", "0"]) == 0
     out = capsys.readouterr()
     assert "not valid JSON" in out.out + out.err, out
+
+
+def test_the_noise_floor_is_only_taken_from_two_runs_of_one_configuration(tmp_path, capsys):
+    """--repeat RUN1 RUN2 is 'one configuration collected twice'. One folder given twice measured a noise floor of
+    exactly 0; a 1F1B and a GPipe run gave their difference as 'noise'; and without --baseline the option was
+    dropped silently. Each is refused in one line."""
+    from test_validate import StageTimes, fake_analysis
+
+    from traceana.errors import AnalysisError
+    from traceana.validation import cross_run
+
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times)
+    again = fake_analysis(tmp_path / "again", schedule="1f1b", pp=2, m=4, times=times)
+    gpipe = fake_analysis(tmp_path / "g", schedule="gpipe", pp=2, m=4, times=times)
+    assert cross_run(a, gpipe, repeat=(a, again))["noise_floor"] == 0.0  # two runs, equal by construction
+    with pytest.raises(AnalysisError, match="same run twice"):
+        cross_run(a, gpipe, repeat=(a, a))
+    with pytest.raises(AnalysisError, match="differ in schedule"):
+        cross_run(a, gpipe, repeat=(a, gpipe))
+    assert main(["validate", str(tmp_path), "--repeat", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
+    assert "--baseline" in capsys.readouterr().err

@@ -128,9 +128,9 @@ def test_bpipe_verdict_has_no_cancelling_terms(tmp_path):
 
 def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
     times = StageTimes.uniform(2, forward=100e3, backward=200e3)
-    a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=times)
-    b = fake_analysis(tmp_path, schedule="gpipe", pp=2, m=4, times=times)
-    slower = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4,
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times)
+    b = fake_analysis(tmp_path / "b", schedule="gpipe", pp=2, m=4, times=times)
+    slower = fake_analysis(tmp_path / "slower", schedule="1f1b", pp=2, m=4,
                            times=StageTimes.uniform(2, forward=110e3, backward=220e3))
     out = cross_run(a, b, repeat=(a, slower))
     assert out["kind"] == "prediction"

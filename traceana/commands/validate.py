@@ -84,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
                 names=args.names)
+    if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
+        from traceana.errors import ConfigError
+
+        raise ConfigError("--repeat gives the noise floor of a prediction, and there is none without --baseline",
+                          fix="add --baseline OTHER_RUN, or drop --repeat")
     analysis = load_and_analyze(str(args.run_dir), **read)
     v = validate(analysis)
     cross = None

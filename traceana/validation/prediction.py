@@ -4,6 +4,7 @@ the noise floor it must be judged against (one configuration measured twice)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
@@ -45,7 +46,25 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
 
 
 def noise_floor(first: Analysis, second: Analysis) -> float:
-    """The same configuration measured twice: |step₁ − step₂| / their mean. A prediction cannot be judged finer."""
+    """The same configuration measured twice: |step₁ − step₂| / their mean. A prediction cannot be judged finer.
+
+    Refused (AnalysisError) unless they are two runs (not one folder twice, which would read as no noise at all)
+    of one configuration as their run.json describe it (the traces' schedule and micro-batches): the difference
+    between two configurations is not noise."""
+    if Path(first.run.path).resolve() == Path(second.run.path).resolve():
+        raise AnalysisError("--repeat names the same run twice: its noise floor would be 0", path=first.run.path,
+                            fix="give two separate collections of one configuration")
+    cfgs = []
+    for a in (first, second):
+        if a.run.manifest is None:
+            raise AnalysisError("the noise floor needs run.json (to tell that both runs are one configuration)",
+                                path=a.run.path, fix="collect both runs with `traceana collect`")
+        cfgs.append(config_from_manifest(traced_manifest(a.run.manifest, a.schedule), path=a.run.path))
+    if cfgs[0] != cfgs[1]:
+        diff = [f.name for f in dataclasses.fields(cfgs[0]) if getattr(cfgs[0], f.name) != getattr(cfgs[1], f.name)]
+        raise AnalysisError(f"--repeat runs are not one configuration (they differ in {', '.join(diff)}), so their "
+                            "difference is not noise", path=second.run.path,
+                            fix="give two collections of the same configuration")
     x, y = first.summary.step_ms, second.summary.step_ms
     return abs(x - y) / ((x + y) / 2) if x + y else 0.0
 
@@ -58,9 +77,10 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
     simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
     on this machine cancels."""
-    if baseline.run.manifest is None or target.run.manifest is None:
-        raise AnalysisError("cross-run validation needs run.json in both runs", path=target.run.path,
-                            fix="collect both with `traceana collect`")
+    for a in (baseline, target):
+        if a.run.manifest is None:  # the run that lacks it is the one named
+            raise AnalysisError("cross-run validation needs run.json in both runs: this one has none",
+                                path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = config_from_manifest(traced_manifest(baseline.run.manifest, baseline.schedule), path=baseline.run.path)
     tgt_cfg = config_from_manifest(traced_manifest(target.run.manifest, target.schedule), path=target.run.path)
     sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
