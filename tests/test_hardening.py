@@ -213,3 +213,26 @@ def test_the_noise_floor_is_only_taken_from_two_runs_of_one_configuration(tmp_pa
         cross_run(a, gpipe, repeat=(a, gpipe))
     assert main(["validate", str(tmp_path), "--repeat", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "--baseline" in capsys.readouterr().err
+
+
+def test_mfu_above_the_peak_is_not_shown(tmp_path):
+    """run.json with the global batch written as the micro-batch size (10^6 sequences): the step (100 µs on each
+    rank, tracebuilder.write_two_stage_run) would have done far more FLOPs than 1 TFLOP/s × 100 µs = 1e8 — an MFU
+    of ~1e20 %, which was printed. No MFU above 100 % is shown; a note says which inputs cannot be right."""
+    import dataclasses
+
+    import test_validate_roundtrip as rt
+    from tracebuilder import write_two_stage_run
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+    from traceana.manifest import Manifest
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(Manifest(
+        world_size=2, pp=2, stage_of_rank=(0, 1), schedule="1f1b", microbatch_size=10**6, num_microbatches=1,
+        model=dataclasses.replace(rt.TINY, layers=2), dtype="float32", attention="sdpa", recompute="none",
+        peak_flops=1e12).to_json())
+    a = analyze(load_run(run, cache=False))
+    assert a.stages["mfu"].null_count() == a.stages.height, a.stages
+    assert any(n.startswith("MFU not shown") and "peak FLOP/s" in n for n in a.notes), a.notes

@@ -264,6 +264,12 @@ def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None)
         model_f = stage_flops(model, recompute="none", **kw) * m.num_microbatches
         hw_f = stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
         rows.append((rank, model_f / (secs[rank] * peak * m.tp), hw_f / (secs[rank] * peak * m.tp)))
+    over = [(r, h) for r, _, h in rows if h > 1]
+    if over:  # more FLOPs than the device can do in the step: the inputs, not the run, are wrong
+        r, h = max(over, key=lambda x: x[1])
+        return empty, [f"MFU not shown: rank {r} would run {h:,.3g} times the peak FLOP/s, which no device can — "
+                       "run.json's model shape, micro-batch size or micro-batch count, or the peak FLOP/s "
+                       "(--peak-flops, run.json's peak_flops), cannot be right"]
     return pl.DataFrame(rows, schema=empty.schema, orient="row"), []
 
 
