@@ -236,3 +236,19 @@ def test_mfu_above_the_peak_is_not_shown(tmp_path):
     a = analyze(load_run(run, cache=False))
     assert a.stages["mfu"].null_count() == a.stages.height, a.stages
     assert any(n.startswith("MFU not shown") and "peak FLOP/s" in n for n in a.notes), a.notes
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"pp": 2, "tp": 2}])
+def test_run_json_with_more_stages_x_replicas_x_tp_ranks_than_the_run_is_refused(tmp_path, capsys, layout):
+    """A 1F1B run.json on 2 ranks saying pp 2 and dp 2 (or tp 2) describes 4 ranks: analyze and validate used it
+    silently (dp and tp enter the model's memory and FLOPs); both refuse it in one line, naming run.json."""
+    import json
+
+    from tracebuilder import write_two_stage_run
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "schedule": "1f1b", **layout}))
+    for command in ("analyze", "validate"):
+        assert main([command, str(run), "--no-cache", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "more than world_size 2" in err and "run.json" in err and err.count("\n") == 1, err

@@ -173,6 +173,11 @@ class Manifest:
             # (interleaved schedules place several virtual stages on a rank: there pp may exceed the ranks)
             raise BadInputError(f"pp {self.pp} is larger than world_size {self.world_size} for schedule "
                                 f"{self.schedule} (one stage per rank)", fix="fix run.json")
+        if (self.pp is not None and self.schedule in ("gpipe", "1f1b") and is_int(self.tp) and is_int(self.dp)
+                and self.pp * self.tp * self.dp > self.world_size):
+            # every (stage, tensor-parallel rank, replica) is a rank of its own
+            raise BadInputError(f"pp {self.pp} × tp {self.tp} × dp {self.dp} = {self.pp * self.tp * self.dp} ranks, "
+                                f"more than world_size {self.world_size}", fix="fix pp, tp or dp in run.json")
         if self.bpipe is not None and self.pp is not None:
             bad = [pair for pair in self.bpipe if not all(0 <= s < self.pp for s in pair)]
             if bad:
