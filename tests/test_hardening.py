@@ -252,3 +252,21 @@ def test_run_json_with_more_stages_x_replicas_x_tp_ranks_than_the_run_is_refused
         assert main([command, str(run), "--no-cache", "--quiet"]) == 2
         err = capsys.readouterr().err
         assert "more than world_size 2" in err and "run.json" in err and err.count("\n") == 1, err
+
+
+def test_validate_says_when_run_json_claims_bpipe_the_traces_do_not_show(tmp_path):
+    """run.json with a BPipe pair on a run whose traces hold no BPipe transfer: the note read 'BPipe from the trace:
+    0.000 ms per transfer in flight (median),  per step in BPipe work' — a figure from nothing. It says instead
+    that no transfer is in the traces and that they are simulated as free."""
+    import dataclasses
+
+    from test_validate import StageTimes, fake_analysis
+
+    from traceana.validation import validate
+
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8, times=StageTimes.uniform(4, forward=1e5, backward=2e5))
+    claimed = dataclasses.replace(a, run=dataclasses.replace(
+        a.run, manifest=dataclasses.replace(a.run.manifest, bpipe=((0, 3),))))
+    notes = validate(claimed).notes
+    assert any("hold no BPipe transfer" in n for n in notes), notes
+    assert not any("BPipe from the trace" in n for n in notes), notes

@@ -244,7 +244,9 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + stall + exposed P2P"
         + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
            + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
-           + " per step in BPipe work" if bpipe else ""),
+           + " per step in BPipe work" if bpipe and any(meas.bpipe_step_ns.values())
+           else "; BPipe: run.json says it is on, but the traces hold no BPipe transfer, so its transfers are "
+                "simulated as free — check run.json's bpipe" if bpipe else ""),
         "memory estimate: saved activations in flight"
         + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
