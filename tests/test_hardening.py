@@ -270,3 +270,12 @@ def test_validate_says_when_run_json_claims_bpipe_the_traces_do_not_show(tmp_pat
     notes = validate(claimed).notes
     assert any("hold no BPipe transfer" in n for n in notes), notes
     assert not any("BPipe from the trace" in n for n in notes), notes
+
+
+@pytest.mark.slow
+def test_validate_header_gives_the_stages_of_a_multi_stage_run(collected_run, capsys):
+    """torch.distributed.pipelining's ZBV on 2 ranks × 2 stages (run.json: pp 4): the header said 'pp 2' alone,
+    against run.json's 4; it gives the 4 stages, 2 a rank (collectors.pipelining_example's layout)."""
+    run = collected_run("pipelining-zbv")
+    assert main(["validate", str(run), "--no-cache", "--quiet"]) == 0
+    assert "pp 2 (4 stages, 2 a rank)" in capsys.readouterr().out.replace("\n", " ")

@@ -45,7 +45,9 @@ def render(v, cross: dict | None, *, console) -> None:
 
     s = v.summary
     mbs = plural(s["microbatches"], "micro-batch", "micro-batches")
-    print_line(console, f"{s['run']}: {s['schedule']}, pp {s['pp']}, {mbs}, attention {s['attention']}, "
+    v_ = s.get("virtual_stages") or 1
+    layout = f"pp {s['pp']}" + (f" ({s['pp'] * v_} stages, {v_} a rank)" if v_ > 1 else "")
+    print_line(console, f"{s['run']}: {s['schedule']}, {layout}, {mbs}, attention {s['attention']}, "
                f"recompute {s['recompute']}, BPipe {'on' if s['bpipe'] else 'off'} "
                f"({plural(s['steps_used'], 'step')} measured)")
     print_line(console, "replay (fed with this run's own durations; not a prediction):")

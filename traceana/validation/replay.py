@@ -217,7 +217,8 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     summary = {
         "run": str(run.path),
         "schedule": cfg.schedule,
-        "pp": cfg.pp,
+        "pp": cfg.pp,  # devices; with virtual_stages > 1 each holds that many stages (run.json's pp: all stages)
+        "virtual_stages": cfg.virtual_stages,
         "microbatches": cfg.num_microbatches,
         "bpipe": bool(bpipe),
         "recompute": cfg.recompute,
