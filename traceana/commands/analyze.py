@@ -83,8 +83,11 @@ def print_tables(analysis, *, per_step: bool) -> None:
 
     console = output_console()
     ranks = analysis.rank_summary if analysis.rank_summary is not None else rank_summary(analysis.run)
-    headers = ["rank", "backend", "devices", "steps", "mean step\nms", "events", "kernels", "P2P ops",
-               "collectives", "trace"]
+    # What the trace holds: every ProfilerStep span and their mean duration, the warm-up steps and an empty last one
+    # included. The step time of the stage table and the headline is another fact (over the measured steps), so it
+    # is not named alike here (README, summary.measured_steps).
+    headers = ["rank", "backend", "devices", "ProfilerStep\nspans", "their mean\nms", "events", "kernels",
+               "P2P ops", "collectives", "trace"]
     rows = [[str(r["rank"]), str(r["backend"] or UNKNOWN), str(r["devices"] or UNKNOWN), str(r["steps"]),
              _num(r["mean_step_ms"]), f"{r['n_events']:,}", f"{r['kernels']:,}", f"{r['p2p_ops']:,}",
              f"{r['collectives']:,}", "truncated" if r["truncated"] else "complete"]
@@ -170,12 +173,14 @@ def replicas_table(console, summary) -> None:
 def headline(summary) -> list[str]:
     """The run's headline figures (traceana.summary), one per line, in the words every surface uses."""
     from traceana.summary import STEP_TIME_LABEL
+    from traceana.timeline import WHOLE_TRACE_STEP
 
     def num(x, fmt):
         return "–" if x is None else format(x, fmt)
 
-    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over steps "
-             f"{', '.join(map(str, summary.steps)) or '–'}",
+    over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
+            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}",
              f"bubble (warm-up + stall + cool-down, all ranks): "
              f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
     if summary.bpipe_ms is not None:
