@@ -71,6 +71,25 @@ def find_traces(directory: Path) -> list[Path]:
             and not (p.is_dir() and not p.is_symlink())]
 
 
+def trace_subfolders(directory: Path, limit: int = 4) -> list[Path]:
+    """The first ``limit`` subfolders of ``directory`` (by name) that hold traces directly: where a directory holds
+    none itself, they are what the user likely meant (two runs side by side, a run per configuration)."""
+    try:
+        subs = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    found = []
+    for sub in subs:  # one listing per subfolder, only on the way to an error
+        try:
+            if find_traces(sub):
+                found.append(sub)
+        except BadInputError:
+            continue
+        if len(found) == limit:
+            break
+    return found
+
+
 MERGED_PRODUCER = "traceana merge"  # otherData.producer in the header of the trace ``traceana merge`` writes
 _MERGED_MARK = re.compile(rb'^\s*\{\s*"displayTimeUnit"\s*:\s*"ns"\s*,\s*"otherData"\s*:\s*\{\s*"producer"\s*:\s*"'
                           + re.escape(MERGED_PRODUCER.encode()) + rb'"')

@@ -26,7 +26,8 @@ from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto
 from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trace, shown
-from traceana.ingest.reading import MERGED_PRODUCER, find_traces, is_merged_trace  # noqa: F401 (polars-free: the CLI)
+from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_trace,  # noqa: F401 (polars-free: the CLI)
+                                     trace_subfolders)
 from traceana.intervals import ENGINE
 from traceana.manifest import MANIFEST_NAME, Manifest
 
@@ -79,8 +80,11 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
             early_notes = [f"{shown(f)}: skipped — it is traceana's own merged trace (traceana merge), not a rank's "
                            "trace; keep merged traces outside run folders" for f in merged]
         if not files:
-            raise RunDirError("no Kineto traces (*.json, *.json.gz) in this directory", path=shown(path),
-                              fix="point at the directory the profiler wrote rank*.pt.trace.json.gz into")
+            subs = trace_subfolders(path)
+            fix = ("point at the directory the profiler wrote rank*.pt.trace.json.gz into" if not subs else
+                   f"its subfolder{'s' if len(subs) > 1 else ''} {', '.join(s.name + '/' for s in subs)} "
+                   f"hold{'' if len(subs) > 1 else 's'} traces: pass one of them (e.g. {shown(subs[0])})")
+            raise RunDirError("no Kineto traces (*.json, *.json.gz) in this directory", path=shown(path), fix=fix)
         if (path / MANIFEST_NAME).exists():
             manifest = Manifest.read(path / MANIFEST_NAME)
     else:
