@@ -3,13 +3,14 @@
 ``-o/--output`` is where a command writes, ``--model`` a model preset, ``--microbatches`` micro-batches per step,
 ``--peak-flops`` the device's peak in FLOP/s, and ``--workers/--no-cache/--quiet`` how a run is read. Older spellings
 stay accepted but hidden from the help (``--num-microbatches``, ``--preset``, ``--out``, ``--peak-tflops``).
-Imports nothing but argparse: building the help must stay cheap.
+Imports nothing but argparse (and math): building the help must stay cheap.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import textwrap
 
 
@@ -94,9 +95,37 @@ def names(parser) -> None:
                              "DeepEP rules off (default: run.json's \"names\", else the built-ins)")
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count that must be at least 1 (``--workers``, ``--count``): 0 or -1 is refused (exit 2)
+    instead of quietly meaning something else."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value}")
+    return value
+
+
+def seconds(*, above_zero: bool):
+    """argparse type of a duration in seconds: finite, and above 0 (``above_zero``) or at least 0; a negative, NaN
+    or infinite value is refused (exit 2) instead of failing later or waiting forever."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+            raise argparse.ArgumentTypeError(f"expected seconds {'above' if above_zero else 'of at least'} 0, "
+                                             f"got {text}")
+        return value
+
+    return parse
+
+
 def reading(parser, *, quiet_help: str = "no progress display") -> None:
     """How a run is read: ``--workers N``, ``--no-cache``, ``--quiet``."""
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
+    parser.add_argument("--workers", type=positive_int, default=None, metavar="N",
                         help="parallel trace parsers (default: automatic)")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not read or write the run's .traceana/ cache")

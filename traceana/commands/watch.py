@@ -44,17 +44,20 @@ ROWS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
     parser.add_argument("path", metavar="RUN_DIR", help="a run directory, a folder of window run directories, or "
                                                          "a folder tensorboard_trace_handler writes into")
     parser.add_argument("--once", action="store_true", help="print the windows there now and exit")
-    parser.add_argument("--count", type=int, metavar="N", help="exit after N windows (default: keep watching)")
-    parser.add_argument("--timeout", type=float, metavar="S", help="exit after S seconds without a new window (default: never)")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="poll every S seconds")
-    parser.add_argument("--settle", type=float, default=2.0, metavar="S",
+    parser.add_argument("--count", type=options.positive_int, metavar="N",
+                        help="exit after N windows (default: keep watching)")
+    parser.add_argument("--timeout", type=options.seconds(above_zero=True), metavar="S",
+                        help="exit after S seconds without a new window (default: never)")
+    parser.add_argument("--interval", type=options.seconds(above_zero=True), default=1.0, metavar="S",
+                        help="poll every S seconds")
+    parser.add_argument("--settle", type=options.seconds(above_zero=False), default=2.0, metavar="S",
                         help="a file is complete once unchanged for S seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per window instead of tables")
-    from traceana.commands import options
-
     options.names(parser)
 
 
