@@ -279,3 +279,43 @@ def test_validate_header_gives_the_stages_of_a_multi_stage_run(collected_run, ca
     run = collected_run("pipelining-zbv")
     assert main(["validate", str(run), "--no-cache", "--quiet"]) == 0
     assert "pp 2 (4 stages, 2 a rank)" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_a_trace_without_profiler_steps_is_said_to_be_measured_whole(tmp_path, capsys):
+    """No ProfilerStep span: the headline says the step is the whole trace, not 'over steps -1' (an internal id),
+    and the ranks table names what it counts (ProfilerStep spans: none here) apart from the stage table's step."""
+    tb = TraceBuilder(rank=0, world_size=1)
+    tb.cpu_op("aten::mm", 0, 90)
+    tb.write(tmp_path / "rank0.pt.trace.json.gz")
+    rc = main(["analyze", str(tmp_path), "--no-cache", "--quiet"])
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert rc == 0
+    assert "over the whole trace (no ProfilerStep spans)" in out and "over steps -1" not in out, out
+    assert "their mean" in out and "mean step" not in out, out
+
+
+def test_a_folder_of_run_folders_names_them(tmp_path, capsys):
+    """A folder whose traces are one level down (HTA's trace_compare: base/ and test/) is refused in one line
+    that names the subfolders holding traces, so the user knows which path was meant."""
+    for sub in ("base", "test"):
+        (tmp_path / sub).mkdir()
+        TraceBuilder(rank=0, world_size=1).write(tmp_path / sub / "rank0.pt.trace.json.gz")
+    (tmp_path / "notes").mkdir()  # a subfolder without traces is not named
+    rc = main(["analyze", str(tmp_path), "--no-cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "base/, test/ hold traces" in err and "notes" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["analyze", "RUN", "--workers", "0"], ["analyze", "RUN", "--workers", "-1"],
+    ["watch", "RUN", "--count", "0"], ["watch", "RUN", "--interval", "0"], ["watch", "RUN", "--settle", "nan"],
+    ["watch", "RUN", "--timeout", "-5"],
+])
+def test_counts_and_durations_that_mean_nothing_are_refused(argv, tmp_path, capsys):
+    """0 or -1 workers, 0 windows, a poll interval of 0 or a NaN settle time were accepted and meant something
+    else (one worker, a busy loop, a file never settling): refused by argparse with exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path) if a == "RUN" else a for a in argv])
+    assert e.value.code == 2
+    assert "expected" in capsys.readouterr().err
