@@ -283,3 +283,43 @@ def _uses_native_quietly(path: Path) -> bool:
         return _uses_native(path)
     except (OSError, EOFError, *kineto._ZLIB_ERRORS):  # a cut gzip stream: what _decode hands back on
         return False
+
+
+def _gpu_trace(tb: TraceBuilder, steps: int) -> TraceBuilder:
+    """Launches, kernels on three streams, CPU ops (some starting together) and NCCL sends, ``steps`` times."""
+    for i in range(steps):
+        t = 10.0 * i
+        tb.launch(t, 1.0, correlation=i + 1)
+        tb.kernel(f"k{i % 13}", t + 2.0, 3.0, stream=7 + i % 3, correlation=i + 1)
+        tb.cpu_op(f"aten::op{i % 5}", t + (0.0 if i % 7 else 1.0), 0.5 + i % 4)
+        if i % 500 == 0:
+            tb.nccl_p2p("send", peer=1, ts=t + 4.0, dur=1.0, kernel_ts=t + 5.0, kernel_dur=1.0)
+    return tb
+
+
+def test_a_large_gpu_trace_reads_the_same(tmp_path, monkeypatch):
+    # Over 2**17 events in many scanner calls: the scanner's event columns, kept across its calls, outgrow their
+    # heap buffers into memory mappings (grown by mremap), and the table is sorted a column at a time (over
+    # kineto.SORT_WHOLE_ROWS) with its tracks, devices and streams gathered by each event's track code.
+    f = _gpu_trace(TraceBuilder(rank=0, world_size=2), 46_000).write(tmp_path / "t.pt.trace.json")
+    monkeypatch.setattr(reading, "NATIVE_CHUNK", 1 << 20)
+    batches = kineto._Batches()
+    kineto._scan_file(f, batches, None)
+    assert batches.rows > 2**17 and batches.tracks is not None and len(batches.x) == 1
+    assert_same(f, monkeypatch)
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_tracks_read_the_same_both_ways_and_sorted_by_columns(tmp_path, monkeypatch, odd):
+    # A GPU event whose stream arg is not an integer (ROCm's "0x0") leaves every event's track to be derived per
+    # event; either way, in both of _finish's sorts, the tables are the general decoder's.
+    tb = _gpu_trace(TraceBuilder(rank=0, world_size=2), 600)
+    if odd:
+        tb.kernel("k_odd", 3.0, 1.0)["args"]["stream"] = "0x0"
+    f = tb.write(tmp_path / "t.pt.trace.json")
+    batches = kineto._Batches()
+    kineto._scan_file(f, batches, None)
+    assert (batches.tracks is None) == odd
+    assert_same(f, monkeypatch)
+    monkeypatch.setattr(kineto, "SORT_WHOLE_ROWS", 0)
+    assert_same(f, monkeypatch)

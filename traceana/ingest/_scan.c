@@ -17,13 +17,16 @@
  *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
  *   Scanner(gpu_cats, comm_names, shaped_names, shaped_prefixes).dictionaries() -> (name, cat, pid, tid)
  *       the file's distinct names, categories, pids and tids so far, in code order.
- * The five tables are Batch objects (see "emitting rows"): columns in Arrow's layouts (int32, int64; large_string
+ *   Scanner.take() -> (x, tracks)
+ *       the X events' columns, which the Scanner keeps across events() calls (events() returns an X table of no
+ *       columns whose len() is the X rows it added), and the file's distinct tracks (see TrackKey) in code order.
+ * The tables are Batch objects (see "emitting rows"): columns in Arrow's layouts (int32, int64; large_string
  * with int64 offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly).
  * An X event's name, cat, pid and tid are codes into the scanner's dictionaries (dictionary encoding: each distinct
  * value is stored once per file, not once per event — kernel names run to hundreds of bytes), and the few columns
  * that only some events have (GPU args, collective args, record_shapes lists) are sparse tables of those events'
- * rows. odd: [(table, column, row, raw JSON)] for args values of another type than their column's (tables T_*),
- * which Python converts like the general decoder.
+ * rows. odd: [(table, column, row, raw JSON)] for args values of another type than their column's (tables T_*;
+ * an X row is its row in the file), which Python converts like the general decoder.
  * Times are converted to integer nanoseconds from the decimal digits (exact: no float rounding).
  * The parse runs without the GIL, so threads can scan several files at once.
  */
@@ -39,6 +42,7 @@
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
+#include <sys/mman.h> /* mremap: declared under _GNU_SOURCE, which Python.h defines */
 
 typedef unsigned char uchar;
 
@@ -60,15 +64,52 @@ static int bad(P *ps, const char *why) {
 }
 
 /* --- growable buffers and Arrow columns ------------------------------------------------------------------- */
-typedef struct { char *d; Py_ssize_t len, cap; } Buf;
+/* A buffer of MAP_BYTES or more is an anonymous mapping of its own, grown by mremap (its pages move, they are not
+ * copied), in huge pages where the kernel allows, and unmapped when freed: a file's event columns grow to tens of MB
+ * across calls, which realloc copied while glibc's mmap threshold (raised by the buffers freed before) kept them
+ * in its heap, where freed ones then stayed (docs/performance.md "Memory"). */
+typedef struct { char *d; Py_ssize_t len, cap; char mapped; } Buf;
+#define MAP_BYTES ((Py_ssize_t)1 << 20)
+
+static void buf_free(Buf *b) {
+    if (b->mapped) munmap(b->d, (size_t)b->cap);
+    else free(b->d);
+    b->d = NULL;
+    b->len = b->cap = 0;
+    b->mapped = 0;
+}
 
 static int buf_grow(Buf *b, Py_ssize_t extra) {
     Py_ssize_t cap = b->cap ? b->cap : 4096;
     while (cap < b->len + extra) cap *= 2;
-    char *d = realloc(b->d, (size_t)cap);
-    if (!d) return ST_NOMEM;
+    if (cap < MAP_BYTES) {
+        char *d = realloc(b->d, (size_t)cap);
+        if (!d) return ST_NOMEM;
+        b->d = d;
+        b->cap = cap;
+        return ST_OK;
+    }
+    void *d;
+#ifdef MREMAP_MAYMOVE
+    if (b->mapped) {
+        d = mremap(b->d, (size_t)b->cap, (size_t)cap, MREMAP_MAYMOVE);
+        if (d == MAP_FAILED) return ST_NOMEM;
+    } else
+#endif
+    {
+        d = mmap(NULL, (size_t)cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (d == MAP_FAILED) return ST_NOMEM;
+        Py_ssize_t len = b->len;
+        if (len) memcpy(d, b->d, (size_t)len);
+        buf_free(b);
+        b->len = len;
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(d, (size_t)cap, MADV_HUGEPAGE);
+#endif
     b->d = d;
     b->cap = cap;
+    b->mapped = 1;
     return ST_OK;
 }
 
@@ -122,9 +163,9 @@ static inline int col_str_end(Col *c, int ok) { /* the string's bytes were appen
 }
 
 static void col_free(Col *c) {
-    free(c->data.d);
-    free(c->offs.d);
-    free(c->valid.d);
+    buf_free(&c->data);
+    buf_free(&c->offs);
+    buf_free(&c->valid);
     memset(c, 0, sizeof *c);
 }
 
@@ -317,8 +358,10 @@ static PyObject *batch_new(Col *cols, int n, const char *const *names) {
     b->rows = n ? cols[0].n : 0;
     b->cols = malloc(sizeof(Col) * (size_t)(n ? n : 1));
     if (!b->cols) { b->n_cols = 0; Py_DECREF(b); return PyErr_NoMemory(); }
-    memcpy(b->cols, cols, sizeof(Col) * (size_t)n);
-    memset(cols, 0, sizeof(Col) * (size_t)n);
+    if (n) {
+        memcpy(b->cols, cols, sizeof(Col) * (size_t)n);
+        memset(cols, 0, sizeof(Col) * (size_t)n);
+    }
     return (PyObject *)b;
 }
 
@@ -671,13 +714,31 @@ enum { F_GPU = 1, F_COMM = 2, F_SHAPED = 4, F_PLAIN = 8, F_INT = 16 };
 /* F_PLAIN: a JSON string of it can be its bytes as they are; F_INT: its bytes are a JSON integer literal */
 typedef struct { int32_t *slots; uint64_t *hashes; Py_ssize_t cap, n; Col col; Buf flags; int32_t last; } Dict;
 
+/* The X events' columns, kept by the Scanner across events() calls: one buffer per column per file (no batches to
+ * concatenate), taken by take(). track: a code into the file's tracks (below). */
+enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, X_TRACK, N_X };
+static const char X_FMT[N_X] = {'i', 'i', 'i', 'i', 'l', 'l', 'l', 'l', 'i'};
+static const char *const X_NAMES[N_X] = {"name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id",
+                                         "track"};
+
+/* A track: what an X event's device, stream and track text are a function of (kineto.py ``_finish`` derives them
+ * once per track): a GPU-stream category or not, the device and stream args of a GPU event (ok: the arg is an
+ * integer), and the pid and tid codes (-1: absent). */
+typedef struct { int64_t dev, stream; int32_t pid, tid; int8_t gpu, dev_ok, stream_ok, pad; } TrackKey;
+enum { K_GPU, K_DEVICE, K_STREAM, K_PID, K_TID, N_K };
+static const char K_FMT[N_K] = {'i', 'l', 'l', 'i', 'i'};
+static const char *const K_NAMES[N_K] = {"is_gpu", "arg_device", "arg_stream", "pid", "tid"};
+typedef struct { int32_t *slots; TrackKey *keys; Py_ssize_t cap, n; int32_t last; } Tracks;
+
 /* Byte strings given by Python (kineto.py holds the names; they are not repeated here). */
 typedef struct { char **s; Py_ssize_t *n; Py_ssize_t count; } Words;
 
 typedef struct {
     PyObject_HEAD
     Dict d[N_D];
-    int64_t rows; /* X rows emitted so far */
+    Col x[N_X];
+    Tracks tracks;
+    int tracks_odd; /* some GPU event's device or stream arg is not an integer: its track is left to Python */
     Words gpu_cats, comm_names, shaped_names, shaped_prefixes;
     int busy;
     /* The names seen, by their first 8 bytes as written (a kernel's name is hundreds of bytes; its first 8 nearly
@@ -1202,9 +1263,6 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch, Scanner *sc) {
  *   C (X events named as a communication op, record_param_comms): the X row and its collective args;
  *   S (X events named as gloo P2P ops): the X row and their record_shapes lists as JSON text.
  * Rows of X are numbered across calls (the file's whole table), so G, C and S point into it. */
-enum { X_NAME, X_CAT, X_PID, X_TID, X_TS, X_DUR, X_CORR, X_EXT, N_X };
-static const char X_FMT[N_X] = {'i', 'i', 'i', 'i', 'l', 'l', 'l', 'l'};
-static const char *const X_NAMES[N_X] = {"name", "cat", "pid", "tid", "ts_rel", "dur_ns", "corr_id", "ext_id"};
 enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
 static const char M_FMT[N_M] = {'l', 'l', 'l', 'l'};
 static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device"};
@@ -1223,7 +1281,7 @@ static const char *const DICT_NAMES[1] = {"value"};
 
 typedef struct { int32_t table, col; int64_t row; const uchar *s, *e; } Odd;
 
-typedef struct { Col x[N_X], m[N_M], g[N_G], c[N_C], s[N_S]; Buf scratch, scratch2, odd; } Out;
+typedef struct { Col m[N_M], g[N_G], c[N_C], s[N_S]; Buf scratch, scratch2, odd; } Out; /* one call's tables */
 
 static inline uint64_t hash_bytes(const char *s, Py_ssize_t n) { /* two lanes of 8 bytes a step, then a mix */
     uint64_t a = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, b = 0xC2B2AE3D27D4EB4FULL, w, v;
@@ -1344,9 +1402,12 @@ static int put_span(Col *c, const Span *sp) {
     return col_str_end(c, 0);
 }
 
-/* A text field (string, or a number's literal for pid/tid) as its code in dictionary ``which``; null when absent. */
-static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, int32_t known, unsigned char *flags) {
+/* A text field (string, or a number's literal for pid/tid) as its code in dictionary ``which``; null when absent.
+ * *out: the code, -1 when absent. */
+static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, int32_t known, unsigned char *flags,
+                    int32_t *out) {
     *flags = 0;
+    *out = -1;
     if (sp->kind != K_STR && sp->kind != K_INT) return col_i32(c, 0, 0);
     int32_t code = known;
     if (code >= 0) {
@@ -1358,7 +1419,56 @@ static int put_code(Scanner *sc, Out *o, int which, Col *c, const Span *sp, int3
         TRY(intern(sc, which, s, n, &code, flags));
     }
     value_seen(sc, which, code);
+    *out = code;
     return col_i32(c, code, 1);
+}
+
+static inline int same_track(const TrackKey *a, const TrackKey *b) {
+    return a->pid == b->pid && a->tid == b->tid && a->gpu == b->gpu && a->dev_ok == b->dev_ok &&
+           a->stream_ok == b->stream_ok && a->dev == b->dev && a->stream == b->stream;
+}
+
+static int tracks_grow(Tracks *t) {
+    Py_ssize_t cap = t->cap ? t->cap * 2 : 64;
+    int32_t *slots = malloc(sizeof(int32_t) * (size_t)cap);
+    TrackKey *keys = realloc(t->keys, sizeof(TrackKey) * (size_t)(cap / 2));
+    if (!slots || !keys) { free(slots); if (keys) t->keys = keys; return ST_NOMEM; }
+    memset(slots, 0xff, sizeof(int32_t) * (size_t)cap);
+    free(t->slots);
+    t->slots = slots;
+    t->keys = keys;
+    t->cap = cap;
+    for (Py_ssize_t c = 0; c < t->n; c++) {
+        uint64_t h = hash_bytes((const char *)&keys[c], sizeof *keys);
+        size_t i = (size_t)h & (size_t)(cap - 1);
+        while (slots[i] >= 0) i = (i + 1) & (size_t)(cap - 1);
+        slots[i] = (int32_t)c;
+    }
+    return ST_OK;
+}
+
+/* The code of track k, adding it when new (consecutive events mostly share their track: no hash needed then). */
+static int track_code(Tracks *t, const TrackKey *k, int32_t *code) {
+    if (t->last >= 0 && t->last < t->n && same_track(&t->keys[t->last], k)) {
+        *code = t->last;
+        return ST_OK;
+    }
+    if ((t->n + 1) * 2 > t->cap) TRY(tracks_grow(t));
+    uint64_t h = hash_bytes((const char *)k, sizeof *k);
+    size_t mask = (size_t)(t->cap - 1), i = (size_t)h & mask;
+    for (;; i = (i + 1) & mask) {
+        int32_t c = t->slots[i];
+        if (c < 0) break;
+        if (same_track(&t->keys[c], k)) {
+            *code = t->last = c;
+            return ST_OK;
+        }
+    }
+    if (t->n >= INT32_MAX) return ST_NOMEM;
+    t->keys[t->n] = *k;
+    t->slots[i] = (int32_t)t->n;
+    *code = t->last = (int32_t)t->n++;
+    return ST_OK;
 }
 
 static int put_raw(Col *c, const uchar *s, const uchar *e) {
@@ -1382,10 +1492,12 @@ static int emit(Out *o, Scanner *sc, const Ev *ev) {
         TRY(put_int(o, o->m, T_M, M_BYTES, &ev->a[A_BYTES]));
         return put_int(o, o->m, T_M, M_DEVID, &ev->a[A_DEVID]);
     }
-    Col *x = o->x;
-    int64_t row = sc->rows + x[X_NAME].n;
+    Col *x = sc->x;
+    int64_t row = x[X_NAME].n;
     int32_t code;
     unsigned char name_flags, cat_flags, unused;
+    TrackKey tk;
+    memset(&tk, 0, sizeof tk); /* the padding too: keys are hashed as bytes */
     if (ev->name_code >= 0) {
         code = ev->name_code;
         name_flags = (unsigned char)sc->d[D_NAME].flags.d[code];
@@ -1394,18 +1506,27 @@ static int emit(Out *o, Scanner *sc, const Ev *ev) {
     }
     name_seen(sc, ev->name_key, code);
     TRY(col_i32(&x[X_NAME], code, 1));
-    TRY(put_code(sc, o, D_CAT, &x[X_CAT], &ev->cat, ev->code[D_CAT], &cat_flags));
-    TRY(put_code(sc, o, D_PID, &x[X_PID], &ev->pid, ev->code[D_PID], &unused));
-    TRY(put_code(sc, o, D_TID, &x[X_TID], &ev->tid, ev->code[D_TID], &unused));
+    int32_t cat_code;
+    TRY(put_code(sc, o, D_CAT, &x[X_CAT], &ev->cat, ev->code[D_CAT], &cat_flags, &cat_code));
+    TRY(put_code(sc, o, D_PID, &x[X_PID], &ev->pid, ev->code[D_PID], &unused, &tk.pid));
+    TRY(put_code(sc, o, D_TID, &x[X_TID], &ev->tid, ev->code[D_TID], &unused, &tk.tid));
     TRY(col_int(&x[X_TS], ev->ts.v, ev->ts.ok));
     TRY(col_int(&x[X_DUR], ev->dur.v, ev->dur.ok));
     TRY(put_int(o, x, T_X, X_CORR, &ev->a[A_CORR]));
     TRY(put_int(o, x, T_X, X_EXT, &ev->a[A_EXT]));
     if (cat_flags & F_GPU) {
+        const IntV *dev = &ev->a[A_DEVICE], *stream = &ev->a[A_STREAM];
         TRY(col_int(&o->g[G_ROW], row, 1));
-        TRY(put_int(o, o->g, T_G, G_DEVICE, &ev->a[A_DEVICE]));
-        TRY(put_int(o, o->g, T_G, G_STREAM, &ev->a[A_STREAM]));
+        TRY(put_int(o, o->g, T_G, G_DEVICE, dev));
+        TRY(put_int(o, o->g, T_G, G_STREAM, stream));
+        tk.gpu = 1;
+        if (dev->ok) { tk.dev_ok = 1; tk.dev = dev->v; }
+        if (stream->ok) { tk.stream_ok = 1; tk.stream = stream->v; }
+        if (dev->odd_s || stream->odd_s) sc->tracks_odd = 1;
     }
+    int32_t track;
+    TRY(track_code(&sc->tracks, &tk, &track));
+    TRY(col_i32(&x[X_TRACK], track, 1));
     if (name_flags & F_COMM) {
         Col *c = o->c;
         TRY(col_int(&c[C_ROW], row, 1));
@@ -1443,7 +1564,6 @@ static int cols_init(Col *cols, int n, const char *fmt) {
 
 static int out_init(Out *o) {
     memset(o, 0, sizeof *o);
-    TRY(cols_init(o->x, N_X, X_FMT));
     TRY(cols_init(o->m, N_M, M_FMT));
     TRY(cols_init(o->g, N_G, G_FMT));
     TRY(cols_init(o->c, N_C, C_FMT));
@@ -1451,14 +1571,13 @@ static int out_init(Out *o) {
 }
 
 static void out_free(Out *o) {
-    for (int i = 0; i < N_X; i++) col_free(&o->x[i]);
     for (int i = 0; i < N_M; i++) col_free(&o->m[i]);
     for (int i = 0; i < N_G; i++) col_free(&o->g[i]);
     for (int i = 0; i < N_C; i++) col_free(&o->c[i]);
     for (int i = 0; i < N_S; i++) col_free(&o->s[i]);
-    free(o->scratch.d);
-    free(o->scratch2.d);
-    free(o->odd.d);
+    buf_free(&o->scratch);
+    buf_free(&o->scratch2);
+    buf_free(&o->odd);
 }
 
 static PyObject *odd_result(Out *o) {
@@ -1509,8 +1628,11 @@ static void scanner_dealloc(Scanner *sc) {
         free(sc->d[i].slots);
         free(sc->d[i].hashes);
         col_free(&sc->d[i].col);
-        free(sc->d[i].flags.d);
+        buf_free(&sc->d[i].flags);
     }
+    for (int i = 0; i < N_X; i++) col_free(&sc->x[i]);
+    free(sc->tracks.slots);
+    free(sc->tracks.keys);
     words_free(&sc->gpu_cats);
     words_free(&sc->comm_names);
     words_free(&sc->shaped_names);
@@ -1529,6 +1651,8 @@ static PyObject *scanner_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         sc->d[i].col.fmt = 'U';
         if (buf_put(&sc->d[i].col.offs, &zero, 8)) { Py_DECREF(sc); return PyErr_NoMemory(); }
     }
+    sc->tracks.last = -1;
+    if (cols_init(sc->x, N_X, X_FMT)) { Py_DECREF(sc); return PyErr_NoMemory(); }
     if (words_from(a, &sc->gpu_cats) || words_from(b, &sc->comm_names) || words_from(c, &sc->shaped_names) ||
         words_from(d, &sc->shaped_prefixes)) {
         Py_DECREF(sc);
@@ -1568,9 +1692,46 @@ static PyObject *scanner_dictionaries(Scanner *sc, PyObject *unused) {
     return out;
 }
 
+/* take() -> (x, tracks): the X events' columns so far, moved out (the Scanner starts again with none), and the
+ * file's tracks in code order, or None when some GPU event's device or stream arg is not an integer. */
+static PyObject *scanner_take(Scanner *sc, PyObject *unused) {
+    if (sc->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "a Scanner is used by one thread at a time");
+        return NULL;
+    }
+    PyObject *tracks = Py_None;
+    Py_INCREF(tracks);
+    if (!sc->tracks_odd) {
+        Col k[N_K];
+        memset(k, 0, sizeof k);
+        int st = cols_init(k, N_K, K_FMT);
+        for (Py_ssize_t i = 0; !st && i < sc->tracks.n; i++) {
+            const TrackKey *t = &sc->tracks.keys[i];
+            if ((st = col_i32(&k[K_GPU], t->gpu, 1)) || (st = col_int(&k[K_DEVICE], t->dev, t->dev_ok)) ||
+                (st = col_int(&k[K_STREAM], t->stream, t->stream_ok)) || (st = col_i32(&k[K_PID], t->pid, t->pid >= 0)))
+                break;
+            st = col_i32(&k[K_TID], t->tid, t->tid >= 0);
+        }
+        Py_DECREF(tracks);
+        tracks = st ? NULL : batch_new(k, N_K, K_NAMES);
+        for (int i = 0; i < N_K; i++) col_free(&k[i]);
+        if (!tracks) return st ? PyErr_NoMemory() : NULL;
+    }
+    PyObject *x = batch_new(sc->x, N_X, X_NAMES);
+    if (!x || cols_init(sc->x, N_X, X_FMT)) {
+        Py_XDECREF(x);
+        Py_DECREF(tracks);
+        return x ? PyErr_NoMemory() : NULL;
+    }
+    return Py_BuildValue("(NN)", x, tracks);
+}
+
 static PyMethodDef scanner_methods[] = {
     {"dictionaries", (PyCFunction)scanner_dictionaries, METH_NOARGS,
      "dictionaries() -> (name, cat, pid, tid) Batches: each dictionary's distinct values in code order"},
+    {"take", (PyCFunction)scanner_take, METH_NOARGS,
+     "take() -> (x, tracks): the X events' columns so far (moved out) and the file's tracks in code order (None "
+     "when some GPU event's device or stream is not an integer)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1650,7 +1811,7 @@ check:
     }
 done:
     Py_XDECREF(keys);
-    free(scratch.d);
+    buf_free(&scratch);
     PyBuffer_Release(&view);
     return result;
 }
@@ -1676,6 +1837,7 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
     const uchar *start = ps.p, *elem = ps.p;
     int st = out_init(&o), status = R_MORE;
     Py_ssize_t n_events = 0;
+    const int64_t rows_before = sc->x[X_NAME].n;
     Ev ev;
     Py_BEGIN_ALLOW_THREADS
     while (!st) {
@@ -1710,8 +1872,8 @@ static PyObject *scan_events(PyObject *self, PyObject *args) {
     if (st) {
         fail(st, &ps);
     } else {
-        sc->rows += o.x[X_NAME].n;
-        PyObject *x = batch_new(o.x, N_X, X_NAMES), *m = x ? batch_new(o.m, N_M, M_NAMES) : NULL;
+        PyObject *x = batch_new(NULL, 0, X_NAMES), *m = x ? batch_new(o.m, N_M, M_NAMES) : NULL;
+        if (x) ((Batch *)x)->rows = (Py_ssize_t)(sc->x[X_NAME].n - rows_before);
         PyObject *g = m ? batch_new(o.g, N_G, G_NAMES) : NULL, *c = g ? batch_new(o.c, N_C, C_NAMES) : NULL;
         PyObject *s = c ? batch_new(o.s, N_S, S_NAMES) : NULL;
         PyObject *odd = s ? odd_result(&o) : NULL;

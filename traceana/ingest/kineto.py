@@ -646,6 +646,11 @@ class _Batches:
         # The native scanner's X frames hold name, cat, pid and tid as codes into these (each a String Series of the
         # file's distinct values); None: the general decoder's frames hold the text (see _finish).
         self.dicts: tuple[pl.Series, ...] | None = None
+        # The native scanner's X frame also holds each event's track as a code into these distinct tracks (is_gpu,
+        # arg_device, arg_stream, pid, tid; see _finish); None: derived per event (the general decoder's frames, or
+        # a GPU event's device or stream arg of another type).
+        self.tracks: pl.DataFrame | None = None
+        self._odd_x: list = []  # the scanner's odd X values (rows in the file), put in when its columns are taken
 
     def add(self, evs: list[_Event], ts: pl.Series) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
@@ -693,14 +698,15 @@ class _Batches:
         self.rows += frame.height
 
     def add_columns(self, x_cols, mem_cols, gpu_cols, comm_cols, shape_cols, odd: list) -> None:
-        """The scanner's tables of one call (``_scan.c`` "emitting rows"): X events with name, cat, pid and tid as codes
-        into the file's dictionaries, memory instants, and the sparse GPU, communication and record_shapes rows, which
-        already hold their X event's row in the file."""
+        """The scanner's tables of one call (``_scan.c`` "emitting rows"): memory instants and the sparse GPU,
+        communication and record_shapes rows, which already hold their X event's row in the file. The X events stay
+        in the scanner (``x_cols`` has no columns, only their count) until ``take_native``."""
         mem = _with_odd(_arrow_frame(mem_cols), odd, _ODD_MEM)
         if mem.height:
             self.mem.append(mem)
             self.n_mem += mem.height
-        x = _with_odd(_arrow_frame(x_cols), odd, _ODD_X)
+        self.rows += len(x_cols)
+        self._odd_x.extend(o for o in odd if o[0] == _ODD_X)
         gpu = _with_odd(_arrow_frame(gpu_cols), odd, _ODD_GPU)
         if gpu.height:
             self.gpu.append(gpu.with_columns(pl.col("row").cast(pl.UInt32)))
@@ -711,9 +717,20 @@ class _Batches:
         if shaped.height:
             raws = (shaped[c].to_list() for c in _SHAPE_ARGS)
             self.shapes.append(_shape_facts(*raws, shaped["row"]))
+
+    def take_native(self, scanned: reading.Scanned) -> None:
+        """The scanner's X events (one frame: name, cat, pid and tid as codes into its dictionaries, and each event's
+        track as a code into its tracks), its dictionaries and its tracks, once the file is scanned."""
+        x, tracks = scanned.taken
+        self.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
+        x = _with_odd(_arrow_frame(x), self._odd_x, _ODD_X)
+        self._odd_x = []
+        if tracks is None:
+            x = x.drop("track")
+        else:
+            self.tracks = _arrow_frame(tracks)
         if x.height:
             self.x.append(x)
-            self.rows += x.height
 
 
 def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
@@ -825,7 +842,7 @@ def _scan_file(path: Path, batches: _Batches, on_progress: Callable[[int, int], 
     calls, scanned.calls = scanned.calls, []
     while calls:  # each call's Arrow buffers move into polars (no copy), and the raw tables go as they are taken
         batches.add_columns(*calls.pop(0))
-    batches.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
+    batches.take_native(scanned)
     return scanned.top, scanned.n_bytes
 
 
@@ -1033,8 +1050,13 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     name, cat, pid and tid stay codes into the file's distinct values until the table is sorted: what is derived
     from them (GPU or not, device and stream numbers, the track's text) is computed once per distinct value, and
     the sorted table's text columns are gathered from the distinct values at the end (the name as string views of
-    one copy of each name, the others categorical)."""
-    x = pl.concat(batches.x, how="vertical", rechunk=True) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
+    one copy of each name, the others categorical). The native scanner also gives each event's track as a code
+    into the file's distinct tracks: is_gpu, device, stream and the track's text are then computed once per track
+    and gathered by that code after the sort, like the text."""
+    if len(batches.x) == 1:  # the native scanner's one frame: nothing to concatenate
+        x = batches.x[0]
+    else:
+        x = pl.concat(batches.x, how="vertical", rechunk=True) if batches.x else pl.DataFrame(schema=_X_SCHEMA)
     batches.x.clear()
     if _scan is not None and x.height >= FINISH_ALONE_ROWS:  # the scanner's buffers (C malloc) were just freed
         _scan.release_memory()
@@ -1043,9 +1065,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     else:
         dicts = batches.dicts
     name_d, cat_d, pid_d, tid_d = dicts
-    gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
-    x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
-                       for c, _, _ in _GPU_ARGS)
+    tracks = batches.tracks if "track" in x.columns else None
     mem = pl.concat(batches.mem, how="vertical") if batches.mem else pl.DataFrame(schema=_MEM_SCHEMA)
     sample = x["ts_rel"].drop_nulls() if x.height else mem["ts_rel"].drop_nulls()
     rank_lit = pl.lit(rank, dtype=pl.Int32)
@@ -1058,59 +1078,84 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         schema.MEMORY,
     )
 
-    # Per distinct value: a GPU stream's category; pid and tid as numbers (Kineto writes a GPU's device as pid and
-    # its stream as tid, the stream sometimes as text: "stream 7"). A null pid or tid is "" in the table.
-    pid_text, tid_text = (pl.concat([d, pl.Series("value", [""])]) for d in (pid_d, tid_d))  # code len(d): null
+    # A null pid or tid is "" in the table: code len(d).
+    pid_text, tid_text = (pl.concat([d, pl.Series("value", [""])]) for d in (pid_d, tid_d))
     pid_code = pl.col("pid").fill_null(len(pid_d))
     tid_code = pl.col("tid").fill_null(len(tid_d))
+    times = dict(ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
+                 dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")), pid=pid_code,
+                 tid=tid_code)
+    if tracks is None:  # derived per event: the GPU args scattered into place by row first
+        gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
+        x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
+                           for c, _, _ in _GPU_ARGS)
+        del gpu
+        x = _derived(x.lazy().with_columns(**times, is_gpu=pl.lit(cat_d.is_in(_GPU_CAT_NAMES)).gather(pl.col("cat"))
+                                           .fill_null(False)), pid_text, tid_text).collect(engine=ENGINE)
+        per_track = None
+    else:  # once per track, gathered by its code after the sort
+        x = x.lazy().with_columns(**times).collect(engine=ENGINE)
+        per_track = _derived(tracks.lazy().select(is_gpu=pl.col("is_gpu").cast(pl.Boolean), pid=pid_code,
+                                                   tid=tid_code, arg_device="arg_device", arg_stream="arg_stream"),
+                             pid_text, tid_text).collect(engine=ENGINE)
+    batches.gpu.clear()
+    facts = _comms(x, batches, pg_config, name_d, per_track)
+    keep = x.select(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
+                    & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62)).to_series()
+    n_read = x.height
+    dropped = n_read - keep.sum()
+    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
+            "tid": tid_text.cast(schema.EVENTS["tid"])}
+    by_track = ("is_gpu", "device", "stream", "track")
+    if n_read < SORT_WHOLE_ROWS:  # small: one query (a few dozen eager operations cost more than the work here)
+        if per_track is not None:
+            x = x.with_columns(pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in by_track)
+        return schema.check(_small_events(x.with_columns(keep=keep), facts, text, rank), schema.EVENTS, "events"), \
+            schema.check(memory, schema.MEMORY, "memory"), dropped
+    # Each fact's row in the table: its index into facts, sorted with the columns (the facts themselves are sparse
+    # and put in after the sort, the rank, constant, too).
+    if facts.height:
+        x = x.with_columns(pl.repeat(None, n_read, dtype=pl.UInt32, eager=True)
+                           .scatter(facts["row"], pl.int_range(facts.height, dtype=pl.UInt32, eager=True))
+                           .alias("fact"))
+    if dropped:  # copying the table only when some event has no usable time
+        x = x.filter(keep)
+    del keep
+    # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
+    # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
+    body = {c: t for c, t in schema.EVENTS.items()
+            if c not in (*_TEXT, *_FACTS, "rank", *(by_track if per_track is not None else ()))}
+    columns = [*x.select(*_TEXT, *(["track"] if per_track is not None else []), *(["fact"] if facts.height else []))
+               .get_columns(), *schema.conform(x, body).get_columns()]
+    del x  # the list holds the only reference to each column now (helper columns are freed here)
+    events = _sorted_by_columns(columns)
+    n = events.height
+    events = events.with_columns(
+        *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
+        *(pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in by_track if per_track is not None),
+        *((facts[c].gather(events["fact"]) if facts.height else pl.repeat(None, n, dtype=t, eager=True)).alias(c)
+          for c, t in _FACTS.items()),
+        rank=pl.repeat(rank, n, dtype=pl.Int32, eager=True),
+    ).select(list(schema.EVENTS))
+    return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+
+
+def _derived(x: pl.LazyFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.LazyFrame:
+    """is_gpu, arg_device, arg_stream, pid and tid (codes into pid_text and tid_text) → device, stream (in their
+    schema type's range) and the track: per event, or once per distinct track (_finish).
+
+    Kineto writes a GPU's device as pid and its stream as tid, the stream sometimes as text ("stream 7"): where the
+    args do not say, the device and stream are the pid's and tid's numbers (computed once per distinct value)."""
     per_value = pl.DataFrame({"t": tid_text}).select(
         pl.coalesce(pl.col("t").cast(pl.Int64, strict=False),
                     pl.col("t").str.extract(_STREAM_IN_TID).cast(pl.Int64, strict=False))).to_series()
-    # Until the filter below, "row" is also each event's position: facts are put in place by position.
-    x = x.lazy().with_row_index("row").with_columns(
-        ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
-        dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
-        rank=rank_lit,
-        is_gpu=pl.lit(cat_d.is_in(_GPU_CAT_NAMES)).gather(pl.col("cat")).fill_null(False),
-        pid=pid_code,
-        tid=tid_code,
-    ).with_columns(
+    x = x.with_columns(
         device=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_device"),
                                                   pl.lit(pid_text.cast(pl.Int64, strict=False)).gather("pid"))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), pl.lit(per_value).gather("tid"))),
     ).collect(engine=ENGINE)
-    track = _tracks(x, pid_text, tid_text)
-    facts = _comms(x, track, batches, pg_config, name_d)
-    x = x.with_columns(*(_in_range(pl.col(c), c).alias(c) for c in ("device", "stream")), track=track,
-                       keep=pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
-                       & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62))
-    del track
-    n_read = x.height
-    dropped = n_read - x["keep"].sum()
-    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
-            "tid": tid_text.cast(schema.EVENTS["tid"])}
-    if n_read < SORT_WHOLE_ROWS:  # small: one query (a few dozen eager operations cost more than the work here)
-        return schema.check(_small_events(x, facts, text, rank), schema.EVENTS, "events"), \
-            schema.check(memory, schema.MEMORY, "memory"), dropped
-    if dropped:  # copying the table only when some event has no usable time
-        x = x.filter("keep")
-    # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
-    # the table in file order; helper columns are dropped first, so only the table's own columns are copied). The
-    # communication facts (sparse) and the rank (constant) are put in after the sort, not sorted with the table.
-    body = {c: t for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")}
-    columns = [*x.select(*_TEXT, "row").get_columns(), *schema.conform(x, body).get_columns()]
-    del x  # the list holds the only reference to each column now (helper columns are freed here)
-    events = _sorted_by_columns(columns)
-    n = events.height
-    where = pl.repeat(None, n_read, dtype=pl.UInt32, eager=True).scatter(
-        events["row"], pl.int_range(n, dtype=pl.UInt32, eager=True)).gather(facts["row"])  # a fact's sorted row
-    facts = facts.with_columns(where.alias("row")).drop_nulls("row")
-    events = events.with_columns(
-        *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
-        *(pl.repeat(None, n, dtype=t, eager=True).scatter(facts["row"], facts[c]).alias(c) for c, t in _FACTS.items()),
-        rank=pl.repeat(rank, n, dtype=pl.Int32, eager=True),
-    ).select(list(schema.EVENTS))
-    return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
+    return x.lazy().with_columns(*(_in_range(pl.col(c), c).cast(schema.EVENTS[c]).alias(c) for c in ("device", "stream")),
+                                 track=_tracks(x, pid_text, tid_text))
 
 
 def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int) -> pl.DataFrame:
@@ -1120,7 +1165,7 @@ def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Serie
     body = [(pl.col(c).cast(t) if c in x.columns else pl.lit(None, dtype=t)).alias(c)
             for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")]
     return (
-        x.lazy().filter("keep")
+        x.lazy().with_row_index("row").filter("keep")
         .join(facts.lazy(), on="row", how="left", maintain_order="left")
         .sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
         .select(*(pl.lit(d).gather(pl.col(c)).alias(c) for c, d in text.items()), *body,
@@ -1212,8 +1257,11 @@ def _in_range(value: pl.Expr, column: str) -> pl.Expr:
     return pl.when(value.is_between(-(2**31), 2**31 - 1)).then(value)
 
 
-def _comms(x: pl.DataFrame, track: pl.Series, batches: _Batches, pg_config: Any, name_d: pl.Series) -> pl.DataFrame:
+def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series,
+           per_track: pl.DataFrame | None) -> pl.DataFrame:
     """``row`` and its peer, tag, nbytes, coll and pg, for communication events (from the sparse per-batch facts).
+    ``row`` is the event's position in ``x`` (in file order), whose name is a code into name_d and whose track is
+    the track's text, or a code into per_track's tracks (_finish).
 
     NCCL: ``record_param_comms`` gives "Collective name", "In msg nelems" × "dtype", and for P2P "Dst Rank"/"Src
     Rank" (a rank within its process group; mapped to a global rank through distributedInfo.pg_config by
@@ -1232,8 +1280,9 @@ def _comms(x: pl.DataFrame, track: pl.Series, batches: _Batches, pg_config: Any,
     ).drop("pg_name")
     shapes = pl.concat(batches.shapes) if batches.shapes else None
     if shapes is not None and shapes.height:
-        ev = x.select("row", "ts_ns", "dur_ns", name=pl.lit(name_d).gather("name"),
-                      track=track.cast(pl.String))[shapes["row"]]  # x's name is a code into name_d
+        track = pl.col("track") if per_track is None else pl.lit(per_track["track"]).gather(pl.col("track"))
+        ev = x[shapes["row"]].select(pl.lit(shapes["row"]).alias("row"), "ts_ns", "dur_ns",
+                                     name=pl.lit(name_d).gather("name"), track=track.cast(pl.String))
         shaped = pl.concat([ev, shapes.drop("row")], how="horizontal").filter(
             pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null())
         comm = pl.concat([comm, _gloo_pairs(shaped).lazy()], how="diagonal_relaxed")

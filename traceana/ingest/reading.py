@@ -281,8 +281,9 @@ class Reader:
 
 class Scanned:
     """What the native scanner read of one trace, before polars: per scanner call the X, memory, GPU,
-    communication and record_shapes tables (Arrow arrays, ``_scan.c`` "emitting rows") and the values of another
-    type than their column's (``odd``); at the end the file's four dictionaries, the top level's raw values and
+    communication and record_shapes tables (Arrow arrays, ``_scan.c`` "emitting rows"; the X table only counts the
+    call's events, which the scanner keeps) and the values of another type than their column's (``odd``); at the
+    end the X events and their tracks (``taken``), the file's four dictionaries, the top level's raw values and
     the JSON's size. ``rows``/``n_mem`` count X events and memory instants (the memory rule's ``Budget``)."""
 
     def __init__(self, path: Path) -> None:
@@ -291,6 +292,7 @@ class Scanned:
         self.rows = self.n_mem = 0
         self.top: dict[str, bytes] = {}
         self.dicts: tuple[Any, ...] | None = None
+        self.taken: tuple[Any, ...] | None = None  # Scanner.take()'s tables, at the end
         self.n_bytes = 0
         self.size = 0
 
@@ -335,6 +337,7 @@ class Scanned:
             if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
                 raise NotNative("a second traceEvents")
             self.top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
+            self.taken = scanner.take()  # the X events, kept by the scanner across its calls, and their tracks
             self.dicts = scanner.dictionaries()
             while True:  # only whitespace may follow
                 if bytes(r.buf[end:]).strip(b" \t\r\n"):
