@@ -323,3 +323,31 @@ def test_tracks_read_the_same_both_ways_and_sorted_by_columns(tmp_path, monkeypa
     assert_same(f, monkeypatch)
     monkeypatch.setattr(kineto, "SORT_WHOLE_ROWS", 0)
     assert_same(f, monkeypatch)
+
+
+# Starts and durations from few values (many ties, in every arrangement), far apart (several radix passes), missing,
+# negative or out of range: the scanner's time order against the general decoder's sort of the same events.
+_when = st.one_of(st.none(), st.sampled_from([0, 1, 1.5, 2, -3, 2**20, 9.2e12, 1.7e15, 4.6e15]))
+_timed = st.fixed_dictionaries({"ph": st.just("X"), "cat": st.sampled_from(["cpu_op", "kernel"]),
+                                "name": st.sampled_from(["a", "b"]), "pid": st.just(0), "tid": st.sampled_from([7, 8]),
+                                "ts": _when, "dur": st.one_of(st.none(), st.sampled_from([0, 1, 2, 5, -1]))})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(_timed, min_size=1, max_size=40), base=st.sampled_from([None, 1000, 2**61]))
+def test_the_scanner_orders_events_as_the_table_is_sorted(tmp_path, monkeypatch, events, base):
+    top = {} if base is None else {"baseTimeNanoseconds": base}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({**top, "traceEvents": events}))
+    monkeypatch.setattr(kineto, "SORT_WHOLE_ROWS", 0)  # the column-at-a-time path, which takes the scanner's order
+    assert _uses_native(f)
+    assert_same(f, monkeypatch)
+
+
+def test_many_events_starting_together_keep_the_table_order(tmp_path, monkeypatch):
+    # A run of equal starts longer than the scanner's insertion sort takes (16): merged, stably, longest first.
+    events = [dict(X, name=f"op{i}", ts=5.0, dur=float(i % 4)) for i in range(70)]
+    f = _write(tmp_path, events + [dict(X, ts=4.0), dict(X, ts=None)])
+    monkeypatch.setattr(kineto, "SORT_WHOLE_ROWS", 0)
+    assert _uses_native(f)
+    assert_same(f, monkeypatch)

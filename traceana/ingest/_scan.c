@@ -17,9 +17,10 @@
  *       array closed (END, pos after ']') or the buffer ended inside an event (NEED: pos is where it started).
  *   Scanner(gpu_cats, comm_names, shaped_names, shaped_prefixes).dictionaries() -> (name, cat, pid, tid)
  *       the file's distinct names, categories, pids and tids so far, in code order.
- *   Scanner.take() -> (x, tracks)
- *       the X events' columns, which the Scanner keeps across events() calls (events() returns an X table of no
- *       columns whose len() is the X rows it added), and the file's distinct tracks (see TrackKey) in code order.
+ *   Scanner.take() -> (x, tracks, pos)
+ *       the X events' columns (a Batch each), which the Scanner keeps across events() calls (events() returns an X table of no
+ *       columns whose len() is the X rows it added), sorted as finishing sorts them ("the time order"); the
+ *       file's distinct tracks (see TrackKey) in code order; and where each row of the file went in x.
  * The tables are Batch objects (see "emitting rows"): columns in Arrow's layouts (int32, int64; large_string
  * with int64 offsets), exported without copying through the Arrow PyCapsule protocol (polars reads them directly).
  * An X event's name, cat, pid and tid are codes into the scanner's dictionaries (dictionary encoding: each distinct
@@ -65,7 +66,8 @@ static int bad(P *ps, const char *why) {
 
 /* --- growable buffers and Arrow columns ------------------------------------------------------------------- */
 /* A buffer of MAP_BYTES or more is an anonymous mapping of its own, grown by mremap (its pages move, they are not
- * copied), in huge pages where the kernel allows, and unmapped when freed: a file's event columns grow to tens of MB
+ * copied), and unmapped when freed (not in huge pages: the event columns outlive the scan in the table, and a
+ * column's last huge page, or a doubled buffer's untouched half, would count in full): a file's event columns grow to tens of MB
  * across calls, which realloc copied while glibc's mmap threshold (raised by the buffers freed before) kept them
  * in its heap, where freed ones then stayed (docs/performance.md "Memory"). */
 typedef struct { char *d; Py_ssize_t len, cap; char mapped; } Buf;
@@ -104,9 +106,6 @@ static int buf_grow(Buf *b, Py_ssize_t extra) {
         buf_free(b);
         b->len = len;
     }
-#ifdef MADV_HUGEPAGE
-    madvise(d, (size_t)cap, MADV_HUGEPAGE);
-#endif
     b->d = d;
     b->cap = cap;
     b->mapped = 1;
@@ -1692,13 +1691,174 @@ static PyObject *scanner_dictionaries(Scanner *sc, PyObject *unused) {
     return out;
 }
 
-/* take() -> (x, tracks): the X events' columns so far, moved out (the Scanner starts again with none), and the
- * file's tracks in code order, or None when some GPU event's device or stream arg is not an integer. */
+/* --- the time order --------------------------------------------------------------------------------------------
+ * take() hands the X events over in the order kineto.py's _finish gives the table: by start, the longer of two that
+ * start together first, then in file order (a stable sort). An LSD radix sort of the starts (as offsets from the
+ * earliest, 11 bits a pass, only as many passes as the offsets have bits), then each run of equal starts (few, and
+ * short) by duration, stably. Events without a start, or without a duration among equal starts, come after the
+ * others: finishing drops every event whose start or duration is unusable, and dropping keeps the order of the
+ * rest. Each column is then permuted into a spare buffer that the column's old one replaces (no new buffer a
+ * column), and pos says where each event of the file went (for the sparse tables' rows and the odd values). */
+static inline int has_value(const Col *c, Py_ssize_t i) {
+    return c->nulls == 0 || ((unsigned char)c->valid.d[i >> 3] >> (i & 7)) & 1;
+}
+
+static inline int64_t dur_key(const Col *dur, uint32_t i) {
+    return has_value(dur, i) ? ((const int64_t *)dur->data.d)[i] : INT64_MIN;
+}
+
+static void sort_by_dur(uint32_t *x, uint32_t *tmp, Py_ssize_t n, const Col *dur) { /* longest first, stably */
+    if (n <= 16) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            uint32_t v = x[i];
+            int64_t k = dur_key(dur, v);
+            Py_ssize_t j = i;
+            for (; j > 0 && dur_key(dur, x[j - 1]) < k; j--) x[j] = x[j - 1];
+            x[j] = v;
+        }
+        return;
+    }
+    Py_ssize_t h = n / 2, i = 0, j = h, k = 0;
+    sort_by_dur(x, tmp, h, dur);
+    sort_by_dur(x + h, tmp, n - h, dur);
+    while (i < h && j < n) tmp[k++] = dur_key(dur, x[i]) >= dur_key(dur, x[j]) ? x[i++] : x[j++];
+    while (i < h) tmp[k++] = x[i++];
+    while (j < n) tmp[k++] = x[j++];
+    memcpy(x, tmp, sizeof *x * (size_t)n);
+}
+
+/* *out: the file's rows in time order (malloc'd). */
+static int time_order(const Col *ts, const Col *dur, uint32_t **out) {
+    Py_ssize_t n = ts->n, m = 0;
+    size_t cells = (size_t)(n ? n : 1);
+    uint32_t *a = malloc(sizeof *a * cells), *b = malloc(sizeof *b * cells);
+    uint64_t *ka = malloc(sizeof *ka * cells), *kb = malloc(sizeof *kb * cells);
+    if (!a || !b || !ka || !kb) { free(a); free(b); free(ka); free(kb); return ST_NOMEM; }
+    const int64_t *t = (const int64_t *)ts->data.d;
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (has_value(ts, i)) {
+            if (t[i] < lo) lo = t[i];
+            if (t[i] > hi) hi = t[i];
+        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (has_value(ts, i)) {
+            a[m] = (uint32_t)i;
+            ka[m++] = (uint64_t)t[i] - (uint64_t)lo;
+        }
+    uint64_t range = m ? (uint64_t)hi - (uint64_t)lo : 0;
+    int bits = range ? 64 - __builtin_clzll(range) : 0;
+    for (int shift = 0; shift < bits; shift += 11) {
+        Py_ssize_t count[2049] = {0};
+        for (Py_ssize_t i = 0; i < m; i++) count[((ka[i] >> shift) & 2047) + 1]++;
+        for (int d = 0; d < 2048; d++) count[d + 1] += count[d];
+        for (Py_ssize_t i = 0; i < m; i++) {
+            Py_ssize_t j = count[(ka[i] >> shift) & 2047]++;
+            kb[j] = ka[i];
+            b[j] = a[i];
+        }
+        uint32_t *s = a; a = b; b = s;
+        uint64_t *sk = ka; ka = kb; kb = sk;
+    }
+    for (Py_ssize_t i = 0; i < m;) {
+        Py_ssize_t j = i + 1;
+        while (j < m && ka[j] == ka[i]) j++;
+        if (j - i > 1) sort_by_dur(a + i, b, j - i, dur);
+        i = j;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!has_value(ts, i)) a[m++] = (uint32_t)i;
+    free(b);
+    free(ka);
+    free(kb);
+    *out = a;
+    return ST_OK;
+}
+
+/* Column c's values in the order ``order``, through *spare (at least as large as its data: it becomes the
+ * column's buffer and the old one the spare) and *bits (the validity, likewise). */
+static int permute(Col *c, const uint32_t *order, Buf *spare, Buf *bits) {
+    Py_ssize_t n = c->n, w = c->fmt == 'l' ? 8 : 4;
+    if (spare->cap < w * n) {
+        buf_free(spare);
+        TRY(buf_reserve(spare, w * n));
+    }
+    if (w == 8) {
+        const int64_t *s = (const int64_t *)c->data.d;
+        int64_t *d = (int64_t *)spare->d;
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = s[order[i]];
+    } else {
+        const int32_t *s = (const int32_t *)c->data.d;
+        int32_t *d = (int32_t *)spare->d;
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = s[order[i]];
+    }
+    Buf old = c->data;
+    c->data = *spare;
+    c->data.len = w * n;
+    *spare = old;
+    spare->len = 0;
+    if (c->nulls) {
+        Py_ssize_t nb = (n + 7) / 8;
+        if (bits->cap < nb) {
+            buf_free(bits);
+            TRY(buf_reserve(bits, nb));
+        }
+        memset(bits->d, 0, (size_t)nb);
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (has_value(c, order[i])) bits->d[i >> 3] |= (char)(1 << (i & 7));
+        Buf v = c->valid;
+        c->valid = *bits;
+        c->valid.len = nb;
+        *bits = v;
+        bits->len = 0;
+    }
+    return ST_OK;
+}
+
+/* The X columns in time order; *pos: where each row of the file went (an int32 column). */
+static int sort_x(Col *x, Col *pos) {
+    uint32_t *order;
+    TRY(time_order(&x[X_TS], &x[X_DUR], &order));
+    Py_ssize_t n = x[X_TS].n;
+    int st = buf_reserve(&pos->data, 4 * n);
+    for (Py_ssize_t i = 0; !st && i < n; i++) ((int32_t *)pos->data.d)[order[i]] = (int32_t)i;
+    if (!st) {
+        pos->data.len = 4 * n;
+        pos->n = n;
+    }
+    Buf spare = {0}, bits = {0};
+    for (int wide = 1; wide >= 0 && !st; wide--) { /* the int64 columns, then the int32 ones: a spare of each width */
+        for (int i = 0; !st && i < N_X; i++)
+            if ((X_FMT[i] == 'l') == wide) st = permute(&x[i], order, &spare, &bits);
+        buf_free(&spare);
+    }
+    buf_free(&bits);
+    free(order);
+    return st;
+}
+
+static const char *const POS_NAMES[1] = {"pos"};
+
+/* take() -> (x, tracks, pos): the X events' columns so far in time order (see "the time order"), moved out (the
+ * Scanner starts again with none), a Batch each; the file's tracks in code order, or None when some GPU event's device or
+ * stream arg is not an integer; and where each X row of the file is in x. */
 static PyObject *scanner_take(Scanner *sc, PyObject *unused) {
     if (sc->busy) {
         PyErr_SetString(PyExc_RuntimeError, "a Scanner is used by one thread at a time");
         return NULL;
     }
+    Col pos;
+    memset(&pos, 0, sizeof pos);
+    pos.fmt = 'i';
+    int sorted;
+    sc->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    sorted = sort_x(sc->x, &pos);
+    Py_END_ALLOW_THREADS
+    sc->busy = 0;
+    PyObject *where = sorted ? NULL : batch_new(&pos, 1, POS_NAMES);
+    col_free(&pos);
+    if (!where) return sorted ? PyErr_NoMemory() : NULL;
     PyObject *tracks = Py_None;
     Py_INCREF(tracks);
     if (!sc->tracks_odd) {
@@ -1715,23 +1875,32 @@ static PyObject *scanner_take(Scanner *sc, PyObject *unused) {
         Py_DECREF(tracks);
         tracks = st ? NULL : batch_new(k, N_K, K_NAMES);
         for (int i = 0; i < N_K; i++) col_free(&k[i]);
-        if (!tracks) return st ? PyErr_NoMemory() : NULL;
+        if (!tracks) { Py_DECREF(where); return st ? PyErr_NoMemory() : NULL; }
     }
-    PyObject *x = batch_new(sc->x, N_X, X_NAMES);
+    /* One Batch a column: polars keeps an imported array's buffers until all of its columns are dropped, and the
+     * table keeps some (times, ids) but not the codes it gathers text from. */
+    PyObject *x = PyTuple_New(N_X);
+    for (int i = 0; x && i < N_X; i++) {
+        PyObject *b = batch_new(&sc->x[i], 1, &X_NAMES[i]);
+        if (!b) Py_CLEAR(x);
+        else PyTuple_SET_ITEM(x, i, b);
+    }
     if (!x || cols_init(sc->x, N_X, X_FMT)) {
         Py_XDECREF(x);
         Py_DECREF(tracks);
+        Py_DECREF(where);
         return x ? PyErr_NoMemory() : NULL;
     }
-    return Py_BuildValue("(NN)", x, tracks);
+    return Py_BuildValue("(NNN)", x, tracks, where);
 }
 
 static PyMethodDef scanner_methods[] = {
     {"dictionaries", (PyCFunction)scanner_dictionaries, METH_NOARGS,
      "dictionaries() -> (name, cat, pid, tid) Batches: each dictionary's distinct values in code order"},
     {"take", (PyCFunction)scanner_take, METH_NOARGS,
-     "take() -> (x, tracks): the X events' columns so far (moved out) and the file's tracks in code order (None "
-     "when some GPU event's device or stream is not an integer)"},
+     "take() -> (x, tracks, pos): the X events' columns so far in time order (moved out; a Batch each), the file's "
+     "tracks in code "
+     "order (None when some GPU event's device or stream is not an integer), and each file row's row in x"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -651,6 +651,7 @@ class _Batches:
         # a GPU event's device or stream arg of another type).
         self.tracks: pl.DataFrame | None = None
         self._odd_x: list = []  # the scanner's odd X values (rows in the file), put in when its columns are taken
+        self.sorted = False  # the X frame is already in the table's order (the native scanner's: _finish)
 
     def add(self, evs: list[_Event], ts: pl.Series) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
@@ -719,12 +720,18 @@ class _Batches:
             self.shapes.append(_shape_facts(*raws, shaped["row"]))
 
     def take_native(self, scanned: reading.Scanned) -> None:
-        """The scanner's X events (one frame: name, cat, pid and tid as codes into its dictionaries, and each event's
-        track as a code into its tracks), its dictionaries and its tracks, once the file is scanned."""
-        x, tracks = scanned.taken
+        """The scanner's X events (one frame, in time order: name, cat, pid and tid as codes into its dictionaries, and
+        each event's track as a code into its tracks), its dictionaries and its tracks, once the file is scanned. The
+        sparse tables' rows (and the odd values') become rows of that frame, as if the file held the events in it."""
+        x, tracks, pos = scanned.taken
+        pos = _arrow_frame(pos).to_series()
         self.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
-        x = _with_odd(_arrow_frame(x), self._odd_x, _ODD_X)
+        for frames in (self.gpu, self.comm, self.shapes):
+            frames[:] = [f.with_columns(pos.gather(f["row"]).cast(pl.UInt32).alias("row")) for f in frames]
+        odd_x = [(t, col, pos[row], raw) for t, col, row, raw in self._odd_x]
         self._odd_x = []
+        self.sorted = True
+        x = _with_odd(pl.concat([_arrow_frame(c) for c in x], how="horizontal"), odd_x, _ODD_X)
         if tracks is None:
             x = x.drop("track")
         else:
@@ -1122,13 +1129,14 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
         x = x.filter(keep)
     del keep
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
-    # the table in file order; helper columns are dropped first, so only the table's own columns are copied).
+    # the table in file order; helper columns are dropped first, so only the table's own columns are copied). The
+    # native scanner's events come in that order already (_scan.c "the time order"): dropping events keeps it.
     body = {c: t for c, t in schema.EVENTS.items()
             if c not in (*_TEXT, *_FACTS, "rank", *(by_track if per_track is not None else ()))}
     columns = [*x.select(*_TEXT, *(["track"] if per_track is not None else []), *(["fact"] if facts.height else []))
                .get_columns(), *schema.conform(x, body).get_columns()]
     del x  # the list holds the only reference to each column now (helper columns are freed here)
-    events = _sorted_by_columns(columns)
+    events = pl.DataFrame(columns) if batches.sorted else _sorted_by_columns(columns)
     n = events.height
     events = events.with_columns(
         *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
@@ -1154,8 +1162,8 @@ def _derived(x: pl.LazyFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.La
                                                   pl.lit(pid_text.cast(pl.Int64, strict=False)).gather("pid"))),
         stream=pl.when("is_gpu").then(pl.coalesce(pl.col("arg_stream"), pl.lit(per_value).gather("tid"))),
     ).collect(engine=ENGINE)
-    return x.lazy().with_columns(*(_in_range(pl.col(c), c).cast(schema.EVENTS[c]).alias(c) for c in ("device", "stream")),
-                                 track=_tracks(x, pid_text, tid_text))
+    return x.lazy().with_columns(*(_in_range(pl.col(c), c).cast(schema.EVENTS[c]).alias(c)
+                                   for c in ("device", "stream")), track=_tracks(x, pid_text, tid_text))
 
 
 def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int) -> pl.DataFrame:

@@ -283,8 +283,8 @@ class Scanned:
     """What the native scanner read of one trace, before polars: per scanner call the X, memory, GPU,
     communication and record_shapes tables (Arrow arrays, ``_scan.c`` "emitting rows"; the X table only counts the
     call's events, which the scanner keeps) and the values of another type than their column's (``odd``); at the
-    end the X events and their tracks (``taken``), the file's four dictionaries, the top level's raw values and
-    the JSON's size. ``rows``/``n_mem`` count X events and memory instants (the memory rule's ``Budget``)."""
+    end the X events in the table's order, their tracks and where each went (``taken``), the file's four
+    dictionaries, the top level's raw values and the JSON's size. ``rows``/``n_mem`` count X events and memory instants (the memory rule's ``Budget``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -337,7 +337,7 @@ class Scanned:
             if status != _scan.END or any(k == "traceEvents" for k, _, _ in keys):
                 raise NotNative("a second traceEvents")
             self.top.update((k, bytes(r.buf[a:b])) for k, a, b in keys)
-            self.taken = scanner.take()  # the X events, kept by the scanner across its calls, and their tracks
+            self.taken = scanner.take()  # the X events (kept by the scanner across its calls) sorted, tracks, pos
             self.dicts = scanner.dictionaries()
             while True:  # only whitespace may follow
                 if bytes(r.buf[end:]).strip(b" \t\r\n"):
