@@ -726,6 +726,8 @@ class _Batches:
         x, tracks, pos = scanned.taken
         pos = _arrow_frame(pos).to_series()
         self.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
+        if tracks is not None:
+            self.gpu.clear()  # their args are in the tracks
         for frames in (self.gpu, self.comm, self.shapes):
             frames[:] = [f.with_columns(pos.gather(f["row"]).cast(pl.UInt32).alias("row")) for f in frames]
         odd_x = [(t, col, pos[row], raw) for t, col, row, raw in self._odd_x]
@@ -1092,32 +1094,32 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     times = dict(ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
                  dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")), pid=pid_code,
                  tid=tid_code)
+    keep = pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null() \
+        & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62)
     if tracks is None:  # derived per event: the GPU args scattered into place by row first
         gpu = pl.concat(batches.gpu, how="vertical") if batches.gpu else pl.DataFrame(schema=_GPU_SCHEMA)
         x = x.with_columns(pl.repeat(None, x.height, dtype=pl.Int64, eager=True).scatter(gpu["row"], gpu[c]).alias(c)
                            for c, _, _ in _GPU_ARGS)
         del gpu
         x = _derived(x.lazy().with_columns(**times, is_gpu=pl.lit(cat_d.is_in(_GPU_CAT_NAMES)).gather(pl.col("cat"))
-                                           .fill_null(False)), pid_text, tid_text).collect(engine=ENGINE)
+                                           .fill_null(False)).with_columns(keep=keep),
+                     pid_text, tid_text).collect(engine=ENGINE)
         per_track = None
     else:  # once per track, gathered by its code after the sort
-        x = x.lazy().with_columns(**times).collect(engine=ENGINE)
+        x = x.lazy().with_columns(**times).with_columns(keep=keep).collect(engine=ENGINE)
         per_track = _derived(tracks.lazy().select(is_gpu=pl.col("is_gpu").cast(pl.Boolean), pid=pid_code,
                                                    tid=tid_code, arg_device="arg_device", arg_stream="arg_stream"),
                              pid_text, tid_text).collect(engine=ENGINE)
     batches.gpu.clear()
     facts = _comms(x, batches, pg_config, name_d, per_track)
-    keep = x.select(pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null()
-                    & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62)).to_series()
     n_read = x.height
-    dropped = n_read - keep.sum()
+    dropped = n_read - x["keep"].sum()
     text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
             "tid": tid_text.cast(schema.EVENTS["tid"])}
     by_track = ("is_gpu", "device", "stream", "track")
     if n_read < SORT_WHOLE_ROWS:  # small: one query (a few dozen eager operations cost more than the work here)
-        if per_track is not None:
-            x = x.with_columns(pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in by_track)
-        return schema.check(_small_events(x.with_columns(keep=keep), facts, text, rank), schema.EVENTS, "events"), \
+        derived = [] if per_track is None else [pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in by_track]
+        return schema.check(_small_events(x, facts, text, rank, derived), schema.EVENTS, "events"), \
             schema.check(memory, schema.MEMORY, "memory"), dropped
     # Each fact's row in the table: its index into facts, sorted with the columns (the facts themselves are sparse
     # and put in after the sort, the rank, constant, too).
@@ -1126,8 +1128,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
                            .scatter(facts["row"], pl.int_range(facts.height, dtype=pl.UInt32, eager=True))
                            .alias("fact"))
     if dropped:  # copying the table only when some event has no usable time
-        x = x.filter(keep)
-    del keep
+        x = x.filter("keep")
     # Deterministic order: by time, enclosing spans before the spans they contain, then file order (a stable sort of
     # the table in file order; helper columns are dropped first, so only the table's own columns are copied). The
     # native scanner's events come in that order already (_scan.c "the time order"): dropping events keeps it.
@@ -1166,14 +1167,17 @@ def _derived(x: pl.LazyFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.La
                                    for c in ("device", "stream")), track=_tracks(x, pid_text, tid_text))
 
 
-def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int) -> pl.DataFrame:
+def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int,
+                  derived: list[pl.Expr]) -> pl.DataFrame:
     """The events table of a table under SORT_WHOLE_ROWS rows, in one query: the same rows and order as the
     column-at-a-time path below it in _finish (a stable sort by ts_ns, then dur_ns descending, of the kept events in
-    file order; the facts joined by file position; text gathered from the distinct values)."""
-    body = [(pl.col(c).cast(t) if c in x.columns else pl.lit(None, dtype=t)).alias(c)
+    file order; the facts joined by file position; text gathered from the distinct values; ``derived``: columns
+    gathered by track code, put in first)."""
+    have = [*x.columns, *(e.meta.output_name() for e in derived)]
+    body = [(pl.col(c).cast(t) if c in have else pl.lit(None, dtype=t)).alias(c)
             for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")]
     return (
-        x.lazy().with_row_index("row").filter("keep")
+        x.lazy().with_columns(derived).with_row_index("row").filter("keep")
         .join(facts.lazy(), on="row", how="left", maintain_order="left")
         .sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
         .select(*(pl.lit(d).gather(pl.col(c)).alias(c) for c, d in text.items()), *body,
