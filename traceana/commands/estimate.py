@@ -8,9 +8,11 @@ points (--efficiency 1:0.45,2:0.50) or an assumed saturating curve, which the ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import sys
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
@@ -202,8 +204,9 @@ def reserve_of(args: argparse.Namespace, total: float) -> float:
 
 
 def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Network, *, verdict: bool,
-           baseline: str = "best-without-bpipe", reserve: float = 0.0) -> dict:
-    """``dev.memory_bytes`` is what is usable: the device's memory less ``reserve``."""
+           baseline: str = "best-without-bpipe", reserve: float = 0.0, on_progress=None) -> dict:
+    """``dev.memory_bytes`` is what is usable: the device's memory less ``reserve``. ``on_progress(done, total)``:
+    the BPipe verdict's simulated configurations."""
     stages = estimate_stage_memory(cfg)
     step = estimate_step(cfg, device=dev, curve=curve, network=net) if dev.peak_flops else None
     out = {
@@ -231,7 +234,7 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
                                            "efficiency_source": curve.source, "terms_s": step.terms},
     }
     if verdict and step is not None and cfg.schedule == "1f1b" and cfg.virtual_stages == 1 and cfg.pp > 1:
-        v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline)
+        v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline, on_progress=on_progress)
         out["bpipe"] = {
             "baseline": v.baseline, "why": v.why,
             "helps": v.helps, "speedup": v.speedup, "deciding_term": v.deciding_term, "deltas_s": v.deltas,
@@ -292,10 +295,27 @@ def _usable(device: dict) -> str:
     return f"{bytes_text(usable + reserve)}, {bytes_text(reserve)} kept free, {bytes_text(usable)} usable"
 
 
+@contextlib.contextmanager
+def _verdict_progress(enabled: bool):
+    """A progress bar on stderr (a terminal only) over the verdict's simulated configurations: with thousands of
+    micro-batches each takes seconds."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("BPipe verdict: simulating configurations"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg, dev, curve, net = build(args)
-    out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline,
-                 reserve=reserve_of(args, _device_total(args)[1]))
+    with _verdict_progress(sys.stderr.isatty()) as on_progress:
+        out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline,
+                     reserve=reserve_of(args, _device_total(args)[1]), on_progress=on_progress)
     if args.json:
         from traceana.export import json_fractions
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import polars as pl
 
@@ -326,25 +327,36 @@ def _best(estimates: list[StepEstimate]) -> StepEstimate | None:
 
 def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve = EfficiencyCurve(),
                   network: Network = Network(), reserve_bytes: float = 0.0,
-                  baseline: str = DEFAULT_BASELINE) -> Verdict:
+                  baseline: str = DEFAULT_BASELINE,
+                  on_progress: Callable[[int, int], None] | None = None) -> Verdict:
     """Compare the best BPipe configuration with the baseline policy's configuration (``BASELINES``), at the same
-    global batch and parallelism."""
+    global batch and parallelism. ``on_progress(done, total)`` after each simulated configuration (a thousand
+    micro-batches take seconds each)."""
     check_baseline(baseline)
     if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
         raise ConfigError("the BPipe verdict compares plain 1F1B schedules", fix="use --schedule 1f1b")
     dev = Device(device.name, device.memory_bytes - reserve_bytes, device.peak_flops, device.source)
-    sims: dict = {}
+    recomputes = _POLICY_RECOMPUTES[baseline]
+    plain_cands = candidates(cfg, bpipe=False, recomputes=recomputes) if baseline != "as-configured" else []
+    balanced_cands = candidates(cfg, bpipe=True, recomputes=recomputes) if cfg.pp > 1 else []
+    # the given one, both candidate lists, the balanced ones again with free transfers, three simulated again
+    total = 1 + len(plain_cands) + 2 * len(balanced_cands) + 3
+    done = 0
+
+    def simulated(c: TrainingConfig, net: Network = network):
+        nonlocal done
+        out = _estimate(c, device=dev, curve=curve, network=net)
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+        return out
 
     def est(c: TrainingConfig, net: Network = network) -> StepEstimate:
-        e, sims[(c, net)] = _estimate(c, device=dev, curve=curve, network=net)
-        return e
+        return simulated(c, net)[0]  # its simulation is dropped: memory stays one simulation's, whatever m
 
-    recomputes = _POLICY_RECOMPUTES[baseline]
     given = est(cfg.replace(bpipe=False))
-    plain = [est(c) for c in candidates(cfg, bpipe=False, recomputes=recomputes)]
-    if baseline == "as-configured":
-        plain = [given]
-    balanced = [est(c) for c in candidates(cfg, bpipe=True, recomputes=recomputes)] if cfg.pp > 1 else []
+    plain = [est(c) for c in plain_cands] or [given]
+    balanced = [est(c) for c in balanced_cands]
     reference = _best(plain) or given
     best = _best(balanced)
     why = memory_why(cfg, device_bytes=dev.memory_bytes)
@@ -364,8 +376,9 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
     # chosen to keep transfers small, e.g. with recompute, is the link's cost too).
     free_net = Network(network.p2p_bytes_per_s, math.inf, network.bpipe_overlap)
     free_best = _best([est(c.config, free_net) for c in balanced]) or best
-    deltas = decompose(sims[(reference.config, network)], sims[(best.config, network)],
-                       sims[(free_best.config, free_net)])
+    # The three simulations the terms come from, run again (deterministic) rather than all of them kept.
+    deltas = decompose(simulated(reference.config)[1], simulated(best.config)[1],
+                       simulated(free_best.config, free_net)[1])
     speedup = reference.step_s / best.step_s
     helps = speedup > HELPS_ABOVE
     deciding = deciding_term(speedup, deltas)
