@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.skipif(kineto._scan is None, reason="the native scanne
 @pytest.fixture(autouse=True)
 def no_ahead_left():
     yield
-    assert not reading._AHEAD, "a read-ahead was left behind"
+    assert not reading._AHEAD and not kineto._FINISHED, "a read-ahead was left behind"
+    kineto.drop_finished()
     reading.drop_ahead()
 
 
@@ -57,7 +58,7 @@ def _taken(monkeypatch) -> list:
     take = reading._take
 
     def recording(path):  # whether the file asked for had a read-ahead to take (used, or its error raised)
-        taken.append(reading._key(path) in reading._AHEAD)
+        taken.append(reading.key(path) in reading._AHEAD)
         return take(path)
 
     monkeypatch.setattr(reading, "_take", recording)
@@ -143,6 +144,27 @@ def test_bad_files_give_the_same_outcome_read_ahead(tmp_path, monkeypatch):
         _, ahead = _ahead_then_read(f)
         assert_same_outcome(ahead, plain)
     assert taken[1::2] == [True] * len(files)  # (not: a file handed back reads again, in the general decoder)
+
+
+def test_tables_finished_in_the_background_are_read_trace_s(tmp_path, third_party, monkeypatch):
+    files = [*_bad_files(tmp_path), *sorted(third_party.rglob("*.json*"))[:4], _big_trace(tmp_path / "big.json.gz")]
+    for f in files:
+        plain = _outcome(kineto.read_trace, f)
+        reading.read_ahead(f, cache=False)
+        kineto.finish_ahead()
+        assert reading.key(f) in kineto._FINISHED
+        assert_same_outcome(_outcome(kineto.read_trace, f), plain)
+        assert not kineto._FINISHED
+    # A rank given, or a file changed after it was finished, is read again.
+    f = files[-1]
+    reading.read_ahead(f, cache=False)
+    kineto.finish_ahead()
+    assert kineto.read_trace(f, rank=7)[2]["rank"] == 7
+    assert kineto.read_trace(f)[2]["rank"] == 0
+    reading.read_ahead(f, cache=False)
+    kineto.finish_ahead()
+    os.replace(_big_trace(tmp_path / "other.json.gz", 2_000), f)
+    assert kineto.read_trace(f)[0].height == 2_000
 
 
 def test_a_file_changed_after_its_read_ahead_is_read_again(tmp_path):

@@ -219,6 +219,9 @@ def _main(argv: list[str] | None) -> int:
         if ahead:  # not taken (a cache hit, an error before reading): stopped, its memory freed
             from traceana.ingest import reading
 
+            kineto = sys.modules.get("traceana.ingest.kineto")
+            if kineto is not None:
+                kineto.drop_finished()  # (its threads take read-aheads: first)
             reading.drop_ahead()
         # After an interrupt the signals stay ignored: the process is on its way out (see _quiet_signals).
         if previous is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:

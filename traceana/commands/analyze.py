@@ -38,10 +38,11 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
                      dask: str | None = None, names: str | None = None):
     """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False),
     or with ``dask`` (a scheduler address) ``traceana.partitioned.analyze_partitioned`` on that cluster."""
-    from traceana.manifest import check_peak_flops
-
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
+    _finish_ahead()
+    from traceana.manifest import check_peak_flops
+
     check_peak_flops(peak_flops)
     from traceana.analysis_cache import run_name_rules
 
@@ -60,6 +61,17 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
     from traceana.analysis_cache import load_and_analyze as cached
 
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names_from=rules)
+
+
+def _finish_ahead() -> None:
+    """The trace the CLI is reading ahead (``traceana.ingest.reading``) gets its tables built in a thread as soon as
+    polars is imported, while this thread imports the analysis (``kineto.finish_ahead``)."""
+    from traceana.ingest import reading
+
+    if reading.ahead_files():
+        from traceana.ingest import kineto
+
+        kineto.finish_ahead()
 
 
 def print_tables(analysis, *, per_step: bool) -> None:
@@ -194,9 +206,6 @@ def headline(summary) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.export import summary, write_tables
-    from traceana.tables import plural
-
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     if args.export:  # before any work: never export over a trace or run.json
         from traceana.export import export_paths
@@ -208,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
             refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
                                 cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names)
+    from traceana.export import summary, write_tables
+    from traceana.tables import plural
+
     if args.export:
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:

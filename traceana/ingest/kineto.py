@@ -953,8 +953,18 @@ def scan_trace(path: str | Path, *, rank: int | None = None,
                on_progress: Callable[[int, int], None] | None = None) -> Callable[[], tuple]:
     """The first half of read_trace: the file read into columns (the native scanner or the general decoder) and its
     metadata; returns the second half (building and sorting the tables: call it for read_trace's result). A caller
-    reading many files can finish one while it scans the next (run_dir.load_run)."""
+    reading many files can finish one while it scans the next (run_dir.load_run). A file read ahead and finished in
+    the background (``finish_ahead``) is that result, or raises its error."""
     path = Path(path)
+    if rank is None:
+        finished = _take_finished(path)
+        if finished is not None:
+            return lambda: finished
+    return _scanned(path, rank, on_progress)
+
+
+def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], None] | None) -> Callable[[], tuple]:
+    """scan_trace's work (the file read now, or its read-ahead taken)."""
     top, batches, problems, truncated, n_bytes = _decode(path, on_progress)
     warnings: list[str] = []
 
@@ -1015,6 +1025,55 @@ def scan_trace(path: str | Path, *, rank: int | None = None,
 
     return finish
 
+
+
+# --- the read-ahead, finished in the background -------------------------------------------------------------------
+_FINISHED: dict[str, tuple[tuple[int, ...] | None, threading.Thread, dict]] = {}
+_FINISHED_LOCK = threading.Lock()
+
+
+def finish_ahead() -> None:
+    """Build the tables of each trace read ahead (``reading.read_ahead``, started by the CLI before polars was
+    imported) in a thread of its own, as ``read_trace`` builds them: right after polars is imported, so that its
+    finishing (polars, mostly without the GIL) runs while the command imports the analysis. ``scan_trace`` of that
+    file (no rank given: as load_run reads it) takes the result, or raises its error; a file changed meanwhile is
+    read again."""
+    for path in reading.ahead_files():
+        out: dict = {}
+
+        def finish(path: Path = path, out: dict = out) -> None:
+            try:
+                out["result"] = _scanned(path, None, None)()
+            except BaseException as e:  # raised where the file is asked for, as read_trace there would raise it
+                out["error"] = e
+
+        thread = threading.Thread(target=finish, name="traceana-finish-ahead", daemon=True)
+        with _FINISHED_LOCK:
+            _FINISHED[reading.key(path)] = (reading.file_identity(path), thread, out)
+        thread.start()
+
+
+def _take_finished(path: Path) -> tuple | None:
+    with _FINISHED_LOCK:
+        entry = _FINISHED.pop(reading.key(path), None)
+    if entry is None:
+        return None
+    identity, thread, out = entry
+    thread.join()
+    if identity is None or reading.file_identity(path) != identity:
+        return None  # changed since: read again
+    if "error" in out:
+        raise out.pop("error")
+    return out["result"]
+
+
+def drop_finished() -> None:
+    """Forget the tables finished in the background and not asked for (a command that ended before reading them)."""
+    with _FINISHED_LOCK:
+        left = list(_FINISHED.values())
+        _FINISHED.clear()
+    for _, thread, _ in left:
+        thread.join()
 
 
 def _process_groups(pg_config: Any) -> list[dict]:

@@ -205,6 +205,14 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def file_identity(path: Path) -> tuple[int, ...] | None:
+    """The file's device, inode, size, mtime and ctime (None when it cannot be stat'ed): the same file unchanged."""
+    try:
+        return _identity(os.stat(path))
+    except OSError:
+        return None
+
+
 class Reader:
     """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
 
@@ -419,23 +427,26 @@ class _Ahead:
         self.reader.close()
 
 
-def _key(path: Path | str) -> str:
+def key(path: Path | str) -> str:
+    """What a read-ahead is found by: the file's absolute path as given (its identity is checked where it is taken)."""
     return os.path.abspath(os.fspath(path))
+
+
+def ahead_files() -> list[Path]:
+    """The files being read ahead, not taken yet."""
+    with _AHEAD_LOCK:
+        return [a.scanned.path for a in _AHEAD.values()]
 
 
 def _take(path: Path) -> _Ahead | None:
     """The read-ahead of ``path``, stopped (what it has not read yet is read by the caller): None when there is
     none, or the file is no longer the file it opened. Raises the read-ahead's error."""
     with _AHEAD_LOCK:
-        ahead = _AHEAD.pop(_key(path), None)
+        ahead = _AHEAD.pop(key(path), None)
     if ahead is None:
         return None
     ahead.stop()
-    try:
-        same = _identity(os.stat(path)) == ahead.reader.identity
-    except OSError:
-        same = False
-    if not same:  # changed or replaced: read it again as if nothing had been read ahead
+    if file_identity(path) != ahead.reader.identity:  # changed or replaced: read it again as if nothing had been read ahead
         ahead.close()
         return None
     if ahead.error is not None:
@@ -463,9 +474,9 @@ def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
             return None
         ahead = _Ahead(first)
         with _AHEAD_LOCK:
-            if _key(first) in _AHEAD:
+            if key(first) in _AHEAD:
                 return None
-            _AHEAD[_key(first)] = ahead
+            _AHEAD[key(first)] = ahead
         ahead.thread.start()
         return first
     except (TraceanaError, OSError, ValueError):
