@@ -53,7 +53,10 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     """
     # (A few lazy queries instead of ~20 eager operations, docs/performance.md "Fixed cost".)
     comm = events.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null()).collect(
-        engine=iv.ENGINE).lazy()
+        engine=iv.ENGINE)
+    if not comm.height:  # no P2P op in a step (one rank, a data-parallel job): the queries below would find none
+        return conform(pl.DataFrame(), MESSAGE)
+    comm = comm.lazy()
     end = pl.col("ts_ns") + pl.col("dur_ns")
     kernels = comm.filter(pl.col("is_gpu") & (pl.col("cat") == "kernel"))
     cpu = comm.filter(~pl.col("is_gpu"))
@@ -234,8 +237,9 @@ def stage_map(
     for r, s, _ in annotated.rows():
         known.setdefault(r, (s, "annotations"))
     notes: list[str] = []
-    if len(known) < len(ranks):
-        found, n = placements(pairs.filter(pl.col("channel") == "p2p"), *_placement_inputs(events, msgs, pairs))
+    p2p = pairs.filter(pl.col("channel") == "p2p") if len(known) < len(ranks) else pairs.clear()
+    if p2p.height:  # (without P2P pairs there is no chain: its inputs, a pass over the events, are not built)
+        found, n = placements(p2p, *_placement_inputs(events, msgs, pairs))
         notes += n
         for pl_ in found:
             held = pl_.stages()
