@@ -203,3 +203,20 @@ def test_inference_equals_annotations_for_any_gpipe_or_1f1b_pipeline(schedule, p
     assert_frame_equal(inferred.attribution, truth.attribution)
     sums = truth.attribution.group_by("rank", "step").agg(pl.col("ns").sum())
     assert (truth.steps.join(sums, on=["rank", "step"]).select(pl.col("ns") == pl.col("dur_ns"))).to_series().all()
+
+
+def test_a_run_without_messages_pairs_into_the_tables_one_message_gives_emptied():
+    # pipeline.pair plans but does not run its queries when there is no message: the empty tables must be exactly
+    # the ones its queries give (one unmatched send, run through them, then emptied).
+    from traceana.pipeline import MESSAGE, pair
+    from traceana.schema import conform
+
+    one = conform(pl.DataFrame({"rank": [0], "dir": ["send"], "channel": ["p2p"], "peer": [1], "tag": [0],
+                                "nbytes": [4], "step": [0], "post_ns": [10], "end_ns": [20], "on_gpu": [False],
+                                "launch_ns": [10]}), MESSAGE)
+    ran = pair(one)
+    assert ran[1].height == 1 and ran[3]  # the send is unmatched, and said so
+    empty = pair(one.clear())
+    for got, want in zip(empty[:3], ran[:3]):
+        assert got.schema == want.schema and got.height == 0
+    assert empty[3] == []

@@ -146,8 +146,10 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
         sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
         .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
                       .then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"))
-        .collect(engine=iv.ENGINE)
     )
+    # No messages (one rank, a data-parallel job): the same empty tables, planned but not run (two queries).
+    n_msgs = msgs.height
+    joined = joined.collect(engine=iv.ENGINE) if n_msgs else _empty(joined)
     matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
     # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
     ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
@@ -176,8 +178,11 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
         msgs.lazy().with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
         .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
     )
-    pairs, unmatched, msgs, to_self = pl.collect_all([pairs, unmatched, msgs, to_self.select("rank")],
-                                                     engine=iv.ENGINE)
+    if n_msgs:
+        pairs, unmatched, msgs, to_self = pl.collect_all([pairs, unmatched, msgs, to_self.select("rank")],
+                                                         engine=iv.ENGINE)
+    else:
+        pairs, unmatched, msgs, to_self = (_empty(q) for q in (pairs, unmatched, msgs, to_self.select("rank")))
     notes = []
     if to_self.height:
         on = sorted(set(to_self["rank"].to_list()))
@@ -197,6 +202,11 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
+
+
+def _empty(query: pl.LazyFrame) -> pl.DataFrame:
+    """What ``query`` gives on empty inputs: no rows, its planned columns."""
+    return pl.DataFrame(schema=query.collect_schema())
 
 
 # --- stages --------------------------------------------------------------------------------------------------
