@@ -652,6 +652,7 @@ class _Batches:
         self.tracks: pl.DataFrame | None = None
         self._odd_x: list = []  # the scanner's odd X values (rows in the file), put in when its columns are taken
         self.sorted = False  # the X frame is already in the table's order (the native scanner's: _finish)
+        self._gpu_raw: list = []  # the scanner's GPU tables (and their odd values), until take_native
 
     def add(self, evs: list[_Event], ts: pl.Series) -> None:
         ph = pl.Series(list(map(attrgetter("ph"), evs)), dtype=pl.String)
@@ -708,9 +709,8 @@ class _Batches:
             self.n_mem += mem.height
         self.rows += len(x_cols)
         self._odd_x.extend(o for o in odd if o[0] == _ODD_X)
-        gpu = _with_odd(_arrow_frame(gpu_cols), odd, _ODD_GPU)
-        if gpu.height:
-            self.gpu.append(gpu.with_columns(pl.col("row").cast(pl.UInt32)))
+        if len(gpu_cols):  # made a frame only if the file's tracks are left to _finish (take_native)
+            self._gpu_raw.append((gpu_cols, [o for o in odd if o[0] == _ODD_GPU]))
         comm = _with_odd(_arrow_frame(comm_cols), odd, _ODD_COMM)
         if comm.height:
             self.comm.append(comm.with_columns(pl.col("row").cast(pl.UInt32)))
@@ -726,8 +726,10 @@ class _Batches:
         x, tracks, pos = scanned.taken
         pos = _arrow_frame(pos).to_series()
         self.dicts = tuple(_arrow_frame(d).to_series() for d in scanned.dicts)
-        if tracks is not None:
-            self.gpu.clear()  # their args are in the tracks
+        if tracks is None:  # the GPU args, per event (their args are in the tracks otherwise)
+            self.gpu = [_with_odd(_arrow_frame(g), odd, _ODD_GPU).with_columns(pl.col("row").cast(pl.UInt32))
+                        for g, odd in self._gpu_raw]
+        self._gpu_raw = []
         for frames in (self.gpu, self.comm, self.shapes):
             frames[:] = [f.with_columns(pos.gather(f["row"]).cast(pl.UInt32).alias("row")) for f in frames]
         odd_x = [(t, col, pos[row], raw) for t, col, row, raw in self._odd_x]
