@@ -319,3 +319,41 @@ def test_counts_and_durations_that_mean_nothing_are_refused(argv, tmp_path, caps
         main([str(tmp_path) if a == "RUN" else a for a in argv])
     assert e.value.code == 2
     assert "expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule, extra, says", [
+    ("zbv", {}, "places 2 stages on each rank, but the traces' annotations give each rank 1"),
+    ("interleaved-1f1b", {"virtual_stages": 2}, "places 2 stages on each rank"),
+    ("looped-bfs", {}, "places several stages on each rank"),
+])
+def test_run_json_placing_another_stage_count_per_rank_than_the_traces_hold(tmp_path, capsys, schedule, extra,
+                                                                              says):
+    """Two ranks whose annotations name one stage each (PP:0…, PP:1…): a run.json naming a schedule that holds two
+    stages a rank (or several) contradicts them. analyze says so in a note; validate, which would simulate a
+    schedule the run did not have (or say 'use 2 virtual stages', as it did), refuses naming run.json."""
+    import json
+
+    from tracebuilder import write_two_stage_run
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "pp": 2, "schedule": schedule,
+                                              "model": {"family": "gpt", "heads": 4, "hidden": 64, "layers": 8,
+                                                        "seq": 64, "vocab": 256},
+                                              "microbatch_size": 1, "num_microbatches": 1, **extra}))
+    assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert says in out, out
+    assert main(["validate", str(run), "--no-cache", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "run.json" in err and err.count("\n") == 1, err
+
+
+def test_run_json_agreeing_with_the_traces_stage_count_gets_no_placement_note(tmp_path, capsys):
+    import json
+
+    from tracebuilder import write_two_stage_run
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "pp": 2, "schedule": "1f1b"}))
+    assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 0
+    assert "places" not in capsys.readouterr().out

@@ -18,7 +18,7 @@ from traceana import intervals as iv
 from traceana import names
 from traceana.classify import inside
 from traceana.manifest import Manifest
-from traceana.pipeline_rules import stages_of_ranks
+from traceana.pipeline_rules import SCHEDULES, placement_of, stages_of_ranks
 from traceana.schema import P2P, SCHEDULE, conform
 from traceana.timeline import training_tracks
 
@@ -747,11 +747,14 @@ def annotated_facts(schedule: pl.DataFrame) -> dict:
                                                           on="step")
     missing = expected.join(have, on=["rank", "step", "phase", "microbatch"], how="anti").sort(
         "rank", "step", "phase", "microbatch")
-    per, late, missing, stages = pl.collect_all(
-        [per, late, missing, a.select(pl.col("stage").drop_nulls().unique())], engine=iv.ENGINE)
+    per_rank = a.filter(pl.col("stage").is_not_null()).group_by("rank").agg(n=pl.col("stage").n_unique())
+    per, late, missing, stages, per_rank = pl.collect_all(
+        [per, late, missing, a.select(pl.col("stage").drop_nulls().unique()),
+         per_rank.select(most=pl.col("n").max(), least=pl.col("n").min(), ranks=pl.len())], engine=iv.ENGINE)
     return {"num_microbatches": int(per["m"].max() or 0) or None,
             "interleaved": late.row(0, named=True) if late.height else False,
-            "missing": missing, "stages": set(stages["stage"].to_list())}
+            "missing": missing, "stages": set(stages["stage"].to_list()),
+            "stages_per_rank": (per_rank["least"][0], per_rank["most"][0]) if per_rank["ranks"][0] else None}
 
 
 def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
@@ -770,6 +773,10 @@ def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
     if m and manifest.num_microbatches and m != manifest.num_microbatches:
         notes.append(f"run.json says num_microbatches {manifest.num_microbatches} but the traces' annotations show {m} "
                      f"micro-batches per step: the traces' {m} are used — fix num_microbatches in run.json")
+    placement = placement_contradiction(facts, manifest)
+    if placement:
+        notes.append(f"{placement}: the traces' stages are what analyze uses; validate refuses to simulate it — fix "
+                     "schedule (or virtual_stages) in run.json")
     kind = observed_schedule(facts, manifest)
     if kind is not None and kind != manifest.schedule:
         why = (f"rank {facts['interleaved']['rank']} starts the forward of micro-batch "
@@ -778,6 +785,26 @@ def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
         notes.append(f"run.json says schedule {manifest.schedule} but in the traces {why}: {kind} is what the "
                      f"traces show and what validate simulates — fix schedule in run.json")
     return notes
+
+
+def placement_contradiction(facts: dict, manifest: Manifest | None) -> str | None:
+    """Where run.json's schedule places a number of stages on each rank (``pipeline_rules.placement_of``: one, two
+    for the V schedules, run.json's ``virtual_stages`` or more than one for the looped ones) that the annotated
+    ranks do not hold (``annotated_facts``' stages per rank): what run.json says against what the traces show, or
+    None (no annotated stages, no run.json schedule, or they agree)."""
+    seen = facts.get("stages_per_rank")
+    if manifest is None or seen is None or manifest.schedule not in SCHEDULES:
+        return None
+    least, most = seen
+    placement = placement_of(manifest.schedule)
+    stated = manifest.extra.get("virtual_stages") if isinstance(manifest.extra, dict) else None
+    want = 1 if placement == "single" else 2 if placement == "v" else stated if isinstance(stated, int) else None
+    if want is not None and least == most == want or want is None and least > 1:
+        return None
+    holds = f"{least}" if least == most else f"{least} to {most}"
+    says = f"{want} stage{'s' if want != 1 else ''}" if want else "several stages"
+    return (f"run.json says schedule {manifest.schedule}, which places {says} on each rank, but the traces' "
+            f"annotations give each rank {holds}")
 
 
 def observed_schedule(facts: dict, manifest: Manifest | None) -> str | None:

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import polars as pl
 
 from traceana import intervals as iv
 from traceana import names, schema
 from traceana.analysis import Analysis
-from traceana.errors import AnalysisError
-from traceana.model.config import TrainingConfig
+from traceana.errors import AnalysisError, ConfigError, shown
+from traceana.manifest import MANIFEST_NAME
+from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import bpipe_plan, stage_layers
-from traceana.pipeline import traced_manifest
+from traceana.pipeline import annotated_facts, placement_contradiction, traced_manifest
 
 
 # "Waiting on the pipeline": the bubbles plus exposed P2P.
@@ -258,3 +260,15 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
                             fix="profile complete steps with forward/backward annotations")
     # stage_flops counts a stage's whole tensor-parallel group; the peak is per device
     return m.microbatch_size, m.attention or "sdpa", flops * m.num_microbatches / (compute_s * peak * m.tp)
+
+
+def traced_config(a: Analysis) -> TrainingConfig:
+    """The configuration validation simulates for a run: run.json as the traces show it (``traced_manifest``), or a
+    one-line ConfigError naming run.json where its schedule places another number of stages on each rank than the
+    traces hold (``pipeline.placement_contradiction``): no schedule could be simulated faithfully from it."""
+    manifest = a.run.manifest
+    wrong = placement_contradiction(annotated_facts(a.schedule), manifest)
+    if wrong:
+        folder = Path(a.run.path) if Path(a.run.path).is_dir() else Path(a.run.path).parent
+        raise ConfigError(wrong, path=shown(folder / MANIFEST_NAME), fix="fix schedule (or virtual_stages) in run.json")
+    return config_from_manifest(traced_manifest(manifest, a.schedule), path=a.run.path)

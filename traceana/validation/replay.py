@@ -14,12 +14,13 @@ import polars as pl
 
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
-from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.model.config import TrainingConfig
 from traceana.pipeline import traced_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
-from traceana.validation.measurement import WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus
+from traceana.validation.measurement import (WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus,
+                                             traced_config)
 
 # The waits compared are the bubbles plus exposed P2P (measurement.WAIT_CATEGORIES): measured attribution labels idle
 # time during which one of the rank's own sends is still in flight as p2p, which the simulator cannot tell from a
@@ -159,7 +160,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         if run.manifest is None:
             raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
                                 fix="collect with `traceana collect`, or write run.json")
-        cfg = config_from_manifest(traced_manifest(run.manifest, analysis.schedule), path=run.path)
+        cfg = traced_config(analysis)
     meas = measure(analysis, cfg)
     bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
