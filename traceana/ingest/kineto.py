@@ -1070,12 +1070,11 @@ def _take_finished(path: Path) -> tuple | None:
 
 
 def drop_finished() -> None:
-    """Forget the tables finished in the background and not asked for (a command that ended before reading them)."""
+    """Forget the tables finished in the background and not asked for (a command that ended before reading them,
+    or was interrupted). Not waited for: a large file's thread may still be reading it (its thread is a daemon, and
+    the traceana program ends without waiting for it)."""
     with _FINISHED_LOCK:
-        left = list(_FINISHED.values())
         _FINISHED.clear()
-    for _, thread, _ in left:
-        thread.join()
 
 
 def _process_groups(pg_config: Any) -> list[dict]:
