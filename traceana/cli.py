@@ -77,8 +77,9 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         import traceana
         from traceana.ingest.kineto import native_available
+        from traceana.ingest.reading import SCANNER_STALE
 
-        scanner = ("built" if native_available() else
+        scanner = ("built" if native_available() else SCANNER_STALE or
                    "not built (no C compiler at install time): traces are read by the pure-Python decoder, 3–4x slower")
         print(f"traceana {traceana.__version__} (native trace scanner: {scanner})")
         parser.exit()

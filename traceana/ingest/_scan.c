@@ -2109,6 +2109,11 @@ PyMODINIT_FUNC PyInit__scan(void) {
     if (PyModule_AddObjectRef(m, "Scanner", (PyObject *)&ScannerType) < 0) return NULL;
     Unsupported = PyErr_NewException("traceana.ingest._scan.Unsupported", PyExc_ValueError, NULL);
     if (!Unsupported || PyModule_AddObjectRef(m, "Unsupported", Unsupported) < 0) return NULL;
+#ifdef TRACEANA_SCAN_SOURCE_CRC  /* setup.py: the CRC-32 of this file, so a stale build is told apart */
+    PyObject *crc = PyLong_FromUnsignedLong(TRACEANA_SCAN_SOURCE_CRC);
+    if (!crc || PyModule_AddObjectRef(m, "SOURCE_CRC", crc) < 0) { Py_XDECREF(crc); return NULL; }
+    Py_DECREF(crc);
+#endif
     static const struct { const char *name; int v; } consts[] = {
         {"MORE", R_MORE}, {"END", R_END}, {"NEED", R_NEED}, {"EVENTS", R_EVENTS}};
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)

@@ -35,6 +35,28 @@ try:  # the optional native scanner (traceana/ingest/_scan.c); without it the ge
 except ImportError:  # pragma: no cover - built without a C compiler
     _scan = None  # type: ignore[assignment]
 
+
+def stale_scanner(scan, source: Path = Path(__file__).with_name("_scan.c")) -> str | None:
+    """Why a built scanner cannot be used, or None: built from another ``_scan.c`` than the one beside it (an
+    editable install not rebuilt after the source changed; setup.py builds the source's CRC-32 into the module).
+    Without the source (a wheel) there is nothing to compare, and the build is taken as it is."""
+    if scan is None:
+        return None
+    try:
+        crc = zlib.crc32(source.read_bytes())
+    except OSError:
+        return None
+    if getattr(scan, "SOURCE_CRC", None) == crc:
+        return None
+    return ("the native trace scanner was built from another version of traceana/ingest/_scan.c: traces are read "
+            "by the pure-Python decoder, 3-4x slower — rebuild it (pip install -e . , or python setup.py build_ext "
+            "--inplace)")
+
+
+SCANNER_STALE = stale_scanner(_scan)  # one line for the user (run_dir's notes, --version), or None
+if SCANNER_STALE:
+    _scan = None  # a stale build's calls would fail or, worse, disagree with the Python around them
+
 # isal (a core dependency) gunzips ~1.6x faster than zlib (docs/field-notes.md).
 from isal import igzip, igzip_threaded
 from isal import isal_zlib as _zlib

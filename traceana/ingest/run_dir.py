@@ -27,7 +27,7 @@ from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto
 from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trace, shown
 from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_trace,  # noqa: F401 (polars-free: the CLI)
-                                     trace_subfolders)
+                                     trace_subfolders, SCANNER_STALE)
 from traceana.intervals import ENGINE
 from traceana.manifest import MANIFEST_NAME, Manifest
 
@@ -96,6 +96,8 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
 
     trace_cache = TraceCache(run_dir, enabled=cache)
     warnings: list[str] = list(early_notes)
+    if SCANNER_STALE:
+        warnings.append(SCANNER_STALE)
     if trace_cache.note:
         warnings.append(trace_cache.note)
     parsed: dict[Path, Parsed] = {}
