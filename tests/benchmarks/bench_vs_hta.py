@@ -150,12 +150,23 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
 def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: bool) -> dict:
     """Ingest (and analysis). With ``cache``, what ``traceana analyze`` does: the ingest and analysis caches under
     RUN_DIR/.traceana are read when valid and written when not (``analysis_cache.load_and_analyze``). The standard
-    library is deferred as the ``traceana`` program defers it (traceana.cli.main); nothing is printed."""
+    library is deferred as the ``traceana`` program defers it (traceana.cli.main), and without the cache the first
+    trace is read ahead while polars imports as the command reads it; nothing is printed."""
     t0 = time.perf_counter()
     from traceana import _deferred
 
     _deferred.defer(*_deferred.FOR_PROGRAM)
+    ahead = False
+    if analyze and not cache:  # as the command does (traceana.cli): its first trace read while polars imports
+        from traceana.ingest import reading
+
+        ahead = reading.read_ahead(path, cache=False) is not None
     from traceana.ingest.run_dir import load_run
+
+    if ahead:  # ... and finished in a thread once polars is there (traceana.commands.analyze._finish_ahead)
+        from traceana.commands.analyze import _finish_ahead
+
+        _finish_ahead()
 
     if cache and analyze:
         from traceana.analysis_cache import load_and_analyze
