@@ -194,6 +194,15 @@ def test_partition_of_layers_given_in_one_frame_covers_each_window_exactly_once(
         check_group_partition(segs, a_rows, b_rows, w_rows)
 
 
+def _windows_and_points(kept, p_rows):
+    """The frames of (group, start, duration) windows, numbered in order, and of (group, instant) points."""
+    windows = pl.DataFrame({"g": [g for g, _, _ in kept], "start": [s for _, s, _ in kept],
+                            "end": [s + d for _, s, d in kept], "id": list(range(len(kept)))},
+                           schema={"g": pl.Int32, "start": pl.Int64, "end": pl.Int64, "id": pl.Int32})
+    points = pl.DataFrame({"g": [g for g, _ in p_rows], "t": [t for _, t in p_rows]},
+                          schema={"g": pl.Int32, "t": pl.Int64})
+    return windows, points
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 12)), max_size=8),
        st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.one_of(st.none(), st.integers(-5, 45))),
@@ -208,11 +217,7 @@ def test_containing_finds_the_window_holding_each_point(w_rows, p_rows, in_order
     for g, s, d in w_rows:
         if all(g != g2 or s + d <= s2 or s2 + d2 <= s for g2, s2, d2 in kept):
             kept.append((g, s, d))
-    windows = pl.DataFrame({"g": [g for g, _, _ in kept], "start": [s for _, s, _ in kept],
-                            "end": [s + d for _, s, d in kept], "id": list(range(len(kept)))},
-                           schema={"g": pl.Int32, "start": pl.Int64, "end": pl.Int64, "id": pl.Int32})
-    points = pl.DataFrame({"g": [g for g, _ in p_rows], "t": [t for _, t in p_rows]},
-                          schema={"g": pl.Int32, "t": pl.Int64})
+    windows, points = _windows_and_points(kept, p_rows)
     got = iv.containing(points, "t", windows, by="g", columns=["id"])
     want = [next((i for i, (g2, s, d) in enumerate(kept) if g is not None and t is not None and g == g2
                   and s <= t < s + d), None) for g, t in p_rows]
@@ -232,11 +237,7 @@ def test_containing_of_points_in_order_takes_the_row_runs_and_agrees_with_a_brut
     for g, s, d in w_rows:  # a group's windows do not overlap and start apart
         if all(g != g2 or (s != s2 and (s + d <= s2 or s2 + d2 <= s)) for g2, s2, d2 in kept):
             kept.append((g, s, d))
-    windows = pl.DataFrame({"g": [g for g, _, _ in kept], "start": [s for _, s, _ in kept],
-                            "end": [s + d for _, s, d in kept], "id": list(range(len(kept)))},
-                           schema={"g": pl.Int32, "start": pl.Int64, "end": pl.Int64, "id": pl.Int32})
-    points = pl.DataFrame({"g": [g for g, _ in p_rows], "t": [t for _, t in p_rows]},
-                          schema={"g": pl.Int32, "t": pl.Int64})
+    windows, points = _windows_and_points(kept, p_rows)
     w = windows.select("g", pl.col("start").alias("_ws"), pl.col("end").alias("_we"), "id")
     assert not p_rows or iv._sorted_containing(points, "t", w, "g") is not None
     want = [next((i for i, (g2, s, d) in enumerate(kept) if g == g2 and s <= t < s + d), None) for g, t in p_rows]
