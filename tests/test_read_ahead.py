@@ -275,3 +275,19 @@ def test_a_read_ahead_of_a_huge_trace_stops_early(tmp_path):
     per_call = reading.NATIVE_CHUNK // len(event)
     assert reading.AHEAD_EVENTS <= ahead.scanned.rows < reading.AHEAD_EVENTS + per_call + 1
     assert kineto.read_trace(f)[0].height == 600_000
+
+
+def test_a_large_run_of_several_traces_is_not_read_ahead(tmp_path, monkeypatch):
+    """Several traces above AHEAD_RUN_BYTES on disk in all: nothing is read ahead (its ingest takes seconds, and
+    the read-ahead only added memory there); one trace of any size still is."""
+    run = _two_stage_run(tmp_path)
+    total = sum(f.stat().st_size for f in run.glob("*.json.gz"))
+    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", total - 1)
+    assert reading.read_ahead(run, cache=False) is None
+    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", total)
+    assert reading.read_ahead(run, cache=False) == run / "rank0.pt.trace.json.gz"
+    reading.drop_ahead()
+    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", 0)
+    one = run / "rank0.pt.trace.json.gz"
+    assert reading.read_ahead(one, cache=False) == one
+    reading.drop_ahead()
