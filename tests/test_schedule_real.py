@@ -144,6 +144,22 @@ def covered_ns(spans: pl.DataFrame, by: pl.DataFrame) -> int:
     return int(x.to_series().sum())
 
 
+def forward_extent_shift(a, inferred) -> pl.DataFrame:
+    """``rank, start, end`` (disjoint): where the two analyses put a (rank, step)'s forwards' extent differently —
+    between the annotated first forward's start and the inferred one's, and between the last forward's ends. The
+    bubble rule splits idle time there (warm-up before the first forward, cool-down after the last one, stall
+    between), so that is where the bubbles' split can move."""
+    def extent(x):
+        f = x.schedule.filter(pl.col("phase") == "forward", pl.col("step").is_not_null())
+        return f.group_by("rank", "step").agg(first=pl.col("start_ns").min(), last=pl.col("end_ns").max())
+
+    both = extent(a).join(extent(inferred), on=["rank", "step"], suffix="_inf")
+    return union(pl.concat([
+        both.select("rank", start=pl.min_horizontal("first", "first_inf"), end=pl.max_horizontal("first", "first_inf")),
+        both.select("rank", start=pl.min_horizontal("last", "last_inf"), end=pl.max_horizontal("last", "last_inf")),
+    ]).filter(pl.col("end") > pl.col("start")))
+
+
 def assert_inference_matches(a, inferred):
     key = ["rank", "step", "stage", "microbatch", "phase"]
     assert set(inferred.schedule.filter(pl.col("phase") != "optimizer")["source"]) == {"inferred"}
@@ -179,9 +195,20 @@ def assert_inference_matches(a, inferred):
     bubbles = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
     truth, guess = total(a, *bubbles), total(inferred, *bubbles)
     assert abs(guess - truth) <= 0.05 * max(truth, 1) + moved_ns, ("bubbles", truth, guess, moved_ns)
+    # Each bubble apart: where a forward's extent begins or ends differs between the two, idle time there changes
+    # bubble (seen in CI: stage 0 descheduled 26 ms between its last forward's last op and the detach before its
+    # send, which inference counts as forward work, so that idle was stall instead of cool-down; and the reference
+    # trainer's batch, made just before stage 0's first forward span, is forward work to inference). What can move
+    # is the idle of the training thread there (no compute op running), measured from the events.
+    shift = forward_extent_shift(a, inferred)
+    thread = a.events.filter(STEP).select("rank", "tid").unique()
+    ops = union(a.events.join(thread, on=["rank", "tid"]).filter(~STEP, pl.col("kind") == "compute").select(
+        "rank", start="ts_ns", end=pl.col("ts_ns") + pl.col("dur_ns")))
+    idle_in_shift = int((shift["end"] - shift["start"]).sum()) - covered_ns(shift, ops)
     for cat in bubbles:
         truth, guess = total(a, cat), total(inferred, cat)
-        assert abs(guess - truth) <= 0.2 * max(truth, 1) + moved_ns, (cat, truth, guess, moved_ns)
+        assert abs(guess - truth) <= 0.2 * max(truth, 1) + moved_ns + idle_in_shift, (cat, truth, guess, moved_ns,
+                                                                                      idle_in_shift)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b_bpipe"])
