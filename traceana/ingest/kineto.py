@@ -868,10 +868,6 @@ def rank_from_filename(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_trace_name(path: Path) -> bool:
-    return path.name.endswith(TRACE_SUFFIXES)
-
-
 def _decode(path: Path, on_progress: Callable[[int, int], None] | None
             ) -> tuple[dict[str, Any], _Batches, list[str], bool, int]:
     """(top-level raw values, events in batches, malformed-event messages, truncated, JSON bytes) of one trace.
