@@ -820,17 +820,19 @@ def observed_schedule(facts: dict, manifest: Manifest | None) -> str | None:
     return "gpipe" if m >= 2 and pp >= 2 and (pp - 1) in facts.get("stages", ()) else None
 
 
-def traced_manifest(manifest: Manifest | None, schedule: pl.DataFrame) -> Manifest | None:
+def traced_manifest(manifest: Manifest | None, schedule: pl.DataFrame, *, facts: dict | None = None
+                    ) -> Manifest | None:
     """run.json with its ``num_microbatches`` and ``schedule`` replaced by what the annotated schedule shows where
     the two contradict (``contradiction_notes`` says so): what MFU and validate use, so that neither computes from a
-    micro-batch count or a schedule the run did not have."""
+    micro-batch count or a schedule the run did not have. ``facts``: ``annotated_facts(schedule)``, if the caller
+    has them already."""
     import dataclasses
 
     from traceana.errors import BadInputError
 
     if manifest is None:
         return None
-    facts = annotated_facts(schedule)
+    facts = annotated_facts(schedule) if facts is None else facts
     changes: dict = {}
     m = facts["num_microbatches"]
     if m and manifest.num_microbatches and m != manifest.num_microbatches:

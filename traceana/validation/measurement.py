@@ -267,8 +267,9 @@ def traced_config(a: Analysis) -> TrainingConfig:
     one-line ConfigError naming run.json where its schedule places another number of stages on each rank than the
     traces hold (``pipeline.placement_contradiction``): no schedule could be simulated faithfully from it."""
     manifest = a.run.manifest
-    wrong = placement_contradiction(annotated_facts(a.schedule), manifest)
+    facts = annotated_facts(a.schedule)
+    wrong = placement_contradiction(facts, manifest)
     if wrong:
         folder = Path(a.run.path) if Path(a.run.path).is_dir() else Path(a.run.path).parent
         raise ConfigError(wrong, path=shown(folder / MANIFEST_NAME), fix="fix schedule (or virtual_stages) in run.json")
-    return config_from_manifest(traced_manifest(manifest, a.schedule), path=a.run.path)
+    return config_from_manifest(traced_manifest(manifest, a.schedule, facts=facts), path=a.run.path)
