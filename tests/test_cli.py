@@ -309,3 +309,24 @@ def test_exit_handlers_are_skipped_only_when_they_have_nothing_to_do():
             "print(before, during, quick())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False", "False"], out.stderr
+
+
+@pytest.mark.skipif(f"{sys.version_info[0]}.{sys.version_info[1]}" != "3.11",
+                    reason="docs/commands.md is laid out by Python 3.11's argparse")
+def test_command_reference_is_the_help_each_command_prints():
+    """docs/commands.md is every command's --help; an option added, renamed or reworded without rewriting it fails
+    here (rewrite: python -m traceana.commands.reference > docs/commands.md)."""
+    from traceana.commands.options import HIDDEN_ALIASES
+    from traceana.commands.reference import reference
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text(encoding="utf-8")
+    assert page == reference(), "docs/commands.md is out of date: python -m traceana.commands.reference > docs/commands.md"
+    # Every option of every command is in it, by the spelling its help shows.
+    parser = build_parser(None)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.help is argparse.SUPPRESS:  # an old spelling kept hidden (--peak-tflops)
+                continue
+            for option in set(action.option_strings) - HIDDEN_ALIASES:
+                assert f" {option}" in page, f"traceana {name} {option} is not in docs/commands.md"

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, metavar="N",
                         help="repeat the last window every N steps for as long as the job runs")
     parser.add_argument("--warmup", type=int, default=1, metavar="N",
-                        help="profiler warm-up steps before each window (running, nothing kept; default 1)")
+                        help="profiler warm-up steps before each window (running, nothing kept)")
     parser.add_argument("--step-fn", metavar="MODULE:QUALNAME",
                         help="a call of this function starts a step (instead of schedule.step / optimizer.step); "
                              "it must live in an imported module, not in the script run as __main__")
