@@ -27,6 +27,7 @@ after its last forward work (what is left is the drain, waiting for gradients), 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -159,7 +160,19 @@ def warmup_forwards(schedule: str, *, pp: int, num_microbatches: int, device: in
 def device_order(schedule: str, *, pp: int, num_microbatches: int, device: int,
                  virtual_stages: int = 1) -> list[Op]:
     """The compute operations one device runs in one step, in order (torch 2.13's orders, without their idle slots;
-    an overlapped forward+backward of DualPipe-V is its forward then its backward, the order torch runs them in)."""
+    an overlapped forward+backward of DualPipe-V is its forward then its backward, the order torch runs them in).
+    A new list each call, of orders built once per configuration (the BPipe verdict asks for the same ones
+    thousands of times)."""
+    return list(_device_order(schedule, pp, num_microbatches, device, virtual_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _device_order(schedule: str, pp: int, num_microbatches: int, device: int, virtual_stages: int) -> tuple[Op, ...]:
+    return tuple(_build_order(schedule, pp=pp, num_microbatches=num_microbatches, device=device,
+                              virtual_stages=virtual_stages))
+
+
+def _build_order(schedule: str, *, pp: int, num_microbatches: int, device: int, virtual_stages: int) -> list[Op]:
     _check(schedule, pp, num_microbatches, device, virtual_stages)
     p, m, d, v = pp, num_microbatches, device, virtual_stages
     if schedule in ("gpipe", "1f1b"):
@@ -385,6 +398,7 @@ def bpipe_pair_of(stage: int, pp: int) -> tuple[int, int] | None:
     return None if partner == stage else (min(stage, partner), max(stage, partner))
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of the configuration, asked for again by every plan
 def bpipe_keep(schedule: str, *, pp: int, num_microbatches: int, evictor: int) -> int:
     """How many micro-batches the evictor keeps: the level that makes the pair's larger peak smallest.
 
