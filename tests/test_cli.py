@@ -154,7 +154,7 @@ def test_validate_and_estimate_keep_every_figure_at_80_columns_piped(four_stage)
     _whole(res.stdout)
     data = json.loads(_cli(*argv, "--json").stdout)
     for s in data["stages"]:
-        assert f"{s['total_bytes'] / 2**20:,.1f}" in res.stdout
+        assert f"{s['total_bytes'] / 2**20:,.2f}" in res.stdout
     table = res.stdout[res.stdout.index("Memory per stage"):res.stdout.index("fits:")]
     assert "MiB" in table and "GiB" not in table
 

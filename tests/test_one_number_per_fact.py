@@ -76,6 +76,10 @@ def test_every_surface_shows_the_same_figures(collected_run, tmp_path):
         pytest.approx(js["largest_activation_peak_mib"], abs=0.006)
     assert _num(rf"<b>([\d,.]+) MiB \(stage {stage}\)</b><span>largest activation peak", html) == \
         pytest.approx(js["largest_activation_peak_mib"], rel=0.01)
+    # ... and the stage table's row shows it digit for digit (it rounded to one decimal: 0.0 next to 0.01)
+    headline = re.search(r"largest activation peak: ([\d,.]+) MiB", text).group(1)
+    rows = [line for line in text.splitlines() if "activation peak MiB" in line]
+    assert rows and any(headline in re.findall(r"[\d,.]+", line) for line in rows)
     # per stage: the per-rank table (one rank per stage here) and the summary's per-stage rows are the same figures
     by_stage = {row["stage"]: row for row in js["per_stage"]}
     for row in json.loads(_cli("analyze", str(run_dir), "--json", "--no-cache"))["stages"]:

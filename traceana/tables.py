@@ -33,6 +33,12 @@ def cell(x, spec: str = ",.2f") -> str:
     return UNKNOWN if x is None else format(x, spec)
 
 
+def mib(nbytes: float | None) -> str:
+    """A memory cell: bytes in MiB with two decimals in every table (a tiny run's activation peak is 0.01 MiB, as
+    the headlines and reports write it), or ``UNKNOWN``."""
+    return UNKNOWN if nbytes is None else f"{nbytes / 2**20:,.2f}"
+
+
 def _width(text: str) -> int:
     from rich.cells import cell_len
 

@@ -81,6 +81,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     from traceana.tables import UNKNOWN, print_line, print_table
     from traceana.tables import console as output_console
     from traceana.tables import cell as _num
+    from traceana.tables import mib
 
     def _ms_pct(ms, pct, step_ms) -> str:
         if ms is None:
@@ -121,10 +122,8 @@ def print_tables(analysis, *, per_step: bool) -> None:
     rows += [[c.replace("_", " "), *(UNKNOWN if _unknown(c, r["stage"]) else _ms_pct(r[f"{c}_ms"], r[f"{c}_pct"],
                                                                                       r["step_ms"]) for r in stages)]
              for c in shown]
-    rows += [["peak MiB", *(_num(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, ",.1f")
-                            for r in stages)],
-             ["activation MiB", *(_num(None if r["activation_peak_bytes"] is None
-                                       else r["activation_peak_bytes"] / 2**20, ",.1f") for r in stages)],
+    rows += [["peak memory MiB", *(mib(r["peak_memory_bytes"]) for r in stages)],
+             ["activation peak MiB", *(mib(r["activation_peak_bytes"]) for r in stages)],
              ["MFU", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,

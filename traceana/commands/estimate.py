@@ -22,7 +22,6 @@ from traceana.pipeline_rules import default_virtual_stages
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
-from traceana.units import MIB as MiB
 from traceana.units import bytes_text
 
 DEFAULT_DEVICE = "a100-80gb"
@@ -247,7 +246,7 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
 def render(out: dict, *, console) -> None:
     """Print the estimate on ``console``: the configuration, one row per stage (memory in MiB), the step time (in one
     unit), and the BPipe verdict."""
-    from traceana.tables import plural, print_line, print_table
+    from traceana.tables import mib, plural, print_line, print_table
 
     m, c = out["model"], out["config"]
     kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] else ""
@@ -258,21 +257,20 @@ def render(out: dict, *, console) -> None:
                f"{' v=' + str(c['virtual_stages']) if c['virtual_stages'] > 1 else ''} · b {c['microbatch_size']} · "
                f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
                f"recompute {c['recompute']} · BPipe {'on' if c['bpipe'] else 'off'} · {c['precision']}")
-    headers = ["stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB", "peak\nMiB",
-               "total\nMiB", "fits"]
+    headers = ["stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB",
+               "activation\npeak MiB", "total\nMiB", "fits"]
     rows = []
     for s in out["stages"]:
-        state = (s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]) / MiB
         held = f"{s['in_flight']:g}" + (f"+{s['foreign_in_flight']:g}" if s["foreign_in_flight"] else "")
         params = f"{s['params'] / 1e9:.2f}B" if s["params"] >= 1e8 else f"{s['params'] / 1e6:.2f}M"
-        rows.append([str(s["stage"]), str(s["layers"]), params, f"{state:,.1f}",
-                     f"{s['activation_per_microbatch'] / MiB:,.2f}", held, f"{s['activation_bytes'] / MiB:,.1f}",
-                     f"{s['activation_peak_bytes'] / MiB:,.2f}", f"{s['total_bytes'] / MiB:,.1f}",
-                     "yes" if s["fits"] else "NO"])
+        rows.append([str(s["stage"]), str(s["layers"]), params,
+                     mib(s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]),
+                     mib(s["activation_per_microbatch"]), held, mib(s["activation_bytes"]),
+                     mib(s["activation_peak_bytes"]), mib(s["total_bytes"]), "yes" if s["fits"] else "NO"])
     print_table(console, "Memory per stage", headers, rows, keys=1, justify=["right"] * 9 + ["left"])
-    print_line(console, "act: saved activations in flight; peak: act + one layer's backward (and recompute) working "
-               "memory, what validate compares with a run's measured activation peak; total: + weights, gradients, "
-               "optimizer")
+    print_line(console, "act: saved activations in flight; activation peak: act + one layer's backward (and "
+               "recompute) working memory, what validate compares with a run's measured activation peak; total: + "
+               "weights, gradients, optimizer")
     print_line(console, f"fits: {'yes' if out['fits'] else 'NO'}")
     st = out["step"]
     if st is None:

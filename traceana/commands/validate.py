@@ -29,19 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.reading(p)
 
 
-def _fmt(x, spec: str) -> str:
-    from traceana.tables import UNKNOWN
-
-    return UNKNOWN if x is None else format(x, spec)
-
-
-def _mib(x) -> float | None:
-    return None if x is None else x / 2**20
-
-
 def render(v, cross: dict | None, *, console) -> None:
     """Print the validation of one run (and the cross-run prediction) on ``console``: sentences, then the table."""
-    from traceana.tables import plural, print_line, print_table
+    from traceana.tables import cell as _fmt
+    from traceana.tables import mib, plural, print_line, print_table
 
     s = v.summary
     mbs = plural(s["microbatches"], "micro-batch", "micro-batches")
@@ -57,11 +48,11 @@ def render(v, cross: dict | None, *, console) -> None:
     print_line(console, f"replay of the last step with its own durations {_fmt(s['replay_step_ms'], '.1f')} ms, "
                f"error {_fmt(s['replay_error'], '+.1%')}")
     headers = ["stage", "rank", "step ms\nmeasured", "step ms\nreplayed", "step\nerror", "wait ms\nmeasured",
-               "wait ms\nreplayed", "wait\nerror", "activation\nMiB", "estimate\nMiB", "memory\nerror"]
+               "wait ms\nreplayed", "wait\nerror", "activation\npeak MiB", "estimate\nMiB", "memory\nerror"]
     rows = [[_fmt(r["stage"], "d"), str(r["rank"]), _fmt(r["measured_step_ms"], ",.1f"),
              _fmt(r["simulated_step_ms"], ",.1f"), _fmt(r["step_error"], "+.1%"), _fmt(r["measured_bubble_ms"], ",.1f"),
              _fmt(r["simulated_bubble_ms"], ",.1f"), _fmt(r["bubble_error"], "+.1%"),
-             _fmt(_mib(r["measured_activation_bytes"]), ",.1f"), _fmt(_mib(r["estimated_activation_bytes"]), ",.1f"),
+             mib(r["measured_activation_bytes"]), mib(r["estimated_activation_bytes"]),
              _fmt(r["memory_error"], "+.1%")]
             for r in v.per_stage.iter_rows(named=True)]  # one row per stage: display only
     print_table(console, "Per stage: measured vs replayed", headers, rows, keys=2, justify=["right"] * len(headers))
