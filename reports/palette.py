@@ -7,6 +7,8 @@ bubble categories use greys of different lightness, since bubbles are "absence o
 
 from __future__ import annotations
 
+from traceana import schema
+
 BLACK = "#000000"
 ORANGE = "#E69F00"
 SKY_BLUE = "#56B4E9"
@@ -34,23 +36,8 @@ CATEGORY_COLOURS = {
     "host": "#E5D8BD",
 }
 
-# Human labels for categories, used in legends, hovers and tables.
-CATEGORY_LABELS = {
-    "forward": "forward",
-    "backward": "backward",
-    "backward_input": "backward: input gradients (I)",
-    "backward_weight": "backward: weight gradients (W)",
-    "recompute": "recompute",
-    "optimizer": "optimizer",
-    "other_compute": "other compute",
-    "p2p": "P2P (exposed)",
-    "bpipe": "BPipe transfer (exposed)",
-    "collective": "collective (exposed)",
-    "bubble_warmup": "bubble: warm-up",
-    "bubble_stall": "bubble: stall",
-    "bubble_cooldown": "bubble: cool-down",
-    "host": "host / unexplained idle",
-}
+# Human labels for categories, used in legends, hovers and tables: traceana.schema's, the CLI's too.
+CATEGORY_LABELS = schema.CATEGORY_LABELS
 
 # Runs in an A/B comparison: first run (usually the baseline) blue, second (e.g. BPipe) orange, then the rest.
 RUN_COLOURS = (BLUE, ORANGE, BLUISH_GREEN, REDDISH_PURPLE, SKY_BLUE, VERMILLION, YELLOW, BLACK)

@@ -168,7 +168,7 @@ def test_per_step_columns_and_unknown_stage(with_unknown_stage):
     assert ["0", "0", "5"] == rows[0][:3] and ["1", "1", "5"] == rows[1][:3] and ["–", "2", "5"] == rows[2][:3]
     stages = text[text.index("Where each stage's"):text.index("Per step")]
     assert "stage –" in stages and "stage 2" not in stages
-    warmup = next(line for line in stages.splitlines() if "bubble warmup" in line)
+    warmup = next(line for line in stages.splitlines() if "bubble: warm-up" in line)
     assert warmup.rstrip("│ ").endswith("–")  # rank 2 has no schedule: its bubble is unknown, not 0
     assert "no allocator samples ([memory] events)" in " ".join(text.split())  # not eaten as rich markup
     assert "stage of rank 2 could not be determined" in " ".join(text.split())

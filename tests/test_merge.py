@@ -64,7 +64,7 @@ def test_analyze_csv_export_and_tables(two_rank_run, tmp_path, capsys):
     assert main(["analyze", str(two_rank_run), "--no-cache", "--per-step", "--quiet",
                  "--export", str(tmp_path / "csv"), "--format", "csv"]) == 0
     text = capsys.readouterr().out
-    assert "Where each stage's step time goes" in text and "bubble warmup" in text
+    assert "Where each stage's step time goes" in text and "bubble: warm-up" in text
     assert pl.read_csv(tmp_path / "csv" / "attribution.csv")["category"].n_unique() == len(CATEGORIES)
 
 

@@ -106,3 +106,27 @@ def test_sizes_and_durations_are_written_in_a_readable_unit():
     assert seconds_text(2.5) == "2.50 s"
     assert seconds_text(0.1368) == "136.8 ms"
     assert seconds_text(16.4e-6) == "16.4 µs"
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """A table's rows by label: the label's cells across every split of the table, in order."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("│"):
+            label, *cells = [c.strip() for c in line.strip("│").split("│")]
+            rows.setdefault(label, []).extend(cells)
+    return rows
+
+
+def test_watch_and_analyze_name_and_show_each_category_alike(collected_run):
+    """watch prints the same attribution as analyze: a category has one name (it was "p2p (exposed)" and
+    "bubble warm-up" in watch, "p2p" and "bubble warmup" in analyze) and, for the same window, the same cells."""
+    run_dir = collected_run("1f1b_bpipe")
+    analyzed = _rows(_cli("analyze", str(run_dir), "--no-cache"))
+    watched = _rows(_cli("watch", str(run_dir), "--once", "--settle", "0"))
+    categories = [label for label in watched if label not in ("", "steps", "step ms", "compute")
+                  and not label.startswith("1:")]
+    assert "P2P (exposed)" in categories and "bubble: stall" in categories
+    for label in ["step ms", *categories]:
+        if any(c != "·" for c in watched[label]):  # analyze leaves out a category no stage has
+            assert analyzed[label] == watched[label], label

@@ -86,7 +86,7 @@ def _check_two_windows(out: str) -> None:
     # the running comparison: window 2's step against window 1's, per stage
     row = next(line for line in second.splitlines() if line.lstrip("│ ").startswith("2:"))
     assert row.count("80.00 (-20.00, -20.0%)") == 2
-    for label in ("p2p (exposed)", "bpipe (exposed)", "bubble warm-up", "bubble cool-down", "bubble stall"):
+    for label in ("P2P (exposed)", "BPipe transfer (exposed)", "bubble: warm-up", "bubble: cool-down", "bubble: stall"):
         assert label in first
 
 

@@ -26,6 +26,23 @@ CATEGORIES = (
 Category = pl.Enum(list(CATEGORIES))
 COMPUTE_CATEGORIES = CATEGORIES[:7]
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
+# What every table, legend and hover calls each category (the CLI's tables and the report's alike).
+CATEGORY_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "backward_input": "backward: input gradients (I)",
+    "backward_weight": "backward: weight gradients (W)",
+    "recompute": "recompute",
+    "optimizer": "optimizer",
+    "other_compute": "other compute",
+    "p2p": "P2P (exposed)",
+    "bpipe": "BPipe transfer (exposed)",
+    "collective": "collective (exposed)",
+    "bubble_warmup": "bubble: warm-up",
+    "bubble_stall": "bubble: stall",
+    "bubble_cooldown": "bubble: cool-down",
+    "host": "host / unexplained idle",
+}
 
 # --- ingest ------------------------------------------------------------------------------------------------------
 # One row per complete ("X") trace event. GPU events (kernels, memcpy, memset, gpu annotations) have device/stream.

@@ -77,7 +77,7 @@ def _finish_ahead() -> None:
 def print_tables(analysis, *, per_step: bool) -> None:
     from traceana.export import per_step_table
     from traceana.classify import rank_summary
-    from traceana.schema import CATEGORIES
+    from traceana.schema import CATEGORIES, CATEGORY_LABELS
     from traceana.tables import UNKNOWN, print_line, print_table
     from traceana.tables import console as output_console
     from traceana.tables import cell as _num
@@ -119,7 +119,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     headers = ["", *(f"{stage_label(r)}\nrank {r['rank']}" for r in stages)]
     rows = [["steps", *(str(r["steps"] or 0) for r in stages)],
             ["step ms", *(_num(r["step_ms"]) for r in stages)]]
-    rows += [[c.replace("_", " "), *(UNKNOWN if _unknown(c, r["stage"]) else _ms_pct(r[f"{c}_ms"], r[f"{c}_pct"],
+    rows += [[CATEGORY_LABELS[c], *(UNKNOWN if _unknown(c, r["stage"]) else _ms_pct(r[f"{c}_ms"], r[f"{c}_pct"],
                                                                                       r["step_ms"]) for r in stages)]
              for c in shown]
     rows += [["peak memory MiB", *(mib(r["peak_memory_bytes"]) for r in stages)],

@@ -29,18 +29,13 @@ from traceana.errors import BadInputError, TraceanaError
 TB_NAME = re.compile(r"^(?P<worker>.+)\.(?P<ts>\d+)\.pt\.trace\.json(\.gz)?$")
 PARTIAL = ".partial"  # collectors write "….partial" temporaries, then rename
 
-# The rows of a window's table: (label, column of ``window_table``).
-ROWS = (
-    ("step ms", "step_ms"),
-    ("compute", "compute_ms"),
-    ("p2p (exposed)", "p2p_ms"),
-    ("bpipe (exposed)", "bpipe_ms"),
-    ("collective", "collective_ms"),
-    ("bubble warm-up", "bubble_warmup_ms"),
-    ("bubble cool-down", "bubble_cooldown_ms"),
-    ("bubble stall", "bubble_stall_ms"),
-    ("host", "host_ms"),
-)
+def _rows() -> tuple[tuple[str, str], ...]:
+    """The rows of a window's table: (label, column of ``window_table``); the categories' labels are schema's
+    (imported here: building the parser imports no polars)."""
+    from traceana.schema import CATEGORY_LABELS
+
+    cats = ("p2p", "bpipe", "collective", "bubble_warmup", "bubble_cooldown", "bubble_stall", "host")
+    return (("step ms", "step_ms"), ("compute", "compute_ms"), *((CATEGORY_LABELS[c], f"{c}_ms") for c in cats))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,13 +160,13 @@ def _tensorboard_windows(files: list[Path], *, settle_s: float, now: float) -> l
 
 # --- tables (pure) -----------------------------------------------------------------------------------------------
 def window_table(stages):
-    """``Analysis.stages`` → one row per rank: step time and the ms of each row in ``ROWS`` (compute = the sum of the
+    """``Analysis.stages`` → one row per rank: step time and the ms of each row in ``_rows()`` (compute = the sum of the
     compute categories, bubbles = the sum of the bubble kinds)."""
     import polars as pl
 
     from traceana.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
 
-    cats = [c for _, c in ROWS if c not in ("step_ms", "compute_ms")]
+    cats = [c for _, c in _rows() if c not in ("step_ms", "compute_ms")]
     return stages.select(
         "rank", "stage", "steps", "step_ms",
         compute_ms=pl.sum_horizontal(pl.col(f"{c}_ms").fill_null(0) for c in COMPUTE_CATEGORIES),
@@ -239,7 +234,7 @@ def print_window(console, n: int, window: Window, table, comparison, notes: list
     heads = ["", *(f"stage {'?' if r['stage'] is None else r['stage']}\nrank {r['rank']}" for r in rows)]
     body = [["steps", *(str(r["steps"] or 0) for r in rows)]]
     sections = []
-    for label, col in ROWS:
+    for label, col in _rows():
         if col == "step_ms":
             body.append([label, *("–" if r["step_ms"] is None else f"{r['step_ms']:,.2f}" for r in rows)])
             sections.append(len(body) - 1)
