@@ -7,7 +7,8 @@ Impossible configurations are refused before any process starts.
   traceana collect --model tiny-gpt --pp 4 --microbatches 8 --schedule 1f1b --bpipe -o runs/bpipe
 
 The multi-stage schedules (interleaved-1f1b, looped-bfs, zero-bubble, zbv, dualpipev) run torch.distributed.pipelining's
-own schedule classes instead (collectors.pipelining_example): --pp stages on --pp/2 ranks, two per rank.
+own schedule classes instead (collectors.pipelining_example): --pp stages on --pp/2 ranks, two per rank; --bpipe,
+--recompute and --dp are the reference trainer's only.
 
   traceana collect --schedule zero-bubble --pp 4 --microbatches 4 -o runs/zb
 """
@@ -60,16 +61,10 @@ def run_pipelining(args: argparse.Namespace) -> int:
     """A multi-stage schedule: torch.distributed.pipelining's own class, two stages per rank."""
     from traceana.errors import ConfigError
 
-    # collectors.pipelining_example runs one warm-up step and seed 1234, without BPipe or recompute: a flag it would
-    # ignore is refused, not dropped silently
-    defaults = argparse.ArgumentParser()
-    add_arguments(defaults)
-    default = {name: defaults.get_default(name) for name in ("warmup_steps", "seed")}
+    # torch.distributed.pipelining has no BPipe, and collectors.pipelining_example no recompute or data parallelism:
+    # a flag it would ignore is refused, not dropped silently
     unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--bpipe-inflight", args.bpipe_inflight is not None),
-                                         ("--recompute", args.recompute != "none"), ("--dp", args.dp != 1),
-                                         ("--attention", args.attention != "naive"),
-                                         ("--warmup-steps", args.warmup_steps != default["warmup_steps"]),
-                                         ("--seed", args.seed != default["seed"])) if on]
+                                         ("--recompute", args.recompute != "none"), ("--dp", args.dp != 1)) if on]
     if unsupported:
         raise ConfigError(f"{', '.join(unsupported)} is not available with schedule {args.schedule!r}",
                           fix="use it with the reference trainer's gpipe or 1f1b schedules")
@@ -86,7 +81,8 @@ def run_pipelining(args: argparse.Namespace) -> int:
     from collectors.pipelining_example import collect
 
     out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,
-                  microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2)
+                  microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
+                  attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"wrote {out}; next: traceana analyze {out}")
     return 0
 

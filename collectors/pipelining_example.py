@@ -172,20 +172,22 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def manifest(schedule: str, world: int, stages: int, microbatches: int, microbatch_size: int, preset: str,
-             steps: int) -> Manifest:
+             steps: int, *, attention: str = "naive", warmup_steps: int = 1) -> Manifest:
     per_rank = stages_of_ranks(schedule, world)
     return Manifest(
         world_size=world, pp=stages, stage_of_rank=tuple(p[0] for p in per_rank), schedule=schedule,
         microbatch_size=microbatch_size, num_microbatches=microbatches, global_batch=microbatch_size * microbatches,
-        model=PRESETS[preset], dtype="float32", attention="naive", recompute="none", device="cpu",
-        profiler={"wait": 0, "warmup": 1, "active": steps, "repeat": 1}, torch_version=torch.__version__,
+        model=PRESETS[preset], dtype="float32", attention=attention, recompute="none", device="cpu",
+        profiler={"wait": 0, "warmup": min(warmup_steps, 1), "active": steps, "repeat": 1},
+        torch_version=torch.__version__,
         **host_facts(world),
         extra={"collector": "torch.distributed.pipelining", "stages_of_rank": per_rank},
     )
 
 
 def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_dir: Path, preset: str,
-             microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None) -> None:
+             microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None,
+             attention: str = "naive", seed: int = 1234, warmup_steps: int = 1) -> None:
     from torch.distributed import pipelining
 
     torch.set_num_threads(1)
@@ -193,8 +195,8 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     shape = PRESETS[preset]
     cls_name, virtual = SCHEDULE_CLASSES[schedule_name]
     stages = world * virtual
-    torch.manual_seed(1234)
-    model = GPT(shape, attention="naive")
+    torch.manual_seed(seed)
+    model = GPT(shape, attention=attention)
     my_stages = stages_of_ranks(schedule_name, world)[rank]
     pipe = [pipelining.PipelineStage(Part(model, stage=s, stages=stages), s, stages, torch.device("cpu"))
             for s in my_stages]
@@ -205,22 +207,29 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     timed_loss = truth.wrap("compute", loss_fn) if truth else loss_fn
     schedule = cls(pipe[0] if placement_of(schedule_name) == "single" else pipe, n_microbatches=microbatches, loss_fn=timed_loss)
     annotate(schedule)  # <- traceana: per-micro-batch PP:{stage}F{mb} / B spans
-    if truth:
+    # The batches are made before the loop: a step is the schedule and the optimizer, no data loading.
+    batches = [data.batch(seed=seed, step=step, microbatches=1, microbatch_size=microbatch_size * microbatches,
+                          seq=shape.seq, vocab=shape.vocab) for step in range(warmup_steps + steps)]
+    # the whole batch of each step (the schedule splits it), as the first and last stage take it
+    batches = [((inputs[0],) if 0 in my_stages else (),
+                {"target": targets[0], "losses": []} if stages - 1 in my_stages else {})
+               for inputs, targets in batches]
+    # As the reference trainer: the profiler's warm-up is the last unprofiled step; earlier ones run before it.
+    unprofiled = max(warmup_steps - 1, 0)
+    for args, kwargs in batches[:unprofiled]:
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step(*args, **kwargs)
+        optimizer.step()
+    if truth:  # the wall-clock spans cover the profiled window's steps only
         truth.install(pipe, optimizer)
     with PipelineProfiler(out_dir, rank=rank, stage=my_stages[0], world_size=world, pp=stages,
-                          schedule=schedule_name, active=steps,
-                          manifest=manifest(schedule_name, world, stages, microbatches, microbatch_size, preset, steps)
+                          schedule=schedule_name, warmup=min(warmup_steps, 1), active=steps,
+                          manifest=manifest(schedule_name, world, stages, microbatches, microbatch_size, preset, steps,
+                                            attention=attention, warmup_steps=warmup_steps)
                           if rank == 0 else None,
                           metadata={"stages": my_stages, "collector": "torch.distributed.pipelining"}) as prof:
-        # The batches are made before the loop: a step is the schedule and the optimizer, no data loading.
-        batches = [data.batch(seed=1234, step=step, microbatches=1, microbatch_size=microbatch_size * microbatches,
-                              seq=shape.seq, vocab=shape.vocab) for step in range(1 + steps)]
-        # the whole batch of each step (the schedule splits it), as the first and last stage take it
-        batches = [((inputs[0],) if 0 in my_stages else (),
-                    {"target": targets[0], "losses": []} if stages - 1 in my_stages else {})
-                   for inputs, targets in batches]
         delay, begun = run_delay_ns(), time.perf_counter_ns()
-        for args, kwargs in batches:
+        for args, kwargs in batches[unprofiled:]:
             optimizer.zero_grad(set_to_none=True)
             schedule.step(*args, **kwargs)
             optimizer.step()
@@ -235,9 +244,11 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
 
 
 def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", microbatches: int = 8,
-            microbatch_size: int = 2, steps: int = 2, ranks: int | None = None, truth: bool = False) -> Path:
+            microbatch_size: int = 2, steps: int = 2, ranks: int | None = None, truth: bool = False,
+            attention: str = "naive", seed: int = 1234, warmup_steps: int = 1) -> Path:
     """Collect one run of a pipelining schedule: 4 ranks × 1 stage (multi-stage schedules: 2 ranks × 2 stages).
-    With ``truth``, the independent wall-clock spans go to ``<out_dir>.truth/`` (see the module doc)."""
+    With ``truth``, the independent wall-clock spans go to ``<out_dir>.truth/`` (see the module doc). ``attention``,
+    ``seed`` and ``warmup_steps`` mean what they mean for the reference trainer (collectors.trainer.config)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     out_dir = Path(out_dir)
@@ -248,10 +259,11 @@ def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", mic
     started = time.time()
     method = _start_method()
     mp.start_processes(run_rank, args=(world, f"tcp://127.0.0.1:{free_port()}", schedule, out_dir, preset,
-                                       microbatches, microbatch_size, steps, truth_dir),
+                                       microbatches, microbatch_size, steps, truth_dir, attention, seed,
+                                       warmup_steps),
                        nprocs=world, join=True, start_method=method)
-    finalize_manifest(out_dir, manifest(schedule, world, world * virtual, microbatches, microbatch_size, preset, steps),
-                      since=started)
+    finalize_manifest(out_dir, manifest(schedule, world, world * virtual, microbatches, microbatch_size, preset, steps,
+                                        attention=attention, warmup_steps=warmup_steps), since=started)
     return out_dir
 
 

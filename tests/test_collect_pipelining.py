@@ -88,3 +88,20 @@ def test_collect_command_runs_a_zero_bubble_schedule_through_torch_pipelining(tm
     assert {"PP:0I0", "PP:0W0", "PP:2I0", "PP:2W0"} <= got  # rank 0 holds stages 0 and 2; backward split I/W
     assert json.loads((out / "run.json").read_text())["schedule"] == "zero-bubble"
     assert main(["collect", "--schedule", "zbv", "--pp", "3", "-o", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.slow
+def test_collect_passes_attention_seed_and_warmup_to_a_pipelining_schedule(tmp_path):
+    """--attention, --seed and --warmup-steps were refused for the torch.distributed.pipelining schedules; they now
+    mean what they mean for the reference trainer. The trace itself shows the attention kernel that ran."""
+    from traceana.cli import main
+
+    out = tmp_path / "zbv"
+    assert main(["collect", "--schedule", "zbv", "--pp", "4", "--microbatches", "4", "--microbatch-size", "1",
+                 "--steps", "1", "--attention", "sdpa", "--seed", "7", "--warmup-steps", "2", "-o", str(out)]) == 0
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["attention"] == "sdpa" and manifest["profiler"]["warmup"] == 1
+    with gzip.open(out / "rank0.pt.trace.json.gz") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    assert any("scaled_dot_product" in e["name"] for e in events)  # torch's fused attention, not softmax(QKᵀ)V
+    assert sum(e["name"].startswith("ProfilerStep#") for e in events) == 1  # the warm-up steps are not profiled

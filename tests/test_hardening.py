@@ -61,8 +61,9 @@ def test_an_empty_last_profiler_step_is_not_the_measured_step(tmp_path):
     (["--schedule", "zbv", "--steps", "0"], "--steps"),
     (["--schedule", "zbv", "--microbatches", "0"], "--microbatches"),
     (["--schedule", "zbv", "--microbatch-size", "0"], "--microbatch-size"),
-    (["--schedule", "zbv", "--seed", "7"], "--seed"),  # the pipelining example always uses seed 1234
-    (["--schedule", "zbv", "--warmup-steps", "3"], "--warmup-steps"),  # ... and one warm-up step
+    (["--schedule", "zbv", "--warmup-steps", "-1"], "--warmup-steps"),
+    (["--schedule", "zbv", "--recompute", "full"], "--recompute"),  # the pipelining example has no recompute
+    (["--schedule", "zbv", "--dp", "2"], "--dp"),  # ... nor data parallelism
     (["--schedule", "zbv", "--bpipe-inflight", "2"], "--bpipe-inflight"),
 ])
 def test_collect_refuses_what_torch_pipelining_cannot_run_before_any_process_starts(flags, says, tmp_path, capsys):
