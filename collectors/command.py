@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+LOG = "collect.log"  # in the run directory: the spawned ranks' stderr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,11 +85,30 @@ def run_pipelining(args: argparse.Namespace) -> int:
     device_order(args.schedule, pp=args.pp // 2, num_microbatches=args.microbatches, device=0, virtual_stages=2)
     from collectors.pipelining_example import collect
 
-    out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,
-                  microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
-                  attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps)
+    with ranks_output(args.output):
+        out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,
+                      microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
+                      attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"wrote {out}; next: traceana analyze {out}")
     return 0
+
+
+@contextmanager
+def ranks_output(out: Path) -> Iterator[None]:
+    """The spawned ranks' stderr — torch's profiler writes several lines per rank and step there (``USDT …
+    profiler_start``, allocator warnings) — goes to ``OUT/collect.log``, not over traceana's own lines; where it
+    went is said at the end, and when the collection failed."""
+    from collectors.launch import check_out_dir, workers_output_to
+
+    check_out_dir(out)
+    log = out / LOG
+    try:
+        with workers_output_to(log):
+            yield
+    except BaseException:
+        print(f"the ranks' own output (torch's messages) is in {log}", file=sys.stderr)
+        raise
+    print(f"the ranks' own output (torch's messages): {log}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        launch.collect(config, args.output, progress=print)
+        with ranks_output(args.output):
+            launch.collect(config, args.output, progress=print)
     print(f"wrote {args.output}; next: traceana analyze {args.output}")
     return 0

@@ -19,9 +19,11 @@ import dataclasses
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +41,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def workers_output_to(log: Path) -> Iterator[None]:
+    """Send file descriptor 2 to ``log`` (appended) while the trainer runs.
+
+    The trainer's processes inherit our stderr, and torch's profiler prints several lines per rank and step there
+    (``USDT … profiler_start``, allocator warnings), which would bury what traceana says (``traceana demo``'s
+    progress display draws on a duplicate of the terminal's stderr, taken before this redirect)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def check_out_dir(out_dir: Path) -> None:

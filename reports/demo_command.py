@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from traceana.errors import BadInputError
@@ -44,12 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
+def collect_run(out: Path, *, bpipe: bool, progress=None, log: Path | None = None, **overrides) -> Path:
     """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory.
 
-    ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step)."""
+    ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step); ``log``:
+    where the trainer's processes write their stderr (default: ours)."""
     try:
-        from collectors.launch import collect
+        from collectors.launch import collect, workers_output_to
         from collectors.trainer.config import CollectConfig
     except ImportError as e:  # torch (or collectors) is missing: say how to get it
         raise BadInputError(
@@ -59,28 +57,10 @@ def collect_run(out: Path, *, bpipe: bool, progress=None, **overrides) -> Path:
         ) from None
 
     config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
-    return Path(collect(config, out, progress=progress))
-
-
-@contextmanager
-def workers_output_to(log: Path) -> Iterator[None]:
-    """Send file descriptor 2 to ``log`` while the trainer runs.
-
-    The trainer's processes inherit our stderr, and torch's profiler prints several lines per rank and step there
-    (``USDT … profiler_start``, allocator warnings), which would tear through the progress display. The progress
-    display keeps drawing on a duplicate of the terminal's stderr, taken before this redirect.
-    """
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(log, "ab") as f:
-            os.dup2(f.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+    if log is None:
+        return Path(collect(config, out, progress=progress))
+    with workers_output_to(log):
+        return Path(collect(config, out, progress=progress))
 
 
 def _short(msg: str, width: int = 90) -> str:
@@ -119,9 +99,8 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             try:
-                with workers_output_to(log):
-                    collect_run(run_dir, bpipe=bpipe, progress=lambda msg, task=task, name=name: progress.update(
-                        task, description=escape(f"collecting {name}: {_short(msg)}")))
+                collect_run(run_dir, bpipe=bpipe, log=log, progress=lambda msg, task=task, name=name: progress.update(
+                    task, description=escape(f"collecting {name}: {_short(msg)}")))
             except BaseException:
                 console.print(escape(f"the trainer's own output is in {log}"))
                 raise
