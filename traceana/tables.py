@@ -39,6 +39,16 @@ def mib(nbytes: float | None) -> str:
     return UNKNOWN if nbytes is None else f"{nbytes / 2**20:,.2f}"
 
 
+def progress_bar(description: str = "{task.description}"):
+    """The progress bar of long work (reading traces, the BPipe verdict's search): rich's, on stderr, gone when
+    done; description, bar, done/total and time elapsed. Not started: use it as a context manager."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(file=sys.stderr), transient=True)
+
+
 def _width(text: str) -> int:
     from rich.cells import cell_len
 

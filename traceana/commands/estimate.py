@@ -300,11 +300,9 @@ def _verdict_progress(enabled: bool):
     if not enabled:
         yield None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from traceana.tables import progress_bar
 
-    with Progress(TextColumn("BPipe verdict: simulating configurations"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True) as bar:
+    with progress_bar("BPipe verdict: simulating configurations") as bar:
         task = bar.add_task("", total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 

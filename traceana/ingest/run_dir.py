@@ -325,11 +325,9 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from traceana.tables import progress_bar
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self.bar = progress_bar()
             self.bar.start()
             self.task = self.bar.add_task("reading traces", total=len(self.files))
             self.event_task = None
