@@ -62,3 +62,18 @@ def _compare(configs, results_dir) -> list[str]:
 def test_pipeline_training_equals_single_process_training(configs, tmp_path):
     launch(configs[0], None, results_dir=tmp_path, configs=configs, timeout_s=900)
     assert _compare(configs, tmp_path) == []
+
+
+def test_bpipe_on_data_parallel_replicas_changes_no_gradient(tmp_path):
+    """pp 4 × dp 2 with BPipe: each replica's stage 0 evicts to its own replica's stage 3, and every rank ends the
+    step with the gradients and parameters of the same run without BPipe (whose replicas see different data, so a
+    transfer to the other replica's partner would show)."""
+    plain = CollectConfig(pp=4, dp=2, microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
+    configs = [plain, plain.replace(bpipe=True)]
+    launch(configs[0], None, results_dir=tmp_path, configs=configs, timeout_s=900)
+    for rank in range(8):
+        want, got = (torch.load(tmp_path / f"{i}-rank{rank}.pt") for i in (0, 1))
+        for kind in ("grads", "params"):
+            assert want[kind].keys() == got[kind].keys()
+            for name, value in got[kind].items():
+                assert torch.allclose(value, want[kind][name], atol=ATOL, rtol=0), (rank, kind, name)

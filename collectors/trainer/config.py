@@ -56,9 +56,6 @@ class CollectConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
-        if self.bpipe and self.dp > 1:
-            raise ConfigError("BPipe with data-parallel replicas is not implemented in the reference trainer",
-                              fix="drop --bpipe or use --dp 1")
         if self.bpipe and self.pp < 2:
             raise ConfigError("BPipe needs at least 2 pipeline stages (an evictor and an acceptor)",
                               fix="use --pp 2 or more, or drop --bpipe")

@@ -129,6 +129,16 @@ def _slowed(forward, seconds: float):
     return slow
 
 
+def _bpipe_groups(config: CollectConfig, rank: int) -> dict:
+    """The BPipe pairs' groups of this rank's replica: each replica's stage s and p−1−s pair up within it (every rank
+    creates every replica's groups, in one order: ``new_group`` is collective)."""
+    if not config.bpipe:
+        return {}
+    per_replica = [new_groups(config.pp, [config.rank_of(s, r) for s in range(config.pp)], backend="gloo")
+                   for r in range(config.dp)]
+    return per_replica[rank % config.dp]
+
+
 def _dp_group(config: CollectConfig, rank: int):
     """The gloo group of this rank's stage across the replicas (every rank creates every group, in one order)."""
     if config.dp == 1:
@@ -176,7 +186,7 @@ def _recv_layout(src: int, transport: Transport) -> list[int]:
 def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, progress=None) -> RankResult:
     """Train ``config.total_steps`` steps on this rank's stage; profile the last ``config.steps`` into ``out_dir``."""
     torch.set_num_threads(1)  # one stage per process; on a small CPU more threads only fight each other
-    groups = new_groups(config.pp, list(range(config.pp)), backend="gloo") if config.bpipe else {}
+    groups = _bpipe_groups(config, setup.rank)
     dp_group = _dp_group(config, setup.rank)
     runner = build_runner(config, setup, groups)
     module, stage = runner.stage_module, runner.stage
