@@ -257,12 +257,19 @@ def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None)
     rows = []
     step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
     secs = dict(step_s.rows())
-    for rank, stage in stages.select("rank", "stage").rows():
-        if stage is None or not 0 <= stage < pp or rank not in secs or not secs[rank]:
+    held = stages.select("rank", "stage", "stages") if "stages" in stages.columns else stages.select(
+        "rank", "stage", pl.lit(None, pl.String).alias("stages"))
+    for rank, stage, listed in held.rows():
+        # every stage the rank holds (a looped or V placement: several), not only its first
+        own = [int(s) for s in listed.split(",")] if listed else ([] if stage is None else [stage])
+        if not own or not all(0 <= s < pp for s in own) or rank not in secs or not secs[rank]:
             continue
-        kw = dict(layers=layers_of[stage], microbatch_size=m.microbatch_size, last=stage == pp - 1)
-        model_f = stage_flops(model, recompute="none", **kw) * m.num_microbatches
-        hw_f = stage_flops(model, recompute=m.recompute or "none", **kw) * m.num_microbatches
+
+        def flops(recompute: str) -> float:
+            return sum(stage_flops(model, recompute=recompute, layers=layers_of[s], microbatch_size=m.microbatch_size,
+                                   last=s == pp - 1) for s in own) * m.num_microbatches
+
+        model_f, hw_f = flops("none"), flops(m.recompute or "none")
         rows.append((rank, model_f / (secs[rank] * peak * m.tp), hw_f / (secs[rank] * peak * m.tp)))
     over = [(r, h) for r, _, h in rows if h > 1]
     if over:  # more FLOPs than the device can do in the step: the inputs, not the run, are wrong

@@ -1,0 +1,58 @@
+"""The second hardening sweep: configurations the rest of the suite does not use, where a figure came out
+confidently wrong. Each expected value is worked out by hand from the synthetic trace built here, or from a
+published formula, never from the code under test."""
+
+from __future__ import annotations
+
+import pytest
+from tracebuilder import TraceBuilder
+
+from traceana.cli import main
+from traceana.manifest import Manifest, ModelShape
+
+# A GPT of 4 layers, h 32, s 16, V 64: with Narayanan et al. 2021 §5.1, one layer's forward is
+# 24·b·s·h² + 4·b·s²·h FLOPs and the logit projection's 2·b·s·h·V; training is 3x the forward.
+SHAPE = ModelShape("gpt", layers=4, hidden=32, heads=4, vocab=64, seq=16, name="hand")
+
+
+def _hand_train_flops(*, layers: int, last: bool, b: int) -> float:
+    h, s, v = SHAPE.hidden, SHAPE.seq, SHAPE.vocab
+    fwd = layers * (24 * b * s * h * h + 4 * b * s * s * h) + (2 * b * s * h * v if last else 0)
+    return 3.0 * fwd
+
+
+def _v_run(directory, step_us: float = 1000.0):
+    """ZB-V on 2 ranks × 2 stages (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; docs/schedules.md), one
+    micro-batch, one step of ``step_us`` on each rank, annotated as torch's runtime schedule names its actions."""
+    order = {0: [("0F0", 0, 100), ("3F0", 300, 100), ("3I0", 400, 100), ("3W0", 500, 100), ("0I0", 800, 100),
+                 ("0W0", 900, 90)],
+             1: [("1F0", 110, 90), ("2F0", 200, 90), ("2I0", 610, 90), ("2W0", 700, 90), ("1I0", 710, 0),
+                 ("1W0", 720, 0)]}
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r,
+                          meta={"rank": r, "stage": r, "stages": [r, 3 - r], "schedule": "zbv"})
+        tb.step(1, 0, step_us)
+        for name, t0, dur in order[r]:
+            if dur:
+                tb.annotation(f"PP:{name}", t0, dur)
+                tb.cpu_op("aten::mm", t0 + 1, dur - 2)
+        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+    (directory / "run.json").write_text(Manifest(
+        world_size=2, pp=4, stage_of_rank=(0, 1), schedule="zbv", microbatch_size=2, num_microbatches=1,
+        model=SHAPE, dtype="float32", attention="sdpa", recompute="none", peak_flops=1e12,
+        extra={"stages_of_rank": [[0, 3], [1, 2]]}).to_json())
+    return directory
+
+
+def test_mfu_of_a_rank_holding_two_stages_counts_both(tmp_path):
+    """ZB-V, 4 stages of one layer each on 2 ranks: rank 0 runs stages 0 and 3 (the last, with the logits), rank 1
+    stages 1 and 2, each in a 1 ms step at a peak of 1 TFLOP/s. By hand rank 0 does 2 layers + the logits, rank 1
+    2 layers; MFU counted only each rank's first stage (one layer): about half of the truth."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    a = analyze(load_run(_v_run(tmp_path), cache=False))
+    mfu = dict(a.stages.select("rank", "mfu").rows())
+    step_flops = 1e12 * 1e-3
+    assert mfu[0] == pytest.approx(_hand_train_flops(layers=2, last=True, b=2) / step_flops, rel=1e-9)
+    assert mfu[1] == pytest.approx(_hand_train_flops(layers=2, last=False, b=2) / step_flops, rel=1e-9)
