@@ -56,3 +56,20 @@ def test_mfu_of_a_rank_holding_two_stages_counts_both(tmp_path):
     step_flops = 1e12 * 1e-3
     assert mfu[0] == pytest.approx(_hand_train_flops(layers=2, last=True, b=2) / step_flops, rel=1e-9)
     assert mfu[1] == pytest.approx(_hand_train_flops(layers=2, last=False, b=2) / step_flops, rel=1e-9)
+
+
+def test_stages_a_rank_holds_are_read_from_its_trace_metadata(capsys):
+    """Megatron-LM's interleaved 1F1B (tests/data/megatron_pipe/interleaved: 2 ranks × 2 model chunks, Megatron's
+    placement rank r holds r and r+2, recorded by the script in each trace's metadata as ``stages``). Megatron's names
+    carry no stage number, so the only source is that metadata; the per-rank table said rank 0 holds stage 0 alone
+    (while a note said it holds several), which also makes its MFU count one chunk of two."""
+    from pathlib import Path
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    run = Path(__file__).parent / "data" / "megatron_pipe" / "interleaved" / "run"
+    a = analyze(load_run(run, cache=False))
+    assert dict(a.stages.select("rank", "stages").rows()) == {0: "0,2", 1: "1,3"}
+    assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 0
+    assert "stages 0+2" in capsys.readouterr().out

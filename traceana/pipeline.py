@@ -218,7 +218,8 @@ def stage_map(
     in its PP: annotations, else the position in the P2P neighbour chain. Unknown stays null (with a note).
 
     ``stage`` is the rank's first stage; ``stages`` lists every (virtual) stage it holds, e.g. ``"0,3"`` on rank 0
-    of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else ``stage`` alone.
+    of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else the trace metadata's
+    ``stages``, else ``stage`` alone.
     ``overlapped``: ``overlap_rows(events)``, if the caller has it already."""
     ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     known: dict[int, tuple[int, str]] = {}
@@ -238,7 +239,9 @@ def stage_map(
         .group_by("rank").agg(pl.col("pp_stage").min().alias("first"), pl.col("pp_stage").unique().sort().alias("all"))
         .collect(engine=iv.ENGINE)
     )
-    virtual: dict[int, list[int]] = {r: list(all_) for r, _, all_ in annotated.rows()}
+    # the stages in the PP: annotations, else those the trace's metadata lists (names without a stage number,
+    # e.g. Megatron-LM's, leave only the metadata to tell), overridden by run.json's stages_of_rank
+    virtual: dict[int, list[int]] = {**metadata_stages(traces), **{r: list(all_) for r, _, all_ in annotated.rows()}}
     listed = manifest.extra.get("stages_of_rank") if manifest is not None else None
     if isinstance(listed, list):
         for r, st in enumerate(listed):
@@ -455,19 +458,25 @@ def placements(pairs: pl.DataFrame, sends: pl.DataFrame, first_backward: pl.Data
     return out, notes
 
 
-def virtual_stage_ranks(traces: pl.DataFrame) -> list[int]:
-    """Ranks whose trace metadata (the ``traceana`` object our profiler writes) lists several stages. One small JSON
-    document per rank, parsed in Python."""
-    out = []
+def metadata_stages(traces: pl.DataFrame) -> dict[int, list[int]]:
+    """Per rank, the stages its trace metadata (the ``traceana`` object our profiler writes) lists under ``stages``,
+    sorted; ranks without such a list are absent. One small JSON document per rank, parsed in Python."""
+    out: dict[int, list[int]] = {}
     if "meta" in traces.columns:
         for rank, meta in traces.select("rank", "meta").rows():
             try:
                 stages = json.loads(meta).get("stages") if meta else None
             except (ValueError, AttributeError):
                 continue
-            if isinstance(stages, list) and len(stages) > 1:
-                out.append(rank)
-    return sorted(out)
+            if isinstance(stages, list) and stages and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                           for x in stages):
+                out[rank] = sorted(set(stages))
+    return out
+
+
+def virtual_stage_ranks(traces: pl.DataFrame) -> list[int]:
+    """Ranks whose trace metadata lists several stages (``metadata_stages``)."""
+    return sorted(r for r, st in metadata_stages(traces).items() if len(st) > 1)
 
 
 # --- schedule ------------------------------------------------------------------------------------------------
