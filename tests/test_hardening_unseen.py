@@ -4,6 +4,7 @@ published formula, never from the code under test."""
 
 from __future__ import annotations
 
+import polars as pl
 import pytest
 from tracebuilder import TraceBuilder
 
@@ -73,3 +74,35 @@ def test_stages_a_rank_holds_are_read_from_its_trace_metadata(capsys):
     assert dict(a.stages.select("rank", "stages").rows()) == {0: "0,2", 1: "1,3"}
     assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 0
     assert "stages 0+2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("renamed", [
+    {},  # today's Kineto
+    {"kernel": "Kernel", "cuda_runtime": "Runtime", "cpu_op": "Operator", "gpu_memcpy": "Memcpy"},  # torch 1.8-1.9
+])
+def test_older_kinetos_capitalised_categories_are_read_alike(tmp_path, renamed, decoder):
+    """Older Kineto (torch 1.8/1.9) wrote its categories capitalised — Kernel, Runtime, Operator, Memcpy (TensorBoard's
+    profiler plugin reads both spellings, lower-casing them). One GPU rank, two 1 ms steps, each with a 600 µs
+    GEMM kernel and a 100 µs device copy launched from the CPU: by hand 0.7 ms of each step is GPU work (kernel
+    compute, copy memcpy), the rest of the step idle host time — in either spelling. The capitalised trace was
+    read as 2 ms of host and no compute at all."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    tb = TraceBuilder(rank=0, world_size=1, backend="nccl")
+    for n, t0 in ((1, 0), (2, 1000)):
+        tb.step(n, t0, t0 + 1000)
+        tb.cpu_op("aten::mm", t0 + 10, 50)
+        tb.launch(t0 + 20, 10, correlation=n * 10)
+        tb.kernel("ampere_sgemm_128x64_nn", t0 + 100, 600, correlation=n * 10)
+        tb.launch(t0 + 40, 10, correlation=n * 10 + 1)
+        tb.event(ph="X", cat="gpu_memcpy", name="Memcpy HtoD (Pageable -> Device)", pid=0, tid="stream 7",
+                 ts=tb.base_us + t0 + 750, dur=100,
+                 args={"device": 0, "stream": 7, "correlation": n * 10 + 1, "External id": 0})
+    for e in tb.events:
+        e["cat"] = renamed.get(e["cat"], e["cat"])
+    a = analyze(load_run(tb.write(tmp_path / "rank0.pt.trace.json.gz"), cache=False))
+    got = {c: n for c, n in a.attribution.group_by("category").agg(pl.col("ns").sum()).rows() if n}
+    gpu = sum(n for c, n in got.items() if c not in ("host",))
+    assert gpu == 2 * 700_000, got
+    assert got.get("host") == 2 * 300_000, got

@@ -48,7 +48,7 @@ CLASSIFIED = {
 # hundred names in a million events).
 _KERNEL, _MEMCPY, _MEMSET, _RUNTIME, _ANNOTATION, _GPU_ANNOTATION, _CPU_OP, _OTHER_OP, _PY_FRAME, _OTHER_CAT = range(10)
 _CAT_CLASS = {
-    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET,
+    "kernel": _KERNEL, "gpu_memcpy": _MEMCPY, "gpu_memset": _MEMSET, "memcpy": _MEMCPY, "memset": _MEMSET,
     "cuda_runtime": _RUNTIME, "cuda_driver": _RUNTIME, "hip_runtime": _RUNTIME, "runtime": _RUNTIME,
     "user_annotation": _ANNOTATION, "gpu_user_annotation": _GPU_ANNOTATION,
     "cpu_op": _CPU_OP, "operator": _OTHER_OP, "python_function": _PY_FRAME,

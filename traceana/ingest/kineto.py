@@ -1130,6 +1130,9 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     else:
         dicts = batches.dicts
     name_d, cat_d, pid_d, tid_d = dicts
+    # Older Kineto (torch 1.8/1.9) capitalised its categories (Kernel, Runtime, Operator, Memcpy): one spelling for
+    # every rule downstream, on the file's few distinct categories.
+    cat_d = cat_d.cast(pl.String).str.to_lowercase()
     tracks = batches.tracks if "track" in x.columns else None
     mem = pl.concat(batches.mem, how="vertical") if batches.mem else pl.DataFrame(schema=_MEM_SCHEMA)
     sample = x["ts_rel"].drop_nulls() if x.height else mem["ts_rel"].drop_nulls()
