@@ -106,3 +106,51 @@ def test_older_kinetos_capitalised_categories_are_read_alike(tmp_path, renamed, 
     gpu = sum(n for c, n in got.items() if c not in ("host",))
     assert gpu == 2 * 700_000, got
     assert got.get("host") == 2 * 300_000, got
+
+
+def _dp_ranks_numbering_steps_apart(directory):
+    """Two data-parallel ranks whose profilers number the same three steps differently (rank 0: 1, 2, 3; rank 1:
+    11, 12, 13), each 100, 200 and 200 µs long."""
+    for r, first in ((0, 1), (1, 11)):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
+        t = 0
+        for i, dur in enumerate((100, 200, 200)):
+            tb.step(first + i, t, t + dur)
+            tb.cpu_op("aten::mm", t + 1, dur - 30)
+            tb.cpu_op("c10d::allreduce_", t + dur - 25, 20)
+            t += dur
+        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+    return directory
+
+
+def test_step_time_when_no_step_number_is_common_to_every_rank(tmp_path):
+    """No step is common to both ranks: the headline was the mean over all six (rank, step) pairs, first steps
+    included, 0.167 ms — neither rank's steady step. Each rank's first step is left out as when the numbers match,
+    and the slowest rank's mean is 0.2 ms by construction."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    s = analyze(load_run(_dp_ranks_numbering_steps_apart(tmp_path), cache=False)).summary
+    assert s.step_ms == pytest.approx(0.200)
+    assert set(s.steps) == {2, 3, 12, 13}
+
+
+def test_step_time_when_one_rank_has_no_profiler_steps(tmp_path):
+    """tracebuilder.write_two_stage_run (a 100 µs step on each rank) with rank 1's ProfilerStep span removed: rank
+    1 is one 'step' of its whole trace (60 µs of events), rank 0 has its 100 µs step. The headline, 'slowest rank',
+    averaged the two into 0.08 ms; the slowest rank's step is 0.1 ms."""
+    import gzip
+    import json
+
+    from tracebuilder import write_two_stage_run
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    write_two_stage_run(tmp_path)
+    p = tmp_path / "rank1.pt.trace.json.gz"
+    t = json.loads(gzip.decompress(p.read_bytes()))
+    t["traceEvents"] = [e for e in t["traceEvents"] if not e["name"].startswith("ProfilerStep")]
+    p.write_bytes(gzip.compress(json.dumps(t).encode()))
+    s = analyze(load_run(tmp_path, cache=False)).summary
+    assert s.step_ms == pytest.approx(0.100)

@@ -6,9 +6,10 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   else those in which every rank did anything but host time (the profiler's last ``ProfilerStep`` is often an empty
   stub: HTA's amd_trace ends with one of 49 µs holding no event, after a step of 9.3 ms); the first of them is
   dropped when there are more (it pays one-off costs: allocator growth, optimizer state creation,
-  lazy initialisation); when no step is common to every rank, all steps. Every figure below is over these steps.
+  lazy initialisation); when no step is common to every rank, each rank's own steps, its first left out alike.
+  Every figure below is over these steps.
 - **step time** (``step_ms``): per measured step the slowest rank's step (a pipeline step ends when its last rank
-  ends), averaged over the measured steps. A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
+  ends), averaged over the measured steps; when the ranks' steps do not line up, the slowest rank's mean step. A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
 - **bubble**: the attribution's warm-up + stall + cool-down (pipeline_rules.bubble_windows); exposed P2P and BPipe
   time are their own categories, never part of the bubble. ``bubble_fraction`` is bubble time over step time summed
   over every rank, a fraction in 0..1.
@@ -58,8 +59,9 @@ def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[in
     on_all = set(on_all.to_list())
     chosen = (sorted(set(with_forward.to_list()) & on_all) or sorted(set(with_work.to_list()) & on_all)
               or sorted(on_all))
-    if not chosen:  # no step common to every rank: each rank's own steps
-        return sorted(attribution["step"].unique().to_list())
+    if not chosen:  # no step common to every rank: each rank's own steps, its first left out as above
+        own = attribution.group_by("rank").agg(pl.col("step").unique().sort())["step"].to_list()
+        return sorted({s for steps in own for s in (steps[1:] if len(steps) > 1 else steps)})
     return chosen[1:] if len(chosen) > 1 else chosen
 
 
@@ -218,8 +220,13 @@ def summarize(analysis) -> RunSummary:
         across_replicas(per_replica_step), on="stage", how="left", nulls_equal=True)
     used = att.filter(pl.col("step").is_in(steps))
     per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
-    step_ms = (float(per_rank_step.group_by("step").agg(pl.col("ns").max())["ns"].mean()) / NS_PER_MS
-               if per_rank_step.height else None)
+    ranks = per_rank_step["rank"].n_unique()
+    if per_rank_step.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
+        step_ms = float(per_rank_step.group_by("step").agg(pl.col("ns").max())["ns"].mean()) / NS_PER_MS
+    elif per_rank_step.height:  # steps that do not line up across ranks: the slowest rank's own mean
+        step_ms = float(per_rank_step.group_by("rank").agg(pl.col("ns").mean())["ns"].max()) / NS_PER_MS
+    else:
+        step_ms = None
     total = float(used["ns"].sum()) if used.height else 0.0
     bubble = float(used.filter(pl.col("category").is_in(BUBBLE_CATEGORIES))["ns"].sum()) if used.height else 0.0
     bpipe = per_stage["bpipe_ms"].drop_nulls()
