@@ -163,6 +163,13 @@ def empty(schema: dict[str, pl.DataType]) -> pl.DataFrame:
     return pl.DataFrame(schema=schema)
 
 
+def nulls(name: str, n: int, dtype: pl.DataType) -> pl.Series:
+    """A column of ``n`` nulls whose value buffer is never written: its pages stay untouched (not in RSS) until
+    something writes them. ``pl.repeat(None, ...)``, a gather of nulls or a concatenation writes every value (e.g.
+    an NCCL run's ``tag``, null on every event: 4 bytes an event; docs/performance.md "Memory")."""
+    return pl.DataFrame(schema={name: dtype}).clear(n).to_series()
+
+
 def conform(frame: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
     """Select the schema's columns in order, adding missing ones as nulls and casting to the declared types (a
     LazyFrame gives a LazyFrame: one step of a larger query). A DataFrame already so is returned as it is: a select

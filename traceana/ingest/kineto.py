@@ -1200,9 +1200,12 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     n = events.height
     events = events.with_columns(
         *(pl.lit(d).gather(c).alias(c) for c, d in text.items()),
-        *(pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in by_track if per_track is not None),
-        *((facts[c].gather(events["fact"]) if facts.height else pl.repeat(None, n, dtype=t, eager=True)).alias(c)
-          for c, t in _FACTS.items()),
+        *((pl.lit(per_track[c]).gather(pl.col("track")) if per_track[c].null_count() < per_track.height
+           else pl.lit(schema.nulls(c, n, schema.EVENTS[c]))).alias(c)
+          for c in by_track if per_track is not None),
+        # (a column null on every event, e.g. an NCCL run's tag, is not written: schema.nulls)
+        *((facts[c].gather(events["fact"]) if facts[c].null_count() < facts.height else schema.nulls(c, n, t))
+          .alias(c) for c, t in _FACTS.items()),
         rank=pl.repeat(rank, n, dtype=pl.Int32, eager=True),
     ).select(list(schema.EVENTS))
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped

@@ -172,10 +172,17 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
     with cf.ThreadPoolExecutor(max_workers=k) as pool:
         for i in range(0, len(names), k):
             group = names[i:i + k]
-            columns.extend(pool.map(lambda c: pl.concat([f[c] for f in frames], rechunk=True), group))
+            columns.extend(pool.map(_joined, [[f[c] for f in frames] for c in group]))
             frames[:] = [f.drop(group) for f in frames]
     frames.clear()
     return pl.DataFrame(columns)
+
+
+def _joined(parts: list[pl.Series]) -> pl.Series:
+    """One rank's column after another, as one chunk; null on every event stays unwritten (schema.nulls)."""
+    if all(p.null_count() == len(p) for p in parts):
+        return schema.nulls(parts[0].name, sum(len(p) for p in parts), parts[0].dtype)
+    return pl.concat(parts, rechunk=True)
 
 
 # --- parsing, serial or parallel -----------------------------------------------------------------------------------
