@@ -284,8 +284,9 @@ def strip_annotations(events: pl.DataFrame, *, keep_bpipe: bool = True) -> pl.Da
     """The events without the schedule's annotations (PP: compute and P2P actions, Forward/Backward {i}): what
     inference starts from, e.g. to check inference against the annotated truth. BPipe's EVICT/LOAD/ACCEPT/RETURN
     spans say which traffic is BPipe's, not what the schedule did, so they stay unless ``keep_bpipe`` is False."""
-    action = names.pp_columns(pl.col("name"))["pp_action"]
-    keep = action.is_null() | (pl.col("cat") != "user_annotation")
+    name = pl.col("name")
+    keep = name.is_null() | names.name_test(name, lambda t: names.pp_columns(t)["pp_action"].is_null()) \
+        | (pl.col("cat") != "user_annotation")
     if keep_bpipe:
-        keep = keep | action.is_in(list(names.BPIPE_ACTIONS))
+        keep = keep | names.name_test(name, lambda t: names.pp_columns(t)["pp_action"].is_in(list(names.BPIPE_ACTIONS)))
     return events.filter(keep)

@@ -365,8 +365,8 @@ def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, 
 
 
 def distinct_names(events: pl.DataFrame) -> pl.Series:
-    """The distinct event names (nulls dropped), the keys of every rule evaluated once per name."""
-    return events["name"].unique(maintain_order=True).drop_nulls()
+    """The distinct event names (nulls dropped) as text, the keys of every rule evaluated once per name."""
+    return events["name"].unique(maintain_order=True).drop_nulls().cast(pl.String)
 
 
 def rule_notes(events: pl.DataFrame, rules: names.NameRules, *, by_name: NameTable | None = None) -> list[str]:
@@ -382,8 +382,8 @@ def rule_notes(events: pl.DataFrame, rules: names.NameRules, *, by_name: NameTab
     if hit.height == 0:
         return []
     counted = (events.filter(pl.col("name").is_in(hit["name"].implode()))
-               .select("name", "kind", "pp_action", "is_gpu").join(hit.select("name", "_phase_rule", "_kind_rule"),
-                                                                  on="name"))
+               .select("name", "kind", "pp_action", "is_gpu")
+               .join(hit.select(pl.col("name").cast(events.schema["name"]), "_phase_rule", "_kind_rule"), on="name"))
     every = rules.all
     notes = []
     for source in dict.fromkeys(r.source for r in every):
@@ -444,7 +444,7 @@ def rank_summary(run: Run, *, by_name: NameTable | None = None) -> pl.DataFrame:
     )
     named = (
         ev.lazy().select("rank", "is_gpu", "name", "dur_ns", "coll").filter(name.is_in(by_name["name"].implode()))
-        .join(by_name.lazy(), on="name")
+        .join(by_name.lazy().with_columns(name.cast(ev.schema["name"])), on="name")
         .select("rank", "dur_ns", step_no=pl.when(cpu).then("_step_no"),  # ProfilerStep spans on the CPU
                 nccl_kernel=pl.col("is_gpu") & pl.col("_nccl"), c10d_p2p="_c10d_p2p",
                 rpc_p2p=pl.col("_rpc") & pl.col("coll").is_in(list(names.P2P_COLL_NAMES)),

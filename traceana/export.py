@@ -16,6 +16,7 @@ from typing import Any
 import polars as pl
 from isal import igzip
 
+from traceana import names
 from traceana.errors import BadInputError, shown
 from traceana.files import TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
@@ -168,7 +169,8 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
     for lo in range(0, ev.height, chunk_rows):
         yield done(
             ev.slice(lo, chunk_rows).drop("tid").join(tids, on=["rank", "track"], how="left", maintain_order="left")
-            .select(pl.lit("X").alias("ph"), "name", pl.col("cat").fill_null(""), pl.col("rank").alias("pid"),
+            .select(pl.lit("X").alias("ph"), names.text(pl.col("name")), pl.col("cat").fill_null(""),
+                    pl.col("rank").alias("pid"),
                     "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
                     pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
         )

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from traceana.errors import BadInputError
 
@@ -111,6 +111,22 @@ def parse_pp_label(name: str) -> tuple[int, str, int | None] | None:
     if m is None:
         return None
     return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def text(name: pl.Expr) -> pl.Expr:
+    """An events table's ``name`` as text, for ``.str`` functions: the column is categorical (schema.EVENTS), whose
+    text costs a string per row, so use it on a few rows (a filtered frame); on many rows ``name_test``."""
+    import polars as pl
+
+    return name.cast(pl.String)
+
+
+def name_test(name: pl.Expr, test: Callable[[pl.Expr], pl.Expr]) -> pl.Expr:
+    """``test`` (an expression over text, e.g. ``lambda t: t.str.starts_with("PP:")``) of each row's name, evaluated
+    once per distinct name and found by membership of the passing names (null for a null name, as ``.str`` gives):
+    on the events table, where casting every name to text costs ~100 ns an event (docs/performance.md "Memory")."""
+    distinct = name.unique()
+    return name.is_in(distinct.filter(test(text(distinct))).implode())
 
 
 def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:

@@ -61,7 +61,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     kernels = comm.filter(pl.col("is_gpu") & (pl.col("cat") == "kernel"))
     cpu = comm.filter(~pl.col("is_gpu"))
     posts = cpu.filter(pl.col("cat") != "user_annotation").with_columns(
-        pl.when(pl.col("name").str.starts_with(names.C10D_PREFIX)).then(0)
+        pl.when(names.text(pl.col("name")).str.starts_with(names.C10D_PREFIX)).then(0)
         .when(pl.col("name") == names.RECORD_PARAM_COMMS).then(1).otherwise(2).alias("_prio")
     )
     # One post source per rank (c10d ops contain record_param_comms on some builds: do not count twice).
@@ -488,7 +488,8 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame, *,
     # Three queries instead of ~14 eager operations (docs/performance.md "Fixed cost").
     pp = events.lazy().filter(pl.col("pp_action").is_in(list(names.PHASE_OF_ACTION)) & pl.col("step").is_not_null())
     opt = events.lazy().filter(~pl.col("is_gpu") & (pl.col("cat") == "user_annotation")
-                               & pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX)
+                               & names.name_test(pl.col("name"),
+                                                 lambda t: t.str.starts_with(names.OPTIMIZER_STEP_PREFIX))
                                & pl.col("step").is_not_null())
     rows = pl.concat([
         pp.select("rank", "step", "pp_stage", "pp_microbatch",
@@ -522,7 +523,7 @@ def overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
     spans = (
         events.lazy()
         .filter((pl.col("pp_action") == names.OVERLAP_F_B) & pl.col("step").is_not_null() & ~pl.col("is_gpu"))
-        .select("rank", "step", "ts_ns", end.alias("_end"), **names.overlap_columns(pl.col("name")))
+        .select("rank", "step", "ts_ns", end.alias("_end"), **names.overlap_columns(names.text(pl.col("name"))))
         .collect(engine=iv.ENGINE)
     )
     if spans.height == 0:
@@ -576,7 +577,7 @@ def overlap_notes(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) ->
 
 
 def _backward_like(name: pl.Expr) -> pl.Expr:
-    return name.str.starts_with(names.AUTOGRAD_PREFIX) | name.str.contains(r"Backward\d*$")
+    return names.name_test(name, lambda t: t.str.starts_with(names.AUTOGRAD_PREFIX) | t.str.contains(r"Backward\d*$"))
 
 
 def infer_schedule(
@@ -640,18 +641,19 @@ def infer_schedule(
                      cpu_ops.join(gpu, on="rank")])
     ops = (
         cpu.sort("rank", "track", "ts_ns")
-        .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
+        .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _backward_like(pl.col("name")).alias("_bwd"))
         .with_columns(pl.col("end").cum_max().shift(1).over("rank", "track").alias("_reach"))
         .with_columns((pl.col("_reach").is_null() | (pl.col("ts_ns") >= pl.col("_reach"))).cum_sum()
                       .over("rank", "track").alias("_top"))
         .group_by("rank", "track", "_top")
         .agg(pl.col("step").first(), pl.col("ts_ns").min().alias("start"), pl.col("end").max(),
-             _backward_like(pl.col("name")).any().alias("is_bwd"))
+             pl.col("_bwd").any().alias("is_bwd"))
         .join(has, on="rank")
         .sort("start")
     )
     # Optimizer work is not a micro-batch's: drop ops inside torch.optim's step ranges.
-    opt = iv.merge(events.filter(pl.col("name").str.starts_with(names.OPTIMIZER_STEP_PREFIX)).select(
+    opt = iv.merge(events.filter(names.name_test(pl.col("name"),
+                                                 lambda t: t.str.starts_with(names.OPTIMIZER_STEP_PREFIX))).select(
         "rank", pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")), "rank")
     ops = ops.filter(~inside(ops, "start", opt))
 
@@ -722,8 +724,8 @@ def dropped_annotation_notes(events: pl.DataFrame) -> list[str]:
 
     # The regular expression runs only on names with the contract's prefix (a cheap test on every event).
     bad = (events.filter(~pl.col("is_gpu") & pl.col("pp_action").is_null()
-                         & pl.col("name").str.starts_with(names.PP_PREFIX))
-           .filter(pl.col("name").str.contains(names.PP_PATTERN)))
+                         & names.name_test(pl.col("name"), lambda t: t.str.starts_with(names.PP_PREFIX)))
+           .filter(names.text(pl.col("name")).str.contains(names.PP_PATTERN)))
     if not bad.height:
         return []
     first = bad.sort("rank", "ts_ns").row(0, named=True)

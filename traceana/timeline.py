@@ -27,7 +27,7 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
     notes: list[str] = []
     marked = (  # (a few queries, docs/performance.md "Fixed cost")
         events.lazy().filter((pl.col("kind") == "step") & ~pl.col("is_gpu"))
-        .with_columns(pl.col("name").str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
+        .with_columns(names.text(pl.col("name")).str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
         .group_by("rank", "step")
         .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
         .collect(engine=iv.ENGINE)

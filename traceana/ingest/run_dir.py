@@ -464,10 +464,10 @@ def _marks_found(results: list[Parsed]) -> dict[int, tuple[int, pl.DataFrame, bo
         return {}
     f = pl.lit(0, dtype=pl.UInt32)
     marks = pl.concat([
-        ev.lazy().filter(~pl.col("is_gpu") & (pl.col("name").str.contains(names.STEP_PATTERN)
-                                              | pl.col("name").str.starts_with(names.PP_PREFIX)))
+        ev.lazy().filter(~pl.col("is_gpu") & names.name_test(pl.col("name"), lambda t: t.str.contains(names.STEP_PATTERN)
+                                                             | t.str.starts_with(names.PP_PREFIX)))
         .select("track", "name", "ts_ns", "dur_ns", f=f + i) for i, ev in present])
-    steps = (marks.filter(pl.col("name").str.contains(names.STEP_PATTERN)).unique(["f", "track", "ts_ns", "name"])
+    steps = (marks.filter(names.text(pl.col("name")).str.contains(names.STEP_PATTERN)).unique(["f", "track", "ts_ns", "name"])
              .sort("f", "track", "ts_ns")
              .with_columns(prev_end=(pl.col("ts_ns") + pl.col("dur_ns")).shift(1).over("f", "track"),
                            prev=pl.col("name").shift(1).over("f", "track"))
