@@ -57,7 +57,7 @@ def test_the_fill_apart_gives_the_classified_events(gpu_run):
 
 def _plain_rank_summary(ev: pl.DataFrame) -> pl.DataFrame:
     """The per-rank counts of classify.rank_summary's docstring, one expression per event."""
-    name, cpu = pl.col("name"), ~pl.col("is_gpu")
+    name, cpu = pl.col("name").cast(pl.String), ~pl.col("is_gpu")  # (per event, as text)
     step = pl.when(cpu).then(name.str.extract(names.STEP_PATTERN).cast(pl.Int32, strict=False))
     op = pl.coalesce(*(pl.when(name.str.starts_with(p)).then(name.str.strip_prefix(p))
                        for p in (names.NCCL_OP_PREFIX, names.GLOO_PREFIX)))

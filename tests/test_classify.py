@@ -102,7 +102,7 @@ def test_third_party_traces_analyse_and_every_step_adds_up(third_party, name):
 def test_nccl_collective_kernels_are_collectives_and_compute_kernels_busy(third_party):
     run = load_run(third_party / "hta" / "nccl_parser_config" / "nccl_data.json.gz", cache=False)
     c = classify(run.events)
-    nccl = c.filter(pl.col("is_gpu") & pl.col("name").str.starts_with("ncclKernel"))
+    nccl = c.filter(pl.col("is_gpu") & pl.col("name").cast(pl.String).str.starts_with("ncclKernel"))
     assert nccl.height > 0 and set(nccl["kind"].cast(pl.String)) == {"collective"}
     assert c.filter(pl.col("is_gpu") & (pl.col("kind") == "compute")).height > 1000
     a = analyze(run)
@@ -114,5 +114,5 @@ def test_nccl_collective_kernels_are_collectives_and_compute_kernels_busy(third_
 def test_all_to_all_sendrecv_kernels_are_not_p2p(third_party):
     run = load_run(third_party / "hta" / "trace_filter" / "sampled_rank-0.json.gz", cache=False)
     c = classify(run.events)
-    sr = c.filter(pl.col("name").str.contains("SendRecv"))
+    sr = c.filter(pl.col("name").cast(pl.String).str.contains("SendRecv"))
     assert sr.height > 0 and set(sr["kind"].cast(pl.String)) == {"collective"}

@@ -39,7 +39,7 @@ def both(collected_run, tmp_path_factory):
         if name not in cache:
             src = collected_run(name)
             stripped = load(strip_run(src, root / name))
-            assert stripped.manifest is None and not stripped.events["name"].str.starts_with("PP:").any()
+            assert stripped.manifest is None and not stripped.events["name"].cast(pl.String).str.starts_with("PP:").any()
             run = load(src)
             cache[name] = (run, analyze(run), analyze(stripped))
         return cache[name]

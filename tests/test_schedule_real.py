@@ -72,7 +72,7 @@ def assert_schedule_complete(run, a):
 WORK = (*COMPUTE_CATEGORIES, "host")
 
 
-STEP = pl.col("name").str.starts_with("ProfilerStep#")
+STEP = pl.col("name").cast(pl.String).str.starts_with("ProfilerStep#")
 
 
 def activity_points(events: pl.DataFrame, thread: pl.DataFrame) -> pl.DataFrame:

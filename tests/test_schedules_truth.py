@@ -105,7 +105,7 @@ def test_every_virtual_stage_and_microbatch_has_one_forward_and_one_backward(col
 
 def test_dualpipev_overlapped_spans_count_for_both_phases(collected):
     run, a, _ = collected("dualpipev")
-    ev = a.events.filter(pl.col("name").str.ends_with(")OVERLAP_F_B") & (pl.col("step") == PROFILED_STEP))
+    ev = a.events.filter(pl.col("name").cast(pl.String).str.ends_with(")OVERLAP_F_B") & (pl.col("step") == PROFILED_STEP))
     assert ev.height > 0
     # Each overlapped span gives a forward row and a backward row inside it, back to back.
     for rank, start, dur in ev.select("rank", "ts_ns", "dur_ns").rows():

@@ -49,8 +49,9 @@ CATEGORY_LABELS = {
 # The text columns with few distinct values (threads, tracks, categories, collectives, groups) are pl.Categorical:
 # 4 bytes per event instead of a 16-byte string view (docs/performance.md "Memory"). polars' categories are one
 # global mapping, so frames of different ranks concat and join on them, and a filter by a literal works as on text;
-# string functions (.str.*) and joins with a String column need .cast(pl.String) first. ``name`` stays pl.String
-# (dictionary-encoded at ingest, string views sharing one copy of each name): the analysis matches it with .str.*.
+# string functions (.str.*) and joins with a String column need .cast(pl.String) first. ``name`` is categorical
+# too (a few hundred distinct names in a million events): a test of its text runs once per distinct name
+# (names.name_test) or on a few rows' text (names.text), never as a string per event.
 EVENTS = {
     "rank": pl.Int32,
     "pid": pl.Categorical(),  # OS pid as text (Kineto also uses strings such as "Spans")
@@ -58,7 +59,7 @@ EVENTS = {
     "track": pl.Categorical(),  # "cpu:{pid}:{tid}" or "gpu:{device}:{stream}"
     "is_gpu": pl.Boolean,
     "cat": pl.Categorical(),  # Kineto category: cpu_op, user_annotation, kernel, gpu_memcpy, cuda_runtime, …
-    "name": pl.String,
+    "name": pl.Categorical(),
     "ts_ns": pl.Int64,
     "dur_ns": pl.Int64,
     "corr_id": pl.Int64,  # args.correlation (GPU op ↔ runtime launch)

@@ -1114,8 +1114,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
 
     name, cat, pid and tid stay codes into the file's distinct values until the table is sorted: what is derived
     from them (GPU or not, device and stream numbers, the track's text) is computed once per distinct value, and
-    the sorted table's text columns are gathered from the distinct values at the end (the name as string views of
-    one copy of each name, the others categorical). The native scanner also gives each event's track as a code
+    the sorted table's text columns are gathered from the distinct values at the end (as categorical codes). The native scanner also gives each event's track as a code
     into the file's distinct tracks: is_gpu, device, stream and the track's text are then computed once per track
     and gathered by that code after the sort, like the text."""
     if len(batches.x) == 1:  # the native scanner's one frame: nothing to concatenate
@@ -1173,7 +1172,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     facts = _comms(x, batches, pg_config, name_d, per_track)
     n_read = x.height
     dropped = n_read - x["keep"].sum()
-    text = {"name": name_d, "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
+    text = {"name": name_d.cast(schema.EVENTS["name"]), "cat": cat_d.cast(schema.EVENTS["cat"]), "pid": pid_text.cast(schema.EVENTS["pid"]),
             "tid": tid_text.cast(schema.EVENTS["tid"])}
     by_track = ("is_gpu", "device", "stream", "track")
     if n_read < SORT_WHOLE_ROWS:  # small: one query (a few dozen eager operations cost more than the work here)
