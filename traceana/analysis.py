@@ -16,10 +16,9 @@ from traceana import classify as cls
 from traceana import memory as mem
 from traceana import limits, names, pipeline, timeline
 from traceana.errors import BadInputError, shown
-from traceana.intervals import ENGINE
+from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
-from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import stage_layers
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -139,7 +138,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     several = ranks if interleaved else pipeline.several_stages(stages)
     events = cls.number_in_order(events, skip_ranks=several)
     unstaged = sorted(set(events.lazy().filter(pl.col("pp_order") & pl.col("pp_stage").is_null()).select("rank")
-                          .unique().collect(engine=ENGINE)["rank"].to_list()) & set(several))
+                          .unique().collect(**COLLECT)["rank"].to_list()) & set(several))
     if unstaged:
         notes.append(f"ranks {', '.join(map(str, unstaged))} hold several (virtual) stages and the name rules that "
                      "gave their forward/backward spans read no stage or micro-batch from the names: each phase's "
@@ -237,7 +236,7 @@ def stage_table(
                 *(f"{c}_ms" for c in CATEGORIES), *(f"{c}_pct" for c in CATEGORIES),
                 "peak_memory_bytes", "activation_peak_bytes", "mfu", "hfu")
         .sort("stage", "rank", nulls_last=True)
-        .collect(engine=ENGINE)
+        .collect(**COLLECT)
     )
 
 
@@ -252,6 +251,8 @@ def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None)
     ) if not ok]
     if missing:
         return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    from traceana.model.flops import stage_flops  # (only with a model shape: not imported by a plain analysis)
+
     model, pp = m.model, m.pp
     layers_of = stage_layers(model.layers, pp)
     rows = []

@@ -92,7 +92,7 @@ def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.D
     """Schedule rows of GPU ranks span the GPU work they launched (first kernel start to last kernel end), not the
     CPU range that launched it; rows that launched no GPU work keep their CPU times."""
     gpu = (labelled.lazy().select("rank", "is_gpu", "window_start", "start", "end")
-           .filter(pl.col("is_gpu") & pl.col("window_start").is_not_null()).collect(engine=iv.ENGINE))
+           .filter(pl.col("is_gpu") & pl.col("window_start").is_not_null()).collect(**iv.COLLECT))
     if gpu.height == 0:
         return schedule
     ext = (gpu.lazy().group_by("rank", "window_start")
@@ -102,7 +102,7 @@ def gpu_schedule_extents(schedule: pl.DataFrame, labelled: pl.DataFrame) -> pl.D
         .with_columns(pl.coalesce("_s", "start_ns").alias("start_ns"), pl.coalesce("_e", "end_ns").alias("end_ns"))
         .drop("_s", "_e")
         .sort("rank", "step", "start_ns")
-        .collect(engine=iv.ENGINE)
+        .collect(**iv.COLLECT)
     )
 
 
@@ -174,7 +174,7 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
         p.select(blocked("src", pl.col("send_start_ns"), send_ready, "_send_block")),
         um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
     ])
-    transfer, wait = pl.collect_all([transfer, wait], engine=iv.ENGINE)
+    transfer, wait = pl.collect_all([transfer, wait], **iv.COLLECT)
     return transfer, wait
 
 
@@ -191,7 +191,7 @@ def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, 
     # ops, and the time between them is not claimed for an action nobody named.
     w = (schedule.lazy().filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
          .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
-         .collect(engine=iv.ENGINE))
+         .collect(**iv.COLLECT))
     return _by(w, "phase", [ph for ph in COMPUTE_ORDER if ph != "other_compute"])
 
 
@@ -229,7 +229,7 @@ def segments(
                         & ~pl.col("is_gpu") & (pl.col("cat") != "user_annotation"))
               .join(gpu.lazy(), on="rank", how="anti")),
         _span(ev.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B]))),
-    ], engine=iv.ENGINE)
+    ], **iv.COLLECT)
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
     # alone): where annotations exist, a message posted early and waited on inside LOAD/ACCEPT would otherwise
@@ -289,4 +289,4 @@ def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> 
         .with_columns(pl.when(pl.col("dur_ns") > 0).then(pl.col("ns") / pl.col("dur_ns")).otherwise(0.0)
                       .alias("fraction"))
     )
-    return conform(out, ATTRIBUTION).sort("rank", "step", "category").collect(engine=iv.ENGINE)
+    return conform(out, ATTRIBUTION).sort("rank", "step", "category").collect(**iv.COLLECT)

@@ -247,10 +247,11 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
     by_name = _given_table(events, rules, by_name)
     distinct, table = by_name.distinct, by_name.table
     # A name rule's kind as a kind code, so that no text column is gathered per event (its channel is looked up
-    # from the rule's index, on the few events it labels).
-    table = table.with_columns(pl.col("_rule_kind").replace_strict({k: KINDS.index(k) for k in names.RULE_KINDS},
-                                                                   default=None, return_dtype=pl.UInt8)
-                               .alias("_rule_kind_code"))
+    # from the rule's index, on the few events it labels). Gathered by the rule's index, as the rule's kind text is
+    # (a replace of that text is a join: ~2 ms the first time, docs/performance.md "Fixed cost").
+    codes = [KINDS.index(r.kind) if r.kind in names.RULE_KINDS else None for r in rules.all]
+    table = table.with_columns((pl.lit(pl.Series(codes, dtype=pl.UInt8)).gather("_kind_rule") if codes
+                                else pl.lit(None, pl.UInt8)).alias("_rule_kind_code"))
     # Classes looked up per distinct category (a handful), then gathered by each event's category code (its
     # physical code: a table as long as the largest code, no text per event).
     cats = events["cat"].unique().drop_nulls()
@@ -476,5 +477,5 @@ def rank_summary(run: Run, *, by_name: NameTable | None = None) -> pl.DataFrame:
         .select("rank", "world_size", "backend", "devices", "steps", "first_step", "last_step", "mean_step_ms",
                 "n_events", "kernels", "nccl_kernels", "p2p_ops", "collectives", "truncated", "path")
         .sort("rank")
-        .collect(engine=iv.ENGINE)
+        .collect(**iv.COLLECT)
     )

@@ -15,10 +15,34 @@ from dataclasses import dataclass
 import polars as pl
 
 START, END = "start", "end"
-# The engine that runs traceana's lazy queries (``LazyFrame.collect(engine=ENGINE)``): polars' "auto" picks its
+# The engine that runs traceana's lazy queries (``LazyFrame.collect(**COLLECT)``): polars' "auto" picks its
 # streaming engine, which costs about twice the CPU of the in-memory one on a small frame (~1 ms a query) and was
 # no faster on an 87 MB trace; the frames are in memory already (docs/performance.md "Fixed cost").
 ENGINE = "in-memory"
+
+
+def _lean_optimizer() -> dict:
+    """``optimizations=`` for ``collect``: polars' optimizer without the passes that cost more than they save on
+    traceana's queries. Common-subplan and common-subexpression elimination, the order-observation check, join
+    reordering, row estimates and the clustering of ``with_columns`` are planned on every query, ~0.1 ms each on a
+    small one, and find little to do on queries that select their columns and filter first, as these do (nothing
+    when a run is small; on 4 x 200 MB the analysis' queries ran ~10% faster without them). Predicate, projection and
+    slice pushdown and expression simplification stay (a large run's queries need them). Flags an older polars
+    lacks are left out (docs/performance.md "Fixed cost")."""
+    flags = getattr(pl, "QueryOptFlags", None)
+    if flags is None:
+        return {}
+    lean = flags()
+    for name in ("comm_subplan_elim", "comm_subexpr_elim", "check_order_observe", "join_order", "row_estimate",
+                 "cluster_with_columns"):
+        if hasattr(lean, name):
+            setattr(lean, name, False)
+    return {"optimizations": lean}
+
+
+#: ``LazyFrame.collect(**COLLECT)``, ``pl.collect_all(frames, **COLLECT)``: the engine and optimizer every lazy
+#: query of the analysis runs with.
+COLLECT = {"engine": ENGINE, **_lean_optimizer()}
 
 
 def _keys(by: Sequence[str] | str | None) -> list[str]:
@@ -43,9 +67,9 @@ def _runs(frame: pl.LazyFrame, new: pl.Expr, keep: list, last: list) -> pl.DataF
     ``last`` from its last row. Filters instead of a group-by: runs are contiguous, so the k-th first row and the
     k-th last row belong to the same run."""
     df = frame.with_columns(new.alias("_new")).with_columns(pl.col("_new").shift(-1, fill_value=True).alias("_last"))
-    df = df.collect(engine=ENGINE).lazy()  # (once: both halves read it)
+    df = df.collect(**COLLECT).lazy()  # (once: both halves read it)
     return pl.concat([df.filter("_new").select(*keep), df.filter("_last").select(*last)],
-                     how="horizontal").collect(engine=ENGINE)
+                     how="horizontal").collect(**COLLECT)
 
 
 def merge(frame: pl.DataFrame, by: Sequence[str] | str | None = None) -> pl.DataFrame:
@@ -135,7 +159,7 @@ def _has(i: int) -> pl.Expr:
 
 def _combine(a: pl.DataFrame, b: pl.DataFrame, by, keep: pl.Expr) -> pl.DataFrame:
     keys = _keys(by)
-    segs = _sweep([a, b], keys).filter(keep).select(*keys, START, END).collect(engine=ENGINE)
+    segs = _sweep([a, b], keys).filter(keep).select(*keys, START, END).collect(**COLLECT)
     return merge(segs, keys)
 
 
@@ -174,7 +198,7 @@ def clip(
     on_, wk = _keys(on), _keys(window_keys)
     w = windows.lazy().select(*on_, *wk, pl.col(window_start).alias("_ws"), pl.col(window_end).alias("_we"))
     if frame.height == 0 or windows.height == 0:
-        w = w.collect(engine=ENGINE)
+        w = w.collect(**COLLECT)
         return frame.join(w.drop("_ws", "_we"), on=on_).head(0) if on_ else frame.head(0)
     # Most intervals lie inside the window that starts last before them: find it with an as-of join (cheap) and
     # send only the others (crossing a boundary, or outside every window) through the intervals × windows join.
@@ -185,19 +209,19 @@ def clip(
     checks = [w.sort(*on_, "_ws").select(_windows_overlap_expr(on_).alias("_overlap"))]
     if len(on_) == 1:  # in time order, as ingest leaves events: no sort needed
         checks.append(f.lazy().select(_time_order_expr(on_[0], START).alias("_ordered")))
-    overlap, *ordered = pl.concat(checks, how="horizontal").collect(engine=ENGINE).row(0)
+    overlap, *ordered = pl.concat(checks, how="horizontal").collect(**COLLECT).row(0)
     ordered = bool(ordered and ordered[0])
     inside = pl.col("_ws").is_not_null() & (pl.col(END) <= pl.col("_we"))
     if overlap:
         inside = pl.lit(False)
     located = (f.lazy() if ordered else f.lazy().sort(START)).join_asof(
         w.sort("_ws"), left_on=START, right_on="_ws", by=on_ or None, strategy="backward",
-        check_sortedness=False).with_columns(inside.alias("_inside")).collect(engine=ENGINE)
+        check_sortedness=False).with_columns(inside.alias("_inside")).collect(**COLLECT)
     columns = [c for c in located.columns if c not in ("_ws", "_we", "_inside")]
     simple = located.lazy().filter(pl.col("_inside") & (pl.col(END) > pl.col(START))).select(columns)
     if bool(located["_inside"].all()):  # every interval inside one window: nothing to cut or join
         return (simple if ordered or not keep_order else simple.sort("_clip_row")).drop("_clip_row").collect(
-            engine=ENGINE)
+            **COLLECT)
     rest = located.lazy().filter(~pl.col("_inside")).select(f.columns)
     spanning = (
         (rest.join(w, on=on_) if on_ else rest.join(w, how="cross"))
@@ -212,7 +236,7 @@ def clip(
         out = simple.merge_sorted(spanning.sort("_clip_row"), "_clip_row")
     else:
         out = pl.concat([simple, spanning]).sort("_clip_row")
-    return out.drop("_clip_row").collect(engine=ENGINE)
+    return out.drop("_clip_row").collect(**COLLECT)
 
 
 def _windows_overlap_expr(on: list[str]) -> pl.Expr:
@@ -381,7 +405,7 @@ def _group_axis(w: pl.DataFrame, group: list[str]) -> tuple[pl.DataFrame, pl.Dat
     w = w.lazy().join(groups.select(*group, "_shift"), on=group, maintain_order="left")
     on_axis = w.filter(pl.col(END) > pl.col(START)).select(pl.col(START, END) + pl.col("_shift"))
     groups, w, apart = pl.collect_all(  # one call (docs/performance.md "Fixed cost")
-        [groups, w, on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all())], engine=ENGINE)
+        [groups, w, on_axis.select((pl.col(START) >= pl.col(END).shift(1)).slice(1).all())], **COLLECT)
     if not bool(apart.item()):
         return None
     return w, groups
@@ -505,7 +529,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
                on_: list[str], default: str, label: str, label_dtype: pl.DataType) -> pl.DataFrame:
     """``partition`` of one batch."""
     names = [x for n, _ in layers for x in ((n,) if isinstance(n, str) else n)]
-    w = windows.lazy().select(*keys, START, END).sort(keys).collect(engine=ENGINE)
+    w = windows.lazy().select(*keys, START, END).sort(keys).collect(**COLLECT)
     # Put every window on one time axis where no two groups' intervals cross or touch, so that the sweep needs one
     # sort by axis time instead of a sort by group keys and time; a window's instant t sits at t + _shift.
     # Where the windows of each ``on`` group are apart and in time order (a rank's steps), the groups are laid end
@@ -513,7 +537,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
     # shift, and the sweep itself cuts it at the window boundaries. Otherwise every window is laid end to end.
     grouped = _group_axis(w, on_) if on_ != keys else None
     if grouped is None:
-        w = _end_to_end(w.lazy(), START, END).collect(engine=ENGINE)
+        w = _end_to_end(w.lazy(), START, END).collect(**COLLECT)
     else:
         w, groups = grouped
 
@@ -545,10 +569,10 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
                 "_shift"))
             continue
         rest = [k for k in keys if k not in lk]
-        cut.append(clip(layer.collect(engine=ENGINE), w, on=list(lk), window_keys=[*rest, "_shift"],
+        cut.append(clip(layer.collect(**COLLECT), w, on=list(lk), window_keys=[*rest, "_shift"],
                         keep_order=False).lazy())
     on_axis = pl.concat([c.select("_set", *((pl.col(e) + pl.col("_shift")).alias(e) for e in (START, END)))
-                         for c in cut], how="vertical_relaxed").collect(engine=ENGINE)
+                         for c in cut], how="vertical_relaxed").collect(**COLLECT)
     segs = _sweep_stacked(on_axis, len(names) + 2).filter(_has(0) | _has(1))
     # The first layer covering a segment is the lowest set bit above the windows' bits 0 and 1.
     # (One byte a segment: at most 62 sets.)
@@ -560,7 +584,7 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
     # them needlessly), then name the labels on the (much shorter) result. A gap, or a window's start (windows of
     # a group may touch), begins a run too.
     w = w.lazy().filter(pl.col(END) > pl.col(START)).with_columns((pl.col(START) + pl.col("_shift")).alias("_at"))
-    w = w.collect(engine=ENGINE)
+    w = w.collect(**COLLECT)
     # A window's start: where the segment's window bits (0, 1) differ from the previous segment's, whose window
     # (alternating between the two sets) is another, or where there is a gap.
     window_bits = pl.col("_mask") & 3
@@ -576,4 +600,4 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
         pl.lit(pl.Series(labels.to_list(), dtype=label_dtype)).gather("_label").alias(label),  # (a lookup, no hash)
         (pl.col(START) - pl.col("_shift")).alias(START),
         (pl.col(END) - pl.col("_shift")).alias(END),
-    ).collect(engine=ENGINE)
+    ).collect(**COLLECT)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceana.intervals import ENGINE
+from traceana.intervals import COLLECT
 from traceana.schema import STAGE_MEMORY, conform
 
 
@@ -55,4 +55,4 @@ def stage_memory(memory: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame
         .with_columns((pl.col("peak_bytes") - pl.col("baseline_bytes")).alias("activation_peak_bytes"))
         .join(stages.lazy().select("rank", "stage"), on="rank", how="left")
     )
-    return conform(out, STAGE_MEMORY).sort("rank", "step").collect(engine=ENGINE)
+    return conform(out, STAGE_MEMORY).sort("rank", "step").collect(**COLLECT)

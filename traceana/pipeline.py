@@ -53,7 +53,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     """
     # (A few lazy queries instead of ~20 eager operations, docs/performance.md "Fixed cost".)
     comm = events.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null()).collect(
-        engine=iv.ENGINE)
+        **iv.COLLECT)
     if not comm.height:  # no P2P op in a step (one rank, a data-parallel job): the queries below would find none
         return conform(pl.DataFrame(), MESSAGE)
     comm = comm.lazy()
@@ -69,7 +69,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
         posts.filter(pl.col("_prio") == pl.col("_prio").min().over("rank")).with_row_index("_post"),
         cpu.filter(pl.col("cat") == "user_annotation").select(
             "rank", "track", "comm_dir", pl.col("ts_ns").alias("_span_start"), end.alias("_span_end")),
-    ], engine=iv.ENGINE)
+    ], **iv.COLLECT)
     if spans.height and posts.height:
         attached = (
             spans.sort("_span_start")
@@ -92,12 +92,12 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
                   pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu", "launch_ns")
          for m in (cpu_msgs, gpu_msgs)],
         how="vertical_relaxed",
-    ).collect(engine=iv.ENGINE)
+    ).collect(**iv.COLLECT)
     # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
     # inside a receiving BPipe span (LOAD on the evictor, ACCEPT on the acceptor).
     receiving = iv.merge(
         events.lazy().filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
-        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")).collect(engine=iv.ENGINE), "rank")
+        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")).collect(**iv.COLLECT), "rank")
     if receiving.height:
         ends_inside = inside(out.with_columns((pl.col("end_ns") - 1).alias("_last")), "_last", receiving)
         out = out.with_columns(pl.when(pl.lit(ends_inside) & (pl.col("dir") == "recv")).then(pl.lit("bpipe"))
@@ -113,7 +113,7 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
                           .otherwise(pl.col("peer")).alias("peer"))
             .drop("group_ranks")
         )
-    return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(engine=iv.ENGINE)
+    return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(**iv.COLLECT)
 
 
 def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
@@ -149,7 +149,7 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     )
     # No messages (one rank, a data-parallel job): the same empty tables, planned but not run (two queries).
     n_msgs = msgs.height
-    joined = joined.collect(engine=iv.ENGINE) if n_msgs else _empty(joined)
+    joined = joined.collect(**iv.COLLECT) if n_msgs else _empty(joined)
     matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
     # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
     ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
@@ -180,7 +180,7 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     )
     if n_msgs:
         pairs, unmatched, msgs, to_self = pl.collect_all([pairs, unmatched, msgs, to_self.select("rank")],
-                                                         engine=iv.ENGINE)
+                                                         **iv.COLLECT)
     else:
         pairs, unmatched, msgs, to_self = (_empty(q) for q in (pairs, unmatched, msgs, to_self.select("rank")))
     notes = []
@@ -237,7 +237,7 @@ def stage_map(
                    .select("rank", "pp_stage"),
                    overlapped])
         .group_by("rank").agg(pl.col("pp_stage").min().alias("first"), pl.col("pp_stage").unique().sort().alias("all"))
-        .collect(engine=iv.ENGINE)
+        .collect(**iv.COLLECT)
     )
     # the stages in the PP: annotations, else those the trace's metadata lists (names without a stage number,
     # e.g. Megatron-LM's, leave only the metadata to tell), overridden by run.json's stages_of_rank
@@ -500,7 +500,7 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame, *,
                    pl.lit(None, pl.Int32).alias("pp_microbatch"), pl.lit("optimizer").alias("phase"),
                    "ts_ns", "dur_ns"),
         (overlap_rows(events) if overlapped is None else overlapped).lazy(),
-    ]).collect(engine=iv.ENGINE)
+    ]).collect(**iv.COLLECT)
     # A rank annotated both ways (our PP: names and PyTorch's GPipe names) keeps the PP: rows, which carry a stage.
     has_pp = rows.filter(pl.col("pp_stage").is_not_null() & (pl.col("phase") != "optimizer")).select("rank").unique()
     gpipe_dup = (pl.col("pp_stage").is_null() & (pl.col("phase") != "optimizer")
@@ -513,7 +513,7 @@ def annotated_schedule(events: pl.DataFrame, stages: pl.DataFrame, *,
             (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"), pl.lit("annotated").alias("source"),
         ),
         SCHEDULE,
-    ).collect(engine=iv.ENGINE)
+    ).collect(**iv.COLLECT)
 
 
 def overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
@@ -524,7 +524,7 @@ def overlap_spans(events: pl.DataFrame) -> pl.DataFrame:
         events.lazy()
         .filter((pl.col("pp_action") == names.OVERLAP_F_B) & pl.col("step").is_not_null() & ~pl.col("is_gpu"))
         .select("rank", "step", "ts_ns", end.alias("_end"), **names.overlap_columns(names.text(pl.col("name"))))
-        .collect(engine=iv.ENGINE)
+        .collect(**iv.COLLECT)
     )
     if spans.height == 0:
         return spans.with_columns(pl.lit(None, pl.Int64).alias("_bwd_start"), pl.lit(None, pl.Int64).alias("_bwd_end"))
@@ -558,7 +558,7 @@ def overlap_rows(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) -> 
             pl.col(f"{which}_action").replace_strict(names.PHASE_OF_ACTION, return_dtype=pl.String).alias("phase"),
             lo.alias("ts_ns"), (hi - lo).alias("dur_ns")))
     return (pl.concat(out).filter(pl.col("dur_ns") > 0).with_columns(pl.col("pp_stage", "pp_microbatch").cast(pl.Int32))
-            .collect(engine=iv.ENGINE))
+            .collect(**iv.COLLECT))
 
 
 def overlap_notes(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) -> list[str]:
@@ -761,7 +761,7 @@ def annotated_facts(schedule: pl.DataFrame) -> dict:
     per_rank = a.filter(pl.col("stage").is_not_null()).group_by("rank").agg(n=pl.col("stage").n_unique())
     per, late, missing, stages, per_rank = pl.collect_all(
         [per, late, missing, a.select(pl.col("stage").drop_nulls().unique()),
-         per_rank.select(most=pl.col("n").max(), least=pl.col("n").min(), ranks=pl.len())], engine=iv.ENGINE)
+         per_rank.select(most=pl.col("n").max(), least=pl.col("n").min(), ranks=pl.len())], **iv.COLLECT)
     return {"num_microbatches": int(per["m"].max() or 0) or None,
             "interleaved": late.row(0, named=True) if late.height else False,
             "missing": missing, "stages": set(stages["stage"].to_list()),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceana.intervals import ENGINE
+from traceana.intervals import COLLECT
 from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
@@ -55,7 +55,7 @@ def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[in
         .agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
         schedule.lazy().filter(pl.col("phase") == "forward").group_by("step")
         .agg(pl.col("rank").n_unique().alias("n")).filter(pl.col("n") == ranks),
-    ], engine=ENGINE))
+    ], **COLLECT))
     on_all = set(on_all.to_list())
     chosen = (sorted(set(with_forward.to_list()) & on_all) or sorted(set(with_work.to_list()) & on_all)
               or sorted(on_all))
@@ -105,7 +105,7 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
     # The pivot, then one lazy query (docs/performance.md "Fixed cost").
     att = attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
     rank_stage = stages.lazy().select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
-    wide = att.collect(engine=ENGINE).pivot(on="category", index=["rank", "step"], values="ns",
+    wide = att.collect(**COLLECT).pivot(on="category", index=["rank", "step"], values="ns",
                                             aggregate_function="sum")
     wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
     per_rank = (
@@ -135,7 +135,7 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
         .with_columns(pl.when(pl.col("step_ms") > 0).then(pl.col("bubble_ms") / pl.col("step_ms"))
                       .otherwise(None).alias("bubble_fraction"))
         .sort("stage", nulls_last=True)
-        .collect(engine=ENGINE)
+        .collect(**COLLECT)
     )
 
 
@@ -146,7 +146,7 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
     from traceana.partitioned import pipeline_groups
 
     att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
-           .collect(engine=ENGINE))
+           .collect(**COLLECT))
     ranks = sorted(att["rank"].unique().to_list())
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
@@ -170,7 +170,7 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
                 ms(pl.col("_step") - pl.col("_collective")).alias("own_ms"),
                 ms(pl.col("_compute")).alias("compute_ms"), ms(pl.col("_collective")).alias("collective_ms"))
         .sort("stage", "replica", "rank", "step", nulls_last=True)
-        .collect(engine=ENGINE)
+        .collect(**COLLECT)
     )
 
 
@@ -206,7 +206,7 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
                    on="stage", how="left", nulls_equal=True)
         .with_columns(pl.when(pl.col("straggler_excess_fraction") > STRAGGLER_ABOVE).then(pl.col("slowest_replica"))
                       .alias("straggler"))
-        .collect(engine=ENGINE)
+        .collect(**COLLECT)
     )
 
 

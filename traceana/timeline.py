@@ -30,10 +30,10 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
         .with_columns(names.text(pl.col("name")).str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
         .group_by("rank", "step")
         .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
-        .collect(engine=iv.ENGINE)
+        .collect(**iv.COLLECT)
     )
     missing = (events.lazy().select("rank").unique().join(marked.lazy().select("rank").unique(), on="rank", how="anti")
-               .collect(engine=iv.ENGINE))
+               .collect(**iv.COLLECT))
     if missing.height:
         extent = (
             events.join(missing, on="rank")
@@ -54,7 +54,7 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
     out, per_rank = pl.collect_all([
         out.sort("rank", "step"),
         out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank").agg(pl.col("step").sort().alias("s")),
-    ], engine=iv.ENGINE)
+    ], **iv.COLLECT)
     if per_rank.height and per_rank["s"].n_unique() > 1:
         notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
     return out, notes
@@ -81,7 +81,7 @@ def training_tracks(events: pl.DataFrame) -> pl.DataFrame:
         .select("rank", "track")
     )
     return (pl.concat([by_steps, busiest.join(by_steps, on="rank", how="anti")]).sort("rank")
-            .collect(engine=iv.ENGINE))
+            .collect(**iv.COLLECT))
 
 
 _GPU_BUSY = pl.col("is_gpu") & pl.col("kind").is_in(["compute", "memcpy", "memset"])
@@ -104,7 +104,7 @@ def busy_events(events: pl.DataFrame) -> pl.DataFrame:
     tracks = training_tracks(busy.select("rank", "track", "kind", "dur_ns", "is_gpu").filter(~on_gpu_rank))
     on_cpu = busy.filter(~on_gpu_rank & (pl.col("kind") == "compute")).select(cols).join(
         tracks.lazy(), on=["rank", "track"], maintain_order="left")
-    return pl.concat([on_gpu, on_cpu]).collect(engine=iv.ENGINE)
+    return pl.concat([on_gpu, on_cpu]).collect(**iv.COLLECT)
 
 
 def shift(frame: pl.DataFrame, offsets: pl.DataFrame, columns: list[str], *, rank: str = "rank") -> pl.DataFrame:
