@@ -59,7 +59,7 @@ if SCANNER_STALE:
     _scan = None  # a stale build's calls would fail or, worse, disagree with the Python around them
 
 # isal (a core dependency) gunzips ~1.6x faster than zlib (docs/field-notes.md).
-from isal import igzip, igzip_threaded
+from isal import igzip
 from isal import isal_zlib as _zlib
 
 ZLIB_ERRORS: tuple[type[BaseException], ...] = (_zlib.error, zlib.error)
@@ -169,7 +169,7 @@ NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buf
 READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
 MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
 GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
-THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and its queue cost more
+THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and a second window cost more
 
 
 # Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
@@ -208,7 +208,13 @@ def _new_window(size: int) -> bytearray | mmap.mmap:
     return window
 
 
-def _free_window(window: bytearray | mmap.mmap) -> None:
+def _free_window(window: bytearray | mmap.mmap, *, keep: bool = False) -> None:
+    """Unmap ``window``; with ``keep``, while ``keep_windows`` is on, keep it for the next file instead."""
+    if keep and len(window):
+        with _POOL_LOCK:
+            if _POOL_USERS and len(_POOL) < POOL_MAX:
+                _POOL.append(window)
+                return
     if isinstance(window, mmap.mmap):
         try:
             window.close()
@@ -216,12 +222,70 @@ def _free_window(window: bytearray | mmap.mmap) -> None:
             pass
 
 
-def _gunzip_inline(fh):
+def _gunzip_inline(fh, read_bytes: int | None = None):
     """isal's gzip reader itself (the one its gunzip thread and ``igzip.open`` wrap): its ``readinto`` inflates
     straight into the window, the GIL released. ``igzip.open``'s file object reads a bytes object and copies it:
-    on a 54 MB trace a copy of every byte and ~11 MB more memory kept (the freed 16 MB blocks)."""
+    on a 54 MB trace a copy of every byte and ~11 MB more memory kept (the freed 16 MB blocks). ``read_bytes``:
+    compressed bytes it reads from the file at a time (each read takes the GIL)."""
     reader = getattr(igzip, "_IGzipReader", None)
-    return reader(fh, igzip.READ_BUFFER_SIZE) if reader is not None else igzip.open(fh, "rb")
+    return reader(fh, read_bytes or igzip.READ_BUFFER_SIZE) if reader is not None else igzip.open(fh, "rb")
+
+
+# Gunzipped ahead (Reader): the window's first HEAD bytes are room for the bytes kept from the window before (an
+# event cut by its end), so that only they are copied when the windows swap.
+HEAD = MIN_PIECE
+AHEAD_READ_BYTES = 2 << 20  # compressed bytes the fill thread reads at a time (~20-30 MB of JSON): few GIL takes
+_INLINE = threading.local()  # ``on``: Readers opened in this thread gunzip inline (see gunzip_inline)
+
+
+class gunzip_inline:
+    """``with gunzip_inline():`` Readers opened in this thread gunzip in it, not ahead in a thread of their own:
+    for threads that each scan a file while others do the same (load_run's workers), where a core is no longer
+    free for the gunzip and the fill threads only add switches."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_INLINE, "on", False)
+        _INLINE.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _INLINE.on = self.before
+
+
+# Windows kept for the next file (``keep_windows``): a fresh 16 MB window is 4,096 page faults as it is first
+# written, ~10 ms of a 200 MB rank's 0.3 s.
+_POOL: list[bytearray | mmap.mmap] = []
+_POOL_LOCK = threading.Lock()
+_POOL_USERS = 0
+POOL_MAX = 4
+
+
+class keep_windows:
+    """``with keep_windows():`` the windows of files read meanwhile (in any thread) are kept for the next file, at
+    most POOL_MAX of them, and freed when the last such block ends (load_run reads its ranks in one)."""
+
+    def __enter__(self) -> None:
+        global _POOL_USERS
+        with _POOL_LOCK:
+            _POOL_USERS += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _POOL_USERS
+        with _POOL_LOCK:
+            _POOL_USERS -= 1
+            left = _POOL[:] if not _POOL_USERS else []
+            if left:
+                _POOL.clear()
+        for w in left:
+            _free_window(w)
+
+
+def _window(size: int) -> bytearray | mmap.mmap:
+    """A window of ``size`` bytes, one kept from an earlier file when there is one."""
+    with _POOL_LOCK:
+        for i, w in enumerate(_POOL):
+            if len(w) == size:
+                return _POOL.pop(i)
+    return _new_window(size)
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
@@ -237,20 +301,23 @@ def file_identity(path: Path) -> tuple[int, ...] | None:
 
 
 class Reader:
-    """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly (in isal's own thread).
+    """A trace file's bytes behind a sliding window of about READ_PIECE, gunzipped on the fly.
 
-    ``buf`` is a view of the window; ``extend(keep_from)`` moves the bytes from ``keep_from`` on (at most one event
-    cut by the window's end) to its start and fills the rest. One buffer is reused throughout: the whole file is
-    never in memory, and no fresh memory is touched per piece.
+    ``buf`` is a view of the window; ``extend(keep_from)`` keeps the bytes from ``keep_from`` on (at most one event
+    cut by the window's end) and puts the next bytes of the stream after them. The whole file is never in memory,
+    and no fresh memory is touched per piece.
 
-    isal's gunzip thread stops when the thread that opened the file has ended (its stream then ends early: the
-    scanner finds it truncated and hands the file back), so a Reader is opened in a thread that outlives its use:
-    the read-ahead's in the command's main thread, not in its own.
+    A gzip file of ``threads_from`` bytes or more is gunzipped ahead: while the caller scans one window, a thread
+    of this Reader inflates the next piece straight into a second window (isal's inflate releases the GIL), and
+    ``extend`` swaps the two, copying only the kept bytes (isal's own gunzip thread handed over each MB as a new
+    bytes object, copied into the window under the GIL: ~0.04 s of the reading thread per 200 MB). A smaller
+    file, or one opened under ``gunzip_inline``, is gunzipped inline, in the thread that reads.
     """
 
-    def __init__(self, path: Path, *, threads_from: int = THREADED_GUNZIP_BYTES) -> None:
-        """``threads_from``: a gzip file of at least this many bytes is gunzipped in isal's thread, a smaller one
-        inline (in the thread that reads, the GIL released while it inflates)."""
+    def __init__(self, path: Path, *, threads_from: int | None = None) -> None:
+        """``threads_from``: a gzip file of at least this many bytes (default THREADED_GUNZIP_BYTES) is gunzipped
+        ahead in a thread of its own, a smaller one inline (in the thread that reads, the GIL released while it
+        inflates)."""
         self.path = path
         self.fh = open_trace(path)
         st = os.fstat(self.fh.fileno())
@@ -258,24 +325,96 @@ class Reader:
         self.size = st.st_size
         gz = self.fh.read(2) == GZIP_MAGIC
         self.fh.seek(0)
-        if gz and self.size >= threads_from:
-            self.src = igzip_threaded.open(self.fh, "rb", threads=1)
-        elif gz:
-            self.src = _gunzip_inline(self.fh)
-        else:
-            self.src = self.fh
+        ahead = gz and self.size >= (THREADED_GUNZIP_BYTES if threads_from is None else threads_from) \
+            and getattr(_INLINE, "on", False) is False
+        self.src = _gunzip_inline(self.fh, AHEAD_READ_BYTES if ahead else None) if gz else self.fh
         # The window fits the file (grown in extend() should one event not fit): a 16 MB window for a 6 KB trace
         # was most of the memory a small analysis used.
         expect = self.size * (GZ_RATIO if gz else 1) + 1
-        self.window = _new_window(min(READ_PIECE, max(MIN_PIECE, expect)))
+        self.piece = min(READ_PIECE, max(MIN_PIECE, expect))  # bytes read at a time
         self.length = 0
-        self.buf = memoryview(self.window)[:0]
+        self.base = 0  # where buf starts in the window
         self.n_bytes = 0  # decompressed bytes so far
         self.final = False  # the window reaches the end of the stream
+        self._fill: threading.Thread | None = None
+        self.wsize = HEAD + self.piece if ahead else self.piece  # a window's size, unless one event needs more
+        if ahead:  # the window being scanned and the one being filled
+            self.window: bytearray | mmap.mmap = bytearray(0)
+            self.spare: bytearray | mmap.mmap | None = _window(self.wsize)
+            self._start_fill()
+        else:
+            self.window, self.spare = _window(self.wsize), None
+        self.buf = memoryview(self.window)[:0]
 
+    # --- gunzipped ahead ----------------------------------------------------------------------------------------
+    def _start_fill(self) -> None:
+        self._got, self._eof, self._error = 0, False, None
+        self._fill = threading.Thread(target=self._fill_spare, name="traceana-gunzip", daemon=True)
+        self._fill.start()
+
+    def _fill_spare(self) -> None:
+        """The fill thread: the spare window after its HEAD, as full as the stream allows."""
+        try:
+            with memoryview(self.spare) as view:
+                end = len(view)
+                at = HEAD
+                while at < end:
+                    with view[at:] as rest:
+                        n = self.src.readinto(rest)
+                    if not n:
+                        self._eof = True
+                        break
+                    at += n
+                self._got = at - HEAD
+        except BaseException as e:  # raised by extend, in the reading thread, as an inline read would raise it
+            self._error = e
+
+    def _wait(self) -> None:
+        if self._fill is not None:
+            self._fill.join()
+            self._fill = None
+
+    def _extend_ahead(self, keep_from: int) -> None:
+        kept = self.length - keep_from
+        self._wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        got, spare, old = self._got, self.spare, self.window
+        start = self.base + keep_from
+        if kept >= limits.MAX_VALUE_BYTES:
+            raise oversized(self.path, self.n_bytes - kept)
+        if kept <= HEAD:  # the usual case: the kept bytes go right before what was read
+            spare[HEAD - kept:HEAD] = old[start:start + kept]
+            self.window, self.base = spare, HEAD - kept
+            spare = old if len(old) == self.wsize else None
+            if spare is None:
+                _free_window(old)
+        else:  # one event longer than HEAD (rare): a window of its own for it and what was read after it
+            big = _new_window(kept + max(got, 1))
+            big[:kept] = old[start:start + kept]
+            big[kept:kept + got] = spare[HEAD:HEAD + got]
+            self.window, self.base = big, 0
+            _free_window(old)  # the spare, its bytes copied, is filled next
+        self.n_bytes += got
+        self.final = self._eof or got == 0
+        self.length = kept + got
+        if self.final:
+            if spare is not None:
+                _free_window(spare, keep=True)
+            self.spare = None
+        else:
+            self.spare = spare if spare is not None else _window(self.wsize)
+            self._start_fill()
+
+    # ------------------------------------------------------------------------------------------------------------
     def extend(self, keep_from: int) -> int:
         """Keep the window from ``keep_from`` on and read more after it; returns where ``keep_from`` now is (0)."""
         self.buf.release()
+        if self.spare is not None or self._fill is not None:
+            self._extend_ahead(keep_from)
+            self.buf = memoryview(self.window)[self.base:self.base + self.length]
+            return 0
         kept = self.length - keep_from
         old = self.window
         if kept >= len(old) // 2:  # one event larger than half the window: make room
@@ -300,14 +439,20 @@ class Reader:
         return self.fh.tell()
 
     def close(self) -> None:
-        """Close the file and free the window (again: nothing)."""
+        """Close the file and free the windows (again: nothing)."""
         if self.fh.closed:
             return
         self.buf.release()
-        _free_window(self.window)
-        if self.src is not self.fh:
-            self.src.close()
-        self.fh.close()
+        try:
+            self._wait()  # the fill thread writes into the spare window and reads the file
+        finally:
+            for w in (self.window, self.spare):
+                if w is not None:
+                    _free_window(w, keep=self.final and len(w) == self.wsize)
+            self.spare = None
+            if self.src is not self.fh:
+                self.src.close()
+            self.fh.close()
 
 
 class Scanned:
@@ -417,9 +562,10 @@ AHEAD_EVENTS = 250_000
 # it, 378–388 without, the target being 0.5x the JSON, 384 MiB; ~0.1 s faster in the median, 2.95 against 3.07 s,
 # where ≥ 25x HTA needs ~2.5 s either way: docs/performance.md "Memory").
 AHEAD_RUN_BYTES = 32 << 20
-# A read-ahead gunzips inline what it can read whole: isal's gunzip thread hands each 1 MB over through Python code,
-# so while the main thread imports (running Python code itself) each handover waited for the GIL; inline, the
-# reading thread takes the GIL only between its ~16 MB reads and scanner calls.
+# A read-ahead gunzips inline what it can read whole: a gunzip thread takes the GIL for each read of the file and
+# each window it hands over, and while the main thread imports (running Python code itself) each take waits for it
+# (isal's own gunzip thread, handing over each 1 MB, made a 54 MB trace's read take longer than the import); inline,
+# the reading thread takes the GIL only between its ~16 MB reads and scanner calls.
 AHEAD_THREADS_FROM = max(THREADED_GUNZIP_BYTES, AHEAD_BYTES // GZ_RATIO)
 _AHEAD: dict[str, "_Ahead"] = {}
 _AHEAD_LOCK = threading.Lock()
@@ -431,7 +577,7 @@ class _Ahead:
 
     def __init__(self, path: Path) -> None:
         self.scanned = Scanned(path)
-        # Opened in this thread (see Reader); a file that cannot be opened is not read ahead.
+        # Opened here: a file that cannot be opened is not read ahead.
         self.reader = Reader(path, threads_from=AHEAD_THREADS_FROM)
         self.steps = self.scanned.steps(self.reader)
         self.error: BaseException | None = None
