@@ -172,3 +172,30 @@ def test_duplicated_p2p_operations_are_named_instead_of_a_clock_cycle(tmp_path):
     (note,) = [n for n in notes if "P2P operations are exact copies" in n]
     assert note.startswith("2 P2P operations are exact copies of another")
     assert not [n for n in notes if n.startswith("P2P timings contradict")]
+
+
+def test_the_notes_are_the_same_read_by_any_path(tmp_path):
+    # The step spans and annotations the notes compare are found in the thread that read each trace (one worker,
+    # its finishing thread; two workers), or at the end for traces from the ingest cache: the same notes each way.
+    tb = TraceBuilder(rank=0, world_size=3)
+    tb.step(1, 0, 150)  # overlaps step 2 by 50 µs
+    tb.step(2, 100, 200)
+    tb.annotation("PP:0F0", 10, 20)
+    tb.annotation("PP:0F0", 10, 20)  # a copy
+    tb.write(tmp_path / "rank0.json")
+    tb = TraceBuilder(rank=1, world_size=3)
+    tb.step(0, 0, 0)
+    tb.cpu_op("aten::mm", 1, 0)
+    tb.write(tmp_path / "rank1.json")
+    tb = TraceBuilder(rank=2, world_size=3)
+    tb.step(0, 0, 100)
+    tb.write(tmp_path / "rank2.json")
+    expected = {"rank0.json": ["1 step spans or annotations are copies", "1 ProfilerStep spans overlap"],
+                "rank1.json": ["every one of its 2 events lasts 0 ns"], "rank2.json": []}
+    for workers, cache in ((1, False), (2, False), (1, True), (1, True)):  # the second cached load: all hits
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            notes = load_run(tmp_path, workers=workers, cache=cache).warnings
+        for name, wanted in expected.items():
+            mine = [w for w in notes if f"{name}:" in w and ("copies" in w or "overlap" in w or "lasts 0 ns" in w)]
+            assert len(mine) == len(wanted) and all(any(x in w for w in mine) for x in wanted), (workers, cache, notes)
