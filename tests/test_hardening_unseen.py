@@ -154,3 +154,31 @@ def test_step_time_when_one_rank_has_no_profiler_steps(tmp_path):
     p.write_bytes(gzip.compress(json.dumps(t).encode()))
     s = analyze(load_run(tmp_path, cache=False)).summary
     assert s.step_ms == pytest.approx(0.100)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ffn", "-5"], "ffn"),  # a negative MLP width gave 792 M parameters a stage, fewer than with no MLP at all
+    (["--ffn", "0"], "ffn"),  # no MLP: not a GPT; 0 read as a width, where None means the family's default
+    (["--reserve-gib", "100"], "--reserve-gib"),  # more than the A100's 80 GB kept free: "-20 GiB usable"
+])
+def test_estimate_refuses_shapes_and_reserves_that_cannot_be(flags, says, capsys):
+    """Each was estimated as given and printed (parameters from a negative width; 'device memory -20 GiB usable'
+    and 'does not fit either way'): one line, exit 2, naming the flag."""
+    assert main(["estimate", "--model", "gpt3-13b", "--pp", "8", "--device", "a100-80gb", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("traceana: error:") and "\n" not in err and says in err, err
+
+
+def test_run_json_with_a_negative_ffn_is_refused(tmp_path, capsys):
+    """run.json's model shape goes through the same check as --ffn (the ModelShape): analyze refuses it in one
+    line naming ffn, as for any other impossible shape."""
+    import json
+
+    from tracebuilder import write_two_stage_run
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "pp": 2, "schedule": "1f1b", "model": {
+        "family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq": 16, "ffn": -5}}))
+    assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "ffn" in err and err.count("\n") == 1, err

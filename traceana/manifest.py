@@ -83,7 +83,7 @@ class ModelShape:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise BadInputError(f"model {f} must be an integer, got {v!r}", fix=f"set an integer {f}")
-            if f in ("kv_heads", "ffn"):
+            if f == "kv_heads":  # (checked against heads below)
                 continue
             if getattr(self, f) <= 0:
                 raise BadInputError(f"model {f} must be positive, got {getattr(self, f)}", fix=f"set a positive {f}")

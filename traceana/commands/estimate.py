@@ -183,7 +183,11 @@ def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
         if v is not None and not (math.isfinite(v) and (v > 0 if flag == "--device-memory-gib" else v >= 0)):
             raise ConfigError(f"{flag} must be a {'positive' if flag == '--device-memory-gib' else 'non-negative'} "
                               f"number of GiB, got {v}", fix=f"give {flag} in GiB, e.g. 80")
-    return dev, args.device_memory_gib * GiB if args.device_memory_gib is not None else dev.memory_bytes
+    total = args.device_memory_gib * GiB if args.device_memory_gib is not None else dev.memory_bytes
+    if args.reserve_gib is not None and total != float("inf") and args.reserve_gib * GiB >= total:
+        raise ConfigError(f"--reserve-gib {args.reserve_gib:g} keeps the whole device free ({total / GiB:g} GiB): "
+                          "nothing would be left for the model", fix="give --reserve-gib less than the device memory")
+    return dev, total
 
 
 def _device(args: argparse.Namespace) -> Device:
