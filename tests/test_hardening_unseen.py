@@ -182,3 +182,13 @@ def test_run_json_with_a_negative_ffn_is_refused(tmp_path, capsys):
     assert main(["analyze", str(run), "--no-cache", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "ffn" in err and err.count("\n") == 1, err
+
+
+def test_estimate_names_the_stages_each_device_of_a_v_schedule_holds(capsys):
+    """ZB-V on 4 devices: device d holds stages d and 7 − d (docs/schedules.md), 5 of GPT-3 13B's 40 layers each.
+    The memory table's rows read 'stage 0' … 'stage 3' with 10 layers: a device's two stages under the name of
+    one."""
+    assert main(["estimate", "--model", "gpt3-13b", "--pp", "4", "--schedule", "zbv", "--microbatches", "8",
+                 "--no-verdict"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{d}+{7 - d}" in out for d in range(4)), out

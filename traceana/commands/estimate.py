@@ -18,7 +18,7 @@ from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
-from traceana.pipeline_rules import default_virtual_stages
+from traceana.pipeline_rules import default_virtual_stages, stages_of_device
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
@@ -261,13 +261,17 @@ def render(out: dict, *, console) -> None:
                f"{' v=' + str(c['virtual_stages']) if c['virtual_stages'] > 1 else ''} · b {c['microbatch_size']} · "
                f"m {c['num_microbatches']} · global batch {c['global_batch']} · attention {c['attention']} · "
                f"recompute {c['recompute']} · BPipe {'on' if c['bpipe'] else 'off'} · {c['precision']}")
-    headers = ["stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB",
+    v = c["virtual_stages"]
+    # a device of a looped or V schedule holds several stages: the row says which (pipeline_rules' placement)
+    label = (lambda d: "+".join(map(str, stages_of_device(c["schedule"], pp=c["pp"], device=d, virtual_stages=v)))
+             ) if v > 1 else str
+    headers = ["stages" if v > 1 else "stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB",
                "activation\npeak MiB", "total\nMiB", "fits"]
     rows = []
     for s in out["stages"]:
         held = f"{s['in_flight']:g}" + (f"+{s['foreign_in_flight']:g}" if s["foreign_in_flight"] else "")
         params = f"{s['params'] / 1e9:.2f}B" if s["params"] >= 1e8 else f"{s['params'] / 1e6:.2f}M"
-        rows.append([str(s["stage"]), str(s["layers"]), params,
+        rows.append([label(s["stage"]), str(s["layers"]), params,
                      mib(s["weight_bytes"] + s["grad_bytes"] + s["optimizer_bytes"]),
                      mib(s["activation_per_microbatch"]), held, mib(s["activation_bytes"]),
                      mib(s["activation_peak_bytes"]), mib(s["total_bytes"]), "yes" if s["fits"] else "NO"])
