@@ -192,3 +192,35 @@ def test_estimate_names_the_stages_each_device_of_a_v_schedule_holds(capsys):
                  "--no-verdict"]) == 0
     out = capsys.readouterr().out
     assert all(f"{d}+{7 - d}" in out for d in range(4)), out
+
+
+def test_per_stage_deltas_only_between_runs_of_the_same_stages(tmp_path):
+    """An A/B of a 2-stage run (tracebuilder.write_two_stage_run) against one of a single stage (the same
+    rank-0 trace, run.json pp 1): stage 0 of the one holds half the model, stage 0 of the other all of it, so
+    their difference is no change of anything. The report's per-stage Δ columns compared them anyway; the
+    run-level step change stays (both runs' step times are 0.1 ms by construction: 0 change)."""
+    from tracebuilder import write_two_stage_run
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+    from traceana.summary import compare_runs
+
+    (tmp_path / "two").mkdir()
+    two = write_two_stage_run(tmp_path / "two")
+    one = tmp_path / "one"
+    one.mkdir()
+    tb = TraceBuilder(rank=0, world_size=1)
+    tb.step(5, 0, 100)
+    tb.annotation("PP:0F0", 0, 40)
+    tb.cpu_op("aten::mm", 2, 36)
+    tb.annotation("PP:0B0", 40, 50)
+    tb.cpu_op("autograd::engine::evaluate_function: MmBackward0", 42, 46)
+    tb.write(one / "rank0.pt.trace.json.gz")
+    (one / "run.json").write_text(Manifest(world_size=1, pp=1, stage_of_rank=(0,), schedule="1f1b").to_json())
+    runs = [(p.name, analyze(load_run(p, cache=False)).summary) for p in (two, one)]
+    overview, per_stage = compare_runs(runs)
+    assert overview["step_change"].to_list() == [0.0, 0.0]
+    other = per_stage.filter(pl.col("run") == "one")
+    assert other.height == 1
+    for c in ("step_change_ms", "bubble_change_ms", "bpipe_change_ms", "peak_change_mib", "activation_peak_change_mib"):
+        assert other[c].to_list() == [None], (c, other)

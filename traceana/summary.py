@@ -249,7 +249,8 @@ def summarize(analysis) -> RunSummary:
 def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
     first run's step), largest_activation_peak_mib, peak_mib (largest stage), memory_balance. Per stage: stage, run,
-    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run."""
+    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null
+    for a run whose stages are not the first run's)."""
     base = runs[0][1].step_ms
     overview = pl.DataFrame(
         [(name, s.step_ms, (s.step_ms - base) / base if base and s.step_ms is not None else None,
@@ -259,11 +260,17 @@ def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.D
         orient="row",
     )
     values = ("step_ms", "bubble_ms", "bpipe_ms", "peak_mib", "activation_peak_mib")
-    both = pl.concat([s.per_stage.select("stage", *values).with_columns(run=pl.lit(name)) for name, s in runs],
-                     how="vertical_relaxed")
+    # Stage s of two runs is the same part of the model only when both runs have the same stages: a run split into
+    # other stages than the first gets no per-stage change (its stage 0 is another slice of the model).
+    stages_of = lambda s: sorted(s.per_stage["stage"].to_list(), key=lambda x: (x is None, x))  # noqa: E731
+    alike = [stages_of(s) == stages_of(runs[0][1]) for _, s in runs]
+    both = pl.concat([s.per_stage.select("stage", *values).with_columns(run=pl.lit(name), _alike=pl.lit(ok))
+                      for (name, s), ok in zip(runs, alike)], how="vertical_relaxed")
     first = both.filter(pl.col("run") == runs[0][0]).select("stage", *(pl.col(v).alias(f"_b_{v}") for v in values))
     per_stage = (
         both.join(first, on="stage", how="left", nulls_equal=True)
+        .with_columns(*(pl.when(pl.col("_alike")).then(pl.col(f"_b_{v}")).alias(f"_b_{v}") for v in values))
+        .drop("_alike")
         .with_columns(*((pl.col(v) - pl.col(f"_b_{v}")).alias(f"{v.removesuffix('_ms').removesuffix('_mib')}_change"
                                                               + ("_ms" if v.endswith("_ms") else "_mib"))
                         for v in values))
