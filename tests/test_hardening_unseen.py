@@ -224,3 +224,31 @@ def test_per_stage_deltas_only_between_runs_of_the_same_stages(tmp_path):
     assert other.height == 1
     for c in ("step_change_ms", "bubble_change_ms", "bpipe_change_ms", "peak_change_mib", "activation_peak_change_mib"):
         assert other[c].to_list() == [None], (c, other)
+
+
+def test_zero_bubble_with_one_stage_a_rank_is_no_contradiction(tmp_path):
+    """ZB-H1: torch's ScheduleInterleavedZeroBubble given one stage per rank (docs/schedules.md: 'ZB-H1 (torch's
+    ZB-1P with one chunk)'; the simulator and estimate take zero-bubble with one virtual stage). Two ranks, one
+    micro-batch, F, I and W annotated on stage 0 and 1. analyze said run.json's zero-bubble 'places several stages
+    on each rank' against the traces' one, and validate refused to simulate it."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+    from traceana.validation.measurement import traced_config
+
+    order = {0: [("0F0", 0, 100), ("0I0", 500, 100), ("0W0", 600, 100)],
+             1: [("1F0", 150, 100), ("1I0", 250, 100), ("1W0", 360, 100)]}
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
+        tb.step(1, 0, 1000)
+        for name, t0, dur in order[r]:
+            tb.annotation(f"PP:{name}", t0, dur)
+            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
+        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
+    (tmp_path / "run.json").write_text(Manifest(
+        world_size=2, pp=2, stage_of_rank=(0, 1), schedule="zero-bubble", microbatch_size=2, num_microbatches=1,
+        model=SHAPE, dtype="float32", attention="sdpa", recompute="none",
+        extra={"stages_of_rank": [[0], [1]]}).to_json())
+    a = analyze(load_run(tmp_path, cache=False))
+    assert not any("places" in n and "on each rank" in n for n in a.notes), a.notes
+    cfg = traced_config(a)
+    assert (cfg.schedule, cfg.pp, cfg.virtual_stages) == ("zero-bubble", 2, 1)

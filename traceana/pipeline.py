@@ -800,7 +800,8 @@ def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
 
 def placement_contradiction(facts: dict, manifest: Manifest | None) -> str | None:
     """Where run.json's schedule places a number of stages on each rank (``pipeline_rules.placement_of``: one, two
-    for the V schedules, run.json's ``virtual_stages`` or more than one for the looped ones) that the annotated
+    for the V schedules, run.json's ``virtual_stages`` or more than one for the looped ones, one also for
+    zero-bubble) that the annotated
     ranks do not hold (``annotated_facts``' stages per rank): what run.json says against what the traces show, or
     None (no annotated stages, no run.json schedule, or they agree)."""
     seen = facts.get("stages_per_rank")
@@ -811,6 +812,9 @@ def placement_contradiction(facts: dict, manifest: Manifest | None) -> str | Non
     stated = manifest.extra.get("virtual_stages") if isinstance(manifest.extra, dict) else None
     want = 1 if placement == "single" else 2 if placement == "v" else stated if isinstance(stated, int) else None
     if want is not None and least == most == want or want is None and least > 1:
+        return None
+    # torch's ScheduleInterleavedZeroBubble also runs one stage per rank: ZB-H1 (docs/schedules.md, "Bubbles")
+    if want is None and manifest.schedule == "zero-bubble" and least == most == 1:
         return None
     holds = f"{least}" if least == most else f"{least} to {most}"
     says = f"{want} stage{'s' if want != 1 else ''}" if want else "several stages"
