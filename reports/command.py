@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     if args.name and len(args.name) != len(args.runs):
         raise BadInputError(f"{len(args.name)} --name labels for {len(args.runs)} runs",
                             fix="give one --name per run, or none")
+    if args.name and len(set(args.name)) != len(args.name):  # the A/B tables tell the runs apart by their labels
+        twice = sorted({n for n in args.name if args.name.count(n) > 1})
+        raise BadInputError(f"--name {', '.join(map(repr, twice))} labels more than one run",
+                            fix="give each run its own --name")
     from traceana.analysis_cache import input_files
     from traceana.files import refuse_inputs
 

@@ -252,3 +252,19 @@ def test_zero_bubble_with_one_stage_a_rank_is_no_contradiction(tmp_path):
     assert not any("places" in n and "on each rank" in n for n in a.notes), a.notes
     cfg = traced_config(a)
     assert (cfg.schedule, cfg.pp, cfg.virtual_stages) == ("zero-bubble", 2, 1)
+
+
+def test_report_refuses_two_runs_under_one_label(tmp_path, capsys):
+    """`report A B --name x --name x`: the A/B tables key each run by its label, so the first run's rows were
+    compared with both runs' (every stage row doubled, and run A against itself showed a change). One line, exit
+    2, before any trace is read."""
+    from tracebuilder import write_two_stage_run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = write_two_stage_run(tmp_path / "a"), write_two_stage_run(tmp_path / "b")
+    out = tmp_path / "r.html"
+    assert main(["report", str(a), str(b), "--name", "x", "--name", "x", "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("traceana: error:") and "\n" not in err and "--name" in err, err
+    assert not out.exists()
