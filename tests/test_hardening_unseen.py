@@ -268,3 +268,28 @@ def test_report_refuses_two_runs_under_one_label(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("traceana: error:") and "\n" not in err and "--name" in err, err
     assert not out.exists()
+
+
+def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
+    """run.json's pp counts stages (docs/reliability.md: with virtual stages pp may exceed the ranks), as with
+    stages_of_rank: interleaved 1F1B on 2 ranks holding stages 0, 2 and 1, 3 says pp 4 and virtual_stages 2. The
+    model took pp 4 as devices, 4 × 2 = 8 chunks of a 4-layer model ('4 layers cannot fill 8 pipeline chunks'; a
+    larger model would have been simulated on 4 devices). By the annotations: 2 devices of 2 stages each."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+    from traceana.validation.measurement import traced_config
+
+    order = {0: [("0F0", 0, 100), ("2F0", 300, 100), ("2B0", 400, 100), ("0B0", 800, 100)],
+             1: [("1F0", 110, 90), ("3F0", 200, 90), ("3B0", 290, 90), ("1B0", 610, 90)]}
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
+        tb.step(1, 0, 1000)
+        for name, t0, dur in order[r]:
+            tb.annotation(f"PP:{name}", t0, dur)
+            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
+        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
+    (tmp_path / "run.json").write_text(Manifest(
+        world_size=2, pp=4, stage_of_rank=(0, 1), schedule="interleaved-1f1b", microbatch_size=2, num_microbatches=1,
+        model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra={"virtual_stages": 2}).to_json())
+    cfg = traced_config(analyze(load_run(tmp_path, cache=False)))
+    assert (cfg.pp, cfg.virtual_stages) == (2, 2)

@@ -168,11 +168,14 @@ def _config_from_manifest(manifest: Manifest, *, precision: Precision | None = N
             f"the model cannot simulate schedule {manifest.schedule!r}", fix=f"use one of {', '.join(MODEL_SCHEDULES)}"
         )
     virtual = int(manifest.extra.get("virtual_stages", 1) or 1)
-    pp = manifest.pp
     stages_of_rank = manifest.extra.get("stages_of_rank")  # torch.distributed.pipelining: virtual stages per rank
     if stages_of_rank and isinstance(stages_of_rank, list) and isinstance(stages_of_rank[0], list):
         virtual = max(1, len(stages_of_rank[0]))
-        pp = manifest.pp // virtual  # the manifest's pp counts stages; the model's pp counts devices
+    # the manifest's pp counts stages (virtual_stages or stages_of_rank of them a rank); the model's pp counts devices
+    if virtual > 1 and manifest.pp % virtual:
+        raise ConfigError(f"pp {manifest.pp} (the stages) is not a multiple of {virtual} virtual stages a rank",
+                          fix="give pp as all the stages, virtual_stages of them on each rank")
+    pp = manifest.pp // virtual
     if precision is None:
         precision = MIXED_ADAM if manifest.dtype in ("bfloat16", "float16", "bf16", "fp16") else FP32_ADAM
     # The reference trainer (collectors/trainer) is eager PyTorch without dropout; say so in run.json's extra to
