@@ -226,6 +226,24 @@ def test_per_stage_deltas_only_between_runs_of_the_same_stages(tmp_path):
         assert other[c].to_list() == [None], (c, other)
 
 
+def _zb_h1_run(directory):
+    """ZB-H1 on 2 ranks, one stage each, one micro-batch: F, I and W spans of 100 µs each on every rank."""
+    order = {0: [("0F0", 0, 100), ("0I0", 500, 100), ("0W0", 600, 100)],
+             1: [("1F0", 150, 100), ("1I0", 250, 100), ("1W0", 360, 100)]}
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
+        tb.step(1, 0, 1000)
+        for name, t0, dur in order[r]:
+            tb.annotation(f"PP:{name}", t0, dur)
+            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
+        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+    (directory / "run.json").write_text(Manifest(
+        world_size=2, pp=2, stage_of_rank=(0, 1), schedule="zero-bubble", microbatch_size=2, num_microbatches=1,
+        model=SHAPE, dtype="float32", attention="sdpa", recompute="none", peak_flops=1e12,
+        extra={"stages_of_rank": [[0], [1]]}).to_json())
+    return directory
+
+
 def test_zero_bubble_with_one_stage_a_rank_is_no_contradiction(tmp_path):
     """ZB-H1: torch's ScheduleInterleavedZeroBubble given one stage per rank (docs/schedules.md: 'ZB-H1 (torch's
     ZB-1P with one chunk)'; the simulator and estimate take zero-bubble with one virtual stage). Two ranks, one
@@ -235,20 +253,7 @@ def test_zero_bubble_with_one_stage_a_rank_is_no_contradiction(tmp_path):
     from traceana.ingest.run_dir import load_run
     from traceana.validation.measurement import traced_config
 
-    order = {0: [("0F0", 0, 100), ("0I0", 500, 100), ("0W0", 600, 100)],
-             1: [("1F0", 150, 100), ("1I0", 250, 100), ("1W0", 360, 100)]}
-    for r in (0, 1):
-        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
-        tb.step(1, 0, 1000)
-        for name, t0, dur in order[r]:
-            tb.annotation(f"PP:{name}", t0, dur)
-            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
-        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
-    (tmp_path / "run.json").write_text(Manifest(
-        world_size=2, pp=2, stage_of_rank=(0, 1), schedule="zero-bubble", microbatch_size=2, num_microbatches=1,
-        model=SHAPE, dtype="float32", attention="sdpa", recompute="none",
-        extra={"stages_of_rank": [[0], [1]]}).to_json())
-    a = analyze(load_run(tmp_path, cache=False))
+    a = analyze(load_run(_zb_h1_run(tmp_path), cache=False))
     assert not any("places" in n and "on each rank" in n for n in a.notes), a.notes
     cfg = traced_config(a)
     assert (cfg.schedule, cfg.pp, cfg.virtual_stages) == ("zero-bubble", 2, 1)
@@ -293,3 +298,21 @@ def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra={"virtual_stages": 2}).to_json())
     cfg = traced_config(analyze(load_run(tmp_path, cache=False)))
     assert (cfg.pp, cfg.virtual_stages) == (2, 2)
+
+
+@pytest.mark.parametrize("build", ["zb_h1", "v"])
+def test_measured_efficiency_counts_split_backwards_and_every_stage_of_a_rank(tmp_path, build):
+    """E(b) (estimate --efficiency-from) is the run's FLOPs over its compute time × peak. On ZB-H1 (one stage a
+    rank, F, I and W of 100 µs each on both ranks) the compute time is 600 µs, by hand; the I and W halves were
+    left out of it (200 µs: E three times too high). On ZB-V (2 ranks × 2 stages, _v_run) the run was refused:
+    'found 2 of 4 stages' (it counted ranks' first stages); its compute is 0.95 ms by hand (the annotated F, I, W
+    spans, 590 and 360 µs). FLOPs: the 4 layers and the logits of one micro-batch of 2 sequences."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+    from traceana.validation import measured_efficiency
+
+    run, compute_s = (_zb_h1_run(tmp_path), 600e-6) if build == "zb_h1" else (_v_run(tmp_path), 950e-6)
+    flops = _hand_train_flops(layers=4, last=True, b=2)
+    b, _, e = measured_efficiency(analyze(load_run(run, cache=False)))
+    assert b == 2
+    assert e == pytest.approx(flops / (compute_s * 1e12), rel=1e-6)

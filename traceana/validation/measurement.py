@@ -237,7 +237,8 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
 def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) -> tuple[int, str, float]:
     """Compute efficiency E(b) of a traced run, the quantity Huang et al. 2024 estimate BPipe's benefit from: the
     FLOPs its stages computed per measured step (recompute included: what the hardware did) over the time they spent
-    computing (forward + backward + recompute, the attribution's busy time) times the device's peak FLOP/s, summed
+    computing (forward + backward, or its I and W halves, + recompute: the attribution's busy time) times the
+    device's peak FLOP/s, summed
     over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
     m = traced_manifest(analysis.run.manifest, analysis.schedule)  # the traces' m where run.json contradicts them
     peak = peak_flops or (m.peak_flops if m else None)
@@ -248,13 +249,17 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
         raise AnalysisError("measuring compute efficiency needs the device's peak FLOP/s", path=analysis.run.path,
                             fix="pass --peak-flops (FLOP/s per device) or record peak_flops in run.json")
     per = analysis.summary.per_stage.filter(pl.col("stage").is_not_null())
-    if per.height != m.pp:
-        raise AnalysisError(f"found {per.height} of {m.pp} stages", path=analysis.run.path,
+    # every stage some rank holds (several on a looped or V rank, whose per-stage row is under its first)
+    held = {int(s) for listed in analysis.stages["stages"].drop_nulls().to_list() for s in listed.split(",")}
+    if held != set(range(m.pp)):
+        raise AnalysisError(f"found {len(held & set(range(m.pp)))} of {m.pp} stages", path=analysis.run.path,
                             fix="check run.json's stage_of_rank or the traces' P2P chain")
     layers = stage_layers(m.model.layers, m.pp)
     flops = sum(stage_flops(m.model, layers=layers[s], microbatch_size=m.microbatch_size,
                             recompute=m.recompute or "none", last=s == m.pp - 1) for s in range(m.pp))
-    compute_s = float(per.select(pl.sum_horizontal("forward_ms", "backward_ms", "recompute_ms").sum()).item()) / 1e3
+    # the passes (F, B, or I and W) and their recomputation
+    passes = [f"{c}_ms" for c in (*names.PASS_PHASES, "recompute")]
+    compute_s = float(per.select(pl.sum_horizontal(*passes).sum()).item()) / 1e3
     if compute_s <= 0:
         raise AnalysisError("the run has no forward or backward compute time", path=analysis.run.path,
                             fix="profile complete steps with forward/backward annotations")
