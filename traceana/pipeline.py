@@ -198,7 +198,9 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
             per = frame.group_by("rank", "_peer").agg(pl.len()).sort("rank", "_peer")
             desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
                              for a, b, n in per.rows())
-            notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace ({desc}); "
+            notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace in the same "
+                         f"ProfilerStep ({desc}; messages pair within a step, so ranks numbering their steps "
+                         "apart pair none); "
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
