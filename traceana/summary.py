@@ -9,7 +9,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   lazy initialisation); when no step is common to every rank, each rank's own steps, its first left out alike.
   Every figure below is over these steps.
 - **step time** (``step_ms``): per measured step the slowest rank's step (a pipeline step ends when its last rank
-  ends), averaged over the measured steps; when the ranks' steps do not line up, the slowest rank's mean step. A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
+  ends), averaged over the measured steps; when the ranks' steps do not line up, the slowest rank's mean step.
+  A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
 - **bubble**: the attribution's warm-up + stall + cool-down (pipeline_rules.bubble_windows); exposed P2P and BPipe
   time are their own categories, never part of the bubble. ``bubble_fraction`` is bubble time over step time summed
   over every rank, a fraction in 0..1.

@@ -265,7 +265,8 @@ def render(out: dict, *, console) -> None:
     # a device of a looped or V schedule holds several stages: the row says which (pipeline_rules' placement)
     label = (lambda d: "+".join(map(str, stages_of_device(c["schedule"], pp=c["pp"], device=d, virtual_stages=v)))
              ) if v > 1 else str
-    headers = ["stages" if v > 1 else "stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight", "act\nMiB",
+    headers = ["stages" if v > 1 else "stage", "layers", "params", "state\nMiB", "act per mb\nMiB", "in\nflight",
+               "act\nMiB",
                "activation\npeak MiB", "total\nMiB", "fits"]
     rows = []
     for s in out["stages"]:
