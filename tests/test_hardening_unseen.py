@@ -318,3 +318,24 @@ def test_measured_efficiency_counts_split_backwards_and_every_stage_of_a_rank(tm
     b, _, e = measured_efficiency(analyze(load_run(run, cache=False)))
     assert b == 2
     assert e == pytest.approx(flops / (compute_s * 1e12), rel=1e-6)
+
+
+def test_run_json_stage_of_rank_against_the_annotations(tmp_path):
+    """tracebuilder.write_two_stage_run (rank 0 runs PP:0F0/0B0, rank 1 PP:1F0/1B0) with a run.json whose
+    stage_of_rank is swapped (1, 0), and no trace metadata to compare it with: the stage table called rank 0 stage
+    1 while its schedule rows said stage 0, with no note. A note names the contradiction."""
+    from tracebuilder import write_two_stage_run
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    run = write_two_stage_run(tmp_path)
+    (run / "run.json").write_text(Manifest(world_size=2, pp=2, stage_of_rank=(1, 0), schedule="1f1b").to_json())
+    a = analyze(load_run(run, cache=False))
+    assert any("stage_of_rank puts rank 0 on stage 1, but its annotations name stage 0" in n for n in a.notes), \
+        a.notes
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    write_two_stage_run(ok)
+    (ok / "run.json").write_text(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1), schedule="1f1b").to_json())
+    assert not any("stage_of_rank puts" in n for n in analyze(load_run(ok, cache=False)).notes)

@@ -760,14 +760,16 @@ def annotated_facts(schedule: pl.DataFrame) -> dict:
                                                           on="step")
     missing = expected.join(have, on=["rank", "step", "phase", "microbatch"], how="anti").sort(
         "rank", "step", "phase", "microbatch")
-    per_rank = a.filter(pl.col("stage").is_not_null()).group_by("rank").agg(n=pl.col("stage").n_unique())
-    per, late, missing, stages, per_rank = pl.collect_all(
+    held = a.filter(pl.col("stage").is_not_null()).group_by("rank").agg(pl.col("stage").unique().sort())
+    per_rank = held.select(n=pl.col("stage").list.len())
+    per, late, missing, stages, per_rank, held = pl.collect_all(
         [per, late, missing, a.select(pl.col("stage").drop_nulls().unique()),
-         per_rank.select(most=pl.col("n").max(), least=pl.col("n").min(), ranks=pl.len())], **iv.COLLECT)
+         per_rank.select(most=pl.col("n").max(), least=pl.col("n").min(), ranks=pl.len()), held], **iv.COLLECT)
     return {"num_microbatches": int(per["m"].max() or 0) or None,
             "interleaved": late.row(0, named=True) if late.height else False,
             "missing": missing, "stages": set(stages["stage"].to_list()),
-            "stages_per_rank": (per_rank["least"][0], per_rank["most"][0]) if per_rank["ranks"][0] else None}
+            "stages_per_rank": (per_rank["least"][0], per_rank["most"][0]) if per_rank["ranks"][0] else None,
+            "stages_of_rank": dict(held.rows())}
 
 
 def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
@@ -786,6 +788,15 @@ def contradiction_notes(facts: dict, manifest: Manifest | None) -> list[str]:
     if m and manifest.num_microbatches and m != manifest.num_microbatches:
         notes.append(f"run.json says num_microbatches {manifest.num_microbatches} but the traces' annotations show {m} "
                      f"micro-batches per step: the traces' {m} are used — fix num_microbatches in run.json")
+    listed = manifest.stage_of_rank or ()
+    wrong = [(r, listed[r], st) for r, st in sorted(facts.get("stages_of_rank", {}).items())
+             if 0 <= r < len(listed) and listed[r] not in st]
+    if wrong:
+        r, said, st = wrong[0]
+        notes.append(f"run.json's stage_of_rank puts rank {r} on stage {said}, but its annotations name stage"
+                     f"{'s' if len(st) > 1 else ''} {', '.join(map(str, st))}"
+                     f"{f' (and {len(wrong) - 1} more ranks)' if len(wrong) > 1 else ''}: the per-stage tables "
+                     "follow run.json, so they label that work with another stage — fix stage_of_rank in run.json")
     placement = placement_contradiction(facts, manifest)
     if placement:
         notes.append(f"{placement}: the traces' stages are what analyze uses; validate refuses to simulate it — fix "
