@@ -120,6 +120,10 @@ def test_bpipe_moves_stage_0_peak_memory_toward_its_pairs_balanced_level(collect
     (["--pp", "4", "--microbatches", "3"], "never reaches its steady state"),
     (["--model", "gpt-9000"], "unknown preset"),
     (["--steps", "0"], "at least 1"),
+    # GPipe keeps all m micro-batches on every stage (Huang et al. 2019): partners are balanced already
+    (["--schedule", "gpipe", "--bpipe"], "gpipe keeps 8, 8, 8, 8 on stages 0..3"),
+    # 1F1B at pp 2 holds 2 and 1: the evictor's only other micro-batch is the one its next backward needs
+    (["--pp", "2", "--bpipe"], "use --pp 4 or more"),
 ])
 def test_collect_refuses_impossible_configs_before_starting_a_process(flags, message, tmp_path, monkeypatch,
                                                                       capsys):

@@ -12,7 +12,8 @@ from traceana.errors import ConfigError
 from traceana.manifest import ModelShape
 from traceana.model.config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
-from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
+from traceana.pipeline_rules import bpipe_pairs as all_bpipe_pairs
+from traceana.pipeline_rules import bpipe_plan, microbatches_in_flight
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
@@ -67,11 +68,19 @@ class CollectConfig:
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         if self.bpipe and not self.bpipe_pairs:
-            raise ConfigError(
-                f"BPipe can balance nothing at --pp {self.pp} with {self.microbatches} micro-batches: no evictor "
-                "would hold fewer micro-batches than it does without it (the acceptor would have to take the next "
-                "before returning the last)",
-                fix="drop --bpipe, use --pp 4 or more with 1F1B, or set --bpipe-inflight")
+            held = [microbatches_in_flight(self.schedule, pp=self.pp, stage=s, num_microbatches=self.microbatches)
+                    for s in range(self.pp)]
+            if all(held[e] <= held[a] for e, a in all_bpipe_pairs(self.pp)):
+                why = (f"every stage already holds as many micro-batches as its partner ({self.schedule} keeps "
+                       f"{', '.join(f'{h:g}' for h in held)} on stages 0..{self.pp - 1})")
+                fix = "drop --bpipe, " + ("use --schedule 1f1b, " if self.schedule != "1f1b" else "") + \
+                      "or force evictions with --bpipe-inflight"
+            else:
+                why = ("no evictor would hold fewer micro-batches than it does without it (the acceptor would have to "
+                       "take the next before returning the last)")
+                fix = "drop --bpipe, " + ("use --pp 4 or more, " if self.pp < 4 else "") + "or set --bpipe-inflight"
+            raise ConfigError(f"BPipe can balance nothing at --pp {self.pp} with {self.microbatches} micro-batches "
+                              f"({self.schedule}): {why}", fix=fix)
 
     def training_config(self) -> TrainingConfig:
         """The model's description of this run (traceana.model.config), which also validates it."""
@@ -103,7 +112,7 @@ class CollectConfig:
         """(evictor, acceptor) stage pairs whose BPipe plan evicts something (pipeline_rules.bpipe_plan)."""
         if not self.bpipe:
             return ()
-        return tuple((e, a) for e, a in bpipe_pairs(self.pp)
+        return tuple((e, a) for e, a in all_bpipe_pairs(self.pp)
                      if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.microbatches, evictor=e,
                                    keep=self.bpipe_inflight).evicted)
 
