@@ -1091,12 +1091,11 @@ _GPU_SCHEMA = {"row": pl.UInt32, **{c: t for c, _, t in _GPU_ARGS}}
 _MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
 
 
-def _absolute(ts_rel: pl.Expr, base_ns: int | None, sample: pl.Series | None) -> pl.Expr:
-    """Kineto writes ts relative to baseTimeNanoseconds; synthetic or old traces may already hold epoch µs."""
-    if base_ns is not None and sample is not None and len(sample):
-        med = sample.median()
-        if med is not None and med < EPOCH_US * 1000:  # type: ignore[operator]
-            ts_rel = ts_rel + base_ns
+def _absolute(ts_rel: pl.Expr, base_ns: int | None, median: float | None) -> pl.Expr:
+    """Kineto writes ts relative to baseTimeNanoseconds; synthetic or old traces may already hold epoch µs
+    (``median``: of the trace's ts_rel, nulls aside; None if it has none)."""
+    if base_ns is not None and median is not None and median < EPOCH_US * 1000:
+        ts_rel = ts_rel + base_ns
     return pl.when(ts_rel.is_between(0, 2**62)).then(ts_rel)
 
 
@@ -1134,11 +1133,11 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     cat_d = cat_d.cast(pl.String).str.to_lowercase()
     tracks = batches.tracks if "track" in x.columns else None
     mem = pl.concat(batches.mem, how="vertical") if batches.mem else pl.DataFrame(schema=_MEM_SCHEMA)
-    sample = x["ts_rel"].drop_nulls() if x.height else mem["ts_rel"].drop_nulls()
+    median = (x if x.height else mem)["ts_rel"].median() if base_ns is not None else None  # (once: ~4 ms a rank)
     rank_lit = pl.lit(rank, dtype=pl.Int32)
 
     memory = schema.conform(
-        mem.with_columns(ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample), rank=rank_lit)
+        mem.with_columns(ts_ns=_absolute(pl.col("ts_rel"), base_ns, median), rank=rank_lit)
         .filter(pl.col("ts_ns").is_not_null() & pl.col("allocated_bytes").is_not_null())
         .with_columns(pl.when(pl.col("device").is_between(-(2**31), 2**31 - 1)).then(pl.col("device")).alias("device"))
         .sort("ts_ns", maintain_order=True),
@@ -1149,7 +1148,7 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     pid_text, tid_text = (pl.concat([d, pl.Series("value", [""])]) for d in (pid_d, tid_d))
     pid_code = pl.col("pid").fill_null(len(pid_d))
     tid_code = pl.col("tid").fill_null(len(tid_d))
-    times = dict(ts_ns=_absolute(pl.col("ts_rel"), base_ns, sample),
+    times = dict(ts_ns=_absolute(pl.col("ts_rel"), base_ns, median),
                  dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")), pid=pid_code,
                  tid=tid_code)
     keep = pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null() \
