@@ -4,12 +4,12 @@ The importer owns every quirk of the format; nothing downstream knows JSON exist
 
 Two decoders produce the same per-batch frames, which ``_finish`` turns into the tables with polars expressions:
 
-- the native scanner (``_scan.c``, an optional C extension built at install time): the file is read, and gunzipped
-  in isal's own thread, through one reused window; the scanner parses the ``traceEvents`` array straight into Arrow
-  column buffers (times as int64 ns from the digits, strings unescaped and UTF-8 checked) without the GIL, so a
-  trace of many GB never exists as Python objects nor whole in memory, and threads can read several files at once.
-  Its reading loop is ``traceana.ingest.reading`` (no polars there: the CLI starts it before importing polars);
-  here its Arrow tables become frames;
+- the native scanner (``_scan.c``, an optional C extension built at install time): the file is read through reused
+  windows, gunzipped ahead into the next one by a thread of the reader; the scanner parses the ``traceEvents`` array
+  straight into Arrow column buffers (times as int64 ns from the digits, strings unescaped and UTF-8 checked)
+  without the GIL, so a trace of many GB never exists as Python objects nor whole in memory, and threads can read
+  several files at once. Its reading loop is ``traceana.ingest.reading`` (no polars there: the CLI starts it before
+  importing polars); here its Arrow tables become frames;
 - the general decoder (docs/field-notes.md "Parsing speed": typed msgspec decoding ran ~4.5x faster than orjson), for
   any file the scanner hands back (a type it does not take exactly as this decoder would, bad UTF-8, invalid or
   truncated JSON) or when it was not built:
