@@ -48,6 +48,16 @@ def test_plain_analyze_imports_no_pyarrow_reports_or_collectors(run_dir, cache):
     assert loaded == []  # nor rich: the output is a pipe (traceana.tables.PlainConsole)
 
 
+def test_plain_analyze_imports_no_export(run_dir):
+    # Export's tables, JSON summary and merged trace are for --export, --json and --per-step (~2 ms and ~1 MB of
+    # imports where the plain command needs none of them).
+    code = RUN.replace('m.split(".")[0] in', 'm == "traceana.export" or m.split(".")[0] in')
+    out = subprocess.run([sys.executable, "-c", code.format(argv=["analyze", "--quiet", "--no-cache", str(run_dir)])],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
+
+
 def test_json_analyze_draws_no_tables(run_dir):
     rc, loaded, stdout = _loaded(["analyze", "--json", "--no-cache", str(run_dir)])
     assert rc == 0

@@ -75,7 +75,6 @@ def _finish_ahead() -> None:
 
 
 def print_tables(analysis, *, per_step: bool) -> None:
-    from traceana.export import per_step_table
     from traceana.classify import rank_summary
     from traceana.schema import CATEGORIES, CATEGORY_LABELS
     from traceana.tables import UNKNOWN, print_line, print_table
@@ -133,6 +132,8 @@ def print_tables(analysis, *, per_step: bool) -> None:
     replicas_table(console, analysis.summary)
 
     if per_step:
+        from traceana.export import per_step_table  # (only here: a plain analysis imports no export)
+
         ps = per_step_table(analysis)
         cols = [c for c in ps.columns if c.endswith("_ms") and c != "step_ms" and (ps[c].fill_null(0) > 0).any()]
         headers = ["stage", "rank", "step", "step time", *(c.removesuffix("_ms").replace("_", " ") for c in cols)]
@@ -216,14 +217,16 @@ def run(args: argparse.Namespace) -> int:
             refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
                                 cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names)
-    from traceana.export import summary, write_tables
-    from traceana.tables import plural
-
     if args.export:
+        from traceana.export import write_tables
+        from traceana.tables import plural
+
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:
             print(f"wrote {plural(len(written), 'file')} to {args.export}", file=sys.stderr)
-    if args.json:
+    if args.json:  # (export only for --json, --export and --per-step: a plain analysis does not import it)
+        from traceana.export import summary
+
         json.dump(summary(analysis, per_step=args.per_step), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
