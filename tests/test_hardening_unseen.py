@@ -22,6 +22,19 @@ def _hand_train_flops(*, layers: int, last: bool, b: int) -> float:
     return 3.0 * fwd
 
 
+def _two_annotated_ranks(directory, order: dict, *, step_us: float = 1000.0, meta=None) -> None:
+    """Ranks 0 and 1, one step of ``step_us`` each, holding ``order[rank]``'s annotated spans (label, start µs,
+    duration; none for a zero duration), each over an ``aten::mm`` of its length less 2 µs."""
+    for r in (0, 1):
+        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r, **({"meta": meta(r)} if meta else {}))
+        tb.step(1, 0, step_us)
+        for name, t0, dur in order[r]:
+            if dur:
+                tb.annotation(f"PP:{name}", t0, dur)
+                tb.cpu_op("aten::mm", t0 + 1, dur - 2)
+        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+
+
 def _v_run(directory, step_us: float = 1000.0):
     """ZB-V on 2 ranks × 2 stages (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; docs/schedules.md), one
     micro-batch, one step of ``step_us`` on each rank, annotated as torch's runtime schedule names its actions."""
@@ -29,15 +42,8 @@ def _v_run(directory, step_us: float = 1000.0):
                  ("0W0", 900, 90)],
              1: [("1F0", 110, 90), ("2F0", 200, 90), ("2I0", 610, 90), ("2W0", 700, 90), ("1I0", 710, 0),
                  ("1W0", 720, 0)]}
-    for r in (0, 1):
-        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r,
-                          meta={"rank": r, "stage": r, "stages": [r, 3 - r], "schedule": "zbv"})
-        tb.step(1, 0, step_us)
-        for name, t0, dur in order[r]:
-            if dur:
-                tb.annotation(f"PP:{name}", t0, dur)
-                tb.cpu_op("aten::mm", t0 + 1, dur - 2)
-        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+    _two_annotated_ranks(directory, order, step_us=step_us,
+                         meta=lambda r: {"rank": r, "stage": r, "stages": [r, 3 - r], "schedule": "zbv"})
     (directory / "run.json").write_text(Manifest(
         world_size=2, pp=4, stage_of_rank=(0, 1), schedule="zbv", microbatch_size=2, num_microbatches=1,
         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", peak_flops=1e12,
@@ -232,13 +238,7 @@ def _zb_h1_run(directory):
     """ZB-H1 on 2 ranks, one stage each, one micro-batch: F, I and W spans of 100 µs each on every rank."""
     order = {0: [("0F0", 0, 100), ("0I0", 500, 100), ("0W0", 600, 100)],
              1: [("1F0", 150, 100), ("1I0", 250, 100), ("1W0", 360, 100)]}
-    for r in (0, 1):
-        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
-        tb.step(1, 0, 1000)
-        for name, t0, dur in order[r]:
-            tb.annotation(f"PP:{name}", t0, dur)
-            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
-        tb.write(directory / f"rank{r}.pt.trace.json.gz")
+    _two_annotated_ranks(directory, order)
     (directory / "run.json").write_text(Manifest(
         world_size=2, pp=2, stage_of_rank=(0, 1), schedule="zero-bubble", microbatch_size=2, num_microbatches=1,
         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", peak_flops=1e12,
@@ -288,13 +288,7 @@ def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
 
     order = {0: [("0F0", 0, 100), ("2F0", 300, 100), ("2B0", 400, 100), ("0B0", 800, 100)],
              1: [("1F0", 110, 90), ("3F0", 200, 90), ("3B0", 290, 90), ("1B0", 610, 90)]}
-    for r in (0, 1):
-        tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
-        tb.step(1, 0, 1000)
-        for name, t0, dur in order[r]:
-            tb.annotation(f"PP:{name}", t0, dur)
-            tb.cpu_op("aten::mm", t0 + 1, dur - 2)
-        tb.write(tmp_path / f"rank{r}.pt.trace.json.gz")
+    _two_annotated_ranks(tmp_path, order)
     (tmp_path / "run.json").write_text(Manifest(
         world_size=2, pp=4, stage_of_rank=(0, 1), schedule="interleaved-1f1b", microbatch_size=2, num_microbatches=1,
         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra={"virtual_stages": 2}).to_json())
