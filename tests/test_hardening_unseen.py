@@ -296,6 +296,29 @@ def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
     assert (cfg.pp, cfg.virtual_stages) == (2, 2)
 
 
+def test_run_json_stages_a_rank_is_read_once_for_the_model_and_the_placement_check():
+    """run.json says how many stages a rank holds in two ways: virtual_stages, or stages_of_rank's lists (collect
+    for torch.distributed.pipelining). The model read both, the placement check only virtual_stages; both now read
+    Manifest.stages_a_rank. By hand: lists [[0, 3], [1, 2]] hold 2 a rank; uneven lists say no one count, which
+    the model refuses rather than simulate 4 stages as 4 devices."""
+    from traceana.errors import ConfigError
+    from traceana.model.config import config_from_manifest
+
+    def manifest(extra):
+        return Manifest(world_size=2, pp=4, schedule="interleaved-1f1b", microbatch_size=1, num_microbatches=4,
+                        model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra=extra)
+
+    assert manifest({"stages_of_rank": [[3, 0], [1, 2]]}).stages_held == ((0, 3), (1, 2))
+    assert manifest({"stages_of_rank": [[0, 3], [1, 2]]}).stages_a_rank == 2
+    assert manifest({"virtual_stages": 2}).stages_a_rank == 2
+    assert manifest({}).stages_a_rank is None and manifest({"stages_of_rank": [[0], "x"]}).stages_held is None
+    assert config_from_manifest(manifest({"stages_of_rank": [[0, 3], [1, 2]]})).pp == 2
+    uneven = manifest({"stages_of_rank": [[0, 2, 3], [1]]})
+    assert uneven.stages_a_rank is None
+    with pytest.raises(ConfigError, match="different numbers of stages"):
+        config_from_manifest(uneven)
+
+
 @pytest.mark.parametrize("build", ["zb_h1", "v"])
 def test_measured_efficiency_counts_split_backwards_and_every_stage_of_a_rank(tmp_path, build):
     """E(b) (estimate --efficiency-from) is the run's FLOPs over its compute time × peak. On ZB-H1 (one stage a

@@ -101,9 +101,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     notes += n
     events = timeline.assign_steps(events, steps)
     m = run.manifest
-    listed = m.extra.get("stages_of_rank") if m is not None else None
-    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES or (
-        isinstance(listed, list) and any(isinstance(x, list) and len(x) > 1 for x in listed)))
+    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
+                                     or any(len(held) > 1 for held in m.stages_held or ()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)

@@ -202,6 +202,28 @@ class Manifest:
     def bpipe_on(self) -> bool:
         return bool(self.bpipe)
 
+    @property
+    def stages_held(self) -> tuple[tuple[int, ...], ...] | None:
+        """The stages each rank holds (index = rank) as run.json's ``stages_of_rank`` lists them (written by
+        collect for torch.distributed.pipelining's schedules, several a rank); None when it lists none, or not as
+        lists of integers. The one reading of that list: the analysis, the stage map and the model take it here."""
+        listed = self.extra.get("stages_of_rank")
+        if not isinstance(listed, list) or not listed or not all(
+                isinstance(st, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in st)
+                for st in listed):
+            return None
+        return tuple(tuple(sorted(st)) for st in listed)
+
+    @property
+    def stages_a_rank(self) -> int | None:
+        """How many stages each rank holds, as run.json says it: the size of ``stages_held``' lists when they are
+        all one size, else ``virtual_stages``; None when it says neither (the schedule's placement then tells)."""
+        sizes = {len(st) for st in self.stages_held or ()}
+        if len(sizes) == 1 and sizes != {0}:
+            return sizes.pop()
+        stated = self.extra.get("virtual_stages")
+        return stated if isinstance(stated, int) and not isinstance(stated, bool) and stated > 0 else None
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 

@@ -244,11 +244,8 @@ def stage_map(
     # the stages in the PP: annotations, else those the trace's metadata lists (names without a stage number,
     # e.g. Megatron-LM's, leave only the metadata to tell), overridden by run.json's stages_of_rank
     virtual: dict[int, list[int]] = {**metadata_stages(traces), **{r: list(all_) for r, _, all_ in annotated.rows()}}
-    listed = manifest.extra.get("stages_of_rank") if manifest is not None else None
-    if isinstance(listed, list):
-        for r, st in enumerate(listed):
-            if isinstance(st, list) and all(isinstance(x, int) for x in st):
-                virtual[r] = sorted(st)
+    for r, st in enumerate((manifest.stages_held or ()) if manifest is not None else ()):
+        virtual[r] = list(st)
     for r, s, _ in annotated.rows():
         known.setdefault(r, (s, "annotations"))
     notes: list[str] = []
@@ -822,8 +819,7 @@ def placement_contradiction(facts: dict, manifest: Manifest | None) -> str | Non
         return None
     least, most = seen
     placement = placement_of(manifest.schedule)
-    stated = manifest.extra.get("virtual_stages") if isinstance(manifest.extra, dict) else None
-    want = 1 if placement == "single" else 2 if placement == "v" else stated if isinstance(stated, int) else None
+    want = 1 if placement == "single" else 2 if placement == "v" else manifest.stages_a_rank
     if want is not None and least == most == want or want is None and least > 1:
         return None
     # torch's ScheduleInterleavedZeroBubble also runs one stage per rank: ZB-H1 (docs/schedules.md, "Bubbles")

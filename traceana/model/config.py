@@ -167,10 +167,10 @@ def _config_from_manifest(manifest: Manifest, *, precision: Precision | None = N
         raise ConfigError(
             f"the model cannot simulate schedule {manifest.schedule!r}", fix=f"use one of {', '.join(MODEL_SCHEDULES)}"
         )
-    virtual = int(manifest.extra.get("virtual_stages", 1) or 1)
-    stages_of_rank = manifest.extra.get("stages_of_rank")  # torch.distributed.pipelining: virtual stages per rank
-    if stages_of_rank and isinstance(stages_of_rank, list) and isinstance(stages_of_rank[0], list):
-        virtual = max(1, len(stages_of_rank[0]))
+    if manifest.stages_held and len({len(st) for st in manifest.stages_held}) > 1:
+        raise ConfigError("run.json's stages_of_rank gives the ranks different numbers of stages; the model "
+                          "simulates the same number on every device", fix="estimate it with `traceana estimate --virtual-stages N` for an even placement")
+    virtual = manifest.stages_a_rank or 1
     # the manifest's pp counts stages (virtual_stages or stages_of_rank of them a rank); the model's pp counts devices
     if virtual > 1 and manifest.pp % virtual:
         raise ConfigError(f"pp {manifest.pp} (the stages) is not a multiple of {virtual} virtual stages a rank",
