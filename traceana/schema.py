@@ -80,6 +80,9 @@ MEMORY = {
     "device": pl.Int32,  # -1 = CPU
     "allocated_bytes": pl.Int64,
     "delta_bytes": pl.Int64,
+    # the block's address (args "Addr"): an allocation and its free share it (traceana.memory pairs them); null
+    # where the trace has none (older torch, hand-written traces)
+    "addr": pl.Int64,
 }
 
 # One row per trace file (rank).
