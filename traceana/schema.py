@@ -155,7 +155,9 @@ STAGE_MEMORY = {
     "step": pl.Int32,
     "baseline_bytes": pl.Int64,  # allocated at the step's start
     "peak_bytes": pl.Int64,
-    "activation_peak_bytes": pl.Int64,  # peak − baseline
+    # most bytes alive at once among the step's transient blocks (allocated and freed in it: traceana.memory);
+    # peak − baseline for a rank whose samples carry no block address
+    "activation_peak_bytes": pl.Int64,
 }
 
 
