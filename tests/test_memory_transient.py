@@ -30,13 +30,18 @@ def _memory(rank: int, events: list[tuple], *, start_total: int = 0, device: int
     return rows
 
 
-def _stage_memory(rows: list[dict], windows=((0, 1, 0, 100),)) -> pl.DataFrame:
-    mem = pl.DataFrame(rows, schema=MEMORY)
+def _windows(windows) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """schema.STEPS from (rank, step, start µs, end µs), and each rank its own stage."""
     steps = conform(pl.DataFrame([{"rank": r, "step": s, "start_ns": a * US, "end_ns": b * US, "dur_ns": (b - a) * US}
                                   for r, s, a, b in windows]), STEPS)
     stages = pl.DataFrame({"rank": sorted({r for r, *_ in windows}), "stage": sorted({r for r, *_ in windows})},
                           schema={"rank": pl.Int32, "stage": pl.Int32})
-    return memory.stage_memory(mem.sort("rank", "ts_ns", maintain_order=True), steps, stages)
+    return steps, stages
+
+
+def _stage_memory(rows: list[dict], windows=((0, 1, 0, 100),)) -> pl.DataFrame:
+    mem = pl.DataFrame(rows, schema=MEMORY)
+    return memory.stage_memory(mem.sort("rank", "ts_ns", maintain_order=True), *_windows(windows))
 
 
 def _figures(out: pl.DataFrame) -> list[tuple]:
@@ -103,6 +108,20 @@ def test_a_rank_with_a_gpu_is_measured_on_it_alone():
     events = [(10, 300, 0x7, 0), (20, 5000, 0x7, -1), (30, -5000, 0x7, -1), (40, -300, 0x7, 0), (50, 10, 0x8, 0),
               (55, -10, 0x8, 0)]
     assert [a for *_, a in _figures(_stage_memory(_memory(0, events)))] == [300]
+
+
+def test_ranks_interleaved_in_time_and_events_at_one_timestamp_keep_the_traces_order():
+    """The BPipe story's two ranks as one table ordered by time alone (not rank by rank): the same 700 and 600 B.
+    And one timestamp holding a block's allocation then its free (in that order in the trace), between two others:
+    d (100 B) alive 10–30, e (50 B) allocated and freed at 20: 150 B at once."""
+    evictor = [(10, 300, 0xA0), (20, 300, 0xA1), (25, -300, 0xA1), (30, 300, 0xA2), (40, 100, 0xB0),
+               (45, -100, 0xB0), (50, -300, 0xA2), (60, 300, 0xA1), (70, -300, 0xA1), (80, -300, 0xA0)]
+    acceptor = [(10, 300, 0xC0), (26, 300, 0xC1), (58, -300, 0xC1), (65, -300, 0xC0)]
+    rows = sorted(_memory(0, evictor) + _memory(1, acceptor), key=lambda r: r["ts_ns"])
+    got = memory.stage_memory(pl.DataFrame(rows, schema=MEMORY), *_windows(((0, 1, 0, 100), (1, 1, 0, 100))))
+    assert [(r, a) for r, _, _, _, a in _figures(got)] == [(0, 700), (1, 600)]
+    tie = _memory(0, [(10, 100, 0xD), (20, 50, 0xE), (20, -50, 0xE), (30, -100, 0xD)])
+    assert [a for *_, a in _figures(_stage_memory(tie))] == [150]
 
 
 def test_a_step_whose_allocations_all_outlive_it_has_no_activations():
