@@ -163,7 +163,7 @@ def memory(page, runs: Runs, G) -> None:
     page.figure(G.grouped_by_stage(mem, value="peak_mib", title=f"peak memory per stage (imbalance {balance})",
                                    ylabel="peak allocated (MiB)", runs=[n for n, _ in runs]))
     page.figure(G.grouped_by_stage(mem, value="activation_peak_mib",
-                                   title="activation peak per stage (peak − step start)",
+                                   title="activation peak per stage (memory allocated and freed in the step)",
                                    ylabel="activation peak (MiB)", runs=[n for n, _ in runs]))
     page.add('<div class="grid">')
     for name, a in runs:

@@ -23,6 +23,10 @@ RUNS = {
     "1f1b": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="1f1b"),
     "1f1b_bpipe": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="1f1b", bpipe=True),
     "gpipe": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="gpipe"),
+    # m = p: 1F1B never reaches a steady state, so each stage's peak comes at its first backward, before any of this
+    # step's gradients exist; two profiled steps: the second starts holding the first's gradients
+    # (tests/test_memory_truth_runs.py)
+    "1f1b_pp3_m3": dict(preset="tiny-gpt", pp=3, microbatches=3, microbatch_size=1, schedule="1f1b", steps=2),
     "gpipe_llama_recompute": dict(preset="tiny-llama", pp=2, microbatches=2, microbatch_size=1, schedule="gpipe",
                                   recompute="selective", attention="sdpa"),
     # two profiled steps: validate measures memory on the steps after the first (the first profiled step's

@@ -103,7 +103,7 @@ def make_analysis(
             stage_mem.append((r, r, step, 100 * 2**20, peak, peak - 100 * 2**20))
             for t in range(0, step_len, MS):
                 frac = 1 - abs(2 * t / step_len - 1)
-                mem_rows.append((r, base + t, -1, int(100 * 2**20 + act * frac), 0))
+                mem_rows.append((r, base + t, -1, int(100 * 2**20 + act * frac), 0, None))  # a curve, no blocks
         for s, m, ph, _start, en in spans:
             dst = s + 1 if ph == "forward" else s - 1
             if 0 <= dst < pp:

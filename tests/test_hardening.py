@@ -79,7 +79,8 @@ def test_collect_refuses_what_torch_pipelining_cannot_run_before_any_process_sta
 
 def _skewed_two_stage_run(directory, skew_us):
     """tracebuilder.write_two_stage_run's step with rank 1's clock ``skew_us`` ahead, and allocator samples on
-    rank 1 inside its step: +4096 B at 27 µs, +8192 B at 41 µs, −8192 B at 59 µs (its own clock)."""
+    rank 1 inside its step: +4096 B at 27 µs (block 0xA, never freed), +8192 B at 41 µs and −8192 B at 59 µs (block
+    0xB), on its own clock."""
     from tracebuilder import BASE_US, write_two_stage_run
 
     write_two_stage_run(directory)
@@ -89,9 +90,9 @@ def _skewed_two_stage_run(directory, skew_us):
     path = directory / "rank1.pt.trace.json.gz"
     trace = json.loads(gzip.decompress(path.read_bytes()))
     r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11, base_us=BASE_US + skew_us)
-    r1.memory(27, 4096, 4096)
-    r1.memory(41, 12288, 8192)
-    r1.memory(59, 4096, -8192)
+    r1.memory(27, 4096, 4096, addr=0xA)
+    r1.memory(41, 12288, 8192, addr=0xB)
+    r1.memory(59, 4096, -8192, addr=0xB)
     for e in trace["traceEvents"]:
         e["ts"] += skew_us
     trace["traceEvents"] += r1.events
@@ -101,9 +102,10 @@ def _skewed_two_stage_run(directory, skew_us):
 
 def test_memory_follows_the_clock_correction(tmp_path):
     """When a rank's clock is corrected (here rank 1 runs 1 s ahead: its gradient would arrive before it was
-    sent), its allocator samples move with its steps. By hand, rank 1's step starts at 0 B, peaks at 12288 B, an
-    activation peak of 12288 B, whatever the skew; before, the samples stayed on the uncorrected clock and fell
-    outside every step (no row, or another step's)."""
+    sent), its allocator samples move with its steps. By hand, rank 1's step starts at 0 B and peaks at 12288 B; of
+    that, the 8192 B allocated and freed inside the step are its activation peak (the 4096 B block outlives the
+    step), whatever the skew; before, the samples stayed on the uncorrected clock and fell outside every step (no
+    row, or another step's)."""
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
 
@@ -112,7 +114,7 @@ def test_memory_follows_the_clock_correction(tmp_path):
     assert a.clock_offsets.filter(pl.col("rank") == 1)["offset_ns"][0] < -900_000_000  # corrected by ~-1 s
     got = a.stage_memory.filter(pl.col("rank") == 1).select("step", "baseline_bytes", "peak_bytes",
                                                           "activation_peak_bytes").rows()
-    assert got == [(5, 0, 12288, 12288)]
+    assert got == [(5, 0, 12288, 8192)]
 
 
 def test_validate_names_the_rank_whose_trace_is_missing(tmp_path, capsys):

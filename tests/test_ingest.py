@@ -76,12 +76,13 @@ def test_string_pids_and_tids_are_kept_as_text(tmp_path):
 
 def test_memory_instants_fill_the_memory_table(tmp_path):
     tb = TraceBuilder()
-    tb.memory(1.0, 1024, 1024)
-    tb.memory(2.0, 512, -512, device=0)
+    tb.memory(1.0, 1024, 1024, addr=94_558_291_623_936)  # a CPU pointer as torch writes it
+    tb.memory(2.0, 512, -512, device=0)  # no "Addr" (older torch): null
     tb.event(ph="i", s="t", cat="cpu_instant_event", name="something else", pid=1, tid=1, ts=BASE_US, args={})
     events, memory, _ = read_trace(tb.write(tmp_path / "t.json"))
     expected = pl.DataFrame({"rank": [0, 0], "ts_ns": [BASE_NS + 1000, BASE_NS + 2000], "device": [-1, 0],
-                             "allocated_bytes": [1024, 512], "delta_bytes": [1024, -512]},
+                             "allocated_bytes": [1024, 512], "delta_bytes": [1024, -512],
+                             "addr": [94_558_291_623_936, None]},
                             schema=schema.MEMORY)
     assert_frame_equal(memory, expected)
     assert events.height == 0  # instants are not events

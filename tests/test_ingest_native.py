@@ -103,7 +103,8 @@ X = {"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 2, "ts": 10.5, "
 def test_edge_cases_read_the_same(tmp_path, monkeypatch, case):
     for gz in (False, True):
         f = _write(tmp_path, [dict(X, **case), {"ph": "i", "name": "[memory]", "ts": 11.0, "pid": 1, "tid": 2,
-                                                 "args": {"Total Allocated": 5, "Bytes": "x", "Device Id": -1}}], gz=gz)
+                                                 "args": {"Total Allocated": 5, "Bytes": "x", "Device Id": -1,
+                                                          "Addr": "0x7f"}}], gz=gz)
         assert_same(f, monkeypatch)
 
 
@@ -210,7 +211,7 @@ _scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
 _value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
                                                                                          max_size=3), max_leaves=6)
 _args = st.dictionaries(
-    st.sampled_from(["correlation", "External id", "device", "stream", "Total Allocated", "Bytes", "Device Id",
+    st.sampled_from(["correlation", "External id", "device", "stream", "Total Allocated", "Bytes", "Device Id", "Addr",
                      "Collective name", "In msg nelems", "dtype", "Src Rank", "Dst Rank", "Process Group Name",
                      "Concrete Inputs", "Input Dims", "Input type", "other"]),
     _value, max_size=5)
@@ -240,7 +241,7 @@ def test_a_big_trace_in_pieces_reads_the_same(tmp_path, monkeypatch):
     tb = TraceBuilder()
     for i in range(400):
         tb.cpu_op(f"op{i % 7}", float(i), 0.5, args={"External id": i})
-        tb.memory(i + 0.25, i, 1)
+        tb.memory(i + 0.25, i, 1, addr=140_000_000_000_000 + 64 * i)
     f = tmp_path / "t.json.gz"
     f.write_bytes(gzip.compress(tb.to_bytes()))
     whole = kineto.read_trace(f)

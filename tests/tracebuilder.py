@@ -87,12 +87,15 @@ class TraceBuilder:
     def recv(self, *, peer: int, tag: int = 0, ts: float, dur: float, shape=(4, 8), dtype="float", wait_dur=None):
         return self._p2p("recv_", peer, tag, ts, dur, shape, dtype, wait_dur)
 
-    def memory(self, ts: float, total_allocated: int, delta: int, *, device: int = -1) -> dict[str, Any]:
+    def memory(self, ts: float, total_allocated: int, delta: int, *, device: int = -1,
+               addr: int | None = None) -> dict[str, Any]:
+        """An allocator instant; ``addr``: the block's address (Kineto's "Addr"), left out when None (as a trace
+        without addresses: the activation peak then falls back to peak − step start, traceana.memory)."""
         return self.event(
             ph="i", s="t", cat="cpu_instant_event", name="[memory]", pid=self.pid, tid=self.tid,
             ts=self.base_us + ts,
             args={"Total Reserved": 0, "Total Allocated": total_allocated, "Bytes": delta, "Device Id": device,
-                  "Device Type": 0 if device < 0 else 1, "Addr": 1},
+                  "Device Type": 0 if device < 0 else 1, **({} if addr is None else {"Addr": addr})},
         )
 
     # --- GPU side ------------------------------------------------------------------------------------------------

@@ -187,6 +187,13 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     elif stage_mem.height and (stage_mem["baseline_bytes"] == 0).any() and (run.memory["device"] < 0).all():
         notes.append("CPU allocator samples count only memory allocated since profiling began (weights and optimizer "
                      "state allocated earlier are missing): peaks are relative, activation peaks are comparable")
+    unpaired = mem.ranks_without_addresses(run.memory)
+    if unpaired:
+        notes.append(f"rank{'s' if len(unpaired) > 1 else ''} {', '.join(map(str, unpaired))}: allocator samples "
+                     "carry no block address (Addr: older torch or a hand-written trace), so allocations cannot be "
+                     "paired with their frees; the activation peak there is peak − step-start allocation, which "
+                     "reads low by up to the gradients zero_grad frees inside the step when the peak comes before "
+                     "backward allocates new ones, and high by the new gradients when it comes after")
     measured = measured_steps(attribution, schedule)
     mfu, n = _mfu(pipeline.traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
                   peak_flops)

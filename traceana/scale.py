@@ -169,6 +169,7 @@ def scan_tables(out_dir: str | Path) -> dict[str, pl.LazyFrame]:
             hive_partitioning=True,
             hive_schema={PARTITION_KEY: table_schema[PARTITION_KEY]},
             schema={c: t for c, t in table_schema.items() if c != PARTITION_KEY},
+            missing_columns="insert",  # a dataset written before a column was added (memory.addr): null there
         )
         frames[table] = lazy.select(list(table_schema))
     return frames
@@ -188,7 +189,7 @@ def _scan_ranks(out: Path, ranks: list[int]) -> dict[str, pl.LazyFrame]:
             continue
         frames[table] = pl.scan_parquet(
             files, hive_partitioning=True, hive_schema={PARTITION_KEY: table_schema[PARTITION_KEY]},
-            schema={c: t for c, t in table_schema.items() if c != PARTITION_KEY},
+            schema={c: t for c, t in table_schema.items() if c != PARTITION_KEY}, missing_columns="insert",
         ).select(list(table_schema))
     return frames
 

@@ -80,6 +80,9 @@ MEMORY = {
     "device": pl.Int32,  # -1 = CPU
     "allocated_bytes": pl.Int64,
     "delta_bytes": pl.Int64,
+    # the block's address (args "Addr"): an allocation and its free share it (traceana.memory pairs them); null
+    # where the trace has none (older torch, hand-written traces)
+    "addr": pl.Int64,
 }
 
 # One row per trace file (rank).
@@ -152,7 +155,9 @@ STAGE_MEMORY = {
     "step": pl.Int32,
     "baseline_bytes": pl.Int64,  # allocated at the step's start
     "peak_bytes": pl.Int64,
-    "activation_peak_bytes": pl.Int64,  # peak − baseline
+    # most bytes alive at once among the step's transient blocks (allocated and freed in it: traceana.memory);
+    # peak − baseline for a rank whose samples carry no block address
+    "activation_peak_bytes": pl.Int64,
 }
 
 

@@ -860,7 +860,7 @@ static inline void name_seen(Scanner *sc, int32_t key, int32_t code) {
  * a string is): its raw JSON is handed to Python, which converts it exactly as the general decoder does. */
 typedef struct { int64_t v; char ok; const uchar *odd_s, *odd_e; } IntV;
 
-enum { A_CORR, A_EXT, A_DEVICE, A_STREAM, A_TOTAL, A_BYTES, A_DEVID, A_NELEMS, A_SRC, A_DST, N_AINT };
+enum { A_CORR, A_EXT, A_DEVICE, A_STREAM, A_TOTAL, A_BYTES, A_DEVID, A_ADDR, A_NELEMS, A_SRC, A_DST, N_AINT };
 enum { S_COLL, S_DTYPE, S_PGN, S_PGD, N_ASTR };
 enum { R_CONCRETE, R_DIMS, R_TYPES, N_RAW };
 
@@ -880,7 +880,7 @@ enum { ARG_STR = 32, ARG_RAW = 64 };
 #define ARG(key, slot) {key, sizeof key - 1, slot}
 static const struct { const char *key; Py_ssize_t len; int slot; } ARG_KEYS[] = {
     ARG("correlation", A_CORR), ARG("External id", A_EXT), ARG("device", A_DEVICE), ARG("stream", A_STREAM),
-    ARG("Total Allocated", A_TOTAL), ARG("Bytes", A_BYTES), ARG("Device Id", A_DEVID),
+    ARG("Total Allocated", A_TOTAL), ARG("Bytes", A_BYTES), ARG("Device Id", A_DEVID), ARG("Addr", A_ADDR),
     ARG("In msg nelems", A_NELEMS), ARG("Src Rank", A_SRC), ARG("Dst Rank", A_DST),
     ARG("Collective name", ARG_STR + S_COLL), ARG("dtype", ARG_STR + S_DTYPE),
     ARG("Process Group Name", ARG_STR + S_PGN), ARG("Process Group Description", ARG_STR + S_PGD),
@@ -1257,14 +1257,15 @@ static int parse_event(P *ps, Ev *ev, Buf *scratch, Scanner *sc) {
 /* Five tables per call, each a Batch:
  *   X (every complete event): name, cat, pid, tid as int32 codes into the file's dictionaries (below), ts, dur and the
  *     two ids as int64;
- *   M (each [memory] instant): its time and three args;
+ *   M (each [memory] instant): its time and four args (the block's address: traceana.memory pairs a block's
+ *     allocation with its free by it);
  *   G (X events whose cat is a GPU stream's): the X row, args device and stream;
  *   C (X events named as a communication op, record_param_comms): the X row and its collective args;
  *   S (X events named as gloo P2P ops): the X row and their record_shapes lists as JSON text.
  * Rows of X are numbered across calls (the file's whole table), so G, C and S point into it. */
-enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, N_M };
-static const char M_FMT[N_M] = {'l', 'l', 'l', 'l'};
-static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device"};
+enum { M_TS, M_TOTAL, M_BYTES, M_DEVID, M_ADDR, N_M };
+static const char M_FMT[N_M] = {'l', 'l', 'l', 'l', 'l'};
+static const char *const M_NAMES[N_M] = {"ts_rel", "allocated_bytes", "delta_bytes", "device", "addr"};
 enum { G_ROW, G_DEVICE, G_STREAM, N_G };
 static const char G_FMT[N_G] = {'l', 'l', 'l'};
 static const char *const G_NAMES[N_G] = {"row", "arg_device", "arg_stream"};
@@ -1489,7 +1490,8 @@ static int emit(Out *o, Scanner *sc, const Ev *ev) {
         TRY(col_int(&o->m[M_TS], ev->ts.v, ev->ts.ok));
         TRY(put_int(o, o->m, T_M, M_TOTAL, &ev->a[A_TOTAL]));
         TRY(put_int(o, o->m, T_M, M_BYTES, &ev->a[A_BYTES]));
-        return put_int(o, o->m, T_M, M_DEVID, &ev->a[A_DEVID]);
+        TRY(put_int(o, o->m, T_M, M_DEVID, &ev->a[A_DEVID]));
+        return put_int(o, o->m, T_M, M_ADDR, &ev->a[A_ADDR]);
     }
     Col *x = sc->x;
     int64_t row = x[X_NAME].n;

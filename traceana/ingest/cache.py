@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 CACHE_DIR = ".traceana"
 SUBDIR = "ingest"
-INGEST_FORMAT = 2  # bump when ingest produces different tables from the same trace
+INGEST_FORMAT = 3  # bump when ingest produces different tables from the same trace (3: memory.addr)
 
 
 def schema_hash() -> str:

@@ -103,6 +103,7 @@ class _Args(msgspec.Struct, gc=False):
     total_allocated: _Num = msgspec.field(default=None, name="Total Allocated")
     delta_bytes: _Num = msgspec.field(default=None, name="Bytes")
     device_id: _Num = msgspec.field(default=None, name="Device Id")
+    addr: _Num = msgspec.field(default=None, name="Addr")
     collective: _Num = msgspec.field(default=None, name="Collective name")
     in_nelems: _Num = msgspec.field(default=None, name="In msg nelems")
     dtype: _Num = None
@@ -619,6 +620,7 @@ _MEM_ARGS = (
     ("allocated_bytes", "total_allocated", pl.Int64),
     ("delta_bytes", "delta_bytes", pl.Int64),
     ("device", "device_id", pl.Int64),
+    ("addr", "addr", pl.Int64),
 )
 _SHAPE_ARGS = ("concrete_inputs", "input_dims", "input_type")  # record_shapes lists, kept raw
 _COMM_ARGS = (

@@ -300,14 +300,15 @@ def backward_working_bytes(cfg: TrainingConfig) -> float:
 
 
 def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
-    """The memory model's prediction of the measured activation peak (peak − step-start allocation) per stage:
-    ``StageMemory.activation_peak_bytes``, the figure ``estimate`` prints, plus the gradients when they are allocated
-    inside the measured step window.
+    """The memory model's prediction of the measured activation peak (memory allocated and freed within the step,
+    traceana.memory) per stage: ``StageMemory.activation_peak_bytes``, the figure ``estimate`` prints, plus the
+    gradients when they too are allocated and freed inside the measured step window.
 
     In flight: own micro-batches and, with BPipe, accepted ones (``pipeline_rules.bpipe_holding``, which the reference
-    collector's acceptor follows). Gradients count only when they are allocated inside the measured window: a loop
-    that calls zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference
-    trainer) frees last step's gradients after the window's start and allocates new ones before its end: net zero.
+    collector's acceptor follows). Gradients count only when they are transient in the measured window
+    (``grads_in_step``): a loop that calls zero_grad(set_to_none=True) after optimizer.step() and before
+    profiler.step(). Where zero_grad comes at the top of the iteration (the reference trainer, torch pipelining) the
+    new gradients outlive the step and the old ones existed before it: neither is an activation.
     """
     return [st.activation_peak_bytes + (st.grad_bytes if grads_in_step else 0.0) for st in estimate_stage_memory(cfg)]
 
