@@ -66,3 +66,54 @@ def test_chain_stages_with_a_rank_missing(tmp_path, skip, want):
         first = min(r for r in want if r > skip[0])
         assert any(f"first rank ({first}) also exchanges P2P with rank {skip[0]}, which has no trace" in n
                    for n in a.notes), a.notes
+
+
+def _two_stage_steps(directory: Path, *, first: tuple[int, int], steps: int = 3) -> Path:
+    """tracebuilder.write_two_stage_run's step three times, 100 µs apart on one clock, rank r numbering its
+    ProfilerSteps from ``first[r]``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    r0 = TraceBuilder(rank=0, world_size=2, pid=10, tid=10)
+    r1 = TraceBuilder(rank=1, world_size=2, pid=11, tid=11)
+    for i in range(steps):
+        o = 100 * i
+        r0.step(first[0] + i, o, o + 100)
+        r0.annotation("PP:0F0", o, 20)
+        r0.cpu_op("aten::mm", o + 2, 16)
+        r0.send(peer=1, ts=o + 20, dur=5)
+        r0.recv(peer=1, ts=o + 30, dur=40)
+        r0.annotation("PP:0B0", o + 70, 20)
+        r0.cpu_op("autograd::engine::evaluate_function: MmBackward0", o + 72, 16)
+        r1.step(first[1] + i, o, o + 100)
+        r1.recv(peer=0, ts=o + 5, dur=21)
+        r1.annotation("PP:1F0", o + 26, 14)
+        r1.cpu_op("aten::mm", o + 27, 12)
+        r1.annotation("PP:1B0", o + 40, 20)
+        r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", o + 41, 18)
+        r1.send(peer=0, ts=o + 60, dur=5)
+    r0.write(directory / "rank0.pt.trace.json.gz")
+    r1.write(directory / "rank1.pt.trace.json.gz")
+    return directory
+
+
+@pytest.mark.parametrize("first", [(1, 1), (1, 2), (5, 2)])
+def test_ranks_numbering_the_same_steps_apart(tmp_path, first):
+    """Two stages, three 100 µs steps run together on one clock (by construction: no clock offset), rank 1's
+    profiler numbering them one or three apart from rank 0's (it called prof.step() once more, or began a step
+    later). Messages pair within a step *number*, so rank 0's step 2 sends were paired with rank 1's step-2
+    receives of the step before: clocks 'corrected' by 94 µs — nearly a step — and rank 1's wait and transfer
+    swapped. By hand, each step rank 1 is in its recv's c10d op 5 µs, then waits 10 µs before rank 0's send is
+    posted (warm-up bubble), then 6 µs receiving, and 5 µs in its send's op: warm-up 10, p2p 16 per step."""
+    import polars as pl
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    a = analyze(load_run(_two_stage_steps(tmp_path, first=first), cache=False))
+    assert a.clock_offsets["offset_ns"].to_list() == [0, 0]
+    assert a.p2p.height == 6  # two messages a step, all paired
+    r1 = a.attribution.filter(pl.col("rank") == 1)
+    for category, per_step_ns in (("bubble_warmup", 10_000), ("p2p", 16_000)):
+        assert r1.filter(pl.col("category") == category)["ns"].to_list() == [per_step_ns] * 3, category
+    assert a.summary.step_ms == pytest.approx(0.1) and len(a.summary.steps) == 2
+    if first[0] != first[1]:
+        assert any("renumbered to rank 0's" in n for n in a.notes), a.notes

@@ -56,8 +56,46 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
         out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank").agg(pl.col("step").sort().alias("s")),
     ], **iv.COLLECT)
     if per_rank.height and per_rank["s"].n_unique() > 1:
-        notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
+        out, n = _renumber_by_time(out)
+        notes += n
+        per_rank = (out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank")
+                    .agg(pl.col("step").sort().alias("s")))
+        if per_rank["s"].n_unique() > 1:
+            notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
     return out, notes
+
+
+def _renumber_by_time(table: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+    """Ranks whose profilers numbered the same steps apart (rank 1's ProfilerStep#3 running while rank 0's #2 does:
+    one called prof.step() once more, or started profiling a step later) get the lowest rank's numbers, where that
+    is unambiguous: every step of the rank that overlaps one of the reference rank's (by more than half the shorter
+    of the two) overlaps exactly one, all at the same distance in numbers. Steps are paired by number everywhere
+    else (P2P messages, the measured steps), so numbers apart pair one step's sends with another's receives."""
+    real = table.filter(pl.col("step") != WHOLE_TRACE_STEP)
+    ref_rank = real["rank"].min()
+    ref = real.filter(pl.col("rank") == ref_rank).select(
+        pl.col("step").alias("_ref"), pl.col("start_ns").alias("_rs"), pl.col("end_ns").alias("_re"))
+    hits = (
+        real.filter(pl.col("rank") != ref_rank).join(ref, how="cross")
+        .filter(pl.min_horizontal("end_ns", "_re") - pl.max_horizontal("start_ns", "_rs")
+                > 0.5 * pl.min_horizontal(pl.col("end_ns") - pl.col("start_ns"), pl.col("_re") - pl.col("_rs")))
+        .with_columns((pl.col("_ref") - pl.col("step")).alias("_by"))
+    )
+    per_step = hits.group_by("rank", "step").agg(pl.len().alias("n"))
+    per_rank = (hits.group_by("rank").agg(pl.col("_by").unique().alias("by"))
+                .join(per_step.group_by("rank").agg((pl.col("n") > 1).any().alias("twice")), on="rank")
+                .filter((pl.col("by").list.len() == 1) & ~pl.col("twice"))
+                .select("rank", pl.col("by").list.first().alias("_by")).filter(pl.col("_by") != 0).sort("rank"))
+    if per_rank.height == 0:
+        return table, []
+    out = (table.join(per_rank, on="rank", how="left")
+           .with_columns(pl.when(pl.col("step") != WHOLE_TRACE_STEP).then(pl.col("step") + pl.col("_by").fill_null(0))
+                         .otherwise(pl.col("step")).cast(pl.Int32).alias("step"))
+           .drop("_by").sort("rank", "step"))
+    moved = "; ".join(f"rank {r} {abs(b)} {'higher' if b < 0 else 'lower'}" for r, b in per_rank.rows())
+    return out, [f"ranks numbered the same ProfilerSteps apart (by the times they ran: {moved} than rank {ref_rank}): "
+                 f"their steps are renumbered to rank {ref_rank}'s, so that each step is compared and its P2P "
+                 "messages paired across ranks"]
 
 
 def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame:
