@@ -117,3 +117,36 @@ def test_ranks_numbering_the_same_steps_apart(tmp_path, first):
     assert a.summary.step_ms == pytest.approx(0.1) and len(a.summary.steps) == 2
     if first[0] != first[1]:
         assert any("renumbered to rank 0's" in n for n in a.notes), a.notes
+
+
+@pytest.mark.parametrize("kernel_us", [130, 80])
+def test_gpu_work_running_past_its_cpu_step_is_said(tmp_path, kernel_us):
+    """One GPU rank, three ProfilerSteps of 1 ms on the CPU, each launching ten kernels of ``kernel_us`` µs, 90 µs
+    apart. At 130 µs the GPU gets 1.3 ms of work a step and falls behind by 0.3 ms a step (the CPU never waits for
+    it): by hand the GPU starts at 30 µs and never idles, so its 30 kernels end at 3.93 ms, 0.93 ms past the last
+    step's span — all of it after the trace's last step — and every step after the first holds earlier kernels. The analysis cut the GPU's time by the CPU's spans
+    and said nothing: a step time of 1.0 ms, 100 % compute, for 1.3 ms of work a step. At 80 µs the GPU keeps up
+    (each kernel ends before the next launch): nothing to say."""
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    tb = TraceBuilder(rank=0, world_size=1, backend="nccl")
+    gpu_free, c = 0.0, 0
+    for n in range(3):
+        t0 = n * 1000
+        tb.step(n + 1, t0, t0 + 1000)
+        for k in range(10):
+            c += 1
+            launch = t0 + 10 + 90 * k
+            tb.cpu_op("aten::mm", launch, 20)
+            tb.launch(launch + 5, 10, correlation=c)
+            gpu_free = max(gpu_free, launch + 20)
+            tb.kernel("ampere_sgemm_128x64_nn", gpu_free, kernel_us, correlation=c)
+            gpu_free += kernel_us
+    a = analyze(load_run(tb.write(tmp_path / "rank0.pt.trace.json.gz"), cache=False))
+    said = [n for n in a.notes if "ran ahead of the GPU" in n]
+    if kernel_us == 80:
+        assert not said, said
+    else:
+        assert len(said) == 1 and "step 3 ran until 0.930 ms after" in said[0] and \
+            "0.930 ms of GPU work after the last step is in no step" in said[0], said

@@ -189,3 +189,36 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
     worst = int(out["offset_ns"].abs().max())
     return out.with_columns(pl.lit("p2p constraints").alias("source")).select(list(schema)), [
         f"clocks differ across ranks: corrected by up to {worst / 1e6:.3f} ms from P2P ordering constraints"]
+
+
+# GPU work that ends this long after its step's ProfilerStep span (as a share of the step) is reported: the CPU
+# ran ahead of the GPU (no synchronisation in the step), so the CPU windows the steps are cut by hold other steps'
+# GPU work, and the last step's overrun lies outside every window.
+GPU_LAG_NOTED_ABOVE = 0.05
+
+
+def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
+    """A note per GPU rank whose work launched inside a step ran past that step's end (``busy``: ``busy_events``).
+    Steps are the CPU's ProfilerStep spans; the GPU's view of a step (its kernels) is cut by them."""
+    gpu = busy.filter(pl.col("is_gpu"))
+    if gpu.height == 0:
+        return []
+    windows = step_table.filter(pl.col("step") != WHOLE_TRACE_STEP)
+    hit = iv.containing(gpu, "launch_ns", windows, by="rank", columns=["step", "end_ns", "dur_ns"],
+                        start="start_ns", end="end_ns")
+    late = (
+        pl.concat([gpu.select("rank", "end"), hit], how="horizontal")
+        .filter(pl.col("step").is_not_null() & (pl.col("dur_ns") > 0))
+        .group_by("rank", "step").agg((pl.col("end") - pl.col("end_ns")).max().alias("over"), pl.col("dur_ns").first())
+        .filter(pl.col("over") > GPU_LAG_NOTED_ABOVE * pl.col("dur_ns"))
+        .sort("rank", "over", descending=[False, True]).unique("rank", keep="first").sort("rank")
+    )
+    last = windows.group_by("rank").agg(pl.col("end_ns").max().alias("_last"))
+    tail = (gpu.join(last, on="rank").filter(pl.col("end") > pl.col("_last"))
+            .group_by("rank").agg((pl.col("end") - pl.max_horizontal("start", "_last")).sum().alias("tail")))
+    tails = dict(tail.rows())
+    return [f"rank {r}: GPU work launched in step {s} ran until {over / 1e6:.3f} ms after its ProfilerStep span ended "
+            f"({over / dur:.0%} of the step; the CPU ran ahead of the GPU): steps are cut by the CPU's spans, so each "
+            "step's figures hold part of earlier steps' GPU work, and the step time is the CPU's"
+            + (f"; {tails[r] / 1e6:.3f} ms of GPU work after the last step is in no step" if tails.get(r) else "")
+            for r, s, over, dur in late.rows()]
