@@ -198,9 +198,15 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
             per = frame.group_by("rank", "_peer").agg(pl.len()).sort("rank", "_peer")
             desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
                              for a, b, n in per.rows())
+            # a peer with no P2P event in the run (its trace missing) is said so, not blamed on step numbers
+            absent = sorted(set(per["_peer"].drop_nulls().to_list()) - set(msgs["rank"].unique().to_list()))
+            why = "messages pair within a step, so ranks numbering their steps apart pair none"
+            if absent:
+                why = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}: no P2P event in the "
+                       "run (no trace, or one without its messages)"
+                       + (f"; {why}" if set(per["_peer"].drop_nulls().to_list()) - set(absent) else ""))
             notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace in the same "
-                         f"ProfilerStep ({desc}; messages pair within a step, so ranks numbering their steps "
-                         "apart pair none); "
+                         f"ProfilerStep ({desc}; {why}); "
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
