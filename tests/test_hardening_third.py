@@ -187,3 +187,31 @@ def test_foreign_p2p_helpers_python_is_p2p_time(folder):
             att = a.attribution.filter((pl.col("rank") == rank) & (pl.col("step") == step))
             got = att.filter(pl.col("category").cast(pl.String).is_in(blocked))["ns"].sum() / att["ns"].sum()
             assert got == pytest.approx(want, abs=0.02), (rank, step, got, want)
+
+
+@pytest.mark.parametrize("skew_us", [30, -30, 500, -500])
+def test_clock_skew_is_corrected_to_the_middle_of_what_the_messages_allow(tmp_path, skew_us):
+    """_two_stage_steps (three steps of one 2-stage pipeline on one clock) with rank 1's clock moved by ``skew_us``
+    (ranks on two hosts). By hand, per step: the activation is sent at 20 µs and received by 26 µs, the gradient
+    sent at 60 µs and received by 70 µs, so the messages allow rank 1's correction δ anywhere in
+    [−skew − 6, −skew + 10] µs. The smallest correction took its upper end (−skew + 10: 10 µs off, with rank 1's
+    warm-up wait of 10 µs a step called transfer, or 16 µs a step), the middle is −skew + 2 µs: 2 µs off, and
+    rank 1's warm-up bubble within 2 µs a step of the 10 µs it is on one clock."""
+    import gzip
+    import json
+
+    import polars as pl
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
+    run = _two_stage_steps(tmp_path, first=(1, 1))
+    p = run / "rank1.pt.trace.json.gz"
+    trace = json.loads(gzip.decompress(p.read_bytes()))
+    for e in trace["traceEvents"]:
+        e["ts"] += skew_us
+    p.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    a = analyze(load_run(run, cache=False))
+    assert dict(a.clock_offsets.select("rank", "offset_ns").rows()) == {0: 0, 1: (-skew_us + 2) * 1000}
+    warmup = a.attribution.filter((pl.col("rank") == 1) & (pl.col("category") == "bubble_warmup"))["ns"].to_list()
+    assert all(abs(w - 10_000) <= 2_000 for w in warmup), warmup

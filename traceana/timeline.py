@@ -8,7 +8,8 @@
 - Clocks: ranks on one host share the wall clock (docs/field-notes.md), so offsets are zero. Across hosts a per-rank
   offset is estimated from matched P2P pairs: a receive cannot complete before its send started, i.e.
   ``send_start_ns + o[src] <= recv_end_ns + o[dst]``; the smallest corrections satisfying all pairs are the shortest
-  paths of that difference-constraint system (Bellman–Ford over ranks, not events).
+  paths of that difference-constraint system (Bellman–Ford over ranks, not events), and where messages in both
+  directions bound a rank, its offset is the middle of the interval they allow (``_mid_offsets``).
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
         return zero.with_columns(pl.lit("inconsistent (left uncorrected)").alias("source")), [
             "P2P timings contradict each other across ranks (a cycle of impossible orderings): clocks left as recorded"]
     base = dist[min(ranks)]
-    out = pl.DataFrame({"rank": ranks, "offset_ns": [dist[r] - base for r in ranks]},
+    offset = _mid_offsets(rows, ranks, {r: dist[r] - base for r in ranks})
+    out = pl.DataFrame({"rank": ranks, "offset_ns": [offset[r] for r in ranks]},
                        schema={"rank": pl.Int32, "offset_ns": pl.Int64})
     worst = int(out["offset_ns"].abs().max())
     return out.with_columns(pl.lit("p2p constraints").alias("source")).select(list(schema)), [
@@ -222,3 +224,40 @@ def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
             "step's figures hold part of earlier steps' GPU work, and the step time is the CPU's"
             + (f"; {tails[r] / 1e6:.3f} ms of GPU work after the last step is in no step" if tails.get(r) else "")
             for r, s, over, dur in late.rows()]
+
+
+def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: dict[int, int]) -> dict[int, int]:
+    """Each rank's offset from its group's first rank's clock: the middle of the interval the pairs allow it, where messages
+    in both directions bound it (``edges``: ``src, dst, c`` with ``o[src] − o[dst] ≤ c``). The smallest correction
+    (``smallest``: the shortest paths) sits at an end of that interval, where the tightest message in one direction
+    took no time at all and its waiting and transfer are split as if it had; the middle is at most half the
+    interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
+    middles that together break a pair, keep ``smallest``."""
+    # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
+    group = {r: r for r in ranks}
+
+    def head(r: int) -> int:
+        while group[r] != r:
+            r = group[r]
+        return r
+    for src, dst, _ in edges:
+        if src in group and dst in group:
+            a, b = head(src), head(dst)
+            group[max(a, b)] = min(a, b)
+    inf = float("inf")
+    hi = {r: (0 if head(r) == r else inf) for r in ranks}
+    lo = {r: (0 if head(r) == r else -inf) for r in ranks}
+    for _ in range(len(ranks)):
+        changed = False
+        for src, dst, c in edges:
+            if src in hi and dst in hi:
+                if hi[dst] + c < hi[src]:
+                    hi[src], changed = hi[dst] + c, True
+                if lo[src] - c > lo[dst]:
+                    lo[dst], changed = lo[src] - c, True
+        if not changed:
+            break
+    mid = {r: (int((lo[r] + hi[r]) // 2) if lo[r] > -inf and hi[r] < inf else smallest[r]) for r in ranks}
+    if all(mid[s] - mid[d] <= c for s, d, c in edges if s in mid and d in mid):
+        return mid
+    return smallest
