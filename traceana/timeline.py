@@ -227,11 +227,11 @@ def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
 
 
 def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: dict[int, int]) -> dict[int, int]:
-    """Each rank's offset from its group's first rank's clock: the middle of the interval the pairs allow it, where messages
-    in both directions bound it (``edges``: ``src, dst, c`` with ``o[src] − o[dst] ≤ c``). The smallest correction
-    (``smallest``: the shortest paths) sits at an end of that interval, where the tightest message in one direction
-    took no time at all and its waiting and transfer are split as if it had; the middle is at most half the
-    interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
+    """Each rank's offset from its group's first rank's clock: the middle of the interval the pairs allow it, where
+    messages in both directions bound it (``edges``: ``src, dst, c`` with ``o[src] − o[dst] ≤ c``). The smallest
+    correction (``smallest``: the shortest paths) sits at an end of that interval, where the tightest message in one
+    direction took no time at all and its waiting and transfer are split as if it had; the middle is at most half
+    the interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
     middles that together break a pair, keep ``smallest``."""
     # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
     group = {r: r for r in ranks}
