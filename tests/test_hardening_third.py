@@ -128,9 +128,9 @@ def test_gpu_work_running_past_its_cpu_step_is_said(tmp_path, kernel_us):
     """One GPU rank, three ProfilerSteps of 1 ms on the CPU, each launching ten kernels of ``kernel_us`` µs, 90 µs
     apart. At 130 µs the GPU gets 1.3 ms of work a step and falls behind by 0.3 ms a step (the CPU never waits for
     it): by hand the GPU starts at 30 µs and never idles, so its 30 kernels end at 3.93 ms, 0.93 ms past the last
-    step's span — all of it after the trace's last step — and every step after the first holds earlier kernels. The analysis cut the GPU's time by the CPU's spans
-    and said nothing: a step time of 1.0 ms, 100 % compute, for 1.3 ms of work a step. At 80 µs the GPU keeps up
-    (each kernel ends before the next launch): nothing to say."""
+    step's span — all of it after the trace's last step — and every step after the first holds earlier kernels.
+    The analysis cut the GPU's time by the CPU's spans and said nothing: a step time of 1.0 ms, 100 % compute, for
+    1.3 ms of work a step. At 80 µs the GPU keeps up (each kernel ends before the next launch): nothing to say."""
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
 
