@@ -16,7 +16,7 @@ from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
 from traceana.pipeline import traced_manifest
-from traceana.model.memory import activation_peak_estimate, estimate_stage_memory
+from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
 from traceana.validation.measurement import (WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus,
@@ -178,8 +178,6 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     )
     grads_in_step = bool(run.manifest.extra.get("grads_in_step", False)) if run.manifest else False
     est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
-    short = [s.stage for s, e in zip(estimate_stage_memory(cfg), est_mem)
-             if not grads_in_step and e < s.activation_peak_bytes - 1]
     mem = (
         analysis.stage_memory.filter(pl.col("step").is_in(analysis.summary.steps))
         .filter(pl.col("rank").is_in(list(meas.rank_of_stage.values())))
@@ -252,11 +250,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
            else "; BPipe: run.json says it is on, but the traces hold no BPipe transfer, so its transfers are "
                 "simulated as free — check run.json's bpipe" if bpipe else ""),
         "memory estimate: saved activations in flight"
-        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory"
-        + (f"; on stage{'s' if len(short) > 1 else ''} {', '.join(map(str, short))} less the gradients: the peak "
-           "comes before the first backward has made them again, while the step-start allocation it is measured "
-           "from held them (zero_grad(set_to_none=True) at the step's top); `estimate` prints the peak itself"
-           if short else ""),
+        + (" + gradients allocated in the step" if grads_in_step else "") + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
     traced = traced_manifest(run.manifest, analysis.schedule)
     if run.manifest is not None and traced is not run.manifest:
