@@ -360,24 +360,6 @@ def peak_in_flight(order: list[Op], *, virtual_stages: int = 1) -> float:
     return peak / virtual_stages
 
 
-def in_flight_around_first_backward(order: list[Op], *, virtual_stages: int = 1) -> tuple[float, float]:
-    """``(before, after)``: most micro-batches held (as ``peak_in_flight`` counts them) at the start of a backward
-    op (B, I or W) up to and including the device's first op that makes weight gradients (a B, or the W of a split
-    backward), and at the start of those after it (0 if none). A loop that frees its gradients at the top of the
-    step (zero_grad(set_to_none=True)) has none until that first op: GPipe's peak, all forwards before any
-    backward, comes without them; 1F1B's is reached again after its first backward, with them."""
-    live, before, after, made = 0, 0, 0, False
-    for op in order:
-        if op.action in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-            if made:
-                after = max(after, live)
-            else:
-                before = max(before, live)
-            made = made or op.action in (BACKWARD, BACKWARD_WEIGHT)
-        live += {FORWARD: 1, BACKWARD: -1, BACKWARD_WEIGHT: -1}.get(op.action, 0)
-    return before / virtual_stages, after / virtual_stages
-
-
 def microbatches_in_flight(schedule: str, *, pp: int, stage: int, num_microbatches: int,
                            virtual_stages: int = 1) -> float:
     """Peak micro-batches whose activations a device holds: m for GPipe, min(p−s, m) for 1F1B, and for interleaved

@@ -30,13 +30,7 @@ from dataclasses import dataclass
 
 from traceana.manifest import ModelShape
 from traceana.model.config import TrainingConfig
-from traceana.pipeline_rules import (
-    bpipe_holding,
-    bpipe_pairs,
-    device_order,
-    in_flight_around_first_backward,
-    microbatches_in_flight,
-)
+from traceana.pipeline_rules import bpipe_holding, bpipe_pairs, microbatches_in_flight
 
 LSE_BYTES = 4  # flash attention saves one fp32 log-sum-exp per (head, query token)
 LOGIT_BYTES = 4  # cross-entropy keeps fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
@@ -313,27 +307,9 @@ def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False
     In flight: own micro-batches and, with BPipe, accepted ones (``pipeline_rules.bpipe_holding``, which the reference
     collector's acceptor follows). Gradients count only when they are allocated inside the measured window: a loop
     that calls zero_grad(set_to_none=True) at the top of the iteration and profiler.step() at its end (the reference
-    trainer, the pipelining example) frees last step's gradients after the window's start and allocates new ones
-    before its end: net zero at the end, but not at a peak that comes before the device's first backward made them
-    again (``pipeline_rules.in_flight_around_first_backward``): GPipe's, or any schedule's whose forwards all run
-    first. There the step-start allocation still counted them and the peak does not: the measured peak is the
-    activations less the gradients, and the larger of that and the peak with them back is what is measured.
+    trainer) frees last step's gradients after the window's start and allocates new ones before its end: net zero.
     """
-    out = []
-    for st in estimate_stage_memory(cfg):
-        if grads_in_step:
-            out.append(st.activation_peak_bytes + st.grad_bytes)
-            continue
-        if cfg.bpipe or st.foreign_in_flight or not st.in_flight:  # BPipe's holding: as estimated
-            out.append(st.activation_peak_bytes)
-            continue
-        order = device_order(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, device=st.stage,
-                             virtual_stages=cfg.virtual_stages)
-        before, after = in_flight_around_first_backward(order, virtual_stages=cfg.virtual_stages)
-        per, working = st.activation_bytes / st.in_flight, st.activation_peak_bytes - st.activation_bytes
-        with_grads = per * after + working if after else 0.0
-        out.append(max(per * before + working - st.grad_bytes, with_grads, 0.0))
-    return out
+    return [st.activation_peak_bytes + (st.grad_bytes if grads_in_step else 0.0) for st in estimate_stage_memory(cfg)]
 
 
 # Memory a training process needs beyond the model's terms: the CUDA context, the allocator's fragmentation and
