@@ -114,12 +114,12 @@ def test_older_kinetos_capitalised_categories_are_read_alike(tmp_path, renamed, 
     assert got.get("host") == 2 * 300_000, got
 
 
-def _dp_ranks_numbering_steps_apart(directory):
-    """Two data-parallel ranks whose profilers number the same three steps differently (rank 0: 1, 2, 3; rank 1:
-    11, 12, 13), each 100, 200 and 200 µs long."""
+def _dp_ranks_numbering_steps_apart(directory, *, apart_us: float = 0):
+    """Two data-parallel ranks whose profilers number three steps differently (rank 0: 1, 2, 3; rank 1: 11, 12,
+    13), each 100, 200 and 200 µs long; rank 1's ``apart_us`` later (0: the same steps, run together)."""
     for r, first in ((0, 1), (1, 11)):
         tb = TraceBuilder(rank=r, world_size=2, pid=10 + r, tid=10 + r)
-        t = 0
+        t = apart_us * r
         for i, dur in enumerate((100, 200, 200)):
             tb.step(first + i, t, t + dur)
             tb.cpu_op("aten::mm", t + 1, dur - 30)
@@ -129,16 +129,20 @@ def _dp_ranks_numbering_steps_apart(directory):
     return directory
 
 
-def test_step_time_when_no_step_number_is_common_to_every_rank(tmp_path):
-    """No step is common to both ranks: the headline was the mean over all six (rank, step) pairs, first steps
-    included, 0.167 ms — neither rank's steady step. Each rank's first step is left out as when the numbers match,
-    and the slowest rank's mean is 0.2 ms by construction."""
+@pytest.mark.parametrize("apart_us, steps", [
+    (10_000, {2, 3, 12, 13}),  # run at other times: nothing says which steps are the same
+    (0, {2, 3}),  # run together: the same steps (renumbered to rank 0's, test_hardening_third)
+])
+def test_step_time_when_no_step_number_is_common_to_every_rank(tmp_path, apart_us, steps):
+    """No step number is common to both ranks: the headline was the mean over all six (rank, step) pairs, first
+    steps included, 0.167 ms — neither rank's steady step. Each rank's first step is left out as when the numbers
+    match, and the slowest rank's mean is 0.2 ms by construction."""
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
 
-    s = analyze(load_run(_dp_ranks_numbering_steps_apart(tmp_path), cache=False)).summary
+    s = analyze(load_run(_dp_ranks_numbering_steps_apart(tmp_path, apart_us=apart_us), cache=False)).summary
     assert s.step_ms == pytest.approx(0.200)
-    assert set(s.steps) == {2, 3, 12, 13}
+    assert set(s.steps) == steps
 
 
 def test_step_time_when_one_rank_has_no_profiler_steps(tmp_path):

@@ -170,7 +170,10 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     notes += pipeline.dropped_annotation_notes(events)
     notes += pipeline.contradiction_notes(pipeline.annotated_facts(annotated), run.manifest)
 
-    labelled = attr.label_busy(timeline.busy_events(events), schedule)
+    busy = timeline.busy_events(events)
+    notes += timeline.gpu_lag_notes(busy, steps)
+    labelled = attr.label_busy(busy, schedule)
+    del busy
     # (The GPU extents before the segments, which they do not change: their group-by of the busy kernels then
     # does not add to the segments' memory, the analysis' peak; the segments do not read the windows.)
     extents = attr.gpu_schedule_extents(schedule, labelled)

@@ -15,8 +15,10 @@ Every instant of a step gets the first category (in this priority order) whose i
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
-6. on a CPU rank, the rest of an annotated compute action's window (PP: span, GPipe's ``Forward {i}``, the
-   optimizer step): that action's phase — see "Blocked or computing" below;
+6. on a CPU rank, the rest of a framework's P2P helper (a span a name rule calls ``p2p_call``: Megatron's
+   ``send_forward``, DeepSpeed's ``SendActivation``, …): ``p2p`` — the helper's own Python (building the ops,
+   allocating receive buffers) is the cost of its transfers; then the rest of an annotated compute action's window
+   (PP: span, GPipe's ``Forward {i}``, the optimizer step): that action's phase — see "Blocked or computing" below;
 7. ``host`` — idle that no dependency explains (Python, data loading, launch overhead).
 
 Blocked or computing (asynchronous P2P): a message's span runs from its post to the return of its ``wait()``, and
@@ -218,7 +220,7 @@ def segments(
     gpu = _gpu_ranks(labelled)
     # The event subsets each layer reads are one collect_all (docs/performance.md "Fixed cost").
     ev = events.lazy()
-    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait = pl.collect_all([
+    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait, p2p_calls = pl.collect_all([
         _span(ev.filter(pl.col("kind") == "collective")),
         ev.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS))).select("rank", "ts_ns", "dur_ns"),
         pairs.lazy().filter(pl.col("channel") == "bpipe"),
@@ -229,6 +231,9 @@ def segments(
                         & ~pl.col("is_gpu") & (pl.col("cat") != "user_annotation"))
               .join(gpu.lazy(), on="rank", how="anti")),
         _span(ev.filter(pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B]))),
+        # A framework's P2P helper (name rules' p2p_call: Megatron's send_forward, DeepSpeed's SendActivation):
+        # on a CPU rank, its time no op covers and no wait explains is the helper's own Python, P2P's.
+        _span(ev.filter((pl.col("kind") == "p2p_call") & ~pl.col("is_gpu")).join(gpu.lazy(), on="rank", how="anti")),
     ], **iv.COLLECT)
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -264,6 +269,7 @@ def segments(
         ("collective", collective), ("bpipe", bpipe), ("p2p", transfer),
         *_by(bubbles, "category", (pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_COOLDOWN,
                                    pipeline_rules.BUBBLE_STALL)).items(),
+        ("p2p", p2p_calls),
         *fill.items(),
     ]
     segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category",

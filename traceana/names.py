@@ -176,7 +176,10 @@ def overlap_columns(name: pl.Expr) -> dict[str, pl.Expr]:
 # rules cover the public frameworks below; a rules file (docs/naming.md) adds a user's own, ahead of them.
 PHASES = tuple(PHASE_OF_ACTION.values())
 ACTION_OF_PHASE = {phase: action for action, phase in PHASE_OF_ACTION.items()}
-RULE_KINDS = ("compute", "collective", "other")  # what a name can make an event (P2P needs a peer: not by name)
+# What a name can make an event. A P2P message needs a peer, so not by name; ``p2p_call`` marks the span of a
+# framework's P2P helper (Megatron's send_forward, DeepSpeed's SendActivation, …): the host time inside it that no
+# op covers and no wait explains is that helper's own cost (building the ops, allocating receive buffers), P2P's.
+RULE_KINDS = ("compute", "collective", "other", "p2p_call")
 ORDER = "order"  # ``microbatch = "order"``: numbered 0, 1, … in order of appearance per (rank, step, stage, phase)
 RULE_KEYS = ("match", "phase", "kind", "channel", "microbatch")
 EXPERT_PARALLEL = "ep"  # the channel of expert-parallel all-to-all communication (DeepEP)
@@ -212,8 +215,10 @@ def _builtin(source: str, *rules: tuple[str, dict]) -> tuple[NameRule, ...]:
 # which Kineto does not keep): its forward_step / backward_step appear as Python frames with ``with_stack=True``,
 # e.g. ``megatron/core/pipeline_parallel/schedules.py(402): forward_step`` (older trees: ``megatron/schedules.py``).
 # Its P2P helpers (p2p_communication's send_forward, recv_backward, send_forward_recv_backward, …) run c10d ops,
-# which are read as P2P already.
+# which are read as P2P already; their frames are P2P calls (``p2p_call``): their own Python is P2P time too.
 _MEGATRON = r"megatron/(?:core/pipeline_parallel/)?schedules\.py\(\d+\): "
+_MEGATRON_P2P = (r"megatron/(?:core/pipeline_parallel/)?p2p_communication\.py\(\d+\): "
+                 r"(?:send|recv)_(?:forward|backward)\w*$")
 # DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/engine.py) runs its pipe instructions ForwardPass, BackwardPass,
 # OptimizerStep, Send/RecvActivation, Send/RecvGrad through ``_exec_forward_pass`` etc., seen the same way.
 _DEEPSPEED = r"deepspeed/runtime/pipe/engine\.py\(\d+\): "
@@ -234,6 +239,7 @@ BUILTIN_RULES: dict[str, tuple[NameRule, ...]] = {
         # The data-parallel gradient reduction after the last backward (all-reduce / reduce-scatter and its wait).
         (r"megatron/core/distributed/finalize_model_grads\.py\(\d+\): finalize_model_grads$",
          dict(kind="collective")),
+        (_MEGATRON_P2P, dict(kind="p2p_call")),
     ),
     "deepspeed": _builtin(
         "deepspeed",
@@ -244,6 +250,8 @@ BUILTIN_RULES: dict[str, tuple[NameRule, ...]] = {
         # the last stage: collectives whose wait() gloo records no span for — only its Python frame shows it.
         (rf"{_DEEPSPEED}(?:_exec_reduce_grads|_exec_reduce_tied_grads|_aggregate_total_loss)$",
          dict(kind="collective")),
+        # SendActivation / RecvActivation / SendGrad / RecvGrad: P2P calls (their own Python is P2P time too)
+        (rf"{_DEEPSPEED}_exec_(?:send|recv)_(?:activations|grads)$", dict(kind="p2p_call")),
     ),
     # DualPipe (DeepSeek-V3 §3.2.1) annotates each chunk's pieces ``attn(F)``, ``mlp(B)``, ``mlp(W)``,
     # ``dispatch(F)``, ``combine(B)``: F forward, B the backward for inputs, W the backward for weights (split off

@@ -198,9 +198,15 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
             per = frame.group_by("rank", "_peer").agg(pl.len()).sort("rank", "_peer")
             desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
                              for a, b, n in per.rows())
+            # a peer with no P2P event in the run (its trace missing) is said so, not blamed on step numbers
+            absent = sorted(set(per["_peer"].drop_nulls().to_list()) - set(msgs["rank"].unique().to_list()))
+            why = "messages pair within a step, so ranks numbering their steps apart pair none"
+            if absent:
+                why = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}: no P2P event in the "
+                       "run (no trace, or one without its messages)"
+                       + (f"; {why}" if set(per["_peer"].drop_nulls().to_list()) - set(absent) else ""))
             notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace in the same "
-                         f"ProfilerStep ({desc}; messages pair within a step, so ranks numbering their steps "
-                         "apart pair none); "
+                         f"ProfilerStep ({desc}; {why}); "
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
@@ -250,10 +256,23 @@ def stage_map(
         known.setdefault(r, (s, "annotations"))
     notes: list[str] = []
     p2p = pairs.filter(pl.col("channel") == "p2p") if len(known) < len(ranks) else pairs.clear()
+    cut: list[Placement] = []
     if p2p.height:  # (without P2P pairs there is no chain: its inputs, a pass over the events, are not built)
         found, n = placements(p2p, *_placement_inputs(events, msgs, pairs))
         notes += n
-        for pl_ in found:
+        # A chain's first rank holds stage 0 only if nothing is upstream of it: one that also exchanges P2P with
+        # a rank that has no trace here (a lost file, a run profiled on some ranks only) may have stages before it,
+        # and counting positions from it numbers every rank of the chain too low.
+        absent = _absent_peers(msgs if msgs is not None else pairs.clear(), ranks)
+        cut = [pl_ for pl_ in found if absent.get(pl_.order[0])]
+        for pl_ in cut:
+            notes.append(
+                f"ranks {', '.join(map(str, pl_.order))} form a P2P chain whose first rank ({pl_.order[0]}) also "
+                f"exchanges P2P with rank{'s' if len(absent[pl_.order[0]]) > 1 else ''} "
+                f"{', '.join(map(str, absent[pl_.order[0]]))}, which has no trace here: the stages before it are not "
+                "in the run, so their stage numbers are not determined (give run.json's stage_of_rank, or the "
+                "missing traces)")
+        for pl_ in (x for x in found if x not in cut):
             held = pl_.stages()
             source = "inferred from P2P chain" if pl_.kind == "single" else f"{PATTERN_SOURCE} ({pl_.kind})"
             guessed = [r for r in pl_.order if r not in known]
@@ -263,7 +282,7 @@ def stage_map(
                     virtual[r] = held[r] or []
             if guessed and pl_.kind != "single":
                 notes.append(placement_note(pl_, guessed))
-    unknown = [r for r in ranks if r not in known]
+    unknown = [r for r in ranks if r not in known and not any(r in x.order for x in cut)]
     if unknown:
         which, they = ("rank", "it gets") if len(unknown) == 1 else ("ranks", "they get")
         facts = "no run.json" if manifest is None else "run.json gives no stage_of_rank"
@@ -278,6 +297,17 @@ def stage_map(
 
 
 PATTERN_SOURCE = "inferred from P2P pattern"  # stage_source of ranks whose several stages the P2P pattern showed
+
+
+def _absent_peers(msgs: pl.DataFrame, ranks: list[int]) -> dict[int, list[int]]:
+    """rank -> the P2P peers (channel p2p) it exchanged messages with that have no trace among ``ranks``."""
+    if msgs.height == 0 or "peer" not in msgs.columns:
+        return {}
+    rank_col = "rank" if "rank" in msgs.columns else "src"
+    gone = (msgs.lazy().filter((pl.col("channel") == "p2p") & pl.col("peer").is_not_null()
+                               & ~pl.col("peer").is_in(ranks) & (pl.col("peer") != pl.col(rank_col)))
+            .group_by(rank_col).agg(pl.col("peer").unique().sort()).collect(**iv.COLLECT))
+    return {r: p for r, p in gone.rows()}
 
 
 def several_stages(stages: pl.DataFrame) -> list[int]:

@@ -14,6 +14,7 @@ from traceana.errors import TraceanaError
 KINDS = (
     "compute", "p2p_send", "p2p_recv", "bpipe_transfer", "collective", "memcpy", "memset",
     "annotation", "step", "runtime", "other",
+    "p2p_call",  # a framework's P2P helper (its Python frame, by a name rule): host time inside it is P2P's
 )
 Kind = pl.Enum(list(KINDS))
 

@@ -8,7 +8,8 @@
 - Clocks: ranks on one host share the wall clock (docs/field-notes.md), so offsets are zero. Across hosts a per-rank
   offset is estimated from matched P2P pairs: a receive cannot complete before its send started, i.e.
   ``send_start_ns + o[src] <= recv_end_ns + o[dst]``; the smallest corrections satisfying all pairs are the shortest
-  paths of that difference-constraint system (Bellman–Ford over ranks, not events).
+  paths of that difference-constraint system (Bellman–Ford over ranks, not events), and where messages in both
+  directions bound a rank, its offset is the middle of the interval they allow (``_mid_offsets``).
 """
 
 from __future__ import annotations
@@ -56,8 +57,46 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
         out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank").agg(pl.col("step").sort().alias("s")),
     ], **iv.COLLECT)
     if per_rank.height and per_rank["s"].n_unique() > 1:
-        notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
+        out, n = _renumber_by_time(out)
+        notes += n
+        per_rank = (out.filter(pl.col("step") != WHOLE_TRACE_STEP).group_by("rank")
+                    .agg(pl.col("step").sort().alias("s")))
+        if per_rank["s"].n_unique() > 1:
+            notes.append("ranks recorded different ProfilerStep numbers; steps are compared only where numbers match")
     return out, notes
+
+
+def _renumber_by_time(table: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+    """Ranks whose profilers numbered the same steps apart (rank 1's ProfilerStep#3 running while rank 0's #2 does:
+    one called prof.step() once more, or started profiling a step later) get the lowest rank's numbers, where that
+    is unambiguous: every step of the rank that overlaps one of the reference rank's (by more than half the shorter
+    of the two) overlaps exactly one, all at the same distance in numbers. Steps are paired by number everywhere
+    else (P2P messages, the measured steps), so numbers apart pair one step's sends with another's receives."""
+    real = table.filter(pl.col("step") != WHOLE_TRACE_STEP)
+    ref_rank = real["rank"].min()
+    ref = real.filter(pl.col("rank") == ref_rank).select(
+        pl.col("step").alias("_ref"), pl.col("start_ns").alias("_rs"), pl.col("end_ns").alias("_re"))
+    hits = (
+        real.filter(pl.col("rank") != ref_rank).join(ref, how="cross")
+        .filter(pl.min_horizontal("end_ns", "_re") - pl.max_horizontal("start_ns", "_rs")
+                > 0.5 * pl.min_horizontal(pl.col("end_ns") - pl.col("start_ns"), pl.col("_re") - pl.col("_rs")))
+        .with_columns((pl.col("_ref") - pl.col("step")).alias("_by"))
+    )
+    per_step = hits.group_by("rank", "step").agg(pl.len().alias("n"))
+    per_rank = (hits.group_by("rank").agg(pl.col("_by").unique().alias("by"))
+                .join(per_step.group_by("rank").agg((pl.col("n") > 1).any().alias("twice")), on="rank")
+                .filter((pl.col("by").list.len() == 1) & ~pl.col("twice"))
+                .select("rank", pl.col("by").list.first().alias("_by")).filter(pl.col("_by") != 0).sort("rank"))
+    if per_rank.height == 0:
+        return table, []
+    out = (table.join(per_rank, on="rank", how="left")
+           .with_columns(pl.when(pl.col("step") != WHOLE_TRACE_STEP).then(pl.col("step") + pl.col("_by").fill_null(0))
+                         .otherwise(pl.col("step")).cast(pl.Int32).alias("step"))
+           .drop("_by").sort("rank", "step"))
+    moved = "; ".join(f"rank {r} {abs(b)} {'higher' if b < 0 else 'lower'}" for r, b in per_rank.rows())
+    return out, [f"ranks numbered the same ProfilerSteps apart (by the times they ran: {moved} than rank {ref_rank}): "
+                 f"their steps are renumbered to rank {ref_rank}'s, so that each step is compared and its P2P "
+                 "messages paired across ranks"]
 
 
 def assign_steps(events: pl.DataFrame, step_table: pl.DataFrame) -> pl.DataFrame:
@@ -146,8 +185,79 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
         return zero.with_columns(pl.lit("inconsistent (left uncorrected)").alias("source")), [
             "P2P timings contradict each other across ranks (a cycle of impossible orderings): clocks left as recorded"]
     base = dist[min(ranks)]
-    out = pl.DataFrame({"rank": ranks, "offset_ns": [dist[r] - base for r in ranks]},
+    offset = _mid_offsets(rows, ranks, {r: dist[r] - base for r in ranks})
+    out = pl.DataFrame({"rank": ranks, "offset_ns": [offset[r] for r in ranks]},
                        schema={"rank": pl.Int32, "offset_ns": pl.Int64})
     worst = int(out["offset_ns"].abs().max())
     return out.with_columns(pl.lit("p2p constraints").alias("source")).select(list(schema)), [
         f"clocks differ across ranks: corrected by up to {worst / 1e6:.3f} ms from P2P ordering constraints"]
+
+
+# GPU work that ends this long after its step's ProfilerStep span (as a share of the step) is reported: the CPU
+# ran ahead of the GPU (no synchronisation in the step), so the CPU windows the steps are cut by hold other steps'
+# GPU work, and the last step's overrun lies outside every window.
+GPU_LAG_NOTED_ABOVE = 0.05
+
+
+def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
+    """A note per GPU rank whose work launched inside a step ran past that step's end (``busy``: ``busy_events``).
+    Steps are the CPU's ProfilerStep spans; the GPU's view of a step (its kernels) is cut by them."""
+    gpu = busy.filter(pl.col("is_gpu"))
+    if gpu.height == 0:
+        return []
+    windows = step_table.filter(pl.col("step") != WHOLE_TRACE_STEP)
+    hit = iv.containing(gpu, "launch_ns", windows, by="rank", columns=["step", "end_ns", "dur_ns"],
+                        start="start_ns", end="end_ns")
+    late = (
+        pl.concat([gpu.select("rank", "end"), hit], how="horizontal")
+        .filter(pl.col("step").is_not_null() & (pl.col("dur_ns") > 0))
+        .group_by("rank", "step").agg((pl.col("end") - pl.col("end_ns")).max().alias("over"), pl.col("dur_ns").first())
+        .filter(pl.col("over") > GPU_LAG_NOTED_ABOVE * pl.col("dur_ns"))
+        .sort("rank", "over", descending=[False, True]).unique("rank", keep="first").sort("rank")
+    )
+    last = windows.group_by("rank").agg(pl.col("end_ns").max().alias("_last"))
+    tail = (gpu.join(last, on="rank").filter(pl.col("end") > pl.col("_last"))
+            .group_by("rank").agg((pl.col("end") - pl.max_horizontal("start", "_last")).sum().alias("tail")))
+    tails = dict(tail.rows())
+    return [f"rank {r}: GPU work launched in step {s} ran until {over / 1e6:.3f} ms after its ProfilerStep span ended "
+            f"({over / dur:.0%} of the step; the CPU ran ahead of the GPU): steps are cut by the CPU's spans, so each "
+            "step's figures hold part of earlier steps' GPU work, and the step time is the CPU's"
+            + (f"; {tails[r] / 1e6:.3f} ms of GPU work after the last step is in no step" if tails.get(r) else "")
+            for r, s, over, dur in late.rows()]
+
+
+def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: dict[int, int]) -> dict[int, int]:
+    """Each rank's offset from its group's first rank's clock: the middle of the interval the pairs allow it, where
+    messages in both directions bound it (``edges``: ``src, dst, c`` with ``o[src] − o[dst] ≤ c``). The smallest
+    correction (``smallest``: the shortest paths) sits at an end of that interval, where the tightest message in one
+    direction took no time at all and its waiting and transfer are split as if it had; the middle is at most half
+    the interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
+    middles that together break a pair, keep ``smallest``."""
+    # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
+    group = {r: r for r in ranks}
+
+    def head(r: int) -> int:
+        while group[r] != r:
+            r = group[r]
+        return r
+    for src, dst, _ in edges:
+        if src in group and dst in group:
+            a, b = head(src), head(dst)
+            group[max(a, b)] = min(a, b)
+    inf = float("inf")
+    hi = {r: (0 if head(r) == r else inf) for r in ranks}
+    lo = {r: (0 if head(r) == r else -inf) for r in ranks}
+    for _ in range(len(ranks)):
+        changed = False
+        for src, dst, c in edges:
+            if src in hi and dst in hi:
+                if hi[dst] + c < hi[src]:
+                    hi[src], changed = hi[dst] + c, True
+                if lo[src] - c > lo[dst]:
+                    lo[dst], changed = lo[src] - c, True
+        if not changed:
+            break
+    mid = {r: (int((lo[r] + hi[r]) // 2) if lo[r] > -inf and hi[r] < inf else smallest[r]) for r in ranks}
+    if all(mid[s] - mid[d] <= c for s, d, c in edges if s in mid and d in mid):
+        return mid
+    return smallest
