@@ -144,7 +144,7 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
                   steps: list[int]) -> pl.DataFrame:
     """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
     own_ms (step − exposed collective), compute_ms, collective_ms."""
-    from traceana.pipeline import pipeline_groups  # (not traceana.partitioned: its cluster tasks, scale and their imports)
+    from traceana.pipeline import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
 
     att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
            .collect(**COLLECT))
