@@ -262,6 +262,36 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("polars", "msgspec", 
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("case", ["small", "user", "larger"])
+def test_a_small_run_is_read_with_one_polars_thread_and_arena(tmp_path, case):
+    """Before polars is imported, a run of at most SMALL_RUN_BYTES of JSON gets one polars thread and one jemalloc
+    arena (docs/performance.md "Fixed cost"); a value the user set is kept, and a larger run keeps polars' own."""
+    run = _two_stage_run(tmp_path)
+    if case == "larger":
+        (run / "rank2.json").write_bytes(b" " * (reading.SMALL_RUN_BYTES + 1))
+    env = {k: v for k, v in os.environ.items() if k not in ("POLARS_MAX_THREADS", "_RJEM_MALLOC_CONF")}
+    if case == "user":
+        env |= {"POLARS_MAX_THREADS": "2", "_RJEM_MALLOC_CONF": "dirty_decay_ms:5"}
+    code = f"""
+import os
+from traceana.ingest import reading
+reading.read_ahead({str(run)!r}, cache=False)
+print(os.environ.get("POLARS_MAX_THREADS"), os.environ.get("_RJEM_MALLOC_CONF"))
+import polars  # (which puts its own allocator defaults before the value: later options win)
+print(polars.thread_pool_size())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    threads, conf, pool = out.stdout.split()
+    assert (threads, conf) == {
+        "small": ("1", "narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0"),
+        "user": ("2", "dirty_decay_ms:5"),
+        "larger": ("None", "dirty_decay_ms:0,muzzy_decay_ms:0"),
+    }[case]
+    if threads != "None":
+        assert pool == threads
+
+
 def test_a_read_ahead_of_a_huge_trace_stops_early(tmp_path):
     # ~50 MB of JSON in tiny events (~600k): the read-ahead, which the memory rule does not watch, stops after
     # AHEAD_EVENTS events (plus what its last scanner call read) and waits; the rest is read under the rule.

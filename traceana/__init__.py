@@ -18,8 +18,9 @@ from traceana.version import __version__  # noqa: E402
 # polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
 # frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
 # them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%. Only takes effect when
-# traceana is imported before polars; a value the user set is kept.
-_os.environ.setdefault("_RJEM_MALLOC_CONF", "dirty_decay_ms:0,muzzy_decay_ms:0")
+# traceana is imported before polars; a value the user set is kept (a small run adds one arena: reading.py).
+ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
+_os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
 
 from traceana.errors import TraceanaError  # noqa: E402
 

@@ -16,9 +16,11 @@ import threading
 import types
 
 # Imported by polars (iceberg and cloud I/O), traceana's file helpers and its process-pool fallback, used by none of
-# them in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed cost"). Deferred
-# only in traceana's own process (traceana.cli.main run as the program, the benchmark's jobs).
-FOR_PROGRAM = ("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets")
+# them in a plain analysis: ~20 ms of CPU and ~6 MB of the fixed cost (docs/performance.md "Fixed cost"); bz2 and
+# lzma only to learn whether shutil may offer their archive formats (their C modules and libbz2/liblzma loaded for
+# nothing: 3M instructions). Deferred only in traceana's own process (traceana.cli.main run as the program, the
+# benchmark's jobs).
+FOR_PROGRAM = ("importlib.metadata", "hashlib", "subprocess", "multiprocessing", "secrets", "bz2", "lzma")
 
 _LOCK = threading.RLock()
 _RUNNING: set[str] = set()

@@ -33,7 +33,7 @@ from traceana import names, scale
 from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
-from traceana.pipeline import traced_manifest
+from traceana.pipeline import pipeline_groups, traced_manifest
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
 # where it does; by their keys otherwise).
@@ -75,32 +75,6 @@ def ingest_rank(task: scale.RankTask) -> dict[str, Any]:
     name as P2P peers."""
     summary, events = scale.ingest_rank_events(task)
     return {**summary, "peers": p2p_peers(events)}
-
-
-def pipeline_groups(peers: dict[int, list[int]]) -> list[tuple[int, ...]]:
-    """Connected components of the P2P graph (an edge either way joins two ranks), each sorted, by lowest rank.
-
-    Peers that are not ranks of the run (a trace that names a rank whose file is missing) are left out: they hold
-    no events to analyse; ``analyze`` of the group reports their unmatched messages as it would for the whole run.
-    """
-    parent = {r: r for r in peers}
-
-    def root(r: int) -> int:
-        while parent[r] != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
-    for r, ps in peers.items():  # union-find over a few thousand ranks: the driver's only per-rank work
-        for p in ps:
-            if p in parent:
-                a, b = root(r), root(p)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-    groups: dict[int, list[int]] = {}
-    for r in sorted(peers):
-        groups.setdefault(root(r), []).append(r)
-    return [tuple(g) for _, g in sorted(groups.items())]
 
 
 def analyze_group(task: GroupTask) -> dict[str, Any]:

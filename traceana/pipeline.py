@@ -32,6 +32,32 @@ MESSAGE = {
 }
 
 
+def pipeline_groups(peers: dict[int, list[int]]) -> list[tuple[int, ...]]:
+    """Connected components of the P2P graph (an edge either way joins two ranks), each sorted, by lowest rank.
+
+    Peers that are not ranks of the run (a trace that names a rank whose file is missing) are left out: they hold
+    no events to analyse; ``analyze`` of the group reports their unmatched messages as it would for the whole run.
+    """
+    parent = {r: r for r in peers}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for r, ps in peers.items():  # union-find over a few thousand ranks: the driver's only per-rank work
+        for p in ps:
+            if p in parent:
+                a, b = root(r), root(p)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for r in sorted(peers):
+        groups.setdefault(root(r), []).append(r)
+    return [tuple(g) for _, g in sorted(groups.items())]
+
+
 # --- messages and pairs --------------------------------------------------------------------------------------
 def bpipe_groups(traces: pl.DataFrame) -> pl.DataFrame:
     """``rank, group_ranks``: the members (global ranks, in group-rank order) of each rank's BPipe process group,
