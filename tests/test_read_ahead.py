@@ -307,17 +307,12 @@ def test_a_read_ahead_of_a_huge_trace_stops_early(tmp_path):
     assert kineto.read_trace(f)[0].height == 600_000
 
 
-def test_a_large_run_of_several_traces_is_not_read_ahead(tmp_path, monkeypatch):
-    """Several traces above AHEAD_RUN_BYTES on disk in all: nothing is read ahead (its ingest takes seconds, and
-    the read-ahead only added memory there); one trace of any size still is."""
+def test_a_run_of_several_traces_reads_its_first_ahead(tmp_path):
+    """However large a run is, its first trace is read ahead (bounded by AHEAD_BYTES and AHEAD_EVENTS: the rest of
+    the run is read by load_run), as is one trace alone."""
     run = _two_stage_run(tmp_path)
-    total = sum(f.stat().st_size for f in run.glob("*.json.gz"))
-    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", total - 1)
-    assert reading.read_ahead(run, cache=False) is None
-    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", total)
     assert reading.read_ahead(run, cache=False) == run / "rank0.pt.trace.json.gz"
     reading.drop_ahead()
-    monkeypatch.setattr(reading, "AHEAD_RUN_BYTES", 0)
-    one = run / "rank0.pt.trace.json.gz"
+    one = run / "rank1.pt.trace.json.gz"
     assert reading.read_ahead(one, cache=False) == one
     reading.drop_ahead()

@@ -591,11 +591,18 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
     segs = segs.select(choice.alias("_label"), START, END,
                        (window_bits != window_bits.shift(1)).fill_null(True).alias("_window_start"))
     runs = _runs(segs, pl.col("_window_start") | (pl.col("_label") != pl.col("_label").shift(1))
-                 | (pl.col(START) != pl.col(END).shift(1)), ["_label", START], [END])
-    # Back from the axis: the window holding each segment is the last one starting on the axis at or before it.
-    window = w.lazy().select(*keys, "_shift").select(
-        pl.all().gather(w["_at"].search_sorted(runs[START], side="right") - 1))
-    return pl.concat([window, runs.lazy()], how="horizontal").select(
+                 | (pl.col(START) != pl.col(END).shift(1)), ["_label", START, "_window_start"], [END])
+    # Back from the axis: every window is covered, so each begins a run, and a run's window is the count of window
+    # starts up to it (in axis order, as ``w``): a running sum, where polars' binary search of every run's start
+    # among the windows' takes a per-value path (~1% of the analysis' instructions on 4 x 200 MB). Should the counts
+    # ever disagree, the window holding each run is the last one starting on the axis at or before it.
+    starts = runs["_window_start"]
+    if starts.sum() == w.height:
+        at = starts.cum_sum().cast(pl.UInt32) - 1
+    else:
+        at = w["_at"].search_sorted(runs[START], side="right") - 1
+    window = w.lazy().select(*keys, "_shift").select(pl.all().gather(at))
+    return pl.concat([window, runs.lazy().drop("_window_start")], how="horizontal").select(
         *keys,
         pl.lit(pl.Series(labels.to_list(), dtype=label_dtype)).gather("_label").alias(label),  # (a lookup, no hash)
         (pl.col(START) - pl.col("_shift")).alias(START),

@@ -8,8 +8,7 @@ imports polars and the analysis (docs/performance.md "Fixed cost"). ``traceana.i
 scanner hands back (Arrow tables, the few values of another type, the top level's raw values) into polars frames;
 it is the only caller of ``scan``, and the one place a read-ahead is taken (``scan`` does both).
 
-Read-ahead is bounded: one file (the first trace load_run would read; none for a run of several traces above
-``AHEAD_RUN_BYTES`` on disk), at most ``AHEAD_BYTES`` of JSON or
+Read-ahead is bounded: one file (the first trace load_run would read), at most ``AHEAD_BYTES`` of JSON or
 ``AHEAD_EVENTS`` events scanned in the background, after which the thread stops; whoever takes it goes on from
 there in its own thread under the memory rule (``Budget``). A read-ahead is used only for the same file unchanged (device, inode, size, mtime and
 ctime as when it was opened), its errors are raised where the file is taken, exactly as a scan there would raise
@@ -558,12 +557,6 @@ def scan(path: Path, on_progress: Callable[[int, int], None] | None = None) -> S
 # overshoot of a 16 MB chunk) is not in its count — nor is polars' import, which ran meanwhile.
 AHEAD_BYTES = 128 << 20
 AHEAD_EVENTS = 250_000
-# A run of several traces taking more than this on disk is not read ahead: its ingest takes seconds against the
-# ~0.2 s of imports a read-ahead can hide, and the first rank's tables, read in another thread, left more memory
-# at the peak (4 × 200 MB of JSON, 57 MB gzipped, `traceana analyze`, 5 interleaved runs each: 386–396 MiB with
-# it, 378–388 without, the target being 0.5x the JSON, 384 MiB; ~0.1 s faster in the median, 2.95 against 3.07 s,
-# where ≥ 25x HTA needs ~2.5 s either way: docs/performance.md "Memory").
-AHEAD_RUN_BYTES = 32 << 20
 # A read-ahead gunzips inline what it can read whole: a gunzip thread takes the GIL for each read of the file and
 # each window it hands over, and while the main thread imports (running Python code itself) each take waits for it
 # (isal's own gunzip thread, handing over each 1 MB, made a 54 MB trace's read take longer than the import); inline,
@@ -677,7 +670,7 @@ def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
             return None
         _small_run_settings(files)
         first = next((f for f in files if not is_merged_trace(f)), None)
-        if first is None or (cache and _cached(run_dir, first)) or _large_run(files):
+        if first is None or (cache and _cached(run_dir, first)):
             return None
         ahead = _Ahead(first)
         with _AHEAD_LOCK:
@@ -688,18 +681,6 @@ def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
         return first
     except (TraceanaError, OSError, ValueError):
         return None
-
-
-def _large_run(files: list[Path]) -> bool:
-    """Whether the run's traces (more than one) take more than ``AHEAD_RUN_BYTES`` on disk."""
-    if len(files) < 2:
-        return False
-    total = 0
-    for f in files:
-        total += f.stat().st_size
-        if total > AHEAD_RUN_BYTES:
-            return True
-    return False
 
 
 def _cached(run_dir: Path, trace: Path) -> bool:
