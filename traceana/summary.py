@@ -17,7 +17,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
 - **exposed BPipe transfer** (``bpipe_ms``): the attribution's ``bpipe`` category per step, on the stage that spends
   most on it.
 - **activation peak**: per stage the largest of its ranks' over the measured steps (``stage_memory``'s: memory
-  allocated and freed within the step, at its most alive at once, traceana.memory); the run's is the largest stage's. **Memory balance**: max/min over stages of their peak allocation.
+  allocated and freed within the step, at its most alive at once, traceana.memory); the run's is the largest
+  stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
   (``pipeline.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. A rank's
   **own time** (``own_ms``) is its step minus its exposed collective time: waiting in the gradient all-reduce is

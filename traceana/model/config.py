@@ -169,7 +169,8 @@ def _config_from_manifest(manifest: Manifest, *, precision: Precision | None = N
         )
     if manifest.stages_held and len({len(st) for st in manifest.stages_held}) > 1:
         raise ConfigError("run.json's stages_of_rank gives the ranks different numbers of stages; the model "
-                          "simulates the same number on every device", fix="estimate it with `traceana estimate --virtual-stages N` for an even placement")
+                          "simulates the same number on every device",
+                          fix="estimate it with `traceana estimate --virtual-stages N` for an even placement")
     virtual = manifest.stages_a_rank or 1
     # the manifest's pp counts stages (virtual_stages or stages_of_rank of them a rank); the model's pp counts devices
     if virtual > 1 and manifest.pp % virtual:

@@ -250,7 +250,8 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
            else "; BPipe: run.json says it is on, but the traces hold no BPipe transfer, so its transfers are "
                 "simulated as free — check run.json's bpipe" if bpipe else ""),
         "memory estimate: saved activations in flight"
-        + (" + gradients allocated and freed in the step" if grads_in_step else "") + " + one layer's backward working memory",
+        + (" + gradients allocated and freed in the step" if grads_in_step else "")
+        + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
     traced = traced_manifest(run.manifest, analysis.schedule)
     if run.manifest is not None and traced is not run.manifest:
