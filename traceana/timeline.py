@@ -171,17 +171,9 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
     edges = pairs.group_by("src", "dst").agg((pl.col("recv_end_ns") - pl.col("send_start_ns")).min().alias("c"))
     if edges["c"].min() >= 0:
         return zero.with_columns(pl.lit("consistent (no correction needed)").alias("source")), []
-    dist = {r: 0 for r in ranks}
     rows = edges.rows()
-    for _ in range(len(ranks)):
-        changed = False
-        for src, dst, c in rows:
-            if src in dist and dst in dist and dist[dst] + c < dist[src]:
-                dist[src] = dist[dst] + c
-                changed = True
-        if not changed:
-            break
-    else:
+    dist = _relaxed(rows, {r: 0 for r in ranks})
+    if dist is None:
         return zero.with_columns(pl.lit("inconsistent (left uncorrected)").alias("source")), [
             "P2P timings contradict each other across ranks (a cycle of impossible orderings): clocks left as recorded"]
     base = dist[min(ranks)]
@@ -226,6 +218,21 @@ def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
             for r, s, over, dur in late.rows()]
 
 
+def _relaxed(edges: list[tuple[int, int, int]], start: dict[int, float]) -> dict[int, float] | None:
+    """The largest values, at most ``start``, with ``v[a] ≤ v[b] + c`` for every edge ``(a, b, c)`` among start's
+    ranks: Bellman–Ford over ranks, not events (len(start) rounds); None where the edges hold a cycle of negative
+    total (no such values: impossible orderings)."""
+    v = dict(start)
+    for _ in range(len(v)):
+        changed = False
+        for a, b, c in edges:
+            if a in v and b in v and v[b] + c < v[a]:
+                v[a], changed = v[b] + c, True
+        if not changed:
+            return v
+    return None
+
+
 def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: dict[int, int]) -> dict[int, int]:
     """Each rank's offset from its group's first rank's clock: the middle of the interval the pairs allow it, where
     messages in both directions bound it (``edges``: ``src, dst, c`` with ``o[src] − o[dst] ≤ c``). The smallest
@@ -233,31 +240,20 @@ def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: 
     direction took no time at all and its waiting and transfer are split as if it had; the middle is at most half
     the interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
     middles that together break a pair, keep ``smallest``."""
-    # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
-    group = {r: r for r in ranks}
+    from traceana.pipeline import pipeline_groups  # (traceana.pipeline imports this module)
 
-    def head(r: int) -> int:
-        while group[r] != r:
-            r = group[r]
-        return r
+    # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
+    peers: dict[int, list[int]] = {r: [] for r in ranks}
     for src, dst, _ in edges:
-        if src in group and dst in group:
-            a, b = head(src), head(dst)
-            group[max(a, b)] = min(a, b)
+        if src in peers:
+            peers[src].append(dst)
     inf = float("inf")
-    hi = {r: (0 if head(r) == r else inf) for r in ranks}
-    lo = {r: (0 if head(r) == r else -inf) for r in ranks}
-    for _ in range(len(ranks)):
-        changed = False
-        for src, dst, c in edges:
-            if src in hi and dst in hi:
-                if hi[dst] + c < hi[src]:
-                    hi[src], changed = hi[dst] + c, True
-                if lo[src] - c > lo[dst]:
-                    lo[dst], changed = lo[src] - c, True
-        if not changed:
-            break
-    mid = {r: (int((lo[r] + hi[r]) // 2) if lo[r] > -inf and hi[r] < inf else smallest[r]) for r in ranks}
+    start = {r: (0 if r == g[0] else inf) for g in pipeline_groups(peers) for r in g}
+    hi = _relaxed(edges, start)  # the most each offset may be: o[src] ≤ o[dst] + c
+    below = _relaxed([(dst, src, c) for src, dst, c in edges], start)  # −(the least): o[dst] ≥ o[src] − c
+    if hi is None or below is None:
+        return smallest
+    mid = {r: (int((hi[r] - below[r]) // 2) if below[r] < inf and hi[r] < inf else smallest[r]) for r in ranks}
     if all(mid[s] - mid[d] <= c for s, d, c in edges if s in mid and d in mid):
         return mid
     return smallest
