@@ -141,23 +141,33 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
     )
 
 
-def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
-                  steps: list[int]) -> pl.DataFrame:
-    """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
-    own_ms (step − exposed collective), compute_ms, collective_ms."""
+def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
+    """rank, replica: each rank's pipeline group (the ranks joined by P2P, pipeline.pipeline_groups), numbered by
+    their lowest rank."""
     from traceana.pipeline import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
 
-    att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
-           .collect(**COLLECT))
-    ranks = sorted(att["rank"].unique().to_list())
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
         if a in peers and b in peers:
             peers[a].add(b)
             peers[b].add(a)
     groups = pipeline_groups({r: sorted(p) for r, p in peers.items()})
-    replica = pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
-                           schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+    return pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
+                        schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+
+
+def pipeline_replicas(analysis) -> pl.DataFrame:
+    """``replica_of`` the analysis' ranks."""
+    return replica_of(sorted(analysis.attribution["rank"].unique().to_list()), analysis.p2p)
+
+
+def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
+                  steps: list[int]) -> pl.DataFrame:
+    """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
+    own_ms (step − exposed collective), compute_ms, collective_ms."""
+    att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+           .collect(**COLLECT))
+    replica = replica_of(sorted(att["rank"].unique().to_list()), pairs)
     ms = lambda e: e / NS_PER_MS  # noqa: E731
     return (  # one query (docs/performance.md "Fixed cost")
         att.lazy().group_by("rank", "step").agg(

@@ -25,14 +25,15 @@ from traceana.pipeline import annotated_facts, placement_contradiction, traced_m
 WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
 
 
-def pass_durations(analysis: Analysis, steps: pl.DataFrame) -> pl.DataFrame:
-    """The schedule rows of ``steps`` (with a micro-batch) and ``d``, what each operation took: its span, less the
+def pass_durations(analysis: Analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -> pl.DataFrame:
+    """The schedule rows of ``steps`` (with a micro-batch; ``unnumbered``: also those without one, e.g. a
+    multi-stage rank's spans whose names give none) and ``d``, what each operation took: its span, less the
     time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
     torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
     receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
     without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
     sched = (
-        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null())
+        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null() | unnumbered)
         .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
     )
     if analysis.segments is None:

@@ -1,0 +1,327 @@
+"""What-if analysis of a measured run: its dependency graph (traceana.graph) replayed with chosen operations made
+*ideal* or changed, after *Understanding Stragglers in Large Model Training Using What-if Analysis* (OSDI 2025).
+Definitions (docs/whatif.md):
+
+- **ideal** of an operation: the median duration of the same work across its peers — the same action (forward,
+  backward, its I/W halves, optimizer, collective) on the same stage, over the ranks holding that stage, their
+  micro-batches and the measured steps (a run's micro-batch size is one); its host gap likewise (the step's first
+  operation apart: it follows data loading). A P2P or BPipe transfer's: the median transfer of its channel.
+- a group (rank, replica) **made ideal**: its operations at the median of its peers *without it* — the median of
+  the other ranks' medians of the same work on the same stage; a rank alone on its stage is its own peer (its own
+  median: micro-batches and steps even out).
+  A **stage made ideal**: its passes at the median of the *other stages'* medians of the same action (the stage
+  at the other stages' speed: an imbalance shows), the rest of it at its own ideal.
+- ``ideal_step_ms``: everything ideal; ``slowdown`` = measured / ideal; a group's slowdown (``by_*``): everything
+  ideal except that group, as measured, over everything ideal (the paper's S).
+- a group's **gain**: the replayed step less the step with that group made ideal and the rest as measured.
+- **noise**: the spread (max − min) of the measured step over the measured steps, and at least NOISE_FLOOR of it.
+- a rank, replica or stage is **named** (a straggler: rank or replica; a bottleneck: stage) only if its gain exceeds
+  the noise in every measured step. A rank that only waits gains nothing when made ideal (its work is its peers'
+  already), so it is never named; a run without stages names no stage and no replica.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana.errors import TraceanaError
+from traceana.graph import KIND_OF_ACTION, StepGraph, build, replay
+from traceana.units import NS_PER_MS
+
+# A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
+# single measured step has no spread): equal replicas of the tiny CPU pipelines on the 2-core machine differed by up
+# to 13 % in every one of 5 steps (summary's replica rule), a replay's own error is below 0.1 % (docs/whatif.md).
+NOISE_FLOOR = 0.05
+KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
+PASS_ACTIONS = ("F", "B", "I", "W")
+
+
+class SetError(TraceanaError):
+    """A --set that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """One --set: who (stage / rank / replica, or everyone), what (a kind or every kind), how (ideal, × factor,
+    = milliseconds)."""
+
+    who: str | None
+    who_id: int | None
+    kind: str | None  # one of KINDS, None: every kind
+    how: str  # "ideal", "scale", "set"
+    value: float = 0.0
+    text: str = ""
+
+
+SET_HELP = ("[stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal, KIND:ideal, KIND*FACTOR or KIND=MS and KIND one of "
+            + ", ".join(KINDS) + " (e.g. 'stage=1:forward*0.5', 'p2p=0', 'rank=3:ideal')")
+
+
+def parse_set(text: str) -> Change:
+    """One --set (SET_HELP); SetError on anything else."""
+    parts = text.strip().split(":")
+    who = who_id = None
+    m = re.fullmatch(r"(stage|rank|replica)=(\d+)", parts[0].strip())
+    if m and len(parts) > 1:
+        who, who_id = m.group(1), int(m.group(2))
+        parts = parts[1:]
+    rest = ":".join(parts).strip()
+    if rest == "ideal":
+        return Change(who, who_id, None, "ideal", text=text)
+    m = re.fullmatch(r"([a-z0-9_]+)(?::ideal|\*([0-9.eE+-]+)|=([0-9.eE+-]+))", rest)
+    if not m or m.group(1) not in KINDS:
+        raise SetError(f"--set {text!r} cannot be read", fix=f"write {SET_HELP}")
+    try:
+        if m.group(2) is not None:
+            return Change(who, who_id, m.group(1), "scale", float(m.group(2)), text)
+        if m.group(3) is not None:
+            return Change(who, who_id, m.group(1), "set", float(m.group(3)), text)
+    except ValueError:
+        raise SetError(f"--set {text!r}: {m.group(2) or m.group(3)!r} is not a number", fix=f"write {SET_HELP}")
+    if (m.group(2) or m.group(3) or "0").startswith("-"):
+        raise SetError(f"--set {text!r}: a duration cannot be negative", fix="give a factor or milliseconds ≥ 0")
+    return Change(who, who_id, m.group(1), "ideal", text=text)
+
+
+def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The graph's ops and edges with the ideal columns (module docstring): ideal_work / ideal_gap (all peers),
+    peer_work / peer_gap (peers without the op's rank), stage_work (other stages' median; passes only);
+    edges' ideal_transfer."""
+    ops = g.ops.join(g.ranks.select("rank", "step", "replica"), on=["rank", "step"], how="left").with_columns(
+        pl.col("action").replace_strict(KIND_OF_ACTION).alias("kind"),
+        (pl.col("seq") == 0).alias("first"),
+        # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself
+        pl.coalesce("stage", -1 - pl.col("rank")).alias("_work"))
+    work_key, gap_key = ["action", "_work"], ["action", "_work", "first"]
+    ops = ops.with_columns(pl.col("work_ns").median().over(work_key).alias("ideal_work"),
+                           pl.col("gap_ns").median().over(gap_key).alias("ideal_gap"))
+    # peers without the op's rank: per (key, rank) the others' values; a rank alone is its own peer
+    for col, key, out in (("work_ns", work_key, "peer_work"), ("gap_ns", gap_key, "peer_gap")):
+        own = ops.group_by(*key, "rank").agg(pl.col(col).median().alias("_own"))
+        others = (own.join(own, on=key, suffix="_o", nulls_equal=True).filter(pl.col("rank") != pl.col("rank_o"))
+                  .group_by(*key, "rank").agg(pl.col("_own_o").median().alias(out)))
+        ops = (ops.join(others, on=[*key, "rank"], how="left", nulls_equal=True)
+               .join(own, on=[*key, "rank"], how="left", nulls_equal=True)
+               .with_columns(pl.coalesce(out, "_own").alias(out)).drop("_own"))
+    # a stage at the other stages' speed: the median of the other stages' medians of the same pass
+    med = (ops.filter(pl.col("action").is_in(PASS_ACTIONS) & pl.col("stage").is_not_null())
+           .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m")))
+    other = (med.join(med, on="action", suffix="_o").filter(pl.col("stage") != pl.col("stage_o"))
+             .group_by("action", "stage").agg(pl.col("_m_o").median().alias("stage_work")))
+    ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True).with_columns(
+        pl.coalesce("stage_work", "peer_work").alias("stage_work"))
+    edges = g.edges.with_columns(pl.col("transfer_ns").median().over("channel").alias("ideal_transfer"))
+    return ops, edges
+
+
+def _selected(c_who: str | None, c_id: int | None, kind: str | None) -> pl.Expr:
+    sel = pl.lit(True) if c_who is None else (pl.col(c_who) == c_id)
+    if kind is not None and kind != "host":
+        sel = sel & (pl.col("kind") == kind)
+    return sel
+
+
+def apply(ops: pl.DataFrame, edges: pl.DataFrame, changes: list[Change]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The ops' work_ns / gap_ns and the edges' transfer_ns after ``changes`` (in order)."""
+    for c in changes:
+        if c.kind in ("p2p",):
+            sel = pl.lit(True) if c.who is None else (
+                pl.col("src").is_in(_members(ops, c)) | pl.col("dst").is_in(_members(ops, c)))
+            new = {"ideal": pl.col("ideal_transfer"), "scale": pl.col("transfer_ns") * c.value,
+                   "set": pl.lit(c.value * NS_PER_MS)}[c.how]
+            edges = edges.with_columns(pl.when(sel).then(new).otherwise("transfer_ns").round().cast(pl.Int64)
+                                       .alias("transfer_ns"))
+            continue
+        sel = _selected(c.who, c.who_id, c.kind)
+        ideal_work = {"stage": "stage_work", "rank": "peer_work", "replica": "peer_work"}.get(c.who, "ideal_work")
+        ideal_gap = "ideal_gap" if c.who is None else "peer_gap"
+        if c.kind != "host":
+            new = {"ideal": pl.col(ideal_work), "scale": pl.col("work_ns") * c.value,
+                   "set": pl.lit(c.value * NS_PER_MS)}[c.how]
+            ops = ops.with_columns(pl.when(sel).then(new).otherwise("work_ns").round().cast(pl.Int64).alias("work_ns"))
+        if c.kind in (None, "host"):
+            new = {"ideal": pl.col(ideal_gap), "scale": pl.col("gap_ns") * c.value,
+                   "set": pl.lit(c.value * NS_PER_MS)}[c.how]
+            ops = ops.with_columns(pl.when(sel).then(new).otherwise("gap_ns").round().cast(pl.Int64).alias("gap_ns"))
+    return ops, edges
+
+
+def _members(ops: pl.DataFrame, c: Change) -> list[int]:
+    return ops.filter(pl.col(c.who) == c.who_id)["rank"].unique().to_list()
+
+
+def _all_ideal_except(ops: pl.DataFrame, edges: pl.DataFrame, who: str | None, who_id: int | None,
+                      kind: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Everything ideal except the group (who = who_id, or the kind), which stays as measured."""
+    keep = pl.lit(False)
+    if who is not None:
+        keep = pl.col(who) == who_id
+    elif kind is not None and kind != "p2p":
+        keep = pl.col("kind") == kind if kind != "host" else pl.lit(False)
+    o = ops.with_columns(
+        pl.when(keep).then("work_ns").otherwise(pl.col("ideal_work")).round().cast(pl.Int64).alias("work_ns"),
+        pl.when(keep | pl.lit(kind == "host")).then("gap_ns").otherwise(pl.col("ideal_gap")).round().cast(pl.Int64)
+        .alias("gap_ns"))
+    e = edges if kind == "p2p" else edges.with_columns(pl.col("ideal_transfer").round().cast(pl.Int64)
+                                                       .alias("transfer_ns"))
+    return o, e
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A run's what-if (module docstring). Times in ms, means over the measured steps."""
+
+    summary: dict
+    per_rank: pl.DataFrame  # rank, stage, replica, measured_step_ms, replayed_step_ms, replay_error
+    groups: pl.DataFrame  # group (stage / rank / replica / kind), id, if_ideal_step_ms, gain_ms, min_gain_ms,
+    #                       slowdown, named
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict:
+        out = dict(self.summary)
+        for grp in ("stage", "rank", "replica", "kind"):
+            out[f"by_{grp}"] = self.groups.filter(pl.col("group") == grp).drop("group").to_dicts()
+        out["per_rank"] = self.per_rank.to_dicts()
+        out["notes"] = list(self.notes)
+        return out
+
+
+def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None) -> WhatIf:
+    """Replay the measured steps as measured, everything ideal, every group made ideal and as the only one measured,
+    and with ``changes``; name the stragglers and the bottleneck (module docstring)."""
+    g = graph or build(analysis)
+    ops, edges = _ideals(g)
+    steps = list(g.steps)
+    stages_known = ops["stage"].null_count() == 0
+
+    def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
+        return [replay(g, s, ops=o, edges=e).step_ns / NS_PER_MS for s in steps]
+
+    replays = [replay(g, s) for s in steps]
+    replayed = [r.step_ns / NS_PER_MS for r in replays]
+    measured_rank = (g.ranks.select("rank", "step", "stage", "replica",
+                                    ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS).alias("measured_step_ms")))
+    replay_rank = pl.concat([r.ranks.select("rank", pl.lit(r.step, pl.Int32).alias("step"),
+                                            (pl.col("step_ns") / NS_PER_MS).alias("replayed_step_ms"))
+                             for r in replays])
+    per_rank_step = measured_rank.join(replay_rank, on=["rank", "step"]).with_columns(
+        ((pl.col("replayed_step_ms") - pl.col("measured_step_ms")) / pl.col("measured_step_ms")).alias("replay_error"))
+    per_rank = (per_rank_step.group_by("rank", "stage", "replica")
+                .agg(pl.col("measured_step_ms", "replayed_step_ms").mean(),
+                     pl.col("replay_error").abs().max())
+                .sort("rank"))
+    measured_steps = (per_rank_step.group_by("step").agg(pl.col("measured_step_ms").max()).sort("step")
+                      ["measured_step_ms"].to_list())
+    measured = sum(measured_steps) / len(measured_steps)
+    replay_mean = sum(replayed) / len(replayed)
+    o_ideal, e_ideal = _all_ideal_except(ops, edges, None, None, None)
+    ideal = step_ms(o_ideal, e_ideal)
+    ideal_mean = sum(ideal) / len(ideal)
+    spread = max(measured_steps) - min(measured_steps)
+    noise = max(spread, NOISE_FLOOR * sorted(measured_steps)[len(measured_steps) // 2])
+
+    rows = []
+    groups: list[tuple[str, int | str]] = [("kind", k) for k in KINDS
+                                           if (k == "p2p" and edges.height) or k == "host"
+                                           or ops.filter(pl.col("kind") == k).height]
+    ranks = sorted(ops["rank"].unique().to_list())
+    groups += [("rank", r) for r in ranks]
+    if stages_known:
+        stages = sorted(ops["stage"].unique().to_list())
+        if len(stages) > 1:
+            groups += [("stage", s) for s in stages]
+        replicas = sorted(ops["replica"].drop_nulls().unique().to_list())
+        if len(replicas) > 1:
+            groups += [("replica", k) for k in replicas]
+    for grp, gid in groups:
+        if grp == "kind":
+            made = apply(ops, edges, [Change(None, None, gid, "ideal")])
+            kept = _all_ideal_except(ops, edges, None, None, gid)
+        else:
+            made = apply(ops, edges, [Change(grp, gid, None, "ideal")])
+            kept = _all_ideal_except(ops, edges, grp, gid, None)
+        if_ideal = step_ms(*made)
+        only = step_ms(*kept)
+        gains = [a - b for a, b in zip(replayed, if_ideal)]
+        rows.append((grp, str(gid), sum(if_ideal) / len(if_ideal), sum(gains) / len(gains), min(gains),
+                     (sum(only) / len(only)) / ideal_mean if ideal_mean else None,
+                     grp in ("rank", "replica", "stage") and min(gains) > noise))
+    table = pl.DataFrame(rows, schema={"group": pl.String, "id": pl.String, "if_ideal_step_ms": pl.Float64,
+                                       "gain_ms": pl.Float64, "min_gain_ms": pl.Float64, "slowdown": pl.Float64,
+                                       "named": pl.Boolean}, orient="row")
+    changed = None
+    if changes:
+        changed_ms = step_ms(*apply(ops, edges, list(changes)))
+        changed = sum(changed_ms) / len(changed_ms)
+    diagnosis, bottleneck = _diagnose(table, ops, replay_mean, ideal_mean, noise, stages_known)
+    summary = {
+        "run": str(analysis.run.path),
+        "measured_steps": steps,
+        "measured_step_ms": measured,
+        "replayed_step_ms": replay_mean,
+        "replay_error": float(per_rank["replay_error"].max()),
+        "ideal_step_ms": ideal_mean,
+        "slowdown": measured / ideal_mean if ideal_mean else None,
+        "noise_ms": noise,
+        "diagnosis": diagnosis,
+        "bottleneck": bottleneck,
+        "changes": [c.text for c in changes],
+        "changed_step_ms": changed,
+        "host_gap_fraction": float(ops["gap_ns"].sum()) / float(
+            (g.ranks["end_ns"] - g.ranks["start_ns"]).sum()) if g.ranks.height else None,
+    }
+    notes = tuple(g.notes)
+    if not stages_known:
+        notes += ("the stages of some ranks are unknown: no stage and no replica is named, only ranks",)
+    return WhatIf(summary=summary, per_rank=per_rank, groups=table, notes=notes)
+
+
+def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: float, noise: float,
+              stages_known: bool) -> tuple[str, dict | None]:
+    """One line, and the bottleneck named (group, id, step if it were ideal) or None."""
+    named = table.filter(pl.col("named")).sort("gain_ms", descending=True)
+    ranks = named.filter(pl.col("group") == "rank")
+    replicas = named.filter(pl.col("group") == "replica")
+    stages = named.filter(pl.col("group") == "stage")
+
+    def where(rank: int) -> str:
+        row = ops.filter(pl.col("rank") == rank).row(0, named=True)
+        bits = [f"stage {row['stage']}" if row["stage"] is not None else None,
+                f"replica {row['replica']}" if row["replica"] is not None and stages_known else None]
+        return f" ({', '.join(b for b in bits if b)})" if any(bits) else ""
+
+    def cost(row: dict) -> str:
+        return f"the step would be {row['if_ideal_step_ms']:.1f} ms instead of {replayed:.1f} ms"
+
+    several_per_stage = ops.group_by("stage").agg(pl.col("rank").n_unique().alias("n"))["n"].max() > 1
+    if ranks.height == 1 and (several_per_stage or stages.height == 0):
+        r = ranks.row(0, named=True)
+        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — at its peers' speed "
+                f"{cost(r)}", {"group": "rank", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
+                               "gain_ms": r["gain_ms"]})
+    if replicas.height == 1 and ranks.height <= 1:
+        r = replicas.row(0, named=True)
+        return (f"one replica: replica {r['id']} holds the step back — at its peers' speed {cost(r)}",
+                {"group": "replica", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"], "gain_ms": r["gain_ms"]})
+    if stages.height == 1:
+        r = stages.row(0, named=True)
+        return (f"one stage (imbalance): stage {r['id']} holds the step back — at the other stages' speed "
+                f"{cost(r)}", {"group": "stage", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
+                               "gain_ms": r["gain_ms"]})
+    if ranks.height == 1:
+        r = ranks.row(0, named=True)
+        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — at its peers' speed "
+                f"{cost(r)}", {"group": "rank", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
+                               "gain_ms": r["gain_ms"]})
+    if named.height or replayed - ideal > noise:
+        who = ", ".join(f"{r['group']} {r['id']}" for r in named.iter_rows(named=True)) or "no single rank or stage"
+        kinds = table.filter((pl.col("group") == "kind") & (pl.col("gain_ms") > 0)).sort("gain_ms", descending=True)
+        most = (f"; the most from one kind of time: {kinds['id'][0]} at its ideal, {kinds['gain_ms'][0]:.1f} ms"
+                if kinds.height else "")
+        return (f"spread over many ({who}): with everything at its peers' speed the step would be {ideal:.1f} ms "
+                f"instead of {replayed:.1f} ms{most}", None)
+    return (f"nothing beyond noise: no rank, replica or stage made ideal shortens the step by more than "
+            f"{noise:.1f} ms", None)
