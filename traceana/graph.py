@@ -74,11 +74,11 @@ class StepGraph:
     unpaired: int = 0  # messages matched to no operation on a side: left out
 
 
-def _nested_out(rows: pl.DataFrame) -> pl.DataFrame:
-    """Rows of one rank and step not inside an earlier row's span (nested spans are part of the outer one)."""
+def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> pl.DataFrame:
+    """Rows not inside an earlier row's span of the same ``by`` (nested spans are part of the outer one)."""
     return (
-        rows.sort("rank", "step", "start_ns", pl.col("end_ns"), descending=[False, False, False, True])
-        .with_columns(pl.col("end_ns").cum_max().shift(1).over("rank", "step").alias("_outer_end"))
+        rows.sort(*by, "start_ns", pl.col("end_ns"), descending=[False] * (len(by) + 1) + [True])
+        .with_columns(pl.col("end_ns").cum_max().shift(1).over(*by).alias("_outer_end"))
         .filter(pl.col("_outer_end").is_null() | (pl.col("end_ns") > pl.col("_outer_end")))
         .drop("_outer_end")
     )
@@ -93,13 +93,18 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
     coll = (
         ev.lazy().filter((pl.col("kind") == "collective") & ~pl.col("is_gpu") & pl.col("step").is_not_null())
         .join(steps.lazy(), on="step")
-        .select("rank", "step", pl.col("name").cast(pl.String), pl.col("pg").cast(pl.String),
+        .select("rank", "step", pl.col("track").cast(pl.String), pl.col("name").cast(pl.String),
+                pl.col("pg").cast(pl.String),
                 pl.col("ts_ns").alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
         .collect()
     )
     if coll.height == 0:
         return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
-    coll = _nested_out(coll)
+    # gloo's own spans (gloo:all_reduce, …) run on its thread from the post to the completion, which the training
+    # thread waits for outside any op: where a rank has them, they are its collectives; else its top-level ops.
+    gloo = pl.col("name").str.starts_with("gloo:")
+    coll = coll.filter(gloo | ~gloo.any().over("rank"))
+    coll = _nested_out(coll, by=("rank", "step", "track")).drop("track")
     # outside every operation of its rank: a collective inside a pass is part of its work
     inside = (
         coll.with_row_index("_c").join(ops.select("rank", "step", pl.col("start_ns").alias("_s"),
