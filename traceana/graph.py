@@ -151,7 +151,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     have = set(sched.filter(pl.col("phase").is_in(names.PASS_PHASES))["rank"].unique().to_list())
     missing = [r for r in ranks if r not in have]
     if missing:
-        raise GraphError(f"ranks {', '.join(map(str, missing))} have no schedule (no forward/backward annotations, and "
+        raise GraphError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                         f"ha{'ve' if len(missing) > 1 else 's'} no schedule (no forward/backward annotations, and "
                          "it could not be inferred from P2P order): the step's dependency graph cannot be known",
                          path=analysis.run.path,
                          fix="profile with the PP: annotations (traceana collect / collectors.annotations) or name "

@@ -1,0 +1,76 @@
+"""What would the step take if some work ran at its peers' speed: the measured step's dependency graph (operations,
+P2P messages, collectives, host gaps) replayed on the simulator's engine with chosen operations made ideal or
+changed (docs/whatif.md).
+
+By default: the measured step, its replay and the replay's error per rank, the step with everything ideal (each
+operation at the median of the same work on its stage), the slowdown (measured / ideal), the slowdown attributed
+to each stage, rank, replica and kind of time (everything ideal but that group, over everything ideal), what the
+step would be with each one made ideal, and one line saying who holds the step back. A rank, replica or stage is
+named only when making it ideal shortens the step by more than the noise in every measured step.
+
+  traceana whatif runs/1f1b
+  traceana whatif runs/1f1b --set 'stage=1:forward*0.5' --set 'p2p=0'
+  traceana whatif runs/pp2dp2 --set 'rank=3:ideal' --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal, KIND:ideal, KIND*FACTOR or "
+            "KIND=MS and KIND one of forward, backward, optimizer, collective, p2p, host; repeat to combine (e.g. "
+            "'stage=1:forward*0.5', 'p2p=0', 'rank=3:ideal') (default: none)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from traceana.commands import options
+
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
+    p.add_argument("--set", action="append", default=[], metavar="CHANGE", dest="changes", help=SET_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    options.names(p)
+    options.reading(p)
+
+
+def render(w, *, console) -> None:
+    from traceana.tables import cell as _fmt
+    from traceana.tables import print_line, print_table
+
+    s = w.summary
+    print_line(console, f"{s['run']}: measured step {s['measured_step_ms']:,.1f} ms over steps "
+               f"{', '.join(map(str, s['measured_steps']))}; replayed {s['replayed_step_ms']:,.1f} ms (largest "
+               f"error of a rank's step {s['replay_error']:.2%}); everything ideal {s['ideal_step_ms']:,.1f} ms, "
+               f"slowdown {_fmt(s['slowdown'], '.2f')}×; noise {s['noise_ms']:,.1f} ms")
+    headers = ["group", "", "step if ideal\nms", "gain\nms", "gain in the\nworst step ms", "slowdown", "named"]
+    rows = [[r["group"], r["id"], _fmt(r["if_ideal_step_ms"], ",.1f"), _fmt(r["gain_ms"], "+,.1f"),
+             _fmt(r["min_gain_ms"], "+,.1f"), _fmt(r["slowdown"], ".2f"), "yes" if r["named"] else ""]
+            for r in w.groups.iter_rows(named=True)]  # one row per group: display only
+    print_table(console, "What if each were ideal (the rest as measured); slowdown: everything ideal but it, over "
+                         "everything ideal", headers, rows, keys=2, justify=["left", "left", *["right"] * 5])
+    if s["changes"]:
+        print_line(console, f"with {', '.join(s['changes'])}: the step would be {s['changed_step_ms']:,.1f} ms "
+                            f"({s['changed_step_ms'] - s['replayed_step_ms']:+,.1f} ms against the replay)")
+    print_line(console, s["diagnosis"], prefix="diagnosis: ")
+    for n in w.notes:
+        print_line(console, n, prefix="note: ")
+
+
+def run(args: argparse.Namespace) -> int:
+    from traceana.commands.analyze import load_and_analyze
+    from traceana.whatif import parse_set, whatif
+
+    changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
+    progress = not args.quiet and not args.json and sys.stderr.isatty()
+    analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
+                                progress=progress, names=args.names)
+    w = whatif(analysis, changes)
+    if args.json:
+        print(json.dumps(w.as_dict(), indent=2, default=str))
+    else:
+        from traceana.tables import console as output_console
+
+        render(w, console=output_console())
+    return 0
