@@ -189,9 +189,13 @@ class WhatIf:
         return out
 
 
-def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None) -> WhatIf:
+def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None, *, full: bool = True,
+           candidates: int | None = None) -> WhatIf:
     """Replay the measured steps as measured, everything ideal, every group made ideal and as the only one measured,
-    and with ``changes``; name the stragglers and the bottleneck (module docstring)."""
+    and with ``changes``; name the stragglers and the bottleneck (module docstring). ``full`` False: only what
+    naming needs (each rank, replica and stage made ideal; no per-kind figures, no slowdowns). ``candidates``: make
+    ideal only that many ranks and replicas, those whose work and gaps exceed their peers' the most (a rank whose
+    work is its peers' gains nothing when made ideal); the others' rows are left empty."""
     g = graph or build(analysis)
     ops, edges = _ideals(g)
     steps = list(g.steps)
@@ -226,16 +230,27 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None)
     rows = []
     groups: list[tuple[str, int | str]] = [("kind", k) for k in KINDS
                                            if (k == "p2p" and edges.height) or k == "host"
-                                           or ops.filter(pl.col("kind") == k).height]
-    ranks = sorted(ops["rank"].unique().to_list())
-    groups += [("rank", r) for r in ranks]
+                                           or ops.filter(pl.col("kind") == k).height] if full else []
+    excess = (ops.group_by("rank", "replica")
+              .agg((pl.col("work_ns") - pl.col("peer_work") + pl.col("gap_ns") - pl.col("peer_gap")).sum().alias("x"))
+              .sort("x", "rank", descending=[True, False]))
+    ranks = excess["rank"].to_list()
+    skipped: list[tuple[str, int]] = []
+    if candidates is not None:
+        skipped += [("rank", r) for r in ranks[candidates:]]
+        ranks = ranks[:candidates]
+    groups += [("rank", r) for r in sorted(ranks)]
     if stages_known:
         stages = sorted(ops["stage"].unique().to_list())
         if len(stages) > 1:
             groups += [("stage", s) for s in stages]
-        replicas = sorted(ops["replica"].drop_nulls().unique().to_list())
+        replicas = (excess.group_by("replica").agg(pl.col("x").sum()).sort("x", "replica", descending=[True, False])
+                    ["replica"].drop_nulls().to_list())
         if len(replicas) > 1:
-            groups += [("replica", k) for k in replicas]
+            if candidates is not None:
+                skipped += [("replica", k) for k in replicas[candidates:]]
+                replicas = replicas[:candidates]
+            groups += [("replica", k) for k in sorted(replicas)]
     for grp, gid in groups:
         if grp == "kind":
             made = apply(ops, edges, [Change(None, None, gid, "ideal")])
@@ -244,14 +259,23 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None)
             made = apply(ops, edges, [Change(grp, gid, None, "ideal")])
             kept = _all_ideal_except(ops, edges, grp, gid, None)
         if_ideal = step_ms(*made)
-        only = step_ms(*kept)
+        only = step_ms(*kept) if full else None
         gains = [a - b for a, b in zip(replayed, if_ideal)]
         rows.append((grp, str(gid), sum(if_ideal) / len(if_ideal), sum(gains) / len(gains), min(gains),
-                     (sum(only) / len(only)) / ideal_mean if ideal_mean else None,
+                     (sum(only) / len(only)) / ideal_mean if only and ideal_mean else None,
                      grp in ("rank", "replica", "stage") and min(gains) > noise))
+    rows += [(grp, str(gid), None, None, None, None, False) for grp, gid in skipped]
     table = pl.DataFrame(rows, schema={"group": pl.String, "id": pl.String, "if_ideal_step_ms": pl.Float64,
                                        "gain_ms": pl.Float64, "min_gain_ms": pl.Float64, "slowdown": pl.Float64,
                                        "named": pl.Boolean}, orient="row")
+    # A stage or replica is named for itself only when none of its ranks is: one slow rank makes its stage and its
+    # replica slow too, and naming those would point at the ranks that only wait on it.
+    with_named = ops.join(table.filter((pl.col("group") == "rank") & pl.col("named"))
+                          .select(pl.col("id").cast(pl.Int32).alias("rank")), on="rank")
+    for grp in ("stage", "replica"):
+        has = with_named[grp].drop_nulls().unique().cast(pl.String).to_list()
+        table = table.with_columns(pl.when((pl.col("group") == grp) & pl.col("id").is_in(has))
+                                   .then(False).otherwise("named").alias("named"))
     changed = None
     if changes:
         changed_ms = step_ms(*apply(ops, edges, list(changes)))
