@@ -14,7 +14,8 @@ Definitions (docs/whatif.md):
 - ``ideal_step_ms``: everything ideal; ``slowdown`` = measured / ideal; a group's slowdown (``by_*``): everything
   ideal except that group, as measured, over everything ideal (the paper's S).
 - a group's **gain**: the replayed step less the step with that group made ideal and the rest as measured.
-- **noise**: the spread (max − min) of the measured step over the measured steps, and at least NOISE_FLOOR of it.
+- **noise** (``noise_ms``): the spread (max − min) of the measured step over the measured steps, the slowest left
+  out when there are three or more, and at least NOISE_FLOOR of the median step.
 - a rank, replica or stage is **named** (a straggler: rank or replica; a bottleneck: stage) only if its gain exceeds
   the noise in every measured step. A rank that only waits gains nothing when made ideal (its work is its peers'
   already), so it is never named; a run without stages names no stage and no replica.
@@ -37,6 +38,15 @@ from traceana.units import NS_PER_MS
 NOISE_FLOOR = 0.05
 KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
 PASS_ACTIONS = ("F", "B", "I", "W")
+
+
+def noise_ms(steps_ms: list[float]) -> float:
+    """The noise a gain must exceed: the spread (max − min) of the measured step over the measured steps, the slowest
+    left out when there are three or more (one descheduled step is noise by itself, and a gain counts only when it
+    is there in every step), and at least NOISE_FLOOR of the median step."""
+    ordered = sorted(steps_ms)
+    kept = ordered[:-1] if len(ordered) >= 3 else ordered
+    return max(kept[-1] - kept[0], NOISE_FLOOR * ordered[len(ordered) // 2])
 
 
 class SetError(TraceanaError):
@@ -224,8 +234,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     o_ideal, e_ideal = _all_ideal_except(ops, edges, None, None, None)
     ideal = step_ms(o_ideal, e_ideal)
     ideal_mean = sum(ideal) / len(ideal)
-    spread = max(measured_steps) - min(measured_steps)
-    noise = max(spread, NOISE_FLOOR * sorted(measured_steps)[len(measured_steps) // 2])
+    noise = noise_ms(measured_steps)
 
     rows = []
     groups: list[tuple[str, int | str]] = [("kind", k) for k in KINDS
@@ -280,7 +289,8 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     if changes:
         changed_ms = step_ms(*apply(ops, edges, list(changes)))
         changed = sum(changed_ms) / len(changed_ms)
-    diagnosis, bottleneck = _diagnose(table, ops, replay_mean, ideal_mean, noise, stages_known)
+    spread_gain = min(a - b for a, b in zip(replayed, ideal))  # everything ideal: the gain in the worst step
+    diagnosis, bottleneck = _diagnose(table, ops, replay_mean, ideal_mean, noise, stages_known, spread_gain)
     summary = {
         "run": str(analysis.run.path),
         "measured_steps": steps,
@@ -304,7 +314,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
 
 
 def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: float, noise: float,
-              stages_known: bool) -> tuple[str, dict | None]:
+              stages_known: bool, spread_gain: float) -> tuple[str, dict | None]:
     """One line, and the bottleneck named (group, id, step if it were ideal) or None."""
     named = table.filter(pl.col("named")).sort("gain_ms", descending=True)
     ranks = named.filter(pl.col("group") == "rank")
@@ -340,7 +350,7 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
         return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — at its peers' speed "
                 f"{cost(r)}", {"group": "rank", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
                                "gain_ms": r["gain_ms"]})
-    if named.height or replayed - ideal > noise:
+    if named.height or spread_gain > noise:
         who = ", ".join(f"{r['group']} {r['id']}" for r in named.iter_rows(named=True)) or "no single rank or stage"
         kinds = table.filter((pl.col("group") == "kind") & (pl.col("gain_ms") > 0)).sort("gain_ms", descending=True)
         most = (f"; the most from one kind of time: {kinds['id'][0]} at its ideal, {kinds['gain_ms'][0]:.1f} ms"
