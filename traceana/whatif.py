@@ -84,16 +84,17 @@ def parse_set(text: str) -> Change:
     m = re.fullmatch(r"([a-z0-9_]+)(?::ideal|\*([0-9.eE+-]+)|=([0-9.eE+-]+))", rest)
     if not m or m.group(1) not in KINDS:
         raise SetError(f"--set {text!r} cannot be read", fix=f"write {SET_HELP}")
+    number = m.group(2) if m.group(2) is not None else m.group(3)
+    if number is None:
+        return Change(who, who_id, m.group(1), "ideal", text=text)
     try:
-        if m.group(2) is not None:
-            return Change(who, who_id, m.group(1), "scale", float(m.group(2)), text)
-        if m.group(3) is not None:
-            return Change(who, who_id, m.group(1), "set", float(m.group(3)), text)
+        value = float(number)
     except ValueError:
-        raise SetError(f"--set {text!r}: {m.group(2) or m.group(3)!r} is not a number", fix=f"write {SET_HELP}")
-    if (m.group(2) or m.group(3) or "0").startswith("-"):
-        raise SetError(f"--set {text!r}: a duration cannot be negative", fix="give a factor or milliseconds ≥ 0")
-    return Change(who, who_id, m.group(1), "ideal", text=text)
+        raise SetError(f"--set {text!r}: {number!r} is not a number", fix=f"write {SET_HELP}") from None
+    if not value >= 0 or value == float("inf"):
+        raise SetError(f"--set {text!r}: a duration or factor must be a finite number ≥ 0",
+                       fix="give a factor or milliseconds ≥ 0")
+    return Change(who, who_id, m.group(1), "scale" if m.group(2) is not None else "set", value, text)
 
 
 def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -208,6 +209,11 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     work is its peers' gains nothing when made ideal); the others' rows are left empty."""
     g = graph or build(analysis)
     ops, edges = _ideals(g)
+    for c in changes:
+        if c.who is not None and c.who_id not in set(ops[c.who].drop_nulls().to_list()):
+            have = sorted(set(ops[c.who].drop_nulls().to_list()))
+            raise SetError(f"--set {c.text!r}: the run has no {c.who} {c.who_id}",
+                           fix=f"its {c.who}s are {', '.join(map(str, have)) or 'unknown'}")
     steps = list(g.steps)
     stages_known = ops["stage"].null_count() == 0
 
