@@ -63,6 +63,21 @@ def test_replay_of_a_hand_built_step():
     assert bound == {(0, 0): "device", (0, 1): "device", (1, 0): "input", (1, 1): "input"}
 
 
+def test_critical_path_and_slack_of_a_hand_built_step():
+    # By hand (see above): the step (51 ms) is set by A 0-10, its activation in flight 10-15, C's host time 15-16,
+    # C 16-26, B's gradient in flight from when D's receive was posted 26-31, D 31-51. B (ends 20) could end as late
+    # as 26 (D's receive is posted then): slack 6; everything on the path has none.
+    g = two_ranks()
+    r = graph.replay(g, 0)
+    path, slack = graph.critical_path(g, r)
+    got = [(rk, sq, kind, s / MS, e / MS) for rk, sq, kind, s, e in
+           path.select("rank", "seq", "kind", "start_ns", "end_ns").iter_rows()]
+    assert got == [(0, 0, "forward", 0, 10), (1, None, "p2p", 10, 15), (1, None, "host", 15, 16),
+                   (1, 0, "forward", 16, 26), (1, None, "p2p", 26, 31), (1, 1, "backward", 31, 51)]
+    assert path["ms"].sum() == 51
+    assert dict(((a, b), c / MS) for a, b, c in slack.iter_rows()) == {(0, 0): 0, (0, 1): 6, (1, 0): 0, (1, 1): 0}
+
+
 def test_changes_on_a_hand_built_step():
     g = two_ranks()
     ops = g.ops.with_columns(pl.col("work_ns").alias("ideal_work"), pl.col("gap_ns").alias("ideal_gap"),

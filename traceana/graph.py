@@ -277,7 +277,9 @@ def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame) -> pl.DataF
 class Replay:
     """One step replayed: per rank its start, replayed end and step (``ranks``: rank, start_ns, end_ns, step_ns),
     every operation's replayed start and end (``ops``: rank, seq, start_ns, end_ns, bound: what set its start —
-    "device", "input" (a message, ``from_rank``/``from_seq``), "group"), on the run's clock."""
+    "device" (the rank's previous operation), "input" (``from_rank``/``from_seq``: the message's producer, or the
+    receiver's own operation after which it posted the receive), "group" (a collective: ``from_*`` the member that
+    joined last)), on the run's clock."""
 
     step: int
     ranks: pl.DataFrame
@@ -329,10 +331,17 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
         inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
         gap=lambda d, i, op: gaps.get(op, (0.0, 0.0)), groups=groups, trace=trace,
         free0=[float(s - origin) for s in win["start_ns"]])
-    rows = [(op[1], op[2], round(origin + start), round(origin + end),
-             "device" if bound == "device" else "group" if isinstance(bound, tuple) and bound[0] == "group"
-             else "input", None if isinstance(bound, str) or bound[0] == "group" else bound[1],
-             None if isinstance(bound, str) or bound[0] == "group" else bound[2])
+    member_seq = {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}
+
+    def source(bound) -> tuple[str, int | None, int | None]:
+        if bound == "device":
+            return "device", None, None
+        if bound[0] == "group":  # the member that joined last: the path goes on through its own collective
+            last = ranks[bound[2]]
+            return "group", last, member_seq[(bound[1], last)]
+        return "input", bound[1], bound[2]
+
+    rows = [(op[1], op[2], round(origin + start), round(origin + end), *source(bound))
             for (d, i), (op, _f, _ready, start, end, bound) in trace.ops.items() if op[2] >= 0]
     op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
@@ -342,3 +351,122 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     ).select("rank", "start_ns", (pl.col("_free").round() .cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
              ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
     return Replay(step=step, ranks=rank_rows, ops=op_rows)
+
+
+def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The replayed step's critical path and every operation's slack.
+
+    The path runs back from the end of the slowest rank's step (the step time): each operation to what set its start
+    (``Replay.ops.bound``): the rank's previous operation (the gap between them is host time), a message's producer
+    (its lag and transfer are P2P time) or the receiver's own operation that posted the receive, or a collective's
+    last member to join. Returns (``path``: one row per piece of time on it — rank, stage, seq (null for time
+    between operations), kind (forward, backward, optimizer, collective, other, p2p, host), start_ns, end_ns,
+    ms; ``slack``: rank, seq, slack_ns — how much later the operation could end without lengthening the step: the
+    latest end allowed by everything that waits on it (each rank's step may end at its start + the step time), less
+    its replayed end)."""
+    step = r.step
+    ops = (g.ops.filter(pl.col("step") == step).select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group")
+           .join(r.ops, on=["rank", "seq"]))
+    edges = g.edges.filter(pl.col("step") == step)
+    win = g.ranks.filter(pl.col("step") == step).join(r.ranks.select("rank", pl.col("end_ns").alias("_end")),
+                                                      on="rank")
+    info = {(rk, sq): (a, st, w, gp, grp, s0, e0, b, fr, fs)
+            for rk, sq, a, st, w, gp, grp, s0, e0, b, fr, fs in ops.select(
+                "rank", "seq", "action", "stage", "work_ns", "gap_ns", "group", "start_ns", "end_ns", "bound",
+                "from_rank", "from_seq").iter_rows()}
+    start_of = dict(win.select("rank", "start_ns").iter_rows())
+    tail = dict(win.select("rank", "tail_ns").iter_rows())
+    last_seq = dict(ops.group_by("rank").agg(pl.col("seq").max()).iter_rows())
+    step_ns = int((win["_end"] - win["start_ns"]).max())
+    # --- slack: latest finishes, from the last operations back (max-plus constraints of the replay) ---
+    after: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # op -> (successor, lag before its gap)
+    for rk, sq in info:
+        if (rk, sq + 1) in info:
+            after.setdefault((rk, sq), []).append(((rk, sq + 1), 0))
+    for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag, transfer in edges.select(
+            "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").iter_rows():
+        after.setdefault((src, s_seq), []).append(((dst, d_seq), send_lag + transfer))
+        if a_seq is not None:
+            after.setdefault((dst, a_seq), []).append(((dst, d_seq), post_lag + transfer))
+    post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
+                   edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
+    members: dict[str, list[tuple[int, int]]] = {}
+    for key, v in info.items():
+        if v[4] is not None:
+            members.setdefault(v[4], []).append(key)
+    latest_finish: dict[tuple[int, int], float] = {}
+
+    def latest_start(key: tuple[int, int]) -> float:
+        grp = info[key][4]
+        keys = members[grp] if grp is not None else [key]  # a collective starts when its last member joins
+        return min(latest_finish[k] - info[k][2] for k in keys)
+
+    for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
+        rk, sq = key
+        bound = start_of[rk] + step_ns - tail[rk] if sq == last_seq[rk] else float("inf")
+        for succ, lag in after.get(key, ()):
+            try:  # (every successor starts later, so it came first; a member of a collective, all of them)
+                bound = min(bound, latest_start(succ) - info[succ][3] - lag)
+            except KeyError:
+                continue
+        latest_finish[key] = bound
+    # (replayed times are whole nanoseconds: a few ns below zero is rounding)
+    slack = pl.DataFrame([(rk, sq, max(0, int(latest_finish[(rk, sq)] - info[(rk, sq)][6]))) for rk, sq in info],
+                         schema={"rank": pl.Int32, "seq": pl.Int32, "slack_ns": pl.Int64}, orient="row")
+    # --- the path: back from the slowest rank's last operation ---
+    stage_of = dict(win.select("rank", "stage").iter_rows())
+    end_rank = int(win.sort(pl.col("_end") - pl.col("start_ns"), descending=True)["rank"][0])
+    pieces: list[tuple] = []
+    key = (end_rank, last_seq[end_rank])
+    end_t = int(win.filter(pl.col("rank") == end_rank)["_end"][0])
+    a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
+    if end_t > e0:
+        pieces.append((end_rank, stage_of.get(end_rank), None, "host", e0, end_t))
+    seen = set()
+    while key is not None and key not in seen:
+        seen.add(key)
+        rk, sq = key
+        a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
+        pieces.append((rk, st, sq, KIND_OF_ACTION[a], s0, e0))
+        if b == "device":
+            prev = (rk, sq - 1) if (rk, sq - 1) in info else None
+            before = info[prev][6] if prev else start_of[rk]
+            if s0 > before:
+                pieces.append((rk, st, None, "host", before, s0))
+            key = prev
+        elif b == "group":
+            key = (fr, fs)
+        else:  # an input: the gap after it arrived is host; before, the message's transfer is P2P, and the time
+            # from the producer's end to the send (or from the receiver's operation to its posting the receive) too
+            src_end = info[(fr, fs)][6] if fs >= 0 else start_of[fr]  # (-1: the rank's step start)
+            arrive = s0 - gp
+            if s0 > arrive:
+                pieces.append((rk, st, None, "host", arrive, s0))
+            lag = post_lag_of.get((rk, sq, fs)) if fr == rk else None
+            if lag is not None and lag > 0:  # the receiver's own time before it posted the receive
+                pieces.append((rk, st, None, "host", src_end, min(arrive, src_end + lag)))
+                src_end = min(arrive, src_end + lag)
+            if arrive > src_end:
+                pieces.append((rk, st, None, "p2p", src_end, arrive))
+            key = (fr, fs) if fs >= 0 else None
+    path = pl.DataFrame(pieces, schema={"rank": pl.Int32, "stage": pl.Int32, "seq": pl.Int32, "kind": pl.String,
+                                        "start_ns": pl.Int64, "end_ns": pl.Int64}, orient="row").sort("start_ns")
+    path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("ms"),
+                             pl.lit(step, pl.Int32).alias("step"))
+    return path, slack
+
+
+def on_path(paths: list[pl.DataFrame]) -> pl.DataFrame:
+    """Time on the critical path per step, mean over the steps given: group (kind, stage, rank), id, ms, fraction
+    (of the path)."""
+    if not paths:
+        return pl.DataFrame(schema={"group": pl.String, "id": pl.String, "ms": pl.Float64, "fraction": pl.Float64})
+    both = pl.concat(paths)
+    n = len(paths)
+    total = both["ms"].sum() / n
+    out = []
+    for grp in ("kind", "stage", "rank"):
+        out.append(both.group_by(grp).agg((pl.col("ms").sum() / n).alias("ms"))
+                   .select(pl.lit(grp).alias("group"), pl.col(grp).cast(pl.String).alias("id"), "ms")
+                   .sort("ms", descending=True))
+    return pl.concat(out).with_columns((pl.col("ms") / total if total else pl.lit(None)).alias("fraction"))

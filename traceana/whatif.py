@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana.errors import TraceanaError
-from traceana.graph import KIND_OF_ACTION, StepGraph, build, replay
+from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay
 from traceana.units import NS_PER_MS
 
 # A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
@@ -187,6 +187,9 @@ class WhatIf:
 
     summary: dict
     per_rank: pl.DataFrame  # rank, stage, replica, measured_step_ms, replayed_step_ms, replay_error
+    path_time: pl.DataFrame  # time on the critical path (graph.on_path): group (kind/stage/rank), id, ms, fraction
+    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path), with each piece's slack 0
+    slack: pl.DataFrame  # every operation of the last measured step: rank, seq, kind, stage, start/end, slack_ns
     groups: pl.DataFrame  # group (stage / rank / replica / kind), id, if_ideal_step_ms, gain_ms, min_gain_ms,
     #                       slowdown, named
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -196,6 +199,10 @@ class WhatIf:
         for grp in ("stage", "rank", "replica", "kind"):
             out[f"by_{grp}"] = self.groups.filter(pl.col("group") == grp).drop("group").to_dicts()
         out["per_rank"] = self.per_rank.to_dicts()
+        out["critical_path"] = {f"by_{grp}": self.path_time.filter(pl.col("group") == grp).drop("group").to_dicts()
+                                for grp in ("kind", "stage", "rank")}
+        out["critical_path"]["last_step"] = self.path.to_dicts()
+        out["slack"] = self.slack.to_dicts()
         out["notes"] = list(self.notes)
         return out
 
@@ -221,6 +228,8 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
         return [replay(g, s, ops=o, edges=e).step_ns / NS_PER_MS for s in steps]
 
     replays = [replay(g, s) for s in steps]
+    paths = [critical_path(g, r) for r in replays]
+    path_time = on_path([p for p, _ in paths])
     replayed = [r.step_ns / NS_PER_MS for r in replays]
     measured_rank = (g.ranks.select("rank", "step", "stage", "replica",
                                     ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS).alias("measured_step_ms")))
@@ -316,7 +325,12 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     notes = tuple(g.notes)
     if not stages_known:
         notes += ("the stages of some ranks are unknown: no stage and no replica is named, only ranks",)
-    return WhatIf(summary=summary, per_rank=per_rank, groups=table, notes=notes)
+    last = replays[-1]
+    slack = (g.ops.filter(pl.col("step") == last.step).select("rank", "seq", "phase", "stage", "microbatch")
+             .join(last.ops.select("rank", "seq", "start_ns", "end_ns"), on=["rank", "seq"])
+             .join(paths[-1][1], on=["rank", "seq"]).sort("rank", "seq"))
+    return WhatIf(summary=summary, per_rank=per_rank, groups=table, path_time=path_time, path=paths[-1][0],
+                  slack=slack, notes=notes)
 
 
 def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: float, noise: float,

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def render(w, *, console) -> None:
+    import polars as pl
+
     from traceana.tables import cell as _fmt
     from traceana.tables import print_line, print_table
 
@@ -50,6 +52,14 @@ def render(w, *, console) -> None:
             for r in w.groups.iter_rows(named=True)]  # one row per group: display only
     print_table(console, "What if each were ideal (the rest as measured); slowdown: everything ideal but it, over "
                          "everything ideal", headers, rows, keys=2, justify=["left", "left", *["right"] * 5])
+    pt = w.path_time
+    if pt.height:
+        cells = {grp: ", ".join(f"{r['id']} {r['ms']:,.1f} ({100 * (r['fraction'] or 0):.0f}%)"
+                                for r in pt.filter(pl.col("group") == grp).iter_rows(named=True))
+                 for grp in ("kind", "stage", "rank")}  # a few rows: display only
+        print_table(console, "Critical path: time on it per step (ms, share of the path; mean over the steps)",
+                    ["by", "time on the critical path"], [[grp, cells[grp]] for grp in cells], keys=1,
+                    justify=["left", "left"])
     if s["changes"]:
         print_line(console, f"with {', '.join(s['changes'])}: the step would be {s['changed_step_ms']:,.1f} ms "
                             f"({s['changed_step_ms'] - s['replayed_step_ms']:+,.1f} ms against the replay)")

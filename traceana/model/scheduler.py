@@ -170,8 +170,8 @@ class Trace:
     """What a run of the scheduler did per operation, for a measured replay and its critical path: per (device,
     index in its order) the operation, when the device was free for it (after its own host time), when its inputs
     were ready (after the time it takes once they are), its start and end, and what bound the start: "device" (its
-    previous operation), the product key of the input that arrived last, or ("group", id) for a collective's last
-    member to join."""
+    previous operation), the product key of the input that arrived last, or ("group", id, device) for a collective's last
+    member to join, and that member's device."""
 
     ops: dict[tuple[int, int], tuple[tuple, float, float, float, float, object]] = field(default_factory=dict)
 
@@ -261,7 +261,8 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                 free[d], start, windows = policy.before_start(rec, d, idx[d], op, free=free[d],
                                                               start=max(free[d], ready), ready=ready, windows=windows)
                 if join is not None and join > start:
-                    start, bound = join, ("group", groups[op][0])
+                    last = max(here, key=lambda m: here[m])  # the member that joined last
+                    start, bound = join, ("group", groups[op][0], last)
                 elif ready <= free[d]:
                     bound = "device"
                 rec.wait(d, free[d], start, windows)
