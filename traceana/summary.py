@@ -83,6 +83,8 @@ class RunSummary:
     #                                       compute_ms, collective_ms (exposed)
     diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
+    critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
+    #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
 
     @property
     def stragglers(self) -> pl.DataFrame:
@@ -103,6 +105,7 @@ class RunSummary:
             "replicas": [] if self.replicas is None else self.replicas.to_dicts(),
             "diagnosis": self.diagnosis,
             "bottleneck": self.bottleneck,
+            "critical_path": [] if self.critical_path is None else self.critical_path.to_dicts(),
         }
 
 
@@ -219,9 +222,11 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None]:
+def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
+                                                        pl.DataFrame | None]:
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
-    the diagnosis and the bottleneck; an empty table and the reason where no what-if can run."""
+    the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
+    can run."""
     from traceana.errors import TraceanaError
     from traceana.graph import build
     from traceana.whatif import whatif
@@ -229,11 +234,11 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
                                  "if_ideal_step_ms": pl.Float64})
     if analysis.events is None:
-        return empty, None, None  # (a result assembled without its events: the collectives are not known)
+        return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
     try:
         w = whatif(analysis, graph=build(analysis, steps), full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
-        return empty, f"no what-if: {e.what}", None
+        return empty, f"no what-if: {e.what}", None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
@@ -241,7 +246,7 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
         "if_ideal_step_ms", "gain_ms")
     table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
              .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
-    return table, w.summary["diagnosis"], w.summary["bottleneck"]
+    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time
 
 
 def summarize(analysis) -> RunSummary:
@@ -250,7 +255,7 @@ def summarize(analysis) -> RunSummary:
     steps = measured_steps(att, analysis.schedule)
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck = named_by_whatif(analysis, steps)
+    named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
     per_stage = (_per_stage(att, analysis.stages, analysis.stage_memory, steps)
                  .join(across_replicas(per_replica_step), on="stage", how="left")
                  .join(named, on="stage", how="left"))
@@ -281,6 +286,7 @@ def summarize(analysis) -> RunSummary:
         replicas=replicas,
         diagnosis=diagnosis,
         bottleneck=bottleneck,
+        critical_path=path_time,
     )
 
 

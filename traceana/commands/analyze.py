@@ -130,6 +130,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     for line in headline(analysis.summary):
         print_line(console, line)
     replicas_table(console, analysis.summary)
+    path_table(console, analysis.summary)
 
     if per_step:
         from traceana.export import per_step_table  # (only here: a plain analysis imports no export)
@@ -184,6 +185,22 @@ def replicas_table(console, summary) -> None:
     if not len(summary.stragglers):
         print_line(console, "no straggler: no rank or replica made ideal shortens the step by more than "
                             "the noise in every measured step (traceana whatif)")
+
+
+def path_table(console, summary) -> None:
+    """Time on the replayed step's critical path by kind and stage (traceana.graph.critical_path; whatif has more)."""
+    import polars as pl
+
+    from traceana.tables import print_table
+
+    pt = summary.critical_path
+    if pt is None or not pt.height:
+        return
+    rows = [[grp, ", ".join(f"{r['id']} {r['ms']:,.2f} ({100 * (r['fraction'] or 0):.0f}%)"
+                            for r in pt.filter(pl.col("group") == grp).iter_rows(named=True))]
+            for grp in ("kind", "stage")]  # two rows: display only
+    print_table(console, "Critical path of the replayed step (ms per step and share; traceana whatif for slack and "
+                         "what-ifs)", ["by", "time on the path"], rows, keys=1, justify=["left", "left"])
 
 
 def headline(summary) -> list[str]:
