@@ -40,6 +40,11 @@ KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
 PASS_ACTIONS = ("F", "B", "I", "W")
 
 
+def ms(x: float) -> str:
+    """Milliseconds with three significant digits at least (a 0.1 ms step and a 1,318 ms one alike)."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) >= 0.001 else f"{x:.2g}"
+
+
 def noise_ms(steps_ms: list[float]) -> float:
     """The noise a gain must exceed: the spread (max − min) of the measured step over the measured steps, the slowest
     left out when there are three or more (one descheduled step is noise by itself, and a gain counts only when it
@@ -348,7 +353,7 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
         return f" ({', '.join(b for b in bits if b)})" if any(bits) else ""
 
     def cost(row: dict) -> str:
-        return f"the step would be {row['if_ideal_step_ms']:.1f} ms instead of {replayed:.1f} ms"
+        return f"the step would be {ms(row['if_ideal_step_ms'])} ms instead of {ms(replayed)} ms"
 
     several_per_stage = ops.group_by("stage").agg(pl.col("rank").n_unique().alias("n"))["n"].max() > 1
     if ranks.height == 1 and (several_per_stage or stages.height == 0):
@@ -373,9 +378,9 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
     if named.height or spread_gain > noise:
         who = ", ".join(f"{r['group']} {r['id']}" for r in named.iter_rows(named=True)) or "no single rank or stage"
         kinds = table.filter((pl.col("group") == "kind") & (pl.col("gain_ms") > 0)).sort("gain_ms", descending=True)
-        most = (f"; the most from one kind of time: {kinds['id'][0]} at its ideal, {kinds['gain_ms'][0]:.1f} ms"
+        most = (f"; the most from one kind of time: {kinds['id'][0]} at its ideal, {ms(kinds['gain_ms'][0])} ms"
                 if kinds.height else "")
-        return (f"spread over many ({who}): with everything at its peers' speed the step would be {ideal:.1f} ms "
-                f"instead of {replayed:.1f} ms{most}", None)
+        return (f"spread over many ({who}): with everything at its peers' speed the step would be {ms(ideal)} ms "
+                f"instead of {ms(replayed)} ms{most}", None)
     return (f"nothing beyond noise: no rank, replica or stage made ideal shortens the step by more than "
-            f"{noise:.1f} ms", None)
+            f"{ms(noise)} ms", None)

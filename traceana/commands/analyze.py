@@ -157,6 +157,7 @@ def replicas_table(console, summary) -> None:
 
     from traceana.tables import print_line, print_table
     from traceana.tables import cell as _num
+    from traceana.whatif import ms
 
     ps = summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
@@ -178,8 +179,8 @@ def replicas_table(console, summary) -> None:
                 keys=1)
     for r in summary.stragglers.iter_rows(named=True):  # one per stage at most: display only
         print_line(console, f"straggler: rank {r['straggler_rank']} (replica {r['straggler']}) on stage {r['stage']}: "
-                            f"at its peers' speed the step would be {r['if_ideal_step_ms']:,.1f} ms instead of "
-                            f"{summary.step_ms:,.1f} ms (the what-if names a rank only when that gain exceeds the "
+                            f"at its peers' speed the step would be {ms(r['if_ideal_step_ms'])} ms instead of "
+                            f"{ms(summary.step_ms)} ms (the what-if names a rank only when that gain exceeds the "
                             f"noise in every measured step; traceana whatif)"
                    if r["if_ideal_step_ms"] is not None else f"straggler: rank {r['straggler_rank']}")
     if not len(summary.stragglers):
@@ -196,11 +197,12 @@ def path_table(console, summary) -> None:
     pt = summary.critical_path
     if pt is None or not pt.height:
         return
-    rows = [[grp, ", ".join(f"{r['id']} {r['ms']:,.2f} ({100 * (r['fraction'] or 0):.0f}%)"
-                            for r in pt.filter(pl.col("group") == grp).iter_rows(named=True))]
-            for grp in ("kind", "stage")]  # two rows: display only
-    print_table(console, "Critical path of the replayed step (ms per step and share; traceana whatif for slack and "
-                         "what-ifs)", ["by", "time on the path"], rows, keys=1, justify=["left", "left"])
+    rows = [[grp if grp == "kind" else f"{grp} {r['id']}", r["id"] if grp == "kind" else "", f"{r['ms']:,.2f}",
+             f"{100 * (r['fraction'] or 0):.0f}%"]
+            for grp in ("kind", "stage") for r in pt.filter(pl.col("group") == grp).iter_rows(named=True)]
+    rows = [[f"{a} {b}".strip(), c, d] for a, b, c, d in rows]  # a few rows: display only
+    print_table(console, "Critical path of the replayed step (ms per step, share of the path; traceana whatif for "
+                         "slack and what-ifs)", ["on the path", "ms", "share"], rows, keys=1)
 
 
 def headline(summary) -> list[str]:

@@ -36,33 +36,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def render(w, *, console) -> None:
-    import polars as pl
-
     from traceana.tables import cell as _fmt
     from traceana.tables import print_line, print_table
+    from traceana.whatif import ms
 
     s = w.summary
-    print_line(console, f"{s['run']}: measured step {s['measured_step_ms']:,.1f} ms over steps "
-               f"{', '.join(map(str, s['measured_steps']))}; replayed {s['replayed_step_ms']:,.1f} ms (largest "
-               f"error of a rank's step {s['replay_error']:.2%}); everything ideal {s['ideal_step_ms']:,.1f} ms, "
-               f"slowdown {_fmt(s['slowdown'], '.2f')}×; noise {s['noise_ms']:,.1f} ms")
+    print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over steps "
+               f"{', '.join(map(str, s['measured_steps']))}; replayed {ms(s['replayed_step_ms'])} ms (largest "
+               f"error of a rank's step {s['replay_error']:.2%}); everything ideal {ms(s['ideal_step_ms'])} ms, "
+               f"slowdown {_fmt(s['slowdown'], '.2f')}×; noise {ms(s['noise_ms'])} ms")
     headers = ["group", "", "step if ideal\nms", "gain\nms", "gain in the\nworst step ms", "slowdown", "named"]
-    rows = [[r["group"], r["id"], _fmt(r["if_ideal_step_ms"], ",.1f"), _fmt(r["gain_ms"], "+,.1f"),
-             _fmt(r["min_gain_ms"], "+,.1f"), _fmt(r["slowdown"], ".2f"), "yes" if r["named"] else ""]
+    def sig(x, sign=""):
+        return "–" if x is None else (sign if x >= 0 else "") + ms(x)
+
+    rows = [[r["group"], r["id"], sig(r["if_ideal_step_ms"]), sig(r["gain_ms"], "+"), sig(r["min_gain_ms"], "+"),
+             _fmt(r["slowdown"], ".2f"), "yes" if r["named"] else ""]
             for r in w.groups.iter_rows(named=True)]  # one row per group: display only
     print_table(console, "What if each were ideal (the rest as measured); slowdown: everything ideal but it, over "
                          "everything ideal", headers, rows, keys=2, justify=["left", "left", *["right"] * 5])
     pt = w.path_time
     if pt.height:
-        cells = {grp: ", ".join(f"{r['id']} {r['ms']:,.1f} ({100 * (r['fraction'] or 0):.0f}%)"
-                                for r in pt.filter(pl.col("group") == grp).iter_rows(named=True))
-                 for grp in ("kind", "stage", "rank")}  # a few rows: display only
-        print_table(console, "Critical path: time on it per step (ms, share of the path; mean over the steps)",
-                    ["by", "time on the critical path"], [[grp, cells[grp]] for grp in cells], keys=1,
-                    justify=["left", "left"])
+        rows = [[f"{r['group']} {r['id']}", ms(r["ms"]), f"{100 * (r['fraction'] or 0):.0f}%"]
+                for r in pt.iter_rows(named=True)]  # kinds, stages and ranks: display only
+        print_table(console, "Critical path: time on it per step (mean over the steps) and its share of the path",
+                    ["on the path", "ms", "share"], rows, keys=1)
     if s["changes"]:
-        print_line(console, f"with {', '.join(s['changes'])}: the step would be {s['changed_step_ms']:,.1f} ms "
-                            f"({s['changed_step_ms'] - s['replayed_step_ms']:+,.1f} ms against the replay)")
+        change = s["changed_step_ms"] - s["replayed_step_ms"]
+        print_line(console, f"with {', '.join(s['changes'])}: the step would be {ms(s['changed_step_ms'])} ms "
+                            f"({'+' if change >= 0 else ''}{ms(change)} ms against the replay)")
     print_line(console, s["diagnosis"], prefix="diagnosis: ")
     for n in w.notes:
         print_line(console, n, prefix="note: ")
