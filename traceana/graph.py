@@ -10,7 +10,7 @@ What the graph holds, per measured step (summary.measured_steps), from tables th
   inside the optimizer step) is part of the outer one.
 - **messages** (``StepGraph.edges``): every matched send/receive pair (``Analysis.p2p``, P2P and BPipe channels).
   Its **producer** is the last operation its sender started before posting it, its **consumer** the first operation
-  of the receiver not over when it arrived, its **anchor** the last operation the receiver started before posting the
+  of the receiver that began its work after it arrived (ARRIVAL_SLACK_NS: clocks and span edges), its **anchor** the last operation the receiver started before posting the
   receive (none: posted before the step's first). A message arrives at max(producer's end + send lag, anchor's end +
   post lag) + transfer: the transfer starts once both sides have posted (pipeline.pair's data-ready time), so a slow
   receiver delays its own input and a fast one does not wait for a slow one's bookkeeping.
@@ -46,6 +46,9 @@ ACTION_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "back
 KIND_OF_ACTION = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer",
                   "C": "collective", "X": "other"}
 KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
+# A message may arrive this long after its consumer's work began (spans' edges are a few µs apart from the waits' ends,
+# and ranks on two hosts have corrected clocks); later, the operation did not wait for it: the next one did.
+ARRIVAL_SLACK_NS = 20_000
 
 OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String, "phase": pl.String,
        "stage": pl.Int32, "microbatch": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "work_ns": pl.Int64,
@@ -211,15 +214,17 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
     if pairs.height == 0:
         return pl.DataFrame(schema=EDGES), 0
     by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
-    by_end = ops.select("rank", "step", "seq", "end_ns").sort("end_ns")
+    # an operation's work starts at end − work (a collective's at its span's start)
+    by_work = ops.select("rank", "step", "seq", pl.when(pl.col("action") == "C").then("start_ns")
+                         .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
     m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns",
                      "transfer_ns").with_row_index("_m")
     prod = m.sort("send_start_ns").join_asof(
         by_start.rename({"rank": "src", "seq": "src_seq", "start_ns": "_ps", "end_ns": "_pe"}),
         left_on="send_start_ns", right_on="_ps", by=["src", "step"], strategy="backward", check_sortedness=False)
-    cons = m.select("_m", "dst", "step", (pl.col("recv_end_ns") + 1).alias("_t")).sort("_t").join_asof(
-        by_end.rename({"rank": "dst", "seq": "dst_seq", "end_ns": "_ce"}),
-        left_on="_t", right_on="_ce", by=["dst", "step"], strategy="forward", check_sortedness=False)
+    cons = m.select("_m", "dst", "step", (pl.col("recv_end_ns") - ARRIVAL_SLACK_NS).alias("_t")).sort("_t").join_asof(
+        by_work.rename({"rank": "dst", "seq": "dst_seq"}),
+        left_on="_t", right_on="_ws", by=["dst", "step"], strategy="forward", check_sortedness=False)
     anchor = m.select("_m", "dst", "step", "recv_post_ns").sort("recv_post_ns").join_asof(
         by_start.rename({"rank": "dst", "seq": "anchor_seq", "start_ns": "_as", "end_ns": "_ae"}),
         left_on="recv_post_ns", right_on="_as", by=["dst", "step"], strategy="backward", check_sortedness=False)

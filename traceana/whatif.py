@@ -355,10 +355,16 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
     def cost(row: dict) -> str:
         return f"the step would be {ms(row['if_ideal_step_ms'])} ms instead of {ms(replayed)} ms"
 
-    several_per_stage = ops.group_by("stage").agg(pl.col("rank").n_unique().alias("n"))["n"].max() > 1
+    per_stage = dict(ops.group_by("_work").agg(pl.col("rank").n_unique()).iter_rows())
+    alone = {r: per_stage[w] == 1 for r, w in ops.select("rank", "_work").unique().iter_rows()}
+
+    def speed(rank: int) -> str:  # a rank alone on its stage is its own peer: its own median
+        return "with its slower operations at its own median" if alone[rank] else "at its peers' speed"
+
+    several_per_stage = max(per_stage.values()) > 1
     if ranks.height == 1 and (several_per_stage or stages.height == 0):
         r = ranks.row(0, named=True)
-        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — at its peers' speed "
+        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — {speed(int(r['id']))} "
                 f"{cost(r)}", {"group": "rank", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
                                "gain_ms": r["gain_ms"]})
     if replicas.height == 1 and ranks.height <= 1:
@@ -372,7 +378,7 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
                                "gain_ms": r["gain_ms"]})
     if ranks.height == 1:
         r = ranks.row(0, named=True)
-        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — at its peers' speed "
+        return (f"one rank: rank {r['id']}{where(int(r['id']))} holds the step back — {speed(int(r['id']))} "
                 f"{cost(r)}", {"group": "rank", "id": int(r["id"]), "step_ms": r["if_ideal_step_ms"],
                                "gain_ms": r["gain_ms"]})
     if named.height or spread_gain > noise:
