@@ -428,11 +428,14 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     if end_t > e0:
         pieces.append((end_rank, stage_of.get(end_rank), None, "host", e0, end_t))
     seen = set()
+    joined = False  # the walk jumped to a collective's last member: its time is on the path once
     while key is not None and key not in seen:
         seen.add(key)
         rk, sq = key
         a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
-        pieces.append((rk, st, sq, KIND_OF_ACTION[a], s0, e0))
+        if not joined:
+            pieces.append((rk, st, sq, KIND_OF_ACTION[a], s0, e0))
+        joined = b == "group"
         if b == "device":
             prev = (rk, sq - 1) if (rk, sq - 1) in info else None
             before = info[prev][6] if prev else start_of[rk]

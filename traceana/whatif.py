@@ -324,8 +324,8 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
         "bottleneck": bottleneck,
         "changes": [c.text for c in changes],
         "changed_step_ms": changed,
-        "host_gap_fraction": float(ops["gap_ns"].sum()) / float(
-            (g.ranks["end_ns"] - g.ranks["start_ns"]).sum()) if g.ranks.height else None,
+        "host_gap_fraction": float(ops["gap_ns"].sum()) / total if (
+            total := float((g.ranks["end_ns"] - g.ranks["start_ns"]).sum())) else None,
     }
     notes = tuple(g.notes)
     if not stages_known:
@@ -349,7 +349,8 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
     def where(rank: int) -> str:
         row = ops.filter(pl.col("rank") == rank).row(0, named=True)
         bits = [f"stage {row['stage']}" if row["stage"] is not None else None,
-                f"replica {row['replica']}" if row["replica"] is not None and stages_known else None]
+                f"replica {row['replica']}" if row["replica"] is not None and stages_known
+                and ops["replica"].n_unique() > 1 else None]
         return f" ({', '.join(b for b in bits if b)})" if any(bits) else ""
 
     def cost(row: dict) -> str:
