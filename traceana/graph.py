@@ -299,7 +299,7 @@ class Replay:
 def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
     """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
     work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones)."""
-    from traceana.model.scheduler import Costs, Policy, Recorder, StageTimes, Trace, product, run_schedule
+    from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, product, run_schedule
 
     ops = (g.ops if ops is None else ops).filter(pl.col("step") == step).sort("rank", "seq")
     edges = (g.edges if edges is None else edges).filter(pl.col("step") == step)
@@ -327,7 +327,7 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
         anchor = key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1)
         inputs.setdefault((dst, d_seq), []).append(
             (((key_of[(src, s_seq)], float(send_lag)), (anchor, float(post_lag))), float(transfer)))
-    rec = Recorder(len(ranks))
+    rec = NullRecorder()
     trace = Trace()
     _, free = run_schedule(
         orders, rec=rec, policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)), costs=Costs(),

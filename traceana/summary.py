@@ -46,6 +46,9 @@ STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # ranks and replicas the what-if in the summary makes ideal (those whose work exceeds their peers' the most;
 # traceana whatif makes every one ideal)
 WHATIF_CANDIDATES = 8
+# ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
+# ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
+WHATIF_MAX_OPERATIONS = 20_000
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
@@ -236,7 +239,11 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     if analysis.events is None:
         return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
     try:
-        w = whatif(analysis, graph=build(analysis, steps), full=False, candidates=WHATIF_CANDIDATES)
+        g = build(analysis, steps)
+        if g.ops.height > WHATIF_MAX_OPERATIONS:
+            return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
+                           "traceana whatif RUN_DIR runs it"), None, None
+        w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
         return empty, f"no what-if: {e.what}", None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")

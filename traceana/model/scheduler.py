@@ -110,6 +110,22 @@ class Recorder:
             self.busy(d, a, b, c)
 
 
+class NullRecorder(Recorder):
+    """Records nothing: a measured replay needs only when each operation ran (``Trace``), not the labelled spans."""
+
+    def __init__(self, devices: int = 0) -> None:
+        super().__init__(0)
+
+    def busy(self, d: int, start: float, end: float, cat: str) -> None:
+        pass
+
+    def note_held(self, t: float, d: int, delta: float) -> None:
+        pass
+
+    def wait(self, d: int, start: float, end: float, windows: list[tuple[float, float, str]]) -> None:
+        pass
+
+
 class Policy:
     """What the scheduler asks at each operation beyond the schedule's own rules; this one adds nothing. BPipe
     (model.bpipe_policy.BPipePolicy) is one: evictions before forwards, loads before backwards, the acceptor's work.
