@@ -110,18 +110,19 @@ def _curve(spec: str | None) -> EfficiencyCurve:
 
 
 def _from_run(args: argparse.Namespace) -> TrainingConfig:
-    """The configuration a collected run's run.json describes, as validate reads it (config_from_manifest)."""
+    """The configuration a collected run's run.json describes, as validate reads it (``RunConfig``, without the
+    traces: their analysis is validate's)."""
     from pathlib import Path
 
     from traceana.errors import BadInputError
     from traceana.manifest import MANIFEST_NAME, Manifest
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
 
     path = Path(args.from_run)
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
         raise BadInputError("no run.json here", path=path, fix="give a run directory written by `traceana collect`")
-    return config_from_manifest(Manifest.read(path), path=path)  # its refusals name run.json keys, not flags
+    return RunConfig.from_manifest(Manifest.read(path)).training_config(path=path)  # refusals name run.json keys
 
 
 def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyCurve, Network]:

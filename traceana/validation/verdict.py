@@ -11,7 +11,6 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
 from traceana.units import bytes_text
-from traceana.validation.measurement import traced_config
 from traceana.validation.prediction import predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
@@ -26,7 +25,7 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
     with full recompute against BPipe without any. A BPipe transfer costs ``bpipe_ns`` (default: one P2P message's
     time plus stage 0's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS, overlapped)."""
     check_baseline(policy)
-    cfg = cfg or traced_config(baseline)
+    cfg = cfg or baseline.config.training_config(path=baseline.run.path)
     if cfg.schedule != "1f1b" or cfg.bpipe or cfg.pp < 2:
         raise AnalysisError("a BPipe verdict needs a plain 1F1B run with pp ≥ 2", path=baseline.run.path,
                             fix="collect a 1F1B run without BPipe")
