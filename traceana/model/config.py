@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
-from traceana.pipeline_rules import SCHEDULES, check_virtual_stages, device_of_stage, stage_layers
+from traceana.pipeline_rules import SCHEDULES, check_bpipe, check_virtual_stages, device_of_stage, stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
 MODEL_SCHEDULES = SCHEDULES  # every schedule the pipeline rules know
@@ -91,8 +91,8 @@ class TrainingConfig:
         if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
             raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
                               fix="check run.json's bpipe_inflight")
-        if self.bpipe and self.schedule != "1f1b":
-            raise ConfigError("BPipe is defined on the 1F1B schedule", fix="use --schedule 1f1b with --bpipe")
+        if self.bpipe:
+            check_bpipe(self.schedule, virtual_stages=self.virtual_stages)
         if self.model.heads % self.tp or self.model.hidden % self.tp:
             raise ConfigError(f"tp={self.tp} does not divide the model's heads and hidden size", fix="choose another tp")
         chunks = self.pp * self.virtual_stages

@@ -15,7 +15,7 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
-from traceana.pipeline_rules import bpipe_plan
+from traceana.pipeline_rules import bpipe_applies, bpipe_plan
 from traceana.run_config import RUN_JSON
 
 
@@ -201,12 +201,13 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     # evictions, exposed loads, accepting and returning) per planned eviction; the transfers themselves overlap.
     evict_block = accept_block = 0.0
     pairs_of_run = analysis.config.bpipe or ()
-    if pairs_of_run and cfg.schedule == "1f1b":
+    if pairs_of_run and bpipe_applies(cfg.schedule, pp=p, virtual_stages=cfg.virtual_stages):
         per_step = per_rank.group_by("rank").agg(pl.col("bpipe").mean())
         spent = dict(per_step.iter_rows())
         ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
         for e, q in pairs_of_run:
-            n = bpipe_plan("1f1b", pp=p, num_microbatches=cfg.num_microbatches, evictor=e, keep=cfg.bpipe_keep).evicted
+            n = bpipe_plan(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, evictor=e,
+                           keep=cfg.bpipe_keep).evicted
             if n:
                 ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
                 acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0
