@@ -1,0 +1,130 @@
+"""Reliability, round 3 (issue 29): outputs only onto regular files or new paths, no run written into by a new
+collection and no mixed runs, clean signals and streams, bounded on absurd metadata, attach/collect owning their
+children, user files in run folders, temporaries.
+
+Each test's expectation is by hand: what the file system must hold afterwards (a device stays a device), the
+conventional exit codes (130 SIGINT, 143 SIGTERM, 141 a closed pipe), one line on stderr."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from tracebuilder import TraceBuilder, write_two_stage_run
+
+from traceana.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.fixture
+def run2(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    return write_two_stage_run(d)
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _traceana(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "traceana", *map(str, args)], cwd=kw.pop("cwd", ROOT), env=ENV,
+                          capture_output=True, text=True, timeout=kw.pop("timeout", 120), **kw)
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if not ln.startswith("traceana: warning:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# --- 1. outputs only onto regular files or new paths ---------------------------------------------------------------
+def _special(tmp_path: Path, kind: str) -> Path:
+    p = tmp_path / f"out-{kind}"
+    if kind == "device":
+        os.mknod(p, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a copy of /dev/null (we run as root in CI)
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "link-to-device":
+        os.mknod(tmp_path / "dev", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        p.symlink_to(tmp_path / "dev")
+    return p
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "link-to-device"])
+def test_merge_never_replaces_a_device_fifo_or_link_to_one(run2, tmp_path, capsys, kind):
+    if kind != "fifo" and os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    out = _special(tmp_path, kind)
+    before = os.lstat(out)
+    rc, _, err = _cli(["merge", run2, "-o", out, "--no-cache"], capsys)
+    assert rc == 2 and "regular files" in _one_line(err)
+    after = os.lstat(out)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)  # still the device / FIFO / link
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_never_replaces_a_fifo_among_its_tables(run2, tmp_path, capsys):
+    d = tmp_path / "tables"
+    d.mkdir()
+    os.mkfifo(d / "steps.parquet")
+    rc, _, err = _cli(["analyze", run2, "--export", d, "--no-cache"], capsys)
+    assert rc == 2 and "steps.parquet" in _one_line(err)
+    assert stat.S_ISFIFO(os.lstat(d / "steps.parquet").st_mode) and sorted(os.listdir(d)) == ["steps.parquet"]
+
+
+def test_merge_to_standard_output_streams_the_trace(run2):
+    r = _traceana("merge", run2, "-o", "-", "--no-cache")
+    assert r.returncode == 0, r.stderr
+    trace = json.loads(r.stdout)
+    assert trace["otherData"]["producer"] == "traceana merge" and {e.get("pid") for e in trace["traceEvents"]} >= {0, 1}
+    assert not (ROOT / "-").exists()
+
+
+def test_a_legal_long_output_name_is_written(run2, tmp_path, capsys):
+    d = tmp_path / "out"
+    d.mkdir()
+    out = d / ("m" * 240 + ".json.gz")  # 248 bytes: legal; the temporary's name must fit in 255 too
+    rc, _, err = _cli(["merge", run2, "-o", out, "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    assert json.loads(gzip.decompress(out.read_bytes()))["traceEvents"]
+    assert [p.name for p in d.iterdir()] == [out.name]
+
+
+def test_merge_creates_its_folder_or_says_it_cannot(run2, tmp_path, capsys):
+    rc, _, err = _cli(["merge", run2, "-o", tmp_path / "new" / "sub" / "m.json", "--no-cache", "--quiet"], capsys)
+    assert rc == 0 and (tmp_path / "new" / "sub" / "m.json").is_file()
+    (tmp_path / "file").write_text("x")
+    rc, _, err = _cli(["merge", run2, "-o", tmp_path / "file" / "m.json", "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "cannot create the folder" in line and "disk space" not in line
+
+
+def test_a_killed_merges_temporary_is_swept_by_the_next(run2, tmp_path, capsys):
+    out = tmp_path / "m.json.gz"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".m.json.gz.{int(dead.stdout)}.0123abcd.tmp"  # as kill -9 during a merge leaves it
+    stale.write_bytes(b"\0" * 4096)
+    other = tmp_path / f".other.json.gz.{int(dead.stdout)}.0123abcd.tmp"  # another target's: not this merge's
+    other.write_bytes(b"x")
+    old = time.time() - 3600
+    for p in (stale, other):
+        os.utime(p, (old, old))
+    rc, _, err = _cli(["merge", run2, "-o", out, "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    assert not stale.exists() and other.exists() and out.is_file()
