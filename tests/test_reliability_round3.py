@@ -128,3 +128,30 @@ def test_a_killed_merges_temporary_is_swept_by_the_next(run2, tmp_path, capsys):
     rc, _, err = _cli(["merge", run2, "-o", out, "--no-cache", "--quiet"], capsys)
     assert rc == 0, err
     assert not stale.exists() and other.exists() and out.is_file()
+
+
+# --- 2. a run folder is never written into by a new collection ------------------------------------------------------
+def test_collect_refuses_a_folder_holding_a_run(run2, capsys, monkeypatch):
+    import collectors.launch as launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    before = {p.name: p.read_bytes() for p in run2.iterdir()}
+    rc, _, err = _cli(["collect", "--pp", "2", "-o", run2], capsys)
+    assert rc == 2 and "not empty" in _one_line(err)
+    assert {p.name: p.read_bytes() for p in run2.iterdir()} == before  # no collect.log, nothing replaced
+
+
+def test_collect_under_torchrun_accepts_its_own_launchs_folder_only(tmp_path, monkeypatch):
+    from collectors.command import OWNER, refuse_used_output
+    from traceana.errors import ConfigError
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "a"
+                 }.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    refuse_used_output(out)  # the first rank marks it
+    refuse_used_output(out)  # another rank of the same launch: its own output
+    assert os.listdir(out) == [OWNER]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b")  # another launch
+    with pytest.raises(ConfigError, match="not empty"):
+        refuse_used_output(out)
