@@ -126,10 +126,8 @@ def refuse_used_output(out: Path) -> None:
         names = sorted(n for n in os.listdir(out) if not n.startswith(".traceana-write-test-"))
     except FileNotFoundError:
         names = []
-    except NotADirectoryError:
-        raise ConfigError("is a file, not a directory", path=out, fix="choose a new -o/--output directory") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read the output directory ({e.strerror or e})", path=out,
+    except OSError as e:  # (the words of launch.check_out_dir)
+        raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out,
                           fix="choose a writable -o/--output directory") from None
     if names == [OWNER] and launch_id is not None:
         try:
