@@ -155,3 +155,41 @@ def test_collect_under_torchrun_accepts_its_own_launchs_folder_only(tmp_path, mo
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b")  # another launch
     with pytest.raises(ConfigError, match="not empty"):
         refuse_used_output(out)
+
+
+# --- 3. mixed runs -------------------------------------------------------------------------------------------------
+def _edit_trace(path: Path, edit) -> None:
+    trace = json.loads(gzip.decompress(path.read_bytes()))
+    edit(trace)
+    path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+
+
+def _shift(seconds: float):
+    def edit(trace):
+        for e in trace["traceEvents"]:
+            if "ts" in e:
+                e["ts"] += seconds * 1e6
+    return edit
+
+
+def test_a_rank_from_a_later_collection_is_refused(run2, capsys):
+    # rank 1 from the same configuration collected a minute later: its events start 60 s after rank 0's end
+    _edit_trace(run2 / "rank1.pt.trace.json.gz", _shift(60))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "different collections" in line and "rank 1" in line and "rank 0" in line
+
+
+def test_ranks_a_few_seconds_apart_are_named_not_refused(run2, capsys):
+    _edit_trace(run2 / "rank1.pt.trace.json.gz", _shift(3))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 0 and "different collections?" in err
+
+
+def test_traces_of_different_configurations_are_refused(run2, capsys):
+    for r, schedule in ((0, "1f1b"), (1, "gpipe")):
+        _edit_trace(run2 / f"rank{r}.pt.trace.json.gz",
+                    lambda t, s=schedule, r=r: t.update(traceana={"rank": r, "pp": 2, "world_size": 2, "schedule": s}))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "different collections" in line and "schedule" in line

@@ -76,9 +76,8 @@ def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (),
     it are complete — said so, since an export is then a mix of new and older (or missing) tables."""
     reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
     left = (f"; the {len(done)} file(s) before it ({', '.join(p.name for p in done[:3])}{', …' if len(done) > 3 else ''})"
-            f" were written complete, {total - len(done)} were not written" if done else
-            "; nothing was written")
-    return BadInputError(f"cannot write {what} ({reason}); this file is unchanged, with no partial copy{left}",
+            f" were written complete, the other {total - len(done)} not" if done else "")
+    return BadInputError(f"cannot write {what} ({reason}); nothing partial was left of it{left}",
                          path=shown(path), fix=_fix_for(e))
 
 
