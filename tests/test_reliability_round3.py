@@ -193,3 +193,32 @@ def test_traces_of_different_configurations_are_refused(run2, capsys):
     rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
     line = _one_line(err)
     assert rc == 2 and "different collections" in line and "schedule" in line
+
+
+# --- 9. many small ranks: the cache's folder is listed once per run, not once per rank ------------------------------
+def test_writing_the_cache_of_many_ranks_lists_its_folder_once(tmp_path, monkeypatch):
+    from traceana.ingest.cache import CACHE_DIR
+    from traceana.ingest.run_dir import load_run
+
+    n = 200
+    for r in range(n):
+        tb = TraceBuilder(rank=r, world_size=n, pid=r, tid=r)
+        tb.step(1, 0, 10)
+        tb.cpu_op("aten::mm", 1, 5)
+        tb.write(tmp_path / f"rank{r}.pt.trace.json")
+    ingest = tmp_path / CACHE_DIR / "ingest"
+    listed = []
+    real = os.scandir
+
+    def counting(path=".", *a):
+        if Path(path) == ingest:
+            listed.append(path)
+        return real(path, *a)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = load_run(tmp_path, workers=1)
+    times = len(listed)
+    assert len(run.traces) == n and len(list(ingest.glob("*.trace.json"))) == n
+    assert times <= 2  # once (and the sweep), not once per rank: writing grows linearly with the ranks

@@ -36,7 +36,7 @@ import traceana
 from traceana import names, schema, version
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.files import temporary_name
+from traceana.files import temporary_name, write_failure_fix
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
@@ -218,8 +218,9 @@ class AnalysisCache:
             if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned up, and on its way out
                 raise
             self.enabled = False
+            fix = write_failure_fix(e, writable="make the run directory writable")
             pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
-                            "without it — make the run directory writable or pass cache=False / --no-cache",
+                            f"without it — {fix}, or pass --no-cache",
                             AnalysisCacheWarning, stacklevel=3)
 
 

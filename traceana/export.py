@@ -18,7 +18,7 @@ from isal import igzip
 
 from traceana import names
 from traceana.errors import BadInputError, shown
-from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes
+from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 
@@ -78,21 +78,7 @@ def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (),
     left = (f"; the {len(done)} file(s) before it ({', '.join(p.name for p in done[:3])}{', …' if len(done) > 3 else ''})"
             f" were written complete, the other {total - len(done)} not" if done else "")
     return BadInputError(f"cannot write {what} ({reason}); nothing partial was left of it{left}",
-                         path=shown(path), fix=_fix_for(e))
-
-
-def _fix_for(e: BaseException) -> str:
-    """What to do about a failed write, from its errno (a full disk is not a permission problem)."""
-    import errno
-
-    code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return "free disk space (the disk or quota is full) and run again"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "choose a writable folder"
-    if code == errno.ENOENT:
-        return "check that the folder exists"
-    return "free disk space or choose a writable folder"
+                         path=shown(path), fix=write_failure_fix(e))
 
 
 # Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
@@ -341,5 +327,5 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
                     out.close()
     except OSError as e:
         raise BadInputError(f"cannot write the merged trace ({e.strerror or e}); nothing partial was left",
-                            path=shown(path), fix=_fix_for(e)) from None
+                            path=shown(path), fix=write_failure_fix(e)) from None
     return path

@@ -164,6 +164,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def write_failure_fix(e: BaseException, *, writable: str = "choose a writable folder") -> str:
+    """What to do about a failed write, from its errno: a full disk is not a permission problem."""
+    import errno
+
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free disk space (the disk or the quota is full) and run again"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return writable
+    if code == errno.ENOENT:
+        return "check that the folder exists"
+    return f"free disk space, or {writable}"
+
+
 def write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "xb") as fh:
