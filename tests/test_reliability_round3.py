@@ -222,3 +222,122 @@ def test_writing_the_cache_of_many_ranks_lists_its_folder_once(tmp_path, monkeyp
     times = len(listed)
     assert len(run.traces) == n and len(list(ingest.glob("*.trace.json"))) == n
     assert times <= 2  # once (and the sweep), not once per rank: writing grows linearly with the ranks
+
+
+# --- 4. signals, broken pipes, closed streams -----------------------------------------------------------------------
+# Injected at the end of the interpreter's start-up (sitecustomize), before traceana runs: a signal sent by the
+# process to itself when a chosen module starts being imported, or a cache write that waits to be interrupted.
+_AT_IMPORT = """
+import os, signal, sys
+class _Trip:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["TRIP_MODULE"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), getattr(signal, os.environ["TRIP_SIGNAL"]))
+        return None
+sys.meta_path.insert(0, _Trip())
+"""
+
+_SLOW_WRITE = """
+import os, sys, time
+from pathlib import Path
+import polars as pl
+real = pl.DataFrame.write_parquet
+def slow(self, file, *a, **k):
+    real(self, file, *a, **k)
+    Path(os.environ["TRIP_FLAG"]).write_text("writing")
+    try:
+        time.sleep(60)
+    except BaseException:  # as polars did once: the interrupt comes back as another error (or twice)
+        raise TypeError("'<unprintable str object>' is not a Polars data type")
+pl.DataFrame.write_parquet = slow
+"""
+
+
+def _with_site(tmp_path: Path, code: str) -> dict:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(code)
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+@pytest.mark.parametrize("module, sig, code", [("traceana.commands.analyze", "SIGINT", 130),
+                                               ("traceana.cli", "SIGINT", 130)])
+def test_a_signal_during_the_imports_is_one_line(run2, tmp_path, module, sig, code):
+    env = {**_with_site(tmp_path, _AT_IMPORT), "TRIP_MODULE": module, "TRIP_SIGNAL": sig}
+    r = subprocess.run([sys.executable, "-m", "traceana", "analyze", str(run2), "--no-cache"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == code and _one_line(r.stderr) in ("traceana: interrupted", "traceana: terminated (SIGTERM)")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_during_a_cache_write_end_at_once_with_no_temporary(run2, tmp_path, sig, code):
+    flag = tmp_path / "flag"
+    env = {**_with_site(tmp_path, _SLOW_WRITE), "TRIP_FLAG": str(flag)}
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", "analyze", str(run2), "--quiet"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert flag.exists(), proc.communicate()[1]
+        for _ in range(5):  # a burst, as a user pressing Ctrl-C again and again
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code and _one_line(err).startswith("traceana: ")
+    assert not [p for p in run2.rglob("*") if p.name.endswith(".tmp")]
+
+
+_CONVERTED = """
+import os, sys, time
+from pathlib import Path
+import traceana.analysis_cache as C
+def analyze(*a, **k):
+    Path(sys.argv[2]).write_text("in")
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:  # a library turning the interrupt into its own error, as polars once did
+        raise TypeError("'<unprintable str object>' is not a Polars data type")
+C.analyze = analyze
+from traceana.cli import main
+sys.exit(main(["analyze", sys.argv[1], "--no-cache", "--quiet"]))
+"""
+
+
+def test_an_interrupt_a_library_turns_into_its_own_error_is_still_an_interrupt(run2, tmp_path):
+    flag = tmp_path / "flag"
+    proc = subprocess.Popen([sys.executable, "-c", _CONVERTED, str(run2), str(flag)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and _one_line(err) == "traceana: interrupted"
+
+
+def test_a_closed_stdout_is_one_line_and_a_merge_still_works(run2, tmp_path):
+    analyze = subprocess.run(["sh", "-c", f'exec "{sys.executable}" -m traceana analyze "{run2}" --no-cache >&-'],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert analyze.returncode == 1 and "standard output is closed" in _one_line(analyze.stderr)
+    out = tmp_path / "m.json"
+    merge = subprocess.run(["sh", "-c", f'exec "{sys.executable}" -m traceana merge "{run2}" -o "{out}" --no-cache '
+                                        '--quiet >&-'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert merge.returncode == 0 and merge.stderr == "" and json.loads(out.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("args", [["analyze", "--json"], ["merge", "-o", "-"], ["analyze"]])
+def test_a_reader_gone_is_exit_141_quietly(run2, args):
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", args[0], str(run2), *args[1:], "--no-cache"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before anything is printed (``| head -c0``)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert proc.returncode == 141 and err == ""

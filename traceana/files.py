@@ -42,12 +42,40 @@ NAME_MAX = 255  # bytes in one file name (Linux, macOS): a temporary's name must
 STDOUT = "-"  # ``-o -``: standard output, where a command offers it (merge)
 
 
+_IN_FLIGHT: dict[str, None] = {}  # every temporary name handed out and not yet released (insertion-ordered set)
+
+
 def temporary_name(path: Path) -> Path:
-    """A fresh temporary name next to ``path`` that ``sweep_temporaries`` recognises. The target's name is cut
-    (at a character boundary) so that the temporary's name stays within NAME_MAX bytes: a legal 250-byte output
-    name must not fail "File name too long" on its temporary."""
+    """A fresh temporary name next to ``path`` that ``sweep_temporaries`` recognises, registered as in flight until
+    ``release``d: a signal that ends the process at once removes what is still registered (``remove_in_flight``).
+    The target's name is cut (by bytes) so that the temporary's name stays within NAME_MAX bytes: a legal
+    250-byte output name must not fail "File name too long" on its temporary."""
     suffix = f".{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    return path.with_name("." + _cut(path.name, NAME_MAX - 1 - len(suffix)) + suffix)
+    tmp = path.with_name("." + _cut(path.name, NAME_MAX - 1 - len(suffix)) + suffix)
+    _IN_FLIGHT[str(tmp)] = None
+    return tmp
+
+
+def release(*tmps: Path) -> None:
+    """The temporaries are renamed into place or removed: no longer ours to remove."""
+    for t in tmps:
+        _IN_FLIGHT.pop(str(t), None)
+
+
+def remove_in_flight() -> None:
+    """Remove every temporary still being written (files, or an analysis cache entry's folder): called by the CLI's
+    signal handler right before the process ends, so an interrupt leaves no temporary behind wherever it arrives.
+    Names that were renamed into place meanwhile are simply gone (nothing else is ever removed)."""
+    for name in list(_IN_FLIGHT):
+        try:
+            if stat.S_ISDIR(os.lstat(name).st_mode):
+                import shutil
+
+                shutil.rmtree(name, ignore_errors=True)
+            else:
+                os.unlink(name)
+        except OSError:
+            pass
 
 
 def _cut(name: str, limit: int) -> str:
@@ -162,6 +190,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        release(tmp)
 
 
 def write_failure_fix(e: BaseException, *, writable: str = "choose a writable folder") -> str:

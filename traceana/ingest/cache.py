@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import sweep_temporaries, temporary_name, write_failure_fix
+from traceana.files import release, sweep_temporaries, temporary_name, write_failure_fix
 
 if TYPE_CHECKING:
     import polars as pl
@@ -207,6 +207,7 @@ class TraceCache:
                         os.unlink(t)
                     except OSError:
                         pass
+                release(*tmp)
         except Exception as e:  # read-only file system, disk full, ...: analysis goes on without a cache
             self.enabled = False
             return (f"{self.dir}: could not write the ingest cache ({type(e).__name__}: {e}); continuing without "
