@@ -20,7 +20,7 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   allocated and freed within the step, at its most alive at once, traceana.memory); the run's is the largest
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
-  (``pipeline.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
+  (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
   stage is unknown are no stage's replicas (none is invented). A rank's **own time** (``own_ms``) is its step minus
   its exposed collective time: waiting in the gradient all-reduce is waiting for the slower replicas. Per stage
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
@@ -152,9 +152,9 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
 
 
 def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
-    """rank, replica: each rank's pipeline group (the ranks joined by P2P, pipeline.pipeline_groups), numbered by
+    """rank, replica: each rank's pipeline group (the ranks joined by P2P, p2p.pipeline_groups), numbered by
     their lowest rank."""
-    from traceana.pipeline import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
+    from traceana.p2p import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
 
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
