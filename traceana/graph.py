@@ -296,47 +296,88 @@ class Replay:
         return int(self.ranks["step_ns"].max())
 
 
-def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
-    """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
-    work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones)."""
-    from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, product, run_schedule
+_EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+_PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure per step (what-ifs replay it often)
 
-    ops = (g.ops if ops is None else ops).filter(pl.col("step") == step).sort("rank", "seq")
-    edges = (g.edges if edges is None else edges).filter(pl.col("step") == step)
+
+def _plan(g: StepGraph, step: int) -> dict:
+    """What does not change between replays of one step: the ranks, each one's order, what each operation makes,
+    the collectives, and each message's consumer, producer, anchor and lags (in _EDGE_ORDER)."""
+    from traceana.model.scheduler import product
+
+    entry = _PLANS.get(id(g))
+    if entry is None or entry[0] is not g:
+        if len(_PLANS) >= 8:
+            _PLANS.clear()
+        entry = _PLANS[id(g)] = (g, {})
+    if step in entry[1]:
+        return entry[1][step]
+    ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
+    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
     win = g.ranks.filter(pl.col("step") == step).sort("rank")
     ranks = win["rank"].to_list()
-    origin = int(win["start_ns"].min())
     dev = {r: i for i, r in enumerate(ranks)}
     orders: list[list[tuple]] = [[("X", r, -1)] for r in ranks]
-    work: dict[tuple[int, int], float] = {}
-    gaps: dict[tuple, tuple[float, float]] = {}
     groups: dict[tuple, tuple[str, int]] = {}
     key_of: dict[tuple[int, int], tuple] = {}
-    for r, seq, action, w, gp, grp, members in ops.select("rank", "seq", "action", "work_ns", "gap_ns", "group",
-                                                          "members").iter_rows():
+    keys = []
+    for r, seq, action, grp, members in ops.select("rank", "seq", "action", "group", "members").iter_rows():
         op = (action, r, seq)
         orders[dev[r]].append(op)
-        work[(r, seq)] = float(w)
-        gaps[op] = (float(gp), float(gp))
+        keys.append((r, seq))
         key_of[(r, seq)] = product(op)
         if grp is not None:
             groups[op] = (grp, members)
+    messages = [((dst, d_seq), key_of[(src, s_seq)], float(send_lag),
+                 key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1), float(post_lag))
+                for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
+                    "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
+    plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
+            "messages": messages, "origin": int(win["start_ns"].min()),
+            "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
+    entry[1][step] = plan
+    return plan
+
+
+def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None):
+    """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
+    from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
+
+    plan = _plan(g, step)
+    o = (g.ops if ops is None else ops).filter(pl.col("step") == step).sort("rank", "seq")
+    e = (g.edges if edges is None else edges).filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
+    work = dict(zip(plan["keys"], o["work_ns"].cast(pl.Float64).to_list()))
+    gaps = {k: (x, x) for k, x in zip(plan["keys"], o["gap_ns"].cast(pl.Float64).to_list())}
     inputs: dict[tuple, list] = {}
-    for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag, transfer in edges.select(
-            "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").iter_rows():
-        anchor = key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1)
-        inputs.setdefault((dst, d_seq), []).append(
-            (((key_of[(src, s_seq)], float(send_lag)), (anchor, float(post_lag))), float(transfer)))
-    rec = NullRecorder()
+    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"],
+                                                                      e["transfer_ns"].cast(pl.Float64).to_list()):
+        inputs.setdefault(consumer, []).append((((made, send_lag), (anchor, post_lag)), transfer))
     trace = Trace()
+    win = plan["win"]
     _, free = run_schedule(
-        orders, rec=rec, policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)), costs=Costs(),
-        pp=len(ranks), virtual_stages=1, schedule="measured", num_microbatches=1,
+        plan["orders"], rec=NullRecorder(), policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)),
+        costs=Costs(), pp=len(plan["ranks"]), virtual_stages=1, schedule="measured", num_microbatches=1,
         dur=lambda a, r, seq: 0.0 if a == "R" or seq < 0 else work[(r, seq)],
         inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
-        gap=lambda d, i, op: gaps.get(op, (0.0, 0.0)), groups=groups, trace=trace,
-        free0=[float(s - origin) for s in win["start_ns"]])
-    member_seq = {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}
+        gap=lambda d, i, op: gaps.get((op[1], op[2]), (0.0, 0.0)), groups=plan["groups"], trace=trace,
+        free0=[float(s - plan["origin"]) for s in win["start_ns"]])
+    return plan, trace, free
+
+
+def replay_step_ns(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None,
+                   edges: pl.DataFrame | None = None) -> int:
+    """``replay(...).step_ns`` without the per-operation table (what a what-if needs)."""
+    plan, _, free = _run(g, step, ops, edges)
+    win = plan["win"]
+    return max(round(plan["origin"] + f) + t - s0 for f, t, s0 in zip(free, win["tail_ns"], win["start_ns"]))
+
+
+def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
+    """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
+    work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones,
+    the same rows)."""
+    plan, trace, free = _run(g, step, ops, edges)
+    ranks, origin, member_seq, win = plan["ranks"], plan["origin"], plan["member_seq"], plan["win"]
 
     def source(bound) -> tuple[str, int | None, int | None]:
         if bound == "device":
@@ -352,8 +393,8 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
                            orient="row").sort("rank", "seq")
     rank_rows = win.with_columns(
-        pl.Series("_free", [origin + free[dev[r]] for r in ranks], dtype=pl.Float64)
-    ).select("rank", "start_ns", (pl.col("_free").round() .cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
+        pl.Series("_free", [origin + free[plan["dev"][r]] for r in ranks], dtype=pl.Float64)
+    ).select("rank", "start_ns", (pl.col("_free").round().cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
              ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
     return Replay(step=step, ranks=rank_rows, ops=op_rows)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana.errors import TraceanaError
-from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay
+from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_step_ns
 from traceana.units import NS_PER_MS
 
 # A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
@@ -230,7 +230,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     stages_known = ops["stage"].null_count() == 0
 
     def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
-        return [replay(g, s, ops=o, edges=e).step_ns / NS_PER_MS for s in steps]
+        return [replay_step_ns(g, s, ops=o, edges=e) / NS_PER_MS for s in steps]
 
     replays = [replay(g, s) for s in steps]
     paths = [critical_path(g, r) for r in replays]
