@@ -15,7 +15,7 @@ import pytest
 from collected_runs import RUNS
 from traceana.analysis import analyze
 from traceana.ingest.run_dir import load_run
-from traceana.whatif import whatif
+from traceana.whatif import plan_whatif, whatif
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,9 @@ def _analysed(path):
 
 
 def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_run):
+    plain_run = _analysed(collected_run("1f1b_pp2"))
     slow = whatif(_analysed(collected_run("1f1b_pp2_slow")))
-    plain = whatif(_analysed(collected_run("1f1b_pp2")))
+    plain = whatif(plain_run)
     s, p = slow.summary, plain.summary
     # the delayed stage is the bottleneck; the rank feeding it (stage 0), which only waits, is not named
     assert s["bottleneck"] is not None and (s["bottleneck"]["group"], s["bottleneck"]["id"]) == ("stage", 1), s
@@ -48,3 +49,11 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
     assert abs(stage1["if_ideal_step_ms"] - p["measured_step_ms"]) <= allowed, (stage1, p, natural)
     # the undelayed run names nothing beyond its noise on stage 1 (no injected delay there)
     assert not plain.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["named"][0], plain.groups
+
+    # another plan from the run's own durations: the plan it ran is its own step; GPipe instead of 1F1B, by hand the
+    # same (m + p − 1)(F + B) of passes with these stage times (Huang et al. 2019, Narayanan et al. 2021), within the
+    # optimizer and host time the two orders place differently
+    same = plan_whatif(plain_run)
+    assert same["predicted_step_ms"] == pytest.approx(same["measured_step_ms"]) and same["speedup"] == 1
+    gpipe = plan_whatif(plain_run, schedule="gpipe")
+    assert gpipe["speedup"] == pytest.approx(1.0, abs=0.1), gpipe

@@ -391,3 +391,31 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
                 f"instead of {ms(replayed)} ms{most}", None)
     return (f"nothing beyond noise: no rank, replica or stage made ideal shortens the step by more than "
             f"{ms(noise)} ms", None)
+
+
+def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
+                bpipe: bool | None = None) -> dict:
+    """The run's measured durations under another plan: another schedule, micro-batch count, BPipe on or off — the
+    measured counterpart of ``estimate``'s verdict. Both the run as it ran and the other plan are simulated on the one
+    scheduler from the run's own per-stage durations (validation.prediction.predict); the other plan's step is the
+    measured step × their ratio, so what the simulator leaves out of the run (host time it does not model, shared
+    cores) cancels. Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
+    from traceana.validation.prediction import predict
+
+    base = analysis.config.training_config(path=analysis.run.path)
+    changes = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches), ("bpipe", bpipe))
+               if v is not None}
+    target = base.replace(**changes)
+    as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
+    other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS
+    measured = analysis.summary.step_ms
+    return {
+        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe)},
+        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe)},
+        "simulated_as_run_ms": as_run,
+        "simulated_plan_ms": other,
+        "measured_step_ms": measured,
+        "predicted_step_ms": measured * other / as_run if as_run and measured else None,
+        "speedup": as_run / other if other else None,
+        "kind": "prediction from this run's own measured durations (the simulator, calibrated by the run's own step)",
+    }

@@ -11,6 +11,11 @@ named only when making it ideal shortens the step by more than the noise in ever
   traceana whatif runs/1f1b
   traceana whatif runs/1f1b --set 'stage=1:forward*0.5' --set 'p2p=0'
   traceana whatif runs/pp2dp2 --set 'rank=3:ideal' --json
+  traceana whatif runs/1f1b --schedule gpipe --microbatches 8 --bpipe off
+
+--schedule, --microbatches and --bpipe predict the step under another plan from the run's own measured durations
+(the simulator, the same scheduler the replay runs on, calibrated by the run's step): the measured counterpart of
+`estimate`'s BPipe verdict.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     p.add_argument("--set", action="append", default=[], metavar="CHANGE", dest="changes", help=SET_HELP)
+    p.add_argument("--schedule", metavar="NAME",
+                   help="also predict the step under another schedule (gpipe, 1f1b, …) from this run's own measured "
+                        "durations (needs run.json's model and pipeline) (default: none)")
+    p.add_argument("--microbatches", type=int, metavar="N",
+                   help="… with another number of micro-batches per step (default: as the run)")
+    p.add_argument("--bpipe", choices=("on", "off"), help="… with BPipe on or off (default: as the run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
@@ -78,10 +89,28 @@ def run(args: argparse.Namespace) -> int:
     analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress, names=args.names)
     w = whatif(analysis, changes)
+    plan = None
+    if args.schedule is not None or args.microbatches is not None or args.bpipe is not None:
+        from traceana.whatif import plan_whatif
+
+        plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
+                           bpipe=None if args.bpipe is None else args.bpipe == "on")
     if args.json:
-        print(json.dumps(w.as_dict(), indent=2, default=str))
+        print(json.dumps({**w.as_dict(), "plan": plan}, indent=2, default=str))
     else:
         from traceana.tables import console as output_console
+        from traceana.tables import print_line
+        from traceana.whatif import ms
 
-        render(w, console=output_console())
+        console = output_console()
+        render(w, console=console)
+        if plan is not None:
+            a, b = plan["as_run"], plan["plan"]
+            print_line(console, f"plan: {b['schedule']}, {b['microbatches']} micro-batches, BPipe "
+                                f"{'on' if b['bpipe'] else 'off'} instead of {a['schedule']}, {a['microbatches']}, BPipe "
+                                f"{'on' if a['bpipe'] else 'off'}: the step would be about "
+                                f"{ms(plan['predicted_step_ms'])} ms instead of {ms(plan['measured_step_ms'])} ms "
+                                f"({plan['speedup']:.3f}× — simulated from this run's own durations: "
+                                f"{ms(plan['simulated_as_run_ms'])} ms as it ran, {ms(plan['simulated_plan_ms'])} ms "
+                                "so; a prediction, not a replay)")
     return 0
