@@ -56,4 +56,4 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
     same = plan_whatif(plain_run)
     assert same["predicted_step_ms"] == pytest.approx(same["measured_step_ms"]) and same["speedup"] == 1
     gpipe = plan_whatif(plain_run, schedule="gpipe")
-    assert gpipe["speedup"] == pytest.approx(1.0, abs=0.1), gpipe
+    assert gpipe["speedup"] == pytest.approx(1.0, abs=0.15), gpipe
