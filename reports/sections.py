@@ -112,9 +112,9 @@ def replicas(page, name: str, a: Analysis) -> None:
     page.add(f"<h3>{H.esc(name)}: data-parallel replicas</h3>")
     page.add(H.para("A replica is one pipeline (the ranks joined by P2P). Own time is a rank's step minus its exposed "
                     "collective time, the median over the measured steps. The straggler comes from the what-if "
-                    "(traceana whatif): a rank is named only when making it ideal — its work at its peers' median — "
-                    "shortens the replayed step by more than the noise in every measured step; a rank that only "
-                    "waits gains nothing and is never named.", css_class="lead"))
+                    "(traceana whatif): a rank is named only when making it ideal (its work at its peers' "
+                    "median) shortens the replayed step by more than the noise in every measured step; a rank "
+                    "that only waits gains nothing and is never named.", css_class="lead"))
     page.add(H.table(ps.filter(pl.col("replicas") > 1), REPLICA_STAGE_COLUMNS,
                      formats={"stage": "int", "replicas": "int", "slowest_replica": "int", "straggler": "int",
                               "straggler_rank": "int"}))

@@ -106,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         render(w, console=console)
         if plan is not None:
             a, b = plan["as_run"], plan["plan"]
-            print_line(console, f"plan: {b['schedule']}, {b['microbatches']} micro-batches, BPipe "
-                                f"{'on' if b['bpipe'] else 'off'} instead of {a['schedule']}, {a['microbatches']}, BPipe "
-                                f"{'on' if a['bpipe'] else 'off'}: the step would be about "
+            on = {True: "on", False: "off"}
+            print_line(console, f"plan: {b['schedule']}, {b['microbatches']} micro-batches, BPipe {on[b['bpipe']]} "
+                                f"instead of {a['schedule']}, {a['microbatches']}, BPipe {on[a['bpipe']]}: the step "
+                                f"would be about "
                                 f"{ms(plan['predicted_step_ms'])} ms instead of {ms(plan['measured_step_ms'])} ms "
                                 f"({plan['speedup']:.3f}× — simulated from this run's own durations: "
                                 f"{ms(plan['simulated_as_run_ms'])} ms as it ran, {ms(plan['simulated_plan_ms'])} ms "

@@ -186,8 +186,8 @@ class Trace:
     """What a run of the scheduler did per operation, for a measured replay and its critical path: per (device,
     index in its order) the operation, when the device was free for it (after its own host time), when its inputs
     were ready (after the time it takes once they are), its start and end, and what bound the start: "device" (its
-    previous operation), the product key of the input that arrived last, or ("group", id, device) for a collective's last
-    member to join, and that member's device."""
+    previous operation), the product key of the input that arrived last, or ("group", id, device) for a
+    collective's last member to join (its device)."""
 
     ops: dict[tuple[int, int], tuple[tuple, float, float, float, float, object]] = field(default_factory=dict)
 
