@@ -339,18 +339,39 @@ def _plan(g: StepGraph, step: int) -> dict:
     return plan
 
 
-def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None):
+def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
+            ) -> dict[int, tuple[list[float], list[float], list[float]]]:
+    """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in _EDGE_ORDER): one
+    sort of each frame for all the steps."""
+    o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
+        "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
+    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True).select(
+        "step", pl.col("transfer_ns").cast(pl.Float64))
+    steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
+    e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
+    out: dict[int, tuple[list[float], list[float], list[float]]] = {}
+    i = j = 0
+    for step in sorted(set(steps) | set(e_steps)):
+        i2, j2 = i, j
+        while i2 < len(steps) and steps[i2] == step:
+            i2 += 1
+        while j2 < len(e_steps) and e_steps[j2] == step:
+            j2 += 1
+        out[step] = (work[i:i2], gap[i:i2], transfer[j:j2])
+        i, j = i2, j2
+    return out
+
+
+def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
     from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
 
     plan = _plan(g, step)
-    o = (g.ops if ops is None else ops).filter(pl.col("step") == step).sort("rank", "seq")
-    e = (g.edges if edges is None else edges).filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
-    work = dict(zip(plan["keys"], o["work_ns"].cast(pl.Float64).to_list()))
-    gaps = {k: (x, x) for k, x in zip(plan["keys"], o["gap_ns"].cast(pl.Float64).to_list())}
+    w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
+    work = dict(zip(plan["keys"], w_list))
+    gaps = {k: (x, x) for k, x in zip(plan["keys"], g_list)}
     inputs: dict[tuple, list] = {}
-    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"],
-                                                                      e["transfer_ns"].cast(pl.Float64).to_list()):
+    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"], t_list):
         inputs.setdefault(consumer, []).append((((made, send_lag), (anchor, post_lag)), transfer))
     trace = Trace()
     win = plan["win"]
@@ -364,12 +385,17 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
     return plan, trace, free
 
 
-def replay_step_ns(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None,
-                   edges: pl.DataFrame | None = None) -> int:
-    """``replay(...).step_ns`` without the per-operation table (what a what-if needs)."""
-    plan, _, free = _run(g, step, ops, edges)
-    win = plan["win"]
-    return max(round(plan["origin"] + f) + t - s0 for f, t, s0 in zip(free, win["tail_ns"], win["start_ns"]))
+def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None
+                    ) -> list[int]:
+    """``replay(...).step_ns`` of every step of the graph, without the per-operation tables (what a what-if needs)."""
+    values = _values(g, ops, edges)
+    out = []
+    for step in g.steps:
+        plan, _, free = _run(g, step, None, None, values)
+        win = plan["win"]
+        out.append(max(round(plan["origin"] + f) + t - s0
+                       for f, t, s0 in zip(free, win["tail_ns"].to_list(), win["start_ns"].to_list())))
+    return out
 
 
 def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:

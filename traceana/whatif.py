@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana.errors import TraceanaError
-from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_step_ns
+from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_steps_ns
 from traceana.units import NS_PER_MS
 
 # A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
@@ -106,8 +106,10 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The graph's ops and edges with the ideal columns (module docstring): ideal_work / ideal_gap (all peers),
     peer_work / peer_gap (peers without the op's rank), stage_work (other stages' median; passes only);
     edges' ideal_transfer."""
-    ops = g.ops.join(g.ranks.select("rank", "step", "replica"), on=["rank", "step"], how="left").with_columns(
-        pl.col("action").replace_strict(KIND_OF_ACTION).alias("kind"),
+    # one lazy query (docs/performance.md "Fixed cost": each eager step is a collect)
+    ops = g.ops.lazy().join(g.ranks.lazy().select("rank", "step", "replica"), on=["rank", "step"], how="left",
+                            maintain_order="left").with_columns(
+        pl.col("action").replace_strict(KIND_OF_ACTION, return_dtype=pl.String).alias("kind"),
         (pl.col("seq") == 0).alias("first"),
         # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself
         pl.coalesce("stage", -1 - pl.col("rank")).alias("_work"))
@@ -119,16 +121,16 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
         own = ops.group_by(*key, "rank").agg(pl.col(col).median().alias("_own"))
         others = (own.join(own, on=key, suffix="_o", nulls_equal=True).filter(pl.col("rank") != pl.col("rank_o"))
                   .group_by(*key, "rank").agg(pl.col("_own_o").median().alias(out)))
-        ops = (ops.join(others, on=[*key, "rank"], how="left", nulls_equal=True)
-               .join(own, on=[*key, "rank"], how="left", nulls_equal=True)
+        ops = (ops.join(others, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
+               .join(own, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
                .with_columns(pl.coalesce(out, "_own").alias(out)).drop("_own"))
     # a stage at the other stages' speed: the median of the other stages' medians of the same pass
     med = (ops.filter(pl.col("action").is_in(PASS_ACTIONS) & pl.col("stage").is_not_null())
            .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m")))
     other = (med.join(med, on="action", suffix="_o").filter(pl.col("stage") != pl.col("stage_o"))
              .group_by("action", "stage").agg(pl.col("_m_o").median().alias("stage_work")))
-    ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True).with_columns(
-        pl.coalesce("stage_work", "peer_work").alias("stage_work"))
+    ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True, maintain_order="left").with_columns(
+        pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect()
     edges = g.edges.with_columns(pl.col("transfer_ns").median().over("channel").alias("ideal_transfer"))
     return ops, edges
 
@@ -230,7 +232,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     stages_known = ops["stage"].null_count() == 0
 
     def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
-        return [replay_step_ns(g, s, ops=o, edges=e) / NS_PER_MS for s in steps]
+        return [x / NS_PER_MS for x in replay_steps_ns(g, ops=o, edges=e)]
 
     replays = [replay(g, s) for s in steps]
     paths = [critical_path(g, r) for r in replays]
