@@ -5,7 +5,7 @@ What the graph holds, per measured step (summary.measured_steps), from tables th
 - **operations** (``StepGraph.ops``): every rank's schedule rows (forward, backward, its I and W halves, optimizer;
   annotated or inferred, ``source``) in the order the rank ran them, plus the rank's top-level collectives that lie
   outside them. An operation's **work** (``work_ns``) is its span less the time inside it the rank waited on the
-  pipeline (validation.measurement.pass_durations: torch.distributed.pipelining waits for an input inside the
+  pipeline (``pass_durations``: torch.distributed.pipelining waits for an input inside the
   action's span); it starts working at ``end − work``. A span nested in another of its rank (an optimizer span
   inside the optimizer step) is part of the outer one.
 - **messages** (``StepGraph.edges``): every matched send/receive pair (``Analysis.p2p``, P2P and BPipe channels).
@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import names
+from traceana import intervals as iv
+from traceana import names, schema
 from traceana.errors import AnalysisError
 
 ACTION_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "optimizer": "O"}
@@ -58,6 +59,40 @@ EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.
          "transfer_ns": pl.Int64}
 RANK_STEPS = {"rank": pl.Int32, "step": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "tail_ns": pl.Int64,
               "stage": pl.Int32, "replica": pl.Int32}
+
+
+# "Waiting on the pipeline": the bubbles plus exposed P2P.
+WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
+
+
+def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -> pl.DataFrame:
+    """The schedule rows of ``steps`` (with a micro-batch; ``unnumbered``: also those without one, e.g. a
+    multi-stage rank's spans whose names give none) and ``d``, what each operation took: its span, less the
+    time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
+    torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
+    receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
+    without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
+    sched = (
+        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null() | unnumbered)
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    if analysis.segments is None:
+        return sched
+    passes = sched.filter(pl.col("phase").is_in(names.PASS_PHASES)).with_row_index("_op")
+    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(WAIT_CATEGORIES)).select(
+        "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    waited = (
+        iv.clip(waits, windows, on="rank", window_keys="_op", keep_order=False)
+        .group_by("_op").agg((pl.col("end") - pl.col("start")).sum().alias("_wait"))
+    )
+    passes = (
+        passes.join(waited, on="_op", how="left")
+        .with_columns((pl.col("d") - pl.col("_wait").fill_null(0)).alias("d"))
+        .drop("_op", "_wait")
+    )
+    return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
+
 
 
 class GraphError(AnalysisError):
@@ -142,7 +177,6 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
 def build(analysis, steps: list[int] | None = None) -> StepGraph:
     """The dependency graph of ``steps`` (default: the measured steps) of an analysed run."""
     from traceana.summary import pipeline_replicas
-    from traceana.validation.measurement import pass_durations
 
     steps = list(analysis.summary.steps if steps is None else steps)
     if not steps:
