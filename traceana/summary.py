@@ -88,6 +88,8 @@ class RunSummary:
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
+    path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
+    #                                   stage, seq, kind, start_ns, end_ns, ms, step — what the report draws
 
     @property
     def stragglers(self) -> pl.DataFrame:
@@ -226,7 +228,7 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
 
 
 def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
-                                                        pl.DataFrame | None]:
+                                                        pl.DataFrame | None, pl.DataFrame | None]:
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
     the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
     can run."""
@@ -237,15 +239,15 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
                                  "if_ideal_step_ms": pl.Float64})
     if analysis.events is None:
-        return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
+        return empty, None, None, None, None  # (assembled without its events: the collectives are not known)
     try:
         g = build(analysis, steps)
         if g.ops.height > WHATIF_MAX_OPERATIONS:
             return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
-                           "traceana whatif RUN_DIR runs it"), None, None
+                           "traceana whatif RUN_DIR runs it"), None, None, None
         w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
-        return empty, f"no what-if: {e.what}", None, None
+        return empty, f"no what-if: {e.what}", None, None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
@@ -253,7 +255,7 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
         "if_ideal_step_ms", "gain_ms")
     table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
              .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
-    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time
+    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
 def summarize(analysis) -> RunSummary:
@@ -262,7 +264,7 @@ def summarize(analysis) -> RunSummary:
     steps = measured_steps(att, analysis.schedule)
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
+    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
     per_stage = (_per_stage(att, analysis.stages, analysis.stage_memory, steps)
                  .join(across_replicas(per_replica_step), on="stage", how="left")
                  .join(named, on="stage", how="left"))
@@ -294,6 +296,7 @@ def summarize(analysis) -> RunSummary:
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
+        path=path,
     )
 
 

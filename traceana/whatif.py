@@ -195,7 +195,8 @@ class WhatIf:
     summary: dict
     per_rank: pl.DataFrame  # rank, stage, replica, measured_step_ms, replayed_step_ms, replay_error
     path_time: pl.DataFrame  # time on the critical path (graph.on_path): group (kind/stage/rank), id, ms, fraction
-    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path), with each piece's slack 0
+    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path)
+    paths: pl.DataFrame  # every measured step's
     slack: pl.DataFrame  # every operation of the last measured step: rank, seq, kind, stage, start/end, slack_ns
     groups: pl.DataFrame  # group (stage / rank / replica / kind), id, if_ideal_step_ms, gain_ms, min_gain_ms,
     #                       slowdown, named
@@ -337,7 +338,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
              .join(last.ops.select("rank", "seq", "start_ns", "end_ns"), on=["rank", "seq"])
              .join(paths[-1][1], on=["rank", "seq"]).sort("rank", "seq"))
     return WhatIf(summary=summary, per_rank=per_rank, groups=table, path_time=path_time, path=paths[-1][0],
-                  slack=slack, notes=notes)
+                  paths=pl.concat([p for p, _ in paths]), slack=slack, notes=notes)
 
 
 def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: float, noise: float,
