@@ -21,7 +21,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
   (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
-  stage is unknown are no stage's replicas (none is invented). A rank's **own time** (``own_ms``) is its step minus
+  stage is unknown are no stage's replicas (none is invented), unless the run holds no P2P at all (pure data
+  parallelism: they are replicas of stage '–'). A rank's **own time** (``own_ms``) is its step minus
   its exposed collective time: waiting in the gradient all-reduce is waiting for the slower replicas. Per stage
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
   median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
@@ -208,12 +209,14 @@ def replica_table(per_step: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
-    """Per known stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
-    times), the slowest replica (largest median own time) and its rank and own time. Descriptive: who holds the
-    step back is the what-if's to say (traceana.whatif)."""
+def across_replicas(per_step: pl.DataFrame, *, unknown_are_replicas: bool = False) -> pl.DataFrame:
+    """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
+    times), the slowest replica (largest median own time) and its rank and own time. Ranks of unknown stage are
+    replicas of stage '–' only when ``unknown_are_replicas`` (the run holds no P2P at all: pure data parallelism,
+    graph.data_parallel_only); in a pipeline they are no stage's replicas. Descriptive: who holds the step back is
+    the what-if's to say (traceana.whatif)."""
     # One query (docs/performance.md "Fixed cost").
-    r = (per_step.lazy().filter(pl.col("stage").is_not_null())
+    r = (per_step.lazy().filter(pl.col("stage").is_not_null() | pl.lit(unknown_are_replicas))
          .group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min()))
     per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min())
     slowest = (per_replica.sort(["own_ms", "replica"], descending=[True, False])  # a tie: the lowest replica
@@ -222,7 +225,7 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
     return (
         stats.join(slowest.select("stage", pl.col("replica").alias("slowest_replica"),
                                   pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms")),
-                   on="stage", how="left")
+                   on="stage", how="left", nulls_equal=True)
         .collect(**COLLECT)
     )
 
@@ -265,9 +268,12 @@ def summarize(analysis) -> RunSummary:
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
     named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    from traceana.graph import data_parallel_only
+
+    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=data_parallel_only(analysis))
     per_stage = (_per_stage(att, analysis.stages, analysis.stage_memory, steps)
-                 .join(across_replicas(per_replica_step), on="stage", how="left")
-                 .join(named, on="stage", how="left"))
+                 .join(replicas_of, on="stage", how="left", nulls_equal=True)
+                 .join(named, on="stage", how="left", nulls_equal=True))
     used = att.filter(pl.col("step").is_in(steps))
     per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
     ranks = per_rank_step["rank"].n_unique()

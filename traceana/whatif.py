@@ -111,8 +111,9 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
                             maintain_order="left").with_columns(
         pl.col("action").replace_strict(KIND_OF_ACTION, return_dtype=pl.String).alias("kind"),
         (pl.col("seq") == 0).alias("first"),
-        # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself
-        pl.coalesce("stage", -1 - pl.col("rank")).alias("_work"))
+        # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself, unless the
+        # run has no P2P at all (data parallel: every rank holds the one model)
+        pl.coalesce("stage", pl.lit(-1) if g.data_parallel else -1 - pl.col("rank")).alias("_work"))
     work_key, gap_key = ["action", "_work"], ["action", "_work", "first"]
     ops = ops.with_columns(pl.col("work_ns").median().over(work_key).alias("ideal_work"),
                            pl.col("gap_ns").median().over(gap_key).alias("ideal_gap"))
@@ -230,7 +231,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
             raise SetError(f"--set {c.text!r}: the run has no {c.who} {c.who_id}",
                            fix=f"its {c.who}s are {', '.join(map(str, have)) or 'unknown'}")
     steps = list(g.steps)
-    stages_known = ops["stage"].null_count() == 0
+    stages_known = ops["stage"].null_count() == 0 or g.data_parallel
 
     def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
         return [x / NS_PER_MS for x in replay_steps_ns(g, ops=o, edges=e)]

@@ -164,8 +164,10 @@ def replicas_table(console, summary) -> None:
         return
     ps = ps.filter(pl.col("replicas") > 1)
     reps = summary.replicas
-    collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
-                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
+    # eq_missing: ranks of unknown stage of a pure data-parallel run are replicas of stage '–'; == null matches nothing
+    collective = {s: ", ".join(f"r{r}: {t:,.2f}" for _, r, t in
+                               reps.filter(pl.col("stage").eq_missing(s)).select("stage", "replica", "collective_ms")
+                               .rows())
                   for s in ps["stage"].to_list()}
     headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
                "straggler\n(what-if)", "collective exposed\nms per replica"]
