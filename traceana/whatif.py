@@ -409,13 +409,19 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     base = analysis.config.training_config(path=analysis.run.path)
     changes = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches), ("bpipe", bpipe))
                if v is not None}
+    if schedule is not None:  # a multi-stage schedule splits each device's layers into two chunks (and back)
+        from traceana.manifest import MULTI_STAGE_SCHEDULES
+
+        changes["virtual_stages"] = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
     target = base.replace(**changes)
     as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
     other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS
     measured = analysis.summary.step_ms
     return {
-        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe)},
-        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe)},
+        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe),
+                   "virtual_stages": base.virtual_stages},
+        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
+                 "virtual_stages": target.virtual_stages},
         "simulated_as_run_ms": as_run,
         "simulated_plan_ms": other,
         "measured_step_ms": measured,
