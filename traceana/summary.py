@@ -48,8 +48,8 @@ STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # traceana whatif makes every one ideal)
 WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
-# ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
-WHATIF_MAX_OPERATIONS = 20_000
+# ~0.4 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
+WHATIF_MAX_OPERATIONS = 10_000
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
