@@ -50,6 +50,7 @@ WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
 # ~0.4 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
 WHATIF_MAX_OPERATIONS = 10_000
+NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
@@ -246,11 +247,11 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     try:
         g = build(analysis, steps)
         if g.ops.height > WHATIF_MAX_OPERATIONS:
-            return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
-                           "traceana whatif RUN_DIR runs it"), None, None, None
+            return empty, (f"{NO_WHATIF}not run here for {g.ops.height:,} operations (more than "
+                           f"{WHATIF_MAX_OPERATIONS:,}): traceana whatif RUN_DIR runs it"), None, None, None
         w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
-        return empty, f"no what-if: {e.what}", None, None, None
+        return empty, f"{NO_WHATIF}{e.what}", None, None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
