@@ -56,7 +56,7 @@ def test_a_simulated_run_validates_against_itself(tmp_path, schedule):
     v = validate(a)
     assert v.summary["step_error"] == pytest.approx(0, abs=1e-6)
     assert v.per_stage["step_error"].abs().max() == pytest.approx(0, abs=1e-6)
-    assert v.per_stage["bubble_error"].abs().max() == pytest.approx(0, abs=1e-6)
+    assert v.per_stage["blocked_error"].abs().max() == pytest.approx(0, abs=1e-6)
     assert v.summary["steps_used"] == 1  # the first of two steps is dropped as warm-up
 
 

@@ -25,7 +25,7 @@ from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
 from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
                                overlap_rows, overlap_spans)
-from traceana.summary import RunSummary, measured_steps, summarize
+from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 
 
@@ -58,6 +58,13 @@ class Analysis:
         """The run's configuration, reconciled once from run.json and the traces (``reconcile.run_config``): every
         fact with its source, and the conflicts. MFU, the summary, validation, the verdict and the reports read it."""
         return run_config(self.run.manifest, self.schedule, self.stages, peak_flops=self.peak_flops)
+
+    @functools.cached_property
+    def per_rank_step(self) -> pl.DataFrame:
+        """ONE row per (rank, step): step_ns, every category's ``<category>_ns``, compute_ns, bubble_ns (warm-up +
+        stall + cool-down) and blocked_ns (bubble + exposed P2P) (``summary.rank_steps``): what the stage table,
+        the summary, validation and export read."""
+        return rank_steps(self.attribution)
 
     @functools.cached_property
     def summary(self) -> RunSummary:
@@ -215,30 +222,28 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     if truncated:
         notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "
                      "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
+    per_rank_step = rank_steps(attribution)
     out = Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
-        stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
+        stages=stage_table(per_rank_step.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
         segments=segs, events=events, peak_flops=peak_flops,
     )
-    out.__dict__["config"] = config  # (Analysis.config, reconciled once: the one MFU and the notes above used)
+    # (built once here: Analysis.config, the one MFU and the notes above used, and Analysis.per_rank_step)
+    out.__dict__.update(config=config, per_rank_step=per_rank_step)
     return out
 
 
 def stage_table(
-    attribution: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
+    per_rank_step: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
 ) -> pl.DataFrame:
-    """One row per rank: mean over the given steps (analyze passes the measured steps, traceana.summary) of the step
-    time and of every category (ms and % of the step)."""
-    # The pivot, then one lazy query (docs/performance.md "Fixed cost").
-    per_step = attribution.lazy().group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
-    wide = attribution.pivot(on="category", index=["rank", "step"], values="ns")
-    wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
+    """One row per rank: mean over the given rows of ``Analysis.per_rank_step`` (analyze passes the measured steps,
+    traceana.summary) of the step time and of every category (ms and % of the step)."""
+    # One lazy query (docs/performance.md "Fixed cost").
     means = (
-        wide.join(per_step, on=["rank", "step"])
-        .group_by("rank")
+        per_rank_step.lazy().group_by("rank")
         .agg(pl.len().alias("steps"), pl.col("step_ns").mean().alias("_step"),
-             *(pl.col(c).mean().alias(f"_{c}") for c in CATEGORIES))
+             *(pl.col(f"{c}_ns").mean().alias(f"_{c}") for c in CATEGORIES))
     )
     out = means.with_columns(
         (pl.col("_step") / 1e6).alias("step_ms"),
