@@ -114,9 +114,9 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
-    m = run.manifest
-    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
-                                     or any(len(held) > 1 for held in m.stages_of_rank or ()))
+    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
+    interleaved = (config.schedule in MULTI_STAGE_SCHEDULES
+                   or any(len(held) > 1 for held in (config.stages_of_rank or {}).values()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
@@ -126,7 +126,6 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                     bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
     if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
@@ -169,7 +168,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
-                     f"{m.schedule if m and m.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
+                     f"{config.schedule if config.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
                      "(several virtual stages per rank): which stage, micro-batch and phase each piece of their work "
                      "belongs to cannot be told from P2P order, so their schedule is not inferred and no "
                      "forward/backward is claimed for them (their compute counts as other compute)")
