@@ -72,7 +72,7 @@ def test_cross_run_predicts_dropping_recompute(tmp_path):
 
 
 def test_memory_error_against_the_models_own_estimate(tmp_path):
-    # what config_from_manifest makes of the reference trainer's CPU run: eager PyTorch, no dropout, fp32 Adam
+    # what RunConfig.training_config makes of the reference trainer's CPU run: eager PyTorch, no dropout, fp32 Adam
     cfg = TrainingConfig(model=TINY, pp=2, microbatch_size=1, num_microbatches=4, precision=FP32_ADAM, dropout=False,
                          eager=True)
     est = activation_peak_estimate(cfg)
