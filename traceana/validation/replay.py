@@ -243,7 +243,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
         "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
         f"fed: host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms per operation, P2P in flight "
-        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); wait = blocked: the bubble (warm-up + stall + cool-down) + exposed P2P"
+        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); blocked = the bubble (warm-up + stall + cool-down) + exposed P2P"
         + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
            + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
            + " per step in BPipe work" if bpipe and any(meas.bpipe_step_ns.values())
