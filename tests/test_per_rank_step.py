@@ -59,3 +59,16 @@ def test_every_reader_takes_its_figures_from_the_one_table(tmp_path):
     assert exported.sort("rank")["bubble_ms"].to_list() == pytest.approx((prs.sort("rank")["bubble_ns"] / 1e6).to_list())
     by_rank = dict(a.stages.select("rank", "bubble_stall_ms").rows())
     assert by_rank == {r: pytest.approx(ns / 1e6) for r, ns in prs.select("rank", "bubble_stall_ns").rows()}
+
+
+def test_the_verdicts_bubble_term_holds_the_bubble_only():
+    """The verdict's "bubble" term held warm-up + stall + cool-down + host, and its deltas added the exposed P2P,
+    BPipe and collective time too. Stage 0 of a hand-made attribution: 600 ns forward, 300 ns cool-down, 50 ns host,
+    20 ns exposed P2P: the terms are compute 600, bubble 300, host 50, communication 20 (ns), summing to the step."""
+    from traceana.model.bpipe import TERMS, terms_of
+
+    att = _attribution([(0, 1, 0, "forward", 600), (0, 1, 0, "bubble_cooldown", 300), (0, 1, 0, "host", 50),
+                        (0, 1, 0, "p2p", 20), (1, 1, 1, "forward", 970)])
+    got = {k: round(v * 1e9) for k, v in terms_of(att).items()}
+    assert got == {"compute": 600, "recompute": 0, "bubble": 300, "host": 50, "communication": 20}
+    assert TERMS == ("compute", "recompute", "bubble", "host", "communication", "transfer")
