@@ -19,10 +19,10 @@ from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
 from traceana.run_config import TRACE
-from traceana.summary import BLOCKED_CATEGORIES
+from traceana.schema import BLOCKED_CATEGORIES
 from traceana.validation.measurement import Measured, measure, pass_durations, shared_cpus
 
-# The waits compared are "blocked" time, the bubble plus exposed P2P (summary.BLOCKED_CATEGORIES): measured
+# The waits compared are "blocked" time, the bubble plus exposed P2P (schema.BLOCKED_CATEGORIES): measured
 # attribution labels idle time during which one of the rank's own sends is still in flight as p2p, which the simulator
 # cannot tell from a bubble; their sum compares.
 
