@@ -220,7 +220,7 @@ def segments(
     gpu = _gpu_ranks(labelled)
     # The event subsets each layer reads are one collect_all (docs/performance.md "Fixed cost").
     ev = events.lazy()
-    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait, p2p_calls = pl.collect_all([
+    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait, p2p_calls, gpu_p2p_work = pl.collect_all([
         _span(ev.filter(pl.col("kind") == "collective")),
         ev.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS))).select("rank", "ts_ns", "dur_ns"),
         pairs.lazy().filter(pl.col("channel") == "bpipe"),
@@ -234,6 +234,8 @@ def segments(
         # A framework's P2P helper (name rules' p2p_call: Megatron's send_forward, DeepSpeed's SendActivation):
         # on a CPU rank, its time no op covers and no wait explains is the helper's own Python, P2P's.
         _span(ev.filter((pl.col("kind") == "p2p_call") & ~pl.col("is_gpu")).join(gpu.lazy(), on="rank", how="anti")),
+        # GPU work launched inside a P2P call (classify: its packing copies, a library's own kernels) moves bytes.
+        _span(ev.filter((pl.col("kind") == "p2p_call") & pl.col("is_gpu"))),
     ], **iv.COLLECT)
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -257,7 +259,7 @@ def segments(
         gpu.height < events["rank"].n_unique())
     transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
-    transfer = pl.concat([transfer, posts])
+    transfer = pl.concat([transfer, posts, gpu_p2p_work])
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
