@@ -14,7 +14,7 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import limits, names, pipeline, timeline
+from traceana import gpu, limits, names, pipeline, timeline
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
@@ -46,6 +46,11 @@ class Analysis:
     #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+    #: gpu.PHASE_TIME: per (rank, step, phase) of GPU ranks, the phase's own GPU time (the union of its kernels) and
+    #: the part of it another phase's kernels ran beside; the attribution gives each instant to one of them
+    phase_time: pl.DataFrame | None = None
+    #: gpu.STREAM_TIME: per (rank, step, GPU stream), compute, communication, memory copies, idle and overlapped time
+    stream_time: pl.DataFrame | None = None
 
     @functools.cached_property
     def summary(self) -> RunSummary:
@@ -56,8 +61,9 @@ class Analysis:
         """Every table by name (for export)."""
         out = {"steps": self.steps, "p2p": self.p2p, "schedule": self.schedule, "attribution": self.attribution,
                "stage_memory": self.stage_memory, "stages": self.stages, "clock_offsets": self.clock_offsets}
-        if self.segments is not None:
-            out["segments"] = self.segments
+        for name in ("segments", "phase_time", "stream_time"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -180,7 +186,10 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     labelled = labelled.drop("window_start")
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
                          schedule=schedule)
+    phase_time = gpu.phase_time(labelled, steps)
     del labelled
+    stream_time = gpu.stream_time(events, steps)
+    notes += gpu.concurrent_notes(events, steps)
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     # the allocator samples on the same corrected clock as the steps they are measured in
@@ -210,7 +219,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
         stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events,
+        segments=segs, events=events, phase_time=phase_time, stream_time=stream_time,
     )
 
 

@@ -46,6 +46,8 @@ TABLE_ORDER: dict[str, tuple[str, ...]] = {
     "clock_offsets": ("rank",),
     "rank_summary": ("rank",),
     "segments": ("rank", "step"),
+    "phase_time": ("rank", "step"),
+    "stream_time": ("rank", "step"),
 }
 PARTITIONS_DIR = "partitions"  # under RUN_DIR/.traceana: where the CLI's --dask writes the per-rank Parquet
 
@@ -148,7 +150,8 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     return Analysis(
         run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"], attribution=att,
         stage_memory=stage_mem, stages=stages, clock_offsets=tables["clock_offsets"], notes=tuple(notes),
-        rank_summary=tables["rank_summary"], segments=tables["segments"],
+        rank_summary=tables["rank_summary"], segments=tables["segments"], phase_time=tables["phase_time"],
+        stream_time=tables["stream_time"],
     )
 
 
