@@ -98,3 +98,37 @@ def test_a_trace_that_is_not_a_pipeline_says_so_and_shows_its_streams(tmp_path, 
     out = capsys.readouterr().out
     assert "no pipeline found" in out and "Time per GPU stream" in out
     assert "bubble (warm-up" not in out and "Data-parallel replicas" not in out
+
+
+def test_the_report_writes_a_sentence_not_an_empty_chart_for_a_trace_that_is_not_a_pipeline(third_party, tmp_path):
+    """The report's "time per step by category" for HTA's trace_filter was a chart with an x label "nan" (the
+    unknown stage) and an empty axis: it is a sentence and tables now, and no figure is drawn."""
+    from reports import sections
+
+    class Page:
+        def __init__(self):
+            self.html, self.figures = [], []
+
+        def add(self, html):
+            self.html.append(html)
+
+        def figure(self, fig):
+            self.figures.append(fig)
+
+    run = tmp_path / "tf"
+    shutil.copytree(third_party / "hta" / "trace_filter", run)
+    a = analyze(traceana.load_run(run, cache=False))
+    page = Page()
+    sections.attribution(page, [("tf", a)], G=None)  # (no figure module: none may be drawn)
+    html = "".join(page.html)
+    assert page.figures == [] and "no pipeline found" in html and "communication (ms)" in html
+
+
+def test_a_rank_without_a_stage_is_labelled_no_stage_in_the_bars():
+    pytest.importorskip("holoviews")
+    from reports import figures
+
+    frame = pl.DataFrame({"stage": [0, None], "category": ["forward", "forward"], "ms": [1.0, 2.0],
+                          "percent": [10.0, 20.0]}, schema_overrides={"stage": pl.Int32})
+    bars = figures.stacked_by_stage(frame, title="t", ylabel="ms")
+    assert sorted(bars.data["stage"].tolist()) == ["no stage", "stage 0"]
