@@ -132,3 +132,33 @@ def test_a_rank_without_a_stage_is_labelled_no_stage_in_the_bars():
                           "percent": [10.0, 20.0]}, schema_overrides={"stage": pl.Int32})
     bars = figures.stacked_by_stage(frame, title="t", ylabel="ms")
     assert sorted(bars.data["stage"].tolist()) == ["no stage", "stage 0"]
+
+
+def test_dualpipe_with_all_to_all_kernels_in_a_namespace_no_rule_spells(tmp_path):
+    """The issue's H800 case in small: tests/test_name_rules.py's DualPipe step with its DeepEP kernels renamed as
+    another build spells them (``deepep_v2::internode::dispatch``, ``…::combine``). They are communication by
+    family, so the phases are those summed by hand there (forward 220, input gradients 280, weight gradients 180 µs
+    a layer, 60 µs of exposed dispatch), and each phase's own GPU time equals its partition (compute runs on one
+    stream here: nothing overlaps)."""
+    from test_name_rules import LAYER, STEP_US, TRUTH_FRACTION
+
+    tb = TraceBuilder(rank=0, world_size=64, backend="nccl", pid=7, tid=7)
+    tb.step(0, 0, STEP_US)
+    corr = 0
+    for layer in range(4):
+        base = layer * 740.0
+        for k, (ann, kernel, start, dur, stream) in enumerate(LAYER):
+            corr += 1
+            kernel = kernel.replace("deep_ep::intranode", "deepep_v2::internode")
+            tb.annotation(ann, base + 10 * k + 1, 8)
+            tb.launch(base + 10 * k + 3, 4, correlation=corr)
+            tb.kernel(kernel, base + start, dur, stream=stream, correlation=corr)
+    run = tmp_path / "dualpipe"
+    run.mkdir()
+    tb.write(run / "rank0.pt.trace.json.gz")
+    a = analyze(traceana.load_run(run, cache=False))
+    att = a.attribution
+    got = {c: att.filter(pl.col("category") == c)["fraction"].sum() for c in TRUTH_FRACTION}
+    assert got == pytest.approx(TRUTH_FRACTION, abs=1e-6)
+    own = {r["phase"]: r["own_ms"] for r in gpu.phase_means(a.phase_time, att, a.summary.steps).iter_rows(named=True)}
+    assert own == pytest.approx({"forward": 0.88, "backward_input": 1.12, "backward_weight": 0.72}, abs=1e-6)

@@ -194,8 +194,10 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                          schedule=schedule)
     phase_time = gpu.phase_time(labelled, steps)
     del labelled
-    stream_time = gpu.stream_time(events, steps)
-    notes += gpu.concurrent_notes(events, steps)
+    work = gpu.gpu_work(events)  # (GPU work by stream: read once for both)
+    stream_time = gpu.stream_time(events, steps, work=work)
+    notes += gpu.concurrent_notes(events, steps, work=work)
+    del work
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     # the allocator samples on the same corrected clock as the steps they are measured in

@@ -58,7 +58,7 @@ def phase_time(labelled: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
             .cast(PHASE_TIME).select(list(PHASE_TIME)))
 
 
-def _gpu_work(events: pl.DataFrame) -> pl.DataFrame:
+def gpu_work(events: pl.DataFrame) -> pl.DataFrame:
     """GPU work (kernels, copies, memsets) of ranks with GPU kernels: ``rank, stream, what, start, end, name``."""
     what = (pl.when(pl.col("kind").is_in(list(COMMUNICATION_KINDS))).then(pl.lit("communication"))
             .when(pl.col("kind").is_in(list(MEMORY_KINDS))).then(pl.lit("memcpy"))
@@ -69,9 +69,10 @@ def _gpu_work(events: pl.DataFrame) -> pl.DataFrame:
             .filter(pl.col("what").is_not_null()).collect(**iv.COLLECT))
 
 
-def stream_time(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """STREAM_TIME per (rank, step, stream) of ranks with GPU work (``events``: classified, with ``stream``)."""
-    work = _gpu_work(events)
+def stream_time(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.DataFrame | None = None) -> pl.DataFrame:
+    """STREAM_TIME per (rank, step, stream) of ranks with GPU work (``events``: classified, with ``stream``;
+    ``work``: ``gpu_work(events)``, if the caller has it)."""
+    work = gpu_work(events) if work is None else work
     if work.height == 0:
         return pl.DataFrame(schema=STREAM_TIME)
     work = _in_steps(work.drop("name"), steps)
@@ -87,11 +88,11 @@ def stream_time(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
             .cast({k: v for k, v in STREAM_TIME.items()}).select(list(STREAM_TIME)).sort("rank", "step", "stream"))
 
 
-def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame) -> list[str]:
+def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.DataFrame | None = None) -> list[str]:
     """One note per (rank, stream) whose compute kernels ran beside compute on another of the rank's streams for
     at least ``CONCURRENT_NOTED_ABOVE`` of its step time (over all its steps): they count as compute, and if they
     are communication a name rule should say so (docs/naming.md)."""
-    work = _gpu_work(events).filter(pl.col("what") == "compute")
+    work = (gpu_work(events) if work is None else work).filter(pl.col("what") == "compute")
     if work.height == 0 or work["stream"].n_unique() < 2:
         return []
     cut = _in_steps(work.drop("what", "name"), steps)

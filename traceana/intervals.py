@@ -635,12 +635,15 @@ def coverage(frame: pl.DataFrame, by: Sequence[str] | str, item: str) -> tuple[p
                                    length.filter(pl.col("_mask") >= 2).sum().alias("overlapped_ns")),
         counted.filter(pl.col("_mask") >= 2).select(*keys, START, END),
     ], **COLLECT)
+    own = merged.group_by([*keys, item]).agg(length.sum().alias("own_ns"))
+    if twice.height == 0:  # nothing covered twice (one stream, or items one after another): no overlap to cut
+        per_item = own.with_columns(pl.lit(0, pl.Int64).alias("overlapped_ns")).sort([*keys, item])
+        return per_item.cast(per_item_schema), per_group.sort(keys)
     # Each item's merged intervals against the instants covered twice or more: the items of a group are few (phases,
     # streams), so the doubly covered segments are repeated once per item and intersected.
     items = merged.select(*keys, item).unique()
     twice = merge(twice, keys).join(items, on=keys) if keys else merge(twice).join(items, how="cross")
     shared = intersect(merged, twice, [*keys, item]).group_by([*keys, item]).agg(length.sum().alias("overlapped_ns"))
-    own = merged.group_by([*keys, item]).agg(length.sum().alias("own_ns"))
     per_item = (own.join(shared, on=[*keys, item], how="left", nulls_equal=True)
                 .with_columns(pl.col("overlapped_ns").fill_null(0)).sort([*keys, item]))
     return per_item.cast(per_item_schema), per_group.sort(keys)
