@@ -162,3 +162,17 @@ def test_dualpipe_with_all_to_all_kernels_in_a_namespace_no_rule_spells(tmp_path
     assert got == pytest.approx(TRUTH_FRACTION, abs=1e-6)
     own = {r["phase"]: r["own_ms"] for r in gpu.phase_means(a.phase_time, att, a.summary.steps).iter_rows(named=True)}
     assert own == pytest.approx({"forward": 0.88, "backward_input": 1.12, "backward_weight": 0.72}, abs=1e-6)
+
+
+def test_coverage_by_hand():
+    """Rank 0: a = [0,4) ∪ [5,10) (9), b = [3,8) (5), c = [20,25) (5); a and b share [3,4) and [5,8): 4 each, and
+    4 of the group's 15 covered. Rank 1: a alone. Nothing shared when items only follow one another."""
+    from traceana import intervals as iv
+
+    f = pl.DataFrame({"rank": [0, 0, 0, 0, 1], "ph": ["a", "a", "b", "c", "a"], "start": [0, 5, 3, 20, 0],
+                      "end": [4, 10, 8, 25, 10]})
+    per_item, per_group = iv.coverage(f, ["rank"], "ph")
+    assert per_item.rows() == [(0, "a", 9, 4), (0, "b", 5, 4), (0, "c", 5, 0), (1, "a", 10, 0)]
+    assert per_group.rows() == [(0, 15, 4), (1, 10, 0)]
+    per_item, per_group = iv.coverage(f.filter(pl.col("ph") != "b"), ["rank"], "ph")
+    assert per_item["overlapped_ns"].to_list() == [0, 0, 0] and per_group["overlapped_ns"].to_list() == [0, 0]
