@@ -176,3 +176,20 @@ def test_coverage_by_hand():
     assert per_group.rows() == [(0, 15, 4), (1, 10, 0)]
     per_item, per_group = iv.coverage(f.filter(pl.col("ph") != "b"), ["rank"], "ph")
     assert per_item["overlapped_ns"].to_list() == [0, 0, 0] and per_group["overlapped_ns"].to_list() == [0, 0]
+
+
+def test_the_same_stream_on_many_ranks_is_one_note(tmp_path):
+    """Two ranks, each with the unexplained kernel on stream 27 beside compute (600 and 300 µs of 1,000): one note
+    naming both ranks, the larger figure and the range of shares."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank, dur in ((0, 600), (1, 300)):
+        tb = TraceBuilder(rank=rank, world_size=2, backend="nccl", pid=7 + rank, tid=7)
+        tb.step(0, 0, 1000)
+        for corr, (name, start, d, stream) in enumerate([(GEMM, 0, 900, 7), ("void mylib::a2a(int)", 100, dur, 27)], 1):
+            tb.launch(10.0 * corr, 4, correlation=corr)
+            tb.kernel(name, start, d, stream=stream, correlation=corr)
+        tb.write(run / f"rank{rank}.pt.trace.json.gz")
+    a = analyze(traceana.load_run(run, cache=False))
+    notes = [n for n in a.notes if "stream 27" in n]
+    assert len(notes) == 1 and notes[0].startswith("ranks 0, 1 (2 ranks): up to 0.6 ms") and "(30%–60% of their" in notes[0]

@@ -106,12 +106,21 @@ def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.Data
                    & (pl.col("overlapped_ns") >= CONCURRENT_NOTED_ABOVE * pl.col("_steps")))
            .sort("rank", "overlapped_ns", descending=[False, True]))
     notes = []
-    for rank, stream, ns, steps_ns in hit.select("rank", "stream", "overlapped_ns", "_steps").rows():
-        top = (work.filter((pl.col("rank") == rank) & (pl.col("stream") == stream))
+    # one note per stream, over the ranks where it happened (a job of many ranks repeats itself)
+    per = (hit.with_columns((pl.col("overlapped_ns") / pl.col("_steps")).alias("_share"))
+           .group_by("stream").agg(pl.col("rank").sort(), pl.col("overlapped_ns").max(), pl.col("_share").min()
+                                   .alias("_lo"), pl.col("_share").max().alias("_hi"))
+           .sort("overlapped_ns", descending=True))
+    for stream, ranks, ns, lo, hi in per.rows():  # one row per noted stream
+        top = (work.filter(pl.col("rank").is_in(ranks) & (pl.col("stream") == stream))
                .group_by("name").agg((pl.col("end") - pl.col("start")).sum().alias("ns"))
                .sort("ns", descending=True).head(2))  # a few rows: one stream's distinct kernel names
         named = "; ".join(f"{str(n)[:60]}" for n in top["name"].to_list())
-        notes.append(f"rank {rank}: {ns / 1e6:,.1f} ms of kernels on stream {stream} ({ns / steps_ns:.0%} of its step "
+        share = f"{hi:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%}–{hi:.0%}"
+        who = (f"rank {ranks[0]}: {ns / 1e6:,.1f} ms" if len(ranks) == 1 else
+               f"ranks {', '.join(map(str, ranks[:8]))}{' …' if len(ranks) > 8 else ''} ({len(ranks)} ranks): up to "
+               f"{ns / 1e6:,.1f} ms a rank")
+        notes.append(f"{who} of kernels on stream {stream} ({share} of {'its' if len(ranks) == 1 else 'their'} step "
                      f"time) overlap compute on another stream and were counted as compute (mostly {named}): add a "
                      "name rule (docs/naming.md) if they are communication")
     return notes
