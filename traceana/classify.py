@@ -323,8 +323,6 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
         _step=False, _dir=pl.lit(None, pl.UInt8), _rule_kind_code=pl.lit(None, pl.UInt8), _nccl=False, _rpc=False,
         _comm_op=False, _cpu_dir=pl.lit(None, pl.UInt8), is_gpu=False).select(_kind())
     kind = by_class.to_series().gather(cat_class).scatter(named["_row"], named["_kind"])
-    if by_corr is not None and by_corr.height:
-        kind = _launched_in_communication(events, cat_class, kind, by_corr)
     # BPipe: communication and compute inside its annotated spans or on its process group.
     annotated = events.select("rank", "ts_ns", "dur_ns").gather(pp_rows).with_columns(pp_found["pp_action"])
     spans = bpipe_spans(annotated.filter(pl.col("pp_action").is_not_null()))
@@ -338,6 +336,9 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
         on_group = pg.is_not_null() & pg.is_in(bpipe_groups.implode())
         bpipe = f.select((pl.lit(in_span) | on_group) & pl.lit(kind).is_in(_MOVABLE)).to_series()
         kind = kind.scatter(bpipe.arg_true(), KINDS.index("bpipe_transfer"))
+    # (after BPipe's: work BPipe's spans or group claim stays BPipe's)
+    if by_corr is not None and by_corr.height:
+        kind = _launched_in_communication(events, cat_class, kind, by_corr)
     # comm_dir and channel: text on the few communication events only, written into null columns (as pp above).
     comm = named.filter(pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"]))
     comm = comm.with_columns((bpipe.gather(comm["_row"]) if bpipe.len() else pl.lit(False)).alias("_bpipe")).select(
