@@ -85,3 +85,19 @@ def test_the_next_op_starting_a_few_us_before_the_wait_returns_does_not_make_the
         got = dict(a.attribution.filter(pl.col("rank") == 1).select(pl.col("category").cast(pl.String), "ns").rows())
         assert got["host"] == 49 * US, start
         assert sum(v for c, v in got.items() if c.startswith("bubble")) == 25 * US, start
+
+
+def test_a_batched_send_recv_kernel_that_names_no_send_or_receive_is_noted():
+    """A rank posts a send and a receive (record_param_comms, their scopes closed) and the batch's one SendRecv
+    kernel is launched afterwards by a coalescing op: it names no direction, counts as collective, and is noted."""
+    b = EventsBuilder()
+    b.step(0, 1, 0, 100)
+    b._add(0, "cpu_op", "record_param_comms", 1, 2, coll="send", peer=1, nbytes=64)
+    b._add(0, "cpu_op", "record_param_comms", 3, 4, coll="recv", peer=1, nbytes=64)
+    b.op(0, "nccl:coalesced", 5, 6)
+    b.kernel(0, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 10, 30, stream=20, launch=5.5)
+    a = analyze(b.run())
+    kernel = a.events.filter(pl.col("is_gpu"))
+    assert kernel["kind"].cast(pl.String).to_list() == ["collective"]
+    assert any(n.startswith("rank 0: 1 send/receive kernels (0.020 ms) name no launching send or receive")
+               for n in a.notes)

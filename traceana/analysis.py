@@ -202,6 +202,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     work = gpu.gpu_work(events)  # (GPU work by stream: read once for both)
     stream_time = gpu.stream_time(events, steps, work=work)
     notes += gpu.concurrent_notes(events, steps, work=work)
+    notes += gpu.batched_p2p_notes(events)
     del work
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceana import intervals as iv
+from traceana import names
 
 # (``shared_ns``: the step's time during which two or more phases ran, the same on every row of a (rank, step).)
 PHASE_TIME = {"rank": pl.Int32, "step": pl.Int32, "phase": pl.String, "own_ns": pl.Int64, "overlapped_ns": pl.Int64,
@@ -124,6 +125,22 @@ def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.Data
                      f"time) overlap compute on another stream and were counted as compute (mostly {named}): add a "
                      "name rule (docs/naming.md) if they are communication")
     return notes
+
+
+def batched_p2p_notes(events: pl.DataFrame) -> list[str]:
+    """A note per rank whose send/receive kernels name no launching send or receive while its CPU posted P2P
+    messages: batched P2P (``batch_isend_irecv``) launches one kernel per batch at ``ncclGroupEnd``, after the
+    per-op scopes closed (pytorch/pytorch#194693), so those kernels cannot be paired; they count as collective."""
+    kernels = events.lazy().filter(pl.col("is_gpu") & (pl.col("kind") == "collective") & pl.col("comm_dir").is_null()
+                                   & names.name_test(pl.col("name"), lambda t: t.str.contains(r"(?i)send_?recv")))
+    posting = events.lazy().filter(~pl.col("is_gpu") & pl.col("kind").is_in(["p2p_send", "p2p_recv"])).select(
+        "rank").unique()
+    hit = (kernels.join(posting, on="rank").group_by("rank").agg(pl.len().alias("n"), pl.col("dur_ns").sum())
+           .sort("rank").collect(**iv.COLLECT))
+    return [f"rank {r}: {n} send/receive kernels ({ns / 1e6:,.3f} ms) name no launching send or receive although "
+            "the rank posted P2P messages (batched P2P, batch_isend_irecv, launches one kernel per batch after the "
+            "per-op scopes closed): they count as collective, unpaired, with no wait/transfer split (docs/gpu.md)"
+            for r, n, ns in hit.rows()]
 
 
 def pipeline_found(stages: pl.DataFrame, schedule: pl.DataFrame, p2p: pl.DataFrame) -> bool:
