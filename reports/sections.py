@@ -81,8 +81,40 @@ def attribution(page, runs: Runs, G) -> None:
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
         page.add(H.table(a.summary.per_stage, STAGE_COLUMNS, formats={"stage": "int", "bubble_fraction": "fraction"}))
+        overlapped_phases(page, name, a)
         replicas(page, name, a)
     page.add("</section>")
+
+
+PHASE_COLUMNS = [
+    ("rank", "rank"),
+    ("phase", "phase"),
+    ("own_ms", "own GPU time (ms)"),
+    ("overlapped_ms", "of it beside another phase (ms)"),
+    ("partition_ms", "in the bars above (ms)"),
+    ("shared_fraction", "rank's step run by two phases at once"),
+]
+
+
+def overlapped_phases(page, name: str, a: Analysis) -> None:
+    """Where phases ran at once on a GPU (traceana.gpu): each phase's own GPU time beside what the bars (the
+    per-instant partition) gave it."""
+    from traceana.gpu import OVERLAP_SHOWN_ABOVE, phase_means
+
+    if a.phase_time is None or not a.phase_time.height:
+        return
+    pm = phase_means(a.phase_time, a.attribution, a.summary.steps)
+    shown = pm.filter(pl.col("shared_fraction") > OVERLAP_SHOWN_ABOVE)
+    if not shown.height:
+        return
+    page.add(f"<h3>{H.esc(name)}: phases running at once on the GPU</h3>")
+    page.add(H.para("The bars give every instant to one category (backward over forward where both ran), so where "
+                    "phases overlapped on two streams they are not each phase's GPU time. Per rank and phase: the "
+                    "union of the phase's kernels (each kernel's phase is the annotation whose CPU range launched it), "
+                    "the part of it beside another phase's kernels, and what the bars gave it.", css_class="lead"))
+    page.add(H.table(shown.with_columns(pl.col("phase").replace_strict(palette.CATEGORY_LABELS,
+                                                                          default=pl.col("phase"))),
+                     PHASE_COLUMNS, formats={"rank": "int", "shared_fraction": "fraction"}))
 
 
 STREAM_COLUMNS = [

@@ -193,3 +193,18 @@ def test_the_same_stream_on_many_ranks_is_one_note(tmp_path):
     a = analyze(traceana.load_run(run, cache=False))
     notes = [n for n in a.notes if "stream 27" in n]
     assert len(notes) == 1 and notes[0].startswith("ranks 0, 1 (2 ranks): up to 0.6 ms") and "(30%–60% of their" in notes[0]
+
+
+def test_the_report_shows_each_phase_s_own_gpu_time_where_phases_overlapped(tmp_path):
+    from reports import sections
+
+    run = _trace(tmp_path, [("PP:0F0", GEMM, 100, 400, 7), ("PP:0B0", GEMM, 300, 400, 8)])
+    a = analyze(traceana.load_run(run, cache=False))
+    html = []
+
+    class Page:
+        add = html.append
+
+    sections.overlapped_phases(Page(), "run", a)
+    text = "".join(html)
+    assert "phases running at once on the GPU" in text and "own GPU time (ms)" in text and "20" in text
