@@ -199,7 +199,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                          schedule=schedule)
     phase_time = gpu.phase_time(labelled, steps)
     del labelled
-    work = gpu.gpu_work(events)  # (GPU work by stream: read once for both)
+    work = gpu.gpu_work(events, steps)  # (GPU work by stream, cut to the steps: once for both)
     stream_time = gpu.stream_time(events, steps, work=work)
     notes += gpu.concurrent_notes(events, steps, work=work)
     notes += gpu.batched_p2p_notes(events)

@@ -59,24 +59,25 @@ def phase_time(labelled: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
             .cast(PHASE_TIME).select(list(PHASE_TIME)))
 
 
-def gpu_work(events: pl.DataFrame) -> pl.DataFrame:
-    """GPU work (kernels, copies, memsets) of ranks with GPU kernels: ``rank, stream, what, start, end, name``."""
+def gpu_work(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """GPU work (kernels, copies, memsets) cut to the steps: ``rank, stream, what, start, end, name, step``."""
     what = (pl.when(pl.col("kind").is_in(list(COMMUNICATION_KINDS))).then(pl.lit("communication"))
             .when(pl.col("kind").is_in(list(MEMORY_KINDS))).then(pl.lit("memcpy"))
             .when(pl.col("kind") == "compute").then(pl.lit("compute")))
-    return (events.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0))
+    work = (events.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0))
             .select("rank", pl.col("stream").fill_null(-1), what.alias("what"), pl.col("ts_ns").alias("start"),
                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), "name")
             .filter(pl.col("what").is_not_null()).collect(**iv.COLLECT))
+    return _in_steps(work, steps) if work.height else work.with_columns(pl.lit(None, pl.Int32).alias("step"))
 
 
 def stream_time(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.DataFrame | None = None) -> pl.DataFrame:
     """STREAM_TIME per (rank, step, stream) of ranks with GPU work (``events``: classified, with ``stream``;
-    ``work``: ``gpu_work(events)``, if the caller has it)."""
-    work = gpu_work(events) if work is None else work
+    ``work``: ``gpu_work(events, steps)``, if the caller has it)."""
+    work = gpu_work(events, steps) if work is None else work
     if work.height == 0:
         return pl.DataFrame(schema=STREAM_TIME)
-    work = _in_steps(work.drop("name"), steps)
+    work = work.drop("name")
     length = pl.col("end") - pl.col("start")
     by_what = (iv.merge(work, ["rank", "step", "stream", "what"])
                .group_by("rank", "step", "stream").agg(
@@ -93,10 +94,10 @@ def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.Data
     """One note per (rank, stream) whose compute kernels ran beside compute on another of the rank's streams for
     at least ``CONCURRENT_NOTED_ABOVE`` of its step time (over all its steps): they count as compute, and if they
     are communication a name rule should say so (docs/naming.md)."""
-    work = (gpu_work(events) if work is None else work).filter(pl.col("what") == "compute")
+    work = (gpu_work(events, steps) if work is None else work).filter(pl.col("what") == "compute")
     if work.height == 0 or work["stream"].n_unique() < 2:
         return []
-    cut = _in_steps(work.drop("what", "name"), steps)
+    cut = work.drop("what", "name")
     per_stream, _ = iv.coverage(cut, ["rank"], "stream")
     # the rank's main compute stream (most compute time) is compute's own: the note is about the others
     main = per_stream.sort("own_ns", descending=True).unique("rank", keep="first").select("rank", pl.col("stream")
