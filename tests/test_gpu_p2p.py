@@ -101,3 +101,20 @@ def test_a_batched_send_recv_kernel_that_names_no_send_or_receive_is_noted():
     assert kernel["kind"].cast(pl.String).to_list() == ["collective"]
     assert any(n.startswith("rank 0: 1 send/receive kernels (0.020 ms) name no launching send or receive")
                for n in a.notes)
+
+
+def test_run_json_link_bandwidth_reaches_the_split_of_a_gpu_pair():
+    """Rank 0's send kernel 25–35 µs, rank 1's receive kernel 10–36: by the kernels, rank 1 waited 10–25 and moved
+    bytes 25–36. run.json says the link moves 256 bytes in 16 µs (16 MB/s): the transfer is 20–36, the wait 10–20."""
+    from traceana.manifest import Manifest
+
+    b = EventsBuilder()
+    for r in (0, 1):
+        b.step(r, 1, 0, 100)
+    b.nccl(0, "send", 1, launch=12, start=25, end=35)
+    b.nccl(1, "recv", 0, launch=1, start=10, end=36)
+    plain = analyze(b.run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1))))
+    assert plain.p2p.select("wait_ns", "transfer_ns").row(0) == (15 * US, 11 * US)
+    slow = analyze(b.run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1), extra={"link_bytes_per_s": 16e6})))
+    assert slow.p2p.select("wait_ns", "transfer_ns", "min_transfer_ns").row(0) == (10 * US, 16 * US, 16 * US)
+    assert any("16 MB/s" in n or "0.016 GB/s" in n for n in slow.notes)
