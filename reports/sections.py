@@ -133,7 +133,8 @@ def not_a_pipeline(page, name: str, a: Analysis) -> None:
     still helps: the time per rank by category, and per GPU stream."""
     from traceana.gpu import stream_means
 
-    page.add(H.para(f"{name}: no pipeline found — no rank has a stage (no run.json, no PP: or framework annotations, no "
+    page.add(H.para(f"{name}: no pipeline found — no rank has a stage (no run.json, no PP: or framework annotations, "
+                    "no "
                     "P2P messages chaining ranks), so there are no per-stage bars or bubbles. Time per rank (mean per "
                     "measured step) and per GPU stream:", css_class="lead"))
     st = a.stages

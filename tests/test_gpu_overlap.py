@@ -50,7 +50,8 @@ def test_overlapping_forward_and_backward_get_their_own_gpu_time_beside_the_part
         "forward": (0.4, 0.2, 0.2), "backward": (0.4, 0.2, 0.4)}
     assert got["forward"]["shared_fraction"] == pytest.approx(0.2)
     streams = gpu.stream_means(a.stream_time, a.summary.steps)
-    assert streams.select("stream", *(pl.col(c).round(6) for c in ("compute_ms", "idle_ms", "overlapped_ms"))).rows() == [
+    rounded = (pl.col(c).round(6) for c in ("compute_ms", "idle_ms", "overlapped_ms"))
+    assert streams.select("stream", *rounded).rows() == [
         (7, 0.4, 0.6, 0.2), (8, 0.4, 0.6, 0.2)]
     # (the backward's stream ran 200 µs beside the forward's: 20 % of the step, above the note's 5 % — noted, as
     # nothing says whether a second stream of compute is meant; the note names the stream and asks)
@@ -192,7 +193,8 @@ def test_the_same_stream_on_many_ranks_is_one_note(tmp_path):
         tb.write(run / f"rank{rank}.pt.trace.json.gz")
     a = analyze(traceana.load_run(run, cache=False))
     notes = [n for n in a.notes if "stream 27" in n]
-    assert len(notes) == 1 and notes[0].startswith("ranks 0, 1 (2 ranks): up to 0.6 ms") and "(30%–60% of their" in notes[0]
+    assert len(notes) == 1 and notes[0].startswith("ranks 0, 1 (2 ranks): up to 0.6 ms")
+    assert "(30%–60% of their" in notes[0]
 
 
 def test_the_report_shows_each_phase_s_own_gpu_time_where_phases_overlapped(tmp_path):

@@ -29,10 +29,10 @@ from the last moment its training thread was seen active (the start or end of an
 another wait returning) before the message's wait returned — a thread blocked in ``wait()`` records nothing — to
 that return, never before the post; a mark less than ``WAIT_RETURN_TOLERANCE_NS`` before the return is not taken
 for activity (the next op's start a few µs early, on timelines converted from other tools, would otherwise make the
-wait a few µs long and the time before it host). Before that the message is in flight in the background and the thread is
-computing, or running the Python of the action it is inside: inside a compute action's window, time no op covers
-and no wait explains counts as that action (its own interpreter and dispatch cost, which a wall-clock timer around
-the action also counts). GPU ranks keep the GPU's view: a transfer overlapping no kernel is exposed, whatever the
+wait a few µs long and the time before it host). Before that the message is in flight in the background and the
+thread is computing, or running the Python of the action it is inside: inside a compute action's window, time no op
+covers and no wait explains counts as that action (its own interpreter and dispatch cost, which a wall-clock timer
+around the action also counts). GPU ranks keep the GPU's view: a transfer overlapping no kernel is exposed, whatever the
 CPU was doing.
 
 Cool-down starts after the stage's last *forward*, not its last backward: in 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would

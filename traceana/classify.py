@@ -127,9 +127,10 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
 
     ``by_ext``: the direction, peer, size and process group of the cpu op that launched it (same External id; the
     first of each among that id's ops). ``by_corr``: ``_launch_ts``, the start of the runtime call that launched
-    it (same correlation id; the earliest), and ``_launch_track``, that call's thread. Only the few cpu ops that carry one of those facts are grouped, and
-    calls are matched by a binary search of the sorted (rank, id) keys (else a sorted as-of join on the exact id)
-    rather than a hash join: on a GPU run both sides hold a third of the events.
+    it (same correlation id; the earliest), and ``_launch_track``, that call's thread. Only the few cpu ops that
+    carry one of those facts are grouped, and calls are matched by a binary search of the sorted (rank, id) keys
+    (else a sorted as-of join on the exact id) rather than a hash join: on a GPU run both sides hold a third of the
+    events.
     """
     rows = f["is_gpu"].arg_true()
     gpu = f.select(rows.alias("_row"), *(pl.col(c).gather(rows) for c in ("rank", "ext_id", "corr_id")))

@@ -159,7 +159,8 @@ def _measured(frame: pl.DataFrame, steps: list[int] | tuple[int, ...]) -> pl.Dat
     return kept if kept.height or not frame.height else frame
 
 
-def phase_means(phase_time: pl.DataFrame, attribution: pl.DataFrame, steps: list[int] | tuple[int, ...]) -> pl.DataFrame:
+def phase_means(phase_time: pl.DataFrame, attribution: pl.DataFrame,
+                steps: list[int] | tuple[int, ...]) -> pl.DataFrame:
     """Per (rank, phase), means per step over ``steps`` (the measured steps; all where none of them is there):
     ``own_ms`` (the phase's GPU time), ``overlapped_ms`` (of it, with another phase's kernels running), ``partition_ms``
     (what the per-instant attribution gave the phase) and ``shared_fraction``: the share of the rank's step during

@@ -85,9 +85,10 @@ NCCL_P2P_KERNEL_MARKER = "SendRecv"
 # is communication, whatever launched it; a user's name rule with another kind still wins, docs/naming.md):
 # - NCCL and its ports and forks: ``ncclDevKernel_*`` / ``ncclKernel_*`` (NCCL), the same names or ``rccl*`` (RCCL
 #   on ROCm), ``mscclKernel_*`` (MSCCL), ``ncclx`` builds — in any namespace;
-# - expert-parallel all-to-all kernels in any namespace named ``ep``, ``…_ep``, ``deepep``, ``ep_…`` (DeepEP's ``deep_ep::intranode::…``, a
-#   fork's ``my_ep::internode_ll::dispatch``, ``ep::combine``): the intranode/internode/internode_ll families, and
-#   dispatch, combine and their notify steps in any namespace of such a library (``…::layout::…`` stays compute);
+# - expert-parallel all-to-all kernels in any namespace named ``ep``, ``…_ep``, ``deepep``, ``ep_…`` (DeepEP's
+#   ``deep_ep::intranode::…``, a fork's ``my_ep::internode_ll::dispatch``, ``ep::combine``): the intranode/internode/
+#   internode_ll families, and dispatch, combine and their notify steps in any namespace of such a library
+#   (``…::layout::…`` stays compute);
 # - the families every such library names alike: all-to-all (``all_to_all``, ``alltoall``), send/receive
 #   (``SendRecv``, ``Sendrecv``) and the all-to-all's notify steps (``notify_dispatch``, ``cached_notify_combine``).
 COMM_LIBRARY_KERNEL_PATTERN = r"(?i)^(?:void\s+)?(?:\w+::)*(?:nccl|rccl|msccl)"
