@@ -14,12 +14,12 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import limits, names, timeline
+from traceana import gpu, limits, names, timeline
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
-from traceana.p2p import bpipe_groups, messages, pair
+from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
@@ -51,6 +51,11 @@ class Analysis:
     #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+    #: gpu.PHASE_TIME: per (rank, step, phase) of GPU ranks, the phase's own GPU time (the union of its kernels) and
+    #: the part of it another phase's kernels ran beside; the attribution gives each instant to one of them
+    phase_time: pl.DataFrame | None = None
+    #: gpu.STREAM_TIME: per (rank, step, GPU stream), compute, communication, memory copies, idle and overlapped time
+    stream_time: pl.DataFrame | None = None
     peak_flops: float | None = None  #: the device's peak FLOP/s given as an option (--peak-flops), over run.json's
 
     @functools.cached_property
@@ -75,8 +80,9 @@ class Analysis:
         """Every table by name (for export)."""
         out = {"steps": self.steps, "p2p": self.p2p, "schedule": self.schedule, "attribution": self.attribution,
                "stage_memory": self.stage_memory, "stages": self.stages, "clock_offsets": self.clock_offsets}
-        if self.segments is not None:
-            out["segments"] = self.segments
+        for name in ("segments", "phase_time", "stream_time"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -124,7 +130,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
-    pairs, unmatched, msgs, pair_notes = pair(msgs)
+    link = link_bandwidth(run.manifest)  # (the transfer floor's bandwidth: traceana.p2p)
+    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
@@ -138,7 +145,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pair(msgs)
+        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).
@@ -196,7 +203,13 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     labelled = labelled.drop("window_start")
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
                          schedule=schedule)
+    phase_time = gpu.phase_time(labelled, steps)
     del labelled
+    work = gpu.gpu_work(events, steps)  # (GPU work by stream, cut to the steps: once for both)
+    stream_time = gpu.stream_time(events, steps, work=work)
+    notes += gpu.concurrent_notes(events, steps, work=work)
+    notes += gpu.batched_p2p_notes(events)
+    del work
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     # the allocator samples on the same corrected clock as the steps they are measured in
@@ -226,7 +239,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
         stages=stage_table(per_rank_step.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events, peak_flops=peak_flops,
+        segments=segs, events=events, phase_time=phase_time, stream_time=stream_time, peak_flops=peak_flops,
     )
     # (built once here: Analysis.config, the one MFU and the notes above used, and Analysis.per_rank_step)
     out.__dict__.update(config=config, per_rank_step=per_rank_step)

@@ -42,10 +42,10 @@ from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 4  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
-#                     4: the what-if's straggler, diagnosis and bottleneck)
+ANALYSIS_FORMAT = 5  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
-           "rank_summary")
+           "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")
 # The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
 # it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").

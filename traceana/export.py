@@ -119,7 +119,22 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     }
     if per_step:
         out["per_step"] = per_step_table(analysis).to_dicts()
+    out["gpu"] = gpu_summary(analysis)
     return json_fractions(_finite(out))
+
+
+def gpu_summary(analysis) -> dict[str, Any]:
+    """``pipeline_found`` (traceana.gpu.pipeline_found), and on GPU ranks, means per measured step: each phase's
+    own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
+    from traceana import gpu
+
+    steps = analysis.summary.steps
+    out: dict[str, Any] = {"pipeline_found": gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)}
+    if analysis.phase_time is not None:
+        out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
+    if analysis.stream_time is not None:
+        out["streams"] = gpu.stream_means(analysis.stream_time, steps).to_dicts()
+    return out
 
 
 def _finite(value: Any) -> Any:

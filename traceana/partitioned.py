@@ -47,6 +47,8 @@ TABLE_ORDER: dict[str, tuple[str, ...]] = {
     "clock_offsets": ("rank",),
     "rank_summary": ("rank",),
     "segments": ("rank", "step"),
+    "phase_time": ("rank", "step"),
+    "stream_time": ("rank", "step"),
 }
 PARTITIONS_DIR = "partitions"  # under RUN_DIR/.traceana: where the CLI's --dask writes the per-rank Parquet
 
@@ -150,7 +152,8 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     out = Analysis(
         run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"], attribution=att,
         stage_memory=stage_mem, stages=stages, clock_offsets=tables["clock_offsets"], notes=tuple(notes),
-        rank_summary=tables["rank_summary"], segments=tables["segments"], peak_flops=peak_flops,
+        rank_summary=tables["rank_summary"], segments=tables["segments"], phase_time=tables["phase_time"],
+        stream_time=tables["stream_time"], peak_flops=peak_flops,
     )
     out.__dict__.update(config=config, per_rank_step=per_rank_step)  # (the ones MFU and the stage table used)
     return out
