@@ -341,3 +341,50 @@ def test_a_reader_gone_is_exit_141_quietly(run2, args):
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert proc.returncode == 141 and err == ""
+
+
+# --- 5. numbers that size memory or time: checked against what is present -------------------------------------------
+def _set_in_traces(run: Path, edit) -> None:
+    for r in (0, 1):
+        _edit_trace(run / f"rank{r}.pt.trace.json.gz", edit)
+
+
+@pytest.mark.parametrize("number", ["99999999999999999999", "2147483648"])
+def test_a_step_number_beyond_int32_is_one_line(run2, capsys, number):
+    def edit(trace):
+        for e in trace["traceEvents"]:
+            if e.get("name", "").startswith("ProfilerStep#"):
+                e["name"] = f"ProfilerStep#{number}"
+    _set_in_traces(run2, edit)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 2 and "ProfilerStep" in _one_line(err) and "internal error" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="needs prlimit")
+def test_a_declared_world_size_is_checked_not_allocated(run2):
+    # 3·10^7 ranks declared in a 2-rank run of a few KB: under a 2 GiB address-space cap it is named, not allocated
+    _set_in_traces(run2, lambda t: t["distributedInfo"].update(world_size=30_000_000))
+    r = subprocess.run(["prlimit", f"--as={2 << 30}", sys.executable, "-m", "traceana", "analyze", str(run2),
+                        "--no-cache"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "distributedInfo.world_size" in _one_line(r.stderr)
+
+
+def test_many_missing_ranks_are_counted_not_listed(run2, capsys):
+    _set_in_traces(run2, lambda t: t["distributedInfo"].update(world_size=1_000_000))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 0 and "999,998 of 1,000,000 ranks have no trace (2, 3, 4, 5, 6, 7, 8, 9, 10, 11 …)" in err
+
+
+def test_run_json_world_size_beyond_any_job_is_named(run2, capsys):
+    (run2 / "run.json").write_text(json.dumps({"world_size": 10**9}))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 2 and "world_size" in _one_line(err) and "memory" not in err
+
+
+@pytest.mark.parametrize("flags, field", [(["--pp", "2048", "--layers", "2048"], "pp 2,048"),
+                                          (["--pp", "8192", "--layers", "8192"], "pp 8,192"),
+                                          (["--pp", "2", "--microbatches", str(10**8)], "micro-batches 100,000,000")])
+def test_estimate_of_an_absurd_pipeline_answers_at_once(flags, field):
+    t0 = time.monotonic()
+    r = _traceana("estimate", "--model", "llama-7b", *flags, timeout=60)
+    assert r.returncode == 2 and field in _one_line(r.stderr) and time.monotonic() - t0 < 30

@@ -128,7 +128,7 @@ def _run_dir_window(d: Path, files: list[Path], *, settle_s: float, now: float) 
         attach = manifest.extra.get("attach") if manifest is not None and isinstance(manifest.extra, dict) else None
         ranks = {rank_from_filename(p) for p in files}
         if attach is not None:
-            complete = set(range(manifest.world_size)) <= ranks
+            complete = len({r for r in ranks if 0 <= r < manifest.world_size}) == manifest.world_size
             if not complete and not attach.get("job"):
                 return None  # a rank's trace is still to come and its job is running
             label, start = f"steps {attach.get('steps', '?')}", (attach.get("window") or [None])[0]

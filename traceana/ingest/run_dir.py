@@ -11,6 +11,7 @@ rank's table is sorted the same way and ranks are concatenated in rank order.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import multiprocessing
 import os
 import sys
@@ -29,6 +30,7 @@ from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trac
 from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_trace,  # noqa: F401 (polars-free: the CLI)
                                      trace_subfolders, SCANNER_STALE)
 from traceana.intervals import ENGINE
+from traceana.limits import check_ranks
 from traceana.manifest import MANIFEST_NAME, Manifest
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
@@ -410,6 +412,7 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
     sizes: dict[int, str] = {}
     for r in rows:
         if r["world_size"] is not None:
+            check_ranks(r["world_size"], "distributedInfo.world_size", r["path"])
             sizes.setdefault(r["world_size"], r["path"])
     if len(sizes) > 1:
         (w1, p1), (w2, p2) = list(sizes.items())[:2]
@@ -430,11 +433,12 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
         if outside:
             raise RunDirError(f"rank {outside[0]} is outside world size {world}", path=shown(by_rank[outside[0]]),
                               fix="the trace belongs to another run; move it out of this directory")
-        missing = sorted(set(range(world)) - set(by_rank))
-        if missing:
-            listed = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
-            notes.append(f"{shown(run_dir)}: {len(missing)} of {world} ranks have no trace ({listed}); analysing the "
-                         f"{len(by_rank)} present")
+        n_missing = world - len(by_rank)  # (by_rank is inside range(world) here: counted, never listed whole)
+        if n_missing:
+            first = list(itertools.islice((r for r in range(world) if r not in by_rank), 10))
+            listed = ", ".join(map(str, first)) + (" …" if n_missing > 10 else "")
+            notes.append(f"{shown(run_dir)}: {n_missing:,} of {world:,} ranks have no trace ({listed}); analysing "
+                         f"the {len(by_rank)} present")
     if manifest is not None and manifest.ranks_written is not None:
         unwritten = sorted(set(by_rank) - set(manifest.ranks_written))
         if unwritten:
