@@ -391,3 +391,91 @@ def test_estimate_of_an_absurd_pipeline_answers_at_once(flags, field):
     t0 = time.monotonic()
     r = _traceana("estimate", "--model", "llama-7b", *flags, timeout=60)
     assert r.returncode == 2 and field in _one_line(r.stderr) and time.monotonic() - t0 < 30
+
+
+# --- 6. attach owns its job -----------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _attach(tmp_path: Path, job: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "traceana", "attach", "-o", str(tmp_path / "out"), *extra, "--",
+                             sys.executable, "-c", job], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return int(path.read_text())
+
+
+_JOB = """
+import os, signal, sys, time
+{ignore}
+child = os.fork()  # a process of the job's own
+if child == 0:
+    {ignore_child}
+    time.sleep(300)
+    os._exit(0)
+open(sys.argv[1] if len(sys.argv) > 1 else {pids!r}, "w").write(str(child))
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_attach_reaches_every_process_of_the_job(tmp_path, sig, code):
+    pids = tmp_path / "pids"
+    quiet = "signal.signal(signal.SIGINT, signal.SIG_DFL)"  # (the job's own KeyboardInterrupt traceback: not ours)
+    proc = _attach(tmp_path, _JOB.format(ignore=quiet, ignore_child="", pids=str(pids)))
+    try:
+        child = _wait_for(pids, proc)
+        proc.send_signal(sig)  # what a scheduler sends (SIGTERM) or a Ctrl-C on attach alone
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code and "Traceback" not in err
+    assert not _alive(child)
+
+
+def test_a_job_that_ignores_signals_is_killed_after_the_grace_period(tmp_path):
+    pids = tmp_path / "pids"
+    ignore = "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    proc = _attach(tmp_path, _JOB.format(ignore=ignore, ignore_child="", pids=str(pids)), "--kill-after", "1")
+    try:
+        child = _wait_for(pids, proc)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "SIGKILL" in err and took < 20  # 1 s grace (+ polling), not the job's 300 s
+    assert not _alive(child)
+
+
+def test_a_job_killed_by_a_signal_is_named(tmp_path):
+    proc = _attach(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + 11 and "SIGSEGV" in err and "status -11" not in err
+
+
+def test_processes_the_job_leaves_behind_are_stopped(tmp_path):
+    pids = tmp_path / "pids"
+    job = ("import os, sys, time\nchild = os.fork()\nif child == 0:\n    time.sleep(300)\n    os._exit(0)\n"
+           f"open({str(pids)!r}, 'w').write(str(child))\n")  # exits at once, its child still sleeping
+    proc = _attach(tmp_path, job, "--kill-after", "1")
+    _, err = proc.communicate(timeout=60)
+    child = int(pids.read_text())
+    assert proc.returncode == 0 and "left processes" in err
+    assert not _alive(child)
