@@ -479,3 +479,37 @@ def test_processes_the_job_leaves_behind_are_stopped(tmp_path):
     child = int(pids.read_text())
     assert proc.returncode == 0 and "left processes" in err
     assert not _alive(child)
+
+
+def _group_running(pgid: int) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(f[2]) == pgid and f[0] != "Z":
+                out.append(int(e))
+    return out
+
+
+def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", "collect", "--pp", "2", "--microbatches", "2",
+                             "--steps", "50", "--model", "tiny-gpt", "-o", str(tmp_path / "run")], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group_running(proc.pid)) < 4 and time.monotonic() < deadline:  # collect, forkserver, 2 ranks
+            time.sleep(0.2)
+        assert len(_group_running(proc.pid)) >= 4
+        proc.send_signal(signal.SIGTERM)  # to collect alone, as a scheduler sends it
+        _, err = proc.communicate(timeout=60)
+        time.sleep(0.5)
+        left = _group_running(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and "Traceback" not in err and left == []
