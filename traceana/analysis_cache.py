@@ -180,7 +180,7 @@ class AnalysisCache:
                                      warnings=tuple(meta["warnings"])), {"_workers": workers})
         for w in run.warnings:  # as load_run gives them, so a hit reads like a miss
             pywarnings.warn(w, _ingest_warning(), stacklevel=3)
-        return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]),
+        return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]), peak_flops=peak_flops,
                                            **tables),
                       {"_peak_flops": peak_flops, "summary": summary})  # Analysis.summary's cached value
 
