@@ -513,3 +513,35 @@ def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143 and "Traceback" not in err and left == []
+
+
+# --- 7. files the user adds to a run folder -------------------------------------------------------------------------
+def test_analysis_json_written_into_the_run_folder_does_not_break_the_next_run(run2):
+    # the shell creates RUN/analysis.json (empty) before traceana runs, then fills it with the JSON summary
+    with open(run2 / "analysis.json", "w") as out:
+        first = subprocess.run([sys.executable, "-m", "traceana", "analyze", str(run2), "--json"], cwd=ROOT, env=ENV,
+                               stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert json.loads((run2 / "analysis.json").read_text())["stages"]
+    again = _traceana("analyze", run2, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["stages"]
+    assert [ln for ln in again.stderr.splitlines() if "analysis.json" in ln] == [
+        ln for ln in again.stderr.splitlines() if "skipped" in ln] and "analysis.json" in again.stderr
+
+
+@pytest.mark.parametrize("name, content", [("analysis.json", b""), ("notes.json", b"remember: rerun with pp 4\n"),
+                                           ("config.json", b'{"lr": 0.1}'), ("results.json", b"[1, 2]")])
+def test_a_users_file_in_the_run_folder_is_skipped_with_one_warning(run2, capsys, name, content):
+    (run2 / name).write_bytes(content)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    warned = [ln for ln in err.splitlines() if name in ln]
+    assert rc == 0 and len(warned) == 1 and "skipped" in warned[0]
+
+
+def test_a_trace_saved_with_a_utf8_bom_is_read(run2, capsys, decoder):
+    for r in (0, 1):
+        p = run2 / f"rank{r}.pt.trace.json.gz"
+        p.write_bytes(gzip.compress(b"\xef\xbb\xbf" + gzip.decompress(p.read_bytes())))
+    rc, out, err = _cli(["analyze", run2, "--no-cache", "--json"], capsys)
+    assert rc == 0, err
+    assert {s["rank"] for s in json.loads(out)["stages"]} == {0, 1}

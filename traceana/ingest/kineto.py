@@ -887,6 +887,8 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
     state: dict[str, bool] = {}
     w = _Window(_pieces(path, state))
     w.fill(WHOLE_JSON_BYTES + 1)
+    if bytes(w.buf[:3]) == reading.UTF8_BOM:  # a trace saved by an editor that marks UTF-8: the mark is no JSON
+        w.drop(3)
     batches = _Batches()
     problems: list[str] = []
     budget = _Budget(path)

@@ -119,8 +119,8 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         result = outcomes.pop()
         if result[0] == "error":
             cls, what = result[1][0], result[1][1]
-            if path.is_dir() and cls is NotATraceError and not _named_like_a_trace(f):
-                warnings.append(f"{shown(f)}: ignored ({what})")  # e.g. a config or results file in the run dir
+            if path.is_dir() and _users_file(f, cls):  # e.g. a config, notes, or `analyze --json > RUN/analysis.json`
+                warnings.append(f"{shown(f)}: skipped, not a trace ({what}); a file of yours in the run folder")
                 continue
             _raise(result[1])
         parsed[f], marks[f] = result[1][:3], result[1][3]
@@ -238,7 +238,7 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
             out = []
             for f in files:
                 result = _parse_serial(f, bar.per_event(f))
-                if result[0] == "error" and result[1][0] is not NotATraceError:
+                if result[0] == "error" and not _users_file(f, result[1][0]):
                     _raise(result[1])  # no point reading the other ranks
                 out.append(result)
                 bar.file_done()
@@ -320,27 +320,36 @@ def _parse_pipelined(files: list[Path], bar: _Progress) -> list[tuple[str, Any]]
     are what the overlap adds to memory); results, errors and progress come in file order, as serially."""
     out: list[tuple[str, Any]] = []
 
-    def take(result: tuple[str, Any]) -> None:
-        if result[0] == "error" and result[1][0] is not NotATraceError:
+    def take(result: tuple[str, Any], f: Path) -> None:
+        if result[0] == "error" and not _users_file(f, result[1][0]):
             _raise(result[1])  # no point reading the other ranks
         out.append(result)
         bar.file_done()
 
     with cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="traceana-finish") as finisher:
-        pending: cf.Future | None = None
+        pending: tuple[cf.Future, Path] | None = None
         for f in files:
             scanned = _caught(kineto.scan_trace, f, on_progress=bar.per_event(f))
             if pending is not None:
-                take(pending.result())
+                take(pending[0].result(), pending[1])
                 pending = None
             if scanned[0] == "error":
-                take(scanned)
+                take(scanned, f)
             else:
-                pending = finisher.submit(_caught, _marked, scanned[1])
+                pending = finisher.submit(_caught, _marked, scanned[1]), f
                 del scanned
         if pending is not None:
-            take(pending.result())
+            take(pending[0].result(), pending[1])
     return out
+
+
+def _users_file(f: Path, error: type) -> bool:
+    """A file found in a run folder that is not a trace and is not named like one (a config, notes, an empty
+    ``analysis.json`` the shell created for ``analyze --json > RUN/analysis.json``): skipped with a warning. A file
+    named like a trace that cannot be read stays an error."""
+    from traceana.errors import TraceFormatError
+
+    return isinstance(error, type) and issubclass(error, TraceFormatError) and not _named_like_a_trace(f)
 
 
 def _named_like_a_trace(f: Path) -> bool:
