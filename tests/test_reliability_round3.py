@@ -526,7 +526,7 @@ def test_analysis_json_written_into_the_run_folder_does_not_break_the_next_run(r
     again = _traceana("analyze", run2, "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["stages"]
     assert [ln for ln in again.stderr.splitlines() if "analysis.json" in ln] == [
-        ln for ln in again.stderr.splitlines() if "skipped" in ln] and "analysis.json" in again.stderr
+        ln for ln in again.stderr.splitlines() if "ignored" in ln] and "analysis.json" in again.stderr
 
 
 @pytest.mark.parametrize("name, content", [("analysis.json", b""), ("notes.json", b"remember: rerun with pp 4\n"),
@@ -535,7 +535,7 @@ def test_a_users_file_in_the_run_folder_is_skipped_with_one_warning(run2, capsys
     (run2 / name).write_bytes(content)
     rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
     warned = [ln for ln in err.splitlines() if name in ln]
-    assert rc == 0 and len(warned) == 1 and "skipped" in warned[0]
+    assert rc == 0 and len(warned) == 1 and "ignored" in warned[0]
 
 
 def test_a_trace_saved_with_a_utf8_bom_is_read(run2, capsys, decoder):

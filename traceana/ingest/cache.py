@@ -31,11 +31,14 @@ INGEST_FORMAT = 4  # bump when ingest produces different tables from the same tr
 
 
 @functools.lru_cache(maxsize=1)
-def schema_hash() -> str:
+def _schema_text() -> str:
     from traceana import schema
 
-    text = repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
-    return hashlib.sha1(f"{text}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
+    return repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
+
+
+def schema_hash() -> str:
+    return hashlib.sha1(f"{_schema_text()}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
 
 
 def fingerprint(path: Path) -> str:

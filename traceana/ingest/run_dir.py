@@ -120,7 +120,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         if result[0] == "error":
             cls, what = result[1][0], result[1][1]
             if path.is_dir() and _users_file(f, cls):  # e.g. a config, notes, or `analyze --json > RUN/analysis.json`
-                warnings.append(f"{shown(f)}: skipped, not a trace ({what}); a file of yours in the run folder")
+                warnings.append(f"{shown(f)}: ignored, not a trace ({what}); a file of yours in the run folder?")
                 continue
             _raise(result[1])
         parsed[f], marks[f] = result[1][:3], result[1][3]
