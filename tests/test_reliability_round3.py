@@ -545,3 +545,43 @@ def test_a_trace_saved_with_a_utf8_bom_is_read(run2, capsys, decoder):
     rc, out, err = _cli(["analyze", run2, "--no-cache", "--json"], capsys)
     assert rc == 0, err
     assert {s["rank"] for s in json.loads(out)["stages"]} == {0, 1}
+
+
+# --- 8. messages that say what happened ------------------------------------------------------------------------------
+def test_watch_once_names_the_fifo_that_blocks_it(run2, capsys):
+    os.mkfifo(run2 / "rank2.pt.trace.json")
+    old = time.time() - 3600
+    for p in run2.iterdir():
+        os.utime(p, (old, old), follow_symlinks=False)
+    rc, _, err = _cli(["watch", run2, "--once"], capsys)
+    assert "rank2.pt.trace.json is a FIFO" in err
+
+
+def test_a_full_disk_during_the_cache_write_says_so(run2, capsys, monkeypatch):
+    import polars as pl
+
+    def full(self, file, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", full)
+    rc, _, err = _cli(["analyze", run2], capsys)
+    cache_lines = [ln for ln in err.splitlines() if "could not write the ingest cache" in ln]
+    assert rc == 0 and cache_lines and "free disk space" in cache_lines[0] and "writable" not in cache_lines[0]
+
+
+def test_a_failed_export_says_which_tables_were_written(run2, tmp_path, capsys, monkeypatch):
+    import polars as pl
+
+    real, calls = pl.DataFrame.write_parquet, []
+
+    def full_on_third(self, file, *a, **k):
+        calls.append(file)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, file, *a, **k)
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", full_on_third)
+    rc, _, err = _cli(["analyze", run2, "--export", tmp_path / "t", "--no-cache", "--quiet"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "2 file(s) before it" in line and "free disk space" in line
+    assert len(list((tmp_path / "t").iterdir())) == 2
