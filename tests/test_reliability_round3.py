@@ -585,3 +585,16 @@ def test_a_failed_export_says_which_tables_were_written(run2, tmp_path, capsys, 
     line = _one_line(err)
     assert rc == 2 and "2 file(s) before it" in line and "free disk space" in line
     assert len(list((tmp_path / "t").iterdir())) == 2
+
+
+def test_traces_in_nanoseconds_are_named(run2, capsys):
+    def to_ns(trace):  # another exporter's trace: epoch ns where the format holds µs
+        trace.pop("baseTimeNanoseconds", None)
+        for e in trace["traceEvents"]:
+            for k in ("ts", "dur"):
+                if k in e:
+                    e[k] = int(round(e[k] * 1000))
+    _set_in_traces(run2, to_ns)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "nanoseconds" in line and "÷ 1000" in line

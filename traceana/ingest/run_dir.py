@@ -137,10 +137,14 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
     if all(r[0].height == 0 for r in results):
         one = len(results) == 1
+        ns = next((w[w.index("(its ts values") + 1:-1] for _, _, row in results for w in row.get("warnings", [])
+                   if "(its ts values" in w), None)
         raise RunDirError(
-            ("the trace holds no" if one else f"none of the {len(results)} traces holds a") + " usable event "
-            "(traceEvents empty, or every event dropped as malformed or with an unusable ts/dur)",
-            path=shown(files[0] if one else path), fix="re-collect with the profiler active for at least one step",
+            ("the trace holds no" if one else f"none of the {len(results)} traces holds a") + " usable event"
+            + (f": {ns.removesuffix(': ' + kineto.NS_FIX)}" if ns else
+               " (traceEvents empty, or every event dropped as malformed or with an unusable ts/dur)"),
+            path=shown(files[0] if one else path),
+            fix=kineto.NS_FIX if ns else "re-collect with the profiler active for at least one step",
         )
     warnings.extend(f"{shown(r[2]['path'])}: rank {r[2]['rank']} has no usable event; it is analysed as empty"
                     for r in results if r[0].height == 0)
