@@ -189,6 +189,9 @@ class Manifest:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise BadInputError(f"{f} must be text, got {v!r}", fix="fix run.json")
+        from traceana.limits import check_ranks
+
+        check_ranks(self.world_size, "run.json's world_size")
         object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops, source="peak_flops"))
         if not isinstance(self.profiler, dict) or not all(isinstance(k, str) and is_int(v)
                                                           for k, v in self.profiler.items()):

@@ -30,6 +30,7 @@ import polars as pl
 
 from traceana import schema
 from traceana.errors import ConfigError
+from traceana.limits import schedule_slots_error
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
@@ -313,12 +314,13 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
 
 def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64,
                recomputes: tuple[str, ...] = ("none", "selective", "full")) -> list[TrainingConfig]:
-    """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode."""
+    """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode (not
+    those with more stage passes per step than the simulator steps through: limits.MAX_SCHEDULE_SLOTS)."""
     per_pipeline = cfg.microbatch_size * cfg.num_microbatches
     out = []
     b = 1
     while b <= min(per_pipeline, max_microbatch):
-        if per_pipeline % b == 0:
+        if per_pipeline % b == 0 and not schedule_slots_error(cfg.pp, cfg.virtual_stages, per_pipeline // b):
             for rc in recomputes:
                 if rc == "selective" and cfg.attention != "naive":
                     continue  # nothing s×s to drop: selective equals none with flash attention
