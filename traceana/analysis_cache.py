@@ -273,10 +273,10 @@ def run_name_rules(path: str | Path, given: str | Path | names.NameRules | None 
     ``"names"``, else the built-ins (``names.rules_for_run``). A bad rules file is one BadInputError line, raised
     before any trace is read."""
     path = Path(path)
-    extra = None
+    spec = None
     if given is None and path.is_dir() and (path / MANIFEST_NAME).exists():
-        extra = Manifest.read(path / MANIFEST_NAME).extra
-    return names.rules_for_run(path, extra, given)
+        spec = Manifest.read(path / MANIFEST_NAME).names
+    return names.rules_for_run(path, spec, given)
 
 
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,

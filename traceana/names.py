@@ -412,14 +412,14 @@ def load_rules(path: str | Path) -> NameRules:
     return parse_rules(data, origin=str(p))
 
 
-def rules_for_run(run_dir: str | Path | None, extra: dict | None, given: str | Path | NameRules | None) -> NameRules:
+def rules_for_run(run_dir: str | Path | None, spec: str | dict | None,
+                  given: str | Path | NameRules | None) -> NameRules:
     """The rules an analysis uses: ``given`` (``--names``), else run.json's ``"names"`` (a path relative to the run
-    directory, or the rules themselves inline), else the built-ins."""
+    directory, or the rules themselves inline: ``spec``, ``Manifest.names``), else the built-ins."""
     if isinstance(given, NameRules):
         return given
     if given is not None:
         return load_rules(given)
-    spec = (extra or {}).get("names")
     if spec is None:
         return DEFAULT_RULES
     if isinstance(spec, str):
