@@ -126,13 +126,10 @@ def test_the_report_writes_a_sentence_not_an_empty_chart_for_a_trace_that_is_not
 
 
 def test_a_rank_without_a_stage_is_labelled_no_stage_in_the_bars():
-    pytest.importorskip("holoviews")
-    from reports import figures
+    from reports.frames import stage_label
 
-    frame = pl.DataFrame({"stage": [0, None], "category": ["forward", "forward"], "ms": [1.0, 2.0],
-                          "percent": [10.0, 20.0]}, schema_overrides={"stage": pl.Int32})
-    bars = figures.stacked_by_stage(frame, title="t", ylabel="ms")
-    assert sorted(bars.data["stage"].tolist()) == ["no stage", "stage 0"]
+    frame = pl.DataFrame({"stage": [0, None]}, schema={"stage": pl.Int32})
+    assert frame.select(stage_label())["stage"].to_list() == ["stage 0", "no stage"]
 
 
 def test_dualpipe_with_all_to_all_kernels_in_a_namespace_no_rule_spells(tmp_path):
