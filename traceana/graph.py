@@ -477,9 +477,9 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, varian
 
         def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
             if frame.height == 0:
-                return np.zeros((0, len(exprs)))
+                return np.zeros((len(exprs), 0))
             m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
-            return np.ascontiguousarray(m, dtype=np.float64)
+            return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
 
         work = matrix(o, [w for w, _, _ in part])
         gap = matrix(o, [gp for _, gp, _ in part])
@@ -488,7 +488,7 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, varian
         for step in g.steps:
             oi = np.flatnonzero(o_steps == step)
             ei = np.flatnonzero(e_steps == step)
-            per_step.append(_evaluate(levels[step], work[oi], gap[oi], transfer[ei]))
+            per_step.append(_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei]))
         out += [[int(s[v]) for s in per_step] for v in range(len(part))]
     return out
 
@@ -567,7 +567,7 @@ def _levels(g: StepGraph, step: int):
         gs = grp[gm]
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
-        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es, None], m_pl[es, None], starts, at,
+        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], starts, at,
                          np.searchsorted(nodes, gm), g_starts, g_counts))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
@@ -579,27 +579,27 @@ def _levels(g: StepGraph, step: int):
 
 
 def _evaluate(levels, work, gap, transfer):
-    """_levels' graph with ``work``/``gap`` (operations × variants) and ``transfer`` (messages × variants): each
+    """_levels' graph with ``work``/``gap`` (variants × operations) and ``transfer`` (variants × messages): each
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
     n, by_level, free0, last, origin, tail_less_start = levels
-    v = work.shape[1]
-    end = np.empty((n + free0.size, v))
-    end[n:] = free0[:, None]
+    v = work.shape[0]
+    end = np.empty((v, n + free0.size))
+    end[:, n:] = free0[None, :]
     for nodes, prev, es, src, anc, sl, pl_, starts, at, gpos, g_starts, g_counts in by_level:
-        t = end[prev]
+        t = end[:, prev]
         if es.size:
-            arrive = np.maximum(end[src] + sl, end[anc] + pl_) + transfer[es]
-            ready = np.maximum.reduceat(arrive, starts, axis=0)
-            t[at] = np.maximum(t[at], ready)
-        t += gap[nodes]
+            arrive = np.maximum(end[:, src] + sl, end[:, anc] + pl_) + transfer[:, es]
+            ready = np.maximum.reduceat(arrive, starts, axis=1)
+            t[:, at] = np.maximum(t[:, at], ready)
+        t += gap[:, nodes]
         if gpos.size:  # a collective starts when its last member joins
-            t[gpos] = np.repeat(np.maximum.reduceat(t[gpos], g_starts, axis=0), g_counts, axis=0)
-        t += work[nodes]
-        end[nodes] = t
-    steps = np.round(float(origin) + end[last]).astype(np.int64) + tail_less_start[:, None]
-    return steps.max(axis=0)
+            t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
+        t += work[:, nodes]
+        end[:, nodes] = t
+    steps = np.round(float(origin) + end[:, last]).astype(np.int64) + tail_less_start[None, :]
+    return steps.max(axis=1)
 
 
 def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
