@@ -11,18 +11,13 @@ The public API for notebooks::
 
 from __future__ import annotations
 
-import os as _os
+from traceana.version import __version__
 
-from traceana.version import __version__  # noqa: E402
-
-# polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
-# frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
-# them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%. Only takes effect when
-# traceana is imported before polars; a value the user set is kept (a small run adds one arena: reading.py).
-ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
-_os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
-
-from traceana.errors import TraceanaError  # noqa: E402
+# Importing traceana changes nothing in the host process (a notebook, a training job under attach): no environment
+# variable, no thread, no exit handler. The ``traceana`` program's own performance settings (the allocator's decay,
+# one polars thread for a small run, the deferred standard library, the quick exit) are made by its entry point,
+# traceana.cli.main, in traceana's own process only.
+from traceana.errors import TraceanaError
 
 
 def __getattr__(name: str):  # lazy: importing traceana stays cheap

@@ -110,20 +110,47 @@ def _quiet_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. Run as the program itself (the ``traceana`` script, ``python -m
-    traceana``) the process ends right after the command, its output flushed, without tearing down the interpreter:
-    freeing every module's objects one by one took ~35 ms of CPU after polars was imported (docs/performance.md
-    "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns."""
+    traceana``) this is the process's entry point, and it alone changes the process: the allocator's decay and,
+    for a small run, one polars thread (``program_settings``), the deferred standard library, and the end right
+    after the command, its output flushed, without tearing down the interpreter: freeing every module's objects one
+    by one took ~35 ms of CPU after polars was imported (docs/performance.md "Fixed cost"). Called from Python (a
+    notebook, a test) it changes none of that. Every file a command writes is closed (and renamed into place)
+    before it returns."""
     program = argv is None and _is_program()
     if program:
-        # Only in traceana's own process: a program that imports traceana (a notebook, a training job under
-        # attach) keeps its standard library as Python loads it.
-        from traceana import _deferred
-
-        _deferred.defer(*_deferred.FOR_PROGRAM)
-    rc = _main(argv)
+        program_settings()
+    rc = _main(argv, program=program)
     if program and _nothing_to_tear_down():
         _exit_now(rc)
     return rc
+
+
+# polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
+# frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
+# them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%.
+ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
+
+
+def program_settings(run: str | os.PathLike | None = None) -> None:
+    """The traceana program's settings of its own process, made before polars is imported (they take effect only
+    then) and never by ``import traceana``: the allocator's decay (``ALLOCATOR``), the standard-library modules a
+    plain analysis never runs deferred (``traceana._deferred``), and, given the ``run`` a command reads and that run
+    is small (``reading.is_small_run``), one polars thread and one jemalloc arena. A value the user set is kept.
+    (The benchmark's jobs call it as the program does.)"""
+    if "polars" in sys.modules:
+        return
+    if run is None:
+        os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
+        from traceana import _deferred
+
+        _deferred.defer(*_deferred.FOR_PROGRAM)
+        return
+    from traceana.ingest import reading
+
+    if reading.is_small_run(run):
+        os.environ.setdefault("POLARS_MAX_THREADS", "1")
+        if os.environ.get("_RJEM_MALLOC_CONF") == ALLOCATOR:  # (traceana's own setting: not the user's)
+            os.environ["_RJEM_MALLOC_CONF"] = f"narenas:1,{ALLOCATOR}"
 
 
 def _nothing_to_tear_down() -> bool:
@@ -163,27 +190,38 @@ def _exit_now(rc: int) -> None:
     os._exit(rc)
 
 
-def _read_ahead(args: argparse.Namespace) -> bool:
-    """A command that reads a run in this process (``run_dir``, or ``runs`` of which the first is read first, and
-    the reading options) starts reading its first trace now, in a thread, while it imports polars and the analysis
-    (``traceana.ingest.reading.read_ahead``: bounded, used only for the same file unchanged, never on a cache hit).
-    Returns whether one was started."""
+def _run_read(args: argparse.Namespace) -> str | None:
+    """The run a command reads in this process (``run_dir``, or ``runs`` of which the first is read first, with
+    the reading options): None for a command that reads none here."""
     path = getattr(args, "run_dir", None)
     if path is None and getattr(args, "runs", None):
         path = args.runs[0]
     if path is None or not hasattr(args, "no_cache") or getattr(args, "dask", None) is not None:
+        return None
+    return path
+
+
+def _read_ahead(args: argparse.Namespace, *, program: bool = False) -> bool:
+    """A command that reads a run in this process starts reading its first trace now, in a thread, while it imports
+    polars and the analysis (``traceana.ingest.reading.read_ahead``: bounded, used only for the same file
+    unchanged, never on a cache hit); as the program, a small run's settings first (``program_settings``).
+    Returns whether one was started."""
+    path = _run_read(args)
+    if path is None:
         return False
+    if program:
+        program_settings(path)
     from traceana.ingest import reading
 
     return reading.read_ahead(path, cache=not args.no_cache) is not None
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, *, program: bool = False) -> int:
     warnings.showwarning = _show_warning
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    ahead = _read_ahead(args)
+    ahead = _read_ahead(args, program=program)
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -207,10 +207,11 @@ def _marked(fn: Callable[..., Parsed], *args: Any, **kw: Any) -> tuple[Any, ...]
 
 
 def _worker_init() -> None:
-    """A worker leaves Ctrl-C to the parent (which prints the one line): it exits at once, without a traceback."""
+    """A worker leaves Ctrl-C to the parent (which prints the one line): the signal's default action ends it at
+    once, without a traceback (and without an exit call in the library)."""
     import signal
 
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _raise(payload: tuple[type, str, str | None, str | None]) -> None:
