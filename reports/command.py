@@ -52,7 +52,7 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
         for p in paths:
             task = bar.add_task(escape(f"reading {p}"), total=None)
             # cached under p/.traceana/analysis unless cache is False
-            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names_from=rules))
+            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names=rules))
             bar.remove_task(task)
     return out
 

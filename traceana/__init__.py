@@ -20,20 +20,32 @@ from traceana.version import __version__
 from traceana.errors import TraceanaError
 
 
-def __getattr__(name: str):  # lazy: importing traceana stays cheap
-    if name == "load_run":
-        from traceana.ingest.run_dir import load_run
+# The public names, each imported on first use (``import traceana`` stays cheap: no polars until one is read;
+# tests/test_import_hygiene.py). name -> module that defines it.
+_PUBLIC = {
+    "load_run": "traceana.ingest.run_dir",  # a run directory (or one trace) -> Run: events, memory, traces, run.json
+    "analyze": "traceana.analysis",  # Run -> Analysis
+    "load_and_analyze": "traceana.analysis_cache",  # both, cached under the run folder, as traceana analyze does
+    "Analysis": "traceana.analysis",
+    "Run": "traceana.ingest",
+    "RunSummary": "traceana.summary",  # Analysis.summary: the headline figures and the per-stage table
+    "compare_runs": "traceana.summary",  # several runs' summaries side by side (traceana report's comparison)
+    "validate": "traceana.validation.replay",  # the model replayed with a run's own durations, against the run
+    "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
+}
 
-        return load_run
-    if name == "analyze":
-        from traceana.analysis import analyze
-
-        return analyze
-    if name == "load_and_analyze":
-        from traceana.analysis_cache import load_and_analyze
-
-        return load_and_analyze
-    raise AttributeError(name)
+__all__ = ["TraceanaError", "__version__", *_PUBLIC]
 
 
-__all__ = ["TraceanaError", "load_run", "analyze", "load_and_analyze", "__version__"]
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # (found directly the next time)
+        return value
+    raise AttributeError(f"module 'traceana' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted((set(globals()) - {"annotations"}) | set(__all__))

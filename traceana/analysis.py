@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import polars as pl
 
@@ -15,10 +16,12 @@ from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
 from traceana import limits, names, pipeline, timeline
+from traceana import names as _names  # (analyze's keyword ``names`` hides the module there)
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
+from traceana.names import NameRules
 from traceana.pipeline_rules import stage_layers
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -60,6 +63,58 @@ class Analysis:
             out["segments"] = self.segments
         return out
 
+    # --- in a notebook: what the run is and its headline figures, not the tables' rows -----------------------------
+    def _facts(self) -> dict[str, str]:
+        """What the run is, in words: its path, ranks, stages, schedule and steps (the repr's first line)."""
+        ranks = sorted(set(self.stages["rank"].to_list()))
+        held = {int(s) for listed in self.stages["stages"].drop_nulls().to_list() for s in listed.split(",")} \
+            if "stages" in self.stages.columns else set()
+        held |= set(self.stages["stage"].drop_nulls().to_list())
+        m = self.run.manifest
+        sources = sorted(set(self.schedule["source"].drop_nulls().to_list())) if self.schedule.height else []
+        schedule = (f"schedule {m.schedule} ({', '.join(sources) or 'no spans'})" if m is not None and m.schedule
+                    else f"schedule {' + '.join(sources) or 'not found'} (no run.json)")
+        steps = sorted(set(self.steps["step"].to_list()))
+        measured = list(self.summary.steps)
+        path = str(self.run.path)
+        return {"path": path if len(path) <= 100 else "…" + path[-99:],
+                "ranks": f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
+                "stages": f"{len(held) or 'no'} stage{'s' if len(held) != 1 else ''}", "schedule": schedule,
+                "steps": f"{len(steps)} step{'s' if len(steps) != 1 else ''} (measured: "
+                         f"{', '.join(map(str, measured[:8])) + (', …' if len(measured) > 8 else '') or 'none'})"}
+
+    def __repr__(self) -> str:
+        """A few lines (not the events' rows): ranks, stages, schedule, steps, the headline figures
+        (``summary.headline``) and where the rest is."""
+        from traceana.summary import headline
+
+        f = self._facts()
+        lines = [f"<traceana.Analysis of {f['path']}: {f['ranks']}, {f['stages']}, {f['schedule']}, {f['steps']}>",
+                 *(f"  {line}" for line in headline(self.summary)),
+                 f"  {len(self.notes)} note{'s' if len(self.notes) != 1 else ''} (.notes); tables: "
+                 + ", ".join(self.tables()) + "; per stage: .summary.per_stage"]
+        return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)  # (many steps)
+
+    def _repr_html_(self) -> str:
+        """The headline figures and the per-stage table (``summary.per_stage``'s main columns), for Jupyter."""
+        from html import escape
+
+        from traceana.summary import headline
+
+        f = self._facts()
+        per_stage = self.summary.per_stage
+        shown = [c for c in ("stage", "ranks", "step_ms", "compute_ms", "bubble_ms", "bubble_fraction", "p2p_ms",
+                             "bpipe_ms", "collective_ms", "peak_mib", "activation_peak_mib") if c in per_stage.columns]
+        table = per_stage.select(shown).with_columns(pl.selectors.float().round(3))
+        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary))
+        notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes[:10])
+        more = f"<li>… {len(self.notes) - 10} more (.notes)</li>" if len(self.notes) > 10 else ""
+        return (f"<div><p><b>traceana.Analysis</b> of <code>{escape(f['path'])}</code>: {escape(f['ranks'])}, "
+                f"{escape(f['stages'])}, {escape(f['schedule'])}, {escape(f['steps'])}</p><ul>{head}</ul>"
+                f"<p>Per stage (mean per measured step):</p>{table._repr_html_()}"
+                + (f"<details><summary>{len(self.notes)} notes</summary><ul>{notes}{more}</ul></details>"
+                   if self.notes else "") + "</div>")
+
 
 def _same_host(run: Run) -> bool | None:
     m = run.manifest
@@ -76,15 +131,23 @@ def _same_host(run: Run) -> bool | None:
     return None
 
 
-def analyze(run: Run, *, peak_flops: float | None = None,
-            name_rules: names.NameRules = names.DEFAULT_RULES, by_name: cls.NameTable | None = None) -> Analysis:
+def analyze(run: Run, *, peak_flops: float | None = None, names: str | Path | NameRules | None = None,
+            by_name: cls.NameTable | None = None, **old_keywords) -> Analysis:
     """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
     map ranks to stages, reconstruct the schedule (annotated, else inferred from P2P order), attribute every instant
     of every step to a category, and measure memory per stage. ``peak_flops`` (FLOP/s per device) overrides
-    run.json's for MFU; ``name_rules`` map other frameworks' names to phases and kinds (docs/naming.md;
-    ``names.rules_for_run`` reads a rules file or run.json's); ``by_name``: ``classify.name_table(run.events,
-    name_rules)``, if the caller has it. Pure: the run is not modified. The headline figures
-    are ``Analysis.summary``."""
+    run.json's for MFU; ``names``: the name rules mapping other frameworks' names to phases and kinds, as the
+    command line's ``--names`` (a rules file, docs/naming.md; ``"none"``; or ``NameRules``), default run.json's
+    ``"names"``, else the built-ins (``name_rules=`` is an old spelling); ``by_name``:
+    ``classify.name_table(run.events, rules)``, if the caller has it. Pure: the run is not modified. The headline
+    figures are ``Analysis.summary``."""
+    given = _names.names_keyword(names, old_keywords, "analyze")
+    rules = _names.rules_for_run(run.path, run.manifest.extra if run.manifest is not None else None, given)
+    return _analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
+
+
+def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
+             by_name: cls.NameTable | None) -> Analysis:
     short = limits.analysis_short(run.events.height)  # a failed allocation in polars would abort the process
     if short is not None:
         raise BadInputError(f"its {run.events.height:,} events would take about {limits.gib(short[0])} to analyse "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -405,6 +406,27 @@ def rules_for_run(run_dir: str | Path | None, extra: dict | None, given: str | P
         base = base if base.is_dir() else base.parent
         return load_rules(spec if spec in ("none", "builtin") else base / spec)
     return parse_rules(spec, origin="run.json names")
+
+
+# The name rules are one concept with one keyword wherever they are given: ``names=`` in Python, ``--names`` on the
+# command line, ``"names"`` in run.json. These older keywords are still accepted, with a DeprecationWarning.
+OLD_NAMES_KEYWORDS = ("name_rules", "names_from")
+
+
+def names_keyword(given: str | Path | NameRules | None, old: dict, where: str) -> str | Path | NameRules | None:
+    """The value of a function's ``names=`` keyword, or of an old spelling of it in ``old`` (the function's other
+    keyword arguments: ``name_rules=``, ``names_from=``), which warns (DeprecationWarning). Any other keyword is
+    the TypeError Python would raise for ``where()``."""
+    for key in old:
+        if key not in OLD_NAMES_KEYWORDS:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+    for key, value in old.items():
+        warnings.warn(f"{where}({key}=...) is now {where}(names=...), as the command line's --names",
+                      DeprecationWarning, stacklevel=3)
+        if given is not None and value is not given:
+            raise TypeError(f"{where}() got both names= and its old spelling {key}=")
+        given = value
+    return given
 
 
 def rule_columns(name: pl.Expr, rules: NameRules) -> dict[str, pl.Expr]:

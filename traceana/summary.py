@@ -280,3 +280,26 @@ def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.D
         .sort("stage", "run", nulls_last=True)
     )
     return overview, per_stage
+
+
+def headline(summary) -> list[str]:
+    """The run's headline figures, one per line, in the words every surface uses (traceana analyze, an Analysis's
+    repr in a notebook)."""
+    from traceana.timeline import WHOLE_TRACE_STEP
+
+    def num(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
+            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}",
+             f"bubble (warm-up + stall + cool-down, all ranks): "
+             f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
+    if summary.bpipe_ms is not None:
+        lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
+    if summary.largest_activation_peak_mib is not None:
+        lines.append(f"largest activation peak: {summary.largest_activation_peak_mib:,.2f} MiB on stage "
+                     f"{summary.largest_activation_stage}")
+    if summary.memory_balance is not None:
+        lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
+    return lines

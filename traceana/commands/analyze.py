@@ -57,10 +57,10 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
         with partitioned.connect(dask) as client:
             return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
                                                    map=partitioned.dask_map(client), peak_flops=peak_flops,
-                                                   name_rules=rules)
+                                                   names=rules)
     from traceana.analysis_cache import load_and_analyze as cached
 
-    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names_from=rules)
+    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules)
 
 
 def _finish_ahead() -> None:
@@ -127,6 +127,8 @@ def print_tables(analysis, *, per_step: bool) -> None:
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
+    from traceana.summary import headline
+
     for line in headline(analysis.summary):
         print_line(console, line)
     replicas_table(console, analysis.summary)
@@ -180,29 +182,6 @@ def replicas_table(console, summary) -> None:
                             f"own time {r['slowest_own_ms']:,.2f} ms, "
                             f"at least {100 * r['straggler_excess_fraction']:.0f}% above the other replicas' mean in "
                             f"every measured step (named above {100 * STRAGGLER_ABOVE:.0f}%)")
-
-
-def headline(summary) -> list[str]:
-    """The run's headline figures (traceana.summary), one per line, in the words every surface uses."""
-    from traceana.summary import STEP_TIME_LABEL
-    from traceana.timeline import WHOLE_TRACE_STEP
-
-    def num(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
-            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
-    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}",
-             f"bubble (warm-up + stall + cool-down, all ranks): "
-             f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
-    if summary.bpipe_ms is not None:
-        lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
-    if summary.largest_activation_peak_mib is not None:
-        lines.append(f"largest activation peak: {summary.largest_activation_peak_mib:,.2f} MiB on stage "
-                     f"{summary.largest_activation_stage}")
-    if summary.memory_balance is not None:
-        lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
-    return lines
 
 
 def run(args: argparse.Namespace) -> int:

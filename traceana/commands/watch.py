@@ -206,12 +206,12 @@ def analyse_window(window: Window, names=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IngestWarning)  # the window's notes are printed with it
         if window.run_dir is not None:
-            analysis = load_and_analyze(window.run_dir, cache=False, names_from=names)
+            analysis = load_and_analyze(window.run_dir, cache=False, names=names)
             return analysis, list(analysis.notes) + list(analysis.run.warnings)
         with tempfile.TemporaryDirectory(prefix="traceana-watch-") as tmp:
             for f in window.files:
                 (Path(tmp) / f.name).symlink_to(f.resolve())
-            analysis = load_and_analyze(tmp, cache=False, names_from=names)
+            analysis = load_and_analyze(tmp, cache=False, names=names)
         folder = str(window.files[0].parent)  # notes name the user's files, not the links
         return analysis, [n.replace(tmp, folder) for n in (*analysis.notes, *analysis.run.warnings)]
 
