@@ -111,6 +111,30 @@ def ranks_output(out: Path) -> Iterator[None]:
     print(f"the ranks' own output (torch's messages): {log}")
 
 
+def collect_run(out: Path, *, progress=None, log: Path | None = None, **config) -> Path:
+    """Collect one run of the reference trainer into ``out`` (``CollectConfig``'s fields as keywords); returns the
+    run directory. What the demo collects with, through the command registry (``registry.provided("collect",
+    "collect_run")``): reports never imports the trainer or torch itself. ``progress``: called with one line of
+    text per event of the trainer (e.g. a rank finished a step); ``log``: where the trainer's processes write their
+    stderr (default: ours). Without torch: one BadInputError line saying how to get it."""
+    from traceana.errors import BadInputError
+
+    try:
+        from collectors.launch import collect, workers_output_to
+        from collectors.trainer.config import CollectConfig
+    except ImportError as e:  # torch is missing: say how to get it
+        raise BadInputError(
+            f"traceana demo needs the collectors and torch ({e.name or e} is missing)",
+            fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
+                "traceana report RUN_DIR",
+        ) from None
+    cfg = CollectConfig(**config)
+    if log is None:
+        return Path(collect(cfg, out, progress=progress))
+    with workers_output_to(log):
+        return Path(collect(cfg, out, progress=progress))
+
+
 def run(args: argparse.Namespace) -> int:
     from collectors.trainer.config import SCHEDULES
 

@@ -13,8 +13,6 @@ import shutil
 import time
 from pathlib import Path
 
-from traceana.errors import BadInputError
-
 DEFAULT_OUT = Path("traceana-demo")
 # Small enough for a 2-core laptop in seconds, big enough that the pipeline has a steady state to look at:
 # 4 stages, 8 micro-batches (1F1B needs at least as many micro-batches as stages), 2 profiled steps.
@@ -42,25 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect_run(out: Path, *, bpipe: bool, progress=None, log: Path | None = None, **overrides) -> Path:
-    """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory.
+    """Collect one demo run (``DEMO`` with ``overrides``) into ``out``; returns the run directory. The collection
+    itself is the collect command's (``collectors.command.collect_run``, through the command registry): the demo
+    imports neither the trainer nor torch. ``progress``: called with one line of text per event of the trainer
+    (e.g. a rank finished a step); ``log``: where the trainer's processes write their stderr (default: ours)."""
+    from traceana.commands.registry import provided
 
-    ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step); ``log``:
-    where the trainer's processes write their stderr (default: ours)."""
-    try:
-        from collectors.launch import collect, workers_output_to
-        from collectors.trainer.config import CollectConfig
-    except ImportError as e:  # torch (or collectors) is missing: say how to get it
-        raise BadInputError(
-            f"traceana demo needs the collectors and torch ({e.name or e} is missing)",
-            fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
-                "traceana report RUN_DIR",
-        ) from None
-
-    config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
-    if log is None:
-        return Path(collect(config, out, progress=progress))
-    with workers_output_to(log):
-        return Path(collect(config, out, progress=progress))
+    return provided("collect", "collect_run")(out, progress=progress, log=log, **{**DEMO, **overrides, "bpipe": bpipe})
 
 
 def _short(msg: str, width: int = 90) -> str:

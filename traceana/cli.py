@@ -1,34 +1,25 @@
 """The ``traceana`` command line: thin, each command calls library functions.
 
-Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; only the module of
-the command being run is imported (the top-level help needs only the lines in COMMANDS), and its heavy imports
-(torch, holoviews) happen inside ``run`` — ``traceana analyze`` loads neither reports nor collectors.
+Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``, listed once in the
+command registry (``traceana.commands.registry``); only the module of the command being run is imported (the
+top-level help needs only the registry's lines), and its heavy imports (torch, holoviews) happen inside ``run`` —
+``traceana analyze`` loads neither reports nor collectors.
+
+``main`` is also the program's entry point (the ``traceana`` script, ``python -m traceana``): run so, and only
+then, it makes the process settings a library must not make in its host (``program_settings``) and ends the
+process without the interpreter's teardown.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
 import warnings
 
+from traceana.commands.registry import BY_NAME, COMMANDS, load
 from traceana.errors import TraceanaError, printable
-
-# name -> (module, one-line help)
-COMMANDS = {
-    "demo": ("reports.demo_command", "collect a tiny CPU pipeline with and without BPipe, analyse it, write a report"),
-    "collect": ("collectors.command", "run the reference pipeline trainer under the profiler and write a run directory"),
-    "analyze": ("traceana.commands.analyze", "attribute each stage's step time (compute, P2P, BPipe, bubbles)"),
-    "merge": ("traceana.commands.merge", "merge all ranks into one Perfetto trace with phase and bubble tracks"),
-    "report": ("reports.command", "render a self-contained HTML report of one or more runs"),
-    "estimate": ("traceana.commands.estimate", "estimate memory per stage, step time and BPipe's benefit"),
-    "validate": ("traceana.commands.validate", "compare the model's estimate with what a run measured"),
-    "watch": ("traceana.commands.watch", "print each profiling window's per-stage attribution as its traces land"),
-    "attach": ("collectors.attach.command", "profile a window of steps of an unmodified training command, every rank"),
-}
-
 
 class _Parser(argparse.ArgumentParser):
     """Errors about a command's arguments print that command's usage (``traceana analyze …``), not the top level's:
@@ -45,7 +36,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv``, only the command it names is loaded (none for the top-level help)."""
     from traceana.commands.options import HelpFormatter
 
-    load = set(COMMANDS) if argv is None else {_command_in(argv)}
+    wanted = set(BY_NAME) if argv is None else {_command_in(argv)}
     parser = _Parser(
         prog="traceana",
         description="Profile and explain pipeline-parallel training from Kineto traces.",
@@ -54,11 +45,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and which trace decoder is built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
-    for name, (module, help_) in COMMANDS.items():
-        if name not in load:
+    for command in COMMANDS:
+        name, help_ = command.name, command.help
+        if name not in wanted:
             sub.add_parser(name, help=help_, description=help_)  # not run: its line in the help is enough
             continue
-        mod = importlib.import_module(module)
+        mod = load(name)
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _command_parser=p)
@@ -68,7 +60,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _command_in(argv: list[str]) -> str | None:
     """The command named in ``argv``: its first word that is not a top-level option (None when it is no command)."""
     word = next((a for a in argv if not a.startswith("-")), None)
-    return word if word in COMMANDS else None
+    return word if word in BY_NAME else None
 
 
 class _Version(argparse.Action):

@@ -25,7 +25,8 @@ when it is out of date.
 
 def reference() -> str:
     """The whole page: the top-level help, then each command's."""
-    from traceana.cli import COMMANDS, build_parser
+    from traceana.cli import build_parser
+    from traceana.commands.registry import COMMANDS
 
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(WIDTH)
@@ -34,7 +35,7 @@ def reference() -> str:
         parser.prog = "traceana"
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parts = [HEAD, "## `traceana`\n", "```\n" + parser.format_help().rstrip() + "\n```\n"]
-        for name in COMMANDS:
+        for name in (c.name for c in COMMANDS):
             parts.append(f"## `traceana {name}`\n")
             parts.append("```\n" + sub.choices[name].format_help().rstrip() + "\n```\n")
     finally:
