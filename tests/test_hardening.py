@@ -58,7 +58,8 @@ def test_an_empty_last_profiler_step_is_not_the_measured_step(tmp_path):
 @pytest.mark.parametrize("flags, says", [
     (["--schedule", "dualpipev", "--microbatches", "3"], "at least 4 micro-batches"),  # torch: m >= 4 stages
     (["--schedule", "zero-bubble", "--microbatches", "5"], "multiple of"),  # torch: m % max(1, m // 2) == 0
-    (["--schedule", "zbv", "--steps", "0"], "--steps"),
+    (["--schedule", "zbv", "--profile-steps", "0"], "--profile-steps"),
+    (["--schedule", "zbv", "--steps", "0"], "--profile-steps"),  # (the old spelling)
     (["--schedule", "zbv", "--microbatches", "0"], "--microbatches"),
     (["--schedule", "zbv", "--microbatch-size", "0"], "--microbatch-size"),
     (["--schedule", "zbv", "--warmup-steps", "-1"], "--warmup-steps"),

@@ -15,9 +15,9 @@ import math
 import sys
 
 from traceana.errors import ConfigError
-from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
+from traceana.manifest import FAMILIES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
-from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
+from traceana.model.config import PRECISIONS, TrainingConfig
 from traceana.pipeline_rules import default_virtual_stages, stages_of_device
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
@@ -37,24 +37,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     ("kv-heads", "key/value heads (grouped-query attention)"), ("ffn", "feed-forward size"),
                     ("vocab", "vocabulary size"), ("seq", "sequence length")):
         m.add_argument(f"--{f}", type=int, metavar="N", help=f"{what} (default: the preset's)")
+    # The training configuration collect shares: options.py defines each flag and its default once.
     r = p.add_argument_group("training")
     r.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree")
-    r.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages")
-    r.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel degree")
-    r.add_argument("--microbatch-size", type=int, default=1, metavar="N", help="sequences per micro-batch")
-    options.microbatches(r, default=None,
-                         help="micro-batches per pipeline per step (default: from --global-batch, else --pp)")
+    options.pp(r)
+    options.dp(r)
+    options.microbatch_size(r)
+    options.microbatches(r)
     r.add_argument("--global-batch", type=int, metavar="N",
-                   help="sequences per step, sets the micro-batch count (default: --microbatches × micro-batch size × "
-                        "dp)")
-    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b",
-                   help="pipeline schedule (the names of collect and run.json; docs/schedules.md)")
+                   help="sequences per step, sets the micro-batch count instead of --microbatches (default: "
+                        "--microbatches × micro-batch size × dp)")
+    options.schedule(r)
     r.add_argument("--virtual-stages", type=int, default=None, metavar="N",
                    help="model chunks per device, for the multi-stage schedules (default: 2 for zbv and dualpipev, else 1)")
-    r.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
-                   help="naive keeps the s×s scores; sdpa/flash do not")
-    r.add_argument("--recompute", choices=RECOMPUTES, default="none", help="activation recomputation")
-    r.add_argument("--bpipe", action="store_true", help="balance activations between stage s and p−1−s (BPipe)")
+    options.attention(r)
+    options.recompute(r)
+    options.bpipe(r)
     r.add_argument("--sequence-parallel", action="store_true", help="shard activations across tensor-parallel ranks")
     r.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across dp ranks")
     r.add_argument("--precision", choices=PRECISIONS, default="mixed-adam", help="weights, gradients and optimizer")
@@ -128,10 +126,12 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
     if args.from_run:
         cfg = _from_run(args)
         return cfg, _device(args), _curve(args.efficiency), _network(args)
+    from traceana.commands.options import microbatch_count
+
     model = _shape(args)
     if args.microbatches is None:
         if args.global_batch is None:
-            m = args.pp
+            m = microbatch_count(args)  # the shared default (commands/options.py)
         else:
             per = args.global_batch // args.dp
             if args.global_batch % (args.dp * args.microbatch_size):
