@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from traceana.errors import BadInputError
+from traceana.units import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
         if args.no_validate:
             kwargs["validation"] = kwargs["cross_run"] = None
         path = write_report(args.output, analyses, **kwargs)
-    size = path.stat().st_size / 2**20
+    size = path.stat().st_size / MIB
     print(f"report: {path} ({size:.1f} MiB, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -11,6 +11,7 @@ import polars as pl
 
 from reports import palette
 from traceana import names
+from traceana.units import MIB
 
 hv.extension("bokeh", logo=False)
 
@@ -91,7 +92,7 @@ def timeline(
         )
 
     t = transfers.join(rows, on="rank").with_columns(
-        yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / 2**20, colour=colour,
+        yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / MIB, colour=colour,
         what=pl.when(pl.col("kind") == "bpipe").then(pl.lit("BPipe")).otherwise(pl.lit("P2P")),
     )
     hover_xfer = [("message", "@what"), ("to rank", "@rank"), ("from rank", "@peer"), ("size (MiB)", "@mib{0,0.000}"),

@@ -7,6 +7,7 @@ import json
 from reports import html as H
 from traceana.analysis import Analysis
 from traceana.summary import STEP_TIME_LABEL
+from traceana.units import NS_PER_MS
 
 
 def summary_facts(a: Analysis) -> list[tuple[str, object]]:
@@ -66,7 +67,7 @@ def inferred_notes(a: Analysis) -> list[str]:
             notes.append(f"rank numbers taken from: {', '.join(rs)}")
     offsets = a.clock_offsets
     if offsets.height and "offset_ns" in offsets.columns and offsets["offset_ns"].abs().max():
-        worst = offsets["offset_ns"].abs().max() / 1e6
+        worst = offsets["offset_ns"].abs().max() / NS_PER_MS
         notes.append(f"clocks corrected per rank (largest offset {H.num(worst)} ms), estimated from P2P pairs")
     return notes
 

@@ -25,6 +25,7 @@ from traceana.names import NameRules
 from traceana.pipeline_rules import stage_layers
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
+from traceana.units import NS_PER_MS, NS_PER_S
 
 
 @dataclass(frozen=True)
@@ -293,8 +294,8 @@ def stage_table(
              *(pl.col(c).mean().alias(f"_{c}") for c in CATEGORIES))
     )
     out = means.with_columns(
-        (pl.col("_step") / 1e6).alias("step_ms"),
-        *((pl.col(f"_{c}") / 1e6).alias(f"{c}_ms") for c in CATEGORIES),
+        (pl.col("_step") / NS_PER_MS).alias("step_ms"),
+        *((pl.col(f"_{c}") / NS_PER_MS).alias(f"{c}_ms") for c in CATEGORIES),
         *(pl.when(pl.col("_step") > 0).then(100 * pl.col(f"_{c}") / pl.col("_step")).otherwise(0.0).alias(f"{c}_pct")
           for c in CATEGORIES),
     )
@@ -328,7 +329,7 @@ def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None)
     model, pp = m.model, m.pp
     layers_of = stage_layers(model.layers, pp)
     rows = []
-    step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
+    step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / NS_PER_S).alias("s"))
     secs = dict(step_s.rows())
     held = stages.select("rank", "stage", "stages") if "stages" in stages.columns else stages.select(
         "rank", "stage", pl.lit(None, pl.String).alias("stages"))

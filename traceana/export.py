@@ -21,6 +21,7 @@ from traceana.errors import BadInputError, shown
 from traceana.files import TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
+from traceana.units import NS_PER_MS, NS_PER_US
 
 FORMATS = TABLE_FORMATS
 
@@ -132,8 +133,8 @@ def per_step_table(analysis) -> pl.DataFrame:
         on="category", index=["rank", "stage", "step"], values="ns")
     return (
         wide.join(analysis.steps.select("rank", "step", "dur_ns"), on=["rank", "step"])
-        .select("rank", "stage", "step", (pl.col("dur_ns") / 1e6).alias("step_ms"),
-                *((pl.col(c) / 1e6).alias(f"{c}_ms") for c in CATEGORIES if c in wide.columns))
+        .select("rank", "stage", "step", (pl.col("dur_ns") / NS_PER_MS).alias("step_ms"),
+                *((pl.col(c) / NS_PER_MS).alias(f"{c}_ms") for c in CATEGORIES if c in wide.columns))
         .sort("stage", "rank", "step", nulls_last=True)
     )
 
@@ -161,7 +162,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         raise BadInputError("this analysis kept no events", fix="run analyze() again")
     origin = int(ev["ts_ns"].min() or 0)
     tids = _tids(ev)
-    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731 — one conversion, used for every table
+    us = lambda c: ((pl.col(c) - origin) / NS_PER_US)  # noqa: E731 — one conversion, used for every table
 
     def done(frame: pl.DataFrame) -> pl.DataFrame:
         return frame.select(*_MERGED_COLS, pl.col("args").struct.json_encode())
@@ -171,7 +172,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
             ev.slice(lo, chunk_rows).drop("tid").join(tids, on=["rank", "track"], how="left", maintain_order="left")
             .select(pl.lit("X").alias("ph"), names.text(pl.col("name")), pl.col("cat").fill_null(""),
                     pl.col("rank").alias("pid"),
-                    "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
+                    "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / NS_PER_US).alias("dur"),
                     pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
         )
     first_extra = int(tids["tid"].max() or 0) + 1
@@ -180,7 +181,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"),
         pl.concat_str(pl.col("phase"), pl.lit(" "), pl.col("microbatch").cast(pl.String).fill_null("")).alias("name"),
         pl.lit("traceana.phase").alias("cat"), pl.col("rank").alias("pid"), pl.lit(first_extra).alias("tid"),
-        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
         pl.struct("stage", "microbatch", "step", "source").alias("args"),
     )
     mb = (
@@ -195,7 +196,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"), pl.concat_str(pl.lit("mb "), pl.col("microbatch").cast(pl.String)).alias("name"),
         pl.lit("traceana.microbatch").alias("cat"), pl.col("rank").alias("pid"),
         (first_extra + 2 + pl.col("microbatch")).alias("tid"),  # after the phase and attribution lanes
-        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
         pl.struct("stage", "microbatch", "step").alias("args"),
     )
     # The attribution lane is the full partition of every step (compute included), so P2P flow arrows always
@@ -205,7 +206,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"), pl.col("category").cast(pl.String).alias("name"),
         pl.lit("traceana.attribution").alias("cat"), pl.col("rank").alias("pid"),
         pl.lit(first_extra + 1).alias("tid"), us("start_ns").alias("ts"),
-        ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"), pl.struct("step").alias("args"),
+        ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"), pl.struct("step").alias("args"),
     )
     for frame in (phase_track, mb_track, bubble_track):
         for lo in range(0, frame.height, chunk_rows):
@@ -222,7 +223,7 @@ def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
     """Perfetto flow arrows from each P2P/BPipe send (when it started) to its receive (when it completed), bound to
     the attribution lanes of the two ranks. Columns ph, id, name, cat, pid, tid, ts, bp."""
     p = analysis.p2p.with_row_index("id", offset=1)
-    us = lambda c: ((c - origin) / 1000.0)  # noqa: E731
+    us = lambda c: ((c - origin) / NS_PER_US)  # noqa: E731
     common = [pl.col("channel").alias("name"), pl.lit("traceana.p2p").alias("cat")]
     starts = p.select(pl.lit("s").alias("ph"), "id", *common, pl.col("src").alias("pid"), pl.lit(tid).alias("tid"),
                       us(pl.col("send_start_ns")).alias("ts"), pl.lit(None, pl.String).alias("bp"))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from traceana.errors import BadInputError
+from traceana.units import MIB
 
 if TYPE_CHECKING:
     import polars as pl
@@ -365,13 +366,13 @@ def load_rules(path: str | Path) -> NameRules:
     p = Path(path)
     try:
         with open_regular(p) as f:
-            raw = f.read((1 << 20) + 1)
+            raw = f.read(MIB + 1)
     except BadInputError:
         raise
     except OSError as e:
         raise BadInputError(f"cannot read the name rules file ({e.strerror or e})", path=p,
                             fix="check the path given to --names") from None
-    if len(raw) > 1 << 20:
+    if len(raw) > MIB:
         raise BadInputError("a name rules file is a few KB; this one is over 1 MiB", path=p,
                             fix="pass the rules file (docs/naming.md), not a trace")
     try:

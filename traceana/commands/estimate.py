@@ -22,7 +22,7 @@ from traceana.pipeline_rules import default_virtual_stages, stages_of_device
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
-from traceana.units import bytes_text
+from traceana.units import GB, MS_PER_S, bytes_text
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -169,7 +169,7 @@ def _measured_curve(run_dirs: list[str], peak_flops: float) -> EfficiencyCurve:
 
 
 def _network(args: argparse.Namespace) -> Network:
-    return Network(args.p2p_gbps * 1e9, args.bpipe_gbps * 1e9, not args.bpipe_blocking)
+    return Network(args.p2p_gbps * GB, args.bpipe_gbps * GB, not args.bpipe_blocking)
 
 
 def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
@@ -285,7 +285,7 @@ def render(out: dict, *, console) -> None:
     if st is None:
         print_line(console, "step time: not estimated (no peak FLOP/s for this device; pass --peak-flops)")
         return
-    sec = (lambda x: f"{x:,.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:,.2f} ms")
+    sec = (lambda x: f"{x:,.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * MS_PER_S:,.2f} ms")
     terms = ", ".join(f"{k} {sec(v)}" for k, v in st["terms_s"].items())
     print_line(console, f"step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} (compute efficiency "
                f"{st['efficiency']:.1%}, {st['efficiency_source']}); stage 0: {terms}")

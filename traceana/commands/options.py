@@ -17,6 +17,8 @@ import copy
 import math
 import textwrap
 
+from traceana.units import TFLOPS
+
 
 # Old spellings: accepted as aliases of the same option, not shown in the help.
 HIDDEN_ALIASES = frozenset({"--out", "--preset", "--num-microbatches", "--steps", "--warmup"})
@@ -75,7 +77,7 @@ class _TeraFlops(argparse.Action):
     """``--peak-tflops X`` (old spelling) stores X·10¹² in ``peak_flops``."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values * 1e12)
+        setattr(namespace, self.dest, values * TFLOPS)
 
 
 def peak_flops(parser, *, help: str = "peak FLOP/s per device, for MFU (default: from run.json)") -> None:

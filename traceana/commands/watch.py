@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from traceana.errors import BadInputError, TraceanaError
+from traceana.units import NS_PER_S
 
 # tensorboard_trace_handler names files "{worker_name}.{time_ns}.pt.trace.json[.gz]" (torch.profiler.profiler).
 TB_NAME = re.compile(r"^(?P<worker>.+)\.(?P<ts>\d+)\.pt\.trace\.json(\.gz)?$")
@@ -153,7 +154,7 @@ def _tensorboard_windows(files: list[Path], *, settle_s: float, now: float) -> l
             break
         first_ts = min(items[k][0] for items in by_worker.values())
         out.append(Window(key="|".join(sorted(map(str, chosen))), label=f"cycle {k + 1}", files=tuple(sorted(chosen)),
-                          run_dir=None, order=(float("inf"), first_ts / 1e9, str(chosen[0]))))
+                          run_dir=None, order=(float("inf"), first_ts / NS_PER_S, str(chosen[0]))))
         k += 1
     return out
 

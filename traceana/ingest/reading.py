@@ -29,6 +29,7 @@ from traceana import limits, names
 from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
 from traceana.files import open_regular
 from traceana.manifest import MANIFEST_NAME
+from traceana.units import MIB
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
     from traceana.ingest import _scan
@@ -164,11 +165,11 @@ class Budget:
 
 
 # --- the native scanner ------------------------------------------------------------------------------------------
-NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
-READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
+NATIVE_CHUNK = 16 * MIB  # bytes of JSON scanned per call (one set of column buffers)
+READ_PIECE = 16 * MIB  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
 MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
 GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
-THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and a second window cost more
+THREADED_GUNZIP_BYTES = MIB  # smaller gzip files are gunzipped inline: a thread and a second window cost more
 
 
 # Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
@@ -233,7 +234,7 @@ def _gunzip_inline(fh, read_bytes: int | None = None):
 # Gunzipped ahead (Reader): the window's first HEAD bytes are room for the bytes kept from the window before (an
 # event cut by its end), so that only they are copied when the windows swap.
 HEAD = MIN_PIECE
-AHEAD_READ_BYTES = 2 << 20  # compressed bytes the fill thread reads at a time (~20-30 MB of JSON): few GIL takes
+AHEAD_READ_BYTES = 2 * MIB  # compressed bytes the fill thread reads at a time (~20-30 MB of JSON): few GIL takes
 _INLINE = threading.local()  # ``on``: Readers opened in this thread gunzip inline (see gunzip_inline)
 
 
@@ -554,7 +555,7 @@ def scan(path: Path, on_progress: Callable[[int, int], None] | None = None) -> S
 # 87 MB, 123k and 138k events) are read whole. The memory rule (Budget) runs where the read is taken and counts from
 # there: what the read-ahead holds by then (its tables: ~60 bytes an event, so at most ~30 MB with the last call's
 # overshoot of a 16 MB chunk) is not in its count — nor is polars' import, which ran meanwhile.
-AHEAD_BYTES = 128 << 20
+AHEAD_BYTES = 128 * MIB
 AHEAD_EVENTS = 250_000
 # A read-ahead gunzips inline what it can read whole: a gunzip thread takes the GIL for each read of the file and
 # each window it hands over, and while the main thread imports (running Python code itself) each take waits for it
@@ -630,7 +631,7 @@ def _take(path: Path) -> _Ahead | None:
 # and each thread, arena and background thread they bring is memory of its own. The tiny two-rank run (4 KB of
 # JSON): 10 threads → 6, peak RSS −1.7 MiB (docs/performance.md "Fixed cost"). Anything larger keeps polars'
 # defaults (one thread a core).
-SMALL_RUN_BYTES = 1 << 20
+SMALL_RUN_BYTES = MIB
 
 
 def run_files(path: str | Path) -> tuple[Path, list[Path]] | None:

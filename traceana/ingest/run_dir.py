@@ -30,6 +30,7 @@ from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_tra
                                      trace_subfolders, SCANNER_STALE)
 from traceana.intervals import ENGINE
 from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.units import NS_PER_MS
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
 
@@ -472,7 +473,7 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
         if steps.height:
             first = steps.row(0, named=True)
             notes.append(f"{shown(row['path'])}: {steps.height} ProfilerStep spans overlap the previous step (first: "
-                         f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / 1e6:.3f} ms before "
+                         f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / NS_PER_MS:.3f} ms before "
                          f"{first['prev']} ends); the overlap is counted in both steps")
         if zero:
             notes.append(f"{shown(row['path'])}: every one of its {ev.height:,} events lasts 0 ns: no time can be "

@@ -35,7 +35,7 @@ from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
-from traceana.units import bytes_text, seconds_text
+from traceana.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 
@@ -137,11 +137,11 @@ def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) ->
         total = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last)
         extra = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last,
                                   recompute=cfg.recompute) - total
-        fwd.append(total / 3 / rate * 1e9)
-        bwd.append(2 * total / 3 / rate * 1e9)
-        rec.append(extra / rate * 1e9)
+        fwd.append(total / 3 / rate * NS_PER_S)
+        bwd.append(2 * total / 3 / rate * NS_PER_S)
+        rec.append(extra / rate * NS_PER_S)
         wgt.append(flops.stage_weight_gradient_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size,
-                                                     last=last) / rate * 1e9)
+                                                     last=last) / rate * NS_PER_S)
     return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp, weight_ns=tuple(wgt))
 
 
@@ -157,8 +157,8 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     msg_bytes = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * act / (cfg.tp if cfg.sequence_parallel else 1)
     evict_bytes = max((m.activation_per_microbatch for m in mem[: max(1, cfg.pp // 2)]), default=0.0)
     costs = Costs(
-        p2p_ns=msg_bytes / network.p2p_bytes_per_s * 1e9,
-        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * 1e9 if cfg.bpipe and math.isfinite(
+        p2p_ns=msg_bytes / network.p2p_bytes_per_s * NS_PER_S,
+        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * NS_PER_S if cfg.bpipe and math.isfinite(
             network.bpipe_bytes_per_s) else 0.0,
         bpipe_overlap=network.bpipe_overlap,
     )
@@ -166,7 +166,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
                    virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False,
                    bpipe_keep=cfg.bpipe_keep)
-    step_s = sim.step_ns / 1e9
+    step_s = sim.step_ns / NS_PER_S
     model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
     devices = cfg.pp * cfg.tp * cfg.dp
     terms = terms_of(sim.attribution)
@@ -196,7 +196,7 @@ def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
     first = attribution.filter(pl.col("stage") == pl.col("stage").min())
     got: dict[str, float] = {g: 0.0 for g in groups}
     for category, ns in zip(first["category"].cast(pl.String).to_list(), first["ns"].to_list()):
-        got[group_of[category]] += ns / 1e9
+        got[group_of[category]] += ns / NS_PER_S
     return got
 
 
@@ -245,7 +245,7 @@ def decompose(ref_sim, target_sim, free_sim) -> dict[str, float]:
     a, b = terms_of(ref_sim.attribution), terms_of(free_sim.attribution)
     deltas = {"compute": b["compute"] - a["compute"], "recompute": b["recompute"] - a["recompute"],
               "bubble": (b["bubble"] + b["transfer"]) - (a["bubble"] + a["transfer"])}
-    deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / 1e9
+    deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / NS_PER_S
     return deltas
 
 
@@ -258,7 +258,7 @@ def deciding_term(speedup: float, deltas: dict[str, float]) -> str:
     return "bandwidth" if pick == "transfer" else pick
 
 
-def describe_deltas(deltas: dict[str, float], *, unit: float = 1e3, suffix: str = "ms", spec: str = ".0f") -> str:
+def describe_deltas(deltas: dict[str, float], *, unit: float = MS_PER_S, suffix: str = "ms", spec: str = ".0f") -> str:
     """"recompute −1200 ms, bubble +300 ms": the terms that moved, largest first ("transfer" as BPipe transfers)."""
     shown = [(k, d) for k, d in sorted(deltas.items(), key=lambda kv: -abs(kv[1]))
              if abs(d * unit) >= 0.5 * 10 ** -int(spec[1:-1] or 0)]
@@ -364,7 +364,7 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
         f"baseline: {baseline} ({BASELINES[baseline]})",
         f"compute efficiency E(b) {curve.source}"
         + ("" if curve.points else f" (saturating, e_max={curve.e_max}, n_half={curve.tokens_half:g} tokens)"),
-        f"P2P {network.p2p_bytes_per_s / 1e9:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / 1e9:g} GB/s "
+        f"P2P {network.p2p_bytes_per_s / GB:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / GB:g} GB/s "
         f"({'overlapped' if network.bpipe_overlap else 'blocking'})",
         f"device memory {bytes_text(dev.memory_bytes, 0)} usable",
     )

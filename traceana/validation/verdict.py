@@ -10,7 +10,7 @@ from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict,
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
-from traceana.units import bytes_text
+from traceana.units import NS_PER_MS, NS_PER_S, bytes_text
 from traceana.validation.measurement import traced_config
 from traceana.validation.prediction import predict
 
@@ -44,8 +44,8 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
     n_ev = evictions(target)
     verb = {"no change": "would make no difference to"}.get(deciding, "would help" if helps else "would not help")
     sentence = (
-        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / 1e6:.1f} → "
-        f"{sim.step_ns / 1e6:.1f} ms per step predicted from its own durations"
+        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / NS_PER_MS:.1f} → "
+        f"{sim.step_ns / NS_PER_MS:.1f} ms per step predicted from its own durations"
         + (", dropping recompute" if target.recompute != ref_cfg.recompute else "")
         + f"); {describe_deltas(deltas, spec='.1f') or 'no term changes'}"
         + (f"; BPipe evicts nothing at pp={cfg.pp}, m={cfg.num_microbatches}" if n_ev == 0 else
@@ -55,7 +55,7 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
         f"{bytes_text(max(s.activation_peak_bytes for s in after), 2)}."
     )
     def est(c: TrainingConfig, s: Simulation, mem) -> StepEstimate:
-        return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,
+        return StepEstimate(config=c, step_s=s.step_ns / NS_PER_S, mfu=float("nan"), fits=None,
                             peak_bytes=max(m.total_bytes for m in mem), terms=terms_of(s.attribution),
                             efficiency=float("nan"))
 
