@@ -80,7 +80,8 @@ class Analysis:
         path = str(self.run.path)
         return {"path": path if len(path) <= 100 else "…" + path[-99:],
                 "ranks": f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
-                "stages": f"{len(held) or 'no'} stage{'s' if len(held) != 1 else ''}", "schedule": schedule,
+                "stages": f"{len(held)} stage{'s' if len(held) != 1 else ''}" if held else "stages unknown",
+                "schedule": schedule,
                 "steps": f"{len(steps)} step{'s' if len(steps) != 1 else ''} (measured: "
                          f"{', '.join(map(str, measured[:8])) + (', …' if len(measured) > 8 else '') or 'none'})"}
 
