@@ -14,8 +14,9 @@ from pathlib import Path
 from tracebuilder import write_two_stage_run
 
 ROOT = Path(__file__).resolve().parent.parent
-# The program's entry point: the one module allowed to end its process quickly (cli.main, run as the program).
-ENTRY_POINTS = {"traceana/cli.py", "traceana/__main__.py"}
+# The program's entry point, the modules allowed to end its process: cli.main run as the program, and the handlers
+# _early_signals installs while `python -m traceana` is being located (its signals before cli.main takes over).
+ENTRY_POINTS = {"traceana/cli.py", "traceana/__main__.py", "traceana/_early_signals.py"}
 
 HOST = """
 import json, os, sys, threading

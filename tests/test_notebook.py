@@ -48,7 +48,7 @@ def test_repr_is_short_and_says_what_the_run_is(gpipe):
 def test_repr_of_a_run_without_run_json_holding_two_stages_per_rank():
     a = traceana.load_and_analyze(MEGATRON, cache=False)
     first = repr(a).splitlines()[0]
-    assert "2 ranks" in first and "4 stages" in first and "no run.json" in first
+    assert "2 ranks" in first and "4 stages" in first and "spans annotated" in first
 
 
 def test_html_shows_the_headline_and_one_row_per_stage(gpipe):

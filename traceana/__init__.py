@@ -11,13 +11,20 @@ The public API for notebooks::
 
 from __future__ import annotations
 
-from traceana.version import __version__
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:  # Python is locating ``python -m traceana``: signals during its imports, one line
+    from traceana import _early_signals
+
+    _early_signals.install()
+
+from traceana.version import __version__  # noqa: E402
 
 # Importing traceana changes nothing in the host process (a notebook, a training job under attach): no environment
 # variable, no thread, no exit handler. The ``traceana`` program's own performance settings (the allocator's decay,
 # one polars thread for a small run, the deferred standard library, the quick exit) are made by its entry point,
 # traceana.cli.main, in traceana's own process only.
-from traceana.errors import TraceanaError
+from traceana.errors import TraceanaError  # noqa: E402
 
 
 # The public names, each imported on first use (``import traceana`` stays cheap: no polars until one is read;
@@ -48,4 +55,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted((set(globals()) - {"annotations"}) | set(__all__))
+    return sorted({n for n in globals() if not n.startswith("_")} - {"annotations"} | set(__all__))

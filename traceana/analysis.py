@@ -15,14 +15,19 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import limits, names, pipeline, timeline
+from traceana import limits, names, timeline
 from traceana import names as _names  # (analyze's keyword ``names`` hides the module there)
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.names import NameRules
-from traceana.pipeline_rules import stage_layers
+from traceana.p2p import bpipe_groups, messages, pair
+from traceana.placement import several_stages, stage_map, virtual_stage_ranks
+from traceana.reconcile import annotated_facts, missing_notes, run_config
+from traceana.run_config import RunConfig
+from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
+                               overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 from traceana.units import NS_PER_MS, NS_PER_S
@@ -50,6 +55,13 @@ class Analysis:
     #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+    peak_flops: float | None = None  #: the device's peak FLOP/s given as an option (--peak-flops), over run.json's
+
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        """The run's configuration, reconciled once from run.json and the traces (``reconcile.run_config``): every
+        fact with its source, and the conflicts. MFU, the summary, validation, the verdict and the reports read it."""
+        return run_config(self.run.manifest, self.schedule, self.stages, peak_flops=self.peak_flops)
 
     @functools.cached_property
     def summary(self) -> RunSummary:
@@ -71,10 +83,10 @@ class Analysis:
         held = {int(s) for listed in self.stages["stages"].drop_nulls().to_list() for s in listed.split(",")} \
             if "stages" in self.stages.columns else set()
         held |= set(self.stages["stage"].drop_nulls().to_list())
-        m = self.run.manifest
-        sources = sorted(set(self.schedule["source"].drop_nulls().to_list())) if self.schedule.height else []
-        schedule = (f"schedule {m.schedule} ({', '.join(sources) or 'no spans'})" if m is not None and m.schedule
-                    else f"schedule {' + '.join(sources) or 'not found'} (no run.json)")
+        spans = " + ".join(sorted(set(self.schedule["source"].drop_nulls().to_list()))) if self.schedule.height else ""
+        c = self.config  # (the schedule's name as reconciled from run.json and the traces, with where it came from)
+        schedule = (f"schedule {c.schedule} ({c.source('schedule')}; spans {spans or 'none'})"
+                    if c.schedule != "unknown" else f"schedule unknown (spans {spans or 'none'})")
         steps = sorted(set(self.steps["step"].to_list()))
         measured = list(self.summary.steps)
         path = str(self.run.path)
@@ -118,14 +130,9 @@ class Analysis:
                    if self.notes else "") + "</div>")
 
 
-def _same_host(run: Run) -> bool | None:
-    m = run.manifest
-    if m is not None:
-        hosts = m.extra.get("hosts")
-        if isinstance(hosts, list) and len(set(hosts)) == 1:
-            return True
-        if m.extra.get("nnodes") == 1:
-            return True
+def _same_host(run: Run, config: RunConfig) -> bool | None:
+    if config.hosts and len(set(config.hosts)) == 1 or config.nnodes == 1:
+        return True
     if "host" in run.traces.columns:
         hosts = run.traces["host"].drop_nulls()
         if len(hosts) == run.traces.height and hosts.n_unique() == 1:
@@ -167,17 +174,18 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     events = timeline.assign_steps(events, steps)
     m = run.manifest
     interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
-                                     or any(len(held) > 1 for held in m.stages_held or ()))
+                                     or any(len(held) > 1 for held in m.stages_of_rank or ()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
-    interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
+    interleaved = interleaved or bool(virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
     # (messages reads the communication events and the LOAD/ACCEPT spans, nothing else.)
-    msgs = pipeline.messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
-                                             | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
-                             pipeline.bpipe_groups(run.traces))
-    pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
+    msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
+                                    | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
+                    bpipe_groups(run.traces))
+    pairs, unmatched, msgs, pair_notes = pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
+    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
+    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
     if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
         n = [f"{copies} P2P operations are exact copies of another (same rank, peer, tag and start: duplicated "
@@ -189,17 +197,17 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
+        pairs, unmatched, msgs, pair_notes = pair(msgs)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).
-    overlap_spans = pipeline.overlap_spans(events)
-    overlapped = pipeline.overlap_rows(events, spans=overlap_spans)
-    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
+    spans = overlap_spans(events)
+    overlapped = overlap_rows(events, spans=spans)
+    stages, n = stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
     notes += n
     # Micro-batches a name rule numbers in order: not on ranks holding several stages (by run.json, the traces'
     # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
-    several = ranks if interleaved else pipeline.several_stages(stages)
+    several = ranks if interleaved else several_stages(stages)
     events = cls.number_in_order(events, skip_ranks=several)
     unstaged = sorted(set(events.lazy().filter(pl.col("pp_order") & pl.col("pp_stage").is_null()).select("rank")
                           .unique().collect(**COLLECT)["rank"].to_list()) & set(several))
@@ -209,14 +217,14 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
                      "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
                      "schedule lists those spans under the rank's first stage, with no micro-batch)")
 
-    annotated = pipeline.annotated_schedule(events, stages, overlapped=overlapped)
-    notes += pipeline.overlap_notes(events, spans=overlap_spans)
+    annotated = annotated_schedule(events, stages, overlapped=overlapped)
+    notes += overlap_notes(events, spans=spans)
     fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
     # (interleaved: from run.json or the traces' metadata, above; without either the P2P pattern can tell:
-    # pipeline.placements, a V or a looped placement.)
-    refused = unannotated if interleaved else sorted(set(unannotated) & set(pipeline.several_stages(stages)))
+    # placement.placements, a V or a looped placement.)
+    refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
                      f"{m.schedule if m and m.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
@@ -225,15 +233,17 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
                      "forward/backward is claimed for them (their compute counts as other compute)")
     rest = sorted(set(unannotated) - set(refused))
     if rest:
-        inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=rest)
+        inferred, n = infer_schedule(events, msgs, stages, ranks=rest)
         notes += n
         got = sorted(set(inferred["rank"].to_list()))
         if got:
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
-    notes += pipeline.dropped_annotation_notes(events)
-    notes += pipeline.contradiction_notes(pipeline.annotated_facts(annotated), run.manifest)
+    notes += dropped_annotation_notes(events)
+    facts = annotated_facts(annotated)
+    config = run_config(run.manifest, annotated, stages, peak_flops=peak_flops, facts=facts)
+    notes += missing_notes(facts) + list(config.conflicts)
 
     busy = timeline.busy_events(events)
     notes += timeline.gpu_lag_notes(busy, steps)
@@ -263,20 +273,21 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
                      "reads low by up to the gradients zero_grad frees inside the step when the peak comes before "
                      "backward allocates new ones, and high by the new gradients when it comes after")
     measured = measured_steps(attribution, schedule)
-    mfu, n = _mfu(pipeline.traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
-                  peak_flops)
+    mfu, n = _mfu(config, stages, steps.filter(pl.col("step").is_in(measured)))
     notes += n
     events = cls.apply_fill(events, fill)
     truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
     if truncated:
         notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "
                      "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
-    return Analysis(
+    out = Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
         stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events,
+        segments=segs, events=events, peak_flops=peak_flops,
     )
+    out.__dict__["config"] = config  # (Analysis.config, reconciled once: the one MFU and the notes above used)
+    return out
 
 
 def stage_table(
@@ -314,21 +325,25 @@ def stage_table(
     )
 
 
-def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
-    """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak."""
+def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.DataFrame, list]:
+    """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak,
+    with each stage's layers as the configuration splits them (``RunConfig.stage_layers``)."""
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
-    peak = peak_flops or (m.peak_flops if m else None)
+    peak = m.peak_flops
     missing = [what for what, ok in (
-        ("run.json", m is not None), ("model shape", m is not None and m.model is not None),
-        ("pp", m is not None and bool(m.pp)), ("micro-batch size", m is not None and bool(m.microbatch_size)),
-        ("number of micro-batches", m is not None and bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
+        ("run.json", m.manifest is not None), ("model shape", m.model is not None),
+        ("pp", bool(m.pp)), ("micro-batch size", bool(m.microbatch_size)),
+        ("number of micro-batches", bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
     ) if not ok]
     if missing:
         return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    layers_of = m.stage_layers()
+    if layers_of is None:
+        return empty, [f"MFU not computed: run.json's layers_per_stage ({len(m.layers_per_stage or ())} entries) "
+                       f"does not say how the layers of {m.pp} stages divide, several a device"]
     from traceana.model.flops import stage_flops  # (only with a model shape: not imported by a plain analysis)
 
     model, pp = m.model, m.pp
-    layers_of = stage_layers(model.layers, pp)
     rows = []
     step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / NS_PER_S).alias("s"))
     secs = dict(step_s.rows())

@@ -18,7 +18,7 @@ from traceana.errors import ConfigError
 from traceana.manifest import FAMILIES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.config import PRECISIONS, TrainingConfig
-from traceana.pipeline_rules import default_virtual_stages, stages_of_device
+from traceana.pipeline_rules import bpipe_applies, default_virtual_stages, stages_of_device
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
@@ -108,18 +108,19 @@ def _curve(spec: str | None) -> EfficiencyCurve:
 
 
 def _from_run(args: argparse.Namespace) -> TrainingConfig:
-    """The configuration a collected run's run.json describes, as validate reads it (config_from_manifest)."""
+    """The configuration a collected run's run.json describes, as validate reads it (``RunConfig``, without the
+    traces: their analysis is validate's)."""
     from pathlib import Path
 
     from traceana.errors import BadInputError
     from traceana.manifest import MANIFEST_NAME, Manifest
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
 
     path = Path(args.from_run)
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
         raise BadInputError("no run.json here", path=path, fix="give a run directory written by `traceana collect`")
-    return config_from_manifest(Manifest.read(path), path=path)  # its refusals name run.json keys, not flags
+    return RunConfig.from_manifest(Manifest.read(path)).training_config(path=path)  # refusals name run.json keys
 
 
 def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyCurve, Network]:
@@ -236,7 +237,7 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
         "step": None if step is None else {"seconds": step.step_s, "mfu": step.mfu, "efficiency": step.efficiency,
                                            "efficiency_source": curve.source, "terms_s": step.terms},
     }
-    if verdict and step is not None and cfg.schedule == "1f1b" and cfg.virtual_stages == 1 and cfg.pp > 1:
+    if verdict and step is not None and bpipe_applies(cfg.schedule, pp=cfg.pp, virtual_stages=cfg.virtual_stages):
         v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline, on_progress=on_progress)
         out["bpipe"] = {
             "baseline": v.baseline, "why": v.why,

@@ -34,7 +34,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
-from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
+from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
 from traceana.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
@@ -333,8 +333,7 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
     global batch and parallelism. ``on_progress(done, total)`` after each simulated configuration (a thousand
     micro-batches take seconds each)."""
     check_baseline(baseline)
-    if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
-        raise ConfigError("the BPipe verdict compares plain 1F1B schedules", fix="use --schedule 1f1b")
+    check_bpipe(cfg.schedule, virtual_stages=cfg.virtual_stages, fix="use --schedule 1f1b")
     dev = Device(device.name, device.memory_bytes - reserve_bytes, device.peak_flops, device.source)
     recomputes = _POLICY_RECOMPUTES[baseline]
     plain_cands = candidates(cfg, bpipe=False, recomputes=recomputes) if baseline != "as-configured" else []
