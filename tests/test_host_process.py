@@ -74,3 +74,15 @@ def test_the_program_sets_its_allocator_before_polars_and_keeps_the_users(tmp_pa
                             env=env | {"_RJEM_MALLOC_CONF": "dirty_decay_ms:5"})
     assert ours.stdout.strip() == "dirty_decay_ms:0,muzzy_decay_ms:0"
     assert theirs.stdout.strip() == "dirty_decay_ms:5"
+
+
+def test_a_python_m_program_importing_traceana_keeps_its_signal_handlers(tmp_path):
+    # While Python locates ``python -m PKG``, sys.argv[0] is "-m"; the program's early handlers (traceana's own
+    # ``python -m traceana``) must not be installed into another program whose package imports traceana.
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import traceana\n")
+    (pkg / "__main__.py").write_text("import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    out = subprocess.run([sys.executable, "-m", "mypkg"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"})
+    assert out.stdout.strip() == "True", out.stderr

@@ -13,7 +13,21 @@ from __future__ import annotations
 
 import sys as _sys
 
-if _sys.argv[:1] == ["-m"]:  # Python is locating ``python -m traceana``: signals during its imports, one line
+
+def _located_as_program() -> bool:
+    """Whether Python is locating ``python -m traceana`` right now (``sys.argv[0]`` is "-m" only until the module
+    runs) — not another ``python -m`` program whose package imports traceana, which keeps its own signal handlers."""
+    if _sys.argv[:1] != ["-m"]:
+        return False
+    args = list(getattr(_sys, "orig_argv", ()))
+    at = next((i for i, a in enumerate(args) if a.startswith("-m")), None)
+    if at is None:
+        return False
+    target = args[at][2:] or (args[at + 1] if at + 1 < len(args) else "")
+    return target == "traceana"
+
+
+if _located_as_program():  # signals during the program's own imports: one line, its exit code
     from traceana import _early_signals
 
     _early_signals.install()
