@@ -51,6 +51,12 @@ def test_repr_of_a_run_without_run_json_holding_two_stages_per_rank():
     assert "2 ranks" in first and "4 stages" in first and "spans annotated" in first
 
 
+def test_the_summary_too_is_short_in_a_notebook(gpipe):
+    text = repr(gpipe.summary)
+    assert len(text) < 1000 and "step time" in text and "3 rows" in text and "shape:" not in text
+    assert gpipe.summary._repr_html_().count("<table") == 1
+
+
 def test_html_shows_the_headline_and_one_row_per_stage(gpipe):
     html = gpipe._repr_html_()
     assert html.count("<table") == 1 and "step time" in html

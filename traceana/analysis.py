@@ -110,22 +110,18 @@ class Analysis:
         return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)  # (many steps)
 
     def _repr_html_(self) -> str:
-        """The headline figures and the per-stage table (``summary.per_stage``'s main columns), for Jupyter."""
+        """The headline figures and the per-stage table (``RunSummary.table_html``), for Jupyter."""
         from html import escape
 
         from traceana.summary import headline
 
         f = self._facts()
-        per_stage = self.summary.per_stage
-        shown = [c for c in ("stage", "ranks", "step_ms", "compute_ms", "bubble_ms", "bubble_fraction", "p2p_ms",
-                             "bpipe_ms", "collective_ms", "peak_mib", "activation_peak_mib") if c in per_stage.columns]
-        table = per_stage.select(shown).with_columns(pl.selectors.float().round(3))
         head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary))
         notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes[:10])
         more = f"<li>… {len(self.notes) - 10} more (.notes)</li>" if len(self.notes) > 10 else ""
         return (f"<div><p><b>traceana.Analysis</b> of <code>{escape(f['path'])}</code>: {escape(f['ranks'])}, "
                 f"{escape(f['stages'])}, {escape(f['schedule'])}, {escape(f['steps'])}</p><ul>{head}</ul>"
-                f"<p>Per stage (mean per measured step):</p>{table._repr_html_()}"
+                f"<p>Per stage (mean per measured step):</p>{self.summary.table_html()}"
                 + (f"<details><summary>{len(self.notes)} notes</summary><ul>{notes}{more}</ul></details>"
                    if self.notes else "") + "</div>")
 

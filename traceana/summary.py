@@ -101,6 +101,28 @@ class RunSummary:
             "replicas": [] if self.replicas is None else self.replicas.to_dicts(),
         }
 
+    # --- in a notebook: the headline figures and the main per-stage columns, not the frames' full text ---------------
+    def __repr__(self) -> str:
+        lines = ["<traceana.RunSummary>", *(f"  {line}" for line in headline(self)),
+                 f"  per stage: {self.per_stage.height} rows (.per_stage)"]
+        return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)
+
+    def table_html(self) -> str:
+        """The per-stage table's main columns (``HTML_COLUMNS``) as HTML, times rounded to the µs."""
+        shown = [c for c in HTML_COLUMNS if c in self.per_stage.columns]
+        return self.per_stage.select(shown).with_columns(pl.selectors.float().round(3))._repr_html_()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self))
+        return f"<div><ul>{head}</ul><p>Per stage (mean per measured step):</p>{self.table_html()}</div>"
+
+
+# The per-stage columns a notebook shows (RunSummary / Analysis ``_repr_html_``); the rest are in ``per_stage``.
+HTML_COLUMNS = ("stage", "ranks", "step_ms", "compute_ms", "bubble_ms", "bubble_fraction", "p2p_ms", "bpipe_ms",
+                "collective_ms", "peak_mib", "activation_peak_mib")
+
 
 def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
                steps: list[int]) -> pl.DataFrame:
