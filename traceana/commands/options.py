@@ -68,7 +68,10 @@ def output(parser: argparse.ArgumentParser, *, default=None, required: bool = Fa
 
 
 def model(parser, *, default: str | None, presets, help: str = "model preset") -> None:
-    """``--model PRESET``; ``--preset`` is an old spelling, kept hidden."""
+    """``--model PRESET``; ``--preset`` is an old spelling, kept hidden. The one flag collect and estimate share
+    with a default each: collect runs a model (tiny-gpt), while estimate's absent ``--model`` means an explicit
+    shape (--family/--layers/...), which a default preset would fill in silently; their preset lists differ too
+    (collect runs the trainer's tiny models only)."""
     parser.add_argument("--model", "--preset", dest="model", default=default, metavar="PRESET",
                         help=f"{help}: {', '.join(presets)}" + ("" if default else " (default: none)"))
 
