@@ -43,6 +43,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("report", "reports.command", "render a self-contained HTML report of one or more runs"),
     Command("estimate", "traceana.commands.estimate", "estimate memory per stage, step time and BPipe's benefit"),
     Command("validate", "traceana.commands.validate", "compare the model's estimate with what a run measured"),
+    Command("whatif", "traceana.commands.whatif",
+            "replay the measured step with chosen work made ideal: who holds it back"),
     Command("watch", "traceana.commands.watch",
             "print each profiling window's per-stage attribution as its traces land"),
     Command("attach", "collectors.attach.command",
