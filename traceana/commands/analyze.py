@@ -127,11 +127,17 @@ def print_tables(analysis, *, per_step: bool) -> None:
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
+    from traceana import gpu
     from traceana.summary import headline
 
-    for line in headline(analysis.summary):
+    is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    if not is_pipeline:
+        print_line(console, NO_PIPELINE)
+    for line in headline(analysis.summary, pipeline=is_pipeline):
         print_line(console, line)
-    replicas_table(console, analysis.summary)
+    gpu_tables(console, analysis, pipeline=is_pipeline)
+    if is_pipeline:  # (replicas of a stage: without stages, ranks are not replicas of anything)
+        replicas_table(console, analysis.summary)
     path_table(console, analysis.summary)
 
     if per_step:
@@ -150,6 +156,45 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         print_line(console, n, prefix="[yellow]note:[/] ")
+
+
+NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
+               "chaining ranks), so no bubble, stage or schedule figure applies; the time per GPU stream follows")
+
+
+def gpu_tables(console, analysis, *, pipeline: bool) -> None:
+    """GPU ranks: each phase's own GPU time beside the partition where phases ran at once (traceana.gpu), and, for
+    a trace that is not a pipeline, the time per stream."""
+    import polars as pl
+
+    from traceana import gpu
+    from traceana.schema import CATEGORY_LABELS
+    from traceana.tables import print_line, print_table
+    from traceana.tables import cell as _num
+
+    steps = analysis.summary.steps
+    if analysis.phase_time is not None:
+        pm = gpu.phase_means(analysis.phase_time, analysis.attribution, steps)
+        shown = pm.filter(pl.col("shared_fraction") > gpu.OVERLAP_SHOWN_ABOVE)
+        if shown.height:
+            rows = [[str(r["rank"]), CATEGORY_LABELS.get(r["phase"], r["phase"]), _num(r["own_ms"]),
+                     _num(r["overlapped_ms"]), _num(r["partition_ms"]), f"{100 * r['shared_fraction']:.0f}%"]
+                    for r in shown.iter_rows(named=True)]  # a few rows per rank: display only
+            print_table(console, "Phases running at once on the GPU (mean per step, ms): each phase's own GPU time "
+                                 "(its kernels' union), the part of it beside another phase's kernels, and what the "
+                                 "per-instant attribution above gave it (docs/architecture.md \"Overlap\")",
+                        ["rank", "phase", "own GPU\ntime", "overlapped", "in the\npartition", "rank's step\nshared"],
+                        rows, keys=2)
+    if not pipeline and analysis.stream_time is not None and analysis.stream_time.height:
+        sm = gpu.stream_means(analysis.stream_time, steps)
+        rows = [[str(r["rank"]), str(r["stream"]), _num(r["compute_ms"]), _num(r["communication_ms"]),
+                 _num(r["memcpy_ms"]), _num(r["idle_ms"]), _num(r["overlapped_ms"])]
+                for r in sm.iter_rows(named=True)]  # one row per (rank, stream): display only
+        print_table(console, "Time per GPU stream (mean per step, ms)",
+                    ["rank", "stream", "compute", "communi-\ncation", "memory\ncopies", "idle",
+                     "beside another\nstream's work"], rows, keys=2)
+    elif not pipeline:
+        print_line(console, "no GPU work in the trace: its time is the CPU's (the table above)")
 
 
 def replicas_table(console, summary) -> None:
