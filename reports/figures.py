@@ -9,6 +9,7 @@ from __future__ import annotations
 import holoviews as hv
 import polars as pl
 
+from reports import frames as F
 from reports import palette
 from traceana import names
 from traceana.units import MIB
@@ -31,25 +32,22 @@ def _pd(frame: pl.DataFrame):
     return frame.to_pandas()
 
 
-def _stage_label() -> pl.Expr:
-    """A bar's stage as text; ranks whose stage is not known are "no stage" (a null label would be drawn "nan")."""
-    return pl.format("stage {}", pl.col("stage")).fill_null("no stage")
-
-
 def _empty(title: str, message: str) -> str:
     """A figure with nothing to draw is a sentence instead (``reports.build.Page`` shows it as a note)."""
     return f"{title}: {message}"
 
 
 def timeline(
-    blocks: pl.DataFrame, strip: pl.DataFrame, transfers: pl.DataFrame, *, title: str
+    blocks: pl.DataFrame, strip: pl.DataFrame, transfers: pl.DataFrame, *, title: str,
+    path: pl.DataFrame | None = None,
 ) -> hv.Overlay | str:
     """Pipeline timeline, one row per rank, in two bands.
 
     Upper band: what the schedule says the rank works on — forward / backward / recompute / optimizer blocks with the
     micro-batch number. Lower band: what each instant was spent on according to the attribution (the same categories
     and colours as the bars: compute, exposed P2P / BPipe, bubbles). Between them, a hairline per received P2P or BPipe
-    message (hover: how long the receiver waited for the sender, and how long the bytes took).
+    message (hover: how long the receiver waited for the sender, and how long the bytes took). Above the upper band,
+    a dark line where the replayed step's critical path runs on that rank (``path``: reports.frames.critical_path).
     """
     if blocks.height == 0 and strip.height == 0:
         return _empty(title, "no schedule: the analysis found no forward/backward spans")
@@ -110,6 +108,15 @@ def timeline(
                 color="colour", line_width=3, tools=[_hover(hover_xfer)])
         )
 
+    cp = path.join(rows, on="rank") if path is not None and path.height else None
+    if cp is not None and cp.height:
+        layers.append(
+            hv.Segments(_pd(cp.with_columns(yp=pl.col("y") - 0.47)), kdims=["start_ms", "yp", "end_ms", "yp"],
+                        vdims=["kind", "rank", "dur_ms"]).opts(
+                color="#111111", line_width=3,
+                tools=[_hover([("critical path", "@kind"), ("rank", "@rank"), ("for (ms)", "@dur_ms{0,0.000}")])])
+        )
+
     # Labels only on blocks wide enough to hold one at full view; the others tell their micro-batch on hover.
     span = max(float(b["end_ms"].max() - b["start_ms"].min()), 1e-9) if b.height else 1.0
     work = b.filter(pl.col("kind").is_in([*names.PASS_PHASES, "recompute"])
@@ -148,7 +155,7 @@ def stacked_by_stage(
     if df.height == 0 or not (df["ms"] > 0).any():
         return _empty(title, "nothing measured in these categories")
     df = df.with_columns(
-        stage=_stage_label(),
+        stage=F.stage_label(),
         colour=pl.col("category").replace_strict(palette.CATEGORY_COLOURS, default="#999999"),
         category=pl.col("category").replace_strict(palette.CATEGORY_LABELS, default=pl.col("category")),
     )
@@ -169,7 +176,7 @@ def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str
     colour = {r: palette.run_colour(i) for i, r in enumerate(runs)}
     df = (
         frame.filter(pl.col(value).is_not_null())
-        .with_columns(stage=_stage_label(),
+        .with_columns(stage=F.stage_label(),
                       colour=pl.col("run").replace_strict(colour, default="#999999"))
         .select("stage", "run", value, "colour")
     )
