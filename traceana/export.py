@@ -21,6 +21,7 @@ from traceana.errors import BadInputError, shown
 from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
+from traceana.units import NS_PER_MS
 
 FORMATS = TABLE_FORMATS
 
@@ -84,7 +85,7 @@ def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (),
 # Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
 # fractions under a bare name in the tables; ``*_pct`` columns are percents (0..100).
 FRACTION_FIELDS = frozenset({"mfu", "hfu", "efficiency", "error", "step_error", "sampled_error", "replay_error",
-                             "bubble_error", "memory_error", "median_abs_memory_error", "noise_floor"})
+                             "blocked_error", "memory_error", "median_abs_memory_error", "noise_floor"})
 
 
 def json_fractions(value: Any) -> Any:
@@ -111,13 +112,29 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "run": str(analysis.run.path),
         "summary": analysis.summary.as_dict(),
+        "config": analysis.config.as_dict(),
         "stages": analysis.stages.to_dicts(),
         "clock_offsets": analysis.clock_offsets.to_dicts(),
         "notes": list(analysis.notes),
     }
     if per_step:
         out["per_step"] = per_step_table(analysis).to_dicts()
+    out["gpu"] = gpu_summary(analysis)
     return json_fractions(_finite(out))
+
+
+def gpu_summary(analysis) -> dict[str, Any]:
+    """``pipeline_found`` (traceana.gpu.pipeline_found), and on GPU ranks, means per measured step: each phase's
+    own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
+    from traceana import gpu
+
+    steps = analysis.summary.steps
+    out: dict[str, Any] = {"pipeline_found": gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)}
+    if analysis.phase_time is not None:
+        out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
+    if analysis.stream_time is not None:
+        out["streams"] = gpu.stream_means(analysis.stream_time, steps).to_dicts()
+    return out
 
 
 def _finite(value: Any) -> Any:
@@ -133,13 +150,13 @@ def _finite(value: Any) -> Any:
 
 
 def per_step_table(analysis) -> pl.DataFrame:
-    """One row per (rank, step): stage, step ms and every category in ms."""
-    wide = analysis.attribution.with_columns(pl.col("category").cast(pl.String)).pivot(
-        on="category", index=["rank", "stage", "step"], values="ns")
+    """One row per (rank, step) (``Analysis.per_rank_step`` in ms): stage, step_ms, every category's
+    ``<category>_ms`` (0 where the step has none), bubble_ms (warm-up + stall + cool-down), blocked_ms (bubble +
+    exposed P2P)."""
+    ms = lambda c: (pl.col(f"{c}_ns") / NS_PER_MS).alias(f"{c}_ms")  # noqa: E731
     return (
-        wide.join(analysis.steps.select("rank", "step", "dur_ns"), on=["rank", "step"])
-        .select("rank", "stage", "step", (pl.col("dur_ns") / 1e6).alias("step_ms"),
-                *((pl.col(c) / 1e6).alias(f"{c}_ms") for c in CATEGORIES if c in wide.columns))
+        analysis.per_rank_step
+        .select("rank", "stage", "step", ms("step"), *(ms(c) for c in CATEGORIES), ms("bubble"), ms("blocked"))
         .sort("stage", "rank", "step", nulls_last=True)
     )
 
@@ -239,6 +256,48 @@ def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
     return pl.concat([starts, ends])
 
 
+PATH_TID = 9_999  # the merged trace's critical-path lane of each rank (after every track, phase and micro-batch lane)
+
+
+def critical_path_events(analysis, *, origin: int) -> pl.DataFrame:
+    """The replayed steps' critical paths (traceana.graph.critical_path) in the merged trace: each piece of time on
+    the path as a slice of its rank's "critical path" lane (name: its kind), and flow arrows from each piece to the
+    next along the path, across ranks where the path goes through a message. Columns ph, id, name, cat, pid, tid,
+    ts, dur, bp; empty where the run has no graph (no schedule: the what-if says why)."""
+    from traceana import graph
+    from traceana.errors import TraceanaError
+
+    empty = pl.DataFrame(schema={"ph": pl.String, "id": pl.Int64, "name": pl.String, "cat": pl.String,
+                                 "pid": pl.Int32, "tid": pl.Int64, "ts": pl.Float64, "dur": pl.Float64,
+                                 "bp": pl.String})
+    try:
+        g = graph.build(analysis)
+    except TraceanaError:
+        return empty
+    paths = [graph.critical_path(g, graph.replay(g, s))[0] for s in g.steps]
+    if not paths:
+        return empty
+    pieces = (pl.concat(paths).filter(pl.col("end_ns") > pl.col("start_ns")).sort("step", "start_ns")
+              .with_row_index("id", offset=1_000_000_000))  # ids apart from the P2P arrows' (1, 2, …)
+    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731
+    slices = pieces.select(pl.lit("X").alias("ph"), pl.lit(None, pl.Int64).alias("id"), pl.col("kind").alias("name"),
+                           pl.lit("traceana.critical_path").alias("cat"), pl.col("rank").alias("pid"),
+                           pl.lit(PATH_TID, pl.Int64).alias("tid"), us("start_ns").alias("ts"),
+                           ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+                           pl.lit(None, pl.String).alias("bp"))
+    nxt = pieces.with_columns(pl.col("rank", "start_ns", "step").shift(-1).name.suffix("_next")).filter(
+        pl.col("step_next") == pl.col("step"))
+    arrow = [pl.lit("critical path").alias("name"), pl.lit("traceana.critical_path").alias("cat"),
+             pl.lit(PATH_TID, pl.Int64).alias("tid"), pl.lit(None, pl.Float64).alias("dur")]
+    starts = nxt.select(pl.lit("s").alias("ph"), "id", *arrow[:2], pl.col("rank").alias("pid"), arrow[2],
+                        ((pl.col("end_ns") - 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                        pl.lit(None, pl.String).alias("bp"))
+    ends = nxt.select(pl.lit("f").alias("ph"), "id", *arrow[:2], pl.col("rank_next").alias("pid"), arrow[2],
+                      ((pl.col("start_ns_next") + 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                      pl.lit("e").alias("bp"))
+    return pl.concat([slices.cast(empty.schema), starts.cast(empty.schema), ends.cast(empty.schema)])
+
+
 def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, Any]) -> list[dict[str, Any]]:
     """Process and thread names: one small dict per rank and track (rank-sized, not event-sized)."""
     meta: list[dict[str, Any]] = []
@@ -248,7 +307,8 @@ def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, 
                                   f" (stage{'s' if ',' in stage else ''} {stage.replace(',', '+')})")
         meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
         meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1)):
+        for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1),
+                          ("critical path", PATH_TID)):
             meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name.strip()}})
     for rank, track, tid in tids.rows():
         meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
@@ -300,6 +360,16 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
             yield ("" if first else ",\n") + flows.slice(lo, chunk_rows).select(
                 pl.when(pl.col("bp").is_null()).then(pl.struct(pl.all().exclude("bp")).struct.json_encode())
                 .otherwise(pl.struct(pl.all()).struct.json_encode()).str.join(",\n"))[0, 0]
+            first = False
+        path = critical_path_events(analysis, origin=origin)
+        if path.height:  # each row's JSON without the fields that do not apply to it (nulls)
+            yield ("" if first else ",\n") + path.select(
+                pl.when(pl.col("ph") == "X").then(pl.struct("ph", "name", "cat", "pid", "tid", "ts", "dur")
+                                                  .struct.json_encode())
+                .when(pl.col("ph") == "s").then(pl.struct("ph", "id", "name", "cat", "pid", "tid", "ts")
+                                                .struct.json_encode())
+                .otherwise(pl.struct("ph", "id", "name", "cat", "pid", "tid", "ts", "bp").struct.json_encode())
+                .str.join(",\n"))[0, 0]
             first = False
         yield "]}"
 

@@ -60,7 +60,7 @@ _OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_
 _OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
 # Facts with a field of their own that older run.json files (and collectors) wrote under "extra": read from there too.
 LIFTED = ("stages_of_rank", "virtual_stages", "layers_per_stage", "bpipe_inflight", "hosts", "nnodes", "trainer",
-           "dropout", "eager", "grads_in_step", "attach", "collector")
+           "dropout", "eager", "grads_in_step", "attach", "collector", "names")
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ class Manifest:
     grads_in_step: bool | None = None  # gradients allocated and freed inside the profiled step (zero_grad late)
     attach: dict[str, Any] | None = None  # what `traceana attach` detected and did not (collectors.attach.facts)
     collector: str | None = None  # which collector wrote the run
+    names: str | dict[str, Any] | None = None  # name rules (docs/naming.md): a file next to run.json, or inline
     extra: dict[str, Any] = field(default_factory=dict)  # keys traceana does not know, kept as they were
     schema_version: int = SCHEMA_VERSION
 
@@ -257,6 +258,8 @@ class Manifest:
                 raise bad(name, "text")
         if self.attach is not None and not isinstance(self.attach, dict):
             raise bad("attach", "an object")
+        if self.names is not None and not isinstance(self.names, (str, dict)):
+            raise bad("names", "a rules file's path or the rules themselves")
 
     @property
     def bpipe_on(self) -> bool:

@@ -127,9 +127,17 @@ def print_tables(analysis, *, per_step: bool) -> None:
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
-    for line in headline(analysis.summary):
+    from traceana import gpu
+
+    is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    if not is_pipeline:
+        print_line(console, NO_PIPELINE)
+    for line in headline(analysis.summary, pipeline=is_pipeline):
         print_line(console, line)
-    replicas_table(console, analysis.summary)
+    gpu_tables(console, analysis, pipeline=is_pipeline)
+    if is_pipeline:  # (replicas of a stage: without stages, ranks are not replicas of anything)
+        replicas_table(console, analysis.summary)
+    path_table(console, analysis.summary)
 
     if per_step:
         from traceana.export import per_step_table  # (only here: a plain analysis imports no export)
@@ -149,41 +157,103 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, n, prefix="[yellow]note:[/] ")
 
 
-def replicas_table(console, summary) -> None:
-    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time, the straggler rule)."""
+NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
+               "chaining ranks), so no bubble, stage or schedule figure applies; the time per GPU stream follows")
+
+
+def gpu_tables(console, analysis, *, pipeline: bool) -> None:
+    """GPU ranks: each phase's own GPU time beside the partition where phases ran at once (traceana.gpu), and, for
+    a trace that is not a pipeline, the time per stream."""
     import polars as pl
 
-    from traceana.summary import STRAGGLER_ABOVE
-    from traceana.tables import UNKNOWN, print_line, print_table
+    from traceana import gpu
+    from traceana.schema import CATEGORY_LABELS
+    from traceana.tables import print_line, print_table
     from traceana.tables import cell as _num
+
+    steps = analysis.summary.steps
+    if analysis.phase_time is not None:
+        pm = gpu.phase_means(analysis.phase_time, analysis.attribution, steps)
+        shown = pm.filter(pl.col("shared_fraction") > gpu.OVERLAP_SHOWN_ABOVE)
+        if shown.height:
+            rows = [[str(r["rank"]), CATEGORY_LABELS.get(r["phase"], r["phase"]), _num(r["own_ms"]),
+                     _num(r["overlapped_ms"]), _num(r["partition_ms"]), f"{100 * r['shared_fraction']:.0f}%"]
+                    for r in shown.iter_rows(named=True)]  # a few rows per rank: display only
+            print_table(console, "Phases running at once on the GPU (mean per step, ms): each phase's own GPU time "
+                                 "(its kernels' union), the part of it beside another phase's kernels, and what the "
+                                 "per-instant attribution above gave it (docs/architecture.md \"Overlap\")",
+                        ["rank", "phase", "own GPU\ntime", "overlapped", "in the\npartition", "rank's step\nshared"],
+                        rows, keys=2)
+    if not pipeline and analysis.stream_time is not None and analysis.stream_time.height:
+        sm = gpu.stream_means(analysis.stream_time, steps)
+        rows = [[str(r["rank"]), str(r["stream"]), _num(r["compute_ms"]), _num(r["communication_ms"]),
+                 _num(r["memcpy_ms"]), _num(r["idle_ms"]), _num(r["overlapped_ms"])]
+                for r in sm.iter_rows(named=True)]  # one row per (rank, stream): display only
+        print_table(console, "Time per GPU stream (mean per step, ms)",
+                    ["rank", "stream", "compute", "communi-\ncation", "memory\ncopies", "idle",
+                     "beside another\nstream's work"], rows, keys=2)
+    elif not pipeline:
+        print_line(console, "no GPU work in the trace: its time is the CPU's (the table above)")
+
+
+def replicas_table(console, summary) -> None:
+    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time) and the straggler the
+    what-if names (traceana.whatif)."""
+    import polars as pl
+
+    from traceana.tables import print_line, print_table
+    from traceana.tables import cell as _num
+    from traceana.whatif import ms
 
     ps = summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
+    ps = ps.filter(pl.col("replicas") > 1)
     reps = summary.replicas
-    # eq_missing: ranks whose stage is unknown (null) are replicas of stage '–' too; == null matches nothing
     collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
-                               reps.filter(pl.col("stage").eq_missing(s)).select("stage", "replica", "collective_ms").rows())
+                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
                   for s in ps["stage"].to_list()}
     headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
-               "excess in\nevery step", "straggler", "collective exposed\nms per replica"]
+               "straggler\n(what-if)", "collective exposed\nms per replica"]
     rows = [[_num(r["stage"], "d"), str(r["replicas"]), _num(r["step_ms"]), _num(r["own_ms"]),
              f"{r['slowest_replica']} (rank {r['slowest_rank']})", _num(r["slowest_own_ms"]),
-             UNKNOWN if r["straggler_excess_fraction"] is None else f"{100 * r['straggler_excess_fraction']:+.0f}%",
-             "–" if r["straggler"] is None else f"replica {r['straggler']}", collective[r["stage"]]]
+             "–" if r["straggler"] is None else f"replica {r['straggler']} (rank {r['straggler_rank']})",
+             collective[r["stage"]]]
             for r in ps.iter_rows(named=True)]  # one row per stage: display only
     print_table(console, "Data-parallel replicas per stage (own time = step − exposed collective; median over "
                          "steps)", headers, rows,
                 keys=1)
     for r in summary.stragglers.iter_rows(named=True):  # one per stage at most: display only
-        print_line(console, f"straggler: replica {r['straggler']} (rank {r['slowest_rank']}) on stage {r['stage']}: "
-                            f"own time {r['slowest_own_ms']:,.2f} ms, "
-                            f"at least {100 * r['straggler_excess_fraction']:.0f}% above the other replicas' mean in "
-                            f"every measured step (named above {100 * STRAGGLER_ABOVE:.0f}%)")
+        print_line(console, f"straggler: rank {r['straggler_rank']} (replica {r['straggler']}) on stage {r['stage']}: "
+                            f"at its peers' speed the step would be {ms(r['if_ideal_step_ms'])} ms instead of "
+                            f"{ms(summary.step_ms)} ms (the what-if names a rank only when that gain exceeds the "
+                            f"noise in every measured step; traceana whatif)"
+                   if r["if_ideal_step_ms"] is not None else f"straggler: rank {r['straggler_rank']}")
+    if not len(summary.stragglers):
+        print_line(console, "no straggler: no rank or replica made ideal shortens the step by more than "
+                            "the noise in every measured step (traceana whatif)")
 
 
-def headline(summary) -> list[str]:
-    """The run's headline figures (traceana.summary), one per line, in the words every surface uses."""
+def path_table(console, summary) -> None:
+    """Time on the replayed step's critical path by kind and stage (traceana.graph.critical_path; whatif has more)."""
+    import polars as pl
+
+    from traceana.tables import print_table
+
+    pt = summary.critical_path
+    if pt is None or not pt.height:
+        return
+    rows = [[grp if grp == "kind" else f"{grp} {r['id']}", r["id"] if grp == "kind" else "", f"{r['ms']:,.2f}",
+             f"{100 * (r['fraction'] or 0):.0f}%"]
+            for grp in ("kind", "stage") for r in pt.filter(pl.col("group") == grp).iter_rows(named=True)]
+    rows = [[f"{a} {b}".strip(), c, d] for a, b, c, d in rows]  # a few rows: display only
+    print_table(console, "Critical path of the replayed step (ms per step, share of the path; traceana whatif for "
+                         "slack and what-ifs)", ["on the path", "ms", "share"], rows, keys=1)
+
+
+def headline(summary, *, pipeline: bool = True) -> list[str]:
+    """The run's headline figures (traceana.summary), one per line, in the words every surface uses (no bubble line
+    where ``pipeline`` is False: a trace that is not a pipeline has none)."""
     from traceana.summary import STEP_TIME_LABEL
     from traceana.timeline import WHOLE_TRACE_STEP
 
@@ -192,9 +262,11 @@ def headline(summary) -> list[str]:
 
     over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
             else f"steps {', '.join(map(str, summary.steps)) or '–'}")
-    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}",
-             f"bubble (warm-up + stall + cool-down, all ranks): "
-             f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
+    if pipeline:
+        lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "
+                     f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of "
+                     "step time")
     if summary.bpipe_ms is not None:
         lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
     if summary.largest_activation_peak_mib is not None:
@@ -202,6 +274,8 @@ def headline(summary) -> list[str]:
                      f"{summary.largest_activation_stage}")
     if summary.memory_balance is not None:
         lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
+    if summary.diagnosis is not None:
+        lines.append(f"bottleneck (what-if, traceana whatif): {summary.diagnosis}")
     return lines
 
 
