@@ -595,3 +595,12 @@ def test_traces_in_nanoseconds_are_named(run2, capsys):
     rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
     line = _one_line(err)
     assert rc == 2 and "nanoseconds" in line and "÷ 1000" in line
+
+
+def test_ctrl_c_still_ends_watch_normally(run2, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", "watch", str(tmp_path), "--interval", "0.1"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err
