@@ -15,6 +15,7 @@ Workers start from a forkserver, so a script calling ``collect`` needs the usual
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -157,6 +158,7 @@ def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_metho
     from collectors.trainer.train import choose_device, init_process_group, train
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    pin_to_core(rank, world_size)
     setup = choose_device(rank, world_size)
     init_process_group(setup, init_method)
     try:
@@ -169,6 +171,28 @@ def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_metho
                 torch.save(dataclasses.asdict(result), Path(results_dir) / f"{index}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def pin_to_core(rank: int, world_size: int) -> int | None:
+    """Pin this rank's process to a core of its own when there are at least as many cores as ranks (the launcher's
+    affinity mask, rank r on its r-th core), and keep torch to one intra- and one inter-op thread; returns the core,
+    or None when the ranks outnumber the cores (then the kernel places them: pinning two ranks to one core would
+    serialise them for the whole run).
+
+    Why: two ranks the scheduler happened to put on one core (or that migrated) made one configuration collected
+    twice run 72–77 ms in two runs and 138–166 ms in two others (pp 2 on this project's 2-core machine); with a
+    core each the spread fell to the figures in docs/field-notes.md "Noise floor". The run's ``host_cpus`` is still
+    the launcher's mask (run.json is finalised by the launcher)."""
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op work
+        torch.set_num_interop_threads(1)
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if world_size > len(cores):
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
 
 
 def in_torchrun() -> bool:
