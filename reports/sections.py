@@ -212,8 +212,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
     overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs])
     page.add(H.run_swatches(names))
     page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
-    page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
+    page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", "step time (ms)"),
                                 ("step_change", f"change vs {base} (%)"),
+                                ("step_change_words", f"against {base}, with its noise (traceana.noise)"),
                                 ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
                                 ("peak_mib", "largest stage peak (MiB)"),
                                 ("memory_balance", "memory imbalance (max/min)")],
@@ -232,7 +233,7 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
             else:
                 predicted.append({"run": name, **{k: r.get(k) for k in (
                     "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
-                    "predicted_speedup", "measured_speedup")}})
+                    "predicted_speedup", "measured_speedup", "measured_change_words", "prediction_within_noise")}})
         if predicted:
             pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
                 (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
@@ -240,7 +241,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
                                   ("predicted_step_ms", "predicted step (ms)"),
                                   ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
                                   ("predicted_speedup", "predicted speed-up (×)"),
-                                  ("measured_speedup", "measured speed-up (×)")],
+                                  ("measured_speedup", "measured speed-up (×)"),
+                                  ("measured_change_words", "measured, with its noise"),
+                                  ("prediction_within_noise", "prediction inside the measured interval")],
                              formats={"error_pct": "signed_pct"}))
         for f in failures:
             page.add(H.para(f, css_class="warn"))

@@ -65,6 +65,10 @@ def render(v, cross: dict | None, *, console) -> None:
                    f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
                    f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
                    f"{_fmt(cross['measured_speedup'], '.3f')}×")
+        agrees = {True: "the predicted change lies inside that interval",
+                  False: "the predicted change lies outside that interval",
+                  None: "nothing to judge the prediction by"}[cross.get("prediction_within_noise")]
+        print_line(console, f"measured: {cross['measured_change_words']}; {agrees}")
         if cross.get("machine_note"):
             print_line(console, cross["machine_note"], prefix="note: ")
 

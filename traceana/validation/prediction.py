@@ -90,6 +90,8 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     base_ms = baseline.summary.step_ms
     ratio = sim_target.step_ns / sim_base.step_ns
     predicted = base_ms * ratio
+    measured_change = _measured_change(baseline, target, base_cfg, tgt_cfg, repeat)
+    predicted_change = ratio - 1
     return {
         "kind": "prediction",
         "baseline": str(baseline.run.path),
@@ -106,4 +108,31 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
         / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
         "machine_note": shared_cpus(target) or shared_cpus(baseline),
+        # the measured change with its noise interval (traceana.noise's names), and whether the predicted change
+        # lies inside that interval (None: no spread to judge)
+        **measured_change.as_dict(),
+        "measured_change_words": measured_change.words(),
+        "prediction_within_noise": None if measured_change.within_noise is None else
+        measured_change.low <= predicted_change <= measured_change.high,
     }
+
+
+def _measured_change(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_cfg: TrainingConfig,
+                     repeat: tuple[Analysis, Analysis] | None):
+    """The measured change from baseline to target with its noise (traceana.noise): over their steps, and over the
+    repeated runs too when ``repeat`` is of the baseline's or the target's configuration."""
+    from traceana.noise import compare
+
+    base, other = [baseline.summary.step_times_ms], [target.summary.step_times_ms]
+    if repeat:
+        cfg = traced_config(repeat[0])
+        extra = [r.summary.step_times_ms for r in repeat
+                 if Path(r.run.path).resolve() not in {Path(baseline.run.path).resolve(),
+                                                         Path(target.run.path).resolve()}]
+        if cfg == base_cfg:
+            base += extra
+        elif cfg == tgt_cfg:
+            other += extra
+    if not any(base) or not any(other):
+        return compare([[baseline.summary.step_ms or 0.0]], [[target.summary.step_ms or 0.0]])
+    return compare(base, other)
