@@ -138,6 +138,23 @@ def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
     assert validate(a).summary["kind"] == "replay"
 
 
+def test_cross_run_measured_change_carries_the_noise_of_the_repeated_baseline(tmp_path):
+    # uniform stages: GPipe and 1F1B both take (m + p − 1)(f + b), so b's step equals a's; the baseline repeated 10 %
+    # slower makes the base side's mean 1.05× and its draws 1, 1.05 or 1.1×: the change −4.8 %, interval −9.1 … 0 %
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times, steps=3)
+    b = fake_analysis(tmp_path / "b", schedule="gpipe", pp=2, m=4, times=times, steps=3)
+    slower = fake_analysis(tmp_path / "slower", schedule="1f1b", pp=2, m=4, steps=3,
+                           times=StageTimes.uniform(2, forward=110e3, backward=220e3))
+    out = cross_run(a, b, repeat=(a, slower))
+    assert out["step_change"] == pytest.approx(1 / 1.05 - 1)
+    assert out["step_change_low"] == pytest.approx(1 / 1.1 - 1) and out["step_change_high"] == pytest.approx(0)
+    assert out["within_noise"] is True and "within noise" in out["measured_change_words"]
+    assert out["prediction_within_noise"] is True  # predicted: no change
+    alone = cross_run(a, b)  # identical steps on both sides: a zero-width interval at no change
+    assert alone["within_noise"] is True and alone["step_change_low"] == alone["step_change_high"] == 0
+
+
 def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
     from traceana.errors import AnalysisError
     from traceana.validation import bpipe_verdict_from_run
