@@ -206,9 +206,9 @@ def test_inference_equals_annotations_for_any_gpipe_or_1f1b_pipeline(schedule, p
 
 
 def test_a_run_without_messages_pairs_into_the_tables_one_message_gives_emptied():
-    # pipeline.pair plans but does not run its queries when there is no message: the empty tables must be exactly
+    # p2p.pair plans but does not run its queries when there is no message: the empty tables must be exactly
     # the ones its queries give (one unmatched send, run through them, then emptied).
-    from traceana.pipeline import MESSAGE, pair
+    from traceana.p2p import MESSAGE, pair
     from traceana.schema import conform
 
     one = conform(pl.DataFrame({"rank": [0], "dir": ["send"], "channel": ["p2p"], "peer": [1], "tag": [0],

@@ -13,7 +13,7 @@ from traceana.ingest import Run
 from traceana.manifest import Manifest, ModelShape
 from traceana.model.config import FP32_ADAM, TrainingConfig
 from traceana.model.simulate import StageTimes, simulate
-from traceana.pipeline import P2P_EXTRA
+from traceana.p2p import P2P_EXTRA
 from traceana.model.memory import activation_peak_estimate
 from traceana.validation import cross_run, validate
 

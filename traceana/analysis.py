@@ -14,12 +14,17 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import limits, names, pipeline, timeline
+from traceana import limits, names, timeline
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
+from traceana.p2p import bpipe_groups, messages, pair
+from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.pipeline_rules import stage_layers
+from traceana.reconcile import annotated_facts, contradiction_notes, traced_manifest
+from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
+                               overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 
@@ -104,13 +109,13 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
                                      or any(len(held) > 1 for held in m.stages_held or ()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
-    interleaved = interleaved or bool(pipeline.virtual_stage_ranks(run.traces))
+    interleaved = interleaved or bool(virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
     # (messages reads the communication events and the LOAD/ACCEPT spans, nothing else.)
-    msgs = pipeline.messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
-                                             | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
-                             pipeline.bpipe_groups(run.traces))
-    pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
+    msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
+                                    | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
+                    bpipe_groups(run.traces))
+    pairs, unmatched, msgs, pair_notes = pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
@@ -124,17 +129,17 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pipeline.pair(msgs)
+        pairs, unmatched, msgs, pair_notes = pair(msgs)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).
-    overlap_spans = pipeline.overlap_spans(events)
-    overlapped = pipeline.overlap_rows(events, spans=overlap_spans)
-    stages, n = pipeline.stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
+    spans = overlap_spans(events)
+    overlapped = overlap_rows(events, spans=spans)
+    stages, n = stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
     notes += n
     # Micro-batches a name rule numbers in order: not on ranks holding several stages (by run.json, the traces'
     # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
-    several = ranks if interleaved else pipeline.several_stages(stages)
+    several = ranks if interleaved else several_stages(stages)
     events = cls.number_in_order(events, skip_ranks=several)
     unstaged = sorted(set(events.lazy().filter(pl.col("pp_order") & pl.col("pp_stage").is_null()).select("rank")
                           .unique().collect(**COLLECT)["rank"].to_list()) & set(several))
@@ -144,14 +149,14 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                      "time is attributed, but which stage and micro-batch a span belongs to is not known (the "
                      "schedule lists those spans under the rank's first stage, with no micro-batch)")
 
-    annotated = pipeline.annotated_schedule(events, stages, overlapped=overlapped)
-    notes += pipeline.overlap_notes(events, spans=overlap_spans)
+    annotated = annotated_schedule(events, stages, overlapped=overlapped)
+    notes += overlap_notes(events, spans=spans)
     fb = annotated.filter(pl.col("phase").is_in(list(names.PASS_PHASES)))
     unannotated = sorted(set(ranks) - set(fb["rank"].to_list()))
     inferred = conform(pl.DataFrame(), SCHEDULE).clear()
     # (interleaved: from run.json or the traces' metadata, above; without either the P2P pattern can tell:
-    # pipeline.placements, a V or a looped placement.)
-    refused = unannotated if interleaved else sorted(set(unannotated) & set(pipeline.several_stages(stages)))
+    # placement.placements, a V or a looped placement.)
+    refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
                      f"{m.schedule if m and m.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
@@ -160,15 +165,15 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                      "forward/backward is claimed for them (their compute counts as other compute)")
     rest = sorted(set(unannotated) - set(refused))
     if rest:
-        inferred, n = pipeline.infer_schedule(events, msgs, stages, ranks=rest)
+        inferred, n = infer_schedule(events, msgs, stages, ranks=rest)
         notes += n
         got = sorted(set(inferred["rank"].to_list()))
         if got:
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
-    notes += pipeline.dropped_annotation_notes(events)
-    notes += pipeline.contradiction_notes(pipeline.annotated_facts(annotated), run.manifest)
+    notes += dropped_annotation_notes(events)
+    notes += contradiction_notes(annotated_facts(annotated), run.manifest)
 
     busy = timeline.busy_events(events)
     notes += timeline.gpu_lag_notes(busy, steps)
@@ -198,7 +203,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                      "reads low by up to the gradients zero_grad frees inside the step when the peak comes before "
                      "backward allocates new ones, and high by the new gradients when it comes after")
     measured = measured_steps(attribution, schedule)
-    mfu, n = _mfu(pipeline.traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
+    mfu, n = _mfu(traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
                   peak_flops)
     notes += n
     events = cls.apply_fill(events, fill)

@@ -131,6 +131,12 @@ def name_test(name: pl.Expr, test: Callable[[pl.Expr], pl.Expr]) -> pl.Expr:
     return name.is_in(distinct.filter(test(text(distinct))).implode())
 
 
+def backward_like(name: pl.Expr) -> pl.Expr:
+    """Whether each name is backward work: one of autograd's per-node ops (``AUTOGRAD_PREFIX``) or a ``…Backward``
+    node (``name_test``: once per distinct name)."""
+    return name_test(name, lambda t: t.str.starts_with(AUTOGRAD_PREFIX) | t.str.contains(r"Backward\d*$"))
+
+
 def pp_columns(name: pl.Expr) -> dict[str, pl.Expr]:
     """Vectorised parse of PP: and GPipe names: expressions for ``pp_stage``, ``pp_action``, ``pp_microbatch``.
 

@@ -33,7 +33,8 @@ from traceana import names, scale
 from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
-from traceana.pipeline import pipeline_groups, traced_manifest
+from traceana.p2p import pipeline_groups
+from traceana.reconcile import traced_manifest
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
 # where it does; by their keys otherwise).
@@ -139,7 +140,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     # groups' tables are recomputed here over the whole run's, exactly as analyze computes them.
     att, stage_mem = tables["attribution"], tables["stage_memory"]
     measured = measured_steps(att, tables["schedule"])
-    # the stage map's columns (pipeline.stage_map: rank, stage, …) are those stage_table puts before its means
+    # the stage map's columns (placement.stage_map: rank, stage, …) are those stage_table puts before its means
     stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
     mfu, _ = _mfu(traced_manifest(manifest, tables["schedule"]), stage_map,
                   tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)

@@ -20,7 +20,7 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   allocated and freed within the step, at its most alive at once, traceana.memory); the run's is the largest
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
-  (``pipeline.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. A rank's
+  (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. A rank's
   **own time** (``own_ms``) is its step minus its exposed collective time: waiting in the gradient all-reduce is
   waiting for the slower replicas, so a fast replica's collective grows by what the slowest one's own time exceeds
   it. Per stage across its replicas: the mean (``per_stage``: the stage's ranks' means), the **slowest replica**
@@ -147,7 +147,7 @@ def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.Dat
                   steps: list[int]) -> pl.DataFrame:
     """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
     own_ms (step − exposed collective), compute_ms, collective_ms."""
-    from traceana.pipeline import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
+    from traceana.p2p import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
 
     att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
            .collect(**COLLECT))

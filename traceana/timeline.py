@@ -18,6 +18,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana import names
+from traceana.p2p import pipeline_groups
 from traceana.schema import STEPS, conform
 
 WHOLE_TRACE_STEP = -1
@@ -240,8 +241,6 @@ def _mid_offsets(edges: list[tuple[int, int, int]], ranks: list[int], smallest: 
     direction took no time at all and its waiting and transfer are split as if it had; the middle is at most half
     the interval from the truth (the estimate NTP makes from a round trip). A rank bounded on one side only, or
     middles that together break a pair, keep ``smallest``."""
-    from traceana.pipeline import pipeline_groups  # (traceana.pipeline imports this module)
-
     # per group of ranks joined by messages, from its first rank (as the group's analysis alone has it)
     peers: dict[int, list[int]] = {r: [] for r in ranks}
     for src, dst, _ in edges:

@@ -18,7 +18,7 @@ from traceana.model.config import TrainingConfig, config_from_manifest
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import bpipe_plan, stage_layers
-from traceana.pipeline import annotated_facts, placement_contradiction, traced_manifest
+from traceana.reconcile import annotated_facts, placement_contradiction, traced_manifest
 
 
 # "Waiting on the pipeline": the bubbles plus exposed P2P.
@@ -270,7 +270,7 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
 def traced_config(a: Analysis) -> TrainingConfig:
     """The configuration validation simulates for a run: run.json as the traces show it (``traced_manifest``), or a
     one-line ConfigError naming run.json where its schedule places another number of stages on each rank than the
-    traces hold (``pipeline.placement_contradiction``): no schedule could be simulated faithfully from it."""
+    traces hold (``reconcile.placement_contradiction``): no schedule could be simulated faithfully from it."""
     manifest = a.run.manifest
     facts = annotated_facts(a.schedule)
     wrong = placement_contradiction(facts, manifest)

@@ -15,7 +15,7 @@ import polars as pl
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
-from traceana.pipeline import traced_manifest
+from traceana.reconcile import traced_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage

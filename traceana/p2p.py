@@ -1,0 +1,235 @@
+"""P2P messages and their pairing, and the pipeline groups (the P2P graph's components).
+
+Pairing (docs/architecture.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
+For each pair, ``data_ready_ns = max(recv_post_ns, send_start_ns)``: before it the receiver waited for its peer, after it
+bytes were moving. Nothing is invented: messages without a counterpart stay unmatched, with a note.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana import intervals as iv
+from traceana import names
+from traceana.classify import inside
+from traceana.schema import P2P, conform
+
+# Extra columns kept beside schema.P2P for the sender's side of each pair.
+P2P_EXTRA = {"send_end_ns": pl.Int64}
+
+MESSAGE = {
+    "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
+    "nbytes": pl.Int64, "step": pl.Int32, "post_ns": pl.Int64, "end_ns": pl.Int64, "on_gpu": pl.Boolean,
+    "launch_ns": pl.Int64,  # when the CPU issued it (= post_ns on CPU ranks; the kernel's launch on GPU ranks)
+}
+
+
+def pipeline_groups(peers: dict[int, list[int]]) -> list[tuple[int, ...]]:
+    """Connected components of the P2P graph (an edge either way joins two ranks), each sorted, by lowest rank.
+
+    Peers that are not ranks of the run (a trace that names a rank whose file is missing) are left out: they hold
+    no events to analyse; ``analyze`` of the group reports their unmatched messages as it would for the whole run.
+    """
+    parent = {r: r for r in peers}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for r, ps in peers.items():  # union-find over a few thousand ranks: the driver's only per-rank work
+        for p in ps:
+            if p in parent:
+                a, b = root(r), root(p)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for r in sorted(peers):
+        groups.setdefault(root(r), []).append(r)
+    return [tuple(g) for _, g in sorted(groups.items())]
+
+
+def bpipe_groups(traces: pl.DataFrame) -> pl.DataFrame:
+    """``rank, group_ranks``: the members (global ranks, in group-rank order) of each rank's BPipe process group,
+    from the trace's process groups (ingest reads them from ``distributedInfo.pg_config``)."""
+    return (
+        traces.select("rank", "process_groups").explode("process_groups").unnest("process_groups")
+        .filter(pl.col("desc").str.contains(names.BPIPE_GROUP_DESC, literal=True)
+                & pl.col("ranks").list.contains(pl.col("rank")))
+        .select(pl.col("rank").cast(pl.Int32), pl.col("ranks").cast(pl.List(pl.Int32)).alias("group_ranks"))
+    )
+
+
+def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per P2P message a rank sent or received (MESSAGE columns).
+
+    GPU ranks: the NCCL SendRecv kernel (start = when the GPU began the transfer, end = when it completed). CPU ranks:
+    the post op (``c10d::send``/``c10d::recv_``, else record_param_comms / ``nccl:*``) extended to the end of the
+    matching ``gloo:send``/``gloo:recv`` span, which lasts until wait() returned.
+    """
+    # (A few lazy queries instead of ~20 eager operations, docs/performance.md "Fixed cost".)
+    comm = events.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null()).collect(
+        **iv.COLLECT)
+    if not comm.height:  # no P2P op in a step (one rank, a data-parallel job): the queries below would find none
+        return conform(pl.DataFrame(), MESSAGE)
+    comm = comm.lazy()
+    end = pl.col("ts_ns") + pl.col("dur_ns")
+    kernels = comm.filter(pl.col("is_gpu") & (pl.col("cat") == "kernel"))
+    cpu = comm.filter(~pl.col("is_gpu"))
+    posts = cpu.filter(pl.col("cat") != "user_annotation").with_columns(
+        pl.when(names.text(pl.col("name")).str.starts_with(names.C10D_PREFIX)).then(0)
+        .when(pl.col("name") == names.RECORD_PARAM_COMMS).then(1).otherwise(2).alias("_prio")
+    )
+    # One post source per rank (c10d ops contain record_param_comms on some builds: do not count twice).
+    posts, spans = pl.collect_all([
+        posts.filter(pl.col("_prio") == pl.col("_prio").min().over("rank")).with_row_index("_post"),
+        cpu.filter(pl.col("cat") == "user_annotation").select(
+            "rank", "track", "comm_dir", pl.col("ts_ns").alias("_span_start"), end.alias("_span_end")),
+    ], **iv.COLLECT)
+    if spans.height and posts.height:
+        attached = (
+            spans.sort("_span_start")
+            .join_asof(posts.select("rank", "track", "comm_dir", "ts_ns", "_post").sort("ts_ns"),
+                       left_on="_span_start", right_on="ts_ns", by=["rank", "track", "comm_dir"],
+                       strategy="backward", check_sortedness=False)
+            .filter(pl.col("_post").is_not_null())
+            .group_by("_post").agg(pl.col("_span_end").max())
+        )
+        posts = posts.join(attached, on="_post", how="left")
+    else:
+        posts = posts.with_columns(pl.lit(None, pl.Int64).alias("_span_end"))
+    gpu_msg_ranks = kernels.select("rank").unique()
+    cpu_msgs = posts.lazy().join(gpu_msg_ranks, on="rank", how="anti").with_columns(
+        pl.max_horizontal(end, pl.col("_span_end")).alias("end_ns"), pl.lit(False).alias("on_gpu"))
+    gpu_msgs = kernels.with_columns(end.alias("end_ns"), pl.lit(True).alias("on_gpu"))
+    out = pl.concat(
+        [m.select("rank", pl.col("comm_dir").cast(pl.String).alias("dir"), pl.col("channel").cast(pl.String),
+                  "peer", "tag", "nbytes", "step",
+                  pl.col("ts_ns").alias("post_ns"), "end_ns", "on_gpu", "launch_ns")
+         for m in (cpu_msgs, gpu_msgs)],
+        how="vertical_relaxed",
+    ).collect(**iv.COLLECT)
+    # A receive posted ahead of time (BPipe prefetches saved activations) is BPipe traffic if its wait returns
+    # inside a receiving BPipe span (LOAD on the evictor, ACCEPT on the acceptor).
+    receiving = iv.merge(
+        events.lazy().filter(pl.col("pp_action").is_in([names.LOAD, names.ACCEPT]))
+        .select("rank", pl.col("ts_ns").alias("start"), end.alias("end")).collect(**iv.COLLECT), "rank")
+    if receiving.height:
+        ends_inside = inside(out.with_columns((pl.col("end_ns") - 1).alias("_last")), "_last", receiving)
+        out = out.with_columns(pl.when(pl.lit(ends_inside) & (pl.col("dir") == "recv")).then(pl.lit("bpipe"))
+                               .otherwise(pl.col("channel")).alias("channel"))
+    # c10d records the peer as a rank *within the process group*: map BPipe traffic (which runs on its own group)
+    # back to global ranks.
+    if groups is not None and groups.height:
+        out = (
+            out.join(groups, on="rank", how="left")
+            .with_columns(pl.when((pl.col("channel") == "bpipe") & pl.col("group_ranks").is_not_null()
+                                  & (pl.col("peer") < pl.col("group_ranks").list.len()))
+                          .then(pl.col("group_ranks").list.get(pl.col("peer"), null_on_oob=True))
+                          .otherwise(pl.col("peer")).alias("peer"))
+            .drop("group_ranks")
+        )
+    return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(**iv.COLLECT)
+
+
+def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
+    """Match sends with recvs. Returns (pairs: schema.P2P + send_end_ns, unmatched messages, the messages with the
+    channel of their pair, notes)."""
+    # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
+    # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
+    keys = ["src", "dst", "tag", "step"]
+    # A few lazy queries instead of ~30 eager operations (docs/performance.md "Fixed cost").
+    m = msgs.lazy().with_columns(pl.col("tag").fill_null(-1)).with_row_index("_row")
+    # A message whose peer is its own rank was recorded with a rank *within its process group* (gloo's c10d ops do
+    # not say which group; NCCL's are mapped in ingest): it names no rank of the run, so it is never paired (a
+    # "pair" with itself would make a one-rank ring of the P2P chain) and stays unmatched, with a note.
+    to_self = m.filter(pl.col("peer") == pl.col("rank"))
+    m = m.filter(pl.col("peer").is_null() | (pl.col("peer") != pl.col("rank")))
+
+    def side(direction: str, me: str, other: str, post: str, end: str) -> pl.LazyFrame:
+        """One direction's messages numbered in posting order per (src, dst, tag, step)."""
+        return (
+            m.filter(pl.col("dir") == direction).rename({"rank": me, "peer": other})
+            .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
+            .select(*keys, "seq", pl.col("_row").alias(f"_{direction}_row"),
+                    pl.col("channel").alias(f"{direction}_channel"), pl.col("nbytes").alias(f"{direction}_nbytes"),
+                    pl.col("post_ns").alias(post), pl.col("end_ns").alias(end))
+        )
+
+    sends = side("send", "src", "dst", "send_start_ns", "send_end_ns")
+    recvs = side("recv", "dst", "src", "recv_post_ns", "recv_end_ns")
+    joined = (
+        sends.join(recvs, on=[*keys, "seq"], how="full", coalesce=True, nulls_equal=True)
+        .with_columns(pl.when((pl.col("send_channel") == "bpipe") | (pl.col("recv_channel") == "bpipe"))
+                      .then(pl.lit("bpipe")).otherwise(pl.lit("p2p")).alias("channel"))
+    )
+    # No messages (one rank, a data-parallel job): the same empty tables, planned but not run (two queries).
+    n_msgs = msgs.height
+    joined = joined.collect(**iv.COLLECT) if n_msgs else _empty(joined)
+    matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
+    # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
+    ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
+    pairs = matched.with_columns(
+        ready.alias("data_ready_ns"), pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
+    ).with_columns(
+        (pl.col("data_ready_ns") - pl.col("recv_post_ns")).alias("wait_ns"),
+        (pl.col("recv_end_ns") - pl.col("data_ready_ns")).alias("transfer_ns"),
+    )
+    pairs = conform(pairs, {**P2P, **P2P_EXTRA}).sort("step", "src", "dst", "tag", "seq")
+    unmatched_sends = joined.lazy().filter(pl.col("recv_post_ns").is_null() & pl.col("send_start_ns").is_not_null())
+    unmatched_recvs = joined.lazy().filter(pl.col("send_start_ns").is_null() & pl.col("recv_post_ns").is_not_null())
+    unmatched = pl.concat([
+        to_self.select("rank", "dir", pl.lit("p2p").alias("channel"), "step", pl.col("post_ns").alias("start"),
+                       pl.col("end_ns").alias("end"), pl.col("peer").alias("_peer")),
+        unmatched_sends.select(pl.col("src").alias("rank"), pl.lit("send").alias("dir"), "channel", "step",
+                               pl.col("send_start_ns").alias("start"), pl.col("send_end_ns").alias("end"),
+                               pl.col("dst").alias("_peer")),
+        unmatched_recvs.select(pl.col("dst").alias("rank"), pl.lit("recv").alias("dir"), "channel", "step",
+                               pl.col("recv_post_ns").alias("start"), pl.col("recv_end_ns").alias("end"),
+                               pl.col("src").alias("_peer")),
+    ])
+    rows = pl.concat([joined.lazy().select(pl.col("_send_row").alias("_row"), "channel"),
+                      joined.lazy().select(pl.col("_recv_row").alias("_row"), "channel")]).drop_nulls("_row")
+    msgs = (
+        msgs.lazy().with_row_index("_row").join(rows.rename({"channel": "_pair_channel"}), on="_row", how="left")
+        .with_columns(pl.coalesce("_pair_channel", "channel").alias("channel")).drop("_row", "_pair_channel")
+    )
+    if n_msgs:
+        pairs, unmatched, msgs, to_self = pl.collect_all([pairs, unmatched, msgs, to_self.select("rank")],
+                                                         **iv.COLLECT)
+    else:
+        pairs, unmatched, msgs, to_self = (_empty(q) for q in (pairs, unmatched, msgs, to_self.select("rank")))
+    notes = []
+    if to_self.height:
+        on = sorted(set(to_self["rank"].to_list()))
+        notes.append(f"{to_self.height} P2P messages on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "
+                     "name their own rank as the peer: the trace records peers as ranks within a process group, "
+                     "and does not say which group, so they are not matched to any rank (nor used for stages or "
+                     "clocks); the other peers of such a trace may be group ranks too — give run.json's "
+                     "stage_of_rank, or profile with NCCL, whose messages name their group")
+    # Whether a peer's trace is missing or its messages just do not line up, each rank's side is reported.
+    for label, direction in (("sends", "send"), ("recvs", "recv")):
+        frame = unmatched.filter(pl.col("dir") == direction) if unmatched.height else unmatched
+        if frame.height:
+            per = frame.group_by("rank", "_peer").agg(pl.len()).sort("rank", "_peer")
+            desc = "; ".join(f"rank {a}→{b}: {n}" if label == "sends" else f"rank {a}←{b}: {n}"
+                             for a, b, n in per.rows())
+            # a peer with no P2P event in the run (its trace missing) is said so, not blamed on step numbers
+            absent = sorted(set(per["_peer"].drop_nulls().to_list()) - set(msgs["rank"].unique().to_list()))
+            why = "messages pair within a step, so ranks numbering their steps apart pair none"
+            if absent:
+                why = (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}: no P2P event in the "
+                       "run (no trace, or one without its messages)"
+                       + (f"; {why}" if set(per["_peer"].drop_nulls().to_list()) - set(absent) else ""))
+            notes.append(f"{frame.height} P2P {label} have no counterpart in the peer's trace in the same "
+                         f"ProfilerStep ({desc}; {why}); "
+                         "their time counts as waiting, with no wait/transfer split")
+    unmatched = unmatched.drop("_peer")
+    return pairs, unmatched, msgs, notes
+
+
+def _empty(query: pl.LazyFrame) -> pl.DataFrame:
+    """What ``query`` gives on empty inputs: no rows, its planned columns."""
+    return pl.DataFrame(schema=query.collect_schema())
+
