@@ -5,7 +5,7 @@ Figures come from ``reports.figures`` (holoviews), passed in as ``G`` so that im
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import polars as pl
 
@@ -201,15 +201,18 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
     page.add("</section>")
 
 
-def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None) -> None:
-    """Every run against the first: step time, the model's cross-run prediction, per-stage deltas."""
+def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None, *,
+               repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
+    """Every run against the first: step time with its noise (over ``repeats`` too), the model's cross-run
+    prediction, per-stage deltas."""
     page.add('<section id="comparison"><h2>A/B comparison</h2>')
     names = [n for n, _ in runs]
     analyses = [a for _, a in runs]
     base = names[0]
     page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
                     css_class="lead"))
-    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs])
+    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs],
+                                  repeats={n: [a.summary for a in rs] for n, rs in (repeats or {}).items()})
     page.add(H.run_swatches(names))
     page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
     page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", "step time (ms)"),

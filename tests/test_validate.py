@@ -201,3 +201,20 @@ def test_validate_simulates_the_traces_schedule_and_micro_batches_not_a_contradi
     assert v.summary["simulated_step_ms"] == truth.summary["simulated_step_ms"]
     assert any("simulated as the traces show it: schedule 1f1b, 4 micro-batches (run.json says gpipe, 2)" in n
                for n in v.notes)
+
+
+def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_path):
+    from traceana.validation.prediction import repeated_comparison
+
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    runs = lambda name, t, n=2: [fake_analysis(tmp_path / f"{name}{k}", schedule="1f1b", pp=2, m=4, times=t,  # noqa: E731
+                                               steps=3) for k in range(n)]
+    base = runs("a", times)
+    same = repeated_comparison(base, runs("b", times))
+    assert same["agree"] is True and "measured and modelled agree" in same["headline"]
+    assert same["step_change"] == 0 and same["baseline"]["runs"] == 2
+    # every operation twice as long in the second configuration's runs: a measured +100 % the model (same
+    # configuration: no change) cannot predict, and forward+backward per micro-batch 2× says it was the machine
+    slow = repeated_comparison(base, runs("c", StageTimes.uniform(2, forward=200e3, backward=400e3)))
+    assert slow["agree"] is False and slow["step_change"] == pytest.approx(1.0)
+    assert slow["compute_ratio"] == pytest.approx(2.0) and "the machine changed speed" in slow["headline"]
