@@ -130,8 +130,9 @@ def narayanan_iteration_flops(model: ModelShape, *, global_batch: int, recompute
 # PaLM, Chowdhery et al. 2022, appendix B); HFU (hardware FLOPs utilisation) also counts the recomputed forward —
 # 96·B·s·l·h²·(1 + s/6h + V/16lh) under full recompute, the figure Megatron-LM quotes — so it equals MFU without
 # recompute and is shown only beside it when recompute is on.
-MFU_COUNTS = "model FLOPs, recompute not counted (PaLM app. B; 72·B·s·l·h²·… for GPT)"
-HFU_COUNTS = "hardware FLOPs, recompute counted (Megatron-LM's 96·B·s·l·h²·… under full recompute)"
+MFU_COUNTS = "model FLOPs, recompute not counted (PaLM app. B; for GPT 72·B·s·l·h²·(1 + s/6h + V/12lh))"
+HFU_COUNTS = ("hardware FLOPs, recompute counted (Megatron-LM's figure; for GPT under full recompute "
+              "96·B·s·l·h²·(1 + s/6h + V/16lh))")
 
 
 def mfu(model_flops: float, *, seconds: float, peak_flops: float, devices: int = 1) -> float:
