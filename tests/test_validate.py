@@ -104,6 +104,13 @@ def test_bpipe_verdict_from_a_measured_run_with_recompute(tmp_path):
     fast = bpipe_verdict_from_run(deep, bpipe_ns=0.0, policy="full-recompute")
     slow = bpipe_verdict_from_run(deep, bpipe_ns=2e6, policy="full-recompute")
     assert slow.speedup < fast.speedup and slow.deltas["transfer"] > 0
+    # the transfer time at which the verdict flips: between the free one (helps) and 2 ms (does not), and it is the
+    # turning point: a little below it BPipe still helps, a little above it no longer
+    assert fast.helps and not slow.helps
+    flip = fast.flips["bpipe_transfer_ns"]
+    assert 0 < flip < 2e6 and "would flip at a BPipe transfer" in fast.sentence
+    assert bpipe_verdict_from_run(deep, bpipe_ns=flip / 1.3, policy="full-recompute").helps
+    assert not bpipe_verdict_from_run(deep, bpipe_ns=flip * 1.3, policy="full-recompute").helps
 
 
 def test_bpipe_verdict_has_no_cancelling_terms(tmp_path):

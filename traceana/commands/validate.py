@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             "bpipe": None if verdict is None else {
                 "helps": verdict.helps, "speedup": verdict.speedup, "baseline": verdict.baseline,
                 "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
+                "flips": verdict.flips, "flip_notes": verdict.flip_notes,
                 "sentence": verdict.sentence}}), indent=2, default=str))
     else:
         from traceana.tables import console as output_console
