@@ -111,9 +111,58 @@ def ranks_output(out: Path) -> Iterator[None]:
     print(f"the ranks' own output (torch's messages): {log}")
 
 
+OWNER = ".traceana-collect"  # in a run directory being collected: which launch it belongs to (torchrun's ranks)
+
+
+def refuse_used_output(out: Path) -> None:
+    """A collection writes only into a new or empty directory (as ``traceana attach`` does): collecting into an
+    existing run would replace some of its traces and leave the others — a mixed run. Under torchrun every rank
+    runs this command on the same directory: the first rank marks it with the launch's id (``OWNER``) and the others
+    accept a directory holding nothing but that mark (its own unfinished output)."""
+    from traceana.errors import ConfigError
+
+    launch_id = _launch_id()
+    try:
+        names = sorted(n for n in os.listdir(out) if not n.startswith(".traceana-write-test-"))
+    except FileNotFoundError:
+        names = []
+    except OSError as e:  # (the words of launch.check_out_dir)
+        raise ConfigError(f"cannot write to the output directory ({e.strerror or e})", path=out,
+                          fix="choose a writable -o/--output directory") from None
+    if names == [OWNER] and launch_id is not None:
+        try:
+            if (out / OWNER).read_text() == launch_id:
+                return
+        except OSError:
+            pass
+    if names:
+        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        raise ConfigError(f"the output directory is not empty ({shown}); collecting into it would mix two runs",
+                          path=out, fix="choose a new -o/--output directory (traceana never writes into a run)")
+    if launch_id is not None:  # the first rank here: mark the directory as this launch's (atomically, content and all)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".traceana-write-test-{os.getpid()}"
+        tmp.write_text(launch_id)
+        try:
+            os.link(tmp, out / OWNER)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        refuse_used_output(out)  # another launch's rank may have marked it first
+
+
+def _launch_id() -> str | None:
+    """What all the ranks of one torchrun launch share (None outside torchrun)."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # launch.in_torchrun
+        return None
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+
 def run(args: argparse.Namespace) -> int:
     from collectors.trainer.config import SCHEDULES
 
+    refuse_used_output(args.output)  # before anything is spawned or written
     if args.schedule not in SCHEDULES:
         return run_pipelining(args)
     config = config_from_args(args)  # ConfigError (exit 2) before torch is even imported

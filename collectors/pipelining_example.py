@@ -181,7 +181,7 @@ def manifest(schedule: str, world: int, stages: int, microbatches: int, microbat
         profiler={"wait": 0, "warmup": min(warmup_steps, 1), "active": steps, "repeat": 1},
         torch_version=torch.__version__,
         **host_facts(world),
-        extra={"collector": "torch.distributed.pipelining", "stages_of_rank": per_rank},
+        collector="torch.distributed.pipelining", stages_of_rank=tuple(tuple(p) for p in per_rank),
     )
 
 

@@ -6,6 +6,8 @@ import json
 
 from reports import html as H
 from traceana.analysis import Analysis
+from traceana.manifest import LIFTED
+from traceana.run_config import TRACE
 from traceana.summary import STEP_TIME_LABEL
 
 
@@ -47,9 +49,14 @@ def summary_facts(a: Analysis) -> list[tuple[str, object]]:
         rows.append(("peak FLOP/s per device", f"{m.peak_flops:.3g}"))
     if m.profiler:
         rows.append(("profiler schedule", ", ".join(f"{k}={v}" for k, v in sorted(m.profiler.items()))))
-    for k, v in sorted(m.extra.items()):
+    lifted = {k: getattr(m, k) for k in LIFTED}  # run.json's facts older files kept under extra, then the unknown
+    for k, v in sorted({**m.extra, **lifted}.items()):
         if v is not None:
             rows.append((k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)))
+    traced = [f"{k.replace('_', ' ')} {getattr(a.config, k)}" for k in ("schedule", "num_microbatches")
+              if a.config.source(k) == TRACE]
+    if traced:
+        rows.append(("from the traces", f"{', '.join(traced)} (run.json said otherwise: see the notes)"))
     return rows
 
 

@@ -16,6 +16,7 @@ import polars as pl
 from reports import frames as F
 from traceana.analysis import Analysis
 from traceana.errors import TraceanaError
+from traceana.pipeline_rules import bpipe_applies
 
 
 @dataclass
@@ -46,8 +47,8 @@ def default_validation(a: Analysis) -> Validated:
 
 def bpipe_verdict(a: Analysis) -> str | None:
     """``traceana.validation.bpipe_verdict_from_run``'s sentence for a plain 1F1B run; None where it does not apply."""
-    m = a.run.manifest
-    if m is None or m.schedule != "1f1b" or m.bpipe_on or (m.pp or 0) < 2:
+    c = a.config
+    if c.manifest is None or c.bpipe or not bpipe_applies(c.schedule, pp=c.pp, virtual_stages=c.virtual_stages or 1):
         return None
     from traceana.validation import bpipe_verdict_from_run
 

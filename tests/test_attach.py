@@ -79,21 +79,21 @@ def test_manifest_says_which_ranks_left_no_trace():
     m = window_manifest(facts, (0, 1, 3), job={"exit_code": -9})
     assert m.world_size == 4 and m.pp == 4 and m.stage_of_rank == (0, 1, 2, 3) and m.schedule == "1f1b"
     assert m.num_microbatches == 8 and m.microbatch_size == 2 and m.global_batch == 16 and m.dp == 1
-    a = m.extra["attach"]
+    a = m.attach
     assert m.ranks_written == (0, 1, 3) and a["ranks_without_trace"] == [2] and "-9" in a["ranks_without_trace_why"]
     assert a["parameters"] == 100 + 101 + 102 + 103  # four distinct stages: their parameters add up
     # A rank that died before the window wrote no facts either: its stage stays unknown, not guessed.
     del facts[2]
     m = window_manifest(facts, (0, 1, 3))
-    assert m.stage_of_rank is None and m.extra["attach"]["ranks_without_facts"] == [2]
-    assert m.extra["attach"]["parameters"] is None and "parameters (whole model)" in m.extra["attach"]["not_detected"]
+    assert m.stage_of_rank is None and m.attach["ranks_without_facts"] == [2]
+    assert m.attach["parameters"] is None and "parameters (whole model)" in m.attach["not_detected"]
 
 
 def test_manifest_of_a_data_parallel_job_does_not_invent_stages():
     m = window_manifest({r: _facts(r, None, parameters=577) for r in range(2)} | {}, (0, 1))
     assert m.pp is None and m.stage_of_rank is None and m.schedule == "unknown"
-    assert m.extra["attach"]["parameters"] == 577  # replicas, not 2 × 577
-    assert "pipeline stages (pp, stage_of_rank)" in m.extra["attach"]["not_detected"]
+    assert m.attach["parameters"] == 577  # replicas, not 2 × 577
+    assert "pipeline stages (pp, stage_of_rank)" in m.attach["not_detected"]
 
 
 # --- real jobs ---------------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_dp_job_under_torchrun(dp_runs):
         optimizer_steps = [e for e in _trace_events(trace) if str(e.get("name", "")).startswith("Optimizer.step#")]
         assert len(optimizer_steps) == 2
     m = json.loads((run / "run.json").read_text())
-    a = m["extra"]["attach"]
+    a = m["attach"]
     assert m["world_size"] == 2 and m["ranks_written"] == [0, 1] and m["torch_version"] == torch.__version__
     assert a["parameters"] == 577 and a["step_source"].startswith("torch.optim")
     assert a["window"] == [3, 5] and a["ranks_without_trace"] == [] and a["problems"] == {}
@@ -140,7 +140,7 @@ def test_profiler_failure_leaves_training_output_identical(dp_runs):
     assert failing.stdout == plain.stdout
     out = base / "failing"
     assert not list(out.glob("*.json.gz"))
-    a = json.loads((out / "run.json").read_text())["extra"]["attach"]
+    a = json.loads((out / "run.json").read_text())["attach"]
     assert a["ranks_without_trace"] == [0, 1]
     assert set(a["problems"]) == {"0", "1"} and all("injected" in p for p in a["problems"].values())
     assert "injected" in failing.stderr
@@ -159,7 +159,7 @@ def test_pipelining_example_unmodified(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
     m = json.loads((run / "run.json").read_text())
-    a = m["extra"]["attach"]
+    a = m["attach"]
     assert (m["world_size"], m["pp"], m["stage_of_rank"], m["schedule"]) == (2, 4, [0, 1], "interleaved-1f1b")
     assert a["schedule_class"] == "ScheduleInterleaved1F1B" and a["stages_of_rank"] == {"0": [0, 2], "1": [1, 3]}
     assert (m["num_microbatches"], m["microbatch_size"], m["global_batch"]) == (4, 2, 8)
@@ -200,9 +200,9 @@ def test_a_rank_that_dies_leaves_the_finished_window_intact(tmp_path):
     for r in (0, 1):
         assert _steps_recorded(done / f"rank{r}.pt.trace.json.gz") == {2}
     m = json.loads((done / "run.json").read_text())
-    assert m["ranks_written"] == [0, 1] and m["extra"]["attach"]["ranks_without_trace"] == []
+    assert m["ranks_written"] == [0, 1] and m["attach"]["ranks_without_trace"] == []
     m = json.loads((cut / "run.json").read_text())
-    a = m["extra"]["attach"]
+    a = m["attach"]
     assert m["ranks_written"] == [] and a["ranks_without_trace"] == [0, 1]
     assert a["job"]["exit_code"] == result.returncode and "ranks_without_trace_why" in a
     assert "no trace from ranks [0, 1]" in result.stderr
@@ -220,8 +220,8 @@ def test_step_fn_names_the_step(tmp_path):
     assert _steps_recorded(trace) == {2, 3}
     assert len([e for e in _trace_events(trace) if str(e.get("name", "")).startswith("Optimizer.step#")]) == 4
     m = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert m["world_size"] == 1 and m["extra"]["attach"]["step_source"] == "--step-fn"
-    assert m["extra"]["attach"]["parameters"] == 8 * 4 + 4
+    assert m["world_size"] == 1 and m["attach"]["step_source"] == "--step-fn"
+    assert m["attach"]["parameters"] == 8 * 4 + 4
 
 
 def test_a_failing_hook_stops_profiling_never_training(monkeypatch, capsys):

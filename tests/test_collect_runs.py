@@ -131,8 +131,10 @@ def test_bpipe_moves_stage_0_peak_memory_toward_its_pairs_balanced_level(collect
     (["--pp", "4", "--microbatches", "3"], "never reaches its steady state"),
     (["--model", "gpt-9000"], "unknown preset"),
     (["--steps", "0"], "at least 1"),
-    # GPipe keeps all m micro-batches on every stage (Huang et al. 2019): partners are balanced already
-    (["--schedule", "gpipe", "--bpipe"], "gpipe keeps 8, 8, 8, 8 on stages 0..3"),
+    # GPipe keeps all m micro-batches on every stage (Huang et al. 2019): an acceptor has no room to lend, with
+    # any --bpipe-inflight (validate and estimate --from-run refused what collect wrote)
+    (["--schedule", "gpipe", "--bpipe"], "GPipe holds all its micro-batches on every stage"),
+    (["--schedule", "gpipe", "--bpipe", "--bpipe-inflight", "2"], "use --schedule 1f1b, or drop --bpipe"),
     # 1F1B at pp 2 holds 2 and 1: the evictor's only other micro-batch is the one its next backward needs
     (["--pp", "2", "--bpipe"], "use --pp 4 or more"),
 ])
@@ -154,3 +156,25 @@ def test_collect_refuses_an_unwritable_output_directory(tmp_path, monkeypatch, c
     blocker.write_text("x")
     assert cli(["collect", "-o", str(blocker / "run")]) == 2
     assert "cannot write to the output directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_bpipe_inflight_suggestion_is_made_only_with_a_value_that_works(pp):
+    """`collect --pp 2 --bpipe` suggested --bpipe-inflight, which gave the same refusal whatever its value: at pp 2
+    the evictor's only other micro-batch is the one its next backward needs. Now the refusal offers a value only
+    where one makes the plan evict, and that value is then accepted. At pp 3, m 8, the pair (0, 2) holds 3 and 1
+    and its balanced keep is 3 (nothing evicted: the acceptor would briefly hold 3 too); keeping 2 evicts."""
+    from collectors.trainer.config import CollectConfig
+    from traceana.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="can balance nothing") as e:
+        CollectConfig(pp=pp, microbatches=8, bpipe=True)
+    fix = e.value.fix
+    if pp == 2:
+        assert "--bpipe-inflight" not in fix
+        for keep in (1, 2, 3):
+            with pytest.raises(ConfigError, match="can balance nothing"):
+                CollectConfig(pp=2, microbatches=8, bpipe=True, bpipe_inflight=keep)
+    else:
+        keep = int(fix.rsplit("--bpipe-inflight ", 1)[1])
+        assert keep == 2 and CollectConfig(pp=pp, microbatches=8, bpipe=True, bpipe_inflight=keep).bpipe_pairs

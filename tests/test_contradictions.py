@@ -145,13 +145,13 @@ def test_validate_names_what_to_fix_in_run_json_not_a_flag(tmp_path):
 
     from traceana.errors import ConfigError
     from traceana.manifest import Manifest
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
 
     m = Manifest.from_dict({"world_size": 2, "pp": 2, "schedule": "gpipe", "bpipe": [[0, 1]], "microbatch_size": 1,
                             "num_microbatches": 2, "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4,
                                                              "seq": 16, "vocab": 64}})
     with pytest.raises(ConfigError) as e:
-        config_from_manifest(m, path=tmp_path)
+        RunConfig.from_manifest(m).training_config(path=tmp_path)
     line = e.value.line()
     assert "--" not in line and line.startswith(f"{tmp_path / 'run.json'}: BPipe is defined on the 1F1B schedule")
     assert line.endswith("use schedule 1f1b with bpipe in run.json")

@@ -9,6 +9,7 @@ import pytest
 from tracebuilder import TraceBuilder
 
 from traceana.cli import main
+from traceana.errors import BadInputError
 from traceana.manifest import Manifest, ModelShape
 
 # A GPT of 4 layers, h 32, s 16, V 64: with Narayanan et al. 2021 §5.1, one layer's forward is
@@ -257,11 +258,10 @@ def test_zero_bubble_with_one_stage_a_rank_is_no_contradiction(tmp_path):
     on each rank' against the traces' one, and validate refused to simulate it."""
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
-    from traceana.validation.measurement import traced_config
 
     a = analyze(load_run(_zb_h1_run(tmp_path), cache=False))
     assert not any("places" in n and "on each rank" in n for n in a.notes), a.notes
-    cfg = traced_config(a)
+    cfg = a.config.training_config()
     assert (cfg.schedule, cfg.pp, cfg.virtual_stages) == ("zero-bubble", 2, 1)
 
 
@@ -288,7 +288,6 @@ def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
     larger model would have been simulated on 4 devices). By the annotations: 2 devices of 2 stages each."""
     from traceana.analysis import analyze
     from traceana.ingest.run_dir import load_run
-    from traceana.validation.measurement import traced_config
 
     order = {0: [("0F0", 0, 100), ("2F0", 300, 100), ("2B0", 400, 100), ("0B0", 800, 100)],
              1: [("1F0", 110, 90), ("3F0", 200, 90), ("3B0", 290, 90), ("1B0", 610, 90)]}
@@ -296,7 +295,7 @@ def test_run_json_virtual_stages_with_pp_counting_stages(tmp_path):
     (tmp_path / "run.json").write_text(Manifest(
         world_size=2, pp=4, stage_of_rank=(0, 1), schedule="interleaved-1f1b", microbatch_size=2, num_microbatches=1,
         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra={"virtual_stages": 2}).to_json())
-    cfg = traced_config(analyze(load_run(tmp_path, cache=False)))
+    cfg = analyze(load_run(tmp_path, cache=False)).config.training_config()
     assert (cfg.pp, cfg.virtual_stages) == (2, 2)
 
 
@@ -306,16 +305,21 @@ def test_run_json_stages_a_rank_is_read_once_for_the_model_and_the_placement_che
     Manifest.stages_a_rank. By hand: lists [[0, 3], [1, 2]] hold 2 a rank; uneven lists say no one count, which
     the model refuses rather than simulate 4 stages as 4 devices."""
     from traceana.errors import ConfigError
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
+
+    def config_from_manifest(m):
+        return RunConfig.from_manifest(m).training_config()
 
     def manifest(extra):
         return Manifest(world_size=2, pp=4, schedule="interleaved-1f1b", microbatch_size=1, num_microbatches=4,
                         model=SHAPE, dtype="float32", attention="sdpa", recompute="none", extra=extra)
 
-    assert manifest({"stages_of_rank": [[3, 0], [1, 2]]}).stages_held == ((0, 3), (1, 2))
+    assert manifest({"stages_of_rank": [[3, 0], [1, 2]]}).stages_of_rank == ((0, 3), (1, 2))
     assert manifest({"stages_of_rank": [[0, 3], [1, 2]]}).stages_a_rank == 2
     assert manifest({"virtual_stages": 2}).stages_a_rank == 2
-    assert manifest({}).stages_a_rank is None and manifest({"stages_of_rank": [[0], "x"]}).stages_held is None
+    assert manifest({}).stages_a_rank is None
+    with pytest.raises(BadInputError, match="stages_of_rank must be one list of stage numbers per rank"):
+        manifest({"stages_of_rank": [[0], "x"]})  # (was silently ignored)
     assert config_from_manifest(manifest({"stages_of_rank": [[0, 3], [1, 2]]})).pp == 2
     uneven = manifest({"stages_of_rank": [[0, 2, 3], [1]]})
     assert uneven.stages_a_rank is None

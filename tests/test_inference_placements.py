@@ -82,7 +82,7 @@ def test_v_placement_named_and_refused(both, schedule):
     run, a, inferred = both(f"pipelining-{schedule}")
     # V on 2 ranks: rank 0 holds the first and the last stage, rank 1 the two middle ones (handed over locally)
     assert stages_of(inferred) == {0: "0,3", 1: "1,2"}
-    assert stages_of(inferred) == {r: ",".join(map(str, s)) for r, s in enumerate(run.manifest.extra["stages_of_rank"])}
+    assert stages_of(inferred) == {r: ",".join(map(str, s)) for r, s in enumerate(run.manifest.stages_of_rank)}
     assert stages_of(a) == stages_of(inferred)  # what the PP: names say
     assert_refused(inferred, "V")
     assert any("4 micro-batches" in n for n in inferred.notes)  # 2·4 messages each way on the one link

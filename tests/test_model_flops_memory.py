@@ -189,11 +189,11 @@ def test_a_runs_bpipe_keep_reaches_the_memory_model():
     # pp=4, m=8: the evictor keeps ⌈(4+1)/2⌉ = 3 by default; a run collected with --bpipe-inflight 2 keeps 2, and its
     # acceptor then holds its own 1 plus up to 3 of stage 0's (pipeline_rules.bpipe_held)
     from traceana.manifest import Manifest
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
 
     m = Manifest(world_size=4, pp=4, model=GPT3, microbatch_size=1, num_microbatches=8, schedule="1f1b",
                  bpipe=((0, 3),), extra={"bpipe_inflight": 2})
-    cfg = config_from_manifest(m)
+    cfg = RunConfig.from_manifest(m).training_config()
     assert cfg.bpipe_keep == 2
     assert memory.estimate_stage_memory(cfg.replace(bpipe_keep=None))[0].in_flight == 3
     assert memory.estimate_stage_memory(cfg)[0].in_flight == 2

@@ -101,12 +101,13 @@ def test_bpipe_balances_nothing_where_the_acceptor_would_take_the_next_before_re
     assert bpipe_plan("1f1b", pp=p, num_microbatches=m, evictor=0).evicted == 0
 
 
-def test_bpipe_plans_gpipe_and_1f1b_only():
+def test_bpipe_plans_1f1b_only():
     with pytest.raises(ConfigError, match="1f1b"):
         bpipe_plan("interleaved-1f1b", pp=4, num_microbatches=8, evictor=0)
-    # GPipe: every stage holds all m, so there is nothing to balance unless a keep is asked for
-    assert bpipe_plan("gpipe", pp=4, num_microbatches=8, evictor=0).evicted == 0
-    assert bpipe_plan("gpipe", pp=4, num_microbatches=8, evictor=0, keep=2).evicted == 6
+    # GPipe: every stage holds all m at its peak, so an acceptor has no room to lend (keeping 2 of 8 on stage 0
+    # would put 8 + 6 on stage 3): refused, with that reason, wherever BPipe is asked for
+    with pytest.raises(ConfigError, match="GPipe holds all its micro-batches on every stage"):
+        bpipe_plan("gpipe", pp=4, num_microbatches=8, evictor=0, keep=2)
 
 
 def _replay(order, plan):

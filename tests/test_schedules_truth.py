@@ -87,7 +87,7 @@ def test_compute_and_blocked_shares_match_the_wall_clock_truth(collected, schedu
 @pytest.mark.parametrize("schedule", ALL)
 def test_every_virtual_stage_and_microbatch_has_one_forward_and_one_backward(collected, schedule):
     run, a, _ = collected(schedule)
-    stages_of_rank = run.manifest.extra["stages_of_rank"]
+    stages_of_rank = run.manifest.stages_of_rank
     passes = a.schedule.filter(pl.col("phase") != "optimizer")
     assert set(passes["source"]) == {"annotated"}
     # Ranks holding several stages show all of them, in the schedule and in the per-rank table.
@@ -144,11 +144,10 @@ def test_with_the_names_stripped_inference_recovers_single_stage_schedules_and_r
 @pytest.mark.parametrize("schedule", ALL)
 def test_each_rank_runs_the_order_of_the_pipeline_rules(collected, schedule):
     # What torch actually ran (the annotated passes of a profiled step, by start time) is the rules' device order.
-    from traceana.model.config import config_from_manifest
     from traceana.pipeline_rules import device_order
 
     run, a, _ = collected(schedule)
-    cfg = config_from_manifest(run.manifest)
+    cfg = a.config.training_config()
     op = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
     for rank in range(run.manifest.world_size):
         ran = (a.schedule.filter((pl.col("rank") == rank) & (pl.col("step") == PROFILED_STEP)
@@ -170,12 +169,11 @@ def test_validate_replays_the_split_backward_schedules(collected, schedule):
     assert abs(v.summary["replay_error"]) < 0.35, v.summary
     # every message of the replayed step is fed its own measured transfer, keyed by the pass that sent it; as many
     # as the step's P2P pairs, and as the rules count (2m per stage boundary crossing devices)
-    from traceana.model.config import config_from_manifest
     from traceana.pipeline_rules import pipeline_messages
     from traceana.validation.measurement import measure
     from traceana.validation.replay import replay_inputs
 
-    cfg = config_from_manifest(run.manifest)
+    cfg = a.config.training_config()
     _, costs = replay_inputs(a, cfg, measure(a, cfg))
     step = max(a.summary.steps)
     sent = a.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p")).height

@@ -25,7 +25,7 @@ CONFIGS4 = [
     BASE4.replace(bpipe=True),  # balanced: stage 0 keeps 3 of 4 micro-batches
     BASE4.replace(preset="tiny-llama", bpipe=True, recompute="full", attention="sdpa"),
     BASE4.replace(preset="tiny-llama", bpipe=True, bpipe_inflight=1, recompute="selective"),  # both pairs evict
-    BASE4.replace(schedule="gpipe", bpipe=True, bpipe_inflight=2, attention="sdpa", recompute="selective"),
+    BASE4.replace(bpipe=True, bpipe_inflight=2, attention="sdpa", recompute="selective"),  # (GPipe + BPipe: refused)
     BASE4.replace(preset="tiny-llama", schedule="gpipe"),
     BASE4.replace(bpipe=True, batch_p2p=True),  # the NCCL path's send/receive batching, exercised on gloo
 ]

@@ -12,6 +12,12 @@ The public API for notebooks::
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:  # Python is locating ``python -m traceana``: signals during its imports, one line
+    from traceana import _early_signals
+
+    _early_signals.install()
 
 from traceana.version import __version__  # noqa: E402
 

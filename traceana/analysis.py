@@ -21,8 +21,8 @@ from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.p2p import bpipe_groups, messages, pair
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
-from traceana.pipeline_rules import stage_layers
-from traceana.reconcile import annotated_facts, contradiction_notes, traced_manifest
+from traceana.reconcile import annotated_facts, missing_notes, run_config
+from traceana.run_config import RunConfig
 from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
                                overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, summarize
@@ -51,6 +51,13 @@ class Analysis:
     #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+    peak_flops: float | None = None  #: the device's peak FLOP/s given as an option (--peak-flops), over run.json's
+
+    @functools.cached_property
+    def config(self) -> RunConfig:
+        """The run's configuration, reconciled once from run.json and the traces (``reconcile.run_config``): every
+        fact with its source, and the conflicts. MFU, the summary, validation, the verdict and the reports read it."""
+        return run_config(self.run.manifest, self.schedule, self.stages, peak_flops=self.peak_flops)
 
     @functools.cached_property
     def summary(self) -> RunSummary:
@@ -66,14 +73,9 @@ class Analysis:
         return out
 
 
-def _same_host(run: Run) -> bool | None:
-    m = run.manifest
-    if m is not None:
-        hosts = m.extra.get("hosts")
-        if isinstance(hosts, list) and len(set(hosts)) == 1:
-            return True
-        if m.extra.get("nnodes") == 1:
-            return True
+def _same_host(run: Run, config: RunConfig) -> bool | None:
+    if config.hosts and len(set(config.hosts)) == 1 or config.nnodes == 1:
+        return True
     if "host" in run.traces.columns:
         hosts = run.traces["host"].drop_nulls()
         if len(hosts) == run.traces.height and hosts.n_unique() == 1:
@@ -107,7 +109,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     events = timeline.assign_steps(events, steps)
     m = run.manifest
     interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
-                                     or any(len(held) > 1 for held in m.stages_held or ()))
+                                     or any(len(held) > 1 for held in m.stages_of_rank or ()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
@@ -117,7 +119,8 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                     bpipe_groups(run.traces))
     pairs, unmatched, msgs, pair_notes = pair(msgs)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run))
+    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
+    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
     if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
         n = [f"{copies} P2P operations are exact copies of another (same rank, peer, tag and start: duplicated "
@@ -173,7 +176,9 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                          "annotations)")
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
     notes += dropped_annotation_notes(events)
-    notes += contradiction_notes(annotated_facts(annotated), run.manifest)
+    facts = annotated_facts(annotated)
+    config = run_config(run.manifest, annotated, stages, peak_flops=peak_flops, facts=facts)
+    notes += missing_notes(facts) + list(config.conflicts)
 
     busy = timeline.busy_events(events)
     notes += timeline.gpu_lag_notes(busy, steps)
@@ -203,20 +208,21 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                      "reads low by up to the gradients zero_grad frees inside the step when the peak comes before "
                      "backward allocates new ones, and high by the new gradients when it comes after")
     measured = measured_steps(attribution, schedule)
-    mfu, n = _mfu(traced_manifest(run.manifest, annotated), stages, steps.filter(pl.col("step").is_in(measured)),
-                  peak_flops)
+    mfu, n = _mfu(config, stages, steps.filter(pl.col("step").is_in(measured)))
     notes += n
     events = cls.apply_fill(events, fill)
     truncated = run.traces.filter(pl.col("truncated"))["rank"].sort().to_list()
     if truncated:
         notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "
                      "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
-    return Analysis(
+    out = Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
         stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events,
+        segments=segs, events=events, peak_flops=peak_flops,
     )
+    out.__dict__["config"] = config  # (Analysis.config, reconciled once: the one MFU and the notes above used)
+    return out
 
 
 def stage_table(
@@ -254,21 +260,25 @@ def stage_table(
     )
 
 
-def _mfu(m, stages: pl.DataFrame, steps: pl.DataFrame, peak_flops: float | None) -> tuple[pl.DataFrame, list]:
-    """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak."""
+def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.DataFrame, list]:
+    """``rank, mfu, hfu``: model (and hardware, with recompute) FLOPs of the stage's step over step time × peak,
+    with each stage's layers as the configuration splits them (``RunConfig.stage_layers``)."""
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
-    peak = peak_flops or (m.peak_flops if m else None)
+    peak = m.peak_flops
     missing = [what for what, ok in (
-        ("run.json", m is not None), ("model shape", m is not None and m.model is not None),
-        ("pp", m is not None and bool(m.pp)), ("micro-batch size", m is not None and bool(m.microbatch_size)),
-        ("number of micro-batches", m is not None and bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
+        ("run.json", m.manifest is not None), ("model shape", m.model is not None),
+        ("pp", bool(m.pp)), ("micro-batch size", bool(m.microbatch_size)),
+        ("number of micro-batches", bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
     ) if not ok]
     if missing:
         return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    layers_of = m.stage_layers()
+    if layers_of is None:
+        return empty, [f"MFU not computed: run.json's layers_per_stage ({len(m.layers_per_stage or ())} entries) "
+                       f"does not say how the layers of {m.pp} stages divide, several a device"]
     from traceana.model.flops import stage_flops  # (only with a model shape: not imported by a plain analysis)
 
     model, pp = m.model, m.pp
-    layers_of = stage_layers(model.layers, pp)
     rows = []
     step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
     secs = dict(step_s.rows())

@@ -36,7 +36,7 @@ import traceana
 from traceana import names, schema, version
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.files import temporary_name
+from traceana.files import release, temporary_name, write_failure_fix
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
@@ -181,7 +181,7 @@ class AnalysisCache:
                                      warnings=tuple(meta["warnings"])), {"_workers": workers})
         for w in run.warnings:  # as load_run gives them, so a hit reads like a miss
             pywarnings.warn(w, _ingest_warning(), stacklevel=3)
-        return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]),
+        return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]), peak_flops=peak_flops,
                                            **tables),
                       {"_peak_flops": peak_flops, "summary": summary})  # Analysis.summary's cached value
 
@@ -208,19 +208,23 @@ class AnalysisCache:
                     trash = temporary_name(old)
                     os.rename(old, trash)  # atomic: a concurrent reader sees the entry or nothing
                     shutil.rmtree(trash, ignore_errors=True)
+                    release(trash)
             try:
                 os.rename(tmp, entry)
             except OSError:  # another process stored the same entry meanwhile: theirs is as good
                 if not (entry / "meta.json").exists():
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
+            release(tmp)
         except BaseException as e:  # disk full, permissions, ...: the analysis goes on without a cache
             shutil.rmtree(tmp, ignore_errors=True)
+            release(tmp)
             if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned up, and on its way out
                 raise
             self.enabled = False
+            fix = write_failure_fix(e, writable="make the run directory writable")
             pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
-                            "without it — make the run directory writable or pass cache=False / --no-cache",
+                            f"without it — {fix}, or pass --no-cache",
                             AnalysisCacheWarning, stacklevel=3)
 
 

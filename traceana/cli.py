@@ -95,12 +95,47 @@ class Terminated(BaseException):
     (``traceana.files.atomic_path``, the caches), then the command exits 143 with one line."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
+class StdoutClosed(OSError):
+    """Standard output was closed when traceana started (``>&-``) and the command printed to it."""
+
+
+EXIT_SIGINT, EXIT_SIGPIPE, EXIT_SIGTERM = 128 + 2, 128 + 13, 128 + 15  # the shell's codes for those signals
+_signalled: int | None = None  # the first SIGINT/SIGTERM of this command, once it arrived
+_at_once = False  # end the process in the handler itself (see _on_signal)
+# Commands whose processes own children (the trainer's ranks, a job, a Dask client): a signal is raised in them, so
+# that their own clean-up stops the children; every other command ends in the handler.
+OWN_CHILDREN = frozenset({"collect", "demo", "attach"})
+
+
+def _on_signal(signum, frame) -> None:
+    """The first SIGINT or SIGTERM; both are ignored from then on (a second Ctrl-C must not land in the clean-up).
+
+    Run as the program, a command without children ends here and now: the temporaries being written are removed
+    (``traceana.files.remove_in_flight``), one line is printed, and the process exits with the signal's code. No
+    exception is raised into whatever was running — raised inside a polars call it came back twice or as polars'
+    own TypeError, and raised inside an extension module's import it once left msgspec half-initialised (a
+    segfault). Otherwise (``main`` called in-process, a command with children) it is raised in the main thread and
+    the files being written are cleaned up on the way out."""
+    global _signalled
+    if _signalled is not None:
+        return
+    _signalled = signum
+    _quiet_signals()
+    if _at_once:
+        from traceana.files import remove_in_flight
+
+        remove_in_flight()
+        line = b"traceana: interrupted\n" if signum == signal.SIGINT else b"traceana: terminated (SIGTERM)\n"
+        try:
+            os.write(2, (b"\x1b[?25h" if os.isatty(2) else b"") + line)  # (a progress bar hid the cursor)
+        except OSError:
+            pass
+        os._exit(128 + signum)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
 def _quiet_signals() -> None:
-    """After the first interrupt only the clean-up runs: a second Ctrl-C must not print a traceback over it."""
+    """After the first interrupt only the clean-up runs."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             signal.signal(sig, signal.SIG_IGN)
@@ -108,22 +143,145 @@ def _quiet_signals() -> None:
             pass
 
 
+def _install_signals() -> dict | None:
+    """Our handler for SIGINT and SIGTERM (main thread only); returns the handlers it replaced (None: not here)."""
+    global _signalled
+    _signalled = None
+    try:  # (a signal the caller ignores, as a shell does SIGINT for a background job, stays ignored)
+        return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    except (ValueError, OSError):  # main() called from a thread: leave the signals alone
+        return None
+
+
+def _signal_exit(which: int) -> int:
+    print("traceana: interrupted" if which == signal.SIGINT else "traceana: terminated (SIGTERM)", file=sys.stderr)
+    return EXIT_SIGINT if which == signal.SIGINT else EXIT_SIGTERM
+
+
+def _ended(e: BaseException) -> int | None:
+    """The exit code of a command ended by a signal, a reader gone or a closed standard output (one line, never a
+    traceback), wherever it surfaced; None for anything else."""
+    if isinstance(e, KeyboardInterrupt):
+        _quiet_signals()
+        return _signal_exit(signal.SIGINT)
+    if isinstance(e, Terminated):
+        _quiet_signals()
+        return _signal_exit(signal.SIGTERM)
+    if _signalled is not None:  # a library turned the interrupt into its own error (polars: a TypeError once)
+        return _signal_exit(_signalled)
+    if isinstance(e, StdoutClosed):
+        print("traceana: error: standard output is closed (>&-), so nothing could be printed — run it with "
+              "standard output open, or redirected to a file", file=sys.stderr)
+        return 1
+    if isinstance(e, BrokenPipeError):  # the reader went away (``| head``): quietly, as a program killed by SIGPIPE
+        _stdout_to_devnull()
+        return EXIT_SIGPIPE
+    return None
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _Closed:
+    """Standard output when fd 1 was closed at start (``>&-``): fd 1 itself is /dev/null (so no file traceana opens
+    takes that number and receives its prints), and writing here raises StdoutClosed."""
+
+    encoding, errors = "utf-8", "strict"
+
+    def write(self, text) -> int:
+        raise StdoutClosed(9, "standard output is closed")
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise StdoutClosed(9, "standard output is closed")
+
+    @property
+    def buffer(self):
+        return self
+
+
+def _standard_streams() -> None:
+    """File descriptors 0-2 are held open (on /dev/null where the caller closed one): else the first file traceana
+    opens would take the number and receive what is printed. A closed stdout raises StdoutClosed when written."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if fd == 1:
+                sys.stdout = _Closed()
+            elif fd == 2:
+                sys.stderr = open(fd, "w", closefd=False)
+    if sys.stdout is None:
+        sys.stdout = _Closed()
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. Run as the program itself (the ``traceana`` script, ``python -m
     traceana``) the process ends right after the command, its output flushed, without tearing down the interpreter:
     freeing every module's objects one by one took ~35 ms of CPU after polars was imported (docs/performance.md
-    "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns."""
-    program = argv is None and _is_program()
-    if program:
-        # Only in traceana's own process: a program that imports traceana (a notebook, a training job under
-        # attach) keeps its standard library as Python loads it.
-        from traceana import _deferred
+    "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns.
 
-        _deferred.defer(*_deferred.FOR_PROGRAM)
-    rc = _main(argv)
-    if program and _nothing_to_tear_down():
-        _exit_now(rc)
+    SIGINT (Ctrl-C) exits 130, SIGTERM 143, a reader gone (``| head``) 141, each with at most one line and never a
+    traceback, wherever they arrive — in the imports, a polars call or a cache write (docs/reliability.md)."""
+    global _at_once
+    program = argv is None and _is_program()
+    _at_once = program and _command_in(sys.argv[1:]) not in OWN_CHILDREN and "--dask" not in sys.argv
+    previous = _install_signals()
+    try:
+        _standard_streams()
+        if program:
+            # Only in traceana's own process: a program that imports traceana (a notebook, a training job under
+            # attach) keeps its standard library as Python loads it.
+            from traceana import _deferred
+
+            _deferred.defer(*_deferred.FOR_PROGRAM)
+        rc = _main(argv)
+    except BaseException as e:  # what arrived outside the command's own ``try`` (parsing, imports, clean-up)
+        rc = _ended(e)
+        if rc is None:
+            raise
+    finally:
+        if previous is not None and not program:  # (a program is on its way out: they stay ignored after one)
+            for sig, handler in previous.items():
+                try:
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+                except (ValueError, OSError, TypeError):
+                    pass
+    if program:
+        _exit_quietly_on_signals()
+        if _nothing_to_tear_down():
+            _exit_now(rc)
     return rc
+
+
+def _exit_quietly_on_signals() -> None:
+    """From the command's end to the process' end (flushing, exit handlers reaping children): a signal ends the
+    process at once with its code, nothing printed (the command's outcome was said already)."""
+    def now(signum, frame) -> None:
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, now)
+        except (ValueError, OSError):
+            pass
 
 
 def _nothing_to_tear_down() -> bool:
@@ -150,8 +308,10 @@ def _exit_now(rc: int) -> None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:  # the reader went away (``| head``): as the command's own handler does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        rc = rc or 1
+        _stdout_to_devnull()
+        rc = rc or EXIT_SIGPIPE
+    except StdoutClosed:
+        pass
     except (OSError, ValueError):
         pass
     try:
@@ -184,34 +344,24 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     ahead = _read_ahead(args)
-    previous = None
-    try:
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):  # main() called from a thread: leave the signal alone
-        pass
     try:
         return int(args._run(args) or 0)
     except TraceanaError as e:
+        if _signalled is not None:  # (a clean-up's error after the signal: the signal is what happened)
+            return _signal_exit(_signalled)
         print(f"traceana: error: {e.line()}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        _quiet_signals()
-        print("traceana: interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        _quiet_signals()
-        print("traceana: terminated (SIGTERM)", file=sys.stderr)
-        return 143
     except MemoryError:
         print("traceana: error: ran out of memory — the input is larger than this machine (or its memory limit) can "
               "analyse; see docs/performance.md for what each trace needs", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except Exception as e:  # an internal bug: one line by default, the traceback with --debug
-        if args.debug:
+    except BaseException as e:
+        rc = _ended(e)
+        if rc is not None:
+            return rc
+        if not isinstance(e, Exception) or args.debug:
             raise
+        # an internal bug: one line by default, the traceback with --debug
         first = (str(e).strip().splitlines() or [""])[0][:300]  # polars messages run over many lines
         print(printable(f"traceana: internal error: {type(e).__name__}: {first} — rerun with --debug and report it"),
               file=sys.stderr)
@@ -224,12 +374,6 @@ def _main(argv: list[str] | None) -> int:
             if kineto is not None:
                 kineto.drop_finished()  # (its threads take read-aheads: first)
             reading.drop_ahead()
-        # After an interrupt the signals stay ignored: the process is on its way out (see _quiet_signals).
-        if previous is not None and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            try:
-                signal.signal(signal.SIGTERM, previous)
-            except (ValueError, OSError):
-                pass
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from isal import igzip
 
 from traceana import names
 from traceana.errors import BadInputError, shown
-from traceana.files import TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes
+from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 
@@ -53,26 +53,32 @@ def write_tables(analysis, directory: str | Path, *, fmt: str = "parquet") -> li
     except OSError as e:
         raise BadInputError(f"cannot create the export folder ({e.strerror})", path=shown(out),
                             fix="choose a writable folder") from None
-    for path, (name, table) in zip(targets, tables.items()):
+    for i, (path, (name, table)) in enumerate(zip(targets, tables.items())):
         try:
             with atomic_path(path) as tmp:
                 if fmt == "parquet":
                     table.write_parquet(tmp)
                 else:  # CSV has no enum or nested types: write them as text
                     table.with_columns(pl.col(pl.Enum, pl.Categorical).cast(pl.String)).write_csv(tmp)
+        except BadInputError:
+            raise
         except Exception as e:  # disk full, permissions (polars raises its own types for some)
-            raise _write_error(path, e, "the table") from None
+            raise _write_error(path, e, "the table", targets[:i], len(targets)) from None
     try:
         write_bytes(targets[-1], "".join(f"{n}\n" for n in analysis.notes).encode())
     except OSError as e:
-        raise _write_error(targets[-1], e, "the notes") from None
+        raise _write_error(targets[-1], e, "the notes", targets[:-1], len(targets)) from None
     return targets
 
 
-def _write_error(path: Path, e: BaseException, what: str) -> BadInputError:
+def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (), total: int = 1) -> BadInputError:
+    """What a failed write left: the file it failed on is as it was (no partial file), and the files written before
+    it are complete — said so, since an export is then a mix of new and older (or missing) tables."""
     reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
-    return BadInputError(f"cannot write {what} ({reason}); nothing partial was left", path=shown(path),
-                         fix="free disk space or choose a writable folder")
+    left = (f"; the {len(done)} file(s) before it ({', '.join(p.name for p in done[:3])}{', …' if len(done) > 3 else ''})"
+            f" were written complete, the other {total - len(done)} not" if done else "")
+    return BadInputError(f"cannot write {what} ({reason}); nothing partial was left of it{left}",
+                         path=shown(path), fix=write_failure_fix(e))
 
 
 # Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
@@ -255,8 +261,10 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
 
     Streamed: the events are turned into JSON text ``chunk_rows`` at a time and written (compressed) as they come,
     so the text of the whole trace is never in memory (docs/reliability.md "Bounded memory")."""
+    to_stdout = str(path) == STDOUT
     path = Path(path)
-    refuse_inputs(path, input_files(analysis))
+    if not to_stdout:
+        refuse_inputs(path, input_files(analysis))
     if analysis.events is None:
         raise BadInputError("this analysis kept no events", fix="run analyze() again")
     tids = _tids(analysis.events)
@@ -295,6 +303,19 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
             first = False
         yield "]}"
 
+    if to_stdout:  # ``-o -``: plain JSON text as it is built (a stream: a reader that stops early ends it)
+        import sys
+
+        out = sys.stdout.buffer
+        for text in texts():
+            out.write(text.encode())
+        out.flush()
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInputError(f"cannot create the folder for the merged trace ({e.strerror or e})",
+                            path=shown(path.parent), fix="choose a folder you can write to") from None
     try:
         with atomic_path(path) as tmp, open(tmp, "xb") as raw:
             out = igzip.IGzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if path.suffix == ".gz" else raw
@@ -305,6 +326,6 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
                 if out is not raw:
                     out.close()
     except OSError as e:
-        raise BadInputError(f"cannot write the merged trace ({e.strerror}); nothing partial was left",
-                            path=shown(path), fix="free disk space or choose a writable path") from None
+        raise BadInputError(f"cannot write the merged trace ({e.strerror or e}); nothing partial was left",
+                            path=shown(path), fix=write_failure_fix(e)) from None
     return path

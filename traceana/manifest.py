@@ -58,6 +58,9 @@ def _depth(value: Any, limit: int) -> int:
 _POSITIVE_INTS = ("world_size", "dp", "tp")
 _OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_batch", "host_cpus", "ranks_per_host")
 _OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
+# Facts with a field of their own that older run.json files (and collectors) wrote under "extra": read from there too.
+LIFTED = ("stages_of_rank", "virtual_stages", "layers_per_stage", "bpipe_inflight", "hosts", "nnodes", "trainer",
+           "dropout", "eager", "grads_in_step", "attach", "collector")
 
 
 @dataclass(frozen=True)
@@ -146,12 +149,34 @@ class Manifest:
     ranks_written: tuple[int, ...] | None = None  # ranks whose trace was written completely
     host_cpus: int | None = None  # logical CPUs the ranks of one host could run on (their affinity mask)
     ranks_per_host: int | None = None  # ranks sharing those CPUs (torchrun's LOCAL_WORLD_SIZE)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Facts older run.json files kept under "extra" (read from there too, ``LIFTED``):
+    stages_of_rank: tuple[tuple[int, ...], ...] | None = None  # every stage each rank holds (index = rank), sorted
+    virtual_stages: int | None = None  # stages a rank (multi-stage schedules), when stages_of_rank does not say
+    layers_per_stage: tuple[int, ...] | None = None  # Transformer blocks per device; None = the rules' even split
+    bpipe_inflight: int | None = None  # micro-batches a BPipe evictor keeps (collect --bpipe-inflight)
+    hosts: tuple[str, ...] | None = None  # host name of each rank
+    nnodes: int | None = None  # hosts the run spanned
+    trainer: str | None = None  # the training code; "traceana" (the reference trainer) unless it says otherwise
+    dropout: bool | None = None  # None: the family's default (GPT has dropout, LLaMA not)
+    eager: bool | None = None  # activations as plain PyTorch saves them (the model's eager terms)
+    grads_in_step: bool | None = None  # gradients allocated and freed inside the profiled step (zero_grad late)
+    attach: dict[str, Any] | None = None  # what `traceana attach` detected and did not (collectors.attach.facts)
+    collector: str | None = None  # which collector wrote the run
+    extra: dict[str, Any] = field(default_factory=dict)  # keys traceana does not know, kept as they were
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.extra, dict):
+            raise BadInputError(f"extra must be an object, got {type(self.extra).__name__}", fix="fix run.json")
+        lifted = {k: v for k, v in self.extra.items() if k in LIFTED and getattr(self, k) is None}
+        if lifted:  # a fact older files (and callers) put under extra: its own field; extra keeps the unknown keys
+            for k, v in lifted.items():
+                object.__setattr__(self, k, v)
+            object.__setattr__(self, "extra", {k: v for k, v in self.extra.items() if k not in lifted})
+        self._check_lifted()
 
         for f in (*_POSITIVE_INTS, *_OPTIONAL_POSITIVE_INTS):
             v = getattr(self, f)
@@ -167,8 +192,6 @@ class Manifest:
         if not isinstance(self.profiler, dict) or not all(isinstance(k, str) and is_int(v)
                                                           for k, v in self.profiler.items()):
             raise BadInputError(f"profiler must map names to integers, got {self.profiler!r}"[:200], fix="fix run.json")
-        if not isinstance(self.extra, dict):
-            raise BadInputError(f"extra must be an object, got {type(self.extra).__name__}", fix="fix run.json")
         if self.pp is not None and self.pp > self.world_size and self.schedule in ("gpipe", "1f1b"):
             # (interleaved schedules place several virtual stages on a rank: there pp may exceed the ranks)
             raise BadInputError(f"pp {self.pp} is larger than world_size {self.world_size} for schedule "
@@ -198,31 +221,52 @@ class Manifest:
             if self.pp is not None and any(not 0 <= s < self.pp for s in self.stage_of_rank):
                 raise BadInputError(f"stage_of_rank has a stage outside 0..{self.pp - 1}", fix="fix run.json")
 
+    def _check_lifted(self) -> None:
+        """The typed facts older files kept under extra: each of its type, or one BadInputError line."""
+        def ints(v: Any) -> bool:
+            return isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+        def bad(name: str, what: str) -> BadInputError:
+            return BadInputError(f"{name} must be {what}, got {getattr(self, name)!r}"[:200], fix="fix run.json")
+
+        if self.stages_of_rank is not None:
+            if not isinstance(self.stages_of_rank, (list, tuple)) or not all(
+                    ints(st) and all(x >= 0 for x in st) for st in self.stages_of_rank):
+                raise bad("stages_of_rank", "one list of stage numbers per rank")
+            object.__setattr__(self, "stages_of_rank", tuple(tuple(sorted(st)) for st in self.stages_of_rank) or None)
+        for name in ("virtual_stages", "bpipe_inflight", "nnodes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise bad(name, "a positive integer")
+        if self.layers_per_stage is not None:
+            if not ints(self.layers_per_stage) or not self.layers_per_stage or min(self.layers_per_stage) < 0:
+                raise bad("layers_per_stage", "a list of layer counts, one per device")
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        if self.hosts is not None:
+            if not isinstance(self.hosts, (list, tuple)) or not all(isinstance(h, str) for h in self.hosts):
+                raise bad("hosts", "a list of host names")
+            object.__setattr__(self, "hosts", tuple(self.hosts))
+        for name in ("dropout", "eager", "grads_in_step"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        for name in ("trainer", "collector"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise bad(name, "text")
+        if self.attach is not None and not isinstance(self.attach, dict):
+            raise bad("attach", "an object")
+
     @property
     def bpipe_on(self) -> bool:
         return bool(self.bpipe)
 
     @property
-    def stages_held(self) -> tuple[tuple[int, ...], ...] | None:
-        """The stages each rank holds (index = rank) as run.json's ``stages_of_rank`` lists them (written by
-        collect for torch.distributed.pipelining's schedules, several a rank); None when it lists none, or not as
-        lists of integers. The one reading of that list: the analysis, the stage map and the model take it here."""
-        listed = self.extra.get("stages_of_rank")
-        if not isinstance(listed, list) or not listed or not all(
-                isinstance(st, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in st)
-                for st in listed):
-            return None
-        return tuple(tuple(sorted(st)) for st in listed)
-
-    @property
     def stages_a_rank(self) -> int | None:
-        """How many stages each rank holds, as run.json says it: the size of ``stages_held``' lists when they are
-        all one size, else ``virtual_stages``; None when it says neither (the schedule's placement then tells)."""
-        sizes = {len(st) for st in self.stages_held or ()}
+        """How many stages each rank holds, as run.json says it: the size of ``stages_of_rank``' lists when they
+        are all one size, else ``virtual_stages``; None when it says neither (the schedule's placement then tells)."""
+        sizes = {len(st) for st in self.stages_of_rank or ()}
         if len(sizes) == 1 and sizes != {0}:
             return sizes.pop()
-        stated = self.extra.get("virtual_stages")
-        return stated if isinstance(stated, int) and not isinstance(stated, bool) and stated > 0 else None
+        return self.virtual_stages
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

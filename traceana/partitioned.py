@@ -34,7 +34,7 @@ from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
 from traceana.p2p import pipeline_groups
-from traceana.reconcile import traced_manifest
+from traceana.reconcile import run_config
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
 # where it does; by their keys otherwise).
@@ -142,15 +142,17 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     measured = measured_steps(att, tables["schedule"])
     # the stage map's columns (placement.stage_map: rank, stage, …) are those stage_table puts before its means
     stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
-    mfu, _ = _mfu(traced_manifest(manifest, tables["schedule"]), stage_map,
-                  tables["steps"].filter(pl.col("step").is_in(measured)), peak_flops)
+    config = run_config(manifest, tables["schedule"], stage_map, peak_flops=peak_flops)
+    mfu, _ = _mfu(config, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)))
     stages = stage_table(att.filter(pl.col("step").is_in(measured)), stage_map,
                          stage_mem.filter(pl.col("step").is_in(measured)), mfu)
-    return Analysis(
+    out = Analysis(
         run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"], attribution=att,
         stage_memory=stage_mem, stages=stages, clock_offsets=tables["clock_offsets"], notes=tuple(notes),
-        rank_summary=tables["rank_summary"], segments=tables["segments"],
+        rank_summary=tables["rank_summary"], segments=tables["segments"], peak_flops=peak_flops,
     )
+    out.__dict__["config"] = config  # (Analysis.config: the one MFU used)
+    return out
 
 
 def dask_map(client) -> scale.Map:

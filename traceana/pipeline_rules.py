@@ -44,7 +44,7 @@ BACKWARD_INPUT, BACKWARD_WEIGHT = names.BACKWARD_INPUT, names.BACKWARD_WEIGHT  #
 SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE_SCHEDULES)  # every schedule run.json names (but "unknown")
 V_SCHEDULES = ("zbv", "dualpipev")  # V placement: device d holds stages d and 2p−1−d
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")  # backwards split into I and W
-BPIPE_SCHEDULES = ("gpipe", "1f1b")  # GPipe balances nothing by itself (every stage holds m); an explicit keep
+BPIPE_SCHEDULES = ("1f1b",)  # where BPipe applies (``bpipe_applies``): one stage a device
 
 
 class Op(NamedTuple):
@@ -387,6 +387,52 @@ def stage_layers(layers: int, stages: int) -> tuple[int, ...]:
 
 
 # --- BPipe ---------------------------------------------------------------------------------------------------------------
+def why_no_bpipe(schedule: str, *, pp: int | None = None, virtual_stages: int = 1) -> str | None:
+    """Why BPipe does not apply to this pipeline, or None where it does: the one rule the collector, the model, the
+    simulator, validation and the verdict ask (``bpipe_applies``).
+
+    BPipe (Kim et al. 2023) pairs stage s with p−1−s of a 1F1B pipeline, one stage a device: 1F1B leaves stage s
+    holding p−s micro-batches, so the early stages hold more than their partners and can lend them the difference.
+    GPipe holds all m micro-batches on every stage at its peak: an acceptor has no room its evictor lacks, and an
+    eviction only moves activations onto a stage already at its own peak (keeping k on the evictor, the acceptor
+    would hold m + m − k). Schedules with several stages a device, or a split backward, are not what BPipe's plan
+    is defined on."""
+    if schedule == "gpipe":
+        return ("GPipe holds all its micro-batches on every stage at once, so a BPipe acceptor has no room its "
+                "evictor lacks: an eviction would only move activations onto a stage already at its own peak")
+    if schedule not in BPIPE_SCHEDULES or virtual_stages != 1:
+        return (f"BPipe pairs the stages of a 1F1B pipeline with one stage a device; {schedule}"
+                + (f" with {virtual_stages} stages a device" if virtual_stages != 1 else "") + " is not one")
+    if pp is not None and pp < 2:
+        return "BPipe needs at least 2 pipeline stages (an evictor and an acceptor)"
+    return None
+
+
+def bpipe_applies(schedule: str, *, pp: int | None = None, virtual_stages: int = 1) -> bool:
+    """Whether BPipe is defined on this pipeline (``why_no_bpipe`` says why not)."""
+    return why_no_bpipe(schedule, pp=pp, virtual_stages=virtual_stages) is None
+
+
+def check_bpipe(schedule: str, *, pp: int | None = None, virtual_stages: int = 1,
+                fix: str = "use --schedule 1f1b with --bpipe") -> None:
+    """ConfigError (``why_no_bpipe``'s reason) where BPipe does not apply."""
+    why = why_no_bpipe(schedule, pp=pp, virtual_stages=virtual_stages)
+    if why is not None:
+        raise ConfigError(f"BPipe is defined on the 1F1B schedule: {why}", fix=fix)
+
+
+def bpipe_keeps_that_evict(schedule: str, *, pp: int, num_microbatches: int) -> tuple[int, ...]:
+    """The keeps (``--bpipe-inflight`` values) under which some pair's plan evicts anything, smallest first: what
+    a suggestion to force evictions may offer (none at 1F1B's pp 2, whose evictor's only other resident micro-batch
+    is always the one its next backward needs)."""
+    if not bpipe_applies(schedule, pp=pp):
+        return ()
+    most = max((int(microbatches_in_flight(schedule, pp=pp, stage=e, num_microbatches=num_microbatches))
+                for e, _ in bpipe_pairs(pp)), default=0)
+    return tuple(k for k in range(1, most) if any(
+        _plan(schedule, pp=pp, num_microbatches=num_microbatches, evictor=e, keep=k).evicted for e, _ in bpipe_pairs(pp)))
+
+
 def bpipe_pairs(pp: int) -> tuple[tuple[int, int], ...]:
     """BPipe's (evictor, acceptor) pairs: stage s with p−1−s for s < p/2 (the middle stage of an odd p is unpaired)."""
     return tuple((s, pp - 1 - s) for s in range(pp // 2))
@@ -467,9 +513,7 @@ def _plan(schedule: str, *, pp: int, num_microbatches: int, evictor: int, keep: 
     evictor's backward of it waits for that gradient anyway) and frees it then. So the acceptor holds a foreign
     micro-batch only while it has given one of its own backwards' memory back, and stays at the balanced level.
     """
-    if schedule not in BPIPE_SCHEDULES:
-        raise ConfigError(f"BPipe is defined for {', '.join(BPIPE_SCHEDULES)}, not {schedule!r}",
-                          fix="use schedule 1f1b with BPipe")
+    check_bpipe(schedule, fix="use schedule 1f1b with BPipe")
     p, m = pp, num_microbatches
     pair = bpipe_pair_of(evictor, p)
     if pair is None or pair[0] != evictor:

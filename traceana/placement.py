@@ -28,10 +28,13 @@ def stage_map(
     ``overlapped``: ``overlap_rows(events)``, if the caller has it already."""
     ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     known: dict[int, tuple[int, str]] = {}
-    if manifest is not None and manifest.stage_of_rank is not None:
+    if manifest is not None:
+        # run.json's stage_of_rank, else the first of the stages its stages_of_rank lists: either way run.json's,
+        # ahead of anything the traces suggest (the P2P pattern included)
+        listed = manifest.stage_of_rank or tuple(st[0] if st else None for st in manifest.stages_of_rank or ())
         for r in ranks:
-            if r < len(manifest.stage_of_rank):
-                known[r] = (manifest.stage_of_rank[r], "run.json")
+            if r < len(listed) and listed[r] is not None:
+                known[r] = (listed[r], "run.json")
     if "stage" in traces.columns:
         for r, s in traces.select("rank", "stage").drop_nulls().rows():
             known.setdefault(r, (s, "trace metadata"))
@@ -47,7 +50,7 @@ def stage_map(
     # the stages in the PP: annotations, else those the trace's metadata lists (names without a stage number,
     # e.g. Megatron-LM's, leave only the metadata to tell), overridden by run.json's stages_of_rank
     virtual: dict[int, list[int]] = {**metadata_stages(traces), **{r: list(all_) for r, _, all_ in annotated.rows()}}
-    for r, st in enumerate((manifest.stages_held or ()) if manifest is not None else ()):
+    for r, st in enumerate((manifest.stages_of_rank or ()) if manifest is not None else ()):
         virtual[r] = list(st)
     for r, s, _ in annotated.rows():
         known.setdefault(r, (s, "annotations"))

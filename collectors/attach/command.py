@@ -155,7 +155,7 @@ class _Finisher:
             manifest, complete = finalize_window(d)
             if manifest is not None and complete:
                 self.done.add(d)
-                say(f"window {manifest.extra['attach']['steps']}: {manifest.world_size} trace(s) in {d}")
+                say(f"window {manifest.attach['steps']}: {manifest.world_size} trace(s) in {d}")
 
     def finish(self, job: dict) -> list[tuple[Path, object]]:
         from collectors.attach.facts import finalize_window
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"no process reached the window (--steps {args.steps}); nothing was profiled"
             f"{'' if code == 0 else f' (the command exited with status {code})'}")
     for d, m in written:
-        a = m.extra["attach"]
+        a = m.attach
         missing = a["ranks_without_trace"]
         line = f"steps {a['steps']}: {len(m.ranks_written)} of {m.world_size} rank traces in {d}"
         if missing:

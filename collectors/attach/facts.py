@@ -14,7 +14,7 @@ from collectors.attach import FACTS_DIR
 from collectors.manifest import ranks_written, write_manifest
 from traceana.manifest import Manifest
 
-# Facts a process cannot see from the outside, with what needs them (listed in run.json under extra.attach).
+# Facts a process cannot see from the outside, with what needs them (listed in run.json under attach).
 _NEVER_DETECTED = {
     "model shape (layers, hidden, heads, sequence length)": "FLOPs/MFU and the memory model need it; add "
                                                              "\"model\" to run.json",
@@ -68,7 +68,7 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         detected["stage_of_rank"] = "the schedule's PipelineStage objects (stage_index), every rank"
     elif stages_of_rank:
         missing["stage_of_rank"] = (f"only ranks {sorted(stages_of_rank)} of {world} reported their stages "
-                                    "(extra.attach.stages_of_rank has those)")
+                                    "(attach.stages_of_rank has those)")
     else:
         missing["pipeline stages (pp, stage_of_rank)"] = ("no torch.distributed.pipelining schedule stepped: the "
                                                           "analysis infers stages from P2P traffic, if any")
@@ -122,7 +122,7 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
             how = "summed over distinct stages" if stages_of_rank else "one replica's (every rank holds them all)"
             detected["parameters"] = f"{agreed('parameters_from') or 'per rank'}, {how}"
         else:
-            missing["parameters (whole model)"] = "not every stage's rank reported; extra.attach has those that did"
+            missing["parameters (whole model)"] = "not every stage's rank reported; attach has those that did"
     else:
         missing["parameters"] = "neither a pipelining schedule nor an optimizer was seen before the window"
 
@@ -162,7 +162,7 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         profiler={"wait": 0, "warmup": int(any_fact.get("warmup", 1)),
                   "active": int(any_fact["window"][1] - any_fact["window"][0]), "repeat": 1},
         torch_version=agreed("torch_version"), ranks_written=tuple(written),
-        extra={"collector": "traceana attach", "attach": attach},
+        collector="traceana attach", attach=attach,
     )
 
 

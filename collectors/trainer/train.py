@@ -81,8 +81,8 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         profiler={"wait": 0, "warmup": min(config.warmup_steps, 1), "active": config.steps, "repeat": 1},
         torch_version=torch.__version__,
         **host_facts(setup.world_size),
-        extra={"collector": "collectors.trainer", "backend": setup.backend, "host_staged": setup.host_staged,
-               "preset": config.preset, "bpipe_inflight": config.bpipe_inflight},
+        collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight,
+        extra={"backend": setup.backend, "host_staged": setup.host_staged, "preset": config.preset},
     )
 
 

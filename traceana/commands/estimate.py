@@ -19,7 +19,7 @@ from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, chec
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
 from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
 from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
-from traceana.pipeline_rules import default_virtual_stages, stages_of_device
+from traceana.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
@@ -111,18 +111,19 @@ def _curve(spec: str | None) -> EfficiencyCurve:
 
 
 def _from_run(args: argparse.Namespace) -> TrainingConfig:
-    """The configuration a collected run's run.json describes, as validate reads it (config_from_manifest)."""
+    """The configuration a collected run's run.json describes, as validate reads it (``RunConfig``, without the
+    traces: their analysis is validate's)."""
     from pathlib import Path
 
     from traceana.errors import BadInputError
     from traceana.manifest import MANIFEST_NAME, Manifest
-    from traceana.model.config import config_from_manifest
+    from traceana.run_config import RunConfig
 
     path = Path(args.from_run)
     path = path / MANIFEST_NAME if path.is_dir() else path
     if not path.is_file():
         raise BadInputError("no run.json here", path=path, fix="give a run directory written by `traceana collect`")
-    return config_from_manifest(Manifest.read(path), path=path)  # its refusals name run.json keys, not flags
+    return RunConfig.from_manifest(Manifest.read(path)).training_config(path=path)  # refusals name run.json keys
 
 
 def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyCurve, Network]:
@@ -267,13 +268,9 @@ def _no_verdict(cfg: TrainingConfig, *, verdict: bool, step) -> str | None:
         return "skipped (--no-verdict)"
     if step is None:
         return "needs a step time, and there is none without the device's peak FLOP/s (pass --peak-flops)"
-    if cfg.pp < 2:
-        return "pp 1: there are no pipeline stages to balance"
-    if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
-        return (f"the verdict compares plain 1F1B schedules (BPipe pairs stage s with p−1−s under 1F1B, Kim et al. "
-                f"2023), and {cfg.schedule}"
-                + (f" with {cfg.virtual_stages} stages a device" if cfg.virtual_stages != 1 else "")
-                + " is not one: rerun with --schedule 1f1b to ask it of the same model")
+    why = why_no_bpipe(cfg.schedule, pp=cfg.pp, virtual_stages=cfg.virtual_stages)  # the rules' one predicate
+    if why is not None:
+        return why + ("" if cfg.pp < 2 else ": rerun with --schedule 1f1b to ask it of the same model")
     return None
 
 

@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, default="merged.json.gz",
-                   help="where to write the merged trace (.json.gz compressed, .json plain text)")
+                   help="where to write the merged trace (.json.gz compressed, .json plain text; - for standard "
+                        "output, plain JSON); never onto a device, FIFO or socket")
     options.names(parser)
     options.reading(parser)
 
@@ -24,15 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
     from traceana.export import write_merged_trace
-    from traceana.files import refuse_inputs
+    from traceana.files import STDOUT, refuse_inputs
     from traceana.ingest.run_dir import input_files
     from traceana.tables import plural
 
-    refuse_inputs(args.output, input_files(args.run_dir))  # before any work: never write over a trace or run.json
+    if args.output != STDOUT:  # before any work: never write over a trace, run.json or a device/FIFO
+        refuse_inputs(args.output, input_files(args.run_dir))
     progress = not args.quiet and sys.stderr.isatty()
     analysis = load_and_analyze(args.run_dir, peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress, names=args.names)
     path = write_merged_trace(analysis, args.output)
-    if not args.quiet:
+    if not args.quiet and args.output != STDOUT:
         print(f"wrote {path} ({plural(len(analysis.run.ranks), 'rank')}) — open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0

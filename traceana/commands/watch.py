@@ -125,7 +125,7 @@ def _run_dir_window(d: Path, files: list[Path], *, settle_s: float, now: float) 
             if _settled([d / MANIFEST_NAME], settle_s=settle_s, now=now) is None:
                 return None  # being rewritten: wait
             manifest = None  # broken and no longer changing: the window's analysis says what is wrong with it
-        attach = manifest.extra.get("attach") if manifest is not None and isinstance(manifest.extra, dict) else None
+        attach = manifest.attach if manifest is not None else None
         ranks = {rank_from_filename(p) for p in files}
         if attach is not None:
             complete = set(range(manifest.world_size)) <= ranks

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import sweep_temporaries, temporary_name
+from traceana.files import release, sweep_temporaries, temporary_name, write_failure_fix
 
 if TYPE_CHECKING:
     import polars as pl
@@ -140,6 +140,22 @@ class TraceCache:
         directory, self.note = cache_dir(run_dir, SUBDIR, enabled=enabled)
         self.dir = directory if directory is not None else run_dir / CACHE_DIR / SUBDIR
         self.enabled = directory is not None
+        self._entries: dict[str, list[str]] | None = None  # trace name -> its entries' names, listed once
+
+    def _listed(self) -> dict[str, list[str]]:
+        """The folder made (and its dead writers' temporaries swept) and listed once per run, at the first write:
+        each write then looks up its own trace's older entries instead of listing the whole folder again (which
+        made writing the cache of N ranks take N² — 5,000 small ranks: 131 s against 36 s uncached)."""
+        if self._entries is None:
+            make_cache_dir(self.dir)
+            entries: dict[str, list[str]] = {}
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    m = _ENTRY_NAME.fullmatch(e.name)
+                    if m:
+                        entries.setdefault(m.group(1), []).append(e.name)
+            self._entries = entries
+        return self._entries
 
     def _paths(self, trace: Path, key: str) -> tuple[Path, Path, Path]:
         stem = f"{trace.name}.{key}"
@@ -172,11 +188,10 @@ class TraceCache:
             return None
         try:
             key = cache_key(trace, rank)
-            make_cache_dir(self.dir)
-            for old in self.dir.glob(f"{_glob_escape(trace.name)}.*"):
+            for name in self._listed().pop(trace.name, ()):
                 # Stale entries of this trace (older file or tool version): only names this cache writes.
-                m = _ENTRY.fullmatch(old.name[len(trace.name) + 1:])
-                if m and m.group(1) != key and regular_file(old):
+                old = self.dir / name
+                if _ENTRY.fullmatch(name[len(trace.name) + 1:]).group(1) != key and regular_file(old):
                     old.unlink(missing_ok=True)
             targets = self._paths(trace, key)
             tmp = [temporary_name(t) for t in targets]
@@ -192,15 +207,15 @@ class TraceCache:
                         os.unlink(t)
                     except OSError:
                         pass
+                release(*tmp)
         except Exception as e:  # read-only file system, disk full, ...: analysis goes on without a cache
             self.enabled = False
             return (f"{self.dir}: could not write the ingest cache ({type(e).__name__}: {e}); continuing without "
-                    "it — make the run directory writable or pass cache=False / --no-cache")
+                    f"it — {write_failure_fix(e, writable='make the run directory writable')}, or pass --no-cache")
         return None
 
 
 _ENTRY = re.compile(r"([0-9a-f]{20})\.(?:events\.parquet|memory\.parquet|trace\.json)")
+_ENTRY_NAME = re.compile(r"(.+)\.[0-9a-f]{20}\.(?:events\.parquet|memory\.parquet|trace\.json)", re.S)
 
 
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)

@@ -143,6 +143,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(f"{shown(r[2]['path'])}: rank {r[2]['rank']} has no usable event; it is analysed as empty"
                     for r in results if r[0].height == 0)
     warnings.extend(_check_ranks(results, manifest, run_dir))
+    warnings.extend(_one_collection(results, run_dir))
     warnings.extend(_contradictions(results, manifest, run_dir, found))
     del found
     marks.clear()
@@ -440,6 +441,81 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
             notes.append(f"{shown(run_dir / MANIFEST_NAME)}: ranks {unwritten} did not finish writing their trace "
                          "according to run.json; their data may be partial")
     return notes
+
+
+# Ranks of one collection profile the same steps at the same time: their traces' time spans overlap, up to the
+# hosts' clock skew (milliseconds under NTP). Spans further apart than this, and than MIXED_SPANS times the longest
+# span, come from different collections (run one after the other into one folder); closer, a note names them.
+MIXED_GAP_S = 10.0
+MIXED_NOTE_S = 1.0
+MIXED_SPANS = 10
+# What traceana's collectors record of a collection's configuration in every rank's trace ("traceana" metadata):
+# one collection's ranks agree on each.
+COLLECTION_KEYS = ("pp", "world_size", "schedule", "bpipe", "profiler", "torch")
+
+
+def _one_collection(results: list[Parsed], run_dir: Path) -> list[str]:
+    """RunDirError when the traces in one folder come from different collections, as the traces themselves show it:
+    traceana's metadata naming another configuration (pp, schedule, BPipe pairs, profiler schedule, torch), or
+    ranks whose events lie far apart in time (a rank's trace from a later collection of the same configuration);
+    a note when ranks' spans are apart by more than MIXED_NOTE_S but less than the refusal's gap."""
+    import json
+
+    if len(results) < 2:
+        return []
+    metas = []
+    for _, _, row in results:
+        try:
+            meta = json.loads(row["meta"]) if row.get("meta") else None
+        except (TypeError, ValueError):
+            meta = None
+        metas.append(meta if isinstance(meta, dict) else None)
+    for key in COLLECTION_KEYS:
+        seen = {}
+        for meta, (_, _, row) in zip(metas, results):
+            if meta is not None and key in meta:
+                seen.setdefault(json.dumps(meta[key], sort_keys=True, default=str), row)
+        if len(seen) > 1:
+            (v1, r1), (v2, r2) = list(seen.items())[:2]
+            raise RunDirError(f"traces from different collections: rank {r1['rank']} was collected with {key} {v1}, "
+                              f"rank {r2['rank']} with {key} {v2} (their traceana metadata)", path=shown(run_dir),
+                              fix="keep each collection's traces in its own folder")
+    spans = []
+    for ev, _, row in results:
+        if ev.height:
+            lo, hi = ev.select(lo=pl.col("ts_ns").min(), hi=(pl.col("ts_ns") + pl.col("dur_ns")).max()).row(0)
+            if lo is not None and hi is not None:
+                spans.append((lo, hi, row["rank"]))
+    if len(spans) < 2:
+        return []
+    spans.sort()
+    longest = max(hi - lo for lo, hi, _ in spans)
+    groups, end = [[spans[0]]], spans[0][1]
+    gaps = []
+    for span in spans[1:]:
+        if span[0] - end > MIXED_NOTE_S * 1e9:
+            gaps.append(span[0] - end)
+            groups.append([])
+        groups[-1].append(span)
+        end = max(end, span[1])
+    if len(groups) == 1:
+        return []
+    gap = max(gaps)
+
+    def ranks(group) -> str:
+        rs = sorted(r for _, _, r in group)
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs[:8])) + (" …" if len(rs) > 8 else "")
+
+    where = "; ".join(f"{ranks(g)} from {(g[0][0] - spans[0][0]) / 1e9:,.1f} s to "
+                      f"{(max(h for _, h, _ in g) - spans[0][0]) / 1e9:,.1f} s" for g in groups[:4])
+    what = (f"the ranks' traces do not overlap in time ({where}, from the first event; the ranks of one collection "
+            f"profile the same steps together)")
+    if gap > MIXED_GAP_S * 1e9 and gap > MIXED_SPANS * longest:
+        raise RunDirError(f"traces from different collections: {what}", path=shown(run_dir),
+                          fix="keep each collection's traces in its own folder (if the hosts' clocks really were "
+                              "that far apart, synchronise them: NTP)")
+    return [f"{shown(run_dir)}: traces from different collections? {what}; P2P and bubble figures across them "
+            "mean nothing"]
 
 
 def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: Path,

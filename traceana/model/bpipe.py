@@ -34,7 +34,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes, reserve_bytes as default_reserve
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
-from traceana.pipeline_rules import bpipe_pairs, bpipe_plan
+from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
 from traceana.units import bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
@@ -414,8 +414,7 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
     default the CLI uses too). ``on_progress(done, total)`` after each simulated configuration (a thousand
     micro-batches take seconds each; ``total`` grows by the few the flip search adds)."""
     check_baseline(baseline)
-    if cfg.schedule != "1f1b" or cfg.virtual_stages != 1:
-        raise ConfigError("the BPipe verdict compares plain 1F1B schedules", fix="use --schedule 1f1b")
+    check_bpipe(cfg.schedule, virtual_stages=cfg.virtual_stages, fix="use --schedule 1f1b")
     total_bytes = device.memory_bytes
     reserve = default_reserve(total_bytes, reserve_bytes) if math.isfinite(total_bytes) else 0.0
     dev = Device(device.name, total_bytes - reserve, device.peak_flops, device.source)

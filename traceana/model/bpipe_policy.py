@@ -16,10 +16,10 @@ from traceana.pipeline_rules import FORWARD, Op, bpipe_plan
 
 class BPipePolicy(Policy):
     def __init__(self, *, pairs: tuple[tuple[int, int], ...], pp: int, num_microbatches: int, costs: Costs,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, schedule: str = "1f1b") -> None:
         self.costs = costs
         self.acceptor_of = dict(pairs)
-        self.plans = {e: bpipe_plan("1f1b", pp=pp, num_microbatches=num_microbatches, evictor=e, keep=keep)
+        self.plans = {e: bpipe_plan(schedule, pp=pp, num_microbatches=num_microbatches, evictor=e, keep=keep)
                       for e in self.acceptor_of}
         self.accept_after = {(plan.acceptor, j): len(v) for plan in self.plans.values()
                              for j, v in plan.accept_after.items()}

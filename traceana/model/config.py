@@ -6,13 +6,11 @@ Shared by the memory model, the simulator, the BPipe estimate and the CLI, so ea
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from traceana.errors import ConfigError, shown
-from traceana.manifest import ATTENTIONS, MANIFEST_NAME, RECOMPUTES, Manifest, ModelShape
-from traceana.pipeline_rules import SCHEDULES, check_virtual_stages, device_of_stage, stage_layers
+from traceana.errors import ConfigError
+from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
+from traceana.pipeline_rules import SCHEDULES, check_bpipe, check_virtual_stages, device_of_stage, stage_layers
 
 # Schedules the model knows (names as in manifest.SCHEDULES).
 MODEL_SCHEDULES = SCHEDULES  # every schedule the pipeline rules know
@@ -93,8 +91,8 @@ class TrainingConfig:
         if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
             raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
                               fix="check run.json's bpipe_inflight")
-        if self.bpipe and self.schedule != "1f1b":
-            raise ConfigError("BPipe is defined on the 1F1B schedule", fix="use --schedule 1f1b with --bpipe")
+        if self.bpipe:
+            check_bpipe(self.schedule, virtual_stages=self.virtual_stages)
         if self.model.heads % self.tp or self.model.hidden % self.tp:
             raise ConfigError(f"tp={self.tp} does not divide the model's heads and hidden size", fix="choose another tp")
         chunks = self.pp * self.virtual_stages
@@ -133,71 +131,3 @@ class TrainingConfig:
 
     def replace(self, **changes) -> TrainingConfig:
         return dataclasses.replace(self, **changes)
-
-
-def config_from_manifest(manifest: Manifest, *, precision: Precision | None = None,
-                         path: str | Path | None = None) -> TrainingConfig:
-    """The training configuration a run's manifest describes; ConfigError names what is missing, and what to fix in
-    run.json (``path``: the run folder or run.json), not an option of another command."""
-    try:
-        return _config_from_manifest(manifest, precision=precision)
-    except ConfigError as e:
-        if path is None:
-            raise
-        where = Path(path) if Path(path).name == MANIFEST_NAME else Path(path) / MANIFEST_NAME
-        fix = _FLAG.sub(lambda m: _RUN_JSON_KEY.get(m.group(1), m.group(1).replace("-", "_")), e.fix or "")
-        raise ConfigError(e.what, path=shown(where), fix=f"{fix} in run.json" if fix else "fix run.json") from None
-
-
-# TrainingConfig's messages name the flags of `estimate`/`collect`; from run.json they name its keys instead.
-_FLAG = re.compile(r"--([a-z][a-z-]*)")
-_RUN_JSON_KEY = {"microbatches": "num_microbatches", "microbatch-size": "microbatch_size", "bpipe": "bpipe",
-                 "schedule": "schedule", "pp": "pp", "tp": "tp", "dp": "dp"}
-
-
-def _config_from_manifest(manifest: Manifest, *, precision: Precision | None = None) -> TrainingConfig:
-    missing = [f for f in ("model", "pp", "microbatch_size", "num_microbatches") if getattr(manifest, f) is None]
-    if missing:
-        raise ConfigError(
-            f"run.json lacks {', '.join(missing)}, which the model needs",
-            fix="collect the run with `traceana collect`, or add them to run.json",
-        )
-    schedule = manifest.schedule if manifest.schedule in MODEL_SCHEDULES else None
-    if schedule is None:
-        raise ConfigError(
-            f"the model cannot simulate schedule {manifest.schedule!r}", fix=f"use one of {', '.join(MODEL_SCHEDULES)}"
-        )
-    if manifest.stages_held and len({len(st) for st in manifest.stages_held}) > 1:
-        raise ConfigError("run.json's stages_of_rank gives the ranks different numbers of stages; the model "
-                          "simulates the same number on every device",
-                          fix="estimate it with `traceana estimate --virtual-stages N` for an even placement")
-    virtual = manifest.stages_a_rank or 1
-    # the manifest's pp counts stages (virtual_stages or stages_of_rank of them a rank); the model's pp counts devices
-    if virtual > 1 and manifest.pp % virtual:
-        raise ConfigError(f"pp {manifest.pp} (the stages) is not a multiple of {virtual} virtual stages a rank",
-                          fix="give pp as all the stages, virtual_stages of them on each rank")
-    pp = manifest.pp // virtual
-    if precision is None:
-        precision = MIXED_ADAM if manifest.dtype in ("bfloat16", "float16", "bf16", "fp16") else FP32_ADAM
-    # The reference trainer (collectors/trainer) is eager PyTorch without dropout; say so in run.json's extra to
-    # override ("dropout": true, "eager": false).
-    trainer = manifest.extra.get("trainer", "traceana") == "traceana" and manifest.device in (None, "cpu")
-    layers = manifest.extra.get("layers_per_stage")
-    return TrainingConfig(
-        model=manifest.model,
-        pp=pp,
-        tp=manifest.tp,
-        dp=manifest.dp,
-        microbatch_size=manifest.microbatch_size,
-        num_microbatches=manifest.num_microbatches,
-        schedule=schedule,
-        attention=manifest.attention or "sdpa",
-        recompute=manifest.recompute or "none",
-        bpipe=manifest.bpipe_on,
-        bpipe_keep=manifest.extra.get("bpipe_inflight"),  # the reference trainer's --bpipe-inflight
-        virtual_stages=virtual,
-        precision=precision,
-        layers_per_stage=tuple(layers) if layers else None,
-        dropout=manifest.extra.get("dropout", False if trainer else None),
-        eager=bool(manifest.extra.get("eager", trainer)),
-    )

@@ -35,7 +35,7 @@ from traceana.errors import ConfigError
 from traceana.model.bpipe_policy import BPipePolicy
 from traceana.model.scheduler import Costs, Policy, Recorder, StageTimes, run_schedule
 from traceana.pipeline_rules import SCHEDULES as SIM_SCHEDULES
-from traceana.pipeline_rules import bpipe_pairs, bubble_windows, device_of_stage, device_order
+from traceana.pipeline_rules import bpipe_pairs, bubble_windows, check_bpipe, device_of_stage, device_order
 
 MAX_STEP_NS = 2**62  # a simulated step longer than this (~146 years) cannot be held as Int64 nanoseconds
 
@@ -97,9 +97,8 @@ def simulate(
 
     orders = [device_order(schedule, pp=p, num_microbatches=m, device=d, virtual_stages=v) for d in range(p)]
     if bpipe:
-        if schedule != "1f1b" or v != 1:
-            raise ConfigError("BPipe is simulated on plain 1F1B only", fix="use schedule 1f1b without interleaving")
-        policy: Policy = BPipePolicy(pairs=bpipe_pairs(p) if bpipe is True else tuple(bpipe), pp=p,
+        check_bpipe(schedule, virtual_stages=v, fix="use schedule 1f1b without interleaving")
+        policy: Policy = BPipePolicy(schedule=schedule, pairs=bpipe_pairs(p) if bpipe is True else tuple(bpipe), pp=p,
                                      num_microbatches=m, costs=costs, keep=bpipe_keep)
     else:
         policy = Policy()

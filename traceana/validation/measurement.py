@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import polars as pl
 
 from traceana import intervals as iv
 from traceana import names, schema
 from traceana.analysis import Analysis
-from traceana.errors import AnalysisError, ConfigError, shown
-from traceana.manifest import MANIFEST_NAME
-from traceana.model.config import TrainingConfig, config_from_manifest
+from traceana.errors import AnalysisError
+from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
-from traceana.pipeline_rules import bpipe_plan, stage_layers
-from traceana.reconcile import annotated_facts, placement_contradiction, traced_manifest
+from traceana.pipeline_rules import bpipe_applies, bpipe_plan
+from traceana.run_config import RUN_JSON
 
 
 # "Waiting on the pipeline": the bubbles plus exposed P2P.
@@ -70,8 +68,8 @@ def shared_cpus(analysis: Analysis) -> str | None:
     """A note when the run's CPU ranks had fewer processors than ranks (run.json's ``host_cpus`` and
     ``ranks_per_host``), else None. The simulator gives every stage its own device; ranks time-sharing cores do not
     compute at once, so a replay then underestimates the step by up to ranks/cores (docs/model.md)."""
-    m = analysis.run.manifest
-    if m is None or not m.host_cpus or not m.ranks_per_host or m.ranks_per_host <= m.host_cpus:
+    m = analysis.config
+    if not m.host_cpus or not m.ranks_per_host or m.ranks_per_host <= m.host_cpus:
         return None
     if analysis.run.events.select(pl.col("is_gpu").any()).item():
         return None  # GPU ranks compute on their own devices; the host's cores only launch
@@ -96,8 +94,9 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         rank_of_stage.setdefault(s % p, r)  # the first data-parallel replica of each stage
     missing = [s for s in range(p) if s not in rank_of_stage]
     if missing:
-        listed = m.stage_of_rank if (m := analysis.run.manifest) is not None and m.stage_of_rank else []
-        absent = sorted(set(r for r, s in enumerate(listed) if s % p in missing) - set(analysis.run.ranks))
+        c = analysis.config
+        listed = c.stages_of_rank if c.stages_of_rank and c.source("stages_of_rank") == RUN_JSON else {}
+        absent = sorted({r for r, st in listed.items() if any(s % p in missing for s in st)} - set(analysis.run.ranks))
         if absent:  # run.json names the stage's ranks: their traces are what is missing
             raise AnalysisError(f"stages {missing} have no trace: run.json places them on rank"
                                 f"{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}, whose trace is "
@@ -201,13 +200,14 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
     # BPipe, as measured: the time each evictor and acceptor spent on BPipe (attribution category "bpipe": blocking
     # evictions, exposed loads, accepting and returning) per planned eviction; the transfers themselves overlap.
     evict_block = accept_block = 0.0
-    pairs_of_run = analysis.run.manifest.bpipe if analysis.run.manifest and analysis.run.manifest.bpipe else ()
-    if pairs_of_run and cfg.schedule == "1f1b":
+    pairs_of_run = analysis.config.bpipe or ()
+    if pairs_of_run and bpipe_applies(cfg.schedule, pp=p, virtual_stages=cfg.virtual_stages):
         per_step = per_rank.group_by("rank").agg(pl.col("bpipe").mean())
         spent = dict(per_step.iter_rows())
         ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
         for e, q in pairs_of_run:
-            n = bpipe_plan("1f1b", pp=p, num_microbatches=cfg.num_microbatches, evictor=e, keep=cfg.bpipe_keep).evicted
+            n = bpipe_plan(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, evictor=e,
+                           keep=cfg.bpipe_keep).evicted
             if n:
                 ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
                 acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0
@@ -240,9 +240,9 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
     computing (forward + backward, or its I and W halves, + recompute: the attribution's busy time) times the
     device's peak FLOP/s, summed
     over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
-    m = traced_manifest(analysis.run.manifest, analysis.schedule)  # the traces' m where run.json contradicts them
-    peak = peak_flops or (m.peak_flops if m else None)
-    if m is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
+    m = analysis.config  # the traces' micro-batches and schedule where run.json contradicts them
+    peak = peak_flops or m.peak_flops
+    if m.manifest is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
         raise AnalysisError("measuring compute efficiency needs run.json with the model, pp and micro-batching",
                             path=analysis.run.path, fix="collect the run with `traceana collect`")
     if not peak:
@@ -254,7 +254,11 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
     if held != set(range(m.pp)):
         raise AnalysisError(f"found {len(held & set(range(m.pp)))} of {m.pp} stages", path=analysis.run.path,
                             fix="check run.json's stage_of_rank or the traces' P2P chain")
-    layers = stage_layers(m.model.layers, m.pp)
+    layers = m.stage_layers()  # run.json's layers_per_stage, else the even split
+    if layers is None:
+        raise AnalysisError(f"run.json's layers_per_stage ({len(m.layers_per_stage or ())} entries) does not say how "
+                            f"the layers of its {m.pp} stages divide", path=analysis.run.path,
+                            fix="give layers_per_stage one entry per stage")
     flops = sum(stage_flops(m.model, layers=layers[s], microbatch_size=m.microbatch_size,
                             recompute=m.recompute or "none", last=s == m.pp - 1) for s in range(m.pp))
     # the passes (F, B, or I and W) and their recomputation
@@ -265,16 +269,3 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
                             fix="profile complete steps with forward/backward annotations")
     # stage_flops counts a stage's whole tensor-parallel group; the peak is per device
     return m.microbatch_size, m.attention or "sdpa", flops * m.num_microbatches / (compute_s * peak * m.tp)
-
-
-def traced_config(a: Analysis) -> TrainingConfig:
-    """The configuration validation simulates for a run: run.json as the traces show it (``traced_manifest``), or a
-    one-line ConfigError naming run.json where its schedule places another number of stages on each rank than the
-    traces hold (``reconcile.placement_contradiction``): no schedule could be simulated faithfully from it."""
-    manifest = a.run.manifest
-    facts = annotated_facts(a.schedule)
-    wrong = placement_contradiction(facts, manifest)
-    if wrong:
-        folder = Path(a.run.path) if Path(a.run.path).is_dir() else Path(a.run.path).parent
-        raise ConfigError(wrong, path=shown(folder / MANIFEST_NAME), fix="fix schedule (or virtual_stages) in run.json")
-    return config_from_manifest(traced_manifest(manifest, a.schedule, facts=facts), path=a.run.path)

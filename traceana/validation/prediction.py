@@ -11,7 +11,7 @@ from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation, StageTimes, simulate
-from traceana.validation.measurement import measure, shared_cpus, traced_config
+from traceana.validation.measurement import measure, shared_cpus
 
 LOCAL_COPY_BYTES_PER_NS = 1.0  # 1 GB/s: an assumption for moving activations between processes on one host
 
@@ -24,7 +24,7 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
     or kept as the target says; BPipe transfers cost ``bpipe_ns`` each (by default one baseline P2P message's time
     plus the evictor's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS).
     """
-    base_cfg = base_cfg or traced_config(baseline)
+    base_cfg = base_cfg or baseline.config.training_config(path=baseline.run.path)
     if (target.pp, target.microbatch_size, target.model) != (base_cfg.pp, base_cfg.microbatch_size, base_cfg.model):
         raise AnalysisError("the cross-run prediction needs the same model, pp and micro-batch size",
                             path=baseline.run.path, fix="compare runs that differ only in schedule, BPipe, recompute")
@@ -58,7 +58,7 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
         if a.run.manifest is None:
             raise AnalysisError("the noise floor needs run.json (to tell that both runs are one configuration)",
                                 path=a.run.path, fix="collect both runs with `traceana collect`")
-        cfgs.append(traced_config(a))
+        cfgs.append(a.config.training_config(path=a.run.path))
     if cfgs[0] != cfgs[1]:
         diff = [f.name for f in dataclasses.fields(cfgs[0]) if getattr(cfgs[0], f.name) != getattr(cfgs[1], f.name)]
         raise AnalysisError(f"--repeat runs are not one configuration (they differ in {', '.join(diff)}), so their "
@@ -80,8 +80,8 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         if a.run.manifest is None:  # the run that lacks it is the one named
             raise AnalysisError("cross-run validation needs run.json in both runs: this one has none",
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
-    base_cfg = traced_config(baseline)
-    tgt_cfg = traced_config(target)
+    base_cfg = baseline.config.training_config(path=baseline.run.path)
+    tgt_cfg = target.config.training_config(path=target.run.path)
     sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
     sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
     meas_t = measure(target, tgt_cfg)

@@ -15,12 +15,11 @@ import polars as pl
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
 from traceana.model.config import TrainingConfig
-from traceana.reconcile import traced_manifest
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
-from traceana.validation.measurement import (WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus,
-                                             traced_config)
+from traceana.run_config import TRACE
+from traceana.validation.measurement import WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus
 
 # The waits compared are the bubbles plus exposed P2P (measurement.WAIT_CATEGORIES): measured attribution labels idle
 # time during which one of the rank's own sends is still in flight as p2p, which the simulator cannot tell from a
@@ -160,9 +159,9 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         if run.manifest is None:
             raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
                                 fix="collect with `traceana collect`, or write run.json")
-        cfg = traced_config(analysis)
+        cfg = analysis.config.training_config(path=run.path)
     meas = measure(analysis, cfg)
-    bpipe = tuple(run.manifest.bpipe) if run.manifest and run.manifest.bpipe else False
+    bpipe = tuple(analysis.config.bpipe) if analysis.config.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
                    costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
                    window=window)
@@ -176,7 +175,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
             pl.col("ns").sum().alias("sim_step"),
             pl.col("ns").filter(pl.col("category").is_in(WAIT_CATEGORIES)).sum().alias("sim_bubble"))
     )
-    grads_in_step = bool(run.manifest.extra.get("grads_in_step", False)) if run.manifest else False
+    grads_in_step = analysis.config.grads_in_step
     est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
     mem = (
         analysis.stage_memory.filter(pl.col("step").is_in(analysis.summary.steps))
@@ -253,8 +252,9 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         + (" + gradients allocated and freed in the step" if grads_in_step else "")
         + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
-    traced = traced_manifest(run.manifest, analysis.schedule)
-    if run.manifest is not None and traced is not run.manifest:
-        notes += (f"simulated as the traces show it: schedule {traced.schedule}, {traced.num_microbatches} micro-batches "
+    c = analysis.config
+    if run.manifest is not None and run.manifest.num_microbatches and TRACE in (c.source("schedule"),
+                                                                                 c.source("num_microbatches")):
+        notes += (f"simulated as the traces show it: schedule {c.schedule}, {c.num_microbatches} micro-batches "
                   f"(run.json says {run.manifest.schedule}, {run.manifest.num_microbatches}) — fix run.json",)
     return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)

@@ -10,8 +10,8 @@ from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict,
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
+from traceana.pipeline_rules import why_no_bpipe
 from traceana.units import bytes_text
-from traceana.validation.measurement import traced_config
 from traceana.validation.prediction import predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
@@ -26,9 +26,11 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
     with full recompute against BPipe without any. A BPipe transfer costs ``bpipe_ns`` (default: one P2P message's
     time plus stage 0's activation bytes per micro-batch at LOCAL_COPY_BYTES_PER_NS, overlapped)."""
     check_baseline(policy)
-    cfg = cfg or traced_config(baseline)
-    if cfg.schedule != "1f1b" or cfg.bpipe or cfg.pp < 2:
-        raise AnalysisError("a BPipe verdict needs a plain 1F1B run with pp ≥ 2", path=baseline.run.path,
+    cfg = cfg or baseline.config.training_config(path=baseline.run.path)
+    why = "it already runs BPipe" if cfg.bpipe else why_no_bpipe(cfg.schedule, pp=cfg.pp,
+                                                                    virtual_stages=cfg.virtual_stages)
+    if why is not None:
+        raise AnalysisError(f"no BPipe verdict for this run: {why}", path=baseline.run.path,
                             fix="collect a 1F1B run without BPipe")
     rc = RUN_RECOMPUTE[policy]
     ref_cfg = cfg if rc is None else cfg.replace(recompute=rc)
