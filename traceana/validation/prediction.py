@@ -125,7 +125,7 @@ def _measured_change(baseline: Analysis, target: Analysis, base_cfg: TrainingCon
 
     base, other = [baseline.summary.step_times_ms], [target.summary.step_times_ms]
     if repeat:
-        cfg = traced_config(repeat[0])
+        cfg = repeat[0].config.training_config(path=repeat[0].run.path)
         extra = [r.summary.step_times_ms for r in repeat
                  if Path(r.run.path).resolve() not in {Path(baseline.run.path).resolve(),
                                                          Path(target.run.path).resolve()}]
