@@ -37,7 +37,9 @@ def test_repeated_runs_bring_the_spread_between_runs_into_the_interval():
     assert compare(base_runs[:1], other[:1]).within_noise is False
     both = compare(base_runs, other)
     assert both.from_runs and both.within_noise is True
-    assert both.base_ms == pytest.approx(150) and "repeated runs" in both.words()
+    assert both.base_ms == pytest.approx(150) and "of 2 + 2 repeated runs" in both.words()
+    one_side = compare(base_runs, other[:1])
+    assert one_side.runs == (2, 1) and "on the repeated side only" in one_side.words()
 
 
 def test_the_interval_is_the_same_every_time():

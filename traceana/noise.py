@@ -17,7 +17,7 @@ a fixed seed, so one pair of runs always gets one interval.
 
 JSON names (every surface): ``step_change`` (fraction), ``step_change_low`` / ``step_change_high`` (the interval,
 fractions), ``within_noise`` (bool or null), ``noise_from`` ("steps" or "runs"), ``noise_samples`` (step times on
-each side).
+each side), ``noise_runs`` (runs on each side).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Change:
     within_noise: bool | None  # the interval contains 0; None: no spread to judge
     from_runs: bool  # repeated runs on both sides: the interval includes the spread between runs
     samples: tuple[int, int]  # step times on each side
+    runs: tuple[int, int] = (1, 1)  # runs on each side
 
     @property
     def speedup(self) -> float:
@@ -58,9 +59,15 @@ class Change:
     def words(self, *, what: str = "step time") -> str:
         """"step time −25.3 % (95 % interval −40.1 … −5.2 %, over 3 + 3 steps of one run each)" or "… within
         noise …"."""
-        over = (f"over {self.samples[0]} + {self.samples[1]} steps"
-                + (" of repeated runs" if self.from_runs else " of one run each: runs of one configuration can "
-                   "differ by more; repeat them for an interval that includes that"))
+        over = f"over {self.samples[0]} + {self.samples[1]} steps"
+        if self.runs == (1, 1):
+            over += (" of one run each: runs of one configuration can differ by more; repeat them for an interval "
+                     "that includes that")
+        elif self.from_runs:
+            over += f" of {self.runs[0]} + {self.runs[1]} repeated runs"
+        else:
+            over += (f" of {self.runs[0]} + {self.runs[1]} runs: the spread between runs counts on the repeated "
+                     "side only")
         if self.within_noise is None:
             return (f"{what} {self.change:+.1%}, which cannot be told from noise: a side has fewer than 2 measured "
                     f"steps (profile more steps)")
@@ -72,7 +79,7 @@ class Change:
     def as_dict(self) -> dict:
         return {"step_change": self.change, "step_change_low": self.low, "step_change_high": self.high,
                 "within_noise": self.within_noise, "noise_from": "runs" if self.from_runs else "steps",
-                "noise_samples": list(self.samples)}
+                "noise_samples": list(self.samples), "noise_runs": list(self.runs)}
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -100,10 +107,10 @@ def compare(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -
     samples = (sum(map(len, base)), sum(map(len, other)))
     from_runs = len(base) > 1 and len(other) > 1
     if min(samples) < 2 or not b:
-        return Change(b, o, change, None, None, None, from_runs, samples)
+        return Change(b, o, change, None, None, None, from_runs, samples, (len(base), len(other)))
     rng = random.Random(SEED)
     draws = sorted(_draw(other, rng) / _draw(base, rng) - 1 for _ in range(RESAMPLES))
     tail = (1 - LEVEL) / 2
     low, high = draws[int(tail * (RESAMPLES - 1))], draws[int((1 - tail) * (RESAMPLES - 1))]
     low, high = min(low, change), max(high, change)
-    return Change(b, o, change, low, high, low <= 0 <= high, from_runs, samples)
+    return Change(b, o, change, low, high, low <= 0 <= high, from_runs, samples, (len(base), len(other)))
