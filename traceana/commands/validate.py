@@ -68,8 +68,8 @@ def render(v, cross: dict | None, *, console) -> None:
         agrees = {True: "the predicted change lies inside that interval",
                   False: "the predicted change lies outside that interval",
                   None: "nothing to judge the prediction by"}[cross.get("prediction_within_noise")]
-        print_line(console, f"measured, {'with the repeats on their side' if cross['noise_runs'] != [1, 1] else 'these two runs'}: "
-                   f"{cross['measured_change_words']}; {agrees}")
+        over = "with the repeats on their side" if cross["noise_runs"] != [1, 1] else "these two runs"
+        print_line(console, f"measured, {over}: {cross['measured_change_words']}; {agrees}")
         if cross.get("machine_note"):
             print_line(console, cross["machine_note"], prefix="note: ")
 
