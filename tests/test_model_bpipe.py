@@ -139,8 +139,8 @@ def test_estimate_cli_bad_input_is_one_line_exit_2(argv, capsys):
 
 def test_the_verdict_reports_progress_over_every_simulation_and_keeps_none(monkeypatch):
     """on_progress counts every simulated configuration (counted here by wrapping the simulator itself) up to the
-    total it announced (which grows only by the flip search's few), and the verdict is the one given without a callback. Each simulation is dropped once its
-    estimate is taken: at most one lives at a time (counted by weak references), so memory does not grow with the
+    total it announced (which grows only by the flip search's few), and the verdict is the one given without a
+    callback. Each simulation is dropped once its estimate is taken: at most one lives at a time (counted by weak references), so memory does not grow with the
     number of configurations times their micro-batches (m = 10^5 had reached 2.3 GB)."""
     import gc
     import weakref

@@ -7,10 +7,10 @@ with naive attention keeps 8 micro-batches of 6,648 MiB on stage 0 beside 42,701
 × 16 B, ZeRO §3.1). BPipe's balanced ⌈9/2⌉ = 5 leaves stage 0 at 76,139.55 MiB, and its acceptor, the last stage, at
 42,653.60 (state) + 6,769.08 (its own micro-batch, fp32 logits included) + 4 × 6,648 (stage 0's: it takes the next
 before returning the last) + 198 (one layer's backward working memory) = 76,212.68 MiB = 74.43 GiB — over the 72 GiB
-usable at the default reserve, under it at 80 − 74.43 = 5.57 GiB or less. Full recompute re-runs the forward (≈ 1/3 of a step's compute), so the win over the BPipe paper's
-baseline is of that size when BPipe fits and transfers hide (Kim et al. 2023 report 1.25–2.17×). Flash attention
-drops the s×s terms, stage 0 fits without recompute (71.2 GiB) and BPipe can buy only a larger micro-batch.
-LLaMA-65B fits without recompute either way."""
+usable at the default reserve, under it at 80 − 74.43 = 5.57 GiB or less. Full recompute re-runs the forward
+(≈ 1/3 of a step's compute), so the win over the BPipe paper's baseline is of that size when BPipe fits and
+transfers hide (Kim et al. 2023 report 1.25–2.17×). Flash attention drops the s×s terms, stage 0 fits without
+recompute (71.2 GiB) and BPipe can buy only a larger micro-batch. LLaMA-65B fits without recompute either way."""
 
 from __future__ import annotations
 

@@ -214,8 +214,8 @@ def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_pat
     from traceana.validation.prediction import repeated_comparison
 
     times = StageTimes.uniform(2, forward=100e3, backward=200e3)
-    runs = lambda name, t, n=2: [fake_analysis(tmp_path / f"{name}{k}", schedule="1f1b", pp=2, m=4, times=t,  # noqa: E731
-                                               steps=3) for k in range(n)]
+    def runs(name, t, n=2):
+        return [fake_analysis(tmp_path / f"{name}{k}", schedule="1f1b", pp=2, m=4, times=t, steps=3) for k in range(n)]
     base = runs("a", times)
     same = repeated_comparison(base, runs("b", times))
     assert same["agree"] is True and "measured and modelled agree" in same["headline"]

@@ -33,7 +33,8 @@ def test_margin_and_flips_are_in_the_json(capsys):
     b = json.loads(run([*GPT3_NAIVE, "--bpipe-baseline", "full-recompute", "--bpipe-gbps", "300", "--json"],
                        capsys))["bpipe"]
     assert b["margin_bytes"] < 0 and b["deciding_configuration"] == "b=1, m=64, BPipe"
-    assert set(b["flips"]) == {"reserve_bytes", "bpipe_bytes_per_s", "efficiency_fraction", "efficiency_microbatch_size"}
+    assert set(b["flips"]) == {"reserve_bytes", "bpipe_bytes_per_s", "efficiency_fraction",
+                               "efficiency_microbatch_size"}
     assert 5 * 2**30 < b["flips"]["reserve_bytes"] < 6 * 2**30
     assert b["margin"].startswith("Margin: the deciding configuration")
 

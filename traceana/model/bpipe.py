@@ -31,7 +31,8 @@ from traceana import schema
 from traceana.errors import ConfigError
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
-from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes, reserve_bytes as default_reserve
+from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
+from traceana.model.memory import reserve_bytes as default_reserve
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
@@ -599,7 +600,8 @@ def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate
     nothing = " BPipe evicts nothing in this configuration." if evicted == 0 else ""
     if not fits_without:
         return (f"BPipe helps: without it the {baseline} configuration ({ref.describe()}) does not fit in memory "
-                f"(its largest stage needs {bytes_text(ref.peak_bytes, 1)}); with it {best.describe()} fits and runs at "
+                f"(its largest stage needs {bytes_text(ref.peak_bytes, 1)}); with it {best.describe()} fits and "
+                f"runs at "
                 f"{seconds_text(best.step_s)} per step (MFU {best.mfu:.1%}; {speedup:.3f}× the step the unfitting "
                 "configuration would take).")
     if deciding == "no change":

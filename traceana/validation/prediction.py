@@ -183,5 +183,6 @@ def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> d
         headline = (f"{said}, outside the measured interval, with forward+backward per micro-batch unchanged "
                     f"({compute:.2f}×): the model misses what changed (see the report's A/B section).")
     return {"baseline": side(baselines), "target": side(targets), **measured.as_dict(),
-            "measured_change_words": measured.words(what="measured"), "predicted_change": predicted, "compute_ratio": compute,
+            "measured_change_words": measured.words(what="measured"), "predicted_change": predicted,
+            "compute_ratio": compute,
             "agree": agree, "headline": headline}
