@@ -394,7 +394,7 @@ class _Pinned:
         return self.curve.at(microbatch_size, seq=seq, attention=attention)
 
 
-def _bisect(helps: Callable[[float], bool], now: bool, lo: float, hi: float, *, log: bool, steps: int = 5) -> float:
+def _bisect(helps: Callable[[float], bool], now: bool, lo: float, hi: float, *, log: bool, steps: int = 4) -> float:
     """The value between ``lo`` (where the verdict is ``now``) and ``hi`` (where it is not) at which it flips, to
     within (hi/lo)^(1/2^steps) (log) or (hi−lo)/2^steps: a handful of evaluations, each a few simulations."""
     for _ in range(steps):
@@ -533,9 +533,9 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
                     warnings=tuple(warnings))
     # -- link: only fitting BPipe configurations that win with free transfers can make BPipe help
     by_step = sorted(((f, b) for f, b in zip(free, balanced) if b.peak_bytes <= usable), key=lambda fb: fb[0].step_s)
-    hopeful = [b for f, b in by_step if reference.step_s / f.step_s > HELPS_ABOVE][:4]
+    hopeful = [b for f, b in by_step if reference.step_s / f.step_s > HELPS_ABOVE][:2]
     if helps:
-        hopeful = [best, *[b for b in hopeful if b is not best]][:4]
+        hopeful = [best, *[b for b in hopeful if b is not best]][:2]
 
     def helps_at_link(bw: float) -> bool:
         if not hopeful:
@@ -564,8 +564,12 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
         notes["efficiency"] = f"at no E(b) that matters (both sides run b={b_star})"
     else:
         e_now = curve.at(b_star, seq=best.config.model.seq, attention=best.config.attention)
-        at_b = [i for i, e in enumerate(plain) if e.config.microbatch_size == b_star and e.peak_bytes <= usable]
-        at_bb = [i for i, e in enumerate(balanced) if e.config.microbatch_size == b_star and e.peak_bytes <= usable]
+        # the fastest fitting configuration at b* on each side: the others at b* move with it (same E)
+        def fastest_at_b(es: list[StepEstimate]) -> list[int]:
+            fit = [i for i, e in enumerate(es) if e.config.microbatch_size == b_star and e.peak_bytes <= usable]
+            return sorted(fit, key=lambda i: es[i].step_s)[:1]
+
+        at_b, at_bb = fastest_at_b(plain), fastest_at_b(balanced)
 
         def helps_at_efficiency(x: float) -> bool:
             grow(len(at_b) + len(at_bb))
