@@ -249,18 +249,21 @@ class Verdict:
 
     def margin_line(self) -> str:
         """One line: the deciding configuration's distance to the fit line and where the verdict flips."""
-        if self.margin_bytes is None:
-            return ""
         gb = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
-        room = (f"fits with {gb(self.margin_bytes)} to spare" if self.margin_bytes >= 0
-                else f"is {gb(-self.margin_bytes)} short of fitting")
+        if self.margin_bytes is None:
+            room = "has no device memory limit to meet"
+        else:
+            room = (f"fits with {gb(self.margin_bytes)} to spare" if self.margin_bytes >= 0
+                    else f"is {gb(-self.margin_bytes)} short of fitting")
         f, why = self.flips, self.flip_notes
         values = {"reserve_bytes": lambda x: f"at a reserve of {gb(x)}",
                   "bpipe_bytes_per_s": lambda x: f"at a BPipe link of {x / 1e9:,.3g} GB/s",
                   "efficiency": lambda x: f"at E(b={f['efficiency_microbatch_size']}) = {x:.1%}"}
         said = [values[k](f[k]) if f.get(k) is not None else why[k] for k in values
                 if f.get(k) is not None or k in why]
-        flips = "the verdict flips " + "; ".join(said) if said else ""
+        if not said and self.margin_bytes is None:
+            return ""
+        flips = "the verdict flips " + "; ".join(said) if said else "nothing within reach flips the verdict"
         return f"Margin: the deciding configuration ({self.deciding_config}) {room}; {flips}."
 
 
@@ -329,8 +332,9 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
         # Each term of the largest stage named: the state (weights, gradients, optimizer) is what BPipe cannot move
         # and often what decides (LLaMA-65B at pp 4 carries far less of it per stage than GPT-3 175B at pp 8).
         st = largest(plain)
+        params = f"{st.params / 1e9:.2f}B" if st.params >= 1e8 else f"{st.params / 1e6:.2f}M"
         words += (f"; largest stage's weights, gradients and optimizer state {bytes_text(st.state_bytes)} "
-                  f"({st.params / 1e9:.2f}B parameters a device)")
+                  f"({params} parameters a device)")
         for att in ("naive", "sdpa"):
             c = plain.replace(attention=att)
             before, after = largest(c), largest(c.replace(bpipe=True))
