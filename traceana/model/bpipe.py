@@ -21,6 +21,7 @@ configurations that needed BPipe to fit usually fit without it, and the verdict 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -121,6 +122,7 @@ class StepEstimate:
     efficiency: float
     largest: StageMemory | None = None  # the stage with the largest total (the one that decides the fit)
     hfu: float | None = None  # hardware FLOPs utilisation (flops.HFU_COUNTS); None without recompute (= mfu)
+    twin_peak_bytes: float | None = None  # a BPipe configuration's largest stage without BPipe (does BPipe make it fit?)
 
     def describe(self) -> str:
         c = self.config
@@ -184,6 +186,8 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
         terms=terms,
         efficiency=eff,
         largest=largest,
+        twin_peak_bytes=max(m.total_bytes for m in estimate_stage_memory(cfg.replace(bpipe=False))) if cfg.bpipe
+        else None,
         hfu=None if cfg.recompute == "none" else flops.mfu(
             flops.iteration_flops(cfg.model, global_batch=cfg.global_batch, recompute=cfg.recompute),
             seconds=step_s, peak_flops=peak, devices=devices),
@@ -374,13 +378,15 @@ def decide(plain: list[StepEstimate], balanced: list[StepEstimate], given: StepE
            usable: float) -> tuple[bool, StepEstimate, StepEstimate | None]:
     """(helps, reference, best BPipe) with ``usable`` bytes per device: the rule the verdict and its flips share.
     BPipe helps when its best fitting configuration beats the baseline's by more than HELPS_ABOVE, or when the
-    baseline does not fit at all and a BPipe configuration does (then no speed-up is a fair figure)."""
+    baseline does not fit at all and BPipe is what makes the fastest fitting BPipe configuration fit (its twin
+    without BPipe does not; then no speed-up is a fair figure). When that configuration fits without BPipe too (e.g.
+    with recompute), its recompute or micro-batch size makes the run fit, not BPipe."""
     reference = _best(plain, usable) or given
     best = _best(balanced, usable)
     if best is None:
         return False, reference, None
     if reference.peak_bytes > usable:
-        return True, reference, best
+        return best.twin_peak_bytes is None or best.twin_peak_bytes > usable, reference, best
     return reference.step_s / best.step_s > HELPS_ABOVE, reference, best
 
 
@@ -505,27 +511,33 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
     # -- reserve: the nearest fit line across which the verdict changes
     nearest = None
     if math.isfinite(total_bytes):
-        for e in sorted({id(e): e for e in (*plain, *balanced, given)}.values(), key=lambda e: e.peak_bytes):
-            p = e.peak_bytes
+        lines = [(e.peak_bytes, e) for e in {id(e): e for e in (*plain, *balanced, given)}.values()]
+        lines += [(e.twin_peak_bytes, e) for e in balanced if e.twin_peak_bytes is not None]  # BPipe needed or not
+        for p, e in sorted(lines, key=lambda pe: pe[0]):
             if p > total_bytes:
                 continue  # no reserve lets it fit
             after = decide(plain, balanced, given, usable=p if p > usable else p * (1 - 1e-12))[0]
-            if after != helps and (nearest is None or abs(p - usable) < abs(nearest.peak_bytes - usable)):
-                nearest = e
+            if after != helps and (nearest is None or abs(p - usable) < abs(nearest[0] - usable)):
+                nearest = (p, e)
     if nearest is not None:
-        deciding = nearest
-        flips["reserve_bytes"] = total_bytes - nearest.peak_bytes
+        line, deciding = nearest
+        flips["reserve_bytes"] = total_bytes - line
     else:
         deciding = best or reference
+        line = deciding.peak_bytes
         if math.isfinite(total_bytes):
             notes["reserve_bytes"] = "at no reserve"
-    margin = usable - deciding.peak_bytes if math.isfinite(usable) else None
+    margin = usable - line if math.isfinite(usable) else None
+    # the line may be the BPipe configuration's twin without BPipe (whether BPipe is what makes it fit)
+    twin = deciding.twin_peak_bytes is not None and line == deciding.twin_peak_bytes != deciding.peak_bytes
+    named = deciding.config.replace(bpipe=False) if twin else deciding.config
+    desc = StepEstimate.describe(dataclasses.replace(deciding, config=named)) + (" without BPipe" if twin else "")
     warnings = []
     if margin is not None and deciding.largest is not None:
         err = fit_uncertainty_bytes(deciding.largest, recompute=deciding.config.recompute)
         if abs(margin) <= err:
             warnings.append(
-                f"the deciding configuration ({deciding.describe()}) is {abs(margin) / 2**30:.1f} GiB from the fit "
+                f"the deciding configuration ({desc}) is {abs(margin) / 2**30:.1f} GiB from the fit "
                 f"line, within the memory model's measured error (±{err / 2**30:.1f} GiB on its largest stage's "
                 f"activations): the verdict may go either way")
     # -- the BPipe link and the efficiency change nothing while the baseline itself does not fit
@@ -533,7 +545,7 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
         notes["bpipe_bytes_per_s"] = ("at no link or efficiency while it stands: the baseline does not fit without "
                                       "BPipe" if best is not None else
                                       "at no link or efficiency while it stands: no BPipe configuration fits")
-        return dict(deciding_config=deciding.describe(), margin_bytes=margin, flips=flips, flip_notes=notes,
+        return dict(deciding_config=desc, margin_bytes=margin, flips=flips, flip_notes=notes,
                     warnings=tuple(warnings))
     # -- link: only fitting BPipe configurations that win with free transfers can make BPipe help
     by_step = sorted(((f, b) for f, b in zip(free, balanced) if b.peak_bytes <= usable), key=lambda fb: fb[0].step_s)
@@ -592,7 +604,7 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
                 break
         else:
             notes["efficiency"] = f"at no E(b={b_star}) from {max(0.01, e_now / 4):.0%} to {min(1.0, 2 * e_now):.0%}"
-    return dict(deciding_config=deciding.describe(), margin_bytes=margin, flips=flips, flip_notes=notes,
+    return dict(deciding_config=desc, margin_bytes=margin, flips=flips, flip_notes=notes,
                 warnings=tuple(warnings))
 
 
@@ -606,6 +618,13 @@ def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate
     changed = describe_deltas(deltas) or "no term changes"
     against = f"against {baseline} ({ref.describe()}, {seconds_text(ref.step_s)} per step)"
     nothing = " BPipe evicts nothing in this configuration." if evicted == 0 else ""
+    if not fits_without and not helps:
+        return (f"BPipe does not help: the {baseline} configuration ({ref.describe()}) does not fit in memory (its "
+                f"largest stage needs {bytes_text(ref.peak_bytes, 1)}), and the fastest configuration that fits with "
+                f"BPipe, {best.describe()} ({seconds_text(best.step_s)} per step), fits without it too "
+                f"({bytes_text(best.twin_peak_bytes or 0, 1)}): its "
+                + ("recompute" if best.config.recompute != ref.config.recompute else "micro-batch size")
+                + " makes the run fit, not BPipe.")
     if not fits_without:
         return (f"BPipe helps: without it the {baseline} configuration ({ref.describe()}) does not fit in memory "
                 f"(its largest stage needs {bytes_text(ref.peak_bytes, 1)}); with it {best.describe()} fits and "
