@@ -267,7 +267,10 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     from traceana.noise import compare
 
     repeats = repeats or {}
-    side = lambda name, s: [x.step_times_ms for x in (s, *repeats.get(name, ())) if x.step_times_ms]  # noqa: E731
+    def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
+        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ()) for x in (s, *repeats.get(name, ()))]
+        return [r for r in runs_ if r]
+
     base = side(*runs[0])
     rows = []
     for name, s in runs:
