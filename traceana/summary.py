@@ -268,7 +268,8 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
 
     repeats = repeats or {}
     def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
-        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ()) for x in (s, *repeats.get(name, ()))]
+        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
+                 for x in (s, *repeats.get(name, ()))]
         return [r for r in runs_ if r]
 
     base = side(*runs[0])
