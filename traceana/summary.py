@@ -267,6 +267,7 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     from traceana.noise import compare
 
     repeats = repeats or {}
+
     def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
         runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
                  for x in (s, *repeats.get(name, ()))]

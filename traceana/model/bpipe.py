@@ -580,6 +580,7 @@ def _margins(plain, balanced, given, free, *, reference, best, helps, total_byte
         notes["efficiency"] = f"at no E(b) that matters (both sides run b={b_star})"
     else:
         e_now = curve.at(b_star, seq=best.config.model.seq, attention=best.config.attention)
+
         # the fastest fitting configuration at b* on each side: the others at b* move with it (same E)
         def fastest_at_b(es: list[StepEstimate]) -> list[int]:
             fit = [i for i, e in enumerate(es) if e.config.microbatch_size == b_star and e.peak_bytes <= usable]
