@@ -88,8 +88,9 @@ REPLICA_STAGE_COLUMNS = [
     ("own_ms", "mean own time (ms)"),
     ("slowest_replica", "slowest replica"),
     ("slowest_own_ms", "its own time (ms)"),
-    ("straggler_excess_fraction", "over the others' mean, in every step"),
-    ("straggler", "straggler"),
+    ("straggler", "straggler replica (what-if)"),
+    ("straggler_rank", "its rank"),
+    ("if_ideal_step_ms", "step with it ideal (ms)"),
 ]
 REPLICA_COLUMNS = [
     ("stage", "stage"),
@@ -104,21 +105,19 @@ REPLICA_COLUMNS = [
 
 def replicas(page, name: str, a: Analysis) -> None:
     """Data-parallel pipelines: each stage across its replicas, and every replica's exposed collective time
-    (traceana.summary's own time and straggler rule)."""
-    from traceana.summary import STRAGGLER_ABOVE
-
+    (traceana.summary's own time), and the straggler the what-if names (traceana.whatif)."""
     ps = a.summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
     page.add(f"<h3>{H.esc(name)}: data-parallel replicas</h3>")
     page.add(H.para("A replica is one pipeline (the ranks joined by P2P). Own time is a rank's step minus its exposed "
-                    "collective time (waiting in the gradient all-reduce is waiting for the slower replicas), the "
-                    "median over the measured steps. The slowest replica of a stage is named the straggler when its "
-                    f"own time was more than {100 * STRAGGLER_ABOVE:.0f}% above the other replicas' mean in every "
-                    "measured step.", css_class="lead"))
+                    "collective time, the median over the measured steps. The straggler comes from the what-if "
+                    "(traceana whatif): a rank is named only when making it ideal (its work at its peers' "
+                    "median) shortens the replayed step by more than the noise in every measured step; a rank "
+                    "that only waits gains nothing and is never named.", css_class="lead"))
     page.add(H.table(ps.filter(pl.col("replicas") > 1), REPLICA_STAGE_COLUMNS,
                      formats={"stage": "int", "replicas": "int", "slowest_replica": "int", "straggler": "int",
-                              "straggler_excess_fraction": "signed_fraction"}))
+                              "straggler_rank": "int"}))
     page.add(H.table(a.summary.replicas, REPLICA_COLUMNS, formats={"stage": "int", "replica": "int", "rank": "int"}))
 
 

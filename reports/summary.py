@@ -98,4 +98,7 @@ def kpis(a: Analysis) -> str:
         items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %",
                          "MFU (model FLOPs, recompute not counted), mean over stages"))
     cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
-    return f'<div class="kpis">{cells}</div>'
+    # who holds the step back, and what it costs: the what-if's line (traceana.whatif), never raw step times
+    verdict = (H.para(f"Bottleneck (what-if: the measured step replayed with work made ideal): {s.diagnosis}",
+                      css_class="lead") if s.diagnosis else "")
+    return f'<div class="kpis">{cells}</div>{verdict}'

@@ -41,6 +41,11 @@ RUNS = {
     "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
                              steps=6, slow_rank=(1, 300.0)),
+    # one stage delayed (pp=2, no data parallelism): rank 1 = stage 1 sleeps 100 ms inside each forward, and the same
+    # configuration without (tests/test_whatif_runs.py)
+    "1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
+    "1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
+                          slow_rank=(1, 100.0)),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {

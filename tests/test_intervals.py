@@ -5,7 +5,7 @@ from __future__ import annotations
 from unittest.mock import patch
 
 import polars as pl
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
@@ -207,6 +207,7 @@ def _windows_and_points(kept, p_rows):
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 12)), max_size=8),
        st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.one_of(st.none(), st.integers(-5, 45))),
                 max_size=12), st.booleans())
+@example([(0, 0, 1), (0, 0, 0)], [(0, 0)], False)  # an empty window at the instant another starts holds nothing
 def test_containing_finds_the_window_holding_each_point(w_rows, p_rows, in_order):
     """Against a brute-force scan: each point (group, instant; either may be null) gets the id of the window of
     its group whose [start, end) holds it, else null; a group's windows do not overlap (later ones dropped).

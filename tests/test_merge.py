@@ -33,9 +33,16 @@ def test_merge_writes_one_perfetto_trace_with_added_tracks(two_rank_run, tmp_pat
     assert ("traceana.attribution", "bubble_warmup") in names  # rank 1 waits for the first activation
     procs = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
-    flows = [e for e in ev if e["ph"] in ("s", "f")]
+    flows = [e for e in ev if e["ph"] in ("s", "f") and e["cat"] == "traceana.p2p"]
     assert sorted((e["ph"], e["pid"]) for e in flows) == [("f", 0), ("f", 1), ("s", 0), ("s", 1)]
     assert {e["id"] for e in flows} == {1, 2} and all(e["bp"] == "e" for e in flows if e["ph"] == "f")
+    # the critical path (stage 0's forward, the activation, stage 1's F and B, the gradient, stage 0's backward):
+    # slices in each rank's "critical path" lane, and arrows along it, across the ranks where it goes by message
+    path = [e for e in x if e["cat"] == "traceana.critical_path"]
+    assert {e["pid"] for e in path} == {0, 1} and {"forward", "backward", "p2p"} <= {e["name"] for e in path}
+    arrows = {e["id"]: e["pid"] for e in ev if e["ph"] == "s" and e["cat"] == "traceana.critical_path"}
+    heads = {e["id"]: e["pid"] for e in ev if e["ph"] == "f" and e["cat"] == "traceana.critical_path"}
+    assert set(arrows) == set(heads) and any(arrows[i] != heads[i] for i in arrows)
     # one clock: rank 0's forward (annotation at 0 µs) starts before rank 1's (26 µs)
     f = {e["pid"]: e["ts"] for e in x if e["cat"] == "traceana.phase" and e["name"] == "forward 0"}
     assert f[1] - f[0] == pytest.approx(26.0)

@@ -42,14 +42,15 @@ from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 4  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
-#                     4: the summary's step_times_ms, the noise interval's samples)
+ANALYSIS_FORMAT = 5  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+#                     4: the what-if's straggler, diagnosis and bottleneck;
+#                     5: the summary's step_times_ms, the noise interval's samples)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary")
 _RUN_TABLES = ("traces", "memory")
 # The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
 # it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").
-_SUMMARY_TABLES = ("per_stage", "replicas")
+_SUMMARY_TABLES = ("per_stage", "replicas", "critical_path")
 
 
 class AnalysisCacheWarning(UserWarning):

@@ -25,6 +25,7 @@ COMMANDS = {
     "report": ("reports.command", "render a self-contained HTML report of one or more runs"),
     "estimate": ("traceana.commands.estimate", "estimate memory per stage, step time and BPipe's benefit"),
     "validate": ("traceana.commands.validate", "compare the model's estimate with what a run measured"),
+    "whatif": ("traceana.commands.whatif", "replay the measured step with chosen work made ideal: who holds it back"),
     "watch": ("traceana.commands.watch", "print each profiling window's per-stage attribution as its traces land"),
     "attach": ("collectors.attach.command", "profile a window of steps of an unmodified training command, every rank"),
 }

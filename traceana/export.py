@@ -239,6 +239,48 @@ def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
     return pl.concat([starts, ends])
 
 
+PATH_TID = 9_999  # the merged trace's critical-path lane of each rank (after every track, phase and micro-batch lane)
+
+
+def critical_path_events(analysis, *, origin: int) -> pl.DataFrame:
+    """The replayed steps' critical paths (traceana.graph.critical_path) in the merged trace: each piece of time on
+    the path as a slice of its rank's "critical path" lane (name: its kind), and flow arrows from each piece to the
+    next along the path, across ranks where the path goes through a message. Columns ph, id, name, cat, pid, tid,
+    ts, dur, bp; empty where the run has no graph (no schedule: the what-if says why)."""
+    from traceana import graph
+    from traceana.errors import TraceanaError
+
+    empty = pl.DataFrame(schema={"ph": pl.String, "id": pl.Int64, "name": pl.String, "cat": pl.String,
+                                 "pid": pl.Int32, "tid": pl.Int64, "ts": pl.Float64, "dur": pl.Float64,
+                                 "bp": pl.String})
+    try:
+        g = graph.build(analysis)
+    except TraceanaError:
+        return empty
+    paths = [graph.critical_path(g, graph.replay(g, s))[0] for s in g.steps]
+    if not paths:
+        return empty
+    pieces = (pl.concat(paths).filter(pl.col("end_ns") > pl.col("start_ns")).sort("step", "start_ns")
+              .with_row_index("id", offset=1_000_000_000))  # ids apart from the P2P arrows' (1, 2, …)
+    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731
+    slices = pieces.select(pl.lit("X").alias("ph"), pl.lit(None, pl.Int64).alias("id"), pl.col("kind").alias("name"),
+                           pl.lit("traceana.critical_path").alias("cat"), pl.col("rank").alias("pid"),
+                           pl.lit(PATH_TID, pl.Int64).alias("tid"), us("start_ns").alias("ts"),
+                           ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+                           pl.lit(None, pl.String).alias("bp"))
+    nxt = pieces.with_columns(pl.col("rank", "start_ns", "step").shift(-1).name.suffix("_next")).filter(
+        pl.col("step_next") == pl.col("step"))
+    arrow = [pl.lit("critical path").alias("name"), pl.lit("traceana.critical_path").alias("cat"),
+             pl.lit(PATH_TID, pl.Int64).alias("tid"), pl.lit(None, pl.Float64).alias("dur")]
+    starts = nxt.select(pl.lit("s").alias("ph"), "id", *arrow[:2], pl.col("rank").alias("pid"), arrow[2],
+                        ((pl.col("end_ns") - 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                        pl.lit(None, pl.String).alias("bp"))
+    ends = nxt.select(pl.lit("f").alias("ph"), "id", *arrow[:2], pl.col("rank_next").alias("pid"), arrow[2],
+                      ((pl.col("start_ns_next") + 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                      pl.lit("e").alias("bp"))
+    return pl.concat([slices.cast(empty.schema), starts.cast(empty.schema), ends.cast(empty.schema)])
+
+
 def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, Any]) -> list[dict[str, Any]]:
     """Process and thread names: one small dict per rank and track (rank-sized, not event-sized)."""
     meta: list[dict[str, Any]] = []
@@ -248,7 +290,8 @@ def _metadata(analysis, tids: pl.DataFrame, first_extra: int, stages: dict[int, 
                                   f" (stage{'s' if ',' in stage else ''} {stage.replace(',', '+')})")
         meta.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}})
         meta.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1)):
+        for name, tid in ((" pipeline phases", first_extra), (" attribution", first_extra + 1),
+                          ("critical path", PATH_TID)):
             meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name.strip()}})
     for rank, track, tid in tids.rows():
         meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
@@ -300,6 +343,16 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
             yield ("" if first else ",\n") + flows.slice(lo, chunk_rows).select(
                 pl.when(pl.col("bp").is_null()).then(pl.struct(pl.all().exclude("bp")).struct.json_encode())
                 .otherwise(pl.struct(pl.all()).struct.json_encode()).str.join(",\n"))[0, 0]
+            first = False
+        path = critical_path_events(analysis, origin=origin)
+        if path.height:  # each row's JSON without the fields that do not apply to it (nulls)
+            yield ("" if first else ",\n") + path.select(
+                pl.when(pl.col("ph") == "X").then(pl.struct("ph", "name", "cat", "pid", "tid", "ts", "dur")
+                                                  .struct.json_encode())
+                .when(pl.col("ph") == "s").then(pl.struct("ph", "id", "name", "cat", "pid", "tid", "ts")
+                                                .struct.json_encode())
+                .otherwise(pl.struct("ph", "id", "name", "cat", "pid", "tid", "ts", "bp").struct.json_encode())
+                .str.join(",\n"))[0, 0]
             first = False
         yield "]}"
 

@@ -275,7 +275,9 @@ def containing(
     if windows.height == 0:
         return pl.DataFrame([pl.repeat(None, points.height, dtype=windows.schema[c], eager=True).alias(c)
                              for c in cols])
-    w = windows.select(by, pl.col(start).alias("_ws"), pl.col(end).alias("_we"), *cols)
+    # An empty window [s, s) holds no point; left in, it could hide the window starting at the same instant.
+    w = (windows.select(by, pl.col(start).alias("_ws"), pl.col(end).alias("_we"), *cols)
+         .filter(~(pl.col("_we") <= pl.col("_ws")).fill_null(False)))
     index = _sorted_containing(points, at, w, by)
     if index is not None:
         # (Window 0 of the gather is a null row: a point in no window.)

@@ -20,15 +20,17 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   allocated and freed within the step, at its most alive at once, traceana.memory); the run's is the largest
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
-  (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. A rank's
-  **own time** (``own_ms``) is its step minus its exposed collective time: waiting in the gradient all-reduce is
-  waiting for the slower replicas, so a fast replica's collective grows by what the slowest one's own time exceeds
-  it. Per stage across its replicas: the mean (``per_stage``: the stage's ranks' means), the **slowest replica**
-  (largest median own time over the measured steps) and ``straggler_excess_fraction``, the smallest, over the
-  measured steps, of its own time over the other replicas' mean − 1: how much slower it was *in every step*. It is
-  named the **straggler** (``straggler``) when that is above ``STRAGGLER_ABOVE``. A straggler is slow step after
-  step; a process descheduled in one step (noise) is not one, and equal replicas name none. Exposed collective
-  time per replica is in ``replicas``.
+  (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
+  stage is unknown are no stage's replicas (none is invented). A rank's **own time** (``own_ms``) is its step minus
+  its exposed collective time: waiting in the gradient all-reduce is waiting for the slower replicas. Per stage
+  across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
+  median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
+  slowest is not always the one to blame. Exposed collective time per replica is in ``replicas``.
+- **straggler** and **bottleneck**: from the what-if (traceana.whatif), not from step times: a rank or replica is
+  a straggler (``per_stage.straggler``: its replica on its stage, ``straggler_rank``) and a stage a bottleneck only
+  when making it ideal (its work at its peers' median) shortens the replayed step by more than the noise in every
+  measured step (``whatif.NOISE_FLOOR``); a rank that only waits gains nothing, so it is never named.
+  ``diagnosis`` is the what-if's one line, ``bottleneck`` what it names and what the step would be without it.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from traceana.intervals import COLLECT
 from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
-# A replica is a straggler when its own time exceeds the other replicas' mean by more than this in every measured
-# step. Equal replicas of a tiny CPU pipeline (pp=2 × dp=2 on 2 cores shared with other jobs) differed by up to 88 %
-# in one step, and by at most 13 % in every one of 5; one sleeping 300 ms in each forward by 110-336 %
-# (tests/test_replicas.py).
-STRAGGLER_ABOVE = 0.25
-
+# ranks and replicas the what-if in the summary makes ideal (those whose work exceeds their peers' the most;
+# traceana whatif makes every one ideal)
+WHATIF_CANDIDATES = 8
+# ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
+# ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
+WHATIF_MAX_OPERATIONS = 20_000
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
@@ -78,14 +80,19 @@ class RunSummary:
     memory_balance: float | None
     per_stage: pl.DataFrame  # stage (null: unknown), ranks, step_ms, <category>_ms, compute_ms, bubble_ms,
     #                          bubble_fraction, peak_mib, activation_peak_mib, and across replicas: replicas, own_ms,
-    #                          slowest_replica, slowest_rank, slowest_own_ms, straggler_excess_fraction, straggler
+    #                          slowest_replica, slowest_rank, slowest_own_ms; from the what-if: straggler (replica),
+    #                          straggler_rank, if_ideal_step_ms (the step with it ideal)
     replicas: pl.DataFrame | None = None  # one row per rank: stage, replica, rank, step_ms, own_ms (median),
     #                                       compute_ms, collective_ms (exposed)
     step_times_ms: tuple[float, ...] = ()  # each measured step's time (step_ms is their mean): the noise's samples
+    diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
+    bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
+    critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
+    #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
 
     @property
     def stragglers(self) -> pl.DataFrame:
-        """The per-stage rows that name a straggler replica."""
+        """The per-stage rows that name a straggler (the what-if's: traceana.whatif)."""
         return self.per_stage.filter(pl.col("straggler").is_not_null())
 
     def as_dict(self) -> dict:
@@ -101,6 +108,9 @@ class RunSummary:
             "memory_balance": self.memory_balance,
             "per_stage": self.per_stage.to_dicts(),
             "replicas": [] if self.replicas is None else self.replicas.to_dicts(),
+            "diagnosis": self.diagnosis,
+            "bottleneck": self.bottleneck,
+            "critical_path": [] if self.critical_path is None else self.critical_path.to_dicts(),
         }
 
 
@@ -143,23 +153,33 @@ def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl
     )
 
 
-def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
-                  steps: list[int]) -> pl.DataFrame:
-    """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
-    own_ms (step − exposed collective), compute_ms, collective_ms."""
+def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
+    """rank, replica: each rank's pipeline group (the ranks joined by P2P, p2p.pipeline_groups), numbered by
+    their lowest rank."""
     from traceana.p2p import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
 
-    att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
-           .collect(**COLLECT))
-    ranks = sorted(att["rank"].unique().to_list())
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
         if a in peers and b in peers:
             peers[a].add(b)
             peers[b].add(a)
     groups = pipeline_groups({r: sorted(p) for r, p in peers.items()})
-    replica = pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
-                           schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+    return pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
+                        schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+
+
+def pipeline_replicas(analysis) -> pl.DataFrame:
+    """``replica_of`` the analysis' ranks."""
+    return replica_of(sorted(analysis.attribution["rank"].unique().to_list()), analysis.p2p)
+
+
+def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
+                  steps: list[int]) -> pl.DataFrame:
+    """One row per (rank, step) of ``steps``: stage, replica (its pipeline group's number), rank, step, step_ms,
+    own_ms (step − exposed collective), compute_ms, collective_ms."""
+    att = (attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+           .collect(**COLLECT))
+    replica = replica_of(sorted(att["rank"].unique().to_list()), pairs)
     ms = lambda e: e / NS_PER_MS  # noqa: E731
     return (  # one query (docs/performance.md "Fixed cost")
         att.lazy().group_by("rank", "step").agg(
@@ -189,29 +209,53 @@ def replica_table(per_step: pl.DataFrame) -> pl.DataFrame:
 
 
 def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
-    """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
-    times), the slowest replica (largest median own time) and its rank, ``straggler_excess_fraction`` (by how much
-    its own time exceeded the other replicas' mean *in every measured step*: the smallest excess over the steps),
-    and ``straggler``: that replica when the excess is above ``STRAGGLER_ABOVE``, else null."""
+    """Per known stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
+    times), the slowest replica (largest median own time) and its rank and own time. Descriptive: who holds the
+    step back is the what-if's to say (traceana.whatif)."""
     # One query (docs/performance.md "Fixed cost").
-    r = per_step.lazy().group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min())
-    n = pl.len().over("stage", "step")
-    others = (pl.col("own_ms").sum().over("stage", "step") - pl.col("own_ms")) / (n - 1)
-    r = r.with_columns(pl.when((n > 1) & (others > 0)).then(pl.col("own_ms") / others - 1).alias("_excess"))
-    per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min(),
-                                                      pl.col("_excess").min())
+    r = (per_step.lazy().filter(pl.col("stage").is_not_null())
+         .group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min()))
+    per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min())
     slowest = (per_replica.sort(["own_ms", "replica"], descending=[True, False])  # a tie: the lowest replica
                .group_by("stage", maintain_order=True).first())
     stats = per_replica.group_by("stage").agg(pl.len().cast(pl.Int32).alias("replicas"), pl.col("own_ms").mean())
     return (
         stats.join(slowest.select("stage", pl.col("replica").alias("slowest_replica"),
-                                  pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms"),
-                                  pl.col("_excess").alias("straggler_excess_fraction")),
-                   on="stage", how="left", nulls_equal=True)
-        .with_columns(pl.when(pl.col("straggler_excess_fraction") > STRAGGLER_ABOVE).then(pl.col("slowest_replica"))
-                      .alias("straggler"))
+                                  pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms")),
+                   on="stage", how="left")
         .collect(**COLLECT)
     )
+
+
+def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
+                                                        pl.DataFrame | None]:
+    """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
+    the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
+    can run."""
+    from traceana.errors import TraceanaError
+    from traceana.graph import build
+    from traceana.whatif import whatif
+
+    empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
+                                 "if_ideal_step_ms": pl.Float64})
+    if analysis.events is None:
+        return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
+    try:
+        g = build(analysis, steps)
+        if g.ops.height > WHATIF_MAX_OPERATIONS:
+            return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
+                           "traceana whatif RUN_DIR runs it"), None, None
+        w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
+    except TraceanaError as e:
+        return empty, f"no what-if: {e.what}", None, None
+    ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
+    named = w.groups.filter(pl.col("named"))
+    by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
+        "stage", pl.col("replica").alias("straggler"), pl.col("id").cast(pl.Int32).alias("straggler_rank"),
+        "if_ideal_step_ms", "gain_ms")
+    table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
+             .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
+    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time
 
 
 def summarize(analysis) -> RunSummary:
@@ -220,8 +264,10 @@ def summarize(analysis) -> RunSummary:
     steps = measured_steps(att, analysis.schedule)
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
-    per_stage = _per_stage(att, analysis.stages, analysis.stage_memory, steps).join(
-        across_replicas(per_replica_step), on="stage", how="left", nulls_equal=True)
+    named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
+    per_stage = (_per_stage(att, analysis.stages, analysis.stage_memory, steps)
+                 .join(across_replicas(per_replica_step), on="stage", how="left")
+                 .join(named, on="stage", how="left"))
     used = att.filter(pl.col("step").is_in(steps))
     per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
     ranks = per_rank_step["rank"].n_unique()
@@ -251,6 +297,9 @@ def summarize(analysis) -> RunSummary:
         per_stage=per_stage,
         replicas=replicas,
         step_times_ms=step_times_ms,
+        diagnosis=diagnosis,
+        bottleneck=bottleneck,
+        critical_path=path_time,
     )
 
 

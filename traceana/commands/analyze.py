@@ -137,6 +137,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     for line in headline(analysis.summary):
         print_line(console, line)
     replicas_table(console, analysis.summary)
+    path_table(console, analysis.summary)
 
     if per_step:
         from traceana.export import per_step_table  # (only here: a plain analysis imports no export)
@@ -157,36 +158,58 @@ def print_tables(analysis, *, per_step: bool) -> None:
 
 
 def replicas_table(console, summary) -> None:
-    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time, the straggler rule)."""
+    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time) and the straggler the
+    what-if names (traceana.whatif)."""
     import polars as pl
 
-    from traceana.summary import STRAGGLER_ABOVE
-    from traceana.tables import UNKNOWN, print_line, print_table
+    from traceana.tables import print_line, print_table
     from traceana.tables import cell as _num
+    from traceana.whatif import ms
 
     ps = summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
+    ps = ps.filter(pl.col("replicas") > 1)
     reps = summary.replicas
-    # eq_missing: ranks whose stage is unknown (null) are replicas of stage '–' too; == null matches nothing
     collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
-                               reps.filter(pl.col("stage").eq_missing(s)).select("stage", "replica", "collective_ms").rows())
+                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
                   for s in ps["stage"].to_list()}
     headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
-               "excess in\nevery step", "straggler", "collective exposed\nms per replica"]
+               "straggler\n(what-if)", "collective exposed\nms per replica"]
     rows = [[_num(r["stage"], "d"), str(r["replicas"]), _num(r["step_ms"]), _num(r["own_ms"]),
              f"{r['slowest_replica']} (rank {r['slowest_rank']})", _num(r["slowest_own_ms"]),
-             UNKNOWN if r["straggler_excess_fraction"] is None else f"{100 * r['straggler_excess_fraction']:+.0f}%",
-             "–" if r["straggler"] is None else f"replica {r['straggler']}", collective[r["stage"]]]
+             "–" if r["straggler"] is None else f"replica {r['straggler']} (rank {r['straggler_rank']})",
+             collective[r["stage"]]]
             for r in ps.iter_rows(named=True)]  # one row per stage: display only
     print_table(console, "Data-parallel replicas per stage (own time = step − exposed collective; median over "
                          "steps)", headers, rows,
                 keys=1)
     for r in summary.stragglers.iter_rows(named=True):  # one per stage at most: display only
-        print_line(console, f"straggler: replica {r['straggler']} (rank {r['slowest_rank']}) on stage {r['stage']}: "
-                            f"own time {r['slowest_own_ms']:,.2f} ms, "
-                            f"at least {100 * r['straggler_excess_fraction']:.0f}% above the other replicas' mean in "
-                            f"every measured step (named above {100 * STRAGGLER_ABOVE:.0f}%)")
+        print_line(console, f"straggler: rank {r['straggler_rank']} (replica {r['straggler']}) on stage {r['stage']}: "
+                            f"at its peers' speed the step would be {ms(r['if_ideal_step_ms'])} ms instead of "
+                            f"{ms(summary.step_ms)} ms (the what-if names a rank only when that gain exceeds the "
+                            f"noise in every measured step; traceana whatif)"
+                   if r["if_ideal_step_ms"] is not None else f"straggler: rank {r['straggler_rank']}")
+    if not len(summary.stragglers):
+        print_line(console, "no straggler: no rank or replica made ideal shortens the step by more than "
+                            "the noise in every measured step (traceana whatif)")
+
+
+def path_table(console, summary) -> None:
+    """Time on the replayed step's critical path by kind and stage (traceana.graph.critical_path; whatif has more)."""
+    import polars as pl
+
+    from traceana.tables import print_table
+
+    pt = summary.critical_path
+    if pt is None or not pt.height:
+        return
+    rows = [[grp if grp == "kind" else f"{grp} {r['id']}", r["id"] if grp == "kind" else "", f"{r['ms']:,.2f}",
+             f"{100 * (r['fraction'] or 0):.0f}%"]
+            for grp in ("kind", "stage") for r in pt.filter(pl.col("group") == grp).iter_rows(named=True)]
+    rows = [[f"{a} {b}".strip(), c, d] for a, b, c, d in rows]  # a few rows: display only
+    print_table(console, "Critical path of the replayed step (ms per step, share of the path; traceana whatif for "
+                         "slack and what-ifs)", ["on the path", "ms", "share"], rows, keys=1)
 
 
 def headline(summary) -> list[str]:
@@ -209,6 +232,8 @@ def headline(summary) -> list[str]:
                      f"{summary.largest_activation_stage}")
     if summary.memory_balance is not None:
         lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
+    if summary.diagnosis is not None:
+        lines.append(f"bottleneck (what-if, traceana whatif): {summary.diagnosis}")
     return lines
 
 

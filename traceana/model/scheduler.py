@@ -6,7 +6,7 @@ no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from traceana.errors import ConfigError
 from traceana.pipeline_rules import Op
@@ -110,6 +110,22 @@ class Recorder:
             self.busy(d, a, b, c)
 
 
+class NullRecorder(Recorder):
+    """Records nothing: a measured replay needs only when each operation ran (``Trace``), not the labelled spans."""
+
+    def __init__(self, devices: int = 0) -> None:
+        super().__init__(0)
+
+    def busy(self, d: int, start: float, end: float, cat: str) -> None:
+        pass
+
+    def note_held(self, t: float, d: int, delta: float) -> None:
+        pass
+
+    def wait(self, d: int, start: float, end: float, windows: list[tuple[float, float, str]]) -> None:
+        pass
+
+
 class Policy:
     """What the scheduler asks at each operation beyond the schedule's own rules; this one adds nothing. BPipe
     (model.bpipe_policy.BPipePolicy) is one: evictions before forwards, loads before backwards, the acceptor's work.
@@ -132,30 +148,87 @@ class Policy:
         return (0,) * devices
 
 
+# An operation's input: the latest of ``terms`` (the product of an operation, keyed as ``product`` names it, plus a lag
+# in ns), then ``delay`` ns more; ``delay`` None: the costs' message rule between two devices (nothing on one device).
+Input = tuple[tuple[tuple[tuple, float], ...], "float | None"]
+# Actions beyond a pass: what a measured step also holds (optimizer, collective, other work), their phase names.
+OTHER_PHASES = {"O": "optimizer", "C": "collective", "X": "other_compute"}
+
+
+def product(op: tuple) -> tuple:
+    """What an operation makes that others wait for: a forward its activation ("F", stage, micro-batch), a B or I the
+    stage's input gradient ("B", stage, micro-batch); any other operation itself."""
+    action, vs, mb = op
+    if action == "F":
+        return ("F", vs, mb)
+    if action in ("B", "I"):
+        return ("B", vs, mb)
+    return tuple(op)
+
+
+def rule_inputs(op: tuple, *, stages: int) -> tuple[Input, ...]:
+    """The pipeline rules' inputs of a planned operation (see the module docstring of model.simulate): a forward of
+    virtual stage v needs v−1's activation, a B or I v+1's gradient (the last stage its own forward), a W its I."""
+    action, vs, mb = op
+
+    def made_by(key: tuple) -> tuple[Input]:
+        return ((((key, 0.0),), None),)
+
+    if action == "F":
+        return () if vs == 0 else made_by(("F", vs - 1, mb))
+    if action == "W":
+        return made_by(("B", vs, mb))
+    return made_by(("F", vs, mb) if vs == stages - 1 else ("B", vs + 1, mb))
+
+
+@dataclass
+class Trace:
+    """What a run of the scheduler did per operation, for a measured replay and its critical path: per (device,
+    index in its order) the operation, when the device was free for it (after its own host time), when its inputs
+    were ready (after the time it takes once they are), its start and end, and what bound the start: "device" (its
+    previous operation), the product key of the input that arrived last, or ("group", id, device) for a
+    collective's last member to join (its device)."""
+
+    ops: dict[tuple[int, int], tuple[tuple, float, float, float, float, object]] = field(default_factory=dict)
+
+
 def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times: StageTimes, costs: Costs, pp: int,
-         virtual_stages: int, dur, schedule: str, num_microbatches: int, device_of: tuple[int, ...] | None = None
-         ) -> tuple[list[tuple[int, int, int, str, float, float]], list[float]]:
-    """The scheduler: run every device's operations in order, each when the device is free and its input has
+         virtual_stages: int, dur, schedule: str, num_microbatches: int, device_of: tuple[int, ...] | None = None,
+         inputs=None, gap=None, groups: dict | None = None, trace: Trace | None = None,
+         free0: list[float] | None = None) -> tuple[list[tuple[int, int, int, str, float, float]], list[float]]:
+    """The scheduler: run every device's operations in order, each when the device is free and its inputs have
     arrived (see the module docstring), asking ``policy`` at each. ``dur(action, virtual stage, micro-batch)``
-    gives an operation's duration (action F, B, I, W or R for recompute). ``device_of``: the device of every virtual stage
-    (pipeline_rules.device_of_stage; default looped). Returns the operation rows (device, virtual stage,
-    micro-batch, phase, start, end) and when each device is free at the end.
+    gives an operation's duration (action F, B, I, W or R for recompute; O, C, X: OTHER_PHASES). ``device_of``:
+    the device of every virtual stage (pipeline_rules.device_of_stage; default looped). Returns the operation rows
+    (device, virtual stage, micro-batch, phase, start, end) and when each device is free at the end.
+
+    One engine for the plan and the measurement. Planned (the default): the orders are the rules', their inputs
+    ``rule_inputs``, each device's host time ``times.host_ns`` before every operation. Measured (traceana.graph):
+    ``inputs(device, op)`` gives each operation's inputs (``Input``: the paired messages' producers and the
+    receiver's own post), ``gap(device, index, op)`` its (pre, post): the operation starts at max(free + pre,
+    inputs ready + post); ``groups[op] = (id, members)``: a collective, which starts when its last member joins;
+    ``free0``: when each device starts; ``trace`` records what bound every start (the critical path's input).
 
     A backward is B (whole), or I then W (Qi et al. 2023): I needs the gradient from the next stage and sends its
     own upstream at once; W needs only its own I, and frees the micro-batch's activations."""
-    p, v = pp, virtual_stages
-    nv = p * v
-    dev = device_of or tuple(s % p for s in range(nv))
+    p, v = len(orders), virtual_stages
+    nv = pp * v
+    planned = inputs is None
+    dev = device_of or tuple(s % pp for s in range(nv))
     idx = [0] * p
-    free = [0.0] * p
-    f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}  # end of the B or I that produced the stage's input gradient
+    free = list(free0) if free0 is not None else [0.0] * p
+    ends: dict[tuple, tuple[float, int]] = {}  # product -> (when it is made, device)
+    joined: dict[object, dict[int, float]] = {}  # collective id -> member device -> when it joined
     rows: list[tuple[int, int, int, str, float, float]] = []
+    if planned:
+        inputs = lambda d, op: rule_inputs(op, stages=nv)  # noqa: E731
 
-    def arrival(src_vs: int, dst_dev: int, ready: float, key: tuple[str, int, int]
+    def arrival(src: int, d: int, ready: float, key: tuple, delay: float | None
                 ) -> tuple[float, list[tuple[float, float, str]]]:
-        """When a message produced at ``ready`` by virtual stage src_vs reaches device dst_dev, and its p2p window."""
-        if dev[src_vs] == dst_dev:
+        """When an input made at ``ready`` on device ``src`` reaches device ``d``, and its wait windows."""
+        if delay is not None:
+            return ready + delay, [(ready, ready + delay, "p2p")]
+        if src == d:
             return ready, []
         if costs.per_message_ns and key in costs.per_message_ns:
             t = ready + costs.per_message_ns[key]
@@ -172,42 +245,52 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                 op = orders[d][idx[d]]
                 action, vs, mb = op
                 windows: list[tuple[float, float, str]] = []
-                if action == "F":
-                    if vs == 0:
-                        ready = 0.0
-                    elif (vs - 1, mb) in f_end:
-                        ready, windows = arrival(vs - 1, d, f_end[(vs - 1, mb)], ("F", vs - 1, mb))
-                    else:
+                ready, bound = 0.0, "device"
+                blocked = False
+                for terms, delay in inputs(d, op):
+                    if any(k not in ends for k, _ in terms):
+                        blocked = True
                         break
-                elif action == "W":
-                    if (vs, mb) not in b_end:
+                    t0, k0 = max((ends[k][0] + lag, k) for k, lag in terms)
+                    t, w = arrival(ends[k0][1], d, t0, k0, delay)
+                    if t >= ready:
+                        ready, windows, bound = t, w, k0
+                if blocked:
+                    break
+                pre, post = gap(d, idx[d], op) if gap else (times.host_ns[d] if times.host_ns else 0.0, 0.0)
+                f = free[d] + pre
+                if post:
+                    windows = [*windows, (ready, ready + post, "host")]
+                    ready += post
+                join = None
+                if groups and op in groups:
+                    gid, members = groups[op]
+                    here = joined.setdefault(gid, {})
+                    here.setdefault(d, max(f, ready))
+                    if len(here) < members:
                         break
-                    ready = b_end[(vs, mb)]
-                else:
-                    if vs == nv - 1:
-                        if (vs, mb) not in f_end:
-                            break
-                        ready = f_end[(vs, mb)]
-                    elif (vs + 1, mb) in b_end:
-                        ready, windows = arrival(vs + 1, d, b_end[(vs + 1, mb)], ("B", vs + 1, mb))
-                    else:
-                        break
-                if times.host_ns and times.host_ns[d]:
+                    join = max(here.values())
+                if pre:
                     # Host work (Python, launching) happens before the device can post and wait for its input.
-                    rec.busy(d, free[d], free[d] + times.host_ns[d], "host")
-                    free[d] += times.host_ns[d]
+                    rec.busy(d, free[d], f, "host")
+                free[d] = f
                 free[d], start, windows = policy.before_start(rec, d, idx[d], op, free=free[d],
                                                               start=max(free[d], ready), ready=ready, windows=windows)
+                if join is not None and join > start:
+                    last = max(here, key=lambda m: here[m])  # the member that joined last
+                    start, bound = join, ("group", groups[op][0], last)
+                elif ready <= free[d]:
+                    bound = "device"
                 rec.wait(d, free[d], start, windows)
                 t = policy.before_work(rec, d, idx[d], op, start)
                 if action == "F":
                     end = t + dur("F", vs, mb)
                     rec.busy(d, t, end, "forward")
                     rows.append((d, vs, mb, "forward", t, end))
-                    f_end[(vs, mb)] = end
+                    ends[product(op)] = (end, d)
                     end = policy.after_work(rec, d, idx[d], op, end)
                     rec.note_held(end, d, 1.0 / v)
-                    if costs.send_ns and vs != nv - 1 and dev[vs + 1] != d:
+                    if planned and costs.send_ns and vs != nv - 1 and dev[vs + 1] != d:
                         rec.busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
                     free[d] = end
@@ -215,8 +298,15 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                     end = t + dur("W", vs, mb)
                     rec.busy(d, t, end, "backward_weight")
                     rows.append((d, vs, mb, "backward_weight", t, end))
+                    ends[product(op)] = (end, d)
                     end = policy.after_work(rec, d, idx[d], op, end)
                     rec.note_held(end, d, -1.0 / v)
+                    free[d] = end
+                elif action in OTHER_PHASES:  # a measured step's optimizer, collective or other work
+                    end = t + dur(action, vs, mb)
+                    rec.busy(d, t, end, OTHER_PHASES[action])
+                    rows.append((d, vs, mb, OTHER_PHASES[action], t, end))
+                    ends[product(op)] = (end, d)
                     free[d] = end
                 else:
                     phase = "backward" if action == "B" else "backward_input"
@@ -227,20 +317,27 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                     end = t + r + dur(action, vs, mb)
                     rec.busy(d, t + r, end, phase)
                     rows.append((d, vs, mb, phase, t, end))  # measured B spans include their recompute
-                    b_end[(vs, mb)] = end
+                    ends[product(op)] = (end, d)
                     end = policy.after_work(rec, d, idx[d], op, end)
                     if action == "B":
                         rec.note_held(end, d, -1.0 / v)
-                    if costs.send_ns and vs != 0 and dev[vs - 1] != d:
+                    if planned and costs.send_ns and vs != 0 and dev[vs - 1] != d:
                         rec.busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
                     free[d] = end
+                if trace is not None:
+                    trace.ops[(d, idx[d])] = (op, f, ready, start, rows[-1][5], bound)
                 idx[d] += 1
                 done += 1
                 progressed = True
         if not progressed:
+            if not planned:
+                stuck = [(d, orders[d][idx[d]]) for d in range(p) if idx[d] < len(orders[d])]
+                raise ConfigError(f"the measured step's dependencies form a cycle ({len(stuck)} devices wait on each "
+                                  f"other, e.g. device {stuck[0][0]} at {stuck[0][1]})",
+                                  fix="report it: the messages were paired with operations that contradict them")
             raise ConfigError(
-                f"the {schedule} schedule deadlocks with pp={p}, micro-batches={num_microbatches}, virtual stages={v}",
+                f"the {schedule} schedule deadlocks with pp={pp}, micro-batches={num_microbatches}, virtual stages={v}",
                 fix="use a micro-batch count the schedule supports (interleaving wants a multiple of pp)",
             )
     return rows, free

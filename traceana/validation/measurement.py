@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import intervals as iv
 from traceana import names, schema
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
+from traceana.graph import WAIT_CATEGORIES, pass_durations  # (each operation's own time: the graph's too)
 from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
@@ -19,36 +19,7 @@ from traceana.pipeline_rules import bpipe_applies, bpipe_plan
 from traceana.run_config import RUN_JSON
 
 
-# "Waiting on the pipeline": the bubbles plus exposed P2P.
-WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
-
-
-def pass_durations(analysis: Analysis, steps: pl.DataFrame) -> pl.DataFrame:
-    """The schedule rows of ``steps`` (with a micro-batch) and ``d``, what each operation took: its span, less the
-    time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
-    torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
-    receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
-    without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
-    sched = (
-        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null())
-        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
-    )
-    if analysis.segments is None:
-        return sched
-    passes = sched.filter(pl.col("phase").is_in(names.PASS_PHASES)).with_row_index("_op")
-    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(WAIT_CATEGORIES)).select(
-        "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
-    windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
-    waited = (
-        iv.clip(waits, windows, on="rank", window_keys="_op", keep_order=False)
-        .group_by("_op").agg((pl.col("end") - pl.col("start")).sum().alias("_wait"))
-    )
-    passes = (
-        passes.join(waited, on="_op", how="left")
-        .with_columns((pl.col("d") - pl.col("_wait").fill_null(0)).alias("d"))
-        .drop("_op", "_wait")
-    )
-    return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
+__all__ = ["WAIT_CATEGORIES", "Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,105 @@
+"""The what-if at scale: a synthetic measured step of pp × dp ranks (default pp=8 × dp=128 = 1,024 ranks, 1F1B,
+m=32) as traceana.graph's frames, replayed on the scheduler's engine, its critical path, and the summary's what-if
+(everything ideal, the 8 candidate ranks and replicas and every stage made ideal). Prints wall time and peak memory
+of each part; asserts nothing (benchmarks are not tests).
+
+    .venv/bin/python tests/benchmarks/bench_whatif_scale.py
+    .venv/bin/python tests/benchmarks/bench_whatif_scale.py --pp 4 --dp 8 --microbatches 8
+
+The graph: every rank runs the rules' 1F1B order (pipeline_rules.device_order) with forward 1 ms and backward 2 ms
+(± 5 %, seeded), 50 µs of host before each operation, one slowed rank (stage 0 of replica 1: forwards 2×), a
+message per activation and gradient (100 µs in flight, the receive posted after the receiver's previous
+operation), then a gradient all-reduce per stage across its replicas (all join) and the optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from traceana import graph  # noqa: E402
+from traceana.pipeline_rules import device_order  # noqa: E402
+from traceana.whatif import whatif  # noqa: E402
+
+MS = 1_000_000
+
+
+def synthetic(pp: int, dp: int, m: int, seed: int = 0) -> graph.StepGraph:
+    rng = random.Random(seed)
+    ops, edges = [], []
+    seq_of: dict[tuple[int, str, int], int] = {}
+    for s in range(pp):
+        order = device_order("1f1b", pp=pp, num_microbatches=m, device=s)
+        for k in range(dp):
+            rank = s * dp + k
+            slow = 2.0 if (s, k) == (0, 1) else 1.0
+            for q, op in enumerate(order):
+                base = (1.0 * slow if op.action == "F" else 2.0) * MS
+                ops.append((rank, 0, q, op.action, "forward" if op.action == "F" else "backward", s, op.microbatch,
+                            0, 0, round(base * rng.uniform(0.95, 1.05)), 50_000, None, None, "synthetic", False))
+                seq_of[(rank, op.action, op.microbatch)] = q
+            n = len(order)
+            ops.append((rank, 0, n, "C", "collective", s, None, 0, 0, 500_000, 50_000, f"ar{s}", dp, "synthetic",
+                        False))
+            ops.append((rank, 0, n + 1, "O", "optimizer", s, None, 0, 0, 1 * MS, 50_000, None, None, "synthetic",
+                        False))
+    for s in range(pp - 1):
+        for k in range(dp):
+            a, b = s * dp + k, (s + 1) * dp + k
+            for mb in range(m):
+                for src, dst, act in ((a, b, "F"), (b, a, "B")):
+                    c = seq_of[(dst, act, mb)]
+                    edges.append((0, "p2p", src, seq_of[(src, act, mb)], dst, c, c - 1 if c else None, 0, 0,
+                                  100_000))
+    o = pl.DataFrame(ops, schema=graph.OPS, orient="row")
+    e = pl.DataFrame(edges, schema=graph.EDGES, orient="row")
+    ranks = pl.DataFrame([(s * dp + k, 0, 0, 0, 0, s, k) for s in range(pp) for k in range(dp)],
+                         schema=graph.RANK_STEPS, orient="row")
+    g = graph.StepGraph(ops=o, edges=e, ranks=ranks, steps=(0,))
+    # the "measured" step windows: where the replay ends each rank (a measured graph has them from the trace)
+    ends = graph.replay(g, 0).ranks.select("rank", pl.col("end_ns").alias("_e"))
+    ranks = ranks.join(ends, on="rank").with_columns(pl.col("_e").alias("end_ns")).drop("_e")
+    return graph.StepGraph(ops=o, edges=e, ranks=ranks, steps=(0,))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=8)
+    ap.add_argument("--dp", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=32)
+    args = ap.parse_args()
+
+    def peak_mib() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    t = time.perf_counter()
+    g = synthetic(args.pp, args.dp, args.microbatches)
+    t_build = time.perf_counter() - t
+    print(f"graph: {args.pp * args.dp:,} ranks, {g.ops.height:,} operations, {g.edges.height:,} messages, built in "
+          f"{t_build:.2f} s; peak RSS {peak_mib():,.0f} MiB")
+    t = time.perf_counter()
+    r = graph.replay(g, 0)
+    t_replay = time.perf_counter() - t
+    print(f"replay: step {r.step_ns / MS:,.1f} ms in {t_replay:.2f} s wall; peak RSS {peak_mib():,.0f} MiB")
+    t = time.perf_counter()
+    path, slack = graph.critical_path(g, r)
+    print(f"critical path: {path.height} pieces, {path['ms'].sum():,.1f} ms, in {time.perf_counter() - t:.2f} s; "
+          f"peak RSS {peak_mib():,.0f} MiB")
+    t = time.perf_counter()
+    w = whatif(SimpleNamespace(run=SimpleNamespace(path="synthetic")), graph=g, full=False, candidates=8)
+    print(f"summary's what-if (everything ideal, 8 ranks, 8 replicas, {args.pp} stages made ideal): "
+          f"{time.perf_counter() - t:.1f} s; peak RSS {peak_mib():,.0f} MiB")
+    print(f"  diagnosis: {w.summary['diagnosis']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,581 @@
+"""The measured step as a dependency graph, and its replay on the simulator's engine (model.scheduler).
+
+What the graph holds, per measured step (summary.measured_steps), from tables the analysis already made:
+
+- **operations** (``StepGraph.ops``): every rank's schedule rows (forward, backward, its I and W halves, optimizer;
+  annotated or inferred, ``source``) in the order the rank ran them, plus the rank's top-level collectives that lie
+  outside them. An operation's **work** (``work_ns``) is its span less the time inside it the rank waited on the
+  pipeline (``pass_durations``: torch.distributed.pipelining waits for an input inside the
+  action's span); it starts working at ``end − work``. A span nested in another of its rank (an optimizer span
+  inside the optimizer step) is part of the outer one.
+- **messages** (``StepGraph.edges``): every matched send/receive pair (``Analysis.p2p``, P2P and BPipe channels).
+  Its **producer** is the last operation its sender started before posting it, its **consumer** the first operation
+  of the receiver that began its work after it arrived (ARRIVAL_SLACK_NS: clocks and span edges), its **anchor**
+  the last operation the receiver started before posting the receive (none: posted before the step's first). A message arrives at max(producer's end + send lag, anchor's end +
+  post lag) + transfer: the transfer starts once both sides have posted (p2p.pair's data-ready time), so a slow
+  receiver delays its own input and a fast one does not wait for a slow one's bookkeeping.
+- **collectives**: a rank's k-th top-level collective of the step with the same name joins the k-th of every other
+  member: the members are the trace's process group where the events name one, else the ranks of the same stage
+  when several ranks hold it (data-parallel groups), else every rank that has it. All members start it when the last
+  one joins; each then takes what it took after the last join.
+- **host gaps** (``gap_ns``): the time between an operation's start and the later of its rank's previous end and its
+  inputs' arrival. Python, launches, data loading and anything the graph holds no edge for are gaps.
+
+The replay re-runs these with the measured durations through ``model.scheduler.run_schedule`` (the same engine that
+runs the rules' planned orders): each operation starts at max(previous end, inputs' arrival) + its gap. Every rank
+starts its step when it did. On the measured durations the replay reproduces each rank's step exactly unless an
+edge contradicts the timeline: an operation that started before the input the graph gives it could have arrived
+(``contradicted``: its gap is taken as 0 and its replay starts late), which is counted and said.
+
+Where an edge cannot be known: ranks without a schedule (not annotated, inference refused) have no graph
+(``GraphError``); messages matched to no operation on one side are left out and counted; without process groups in
+the trace, collective membership is the rule above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceana import intervals as iv
+from traceana import names, schema
+from traceana.errors import AnalysisError
+
+ACTION_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "optimizer": "O"}
+# What each action is, for what-ifs and the critical path: the kinds of time on a step.
+KIND_OF_ACTION = {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "O": "optimizer",
+                  "C": "collective", "X": "other"}
+KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
+# A message may arrive this long after its consumer's work began (spans' edges are a few µs apart from the waits' ends,
+# and ranks on two hosts have corrected clocks); later, the operation did not wait for it: the next one did.
+ARRIVAL_SLACK_NS = 20_000
+
+OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String, "phase": pl.String,
+       "stage": pl.Int32, "microbatch": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "work_ns": pl.Int64,
+       "gap_ns": pl.Int64, "group": pl.String, "members": pl.Int32, "source": pl.String, "contradicted": pl.Boolean}
+EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
+         "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
+         "transfer_ns": pl.Int64}
+RANK_STEPS = {"rank": pl.Int32, "step": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "tail_ns": pl.Int64,
+              "stage": pl.Int32, "replica": pl.Int32}
+
+
+# "Waiting on the pipeline": the bubbles plus exposed P2P.
+WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
+
+
+def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -> pl.DataFrame:
+    """The schedule rows of ``steps`` (with a micro-batch; ``unnumbered``: also those without one, e.g. a
+    multi-stage rank's spans whose names give none) and ``d``, what each operation took: its span, less the
+    time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
+    torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
+    receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
+    without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
+    sched = (
+        analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null() | unnumbered)
+        .with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("d"))
+    )
+    if analysis.segments is None:
+        return sched
+    passes = sched.filter(pl.col("phase").is_in(names.PASS_PHASES)).with_row_index("_op")
+    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(WAIT_CATEGORIES)).select(
+        "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+    waited = (
+        iv.clip(waits, windows, on="rank", window_keys="_op", keep_order=False)
+        .group_by("_op").agg((pl.col("end") - pl.col("start")).sum().alias("_wait"))
+    )
+    passes = (
+        passes.join(waited, on="_op", how="left")
+        .with_columns((pl.col("d") - pl.col("_wait").fill_null(0)).alias("d"))
+        .drop("_op", "_wait")
+    )
+    return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
+
+
+
+class GraphError(AnalysisError):
+    """The run holds no graph to replay (no schedule on some ranks, no measured step)."""
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """The measured steps as dependency graphs (see the module docstring). ``ops``: OPS, ``edges``: EDGES,
+    ``ranks``: RANK_STEPS (each rank's step window, its tail after its last operation, stage and replica)."""
+
+    ops: pl.DataFrame
+    edges: pl.DataFrame
+    ranks: pl.DataFrame
+    steps: tuple[int, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    unpaired: int = 0  # messages matched to no operation on a side: left out
+
+
+def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> pl.DataFrame:
+    """Rows not inside an earlier row's span of the same ``by`` (nested spans are part of the outer one)."""
+    return (
+        rows.sort(*by, "start_ns", pl.col("end_ns"), descending=[False] * (len(by) + 1) + [True])
+        .with_columns(pl.col("end_ns").cum_max().shift(1).over(*by).alias("_outer_end"))
+        .filter(pl.col("_outer_end").is_null() | (pl.col("end_ns") > pl.col("_outer_end")))
+        .drop("_outer_end")
+    )
+
+
+def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dict[int, int]
+                 ) -> tuple[pl.DataFrame, list[str]]:
+    """Top-level collectives of the training threads outside the ranks' operations, with their group id and size."""
+    ev = analysis.events
+    if ev is None or ev.height == 0:
+        return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
+    coll = (
+        ev.lazy().filter((pl.col("kind") == "collective") & ~pl.col("is_gpu") & pl.col("step").is_not_null())
+        .join(steps.lazy(), on="step")
+        .select("rank", "step", pl.col("track").cast(pl.String), pl.col("name").cast(pl.String),
+                pl.col("pg").cast(pl.String),
+                pl.col("ts_ns").alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
+        .collect()
+    )
+    if coll.height == 0:
+        return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
+    # gloo's own spans (gloo:all_reduce, …) run on its thread from the post to the completion, which the training
+    # thread waits for outside any op: where a rank has them, they are its collectives; else its top-level ops.
+    gloo = pl.col("name").str.starts_with("gloo:")
+    coll = coll.filter(gloo | ~gloo.any().over("rank"))
+    coll = _nested_out(coll, by=("rank", "step", "track")).drop("track")
+    # outside every operation of its rank: a collective inside a pass is part of its work
+    inside = (
+        coll.with_row_index("_c").join(ops.select("rank", "step", pl.col("start_ns").alias("_s"),
+                                                   pl.col("end_ns").alias("_e")), on=["rank", "step"])
+        .filter((pl.col("start_ns") >= pl.col("_s")) & (pl.col("start_ns") < pl.col("_e")))["_c"].unique()
+    )
+    coll = coll.with_row_index("_c").filter(~pl.col("_c").is_in(inside.implode())).drop("_c")
+    several = {s for s in stage_of.values() if list(stage_of.values()).count(s) > 1}
+    by_stage = pl.col("rank").replace_strict(stage_of, default=None).cast(pl.String)
+    scope = (pl.when(pl.col("pg").is_not_null()).then(pl.lit("pg ") + pl.col("pg"))
+             .when(by_stage.cast(pl.Int32, strict=False).is_in(list(several))).then(pl.lit("stage ") + by_stage)
+             .otherwise(pl.lit("all")))
+    coll = (
+        coll.sort("rank", "step", "start_ns").with_columns(scope.alias("_scope"))
+        .with_columns(pl.int_range(pl.len()).over("rank", "step", "_scope", "name").alias("_k"))
+        .with_columns(pl.concat_str(pl.col("step").cast(pl.String), "_scope", "name", pl.col("_k").cast(pl.String),
+                                    separator="|").alias("group"))
+        .with_columns(pl.len().over("group").cast(pl.Int32).alias("members"))
+    )
+    notes = []
+    if coll["pg"].null_count() == coll.height:
+        notes.append("the traces name no process group for their collectives: a collective's members are taken as "
+                     "the ranks of its stage where several ranks hold one (data-parallel), else every rank that runs "
+                     "it (the k-th of the step with the same name)")
+    return coll.select("rank", "step", pl.lit("C").alias("action"), pl.lit("collective").alias("phase"),
+                       pl.col("rank").replace_strict(stage_of, default=None).cast(pl.Int32).alias("stage"),
+                       pl.lit(None, pl.Int32).alias("microbatch"), "start_ns", "end_ns",
+                       (pl.col("end_ns") - pl.col("start_ns")).alias("work_ns"), "group", "members",
+                       pl.lit("trace").alias("source")), notes
+
+
+def build(analysis, steps: list[int] | None = None) -> StepGraph:
+    """The dependency graph of ``steps`` (default: the measured steps) of an analysed run."""
+    from traceana.summary import pipeline_replicas
+
+    steps = list(analysis.summary.steps if steps is None else steps)
+    if not steps:
+        raise GraphError("the run has no measured step", path=analysis.run.path,
+                         fix="profile at least one complete step on every rank")
+    step_f = pl.DataFrame({"step": steps}, schema={"step": pl.Int32})
+    ranks = sorted(analysis.attribution["rank"].unique().to_list())
+    sched = analysis.schedule.join(step_f, on="step")
+    have = set(sched.filter(pl.col("phase").is_in(names.PASS_PHASES))["rank"].unique().to_list())
+    missing = [r for r in ranks if r not in have]
+    if missing:
+        raise GraphError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                         f"ha{'ve' if len(missing) > 1 else 's'} no schedule (no forward/backward annotations, and "
+                         "it could not be inferred from P2P order): the step's dependency graph cannot be known",
+                         path=analysis.run.path,
+                         fix="profile with the PP: annotations (traceana collect / collectors.annotations) or name "
+                             "rules that give the passes (docs/naming.md)")
+    notes: list[str] = []
+    inferred = sorted(sched.filter(pl.col("source") == "inferred")["rank"].unique().to_list())
+    if inferred:
+        notes.append(f"ranks {', '.join(map(str, inferred))}: operations from the schedule inferred from P2P order; "
+                     "their edges are the paired messages as for annotated ranks")
+    passes = pass_durations(analysis, step_f, unnumbered=True).filter(pl.col("phase").is_in(names.PASS_PHASES))
+    others = sched.filter(pl.col("phase") == "optimizer").with_columns((pl.col("end_ns") - pl.col("start_ns"))
+                                                                       .alias("d"))
+    ops = (
+        pl.concat([passes.select(*sched.columns, "d"), others.select(*sched.columns, "d")])
+        .pipe(_nested_out)
+        .select("rank", "step", pl.col("phase").replace_strict(ACTION_OF_PHASE).alias("action"), "phase", "stage",
+                "microbatch", "start_ns", "end_ns", pl.col("d").clip(lower_bound=0).alias("work_ns"),
+                pl.lit(None, pl.String).alias("group"), pl.lit(None, pl.Int32).alias("members"), "source")
+    )
+    stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
+    coll, n = _collectives(analysis, step_f, ops, stage_of)
+    notes += n
+    ops = (
+        pl.concat([ops, coll.select(ops.columns)], how="vertical_relaxed")
+        .sort("rank", "step", "start_ns", "end_ns")
+        .with_columns(pl.int_range(pl.len()).over("rank", "step").cast(pl.Int32).alias("seq"))
+    )
+    # the receiver's collective members that were dropped leave groups short: a group holds its members present
+    ops = ops.with_columns(pl.when(pl.col("group").is_not_null()).then(pl.len().over("group")).cast(pl.Int32)
+                           .alias("members"))
+    win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
+    replica = pipeline_replicas(analysis)
+    rank_steps = (
+        win.join(ops.group_by("rank", "step").agg(pl.col("end_ns").max().alias("_last")), on=["rank", "step"])
+        .with_columns((pl.col("end_ns") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
+        .join(analysis.stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank",
+              how="left")
+        .join(replica, on="rank", how="left")
+        .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
+    )
+    edges, unpaired = _edges(analysis.p2p.join(step_f, on="step"), ops, win)
+    if unpaired:
+        notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
+                     "operation or arriving after the receiver's last): not in the graph")
+    ops = _gaps(ops, edges, win)
+    bad = int(ops["contradicted"].sum())
+    if bad:
+        notes.append(f"{bad} of {ops.height} operations started before the input the graph gives them could have "
+                     "arrived (an edge the timeline contradicts): their replay starts late")
+    return StepGraph(ops=ops.select(list(OPS)).cast(OPS), edges=edges, ranks=rank_steps, steps=tuple(steps),
+                     notes=tuple(notes), unpaired=unpaired)
+
+
+def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """Every message's producer, consumer and anchor (module docstring) with its lags and transfer."""
+    if pairs.height == 0:
+        return pl.DataFrame(schema=EDGES), 0
+    by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
+    # an operation's work starts at end − work (a collective's at its span's start)
+    by_work = ops.select("rank", "step", "seq", pl.when(pl.col("action") == "C").then("start_ns")
+                         .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
+    m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns",
+                     "transfer_ns").with_row_index("_m")
+    prod = m.sort("send_start_ns").join_asof(
+        by_start.rename({"rank": "src", "seq": "src_seq", "start_ns": "_ps", "end_ns": "_pe"}),
+        left_on="send_start_ns", right_on="_ps", by=["src", "step"], strategy="backward", check_sortedness=False)
+    cons = m.select("_m", "dst", "step", (pl.col("recv_end_ns") - ARRIVAL_SLACK_NS).alias("_t")).sort("_t").join_asof(
+        by_work.rename({"rank": "dst", "seq": "dst_seq"}),
+        left_on="_t", right_on="_ws", by=["dst", "step"], strategy="forward", check_sortedness=False)
+    anchor = m.select("_m", "dst", "step", "recv_post_ns").sort("recv_post_ns").join_asof(
+        by_start.rename({"rank": "dst", "seq": "anchor_seq", "start_ns": "_as", "end_ns": "_ae"}),
+        left_on="recv_post_ns", right_on="_as", by=["dst", "step"], strategy="backward", check_sortedness=False)
+    start = win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w"))
+    e = (
+        prod.join(cons.select("_m", "dst_seq"), on="_m").join(anchor.select("_m", "anchor_seq", "_ae"), on="_m")
+        .join(start, on=["dst", "step"], how="left")
+    )
+    keep = pl.col("src_seq").is_not_null() & pl.col("dst_seq").is_not_null()
+    unpaired = e.filter(~keep).height
+    e = e.filter(keep).with_columns(
+        (pl.col("send_start_ns") - pl.col("_pe")).alias("send_lag_ns"),
+        (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
+    )
+    return e.select(list(EDGES)).cast(EDGES).sort("step", "dst", "dst_seq"), unpaired
+
+
+def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
+    """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
+    first) and its inputs' modelled arrival (module docstring); negative: contradicted, taken as 0."""
+    ends = ops.select("rank", "step", "seq", "end_ns")
+    e = (
+        edges.join(ends.rename({"rank": "src", "seq": "src_seq", "end_ns": "_pe"}), on=["src", "step", "src_seq"])
+        .join(ends.rename({"rank": "dst", "seq": "anchor_seq", "end_ns": "_ae"}), on=["dst", "step", "anchor_seq"],
+              how="left")
+        .join(win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w")), on=["dst", "step"])
+        .with_columns((pl.max_horizontal(pl.col("_pe") + pl.col("send_lag_ns"),
+                                         pl.coalesce("_ae", "_w") + pl.col("post_lag_ns"))
+                       + pl.col("transfer_ns")).alias("_arrive"))
+        .group_by(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"))
+        .agg(pl.col("_arrive").max())
+    )
+    out = (
+        ops.join(e, on=["rank", "step", "seq"], how="left")
+        .join(win.select("rank", "step", pl.col("start_ns").alias("_w")), on=["rank", "step"])
+        .sort("rank", "step", "seq")
+        .with_columns(pl.coalesce(pl.col("end_ns").shift(1).over("rank", "step"), "_w").alias("_prev"),
+                      (pl.col("end_ns") - pl.col("work_ns")).alias("_s"))
+    )
+    # a collective's members start at its last join: the gap is to the member's own span start, its work what it
+    # took after the last member joined
+    join = pl.col("start_ns").max().over("group")
+    out = out.with_columns(
+        pl.when(pl.col("group").is_not_null()).then(pl.col("start_ns")).otherwise("_s").alias("_s"),
+    ).with_columns(
+        pl.when(pl.col("group").is_not_null()).then((pl.col("end_ns") - join).clip(lower_bound=0))
+        .otherwise("work_ns").alias("work_ns"),
+        (pl.col("_s") - pl.max_horizontal("_prev", "_arrive")).alias("_gap"),
+    )
+    return out.with_columns((pl.col("_gap") < 0).alias("contradicted"),
+                            pl.col("_gap").clip(lower_bound=0).alias("gap_ns"))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One step replayed: per rank its start, replayed end and step (``ranks``: rank, start_ns, end_ns, step_ns),
+    every operation's replayed start and end (``ops``: rank, seq, start_ns, end_ns, bound: what set its start —
+    "device" (the rank's previous operation), "input" (``from_rank``/``from_seq``: the message's producer, or the
+    receiver's own operation after which it posted the receive), "group" (a collective: ``from_*`` the member that
+    joined last)), on the run's clock."""
+
+    step: int
+    ranks: pl.DataFrame
+    ops: pl.DataFrame
+
+    @property
+    def step_ns(self) -> int:
+        """The pipeline's step: its slowest rank's (summary's step time)."""
+        return int(self.ranks["step_ns"].max())
+
+
+_EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+_PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure per step (what-ifs replay it often)
+
+
+def _plan(g: StepGraph, step: int) -> dict:
+    """What does not change between replays of one step: the ranks, each one's order, what each operation makes,
+    the collectives, and each message's consumer, producer, anchor and lags (in _EDGE_ORDER)."""
+    from traceana.model.scheduler import product
+
+    entry = _PLANS.get(id(g))
+    if entry is None or entry[0] is not g:
+        if len(_PLANS) >= 8:
+            _PLANS.clear()
+        entry = _PLANS[id(g)] = (g, {})
+    if step in entry[1]:
+        return entry[1][step]
+    ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
+    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
+    win = g.ranks.filter(pl.col("step") == step).sort("rank")
+    ranks = win["rank"].to_list()
+    dev = {r: i for i, r in enumerate(ranks)}
+    orders: list[list[tuple]] = [[("X", r, -1)] for r in ranks]
+    groups: dict[tuple, tuple[str, int]] = {}
+    key_of: dict[tuple[int, int], tuple] = {}
+    keys = []
+    for r, seq, action, grp, members in ops.select("rank", "seq", "action", "group", "members").iter_rows():
+        op = (action, r, seq)
+        orders[dev[r]].append(op)
+        keys.append((r, seq))
+        key_of[(r, seq)] = product(op)
+        if grp is not None:
+            groups[op] = (grp, members)
+    messages = [((dst, d_seq), key_of[(src, s_seq)], float(send_lag),
+                 key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1), float(post_lag))
+                for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
+                    "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
+    plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
+            "messages": messages, "origin": int(win["start_ns"].min()),
+            "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
+    entry[1][step] = plan
+    return plan
+
+
+def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
+            ) -> dict[int, tuple[list[float], list[float], list[float]]]:
+    """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in _EDGE_ORDER): one
+    sort of each frame for all the steps."""
+    o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
+        "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
+    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True).select(
+        "step", pl.col("transfer_ns").cast(pl.Float64))
+    steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
+    e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
+    out: dict[int, tuple[list[float], list[float], list[float]]] = {}
+    i = j = 0
+    for step in sorted(set(steps) | set(e_steps)):
+        i2, j2 = i, j
+        while i2 < len(steps) and steps[i2] == step:
+            i2 += 1
+        while j2 < len(e_steps) and e_steps[j2] == step:
+            j2 += 1
+        out[step] = (work[i:i2], gap[i:i2], transfer[j:j2])
+        i, j = i2, j2
+    return out
+
+
+def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
+    """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
+    from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
+
+    plan = _plan(g, step)
+    w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
+    work = dict(zip(plan["keys"], w_list))
+    gaps = {k: (x, x) for k, x in zip(plan["keys"], g_list)}
+    inputs: dict[tuple, list] = {}
+    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"], t_list):
+        inputs.setdefault(consumer, []).append((((made, send_lag), (anchor, post_lag)), transfer))
+    trace = Trace()
+    win = plan["win"]
+    _, free = run_schedule(
+        plan["orders"], rec=NullRecorder(), policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)),
+        costs=Costs(), pp=len(plan["ranks"]), virtual_stages=1, schedule="measured", num_microbatches=1,
+        dur=lambda a, r, seq: 0.0 if a == "R" or seq < 0 else work[(r, seq)],
+        inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
+        gap=lambda d, i, op: gaps.get((op[1], op[2]), (0.0, 0.0)), groups=plan["groups"], trace=trace,
+        free0=[float(s - plan["origin"]) for s in win["start_ns"]])
+    return plan, trace, free
+
+
+def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None
+                    ) -> list[int]:
+    """``replay(...).step_ns`` of every step of the graph, without the per-operation tables (what a what-if needs)."""
+    values = _values(g, ops, edges)
+    out = []
+    for step in g.steps:
+        plan, _, free = _run(g, step, None, None, values)
+        win = plan["win"]
+        out.append(max(round(plan["origin"] + f) + t - s0
+                       for f, t, s0 in zip(free, win["tail_ns"].to_list(), win["start_ns"].to_list())))
+    return out
+
+
+def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
+    """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
+    work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones,
+    the same rows)."""
+    plan, trace, free = _run(g, step, ops, edges)
+    ranks, origin, member_seq, win = plan["ranks"], plan["origin"], plan["member_seq"], plan["win"]
+
+    def source(bound) -> tuple[str, int | None, int | None]:
+        if bound == "device":
+            return "device", None, None
+        if bound[0] == "group":  # the member that joined last: the path goes on through its own collective
+            last = ranks[bound[2]]
+            return "group", last, member_seq[(bound[1], last)]
+        return "input", bound[1], bound[2]
+
+    rows = [(op[1], op[2], round(origin + start), round(origin + end), *source(bound))
+            for (d, i), (op, _f, _ready, start, end, bound) in trace.ops.items() if op[2] >= 0]
+    op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
+                                         "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
+                           orient="row").sort("rank", "seq")
+    rank_rows = win.with_columns(
+        pl.Series("_free", [origin + free[plan["dev"][r]] for r in ranks], dtype=pl.Float64)
+    ).select("rank", "start_ns", (pl.col("_free").round().cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
+             ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    return Replay(step=step, ranks=rank_rows, ops=op_rows)
+
+
+def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The replayed step's critical path and every operation's slack.
+
+    The path runs back from the end of the slowest rank's step (the step time): each operation to what set its start
+    (``Replay.ops.bound``): the rank's previous operation (the gap between them is host time), a message's producer
+    (its lag and transfer are P2P time) or the receiver's own operation that posted the receive, or a collective's
+    last member to join. Returns (``path``: one row per piece of time on it — rank, stage, seq (null for time
+    between operations), kind (forward, backward, optimizer, collective, other, p2p, host), start_ns, end_ns,
+    ms; ``slack``: rank, seq, slack_ns — how much later the operation could end without lengthening the step: the
+    latest end allowed by everything that waits on it (each rank's step may end at its start + the step time), less
+    its replayed end)."""
+    step = r.step
+    ops = (g.ops.filter(pl.col("step") == step).select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group")
+           .join(r.ops, on=["rank", "seq"]))
+    edges = g.edges.filter(pl.col("step") == step)
+    win = g.ranks.filter(pl.col("step") == step).join(r.ranks.select("rank", pl.col("end_ns").alias("_end")),
+                                                      on="rank")
+    info = {(rk, sq): (a, st, w, gp, grp, s0, e0, b, fr, fs)
+            for rk, sq, a, st, w, gp, grp, s0, e0, b, fr, fs in ops.select(
+                "rank", "seq", "action", "stage", "work_ns", "gap_ns", "group", "start_ns", "end_ns", "bound",
+                "from_rank", "from_seq").iter_rows()}
+    start_of = dict(win.select("rank", "start_ns").iter_rows())
+    tail = dict(win.select("rank", "tail_ns").iter_rows())
+    last_seq = dict(ops.group_by("rank").agg(pl.col("seq").max()).iter_rows())
+    step_ns = int((win["_end"] - win["start_ns"]).max())
+    # --- slack: latest finishes, from the last operations back (max-plus constraints of the replay) ---
+    after: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # op -> (successor, lag before its gap)
+    for rk, sq in info:
+        if (rk, sq + 1) in info:
+            after.setdefault((rk, sq), []).append(((rk, sq + 1), 0))
+    for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag, transfer in edges.select(
+            "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").iter_rows():
+        after.setdefault((src, s_seq), []).append(((dst, d_seq), send_lag + transfer))
+        if a_seq is not None:
+            after.setdefault((dst, a_seq), []).append(((dst, d_seq), post_lag + transfer))
+    post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
+                   edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
+    members: dict[str, list[tuple[int, int]]] = {}
+    for key, v in info.items():
+        if v[4] is not None:
+            members.setdefault(v[4], []).append(key)
+    latest_finish: dict[tuple[int, int], float] = {}
+
+    def latest_start(key: tuple[int, int]) -> float:
+        grp = info[key][4]
+        keys = members[grp] if grp is not None else [key]  # a collective starts when its last member joins
+        return min(latest_finish[k] - info[k][2] for k in keys)
+
+    for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
+        rk, sq = key
+        bound = start_of[rk] + step_ns - tail[rk] if sq == last_seq[rk] else float("inf")
+        for succ, lag in after.get(key, ()):
+            try:  # (every successor starts later, so it came first; a member of a collective, all of them)
+                bound = min(bound, latest_start(succ) - info[succ][3] - lag)
+            except KeyError:
+                continue
+        latest_finish[key] = bound
+    # (replayed times are whole nanoseconds: a few ns below zero is rounding)
+    slack = pl.DataFrame([(rk, sq, max(0, int(latest_finish[(rk, sq)] - info[(rk, sq)][6]))) for rk, sq in info],
+                         schema={"rank": pl.Int32, "seq": pl.Int32, "slack_ns": pl.Int64}, orient="row")
+    # --- the path: back from the slowest rank's last operation ---
+    stage_of = dict(win.select("rank", "stage").iter_rows())
+    end_rank = int(win.sort(pl.col("_end") - pl.col("start_ns"), descending=True)["rank"][0])
+    pieces: list[tuple] = []
+    key = (end_rank, last_seq[end_rank])
+    end_t = int(win.filter(pl.col("rank") == end_rank)["_end"][0])
+    a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
+    if end_t > e0:
+        pieces.append((end_rank, stage_of.get(end_rank), None, "host", e0, end_t))
+    seen = set()
+    joined = False  # the walk jumped to a collective's last member: its time is on the path once
+    while key is not None and key not in seen:
+        seen.add(key)
+        rk, sq = key
+        a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
+        if not joined:
+            pieces.append((rk, st, sq, KIND_OF_ACTION[a], s0, e0))
+        joined = b == "group"
+        if b == "device":
+            prev = (rk, sq - 1) if (rk, sq - 1) in info else None
+            before = info[prev][6] if prev else start_of[rk]
+            if s0 > before:
+                pieces.append((rk, st, None, "host", before, s0))
+            key = prev
+        elif b == "group":
+            key = (fr, fs)
+        else:  # an input: the gap after it arrived is host; before, the message's transfer is P2P, and the time
+            # from the producer's end to the send (or from the receiver's operation to its posting the receive) too
+            src_end = info[(fr, fs)][6] if fs >= 0 else start_of[fr]  # (-1: the rank's step start)
+            arrive = s0 - gp
+            if s0 > arrive:
+                pieces.append((rk, st, None, "host", arrive, s0))
+            lag = post_lag_of.get((rk, sq, fs)) if fr == rk else None
+            if lag is not None and lag > 0:  # the receiver's own time before it posted the receive
+                pieces.append((rk, st, None, "host", src_end, min(arrive, src_end + lag)))
+                src_end = min(arrive, src_end + lag)
+            if arrive > src_end:
+                pieces.append((rk, st, None, "p2p", src_end, arrive))
+            key = (fr, fs) if fs >= 0 else None
+    path = pl.DataFrame(pieces, schema={"rank": pl.Int32, "stage": pl.Int32, "seq": pl.Int32, "kind": pl.String,
+                                        "start_ns": pl.Int64, "end_ns": pl.Int64}, orient="row").sort("start_ns")
+    path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("ms"),
+                             pl.lit(step, pl.Int32).alias("step"))
+    return path, slack
+
+
+def on_path(paths: list[pl.DataFrame]) -> pl.DataFrame:
+    """Time on the critical path per step, mean over the steps given: group (kind, stage, rank), id, ms, fraction
+    (of the path)."""
+    if not paths:
+        return pl.DataFrame(schema={"group": pl.String, "id": pl.String, "ms": pl.Float64, "fraction": pl.Float64})
+    both = pl.concat(paths)
+    n = len(paths)
+    total = both["ms"].sum() / n
+    out = []
+    for grp in ("kind", "stage", "rank"):
+        out.append(both.group_by(grp).agg((pl.col("ms").sum() / n).alias("ms"))
+                   .select(pl.lit(grp).alias("group"), pl.col(grp).cast(pl.String).alias("id"), "ms")
+                   .sort("ms", descending=True))
+    return pl.concat(out).with_columns((pl.col("ms") / total if total else pl.lit(None)).alias("fraction"))
