@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
     parser.add_argument("--repeat", nargs="+", action="append", default=None, metavar=("RUN_DIR", "OTHER_RUN"),
                         help="RUN_DIR (one of the runs) then more collections of its configuration: the A/B "
-                             "comparison's noise interval then includes the spread between them (repeatable; "
-                             "default: the spread over steps only)")
+                             "comparison's noise interval then includes the spread between them; repeatable "
+                             "(default: the spread over steps only)")
     options.reading(parser)
 
 
