@@ -93,16 +93,18 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         repeat = tuple(load_and_analyze(str(r), **read) for r in args.repeat) if args.repeat else None
         cross = cross_run(load_and_analyze(str(args.baseline), **read), analysis, repeat=repeat)
+    why_none = None
     try:
         verdict = bpipe_verdict_from_run(analysis, policy=args.bpipe_baseline)
-    except AnalysisError:
-        verdict = None  # not a plain 1F1B run: nothing to say about BPipe
+    except AnalysisError as e:  # not a plain 1F1B run: a line says why there is no verdict, never silence
+        verdict, why_none = None, e.what.removeprefix("no BPipe verdict for this run: ")
     if args.json:
         from traceana.export import json_fractions
 
         print(json.dumps(json_fractions({
             "summary": v.summary, "per_stage": v.per_stage.to_dicts(), "notes": list(v.notes), "cross_run": cross,
-            "bpipe": None if verdict is None else {
+            "bpipe": {"verdict": None, "why_none": why_none} if verdict is None else {
+                "verdict": "helps" if verdict.helps else "does not help",
                 "helps": verdict.helps, "speedup": verdict.speedup, "baseline": verdict.baseline,
                 "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
                 "flips": verdict.flips, "flip_notes": verdict.flip_notes,
@@ -113,6 +115,5 @@ def run(args: argparse.Namespace) -> int:
 
         console = output_console()
         render(v, cross, console=console)
-        if verdict is not None:
-            print_line(console, verdict.sentence)
+        print_line(console, verdict.sentence if verdict is not None else f"BPipe verdict: none — {why_none}")
     return 0
