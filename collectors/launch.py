@@ -120,20 +120,58 @@ def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | 
     events = ctx.SimpleQueue() if progress else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
     args = (configs, config.world_size, init_method, out_dir, results_dir, events, cores_to_pin(config.world_size))
-    pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
-    deadline = time.monotonic() + timeout_s
-    while not pc.join(timeout=0.25):
-        if events is not None:
-            while not events.empty():
-                progress(events.get())
-        if time.monotonic() > deadline:
-            for p in pc.processes:
-                if p.is_alive():
-                    p.kill()
-            raise RuntimeError(f"the trainer did not finish within {timeout_s:.0f} s; its processes were killed")
+    try:
+        pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
+        deadline = time.monotonic() + timeout_s
+        while not pc.join(timeout=0.25):
+            if events is not None:
+                while not events.empty():
+                    progress(events.get())
+            if time.monotonic() > deadline:
+                for p in pc.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"the trainer did not finish within {timeout_s:.0f} s; its processes were killed")
+    except BaseException:  # Ctrl-C, SIGTERM (a scheduler's, sent to this process alone), a failed rank
+        stop_workers(multiprocessing.active_children())  # (every rank started so far, even mid-start)
+        raise
+    finally:
+        _stop_forkserver(method)
     if events is not None:
         while not events.empty():
             progress(events.get())
+
+
+GRACE_S = 10.0  # what a rank gets to stop after SIGTERM before SIGKILL
+
+
+def stop_workers(processes, grace_s: float = GRACE_S) -> None:
+    """The ranks still running get SIGTERM, and SIGKILL if they have not ended within ``grace_s``: nothing is left
+    running when collect exits (a SIGTERM sent to collect alone reached none of them before)."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _stop_forkserver(method: str) -> None:
+    """The forkserver the ranks were forked from ends with the launch (it outlived collect by seconds, orphaned)."""
+    if method != "forkserver":
+        return
+    try:
+        from multiprocessing import forkserver
+
+        stop = getattr(forkserver._forkserver, "_stop", None)  # (CPython's own: closes its pipe, reaps it)
+        if stop is not None:
+            stop()
+    except Exception:  # noqa: BLE001 - best effort: it ends by itself once this process has gone
+        pass
 
 
 def _start_method() -> str:

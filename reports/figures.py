@@ -30,6 +30,11 @@ def _pd(frame: pl.DataFrame):
     return frame.to_pandas()
 
 
+def _stage_label() -> pl.Expr:
+    """A bar's stage as text; ranks whose stage is not known are "no stage" (a null label would be drawn "nan")."""
+    return pl.format("stage {}", pl.col("stage")).fill_null("no stage")
+
+
 def _empty(title: str, message: str) -> str:
     """A figure with nothing to draw is a sentence instead (``reports.build.Page`` shows it as a note)."""
     return f"{title}: {message}"
@@ -142,7 +147,7 @@ def stacked_by_stage(
     if df.height == 0 or not (df["ms"] > 0).any():
         return _empty(title, "nothing measured in these categories")
     df = df.with_columns(
-        stage=pl.format("stage {}", pl.col("stage")),
+        stage=_stage_label(),
         colour=pl.col("category").replace_strict(palette.CATEGORY_COLOURS, default="#999999"),
         category=pl.col("category").replace_strict(palette.CATEGORY_LABELS, default=pl.col("category")),
     )
@@ -163,7 +168,7 @@ def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str
     colour = {r: palette.run_colour(i) for i, r in enumerate(runs)}
     df = (
         frame.filter(pl.col(value).is_not_null())
-        .with_columns(stage=pl.format("stage {}", pl.col("stage")),
+        .with_columns(stage=_stage_label(),
                       colour=pl.col("run").replace_strict(colour, default="#999999"))
         .select("stage", "run", value, "colour")
     )

@@ -214,7 +214,8 @@ def validation_items(per_stage: pl.DataFrame, summary: dict) -> pl.DataFrame:
         if est is None or unit is None:
             continue
         what = rest.removesuffix("_ms").removesuffix("_bytes")
-        what = {"step": "step time", "activation": "activation peak"}.get(what, what.replace("_", " "))
+        what = {"step": "step time", "activation": "activation peak",
+                "blocked": "blocked (bubble + exposed P2P)"}.get(what, what.replace("_", " "))
         parts.append(
             per_stage.select(
                 order=pl.lit(k + 1) * 1000 + pl.col("stage"),

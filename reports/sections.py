@@ -15,6 +15,7 @@ from reports import palette
 from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
 from traceana.analysis import Analysis
+from traceana.gpu import pipeline_found
 from traceana.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
@@ -74,11 +75,78 @@ def attribution(page, runs: Runs, G) -> None:
     present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
     page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
     for name, a in runs:
+        if not pipeline_found(a.stages, a.schedule, a.p2p):
+            not_a_pipeline(page, name, a)
+            continue
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
         page.add(H.table(a.summary.per_stage, STAGE_COLUMNS, formats={"stage": "int", "bubble_fraction": "fraction"}))
+        overlapped_phases(page, name, a)
         replicas(page, name, a)
     page.add("</section>")
+
+
+PHASE_COLUMNS = [
+    ("rank", "rank"),
+    ("phase", "phase"),
+    ("own_ms", "own GPU time (ms)"),
+    ("overlapped_ms", "of it beside another phase (ms)"),
+    ("partition_ms", "in the bars above (ms)"),
+    ("shared_fraction", "rank's step run by two phases at once"),
+]
+
+
+def overlapped_phases(page, name: str, a: Analysis) -> None:
+    """Where phases ran at once on a GPU (traceana.gpu): each phase's own GPU time beside what the bars (the
+    per-instant partition) gave it."""
+    from traceana.gpu import OVERLAP_SHOWN_ABOVE, phase_means
+
+    if a.phase_time is None or not a.phase_time.height:
+        return
+    pm = phase_means(a.phase_time, a.attribution, a.summary.steps)
+    shown = pm.filter(pl.col("shared_fraction") > OVERLAP_SHOWN_ABOVE)
+    if not shown.height:
+        return
+    page.add(f"<h3>{H.esc(name)}: phases running at once on the GPU</h3>")
+    page.add(H.para("The bars give every instant to one category (backward over forward where both ran), so where "
+                    "phases overlapped on two streams they are not each phase's GPU time. Per rank and phase: the "
+                    "union of the phase's kernels (each kernel's phase is the annotation whose CPU range launched it), "
+                    "the part of it beside another phase's kernels, and what the bars gave it.", css_class="lead"))
+    page.add(H.table(shown.with_columns(pl.col("phase").replace_strict(palette.CATEGORY_LABELS,
+                                                                          default=pl.col("phase"))),
+                     PHASE_COLUMNS, formats={"rank": "int", "shared_fraction": "fraction"}))
+
+
+STREAM_COLUMNS = [
+    ("rank", "rank"),
+    ("stream", "stream"),
+    ("compute_ms", "compute (ms)"),
+    ("communication_ms", "communication (ms)"),
+    ("memcpy_ms", "memory copies (ms)"),
+    ("idle_ms", "idle (ms)"),
+    ("overlapped_ms", "beside another stream's work (ms)"),
+]
+
+
+def not_a_pipeline(page, name: str, a: Analysis) -> None:
+    """A run that is no pipeline (traceana.gpu.pipeline_found): a sentence instead of per-stage bars, and what
+    still helps: the time per rank by category, and per GPU stream."""
+    from traceana.gpu import stream_means
+
+    page.add(H.para(f"{name}: no pipeline found — no rank has a stage (no run.json, no PP: or framework annotations, "
+                    "no "
+                    "P2P messages chaining ranks), so there are no per-stage bars or bubbles. Time per rank (mean per "
+                    "measured step) and per GPU stream:", css_class="lead"))
+    st = a.stages
+    cols = [("rank", "rank"), ("step_ms", "step (ms)")] + [
+        (f"{c}_ms", f"{palette.CATEGORY_LABELS[c]} (ms)") for c in palette.CATEGORY_COLOURS
+        if f"{c}_ms" in st.columns and (st[f"{c}_ms"].fill_null(0) > 0).any()]
+    page.add(H.table(st, cols, formats={"rank": "int"}))
+    streams = stream_means(a.stream_time, a.summary.steps) if a.stream_time is not None else pl.DataFrame()
+    if streams.height:
+        page.add(H.table(streams, STREAM_COLUMNS, formats={"rank": "int", "stream": "int"}))
+    else:
+        page.add(H.para("No GPU work in these traces: the table above is the CPU's time.", css_class="lead"))
 
 
 REPLICA_STAGE_COLUMNS = [

@@ -237,7 +237,8 @@ def test_a_failing_hook_stops_profiling_never_training(monkeypatch, capsys):
 
 def test_ctrl_c_while_polling_still_waits_for_the_job(tmp_path, monkeypatch, capfd):
     """A Ctrl-C that lands while attach is writing a window's run.json (not while it waits) is the same Ctrl-C: attach
-    lets the job end, finishes the run directory and exits 130, instead of a traceback that leaves the job behind."""
+    passes it on to the job's process group, lets the job end, finishes the run directory and exits 130, instead of
+    a traceback that leaves the job behind."""
     import argparse
 
     from collectors.attach import command
@@ -253,7 +254,8 @@ def test_ctrl_c_while_polling_still_waits_for_the_job(tmp_path, monkeypatch, cap
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["-o", str(tmp_path / "run"), "--", sys.executable, "-c",
-                              "import time; time.sleep(1.5); print('job done', flush=True)"])
+                              "import time\ntry:\n    time.sleep(5)\nexcept KeyboardInterrupt:\n"
+                              "    print('job done', flush=True)"])
     assert command.run(args) == 130
     out, err = capfd.readouterr()
     assert "job done" in out and "no process reached the window" in err

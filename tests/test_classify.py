@@ -116,3 +116,49 @@ def test_all_to_all_sendrecv_kernels_are_not_p2p(third_party):
     c = classify(run.events)
     sr = c.filter(pl.col("name").cast(pl.String).str.contains("SendRecv"))
     assert sr.height > 0 and set(sr["kind"].cast(pl.String)) == {"collective"}
+
+
+# --- communication kernels without one spelling (issue 26, item 1) ---------------------------------------------
+FAMILIES = [
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),  # NCCL
+    ("rcclGenericKernel<1>(ncclDevComm*)", "collective"),  # RCCL
+    ("mscclKernel_Sum_float_Simple_false(int, int)", "collective"),  # MSCCL
+    ("void deep_ep::intranode::dispatch<8, 768, 8192>(int4*)", "collective"),  # DeepEP
+    ("void my_ep::internode_ll::combine<__nv_bfloat16>(void*)", "collective"),  # a build in another namespace
+    ("void ep::dispatch<4>(int4*)", "collective"),
+    ("void moe::cached_notify_combine<8>(int*)", "collective"),  # the all-to-all's notify step, any namespace
+    ("void fused_all_to_all_kernel<float>(float*)", "collective"),
+    ("void comm::SendrecvKernel(int)", "collective"),
+    ("void deep_ep::layout::get_dispatch_layout<256>(long*)", "compute"),  # the layout is local work
+    ("cutlass::Kernel<step::dispatch>(Params)", "compute"),  # "step::" is no expert-parallel namespace
+    ("void at::native::vectorized_elementwise_kernel<4>(int)", "compute"),
+]
+
+
+@pytest.mark.parametrize("name,kind", FAMILIES)
+def test_communication_kernels_are_known_by_family_in_any_namespace(name, kind):
+    b = EventsBuilder()
+    b.kernel(0, name, 0, 5, launch=0)
+    got = classify(b.events()).filter(pl.col("is_gpu"))["kind"].cast(pl.String).to_list()
+    assert got == [kind]
+
+
+def test_kernels_launched_inside_a_communication_call_are_communication():
+    """A copy kernel launched inside an all-to-all's c10d op is the collective's; inside a P2P op (a NCCL send's
+    record_param_comms) it is P2P's; launched outside any, or from another thread while one runs, or inside a gloo
+    span (post → wait return: the thread computes meanwhile), it stays compute."""
+    b = EventsBuilder()
+    b.op(0, "c10d::alltoall_base_", 0, 10)
+    b.kernel(0, "void at::native::copy_kernel(a)", 20, 25, launch=2)  # inside the all-to-all's op
+    b.kernel(0, "void at::native::copy_kernel(b)", 26, 30, launch=12)  # after it
+    b._add(0, "cpu_op", "record_param_comms", 40, 50, coll="send", peer=1, nbytes=64)
+    b.kernel(0, "void at::native::pack_kernel(c)", 51, 55, launch=41)  # inside the send
+    b.kernel(0, "void at::native::copy_kernel(d)", 56, 60, launch=3)
+    runtime = b.rows[-2]
+    runtime["tid"], runtime["track"] = "other", "cpu:100:other"  # launched by another thread during the all-to-all
+    b.ann(0, "gloo:send", 70, 90)
+    b.kernel(0, "sgemm", 91, 95, launch=75)
+    got = dict(classify(b.events()).filter(pl.col("is_gpu")).select("name", pl.col("kind").cast(pl.String)).rows())
+    assert got == {"void at::native::copy_kernel(a)": "collective", "void at::native::copy_kernel(b)": "compute",
+                   "void at::native::pack_kernel(c)": "p2p_call", "void at::native::copy_kernel(d)": "compute",
+                   "sgemm": "compute"}

@@ -143,7 +143,7 @@ def test_validate_and_estimate_keep_every_figure_at_80_columns_piped(four_stage)
     data = json.loads(_cli("validate", str(four_stage), "--json", "--no-cache").stdout)
     cells = set(re.findall(r"[+\-]?[\d,.]+%?", res.stdout))
     for r in data["per_stage"]:
-        assert f"{r['measured_step_ms']:,.1f}" in cells and f"{r['measured_bubble_ms']:,.1f}" in cells
+        assert f"{r['measured_step_ms']:,.1f}" in cells and f"{r['measured_blocked_ms']:,.1f}" in cells
     assert "MiB" in res.stdout and " MB" not in res.stdout
     words = " ".join(res.stdout.split())  # sentences wrap where the path's length puts them
     assert "8 micro-batches" in words and "(2 steps measured)" in words
@@ -213,7 +213,7 @@ def test_json_shares_are_fractions(two_stage, four_stage, capsys):
     assert out["stages"][1]["bubble_warmup_fraction"] == pytest.approx(0.10)
     assert main(["validate", str(four_stage), "--json", "--no-cache"]) == 0
     keys = _keys(json.loads(capsys.readouterr().out))
-    assert "step_error_fraction" in keys and not keys & {"step_error", "bubble_error", "memory_error"}
+    assert "step_error_fraction" in keys and not keys & {"step_error", "blocked_error", "memory_error"}
     assert main(["estimate", "--model", "tiny-gpt", "--pp", "2", "--json"]) == 0
     keys = _keys(json.loads(capsys.readouterr().out))
     assert {"mfu_fraction", "efficiency_fraction"} <= keys and not keys & {"mfu", "efficiency"}

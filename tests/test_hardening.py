@@ -26,16 +26,26 @@ def _data_parallel_run(directory, all_reduce_us=(30.0, 45.0)):
 
 
 def test_replicas_of_an_unknown_stage_show_their_collective_time(tmp_path, capsys):
-    """Two data-parallel ranks whose stage cannot be told are two replicas of stage '–': the replicas table's
-    last column must list each replica's exposed all-reduce (30 and 45 µs by construction), not be left empty
-    because a null stage was compared with ``==`` (which matches nothing)."""
+    """Two data-parallel ranks whose stage cannot be told are two replicas of stage '–': the summary's replicas
+    must carry each replica's exposed all-reduce (30 and 45 µs by construction), not be left empty because a null
+    stage was compared with ``==`` (which matches nothing). Such a run is no pipeline (issue 26): analyze says so in
+    one line and shows each rank's exposed collective in its stage table, not a replicas-per-stage table."""
+    import polars as pl
+
+    from traceana.analysis import analyze
+    from traceana.ingest.run_dir import load_run
+
     run = _data_parallel_run(tmp_path)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Comparisons with None")  # polars' warning was the symptom
         rc = main(["analyze", str(run), "--no-cache", "--quiet"])
+        reps = analyze(load_run(run, cache=False)).summary.replicas
     out = capsys.readouterr().out
     assert rc == 0
-    assert "r0: 0.03, r1: 0.04" in out or "r0: 0.03, r1: 0.05" in out, out
+    got = [round(ms, 2) for ms in reps.sort("rank")["collective_ms"].to_list()]
+    assert got[0] == 0.03 and got[1] in (0.04, 0.05), reps
+    assert reps["stage"].null_count() == 2 and reps.filter(pl.col("stage").is_null()).height == 2
+    assert "no pipeline found" in out and "Data-parallel replicas" not in out
 
 
 def test_an_empty_last_profiler_step_is_not_the_measured_step(tmp_path):

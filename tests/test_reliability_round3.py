@@ -341,3 +341,260 @@ def test_a_reader_gone_is_exit_141_quietly(run2, args):
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert proc.returncode == 141 and err == ""
+
+
+# --- 5. numbers that size memory or time: checked against what is present -------------------------------------------
+def _set_in_traces(run: Path, edit) -> None:
+    for r in (0, 1):
+        _edit_trace(run / f"rank{r}.pt.trace.json.gz", edit)
+
+
+@pytest.mark.parametrize("number", ["99999999999999999999", "2147483648"])
+def test_a_step_number_beyond_int32_is_one_line(run2, capsys, number):
+    def edit(trace):
+        for e in trace["traceEvents"]:
+            if e.get("name", "").startswith("ProfilerStep#"):
+                e["name"] = f"ProfilerStep#{number}"
+    _set_in_traces(run2, edit)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 2 and "ProfilerStep" in _one_line(err) and "internal error" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="needs prlimit")
+def test_a_declared_world_size_is_checked_not_allocated(run2):
+    # 3·10^7 ranks declared in a 2-rank run of a few KB: under a 2 GiB address-space cap it is named, not allocated
+    _set_in_traces(run2, lambda t: t["distributedInfo"].update(world_size=30_000_000))
+    r = subprocess.run(["prlimit", f"--as={2 << 30}", sys.executable, "-m", "traceana", "analyze", str(run2),
+                        "--no-cache"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "distributedInfo.world_size" in _one_line(r.stderr)
+
+
+def test_many_missing_ranks_are_counted_not_listed(run2, capsys):
+    _set_in_traces(run2, lambda t: t["distributedInfo"].update(world_size=1_000_000))
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    assert rc == 0 and "999,998 of 1,000,000 ranks have no trace (2, 3, 4, 5, 6, 7, 8, 9, 10, 11 …)" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="needs prlimit")
+def test_run_json_world_size_beyond_any_job_is_named(run2):
+    _set_in_traces(run2, lambda t: t["distributedInfo"].pop("world_size"))  # run.json is the only word on it
+    (run2 / "run.json").write_text(json.dumps({"world_size": 10**9}))
+    r = subprocess.run(["prlimit", f"--as={2 << 30}", sys.executable, "-m", "traceana", "analyze", str(run2),
+                        "--no-cache"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "world_size" in _one_line(r.stderr) and "memory" not in r.stderr
+
+
+@pytest.mark.parametrize("flags, field", [(["--pp", "2048", "--layers", "2048"], "pp 2,048"),
+                                          (["--pp", "8192", "--layers", "8192"], "pp 8,192"),
+                                          (["--pp", "2", "--microbatches", str(10**8)], "micro-batches 100,000,000")])
+def test_estimate_of_an_absurd_pipeline_answers_at_once(flags, field):
+    t0 = time.monotonic()
+    r = _traceana("estimate", "--model", "llama-7b", *flags, timeout=60)
+    assert r.returncode == 2 and field in _one_line(r.stderr) and time.monotonic() - t0 < 30
+
+
+# --- 6. attach owns its job -----------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _attach(tmp_path: Path, job: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "traceana", "attach", "-o", str(tmp_path / "out"), *extra, "--",
+                             sys.executable, "-c", job], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return int(path.read_text())
+
+
+_JOB = """
+import os, signal, sys, time
+{ignore}
+child = os.fork()  # a process of the job's own
+if child == 0:
+    {ignore_child}
+    time.sleep(300)
+    os._exit(0)
+open(sys.argv[1] if len(sys.argv) > 1 else {pids!r}, "w").write(str(child))
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_attach_reaches_every_process_of_the_job(tmp_path, sig, code):
+    pids = tmp_path / "pids"
+    quiet = "signal.signal(signal.SIGINT, signal.SIG_DFL)"  # (the job's own KeyboardInterrupt traceback: not ours)
+    proc = _attach(tmp_path, _JOB.format(ignore=quiet, ignore_child="", pids=str(pids)))
+    try:
+        child = _wait_for(pids, proc)
+        proc.send_signal(sig)  # what a scheduler sends (SIGTERM) or a Ctrl-C on attach alone
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code and "Traceback" not in err
+    assert not _alive(child)
+
+
+def test_a_job_that_ignores_signals_is_killed_after_the_grace_period(tmp_path):
+    pids = tmp_path / "pids"
+    ignore = "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    proc = _attach(tmp_path, _JOB.format(ignore=ignore, ignore_child="", pids=str(pids)), "--kill-after", "1")
+    try:
+        child = _wait_for(pids, proc)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "SIGKILL" in err and took < 20  # 1 s grace (+ polling), not the job's 300 s
+    assert not _alive(child)
+
+
+def test_a_job_killed_by_a_signal_is_named(tmp_path):
+    proc = _attach(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + 11 and "SIGSEGV" in err and "status -11" not in err
+
+
+def test_processes_the_job_leaves_behind_are_stopped(tmp_path):
+    pids = tmp_path / "pids"
+    job = ("import os, sys, time\nchild = os.fork()\nif child == 0:\n    time.sleep(300)\n    os._exit(0)\n"
+           f"open({str(pids)!r}, 'w').write(str(child))\n")  # exits at once, its child still sleeping
+    proc = _attach(tmp_path, job, "--kill-after", "1")
+    _, err = proc.communicate(timeout=60)
+    child = int(pids.read_text())
+    assert proc.returncode == 0 and "left processes" in err
+    assert not _alive(child)
+
+
+def _group_running(pgid: int) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(f[2]) == pgid and f[0] != "Z":
+                out.append(int(e))
+    return out
+
+
+def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", "collect", "--pp", "2", "--microbatches", "2",
+                             "--steps", "50", "--model", "tiny-gpt", "-o", str(tmp_path / "run")], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group_running(proc.pid)) < 4 and time.monotonic() < deadline:  # collect, forkserver, 2 ranks
+            time.sleep(0.2)
+        assert len(_group_running(proc.pid)) >= 4
+        proc.send_signal(signal.SIGTERM)  # to collect alone, as a scheduler sends it
+        _, err = proc.communicate(timeout=60)
+        time.sleep(0.5)
+        left = _group_running(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and "Traceback" not in err and left == []
+
+
+# --- 7. files the user adds to a run folder -------------------------------------------------------------------------
+def test_analysis_json_written_into_the_run_folder_does_not_break_the_next_run(run2):
+    # the shell creates RUN/analysis.json (empty) before traceana runs, then fills it with the JSON summary
+    with open(run2 / "analysis.json", "w") as out:
+        first = subprocess.run([sys.executable, "-m", "traceana", "analyze", str(run2), "--json"], cwd=ROOT, env=ENV,
+                               stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert json.loads((run2 / "analysis.json").read_text())["stages"]
+    again = _traceana("analyze", run2, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["stages"]
+    assert [ln for ln in again.stderr.splitlines() if "analysis.json" in ln] == [
+        ln for ln in again.stderr.splitlines() if "ignored" in ln] and "analysis.json" in again.stderr
+
+
+@pytest.mark.parametrize("name, content", [("analysis.json", b""), ("notes.json", b"remember: rerun with pp 4\n"),
+                                           ("config.json", b'{"lr": 0.1}'), ("results.json", b"[1, 2]")])
+def test_a_users_file_in_the_run_folder_is_skipped_with_one_warning(run2, capsys, name, content):
+    (run2 / name).write_bytes(content)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    warned = [ln for ln in err.splitlines() if name in ln]
+    assert rc == 0 and len(warned) == 1 and "ignored" in warned[0]
+
+
+def test_a_trace_saved_with_a_utf8_bom_is_read(run2, capsys, decoder):
+    for r in (0, 1):
+        p = run2 / f"rank{r}.pt.trace.json.gz"
+        p.write_bytes(gzip.compress(b"\xef\xbb\xbf" + gzip.decompress(p.read_bytes())))
+    rc, out, err = _cli(["analyze", run2, "--no-cache", "--json"], capsys)
+    assert rc == 0, err
+    assert {s["rank"] for s in json.loads(out)["stages"]} == {0, 1}
+
+
+# --- 8. messages that say what happened ------------------------------------------------------------------------------
+def test_watch_once_names_the_fifo_that_blocks_it(run2, capsys):
+    os.mkfifo(run2 / "rank2.pt.trace.json")
+    old = time.time() - 3600
+    for p in run2.iterdir():
+        os.utime(p, (old, old), follow_symlinks=False)
+    rc, _, err = _cli(["watch", run2, "--once"], capsys)
+    assert "rank2.pt.trace.json is a FIFO" in err
+
+
+def test_a_full_disk_during_the_cache_write_says_so(run2, capsys, monkeypatch):
+    import polars as pl
+
+    def full(self, file, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", full)
+    rc, _, err = _cli(["analyze", run2], capsys)
+    cache_lines = [ln for ln in err.splitlines() if "could not write the ingest cache" in ln]
+    assert rc == 0 and cache_lines and "free disk space" in cache_lines[0] and "writable" not in cache_lines[0]
+
+
+def test_a_failed_export_says_which_tables_were_written(run2, tmp_path, capsys, monkeypatch):
+    import polars as pl
+
+    real, calls = pl.DataFrame.write_parquet, []
+
+    def full_on_third(self, file, *a, **k):
+        calls.append(file)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, file, *a, **k)
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", full_on_third)
+    rc, _, err = _cli(["analyze", run2, "--export", tmp_path / "t", "--no-cache", "--quiet"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "2 file(s) before it" in line and "free disk space" in line
+    assert len(list((tmp_path / "t").iterdir())) == 2
+
+
+def test_traces_in_nanoseconds_are_named(run2, capsys):
+    def to_ns(trace):  # another exporter's trace: epoch ns where the format holds µs
+        trace.pop("baseTimeNanoseconds", None)
+        for e in trace["traceEvents"]:
+            for k in ("ts", "dur"):
+                if k in e:
+                    e[k] = int(round(e[k] * 1000))
+    _set_in_traces(run2, to_ns)
+    rc, _, err = _cli(["analyze", run2, "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "nanoseconds" in line and "÷ 1000" in line

@@ -112,6 +112,7 @@ def test_run_json_stages_of_rank_is_honoured_when_p2p_peers_exist(tmp_path):
     b = analyze(load_run(tmp_path, cache=False))
     assert b.stages.filter(pl.col("rank") == 0)["stage_source"].item() == "inferred from P2P chain"
     assert b.config.source("stages_of_rank") == "inferred"
+    assert (b.config.pp, b.config.source("pp")) == (2, "inferred")  # two stages, one a rank, from the chain
 
 
 def test_older_run_json_facts_under_extra_get_their_fields():

@@ -56,7 +56,7 @@ def test_a_simulated_run_validates_against_itself(tmp_path, schedule):
     v = validate(a)
     assert v.summary["step_error"] == pytest.approx(0, abs=1e-6)
     assert v.per_stage["step_error"].abs().max() == pytest.approx(0, abs=1e-6)
-    assert v.per_stage["bubble_error"].abs().max() == pytest.approx(0, abs=1e-6)
+    assert v.per_stage["blocked_error"].abs().max() == pytest.approx(0, abs=1e-6)
     assert v.summary["steps_used"] == 1  # the first of two steps is dropped as warm-up
 
 
@@ -72,7 +72,7 @@ def test_cross_run_predicts_dropping_recompute(tmp_path):
 
 
 def test_memory_error_against_the_models_own_estimate(tmp_path):
-    # what config_from_manifest makes of the reference trainer's CPU run: eager PyTorch, no dropout, fp32 Adam
+    # what RunConfig.training_config makes of the reference trainer's CPU run: eager PyTorch, no dropout, fp32 Adam
     cfg = TrainingConfig(model=TINY, pp=2, microbatch_size=1, num_microbatches=4, precision=FP32_ADAM, dropout=False,
                          eager=True)
     est = activation_peak_estimate(cfg)

@@ -82,8 +82,8 @@ def test_simulated_trace_round_trips_through_the_analysis(schedule, pp, m, recom
     assert v.summary["steps_used"] == 2
     assert abs(v.summary["step_error"]) < 0.01, v.per_stage
     assert v.per_stage["step_error"].abs().max() < 0.01
-    bubble = v.per_stage.filter(pl.col("measured_bubble_ms") > 0.05)
-    assert (bubble["bubble_error"].abs() < 0.05).all(), v.per_stage
+    bubble = v.per_stage.filter(pl.col("measured_blocked_ms") > 0.05)
+    assert (bubble["blocked_error"].abs() < 0.05).all(), v.per_stage
 
 
 class KinetoWriter:

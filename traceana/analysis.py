@@ -14,18 +14,18 @@ import polars as pl
 from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
-from traceana import limits, names, timeline
+from traceana import gpu, limits, names, timeline
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
-from traceana.p2p import bpipe_groups, messages, pair
+from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
 from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
                                overlap_rows, overlap_spans)
-from traceana.summary import RunSummary, measured_steps, summarize
+from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
 
 
@@ -51,6 +51,11 @@ class Analysis:
     #: per-rank counts of the run's traces (ingest.run_dir.rank_summary); filled by
     #: analysis_cache.load_and_analyze so a cached result can show it without the events
     rank_summary: pl.DataFrame | None = None
+    #: gpu.PHASE_TIME: per (rank, step, phase) of GPU ranks, the phase's own GPU time (the union of its kernels) and
+    #: the part of it another phase's kernels ran beside; the attribution gives each instant to one of them
+    phase_time: pl.DataFrame | None = None
+    #: gpu.STREAM_TIME: per (rank, step, GPU stream), compute, communication, memory copies, idle and overlapped time
+    stream_time: pl.DataFrame | None = None
     peak_flops: float | None = None  #: the device's peak FLOP/s given as an option (--peak-flops), over run.json's
 
     @functools.cached_property
@@ -58,6 +63,13 @@ class Analysis:
         """The run's configuration, reconciled once from run.json and the traces (``reconcile.run_config``): every
         fact with its source, and the conflicts. MFU, the summary, validation, the verdict and the reports read it."""
         return run_config(self.run.manifest, self.schedule, self.stages, peak_flops=self.peak_flops)
+
+    @functools.cached_property
+    def per_rank_step(self) -> pl.DataFrame:
+        """ONE row per (rank, step): step_ns, every category's ``<category>_ns``, compute_ns, bubble_ns (warm-up +
+        stall + cool-down) and blocked_ns (bubble + exposed P2P) (``summary.rank_steps``): what the stage table,
+        the summary, validation and export read."""
+        return rank_steps(self.attribution)
 
     @functools.cached_property
     def summary(self) -> RunSummary:
@@ -68,8 +80,9 @@ class Analysis:
         """Every table by name (for export)."""
         out = {"steps": self.steps, "p2p": self.p2p, "schedule": self.schedule, "attribution": self.attribution,
                "stage_memory": self.stage_memory, "stages": self.stages, "clock_offsets": self.clock_offsets}
-        if self.segments is not None:
-            out["segments"] = self.segments
+        for name in ("segments", "phase_time", "stream_time"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -107,9 +120,9 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
-    m = run.manifest
-    interleaved = m is not None and (m.schedule in MULTI_STAGE_SCHEDULES
-                                     or any(len(held) > 1 for held in m.stages_of_rank or ()))
+    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
+    interleaved = (config.schedule in MULTI_STAGE_SCHEDULES
+                   or any(len(held) > 1 for held in (config.stages_of_rank or {}).values()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
     interleaved = interleaved or bool(virtual_stage_ranks(run.traces))
     notes += cls.rule_notes(events, name_rules, by_name=by_name)
@@ -117,9 +130,9 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
-    pairs, unmatched, msgs, pair_notes = pair(msgs)
+    link = link_bandwidth(run.manifest)  # (the transfer floor's bandwidth: traceana.p2p)
+    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
     if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
@@ -132,7 +145,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pair(msgs)
+        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).
@@ -162,7 +175,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
-                     f"{m.schedule if m and m.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
+                     f"{config.schedule if config.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
                      "(several virtual stages per rank): which stage, micro-batch and phase each piece of their work "
                      "belongs to cannot be told from P2P order, so their schedule is not inferred and no "
                      "forward/backward is claimed for them (their compute counts as other compute)")
@@ -190,7 +203,13 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     labelled = labelled.drop("window_start")
     segs = attr.segments(events=events, steps=steps, labelled=labelled, pairs=pairs, unmatched=unmatched,
                          schedule=schedule)
+    phase_time = gpu.phase_time(labelled, steps)
     del labelled
+    work = gpu.gpu_work(events, steps)  # (GPU work by stream, cut to the steps: once for both)
+    stream_time = gpu.stream_time(events, steps, work=work)
+    notes += gpu.concurrent_notes(events, steps, work=work)
+    notes += gpu.batched_p2p_notes(events)
+    del work
     schedule = extents
     attribution = attr.attribute(segs, steps, stages)
     # the allocator samples on the same corrected clock as the steps they are measured in
@@ -215,30 +234,28 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     if truncated:
         notes.append(f"rank{'s' if len(truncated) > 1 else ''} {', '.join(map(str, truncated))}: trace truncated (the "
                      "writer stopped mid-file); only its complete events are analysed — re-collect for a full analysis")
+    per_rank_step = rank_steps(attribution)
     out = Analysis(
         run=run, steps=steps, p2p=pairs, schedule=schedule, attribution=attribution, stage_memory=stage_mem,
-        stages=stage_table(attribution.filter(pl.col("step").is_in(measured)), stages,
+        stages=stage_table(per_rank_step.filter(pl.col("step").is_in(measured)), stages,
                            stage_mem.filter(pl.col("step").is_in(measured)), mfu), clock_offsets=offsets, notes=tuple(notes),
-        segments=segs, events=events, peak_flops=peak_flops,
+        segments=segs, events=events, phase_time=phase_time, stream_time=stream_time, peak_flops=peak_flops,
     )
-    out.__dict__["config"] = config  # (Analysis.config, reconciled once: the one MFU and the notes above used)
+    # (built once here: Analysis.config, the one MFU and the notes above used, and Analysis.per_rank_step)
+    out.__dict__.update(config=config, per_rank_step=per_rank_step)
     return out
 
 
 def stage_table(
-    attribution: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
+    per_rank_step: pl.DataFrame, stages: pl.DataFrame, stage_mem: pl.DataFrame, mfu: pl.DataFrame
 ) -> pl.DataFrame:
-    """One row per rank: mean over the given steps (analyze passes the measured steps, traceana.summary) of the step
-    time and of every category (ms and % of the step)."""
-    # The pivot, then one lazy query (docs/performance.md "Fixed cost").
-    per_step = attribution.lazy().group_by("rank", "step").agg(pl.col("ns").sum().alias("step_ns"))
-    wide = attribution.pivot(on="category", index=["rank", "step"], values="ns")
-    wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
+    """One row per rank: mean over the given rows of ``Analysis.per_rank_step`` (analyze passes the measured steps,
+    traceana.summary) of the step time and of every category (ms and % of the step)."""
+    # One lazy query (docs/performance.md "Fixed cost").
     means = (
-        wide.join(per_step, on=["rank", "step"])
-        .group_by("rank")
+        per_rank_step.lazy().group_by("rank")
         .agg(pl.len().alias("steps"), pl.col("step_ns").mean().alias("_step"),
-             *(pl.col(c).mean().alias(f"_{c}") for c in CATEGORIES))
+             *(pl.col(f"{c}_ns").mean().alias(f"_{c}") for c in CATEGORIES))
     )
     out = means.with_columns(
         (pl.col("_step") / 1e6).alias("step_ms"),

@@ -42,11 +42,11 @@ from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 5  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
-#                     4: the what-if's straggler, diagnosis and bottleneck;
-#                     5: the summary's step_times_ms, the noise interval's samples)
+ANALYSIS_FORMAT = 6  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu;
+#                     6: the summary's step_times_ms, the noise interval's samples)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
-           "rank_summary")
+           "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")
 # The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
 # it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").
@@ -275,10 +275,10 @@ def run_name_rules(path: str | Path, given: str | Path | names.NameRules | None 
     ``"names"``, else the built-ins (``names.rules_for_run``). A bad rules file is one BadInputError line, raised
     before any trace is read."""
     path = Path(path)
-    extra = None
+    spec = None
     if given is None and path.is_dir() and (path / MANIFEST_NAME).exists():
-        extra = Manifest.read(path / MANIFEST_NAME).extra
-    return names.rules_for_run(path, extra, given)
+        spec = Manifest.read(path / MANIFEST_NAME).names
+    return names.rules_for_run(path, spec, given)
 
 
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,

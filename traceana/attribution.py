@@ -27,10 +27,12 @@ work. The rule (docs/schedules.md, measured there against wall-clock timers): a 
 P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds), and on a message only
 from the last moment its training thread was seen active (the start or end of any op, annotation or post of it, or
 another wait returning) before the message's wait returned — a thread blocked in ``wait()`` records nothing — to
-that return, never before the post. Before that the message is in flight in the background and the thread is
-computing, or running the Python of the action it is inside: inside a compute action's window, time no op covers
-and no wait explains counts as that action (its own interpreter and dispatch cost, which a wall-clock timer around
-the action also counts). GPU ranks keep the GPU's view: a transfer overlapping no kernel is exposed, whatever the
+that return, never before the post; a mark less than ``WAIT_RETURN_TOLERANCE_NS`` before the return is not taken
+for activity (the next op's start a few µs early, on timelines converted from other tools, would otherwise make the
+wait a few µs long and the time before it host). Before that the message is in flight in the background and the
+thread is computing, or running the Python of the action it is inside: inside a compute action's window, time no op
+covers and no wait explains counts as that action (its own interpreter and dispatch cost, which a wall-clock timer
+around the action also counts). GPU ranks keep the GPU's view: a transfer overlapping no kernel is exposed, whatever the
 CPU was doing.
 
 Cool-down starts after the stage's last *forward*, not its last backward: in 1F1B the first stage finishes the pipeline's very last backward, so "after its last backward" would
@@ -134,6 +136,13 @@ def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFram
                       cpu.select("rank", (pl.col("ts_ns") + pl.col("dur_ns")).alias("_mark"))]).sort("_mark")
 
 
+# A thread blocked in wait() records nothing, but on timelines converted from GPU streams (or with a few µs of
+# timestamp noise) the next op often starts a few µs *before* the wait returns. Counting from that op's start, the
+# wait would look a few µs long and the whole time before it host (issue 26: up to 27 % of a step, 97 of 288 waits
+# of one job). Marks this close before the return are not taken as the thread having been busy.
+WAIT_RETURN_TOLERANCE_NS = 20_000
+
+
 def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
                   marks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair.
@@ -147,8 +156,9 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
 
         def block(frame: pl.DataFrame, rank: str, end: str, post: str) -> pl.Expr:
             """On a CPU rank, where the rank began to block (its post, if nothing was seen since); null elsewhere."""
+            before = frame.with_columns((pl.col(end) - WAIT_RETURN_TOLERANCE_NS).alias("_returned"))
             return (pl.when(pl.col(rank).is_in(cpu))
-                    .then(pl.max_horizontal(pl.lit(_last_mark(frame, rank, end, marks)), post)))
+                    .then(pl.max_horizontal(pl.lit(_last_mark(before, rank, "_returned", marks)), post)))
 
         p = p.with_columns(block(p, "dst", "recv_end_ns", "recv_post_ns").alias("_recv_block"),
                            block(p, "src", "send_end_ns", "send_start_ns").alias("_send_block"))
@@ -163,9 +173,12 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     # Sender: waiting until the receiver posted, then moving bytes until the receiver had them (or its own wait()
     # returned, if earlier): an asynchronous send waited on much later would otherwise count its whole span. Where
     # the blocked part is known (CPU ranks), the sender is in wait() until it returns, however late that is.
-    send_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
+    measured_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
     send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end_ns"))
-                 .otherwise(pl.max_horizontal(send_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
+                 .otherwise(pl.max_horizontal(measured_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
+    # (no shorter a transfer than its bytes take on the link: traceana.p2p's floor, as on the receiving side)
+    floor = pl.col("min_transfer_ns").fill_null(0) if "min_transfer_ns" in p.columns else pl.lit(0)
+    send_ready = pl.max_horizontal(pl.min_horizontal(measured_ready, send_done - floor), "send_start_ns")
     p, um = p.lazy(), um.lazy()  # both sets are one collect_all (docs/performance.md "Fixed cost")
     transfer = pl.concat([
         p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
@@ -220,7 +233,7 @@ def segments(
     gpu = _gpu_ranks(labelled)
     # The event subsets each layer reads are one collect_all (docs/performance.md "Fixed cost").
     ev = events.lazy()
-    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait, p2p_calls = pl.collect_all([
+    collective, annotated, bp, bp_unmatched, bp_ops, posts, explicit_wait, p2p_calls, gpu_p2p_work = pl.collect_all([
         _span(ev.filter(pl.col("kind") == "collective")),
         ev.filter(pl.col("pp_action").is_in(list(names.BPIPE_ACTIONS))).select("rank", "ts_ns", "dur_ns"),
         pairs.lazy().filter(pl.col("channel") == "bpipe"),
@@ -234,6 +247,8 @@ def segments(
         # A framework's P2P helper (name rules' p2p_call: Megatron's send_forward, DeepSpeed's SendActivation):
         # on a CPU rank, its time no op covers and no wait explains is the helper's own Python, P2P's.
         _span(ev.filter((pl.col("kind") == "p2p_call") & ~pl.col("is_gpu")).join(gpu.lazy(), on="rank", how="anti")),
+        # GPU work launched inside a P2P call (classify: its packing copies, a library's own kernels) moves bytes.
+        _span(ev.filter((pl.col("kind") == "p2p_call") & pl.col("is_gpu"))),
     ], **iv.COLLECT)
     # BPipe time: its annotated spans (the rank is blocked evicting/loading) and its ops. The spans of its
     # asynchronous messages count only on ranks without such annotations (traffic known from the process group
@@ -257,7 +272,7 @@ def segments(
         gpu.height < events["rank"].n_unique())
     transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
-    transfer = pl.concat([transfer, posts])
+    transfer = pl.concat([transfer, posts, gpu_p2p_work])
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.

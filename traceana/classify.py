@@ -102,7 +102,7 @@ def _name_rules(distinct: pl.Series, rules: names.NameRules) -> pl.DataFrame:
     name = pl.col("name")
     return pl.DataFrame({"name": distinct}, schema={"name": pl.String}).select(
         name.str.contains(names.STEP_PATTERN).alias("_step"),
-        _starts_with_any(name, names.NCCL_KERNEL_PREFIXES).alias("_nccl"),
+        pl.any_horizontal(name.str.contains(p) for p in names.COMM_KERNEL_PATTERNS).alias("_nccl"),
         _dir_of(name, [names.C10D_SEND, names.NCCL_SEND, names.GLOO_SEND],
                 [names.C10D_RECV, names.NCCL_RECV, names.GLOO_RECV]).alias("_name_dir"),
         (name == names.RECORD_PARAM_COMMS).alias("_rpc"),
@@ -127,9 +127,10 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
 
     ``by_ext``: the direction, peer, size and process group of the cpu op that launched it (same External id; the
     first of each among that id's ops). ``by_corr``: ``_launch_ts``, the start of the runtime call that launched
-    it (same correlation id; the earliest). Only the few cpu ops that carry one of those facts are grouped, and
-    calls are matched by a binary search of the sorted (rank, id) keys (else a sorted as-of join on the exact id)
-    rather than a hash join: on a GPU run both sides hold a third of the events.
+    it (same correlation id; the earliest), and ``_launch_track``, that call's thread. Only the few cpu ops that
+    carry one of those facts are grouped, and calls are matched by a binary search of the sorted (rank, id) keys
+    (else a sorted as-of join on the exact id) rather than a hash join: on a GPU run both sides hold a third of the
+    events.
     """
     rows = f["is_gpu"].arg_true()
     gpu = f.select(rows.alias("_row"), *(pl.col(c).gather(rows) for c in ("rank", "ext_id", "corr_id")))
@@ -145,7 +146,8 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     )
     by_ext = gpu.filter(pl.col("ext_id").is_in(facts["ext_id"].implode())).join(facts, on=["rank", "ext_id"])
     calls = (
-        f.select("rank", pl.col("corr_id").alias("_call"), pl.col("ts_ns").alias("_launch_ts"))
+        f.select("rank", pl.col("corr_id").alias("_call"), pl.col("ts_ns").alias("_launch_ts"),
+                 pl.col("track").alias("_launch_track"))
         .filter((f["_cat"] == _RUNTIME) & f["corr_id"].is_not_null() & (f["corr_id"] != 0))
     )
     in_order = iv.in_time_order(calls, "rank", "_launch_ts")
@@ -154,7 +156,7 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         # (rank, id) as one key: the calls sorted by it (by time among a rank's calls with one id), each GPU event's
         # call is the first at or after its key, found by a binary search (no sort of the GPU events, no as-of
         # join's grouping). Calls come from ingest in (rank, time) order, and ids grow with time: often sorted.
-        calls = calls.select(axis.key("rank", "_call").alias("_key"), "_launch_ts")
+        calls = calls.select(axis.key("rank", "_call").alias("_key"), "_launch_ts", "_launch_track")
         if calls["_key"].null_count():  # a call without a rank launches nothing
             calls = calls.filter(pl.col("_key").is_not_null())
         if not in_order:
@@ -165,9 +167,10 @@ def _launches(f: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         i = calls["_key"].search_sorted(key, side="left")
         hit = calls.gather(i.clip(upper_bound=max(calls.height - 1, 0))) if calls.height else None
         if hit is None:
-            return by_ext, gpu.head(0).select("_row", pl.lit(None, pl.Int64).alias("_launch_ts"))
+            return by_ext, gpu.head(0).select("_row", pl.lit(None, pl.Int64).alias("_launch_ts"),
+                                              pl.lit(None, calls.schema["_launch_track"]).alias("_launch_track"))
         match = (hit["_key"] == key).fill_null(False)
-        return by_ext, pl.DataFrame([gpu["_row"], hit["_launch_ts"]]).filter(match)
+        return by_ext, pl.DataFrame([gpu["_row"], hit["_launch_ts"], hit["_launch_track"]]).filter(match)
     # By id, and by time among a rank's calls with one id: a stable sort by id does both when the calls come in
     # (rank, time) order, as from ingest, at a fraction of a two-key sort's cost.
     if in_order:
@@ -291,13 +294,14 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
         pl.when(pl.col("_rpc")).then(_dir_of(pl.col("coll").cast(pl.String).str.to_lowercase(), ["send", "isend"],
                                               ["recv", "irecv"]))).alias("_cpu_dir"))
     dirs = named.filter(pl.col("_cpu_dir").is_not_null())
-    f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg"),
+    f = pl.DataFrame([*events.select("rank", "is_gpu", "ts_ns", "corr_id", "ext_id", "peer", "nbytes", "pg", "track"),
                       cat_class, _spread(n, dirs["_row"], dirs["_cpu_dir"]).alias("_cpu_dir")])
     # GPU work: launched when its runtime call started; peer, size and group from its launching op where its own
     # args lack them; an NCCL kernel's direction is its launching op's.
     launch_ns = events["ts_ns"]
     launch_dir = pl.DataFrame(schema={"_row": pl.UInt32, "_launch_dir": pl.UInt8})
     fill = pl.DataFrame(schema={"_row": pl.UInt32})
+    by_corr = None
     if bool(events["is_gpu"].any()):  # a CPU-only run launches nothing
         by_ext, by_corr = _launches(f)
         launch_ns = _update(launch_ns, by_corr["_row"], by_corr["_launch_ts"])
@@ -333,6 +337,9 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
         on_group = pg.is_not_null() & pg.is_in(bpipe_groups.implode())
         bpipe = f.select((pl.lit(in_span) | on_group) & pl.lit(kind).is_in(_MOVABLE)).to_series()
         kind = kind.scatter(bpipe.arg_true(), KINDS.index("bpipe_transfer"))
+    # (after BPipe's: work BPipe's spans or group claim stays BPipe's)
+    if by_corr is not None and by_corr.height:
+        kind = _launched_in_communication(events, cat_class, kind, by_corr)
     # comm_dir and channel: text on the few communication events only, written into null columns (as pp above).
     comm = named.filter(pl.col("_dir").is_not_null() | (pl.col("_kind") == _K["collective"]))
     comm = comm.with_columns((bpipe.gather(comm["_row"]) if bpipe.len() else pl.lit(False)).alias("_bpipe")).select(
@@ -350,6 +357,51 @@ def classify_apart(events: pl.DataFrame, rules: names.NameRules = names.DEFAULT_
         *events, *pp, f["launch_ns"], pl.select(pl.lit(_KINDS).gather(kind)).to_series().alias("kind"),
         _spread(n, comm_rows, comm["comm_dir"]), _spread(n, comm_rows, comm["channel"]),
     ]), fill
+
+
+# Kinds of the CPU ops and spans that are communication calls, and what GPU work launched inside them becomes.
+_COMM_CALL_KINDS = ("collective", "p2p_send", "p2p_recv", "p2p_call")
+_P2P_CALL_KINDS = ("p2p_send", "p2p_recv", "p2p_call")
+_LAUNCHED_WORK = ("compute", "memcpy", "memset")
+
+
+def _launched_in_communication(events: pl.DataFrame, cat_class: pl.Series, kind: pl.Series,
+                               by_corr: pl.DataFrame) -> pl.Series:
+    """``kind`` with GPU work launched inside a communication call made communication (issue 26): a kernel, copy or
+    memset whose launching runtime call (same correlation id) lies, on the same thread, inside a c10d op,
+    ``record_param_comms``, an ``nccl:`` span or a span a name rule calls a collective or a P2P helper (torch's
+    ``all_to_all`` frame, Megatron's ``send_forward``, DeepSpeed's ``_exec_reduce_grads``) is that call's work
+    (the packing copies of an all-to-all, a library's own kernels under any name). Inside a P2P call it becomes
+    ``p2p_call`` (counted as P2P transfer), else ``collective``. gloo's spans run from a post to the return of its
+    wait() (they break nesting), so they do not claim the work launched meanwhile."""
+    code = {k: KINDS.index(k) for k in (*_COMM_CALL_KINDS, *_LAUNCHED_WORK)}
+    key = (pl.col("rank").cast(pl.Int64) * (1 << 32) + pl.col("track").to_physical().cast(pl.Int64)).alias("_key")
+    calls = (
+        events.select("rank", "track", "is_gpu", "name", "ts_ns", "dur_ns").with_columns(
+            pl.lit(kind).alias("_kind"), pl.lit(cat_class).alias("_cat"))
+        .filter(~pl.col("is_gpu") & pl.col("_kind").is_in([code[k] for k in _COMM_CALL_KINDS])
+                & pl.col("_cat").is_in([_CPU_OP, _ANNOTATION, _PY_FRAME]) & (pl.col("dur_ns") > 0))
+    )
+    if calls.height == 0:
+        return kind
+    calls = calls.filter(~names.name_test(pl.col("name"), lambda t: t.str.starts_with(names.GLOO_PREFIX)))
+    work = pl.DataFrame([by_corr["_row"], by_corr["_launch_ts"], events["rank"].gather(by_corr["_row"]),
+                         by_corr["_launch_track"].alias("track")]).filter(
+        pl.lit(kind.gather(by_corr["_row"])).is_in([code[k] for k in _LAUNCHED_WORK])
+        & pl.col("track").is_not_null() & pl.col("_launch_ts").is_not_null())
+    if work.height == 0 or calls.height == 0:
+        return kind
+    work = work.with_columns(key).sort("_key", "_launch_ts")
+    found = {}
+    for group in ("collective", "p2p"):
+        which = [code[k] for k in (_P2P_CALL_KINDS if group == "p2p" else ("collective",))]
+        spans = iv.merge(calls.filter(pl.col("_kind").is_in(which)).select(
+            key, pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")), "_key")
+        found[group] = (pl.repeat(False, work.height, dtype=pl.Boolean, eager=True) if spans.height == 0 else
+                        iv.containing(work, "_launch_ts", spans, by="_key", columns=["start"])["start"].is_not_null())
+    p2p, coll = found["p2p"], found["collective"] & ~found["p2p"]
+    kind = kind.scatter(work["_row"].filter(p2p), code["p2p_call"])
+    return kind.scatter(work["_row"].filter(coll), code["collective"])
 
 
 def number_in_order(events: pl.DataFrame, *, skip_ranks: list[int] | tuple[int, ...] = ()) -> pl.DataFrame:

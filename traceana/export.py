@@ -21,6 +21,7 @@ from traceana.errors import BadInputError, shown
 from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
+from traceana.units import NS_PER_MS
 
 FORMATS = TABLE_FORMATS
 
@@ -84,7 +85,7 @@ def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (),
 # Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
 # fractions under a bare name in the tables; ``*_pct`` columns are percents (0..100).
 FRACTION_FIELDS = frozenset({"mfu", "hfu", "efficiency", "error", "step_error", "sampled_error", "replay_error",
-                             "bubble_error", "memory_error", "median_abs_memory_error", "noise_floor"})
+                             "blocked_error", "memory_error", "median_abs_memory_error", "noise_floor"})
 
 
 def json_fractions(value: Any) -> Any:
@@ -111,13 +112,29 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "run": str(analysis.run.path),
         "summary": analysis.summary.as_dict(),
+        "config": analysis.config.as_dict(),
         "stages": analysis.stages.to_dicts(),
         "clock_offsets": analysis.clock_offsets.to_dicts(),
         "notes": list(analysis.notes),
     }
     if per_step:
         out["per_step"] = per_step_table(analysis).to_dicts()
+    out["gpu"] = gpu_summary(analysis)
     return json_fractions(_finite(out))
+
+
+def gpu_summary(analysis) -> dict[str, Any]:
+    """``pipeline_found`` (traceana.gpu.pipeline_found), and on GPU ranks, means per measured step: each phase's
+    own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
+    from traceana import gpu
+
+    steps = analysis.summary.steps
+    out: dict[str, Any] = {"pipeline_found": gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)}
+    if analysis.phase_time is not None:
+        out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
+    if analysis.stream_time is not None:
+        out["streams"] = gpu.stream_means(analysis.stream_time, steps).to_dicts()
+    return out
 
 
 def _finite(value: Any) -> Any:
@@ -133,13 +150,13 @@ def _finite(value: Any) -> Any:
 
 
 def per_step_table(analysis) -> pl.DataFrame:
-    """One row per (rank, step): stage, step ms and every category in ms."""
-    wide = analysis.attribution.with_columns(pl.col("category").cast(pl.String)).pivot(
-        on="category", index=["rank", "stage", "step"], values="ns")
+    """One row per (rank, step) (``Analysis.per_rank_step`` in ms): stage, step_ms, every category's
+    ``<category>_ms`` (0 where the step has none), bubble_ms (warm-up + stall + cool-down), blocked_ms (bubble +
+    exposed P2P)."""
+    ms = lambda c: (pl.col(f"{c}_ns") / NS_PER_MS).alias(f"{c}_ms")  # noqa: E731
     return (
-        wide.join(analysis.steps.select("rank", "step", "dur_ns"), on=["rank", "step"])
-        .select("rank", "stage", "step", (pl.col("dur_ns") / 1e6).alias("step_ms"),
-                *((pl.col(c) / 1e6).alias(f"{c}_ms") for c in CATEGORIES if c in wide.columns))
+        analysis.per_rank_step
+        .select("rank", "stage", "step", ms("step"), *(ms(c) for c in CATEGORIES), ms("bubble"), ms("blocked"))
         .sort("stage", "rank", "step", nulls_last=True)
     )
 

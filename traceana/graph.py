@@ -61,14 +61,10 @@ RANK_STEPS = {"rank": pl.Int32, "step": pl.Int32, "start_ns": pl.Int64, "end_ns"
               "stage": pl.Int32, "replica": pl.Int32}
 
 
-# "Waiting on the pipeline": the bubbles plus exposed P2P.
-WAIT_CATEGORIES = (*schema.BUBBLE_CATEGORIES, "p2p")
-
-
 def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -> pl.DataFrame:
     """The schedule rows of ``steps`` (with a micro-batch; ``unnumbered``: also those without one, e.g. a
     multi-stage rank's spans whose names give none) and ``d``, what each operation took: its span, less the
-    time inside it the rank waited on the pipeline (WAIT_CATEGORIES, from the attribution's segments).
+    time inside it the rank waited on the pipeline (schema.BLOCKED_CATEGORIES, from the attribution's segments).
     torch.distributed.pipelining's runtime schedules wait for an operation's input inside its own span (the
     receive is posted earlier, waited on when the action starts); the simulator adds that wait itself. A span
     without waits (the reference trainer waits in WAIT_F / WAIT_B actions of their own) is its duration."""
@@ -79,7 +75,7 @@ def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -
     if analysis.segments is None:
         return sched
     passes = sched.filter(pl.col("phase").is_in(names.PASS_PHASES)).with_row_index("_op")
-    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(WAIT_CATEGORIES)).select(
+    waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(schema.BLOCKED_CATEGORIES)).select(
         "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
     windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
     waited = (

@@ -610,3 +610,42 @@ def _partition(windows: pl.DataFrame, layers: Sequence[tuple[str | tuple[str, ..
         (pl.col(START) - pl.col("_shift")).alias(START),
         (pl.col(END) - pl.col("_shift")).alias(END),
     ).collect(**COLLECT)
+
+
+def coverage(frame: pl.DataFrame, by: Sequence[str] | str, item: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """How the ``item``s (a phase, a stream) of each group overlap one another in time.
+
+    Returns ``(per_item, per_group)``: ``by + [item, own_ns, overlapped_ns]`` — the length of the union of the
+    item's intervals, and the part of it during which at least one other item of the group covers it too — and
+    ``by + [any_ns, overlapped_ns]``: the length covered by some item, and by two or more. One sweep over the merged
+    intervals' boundaries counts the items covering every instant (as ``_sweep``); an item's overlapped time is its
+    own merged intervals cut to the instants counted twice or more."""
+    keys = _keys(by)
+    merged = merge(frame, [*keys, item])
+    per_item_schema = {**{k: frame.schema[k] for k in keys}, item: frame.schema[item], "own_ns": pl.Int64,
+                       "overlapped_ns": pl.Int64}
+    if merged.height == 0:
+        return (pl.DataFrame(schema=per_item_schema),
+                pl.DataFrame(schema={**{k: frame.schema[k] for k in keys}, "any_ns": pl.Int64,
+                                     "overlapped_ns": pl.Int64}))
+    m = merged.lazy()
+    counted = _scan(pl.concat([m.select(*keys, pl.col(START).alias("_t"), pl.lit(1, pl.Int64).alias("_d")),
+                               m.select(*keys, pl.col(END).alias("_t"), pl.lit(-1, pl.Int64).alias("_d"))]), keys)
+    length = (pl.col(END) - pl.col(START))
+    per_group, twice = pl.collect_all([
+        counted.group_by(keys).agg(length.sum().alias("any_ns"),
+                                   length.filter(pl.col("_mask") >= 2).sum().alias("overlapped_ns")),
+        counted.filter(pl.col("_mask") >= 2).select(*keys, START, END),
+    ], **COLLECT)
+    own = merged.group_by([*keys, item]).agg(length.sum().alias("own_ns"))
+    if twice.height == 0:  # nothing covered twice (one stream, or items one after another): no overlap to cut
+        per_item = own.with_columns(pl.lit(0, pl.Int64).alias("overlapped_ns")).sort([*keys, item])
+        return per_item.cast(per_item_schema), per_group.sort(keys)
+    # Each item's merged intervals against the instants covered twice or more: the items of a group are few (phases,
+    # streams), so the doubly covered segments are repeated once per item and intersected.
+    items = merged.select(*keys, item).unique()
+    twice = merge(twice, keys).join(items, on=keys) if keys else merge(twice).join(items, how="cross")
+    shared = intersect(merged, twice, [*keys, item]).group_by([*keys, item]).agg(length.sum().alias("overlapped_ns"))
+    per_item = (own.join(shared, on=[*keys, item], how="left", nulls_equal=True)
+                .with_columns(pl.col("overlapped_ns").fill_null(0)).sort([*keys, item]))
+    return per_item.cast(per_item_schema), per_group.sort(keys)

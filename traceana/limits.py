@@ -146,6 +146,33 @@ def gib(n: int) -> str:
     return bytes_text(n, 2 if n >= 2**30 else 0)
 
 
+# Numbers a trace or run.json declares that would size memory or time, checked against what is present (docs/
+# reliability.md "Absurd metadata"): refused above these with one line naming the field.
+MAX_RANKS = 1 << 20  # world_size (distributedInfo, traceana metadata, run.json): the largest jobs have ~10^5 ranks
+MAX_SCHEDULE_SLOTS = 1 << 16  # pp × virtual stages × micro-batches of one simulated step: the schedule simulator
+# steps through every (stage, micro-batch) pass in Python, ~0.6 ms each with the BPipe verdict's ~45 simulations
+# (pp 64 × m 128 = 8,192 slots: 7 s on 2 loaded cores), so this bounds `traceana estimate` to about a minute
+
+
+def check_ranks(world_size: int, field: str, path: str | None = None) -> None:
+    """BadInputError when a declared world size is beyond MAX_RANKS."""
+    if world_size > MAX_RANKS:
+        from traceana.errors import BadInputError
+
+        raise BadInputError(f"{field} is {world_size:,}: more ranks than any job has (traceana reads at most "
+                            f"{MAX_RANKS:,})", path=path, fix=f"fix {field}")
+
+
+def schedule_slots_error(pp: int, virtual_stages: int, num_microbatches: int) -> str | None:
+    """Why a step of this size is not simulated (None when it is within MAX_SCHEDULE_SLOTS)."""
+    slots = pp * virtual_stages * num_microbatches
+    if slots <= MAX_SCHEDULE_SLOTS:
+        return None
+    return (f"pp {pp:,} × virtual stages {virtual_stages:,} × micro-batches {num_microbatches:,} = {slots:,} stage "
+            f"passes per step: more than the schedule simulator steps through ({MAX_SCHEDULE_SLOTS:,}, about a minute "
+            "with the BPipe verdict)")
+
+
 def how_to_raise() -> str:
     return (f"analyse it on a machine with more memory, or raise the limit ({ENV}, ulimit -v) if it is a real "
             "trace — see docs/reliability.md")

@@ -60,7 +60,7 @@ _OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_
 _OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
 # Facts with a field of their own that older run.json files (and collectors) wrote under "extra": read from there too.
 LIFTED = ("stages_of_rank", "virtual_stages", "layers_per_stage", "bpipe_inflight", "hosts", "nnodes", "trainer",
-           "dropout", "eager", "grads_in_step", "attach", "collector")
+           "dropout", "eager", "grads_in_step", "attach", "collector", "names")
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ class Manifest:
     grads_in_step: bool | None = None  # gradients allocated and freed inside the profiled step (zero_grad late)
     attach: dict[str, Any] | None = None  # what `traceana attach` detected and did not (collectors.attach.facts)
     collector: str | None = None  # which collector wrote the run
+    names: str | dict[str, Any] | None = None  # name rules (docs/naming.md): a file next to run.json, or inline
     extra: dict[str, Any] = field(default_factory=dict)  # keys traceana does not know, kept as they were
     schema_version: int = SCHEMA_VERSION
 
@@ -188,6 +189,9 @@ class Manifest:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise BadInputError(f"{f} must be text, got {v!r}", fix="fix run.json")
+        from traceana.limits import check_ranks
+
+        check_ranks(self.world_size, "run.json's world_size")
         object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops, source="peak_flops"))
         if not isinstance(self.profiler, dict) or not all(isinstance(k, str) and is_int(v)
                                                           for k, v in self.profiler.items()):
@@ -254,6 +258,8 @@ class Manifest:
                 raise bad(name, "text")
         if self.attach is not None and not isinstance(self.attach, dict):
             raise bad("attach", "an object")
+        if self.names is not None and not isinstance(self.names, (str, dict)):
+            raise bad("names", "a rules file's path or the rules themselves")
 
     @property
     def bpipe_on(self) -> bool:

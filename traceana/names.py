@@ -81,6 +81,21 @@ C10D_RECV = "c10d::recv_"
 RECORD_PARAM_COMMS = "record_param_comms"
 NCCL_KERNEL_PREFIXES = ("ncclDevKernel", "ncclKernel")
 NCCL_P2P_KERNEL_MARKER = "SendRecv"
+# Communication kernels, recognised by family and not by one library's spelling (a GPU kernel whose name matches
+# is communication, whatever launched it; a user's name rule with another kind still wins, docs/naming.md):
+# - NCCL and its ports and forks: ``ncclDevKernel_*`` / ``ncclKernel_*`` (NCCL), the same names or ``rccl*`` (RCCL
+#   on ROCm), ``mscclKernel_*`` (MSCCL), ``ncclx`` builds — in any namespace;
+# - expert-parallel all-to-all kernels in any namespace named ``ep``, ``…_ep``, ``deepep``, ``ep_…`` (DeepEP's
+#   ``deep_ep::intranode::…``, a fork's ``my_ep::internode_ll::dispatch``, ``ep::combine``): the intranode/internode/
+#   internode_ll families, and dispatch, combine and their notify steps in any namespace of such a library
+#   (``…::layout::…`` stays compute);
+# - the families every such library names alike: all-to-all (``all_to_all``, ``alltoall``), send/receive
+#   (``SendRecv``, ``Sendrecv``) and the all-to-all's notify steps (``notify_dispatch``, ``cached_notify_combine``).
+COMM_LIBRARY_KERNEL_PATTERN = r"(?i)^(?:void\s+)?(?:\w+::)*(?:nccl|rccl|msccl)"
+EP_KERNEL_PATTERN = (r"(?:^|\W)(?:\w*_|deep)?ep(?:_\w+)?::(?:(?:intranode|internode|internode_ll)::"
+                     r"|(?:\w+::)*(?:\w*notify\w*|dispatch|combine)\b)")
+COMM_KERNEL_FAMILY_PATTERN = r"(?i)all_?to_?all|send_?recv|(?:cached_)?notify_(?:dispatch|combine)"
+COMM_KERNEL_PATTERNS = (COMM_LIBRARY_KERNEL_PATTERN, EP_KERNEL_PATTERN, COMM_KERNEL_FAMILY_PATTERN)
 
 NCCL_SEND = "nccl:send"
 NCCL_RECV = "nccl:recv"
@@ -271,12 +286,13 @@ BUILTIN_RULES: dict[str, tuple[NameRule, ...]] = {
         (r"^(?:attn|mlp)\(W\)$", dict(phase="backward_weight")),
     ),
     # DeepEP's expert-parallel all-to-all kernels (csrc/kernels/intranode.cu, internode.cu, internode_ll.cu:
-    # ``void deep_ep::intranode::dispatch<…>(…)``, ``…::combine``, ``notify_dispatch``, ``cached_notify_combine``):
-    # communication, not NCCL, so without this rule they would count as compute. ``deep_ep::layout::…`` (the
-    # dispatch layout) is local work and stays compute.
+    # ``void deep_ep::intranode::dispatch<…>(…)``, ``…::combine``, ``notify_dispatch``, ``cached_notify_combine``),
+    # in any namespace of that name (``…_ep``, ``deepep``: real builds differ: EP_KERNEL_PATTERN): communication, not NCCL (a kernel
+    # of that family is communication even without this rule, COMM_KERNEL_PATTERNS; the rule labels its channel
+    # "ep"). ``deep_ep::layout::…`` (the dispatch layout) is local work and stays compute.
     "deepep": _builtin(
         "deepep",
-        (r"\bdeep_ep::(?:intranode|internode|internode_ll)::", dict(kind="collective", channel=EXPERT_PARALLEL)),
+        (EP_KERNEL_PATTERN, dict(kind="collective", channel=EXPERT_PARALLEL)),
     ),
 }
 BUILTINS = tuple(BUILTIN_RULES)
@@ -396,14 +412,14 @@ def load_rules(path: str | Path) -> NameRules:
     return parse_rules(data, origin=str(p))
 
 
-def rules_for_run(run_dir: str | Path | None, extra: dict | None, given: str | Path | NameRules | None) -> NameRules:
+def rules_for_run(run_dir: str | Path | None, spec: str | dict | None,
+                  given: str | Path | NameRules | None) -> NameRules:
     """The rules an analysis uses: ``given`` (``--names``), else run.json's ``"names"`` (a path relative to the run
-    directory, or the rules themselves inline), else the built-ins."""
+    directory, or the rules themselves inline: ``spec``, ``Manifest.names``), else the built-ins."""
     if isinstance(given, NameRules):
         return given
     if given is not None:
         return load_rules(given)
-    spec = (extra or {}).get("names")
     if spec is None:
         return DEFAULT_RULES
     if isinstance(spec, str):

@@ -2,7 +2,13 @@
 
 Pairing (docs/architecture.md): the k-th send a→b matches the k-th recv b←a with the same tag, channel and step.
 For each pair, ``data_ready_ns = max(recv_post_ns, send_start_ns)``: before it the receiver waited for its peer, after it
-bytes were moving. Nothing is invented: messages without a counterpart stay unmatched, with a note.
+bytes were moving. On GPU ranks the two sides are the NCCL kernels: a receive kernel spins until the send kernel has
+started (and a send kernel until the receive's has), so the same split separates waiting from moving bytes there.
+Moving ``nbytes`` takes at least ``nbytes / link_bytes_per_s`` (``min_transfer_ns``): where the measured split leaves
+less (clocks of two hosts a little apart, a timeline converted from another tool), the split moves earlier, so that no
+transfer is shorter than the link allows; the bandwidth assumed is ``LINK_BYTES_PER_S`` unless run.json's
+``link_bytes_per_s`` gives the run's own. Nothing is invented: messages without a counterpart stay unmatched, with a
+note.
 """
 
 from __future__ import annotations
@@ -14,8 +20,13 @@ from traceana import names
 from traceana.classify import inside
 from traceana.schema import P2P, conform
 
-# Extra columns kept beside schema.P2P for the sender's side of each pair.
-P2P_EXTRA = {"send_end_ns": pl.Int64}
+# Extra columns kept beside schema.P2P for the sender's side of each pair, and the shortest transfer its bytes allow.
+P2P_EXTRA = {"send_end_ns": pl.Int64, "min_transfer_ns": pl.Int64}
+# The link a transfer's floor assumes (bytes/s): the fastest a pipeline message between two GPUs takes, NVLink 4
+# (H100 SXM: 900 GB/s both directions, 450 GB/s one way; NVIDIA H100 datasheet). The floor must not exceed the real
+# transfer time, so the assumption is the fastest link, not a typical one: a slower link's transfers are longer than
+# the floor, which then changes nothing. run.json's ``link_bytes_per_s`` replaces it.
+LINK_BYTES_PER_S = 450e9
 
 MESSAGE = {
     "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
@@ -133,9 +144,18 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(**iv.COLLECT)
 
 
-def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
-    """Match sends with recvs. Returns (pairs: schema.P2P + send_end_ns, unmatched messages, the messages with the
-    channel of their pair, notes)."""
+def link_bandwidth(manifest) -> float:
+    """The bandwidth (bytes/s) the transfer floor assumes: run.json's ``link_bytes_per_s``, else LINK_BYTES_PER_S."""
+    given = (manifest.extra.get("link_bytes_per_s") if manifest is not None else None)
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0:
+        return float(given)
+    return LINK_BYTES_PER_S
+
+
+def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
+         ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
+    """Match sends with recvs. Returns (pairs: schema.P2P + P2P_EXTRA, unmatched messages, the messages with the
+    channel of their pair, notes). ``link_bytes_per_s``: the link the transfer floor assumes (module doc)."""
     # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
     # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
     keys = ["src", "dst", "tag", "step"]
@@ -168,10 +188,15 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     n_msgs = msgs.height
     joined = joined.collect(**iv.COLLECT) if n_msgs else _empty(joined)
     matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
-    # Clamp so that wait and transfer are never negative even on slightly skewed clocks.
+    # Clamp so that wait and transfer are never negative even on slightly skewed clocks, and so that the transfer is
+    # never shorter than its bytes take on the link (module doc).
     ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
+    floor = (pl.col("nbytes").cast(pl.Float64) * (1e9 / link_bytes_per_s)).ceil().cast(pl.Int64).fill_null(0)
     pairs = matched.with_columns(
-        ready.alias("data_ready_ns"), pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
+        pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
+    ).with_columns(floor.alias("min_transfer_ns")).with_columns(
+        pl.max_horizontal(pl.min_horizontal(ready, pl.col("recv_end_ns") - pl.col("min_transfer_ns")),
+                          "recv_post_ns").alias("data_ready_ns"),
     ).with_columns(
         (pl.col("data_ready_ns") - pl.col("recv_post_ns")).alias("wait_ns"),
         (pl.col("recv_end_ns") - pl.col("data_ready_ns")).alias("transfer_ns"),
@@ -201,6 +226,16 @@ def pair(msgs: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, 
     else:
         pairs, unmatched, msgs, to_self = (_empty(q) for q in (pairs, unmatched, msgs, to_self.select("rank")))
     notes = []
+    floored = (pairs.with_columns(ready.alias("_measured_ready"))
+               .filter(pl.col("data_ready_ns") < pl.col("_measured_ready"))) if pairs.height else pairs
+    if floored.height:
+        notes.append(f"{floored.height} of {pairs.height} P2P messages left less transfer time after the peer was "
+                     f"ready than their bytes take at {link_bytes_per_s / 1e9:g} GB/s (the link assumed: "
+                     f"{'run.json link_bytes_per_s' if link_bytes_per_s != LINK_BYTES_PER_S else 'NVLink 4, one way'}"
+                     "): their wait/transfer split was moved earlier by "
+                     f"{(floored['_measured_ready'] - floored['data_ready_ns']).sum() / 1e6:,.3f} ms in all, so no "
+                     "transfer is shorter than the link allows (clocks of two hosts a little apart, or a faster link: "
+                     "set run.json's link_bytes_per_s)")
     if to_self.height:
         on = sorted(set(to_self["rank"].to_list()))
         notes.append(f"{to_self.height} P2P messages on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "

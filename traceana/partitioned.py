@@ -47,6 +47,8 @@ TABLE_ORDER: dict[str, tuple[str, ...]] = {
     "clock_offsets": ("rank",),
     "rank_summary": ("rank",),
     "segments": ("rank", "step"),
+    "phase_time": ("rank", "step"),
+    "stream_time": ("rank", "step"),
 }
 PARTITIONS_DIR = "partitions"  # under RUN_DIR/.traceana: where the CLI's --dask writes the per-rank Parquet
 
@@ -102,7 +104,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     """
     from traceana.analysis import Analysis, _mfu, stage_table
     from traceana.ingest.run_dir import IngestWarning
-    from traceana.summary import measured_steps
+    from traceana.summary import measured_steps, rank_steps
 
     run_dir = Path(run_dir)
     files = scale.trace_files(run_dir)
@@ -144,14 +146,16 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
     config = run_config(manifest, tables["schedule"], stage_map, peak_flops=peak_flops)
     mfu, _ = _mfu(config, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)))
-    stages = stage_table(att.filter(pl.col("step").is_in(measured)), stage_map,
+    per_rank_step = rank_steps(att)
+    stages = stage_table(per_rank_step.filter(pl.col("step").is_in(measured)), stage_map,
                          stage_mem.filter(pl.col("step").is_in(measured)), mfu)
     out = Analysis(
         run=run, steps=tables["steps"], p2p=tables["p2p"], schedule=tables["schedule"], attribution=att,
         stage_memory=stage_mem, stages=stages, clock_offsets=tables["clock_offsets"], notes=tuple(notes),
-        rank_summary=tables["rank_summary"], segments=tables["segments"], peak_flops=peak_flops,
+        rank_summary=tables["rank_summary"], segments=tables["segments"], phase_time=tables["phase_time"],
+        stream_time=tables["stream_time"], peak_flops=peak_flops,
     )
-    out.__dict__["config"] = config  # (Analysis.config: the one MFU used)
+    out.__dict__.update(config=config, per_rank_step=per_rank_step)  # (the ones MFU and the stage table used)
     return out
 
 

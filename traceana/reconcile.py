@@ -148,7 +148,8 @@ def run_config(manifest: Manifest | None, schedule: pl.DataFrame, stages: pl.Dat
     """The run's configuration reconciled once (``Analysis.config``): run.json's facts (``RunConfig.from_manifest``),
     with the micro-batch count and the schedule the annotated ``schedule`` shows where run.json contradicts or lacks
     them (source trace; the contradiction among ``conflicts``), every rank's stages from the stage map ``stages``
-    where run.json lists none (source trace when the traces name them, else inferred), and ``refusal`` where
+    where run.json lists none (source trace when the traces name them, else inferred; and ``pp`` from them when
+    run.json gives none and they hold every stage up to the last, one a rank), and ``refusal`` where
     run.json's schedule places another number of stages on each rank than the traces hold. ``peak_flops``: the
     option overriding run.json's; ``facts``: ``annotated_facts(schedule)``, if the caller has them."""
     facts = annotated_facts(schedule) if facts is None else facts
@@ -167,5 +168,10 @@ def run_config(manifest: Manifest | None, schedule: pl.DataFrame, stages: pl.Dat
             told = set(stages.filter(pl.col("stages").is_not_null())["stage_source"].to_list())
             changes["stages_of_rank"] = listed
             sources["stages_of_rank"] = INFERRED if told - {RUN_JSON, "trace metadata", "annotations"} else TRACE
+            held = {s for st in listed.values() for s in st}
+            # one stage a rank, every stage up to the last: the pipeline's stages (several a rank: how many devices
+            # and stages run.json would mean is not told, so pp stays unknown)
+            if cfg.pp is None and all(len(st) == 1 for st in listed.values()) and held == set(range(max(held) + 1)):
+                changes["pp"], sources["pp"] = len(held), sources["stages_of_rank"]
     return cfg.replace(**changes, sources=sources, conflicts=tuple(conflicts(facts, manifest)),
                        refusal=placement_contradiction(facts, manifest))

@@ -145,7 +145,8 @@ class RunConfig:
         if self.schedule not in MODEL_SCHEDULES:
             raise ConfigError(f"the model cannot simulate schedule {self.schedule!r}",
                               fix=f"use one of {', '.join(MODEL_SCHEDULES)}")
-        if self.stages_of_rank and len({len(st) for st in self.stages_of_rank.values()}) > 1:
+        if self.stages_of_rank and self.source("stages_of_rank") == RUN_JSON \
+                and len({len(st) for st in self.stages_of_rank.values()}) > 1:
             raise ConfigError("run.json's stages_of_rank gives the ranks different numbers of stages; the model "
                               "simulates the same number on every device",
                               fix="estimate it with `traceana estimate --virtual-stages N` for an even placement")

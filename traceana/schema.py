@@ -27,6 +27,7 @@ CATEGORIES = (
 Category = pl.Enum(list(CATEGORIES))
 COMPUTE_CATEGORIES = CATEGORIES[:7]
 BUBBLE_CATEGORIES = ("bubble_warmup", "bubble_cooldown", "bubble_stall")
+BLOCKED_CATEGORIES = (*BUBBLE_CATEGORIES, "p2p")  # "blocked": the bubble plus exposed P2P
 # What every table, legend and hover calls each category (the CLI's tables and the report's alike).
 CATEGORY_LABELS = {
     "forward": "forward",

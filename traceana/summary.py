@@ -11,9 +11,16 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
 - **step time** (``step_ms``): per measured step the slowest rank's step (a pipeline step ends when its last rank
   ends), averaged over the measured steps; when the ranks' steps do not line up, the slowest rank's mean step.
   A stage's step time (``per_stage.step_ms``) is its ranks' own mean step.
-- **bubble**: the attribution's warm-up + stall + cool-down (pipeline_rules.bubble_windows); exposed P2P and BPipe
-  time are their own categories, never part of the bubble. ``bubble_fraction`` is bubble time over step time summed
-  over every rank, a fraction in 0..1.
+- **per (rank, step)** (``rank_steps``, ``Analysis.per_rank_step``): the one table every per-rank figure is read
+  from: ``step_ns`` (the attribution's categories summed: the step), each category's ``<category>_ns`` (0 where
+  it has none), ``compute_ns``, ``bubble_ns`` and ``blocked_ns``.
+- **bubble** (``bubble_ns``): the attribution's warm-up + stall + cool-down (pipeline_rules.bubble_windows): waiting
+  no dependency but the pipeline's fill and drain explains; exposed P2P and BPipe time are their own categories,
+  never part of the bubble. ``bubble_fraction`` is bubble time over step time summed over every rank, a fraction in
+  0..1.
+- **blocked** (``blocked_ns``): bubble + exposed P2P (``p2p_ns``): all the time a rank waited on the pipeline,
+  wherever a sum of the two is needed (validate compares it with the simulator's, which cannot tell a send still in
+  flight from a bubble).
 - **exposed BPipe transfer** (``bpipe_ms``): the attribution's ``bpipe`` category per step, on the stage that spends
   most on it.
 - **activation peak**: per stage the largest of its ranks' over the measured steps (``stage_memory``'s: memory
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceana.intervals import COLLECT
-from traceana.schema import BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
+from traceana.schema import BLOCKED_CATEGORIES, BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # ranks and replicas the what-if in the summary makes ideal (those whose work exceeds their peers' the most;
@@ -49,6 +56,25 @@ WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
 # ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
 WHATIF_MAX_OPERATIONS = 20_000
+
+def rank_steps(attribution: pl.DataFrame) -> pl.DataFrame:
+    """ONE row per (rank, step) of the attribution: rank, stage, step, step_ns, ``<category>_ns`` for every category
+    (0 where the step has none of it), compute_ns, bubble_ns (warm-up + stall + cool-down) and blocked_ns (bubble +
+    exposed P2P). Every per-rank figure (the stage table, the summary, validation, export) is read from it."""
+    cat = pl.col("category").cast(pl.String)
+    ns = lambda cs: pl.sum_horizontal(*(pl.col(f"{c}_ns") for c in cs))  # noqa: E731
+    return (  # one query (docs/performance.md "Fixed cost")
+        attribution.lazy().group_by("rank", "step")
+        .agg(pl.col("stage").drop_nulls().first(),
+             *(pl.col("ns").filter(cat == c).sum().cast(pl.Int64).alias(f"{c}_ns") for c in CATEGORIES))
+        .select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32), pl.col("step").cast(pl.Int32),
+                ns(CATEGORIES).alias("step_ns"), *(f"{c}_ns" for c in CATEGORIES),
+                ns(COMPUTE_CATEGORIES).alias("compute_ns"), ns(BUBBLE_CATEGORIES).alias("bubble_ns"),
+                ns(BLOCKED_CATEGORIES).alias("blocked_ns"))
+        .sort("rank", "step")
+        .collect(**COLLECT)
+    )
+
 
 def measured_steps(attribution: pl.DataFrame, schedule: pl.DataFrame) -> list[int]:
     """The steps the summary (and validation) measure: see the module docstring."""
@@ -114,18 +140,14 @@ class RunSummary:
         }
 
 
-def _per_stage(attribution: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
+def _per_stage(per_rank_step: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
                steps: list[int]) -> pl.DataFrame:
-    # The pivot, then one lazy query (docs/performance.md "Fixed cost").
-    att = attribution.lazy().filter(pl.col("step").is_in(steps)).with_columns(pl.col("category").cast(pl.String))
+    # One lazy query (docs/performance.md "Fixed cost") over the per-(rank, step) table.
     rank_stage = stages.lazy().select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32))
-    wide = att.collect(**COLLECT).pivot(on="category", index=["rank", "step"], values="ns",
-                                            aggregate_function="sum")
-    wide = wide.lazy().with_columns(pl.lit(0, pl.Int64).alias(c) for c in CATEGORIES if c not in wide.columns)
     per_rank = (
-        wide.with_columns(pl.sum_horizontal(*CATEGORIES).alias("step"))
-        .group_by("rank").agg(*(pl.col(c).mean() for c in (*CATEGORIES, "step")))
-        .with_columns(pl.col("rank").cast(pl.Int32))
+        per_rank_step.lazy().filter(pl.col("step").is_in(steps))
+        .group_by("rank").agg(*(pl.col(f"{c}_ns").mean().alias(c) for c in CATEGORIES),
+                              pl.col("step_ns").mean().alias("step"))
         .join(rank_stage, on="rank", how="left")
     )
     mem = (
@@ -265,23 +287,22 @@ def summarize(analysis) -> RunSummary:
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
     named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
-    per_stage = (_per_stage(att, analysis.stages, analysis.stage_memory, steps)
+    per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
                  .join(across_replicas(per_replica_step), on="stage", how="left")
                  .join(named, on="stage", how="left"))
-    used = att.filter(pl.col("step").is_in(steps))
-    per_rank_step = used.group_by("rank", "step").agg(pl.col("ns").sum())
-    ranks = per_rank_step["rank"].n_unique()
-    if per_rank_step.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
-        per_step = per_rank_step.group_by("step").agg(pl.col("ns").max()).sort("step")["ns"]
-    elif per_rank_step.height:  # steps that do not line up across ranks: the slowest rank's own steps
-        slowest = per_rank_step.group_by("rank").agg(pl.col("ns").mean()).sort("ns", "rank").tail(1)["rank"]
-        per_step = per_rank_step.filter(pl.col("rank").is_in(slowest.implode())).sort("step")["ns"]
+    used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
+    ranks = used["rank"].n_unique()
+    if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
+        per_step = used.group_by("step").agg(pl.col("step_ns").max()).sort("step")["step_ns"]
+    elif used.height:  # steps that do not line up across ranks: the slowest rank's own steps
+        slowest = used.group_by("rank").agg(pl.col("step_ns").mean()).sort("step_ns", "rank").tail(1)["rank"]
+        per_step = used.filter(pl.col("rank").is_in(slowest.implode())).sort("step")["step_ns"]
     else:
         per_step = pl.Series([], dtype=pl.Int64)
-    step_times_ms = tuple(float(x) / NS_PER_MS for x in per_step.to_list())
+    step_times_ms = tuple(float(x) / NS_PER_MS for x in per_step.to_list())  # the noise rule's samples
     step_ms = sum(step_times_ms) / len(step_times_ms) if step_times_ms else None
-    total = float(used["ns"].sum()) if used.height else 0.0
-    bubble = float(used.filter(pl.col("category").is_in(BUBBLE_CATEGORIES))["ns"].sum()) if used.height else 0.0
+    total = float(used["step_ns"].sum()) if used.height else 0.0
+    bubble = float(used["bubble_ns"].sum()) if used.height else 0.0
     bpipe = per_stage["bpipe_ms"].drop_nulls()
     known = per_stage.filter(pl.col("stage").is_not_null() & pl.col("activation_peak_mib").is_not_null())
     largest = known.sort("activation_peak_mib", descending=True).head(1)

@@ -18,6 +18,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana import names
+from traceana.errors import BadInputError
 from traceana.p2p import pipeline_groups
 from traceana.schema import STEPS, conform
 
@@ -29,11 +30,19 @@ def steps(events: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
     notes: list[str] = []
     marked = (  # (a few queries, docs/performance.md "Fixed cost")
         events.lazy().filter((pl.col("kind") == "step") & ~pl.col("is_gpu"))
-        .with_columns(names.text(pl.col("name")).str.extract(names.STEP_PATTERN, 1).cast(pl.Int32).alias("step"))
+        .with_columns(_n=names.text(pl.col("name")).str.extract(names.STEP_PATTERN, 1))
+        .with_columns(step=pl.col("_n").cast(pl.Int32, strict=False))
         .group_by("rank", "step")
-        .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"))
+        .agg(pl.col("ts_ns").min().alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).max().alias("end_ns"),
+             _beyond=(pl.col("_n").is_not_null() & pl.col("step").is_null()).any())
         .collect(**iv.COLLECT)
     )
+    if marked["_beyond"].any():  # a number beyond Int32 (ProfilerStep#99999999999999999999): no profiler's
+        bad = marked.filter(pl.col("_beyond")).row(0, named=True)
+        raise BadInputError(f"rank {bad['rank']} has a ProfilerStep span numbered beyond {2**31 - 1:,} (the profiler "
+                            "counts steps from 0): not a profiler's step marker", fix="re-export the trace, or "
+                            "rename the span (the names of steps must be ProfilerStep#N, N a step count)")
+    marked = marked.drop("_beyond")
     missing = (events.lazy().select("rank").unique().join(marked.lazy().select("rank").unique(), on="rank", how="anti")
                .collect(**iv.COLLECT))
     if missing.height:

@@ -6,7 +6,13 @@ Every Python process the command starts profiles steps 10 and 11 (counted from 0
 Python slice) and writes rank{R}.pt.trace.json.gz; run.json holds what could be detected (world size, rank → stage,
 schedule, micro-batches, parameters, torch version) and lists what could not. Steps are found without changing the
 script: torch.distributed.pipelining's schedule.step, else the optimizer's step, or --step-fn module:qualname.
-The command's output, input and exit status pass through unchanged; traceana's own lines go to stderr.
+The command's output and exit status pass through unchanged; traceana's own lines go to stderr.
+
+The job runs in its own process group: Ctrl-C (SIGINT) and SIGTERM sent to attach are forwarded to every process of
+that group; a second one sends SIGTERM; if the job has not ended --kill-after seconds after the first, its group is
+killed (SIGKILL). Processes the job leaves behind in its group when it exits are stopped the same way, so nothing
+outlives attach (a process that starts its own session escapes any group). A job killed by a signal is reported by
+the signal's name, and attach exits as the shell would (128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from traceana.errors import ConfigError
 
 POLL_S = 0.5
+GRACE_S = 10.0  # --kill-after's default: time a job gets to stop after a forwarded signal before SIGKILL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-fn", metavar="MODULE:QUALNAME",
                         help="a call of this function starts a step (instead of schedule.step / optimizer.step); "
                              "it must live in an imported module, not in the script run as __main__")
+    parser.add_argument("--kill-after", type=float, default=GRACE_S, metavar="SECONDS",
+                        help="after a SIGINT/SIGTERM forwarded to the job, or once the job exits leaving processes "
+                             "behind, kill the job's process group (SIGKILL) when it has not ended within this long")
     parser.add_argument("--live", action="store_true",
                         help="print each window's per-stage attribution as it lands (as traceana watch does)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND …",
@@ -167,30 +177,126 @@ def say(message: str) -> None:
     print(f"traceana attach: {message}", file=sys.stderr, flush=True)
 
 
+class _Job:
+    """The job's process group: signals to attach are forwarded to it, escalated, and nothing of it outlives attach."""
+
+    def __init__(self, proc: subprocess.Popen, grace_s: float) -> None:
+        self.proc, self.pgid, self.grace_s = proc, proc.pid, grace_s
+        self.received: list[int] = []
+        self.kill_at: float | None = None
+        self.killed = False
+
+    def forward(self, signum: int, frame=None) -> None:
+        """SIGINT/SIGTERM to attach: the first is forwarded as it came, a second as SIGTERM, a third as SIGKILL."""
+        self.received.append(signum)
+        n = len(self.received)
+        sig = signum if n == 1 else signal.SIGTERM if n == 2 else signal.SIGKILL
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace_s
+            say(f"{signal.Signals(signum).name}: passed on to the job's processes; they are killed if they have not "
+                f"ended within {self.grace_s:g} s (--kill-after)")
+        self._signal(sig)
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.killpg(self.pgid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def tick(self) -> None:
+        """Past the grace period after a forwarded signal: SIGKILL to the whole group."""
+        if self.kill_at is not None and not self.killed and time.monotonic() >= self.kill_at:
+            self.killed = True
+            say(f"the job did not end within {self.grace_s:g} s of the signal: killing its processes (SIGKILL)")
+            self._signal(signal.SIGKILL)
+
+    def leftovers(self) -> None:
+        """After the job's own process ended: its group's other processes are stopped (SIGTERM, then SIGKILL after
+        the grace period), so that nothing it started keeps running after attach."""
+        if not self._signal(0):
+            return
+        say("the job's command ended but left processes of its group running: stopping them (SIGTERM)")
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if not self._signal(0) or not _live_members(self.pgid):
+                return
+        say(f"they did not end within {self.grace_s:g} s: killing them (SIGKILL)")
+        self._signal(signal.SIGKILL)
+
+
+def _live_members(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies waiting for init to reap them are not)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
+
+
+def describe_exit(code: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGSEGV (signal 11)``."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name} (signal {-code})"
+
+
 def run(args: argparse.Namespace) -> int:
     config, command, made = _config(args)
+    if not args.kill_after >= 0:
+        raise ConfigError(f"--kill-after must be 0 or more seconds, got {args.kill_after}", fix="e.g. --kill-after 10")
     finisher = _Finisher(config)
     live = _Live(config) if args.live else None
     started = time.time()
-    try:
-        proc = subprocess.Popen(command, env=child_env(config))
+    try:  # its own process group: what attach receives reaches every process the job starts, and none outlives it
+        proc = subprocess.Popen(command, env=child_env(config), process_group=0)
     except OSError as e:
         if made:
             Path(config.out).rmdir()  # the empty directory made above: leave nothing behind
         raise ConfigError(f"cannot start {command[0]!r} ({e.strerror or e})", fix="check the command after --") from None
-    interrupted = False
+    job = _Job(proc, args.kill_after)
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, job.forward)
+        except (ValueError, OSError):  # not the main thread (tests): a KeyboardInterrupt below is forwarded
+            pass
     code: int | None = None
-    while code is None:
-        try:  # a Ctrl-C while waiting or while polling: the same (not an exception out of an except clause)
+    try:
+        while code is None:
             try:
-                code = proc.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                finisher.poll()
-        except KeyboardInterrupt:
-            # The job got the same Ctrl-C (same process group): let it stop; a second Ctrl-C stops it harder.
-            if interrupted:
-                proc.send_signal(signal.SIGTERM)
-            interrupted = True
+                try:
+                    code = proc.wait(timeout=POLL_S)
+                except subprocess.TimeoutExpired:
+                    finisher.poll()
+                job.tick()
+            except KeyboardInterrupt:  # (raised by a caller's handler, or in a test)
+                job.forward(signal.SIGINT)
+        job.leftovers()
+    finally:
+        if proc.poll() is None:  # attach itself failed: the job does not outlive it
+            job._signal(signal.SIGKILL)
+            proc.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    interrupted = bool(job.received)
+    first_signal = job.received[0] if job.received else None
     job = {"exit_code": code, "command": command, "seconds": round(time.time() - started, 1),
            "interrupted": interrupted}
     results = finisher.finish(job)
@@ -199,7 +305,9 @@ def run(args: argparse.Namespace) -> int:
     written = [(d, m) for d, m in results if m is not None]
     if not written:
         say(f"no process reached the window (--steps {args.steps}); nothing was profiled"
-            f"{'' if code == 0 else f' (the command exited with status {code})'}")
+            f"{'' if code == 0 else f' (the command {describe_exit(code)})'}")
+    elif code < 0:
+        say(f"the command {describe_exit(code)}")
     for d, m in written:
         a = m.attach
         missing = a["ranks_without_trace"]
@@ -212,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     if written:
         say(f"next: traceana analyze {written[0][0]}" if len(written) == 1 else f"next: traceana watch {config.out}")
     if interrupted:
-        return 130
+        return 128 + first_signal  # 130 (SIGINT) or 143 (SIGTERM), as the shell reports a signalled program
     return code if code >= 0 else 128 - code
 
 

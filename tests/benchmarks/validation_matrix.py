@@ -85,13 +85,13 @@ def main() -> None:
         sampled_errors.append(abs(s["sampled_error"]))
         if s["replay_error"] is not None:
             replay_errors.append(abs(s["replay_error"]))
-        wait_errors += [abs(x) for x in ps["bubble_error"].drop_nulls().to_list()]
+        wait_errors += [abs(x) for x in ps["blocked_error"].drop_nulls().to_list()]
         mem_errors += [abs(x) for x in ps["memory_error"].drop_nulls().to_list()]
         rows.append(name)
         print(f"| {name} ({preset}) | {schedule} | {pp} | {m} | {attention} | {recompute} | {'on' if bpipe else 'off'} | "
               f"{s['measured_step_ms']:.0f} | {s['simulated_step_ms']:.0f} | {pct(s['step_error'])} | "
               f"{pct(s['sampled_error'])} | {pct(s['replay_error'])} | "
-              f"{' '.join(pct(x) for x in ps['bubble_error'].to_list())} | "
+              f"{' '.join(pct(x) for x in ps['blocked_error'].to_list())} | "
               f"{' '.join('—' if x is None else f'{x / 1e6:.2f}' for x in ps['measured_activation_bytes'].to_list())} | "
               f"{' '.join(pct(x) for x in ps['memory_error'].to_list())} |")
     print("\n| baseline → target | baseline ms | predicted ms | measured ms | error | predicted speedup | "

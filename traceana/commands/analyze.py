@@ -134,9 +134,16 @@ def print_tables(analysis, *, per_step: bool) -> None:
 
         hfu = any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages)
         print_line(console, f"MFU: {MFU_COUNTS}" + (f"; HFU: {HFU_COUNTS}" if hfu else ""))
-    for line in headline(analysis.summary):
+    from traceana import gpu
+
+    is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    if not is_pipeline:
+        print_line(console, NO_PIPELINE)
+    for line in headline(analysis.summary, pipeline=is_pipeline):
         print_line(console, line)
-    replicas_table(console, analysis.summary)
+    gpu_tables(console, analysis, pipeline=is_pipeline)
+    if is_pipeline:  # (replicas of a stage: without stages, ranks are not replicas of anything)
+        replicas_table(console, analysis.summary)
     path_table(console, analysis.summary)
 
     if per_step:
@@ -155,6 +162,45 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         print_line(console, n, prefix="[yellow]note:[/] ")
+
+
+NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
+               "chaining ranks), so no bubble, stage or schedule figure applies; the time per GPU stream follows")
+
+
+def gpu_tables(console, analysis, *, pipeline: bool) -> None:
+    """GPU ranks: each phase's own GPU time beside the partition where phases ran at once (traceana.gpu), and, for
+    a trace that is not a pipeline, the time per stream."""
+    import polars as pl
+
+    from traceana import gpu
+    from traceana.schema import CATEGORY_LABELS
+    from traceana.tables import print_line, print_table
+    from traceana.tables import cell as _num
+
+    steps = analysis.summary.steps
+    if analysis.phase_time is not None:
+        pm = gpu.phase_means(analysis.phase_time, analysis.attribution, steps)
+        shown = pm.filter(pl.col("shared_fraction") > gpu.OVERLAP_SHOWN_ABOVE)
+        if shown.height:
+            rows = [[str(r["rank"]), CATEGORY_LABELS.get(r["phase"], r["phase"]), _num(r["own_ms"]),
+                     _num(r["overlapped_ms"]), _num(r["partition_ms"]), f"{100 * r['shared_fraction']:.0f}%"]
+                    for r in shown.iter_rows(named=True)]  # a few rows per rank: display only
+            print_table(console, "Phases running at once on the GPU (mean per step, ms): each phase's own GPU time "
+                                 "(its kernels' union), the part of it beside another phase's kernels, and what the "
+                                 "per-instant attribution above gave it (docs/architecture.md \"Overlap\")",
+                        ["rank", "phase", "own GPU\ntime", "overlapped", "in the\npartition", "rank's step\nshared"],
+                        rows, keys=2)
+    if not pipeline and analysis.stream_time is not None and analysis.stream_time.height:
+        sm = gpu.stream_means(analysis.stream_time, steps)
+        rows = [[str(r["rank"]), str(r["stream"]), _num(r["compute_ms"]), _num(r["communication_ms"]),
+                 _num(r["memcpy_ms"]), _num(r["idle_ms"]), _num(r["overlapped_ms"])]
+                for r in sm.iter_rows(named=True)]  # one row per (rank, stream): display only
+        print_table(console, "Time per GPU stream (mean per step, ms)",
+                    ["rank", "stream", "compute", "communi-\ncation", "memory\ncopies", "idle",
+                     "beside another\nstream's work"], rows, keys=2)
+    elif not pipeline:
+        print_line(console, "no GPU work in the trace: its time is the CPU's (the table above)")
 
 
 def replicas_table(console, summary) -> None:
@@ -212,8 +258,9 @@ def path_table(console, summary) -> None:
                          "slack and what-ifs)", ["on the path", "ms", "share"], rows, keys=1)
 
 
-def headline(summary) -> list[str]:
-    """The run's headline figures (traceana.summary), one per line, in the words every surface uses."""
+def headline(summary, *, pipeline: bool = True) -> list[str]:
+    """The run's headline figures (traceana.summary), one per line, in the words every surface uses (no bubble line
+    where ``pipeline`` is False: a trace that is not a pipeline has none)."""
     from traceana.summary import STEP_TIME_LABEL
     from traceana.timeline import WHOLE_TRACE_STEP
 
@@ -222,9 +269,11 @@ def headline(summary) -> list[str]:
 
     over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
             else f"steps {', '.join(map(str, summary.steps)) or '–'}")
-    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}",
-             f"bubble (warm-up + stall + cool-down, all ranks): "
-             f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of step time"]
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
+    if pipeline:
+        lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "
+                     f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of "
+                     "step time")
     if summary.bpipe_ms is not None:
         lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
     if summary.largest_activation_peak_mib is not None:

@@ -47,11 +47,11 @@ def render(v, cross: dict | None, *, console) -> None:
                f"the measured ones {s['sampled_step_ms']:.1f} ms, error {_fmt(s['sampled_error'], '+.1%')}")
     print_line(console, f"replay of the last step with its own durations {_fmt(s['replay_step_ms'], '.1f')} ms, "
                f"error {_fmt(s['replay_error'], '+.1%')}")
-    headers = ["stage", "rank", "step ms\nmeasured", "step ms\nreplayed", "step\nerror", "wait ms\nmeasured",
-               "wait ms\nreplayed", "wait\nerror", "activation\npeak MiB", "estimate\nMiB", "memory\nerror"]
+    headers = ["stage", "rank", "step ms\nmeasured", "step ms\nreplayed", "step\nerror", "blocked ms\nmeasured",
+               "blocked ms\nreplayed", "blocked\nerror", "activation\npeak MiB", "estimate\nMiB", "memory\nerror"]
     rows = [[_fmt(r["stage"], "d"), str(r["rank"]), _fmt(r["measured_step_ms"], ",.1f"),
-             _fmt(r["simulated_step_ms"], ",.1f"), _fmt(r["step_error"], "+.1%"), _fmt(r["measured_bubble_ms"], ",.1f"),
-             _fmt(r["simulated_bubble_ms"], ",.1f"), _fmt(r["bubble_error"], "+.1%"),
+             _fmt(r["simulated_step_ms"], ",.1f"), _fmt(r["step_error"], "+.1%"), _fmt(r["measured_blocked_ms"], ",.1f"),
+             _fmt(r["simulated_blocked_ms"], ",.1f"), _fmt(r["blocked_error"], "+.1%"),
              mib(r["measured_activation_bytes"]), mib(r["estimated_activation_bytes"]),
              _fmt(r["memory_error"], "+.1%")]
             for r in v.per_stage.iter_rows(named=True)]  # one row per stage: display only

@@ -129,7 +129,7 @@ def _run_dir_window(d: Path, files: list[Path], *, settle_s: float, now: float) 
         attach = manifest.attach if manifest is not None else None
         ranks = {rank_from_filename(p) for p in files}
         if attach is not None:
-            complete = set(range(manifest.world_size)) <= ranks
+            complete = len({r for r in ranks if 0 <= r < manifest.world_size}) == manifest.world_size
             if not complete and not attach.get("job"):
                 return None  # a rank's trace is still to come and its job is running
             label, start = f"steps {attach.get('steps', '?')}", (attach.get("window") or [None])[0]
@@ -359,5 +359,45 @@ def run(args: argparse.Namespace) -> int:
         print("", file=sys.stderr)
         return 0
     if not printed:
-        print(f"traceana watch: no complete window in {root}", file=sys.stderr)
+        why = _what_blocks(root, settle_s=args.settle)
+        print(f"traceana watch: no complete window in {root}" + (f" ({why})" if why else ""), file=sys.stderr)
     return 0
+
+
+def _what_blocks(root: Path, *, settle_s: float | None) -> str | None:
+    """Why no window was complete, when a file shows it: a FIFO or device named like a trace, a trace still being
+    written (a ``.partial`` name, or changed within the settle time), or no trace at all."""
+    import os
+    import stat
+    import time
+
+    from traceana.errors import shown
+    from traceana.files import file_kind
+    from traceana.ingest.reading import is_trace_name
+
+    settle = 2.0 if settle_s is None else settle_s
+    try:
+        dirs = [root, *(p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith("."))]
+    except OSError:
+        return None
+    traces = 0
+    for d in dirs:
+        try:
+            entries = sorted(d.iterdir())
+        except OSError:
+            continue
+        for p in entries:
+            if p.name.endswith(PARTIAL):
+                return f"{shown(p)} is still being written"
+            if not is_trace_name(p):
+                continue
+            traces += 1
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                return f"{shown(p)} is {file_kind(st.st_mode)}, not a trace file"
+            if st.st_mtime > time.time() - settle:
+                return f"{shown(p)} changed less than {settle:g} s ago (--settle)"
+    return None if traces else "no trace files in it yet"

@@ -7,6 +7,7 @@ directory (a read-only share, say) is never written to, and a failed write is a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,14 +26,19 @@ if TYPE_CHECKING:
 
 CACHE_DIR = ".traceana"
 SUBDIR = "ingest"
-INGEST_FORMAT = 3  # bump when ingest produces different tables from the same trace (3: memory.addr)
+INGEST_FORMAT = 4  # bump when ingest produces different tables from the same trace (3: memory.addr; 4: no
+# memory file for a trace without allocator samples)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_text() -> str:
+    from traceana import schema
+
+    return repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
 
 
 def schema_hash() -> str:
-    from traceana import schema
-
-    text = repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
-    return hashlib.sha1(f"{text}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
+    return hashlib.sha1(f"{_schema_text()}|{version.__version__}|{INGEST_FORMAT}".encode()).hexdigest()[:12]
 
 
 def fingerprint(path: Path) -> str:
@@ -171,11 +177,15 @@ class TraceCache:
 
         try:
             ev_path, mem_path, row_path = self._paths(trace, cache_key(trace, rank))
-            if not (regular_file(ev_path) and regular_file(mem_path) and regular_file(row_path)):
+            if not (regular_file(ev_path) and regular_file(row_path)):
                 return None
             row = json.loads(row_path.read_text())
+            no_memory = row.pop("_no_memory", False) is True
+            if not no_memory and not regular_file(mem_path):
+                return None
             events = schema.check(pl.read_parquet(ev_path), schema.EVENTS, "cached events")
-            memory = schema.check(pl.read_parquet(mem_path), schema.MEMORY, "cached memory")
+            memory = (schema.empty(schema.MEMORY) if no_memory else
+                      schema.check(pl.read_parquet(mem_path), schema.MEMORY, "cached memory"))
         except Exception:  # a damaged or foreign cache entry is a miss, never an error
             return None
         row["path"] = os.fsencode(str(trace)).decode("utf-8", "replace")
@@ -196,11 +206,15 @@ class TraceCache:
             targets = self._paths(trace, key)
             tmp = [temporary_name(t) for t in targets]
             try:
+                # (each write_parquet costs ~2.5 ms whatever the size: a trace without allocator samples, most
+                # small ranks', writes no memory file — the entry's row says so)
                 events.write_parquet(tmp[0], compression="lz4", statistics=False)
-                memory.write_parquet(tmp[1], compression="lz4", statistics=False)
-                tmp[2].write_text(json.dumps(row))
+                if memory.height:
+                    memory.write_parquet(tmp[1], compression="lz4", statistics=False)
+                tmp[2].write_text(json.dumps(row if memory.height else {**row, "_no_memory": True}))
                 for t, final in zip(tmp, targets):
-                    os.replace(t, final)
+                    if t != tmp[1] or memory.height:
+                        os.replace(t, final)
             finally:  # failed, or interrupted (Ctrl-C, SIGTERM): no temporary is left behind
                 for t in tmp:
                     try:

@@ -52,7 +52,7 @@ import msgspec
 import polars as pl
 
 from traceana import limits, names, schema
-from traceana.errors import BadInputError, TraceFormatError, shown
+from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
 from traceana.ingest import reading
 from traceana.ingest.reading import (GPU_CAT_NAMES as _GPU_CAT_NAMES, GPU_CATS, GZ_RATIO, GZIP_MAGIC,  # noqa: F401
                                      META_KEYS as _META_KEYS, MMAP_WINDOW_BYTES, SHAPES_NAMES as _SHAPES_NAMES,
@@ -887,6 +887,8 @@ def _decode(path: Path, on_progress: Callable[[int, int], None] | None
     state: dict[str, bool] = {}
     w = _Window(_pieces(path, state))
     w.fill(WHOLE_JSON_BYTES + 1)
+    if bytes(w.buf[:3]) == reading.UTF8_BOM:  # a trace saved by an editor that marks UTF-8: the mark is no JSON
+        w.drop(3)
     batches = _Batches()
     problems: list[str] = []
     budget = _Budget(path)
@@ -1010,8 +1012,9 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
             events, memory, dropped = _finish(held, rank=rank, base_ns=base_ns, pg_config=pg_config)
         del held
         if dropped:
+            ns = ns_epoch_hint(path)
             warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or "
-                            "out-of-range ts/dur — the rest of the trace is used")
+                            "out-of-range ts/dur — the rest of the trace is used" + (f" ({ns})" if ns else ""))
         row = {
             "rank": rank, "path": shown(path), "world_size": world_size,
             "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
@@ -1025,6 +1028,33 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
 
     return finish
 
+
+
+_NS_TS = re.compile(rb'"ts"\s*:\s*(1[0-9]{18}|[2-9][0-9]{17})\b')  # 1e17..2e19 "µs": 1973..2600 in ns since the epoch
+NS_NOTE = "nanoseconds"
+
+
+def ns_epoch_hint(path: Path, head_bytes: int = 1 << 20) -> str | None:
+    """Why a trace's events have no usable time when its exporter wrote ns, not the format's µs: a ``ts`` like
+    1700000000000000000 is 2023 in ns since the epoch, and the year 55,000 in µs (beyond what a time in ns can
+    hold). Looked for in the file's first MiB only when events were dropped; None when no ts looks like that."""
+    import gzip
+
+    try:
+        with reading.open_trace(path) as fh:
+            raw = fh.read(2)
+            fh.seek(0)
+            head = gzip.GzipFile(fileobj=fh).read(head_bytes) if raw == reading.GZIP_MAGIC else fh.read(head_bytes)
+    except (OSError, EOFError, TraceanaError):
+        return None
+    m = _NS_TS.search(head)
+    if m is None:
+        return None
+    return (f"its ts values, like {m.group(1).decode()}, are {NS_NOTE} since the epoch, not the µs Kineto and Chrome "
+            f"traces hold: {NS_FIX}")
+
+
+NS_FIX = "convert ts and dur to µs (÷ 1000), or export the trace in µs"
 
 
 # --- the read-ahead, finished in the background -------------------------------------------------------------------

@@ -75,6 +75,9 @@ META_KEYS = ("distributedInfo", "deviceProperties", "baseTimeNanoseconds", "trac
 
 
 # --- which files ---------------------------------------------------------------------------------------------------
+UTF8_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark some editors write first: accepted before the JSON
+
+
 def is_trace_name(path: Path) -> bool:
     return path.name.endswith(TRACE_SUFFIXES)
 
@@ -485,8 +488,9 @@ class Scanned:
             r.extend(0)
             if not r.buf:
                 raise NotNative("empty file")
+            start = len(UTF8_BOM) if bytes(r.buf[:3]) == UTF8_BOM else 0  # (an editor's UTF-8 mark: skipped)
             while True:  # the top level up to the traceEvents array (kept whole in the window until found)
-                status, pos, keys = _scan.top(r.buf, 0, True, r.final)
+                status, pos, keys = _scan.top(r.buf, start, True, r.final)
                 if status != _scan.NEED:
                     break
                 r.extend(0)  # grow the window: nothing is dropped before the array starts

@@ -11,6 +11,7 @@ rank's table is sorted the same way and ranks are concatenated in rank order.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import multiprocessing
 import os
 import sys
@@ -29,6 +30,7 @@ from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trac
 from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_trace,  # noqa: F401 (polars-free: the CLI)
                                      trace_subfolders, SCANNER_STALE)
 from traceana.intervals import ENGINE
+from traceana.limits import check_ranks
 from traceana.manifest import MANIFEST_NAME, Manifest
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
@@ -117,8 +119,8 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
         result = outcomes.pop()
         if result[0] == "error":
             cls, what = result[1][0], result[1][1]
-            if path.is_dir() and cls is NotATraceError and not _named_like_a_trace(f):
-                warnings.append(f"{shown(f)}: ignored ({what})")  # e.g. a config or results file in the run dir
+            if path.is_dir() and _users_file(f, cls):  # e.g. a config, notes, or `analyze --json > RUN/analysis.json`
+                warnings.append(f"{shown(f)}: ignored, not a trace ({what}); a file of yours in the run folder?")
                 continue
             _raise(result[1])
         parsed[f], marks[f] = result[1][:3], result[1][3]
@@ -135,10 +137,14 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     warnings.extend(w for _, _, row in results for w in row.get("warnings", []))
     if all(r[0].height == 0 for r in results):
         one = len(results) == 1
+        ns = next((w[w.index("(its ts values") + 1:-1] for _, _, row in results for w in row.get("warnings", [])
+                   if "(its ts values" in w), None)
         raise RunDirError(
-            ("the trace holds no" if one else f"none of the {len(results)} traces holds a") + " usable event "
-            "(traceEvents empty, or every event dropped as malformed or with an unusable ts/dur)",
-            path=shown(files[0] if one else path), fix="re-collect with the profiler active for at least one step",
+            ("the trace holds no" if one else f"none of the {len(results)} traces holds a") + " usable event"
+            + (f": {ns.removesuffix(': ' + kineto.NS_FIX)}" if ns else
+               " (traceEvents empty, or every event dropped as malformed or with an unusable ts/dur)"),
+            path=shown(files[0] if one else path),
+            fix=kineto.NS_FIX if ns else "re-collect with the profiler active for at least one step",
         )
     warnings.extend(f"{shown(r[2]['path'])}: rank {r[2]['rank']} has no usable event; it is analysed as empty"
                     for r in results if r[0].height == 0)
@@ -236,7 +242,7 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
             out = []
             for f in files:
                 result = _parse_serial(f, bar.per_event(f))
-                if result[0] == "error" and result[1][0] is not NotATraceError:
+                if result[0] == "error" and not _users_file(f, result[1][0]):
                     _raise(result[1])  # no point reading the other ranks
                 out.append(result)
                 bar.file_done()
@@ -318,27 +324,36 @@ def _parse_pipelined(files: list[Path], bar: _Progress) -> list[tuple[str, Any]]
     are what the overlap adds to memory); results, errors and progress come in file order, as serially."""
     out: list[tuple[str, Any]] = []
 
-    def take(result: tuple[str, Any]) -> None:
-        if result[0] == "error" and result[1][0] is not NotATraceError:
+    def take(result: tuple[str, Any], f: Path) -> None:
+        if result[0] == "error" and not _users_file(f, result[1][0]):
             _raise(result[1])  # no point reading the other ranks
         out.append(result)
         bar.file_done()
 
     with cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="traceana-finish") as finisher:
-        pending: cf.Future | None = None
+        pending: tuple[cf.Future, Path] | None = None
         for f in files:
             scanned = _caught(kineto.scan_trace, f, on_progress=bar.per_event(f))
             if pending is not None:
-                take(pending.result())
+                take(pending[0].result(), pending[1])
                 pending = None
             if scanned[0] == "error":
-                take(scanned)
+                take(scanned, f)
             else:
-                pending = finisher.submit(_caught, _marked, scanned[1])
+                pending = finisher.submit(_caught, _marked, scanned[1]), f
                 del scanned
         if pending is not None:
-            take(pending.result())
+            take(pending[0].result(), pending[1])
     return out
+
+
+def _users_file(f: Path, error: type) -> bool:
+    """A file found in a run folder that is not a trace and is not named like one (a config, notes, an empty
+    ``analysis.json`` the shell created for ``analyze --json > RUN/analysis.json``): skipped with a warning. A file
+    named like a trace that cannot be read stays an error."""
+    from traceana.errors import TraceFormatError
+
+    return isinstance(error, type) and issubclass(error, TraceFormatError) and not _named_like_a_trace(f)
 
 
 def _named_like_a_trace(f: Path) -> bool:
@@ -410,6 +425,7 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
     sizes: dict[int, str] = {}
     for r in rows:
         if r["world_size"] is not None:
+            check_ranks(r["world_size"], "distributedInfo.world_size", r["path"])
             sizes.setdefault(r["world_size"], r["path"])
     if len(sizes) > 1:
         (w1, p1), (w2, p2) = list(sizes.items())[:2]
@@ -430,11 +446,12 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
         if outside:
             raise RunDirError(f"rank {outside[0]} is outside world size {world}", path=shown(by_rank[outside[0]]),
                               fix="the trace belongs to another run; move it out of this directory")
-        missing = sorted(set(range(world)) - set(by_rank))
-        if missing:
-            listed = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
-            notes.append(f"{shown(run_dir)}: {len(missing)} of {world} ranks have no trace ({listed}); analysing the "
-                         f"{len(by_rank)} present")
+        n_missing = world - len(by_rank)  # (by_rank is inside range(world) here: counted, never listed whole)
+        if n_missing:
+            first = list(itertools.islice((r for r in range(world) if r not in by_rank), 10))
+            listed = ", ".join(map(str, first)) + (" …" if n_missing > 10 else "")
+            notes.append(f"{shown(run_dir)}: {n_missing:,} of {world:,} ranks have no trace ({listed}); analysing "
+                         f"the {len(by_rank)} present")
     if manifest is not None and manifest.ranks_written is not None:
         unwritten = sorted(set(by_rank) - set(manifest.ranks_written))
         if unwritten:

@@ -10,7 +10,8 @@ global batch, means fewer micro-batches). So whether it helps is a trade between
 
 - compute: m·t(b) shrinks only if E grows with b (bigger matrices use the device better);
 - recompute: an extra forward (full) or attention core (selective) per micro-batch that BPipe may make unnecessary;
-- bubble: (p − 1)·t(b) grows with b because m = G/(b·dp) falls;
+- bubble (warm-up + stall + cool-down, the word's one meaning): (p − 1)·t(b) grows with b because m = G/(b·dp) falls;
+- host (time between operations no dependency explains) and communication (exposed P2P and collectives);
 - transfer: evicting and reloading activations costs bandwidth, exposed when it cannot hide behind compute.
 
 We compute every candidate with the memory model (does it fit?) and the simulator (how long?), and compare the best
@@ -30,6 +31,7 @@ import polars as pl
 
 from traceana import schema
 from traceana.errors import ConfigError
+from traceana.limits import schedule_slots_error
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
 from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
@@ -118,7 +120,7 @@ class StepEstimate:
     mfu: float  # model FLOPs utilisation (flops.MFU_COUNTS)
     fits: bool | None  # None when no device memory was given
     peak_bytes: float  # the largest stage's total
-    terms: dict[str, float]  # seconds on the busiest stage: compute, recompute, bubble, transfer
+    terms: dict[str, float]  # seconds on stage 0 per TERM_CATEGORIES group (terms_of): they add up to the step
     efficiency: float
     largest: StageMemory | None = None  # the stage with the largest total (the one that decides the fit)
     hfu: float | None = None  # hardware FLOPs utilisation (flops.HFU_COUNTS); None without recompute (= mfu)
@@ -195,15 +197,21 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     return (out, sim) if with_simulation else out
 
 
+# The step's terms on a stage, by attribution category: each category in one term, so they add up to the step.
+# "bubble" is the bubble alone (warm-up + stall + cool-down), as everywhere; host and communication are their own.
+TERM_CATEGORIES = {
+    "compute": tuple(c for c in schema.COMPUTE_CATEGORIES if c != "recompute"),
+    "recompute": ("recompute",),
+    "bubble": schema.BUBBLE_CATEGORIES,
+    "host": ("host",),
+    "communication": ("p2p", "bpipe", "collective"),  # exposed: P2P, BPipe's evictions and loads, collectives
+}
+
+
 def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
-    """Seconds per term on stage 0. It is BPipe's evictor, so waiting for its loads shows there as transfer, and its
-    window spans the whole step like every stage's, so its terms add up to the step time."""
-    groups = {
-        "compute": tuple(c for c in schema.COMPUTE_CATEGORIES if c != "recompute"),
-        "recompute": ("recompute",),
-        "bubble": ("bubble_warmup", "bubble_cooldown", "bubble_stall", "host"),
-        "transfer": ("p2p", "bpipe", "collective"),
-    }
+    """Seconds per term (TERM_CATEGORIES) on stage 0. It is BPipe's evictor, so waiting for its loads shows there as
+    communication, and its window spans the whole step like every stage's, so its terms add up to the step time."""
+    groups = TERM_CATEGORIES
     group_of = {c: g for g, cs in groups.items() for c in cs}
     first = attribution.filter(pl.col("stage") == pl.col("stage").min())
     got: dict[str, float] = {g: 0.0 for g in groups}
@@ -224,7 +232,8 @@ BASELINES: dict[str, str] = {
 DEFAULT_BASELINE = "best-without-bpipe"
 _POLICY_RECOMPUTES = {"as-configured": ("none", "selective", "full"), "best-without-bpipe": ("none", "selective", "full"),
                       "full-recompute": ("none", "full")}
-TERMS = ("compute", "recompute", "bubble", "transfer")  # transfer: what BPipe's evictions and loads add to the step
+# The verdict's terms: TERM_CATEGORIES', and transfer: what BPipe's evictions and loads on a real link add to the step
+TERMS = (*TERM_CATEGORIES, "transfer")
 
 
 @dataclass(frozen=True)
@@ -234,7 +243,7 @@ class Verdict:
     reference: StepEstimate  # what BPipe is compared with (chosen by the baseline policy)
     given: StepEstimate  # the user's configuration as given
     with_bpipe: StepEstimate | None  # the best fitting BPipe configuration
-    deciding_term: str  # compute, recompute, bubble, bandwidth, memory or "no change"
+    deciding_term: str  # a TERM_CATEGORIES term, bandwidth (the transfers), memory or "no change"
     deltas: dict[str, float]  # seconds, BPipe − reference, per term; they sum to the step-time change
     sentence: str
     assumptions: tuple[str, ...] = field(default_factory=tuple)
@@ -278,14 +287,14 @@ def check_baseline(baseline: str) -> str:
 
 
 def decompose(ref_sim, target_sim, free_sim) -> dict[str, float]:
-    """Seconds each term adds (+) or saves (−) going from the reference to the BPipe configuration, summing exactly to
-    the step-time change. The change of configuration (micro-batch size, recompute, BPipe's schedule) is read from
-    stage 0's terms of ``free_sim`` — the best BPipe configuration with free transfers — against the reference's
-    (stage 0's terms add up to its step); the transfers are what the real link adds on top: target step − free step. Waiting for a load is thus never booked as
-    "transfer +x" against "bubble −x" when it only fills time the stage would have waited anyway."""
+    """Seconds each term (TERMS) adds (+) or saves (−) going from the reference to the BPipe configuration, summing
+    exactly to the step-time change. The change of configuration (micro-batch size, recompute, BPipe's schedule) is
+    read from stage 0's terms of ``free_sim`` — the best BPipe configuration with free transfers — against the
+    reference's (stage 0's terms add up to its step); the transfers are what the real link adds on top: target step −
+    free step. Waiting for a load is thus never booked as "transfer +x" against "bubble −x" when it only fills time
+    the stage would have waited anyway."""
     a, b = terms_of(ref_sim.attribution), terms_of(free_sim.attribution)
-    deltas = {"compute": b["compute"] - a["compute"], "recompute": b["recompute"] - a["recompute"],
-              "bubble": (b["bubble"] + b["transfer"]) - (a["bubble"] + a["transfer"])}
+    deltas = {term: b[term] - a[term] for term in TERM_CATEGORIES}
     deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / 1e9
     return deltas
 
@@ -354,12 +363,13 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
 
 def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64,
                recomputes: tuple[str, ...] = ("none", "selective", "full")) -> list[TrainingConfig]:
-    """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode."""
+    """Configurations at the same global batch: micro-batch sizes b·2^k that divide it, each recompute mode (not
+    those with more stage passes per step than the simulator steps through: limits.MAX_SCHEDULE_SLOTS)."""
     per_pipeline = cfg.microbatch_size * cfg.num_microbatches
     out = []
     b = 1
     while b <= min(per_pipeline, max_microbatch):
-        if per_pipeline % b == 0:
+        if per_pipeline % b == 0 and not schedule_slots_error(cfg.pp, cfg.virtual_stages, per_pipeline // b):
             for rc in recomputes:
                 if rc == "selective" and cfg.attention != "naive":
                     continue  # nothing s×s to drop: selective equals none with flash attention

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from traceana.errors import ConfigError
+from traceana.limits import schedule_slots_error
 from traceana.manifest import ATTENTIONS, RECOMPUTES, ModelShape
 from traceana.pipeline_rules import SCHEDULES, check_bpipe, check_virtual_stages, device_of_stage, stage_layers
 
@@ -88,6 +89,10 @@ class TrainingConfig:
         if self.recompute not in RECOMPUTES:
             raise ConfigError(f"unknown recompute {self.recompute!r}", fix=f"use one of {', '.join(RECOMPUTES)}")
         check_virtual_stages(self.schedule, self.virtual_stages)
+        too_big = schedule_slots_error(self.pp, self.virtual_stages, self.num_microbatches)
+        if too_big:
+            raise ConfigError(too_big, fix="estimate a smaller pipeline of the same shape (the bubble depends on "
+                                           "(pp - 1) / micro-batches), or fewer --pp / --microbatches")
         if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
             raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
                               fix="check run.json's bpipe_inflight")

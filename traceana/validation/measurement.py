@@ -11,7 +11,7 @@ import polars as pl
 from traceana import names, schema
 from traceana.analysis import Analysis
 from traceana.errors import AnalysisError
-from traceana.graph import WAIT_CATEGORIES, pass_durations  # (each operation's own time: the graph's too)
+from traceana.graph import pass_durations  # (each operation's own time: the graph's too)
 from traceana.model.config import TrainingConfig
 from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
@@ -19,7 +19,7 @@ from traceana.pipeline_rules import bpipe_applies, bpipe_plan
 from traceana.run_config import RUN_JSON
 
 
-__all__ = ["WAIT_CATEGORIES", "Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
+__all__ = ["Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Measured:
     times: StageTimes
     costs: Costs
     step_ns: dict[int, float]  # per stage: mean step time
-    bubble_ns: dict[int, float]  # per stage: mean warm-up + cool-down + stall + exposed P2P
+    blocked_ns: dict[int, float]  # per stage: mean blocked time (bubble: warm-up + stall + cool-down, + exposed P2P)
     rank_of_stage: dict[int, int]
     steps_used: int
     bpipe_step_ns: dict[int, float] = field(default_factory=dict)  # per stage: time in category "bpipe" per step
@@ -75,15 +75,8 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
                                 fix="copy the missing rank traces into the run directory, or re-collect")
         raise AnalysisError(f"no rank found for stages {missing}", path=analysis.run.path,
                             fix="check run.json's stage_of_rank or the traces' P2P chain")
-    per_rank = (
-        att.group_by("rank", "step", "category").agg(pl.col("ns").sum())
-        .with_columns(pl.col("category").cast(pl.String))
-        .pivot(on="category", index=["rank", "step"], values="ns")
-        .fill_null(0)
-    )
-    for c in schema.CATEGORIES:
-        if c not in per_rank.columns:
-            per_rank = per_rank.with_columns(pl.lit(0, pl.Int64).alias(c))
+    per_rank = analysis.per_rank_step.join(steps, on="step").select(
+        "rank", "step", "step_ns", "blocked_ns", *(pl.col(f"{c}_ns").alias(c) for c in schema.CATEGORIES))
     # A micro-batch's backward on a stage is one B, or one I and one W (zero-bubble schedules, Qi et al. 2023): the
     # backward duration fed is the whole backward per micro-batch (B, or I + W), the W part separately; host time
     # is per operation (F, B, I and W each).
@@ -104,8 +97,8 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         (pl.col("recompute") / pl.col("n_b")).mean().alias("r"),
         pl.col("optimizer").mean().alias("o"),
         ((pl.col("host") + pl.col("other_compute")) / pl.col("n_ops")).mean().alias("h"),
-        pl.sum_horizontal(*schema.CATEGORIES).mean().alias("step"),
-        pl.sum_horizontal(*schema.BUBBLE_CATEGORIES, "p2p").mean().alias("bubble"),
+        pl.col("step_ns").mean().alias("step"),
+        pl.col("blocked_ns").mean().alias("blocked"),
     )
     # An operation lasts its annotation span: its compute plus the Python inside it, which delays the operation's
     # output as much as the compute does. The host time left for between operations is the rest.
@@ -200,7 +193,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         times=times, costs=costs,
         bpipe_step_ns=dict(enumerate(float(x or 0.0) for x in bpipe_step["bpipe"])),
         step_ns=dict(enumerate(col("step"))),
-        bubble_ns=dict(enumerate(col("bubble"))),
+        blocked_ns=dict(enumerate(col("blocked"))),
         rank_of_stage=rank_of_stage, steps_used=steps.height,
     )
 

@@ -19,16 +19,17 @@ from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
 from traceana.run_config import TRACE
-from traceana.validation.measurement import WAIT_CATEGORIES, Measured, measure, pass_durations, shared_cpus
+from traceana.schema import BLOCKED_CATEGORIES
+from traceana.validation.measurement import Measured, measure, pass_durations, shared_cpus
 
-# The waits compared are the bubbles plus exposed P2P (measurement.WAIT_CATEGORIES): measured attribution labels idle
-# time during which one of the rank's own sends is still in flight as p2p, which the simulator cannot tell from a
-# bubble; their sum compares.
+# The waits compared are "blocked" time, the bubble plus exposed P2P (schema.BLOCKED_CATEGORIES): measured
+# attribution labels idle time during which one of the rank's own sends is still in flight as p2p, which the simulator
+# cannot tell from a bubble; their sum compares.
 
 
 @dataclass(frozen=True)
 class Validation:
-    per_stage: pl.DataFrame  # one row per stage: measured, estimated and error for step, wait, activation peak
+    per_stage: pl.DataFrame  # one row per stage: measured, estimated and error for step, blocked, activation peak
     summary: dict[str, float | str | None]
     simulation: Simulation | None
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -173,7 +174,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     sim_per = (
         sim.attribution.group_by("stage").agg(
             pl.col("ns").sum().alias("sim_step"),
-            pl.col("ns").filter(pl.col("category").is_in(WAIT_CATEGORIES)).sum().alias("sim_bubble"))
+            pl.col("ns").filter(pl.col("category").is_in(BLOCKED_CATEGORIES)).sum().alias("sim_blocked"))
     )
     grads_in_step = analysis.config.grads_in_step
     est_mem = activation_peak_estimate(cfg, grads_in_step=grads_in_step)
@@ -187,7 +188,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
             "stage": list(range(cfg.pp)),
             "rank": [meas.rank_of_stage[s] for s in range(cfg.pp)],
             "measured_step_ms": [meas.step_ns[s] / 1e6 for s in range(cfg.pp)],
-            "measured_bubble_ms": [meas.bubble_ns[s] / 1e6 for s in range(cfg.pp)],
+            "measured_blocked_ms": [meas.blocked_ns[s] / 1e6 for s in range(cfg.pp)],
             "estimated_activation_bytes": est_mem,
         }, schema_overrides={"stage": pl.Int32, "rank": pl.Int32})
         .join(sim_per.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
@@ -195,13 +196,13 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         .select(
             "stage", "rank",
             "measured_step_ms", (pl.col("sim_step") / 1e6).alias("simulated_step_ms"),
-            "measured_bubble_ms", (pl.col("sim_bubble") / 1e6).alias("simulated_bubble_ms"),
+            "measured_blocked_ms", (pl.col("sim_blocked") / 1e6).alias("simulated_blocked_ms"),
             pl.col("measured_act").cast(pl.Float64).alias("measured_activation_bytes"),
             "estimated_activation_bytes",
         )
         .with_columns(
             _rel(pl.col("simulated_step_ms"), pl.col("measured_step_ms")).alias("step_error"),
-            _rel(pl.col("simulated_bubble_ms"), pl.col("measured_bubble_ms")).alias("bubble_error"),
+            _rel(pl.col("simulated_blocked_ms"), pl.col("measured_blocked_ms")).alias("blocked_error"),
             _rel(pl.col("estimated_activation_bytes"), pl.col("measured_activation_bytes")).alias("memory_error"),
         )
         .sort("stage")
@@ -242,7 +243,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
         "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
         f"fed: host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms per operation, P2P in flight "
-        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); bubble = warm-up + cool-down + stall + exposed P2P"
+        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); blocked = the bubble (warm-up + stall + cool-down) + exposed P2P"
         + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
            + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
            + " per step in BPipe work" if bpipe and any(meas.bpipe_step_ns.values())
