@@ -119,7 +119,8 @@ def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | 
     ctx = multiprocessing.get_context(method)
     events = ctx.SimpleQueue() if progress else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    args = (configs, config.world_size, init_method, out_dir, results_dir, events, cores_to_pin(config.world_size))
+    args = (configs, config.world_size, init_method, out_dir, results_dir, events,
+            cores_to_pin(config.world_size))
     try:
         pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
