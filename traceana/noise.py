@@ -1,12 +1,13 @@
 """Noise in a comparison of measured runs: the one rule every comparison uses (the report's A/B, ``traceana demo``,
 ``validate --baseline``, ``watch``'s running comparison; summary.compare_runs).
 
-A run's step time is the mean of its measured steps' times (the slowest rank per step, summary.RunSummary.step_ms).
-Comparing two runs, the **change** is other/base − 1 of those means, and its **interval** is a 95 % bootstrap
-percentile interval: ``RESAMPLES`` times, each side's step times are drawn again with replacement — with repeated
-runs of a side, first its runs, then the steps within each drawn run (so the spread between runs counts, not only
-the spread within one) — and the change recomputed; the interval is the 2.5th and 97.5th percentiles. The draws use
-a fixed seed, so one pair of runs always gets one interval.
+A run's step time is the mean of its measured steps' times (the slowest rank per step, summary.RunSummary.step_ms);
+a side with repeated runs is the median of its runs' step times (one run descheduled by another job does not move
+it). Comparing two sides, the **change** is other/base − 1, and its **interval** is a 95 % bootstrap percentile
+interval: ``RESAMPLES`` times, each side's step times are drawn again with replacement — with repeated runs of a
+side, first its runs, then the steps within each drawn run (so the spread between runs counts, not only the spread
+within one) — and the change recomputed; the interval is the 2.5th and 97.5th percentiles. The draws use a fixed
+seed, so one pair of sides always gets one interval.
 
 - The change is **within noise** when its interval contains 0: the runs cannot be told apart, and no speed-up or
   slow-down is claimed. Otherwise it is a change, with its interval.
@@ -23,6 +24,7 @@ each side), ``noise_runs`` (runs on each side).
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,13 +89,13 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _side_mean(runs: Sequence[Sequence[float]]) -> float:
-    """A side's step time: the mean over its runs of each run's mean step."""
-    return _mean([_mean(r) for r in runs])
+    """A side's step time: its run's mean step, or the median of its runs' mean steps."""
+    return statistics.median([_mean(r) for r in runs])
 
 
 def _draw(runs: Sequence[Sequence[float]], rng: random.Random) -> float:
     picked = [runs[rng.randrange(len(runs))] for _ in runs] if len(runs) > 1 else runs
-    return _mean([_mean([r[rng.randrange(len(r))] for _ in r]) for r in picked])
+    return statistics.median([_mean([r[rng.randrange(len(r))] for _ in r]) for r in picked])
 
 
 def compare(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> Change:

@@ -330,8 +330,8 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     first run's step) with its noise interval (traceana.noise: step_change_low, step_change_high, within_noise —
     null without spread to judge —, noise_from, runs, step_change_words: the noise rule's sentence),
     largest_activation_peak_mib, peak_mib (largest stage),
-    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the mean over
-    its runs, and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
+    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the median of
+    its runs', and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
     bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null for a run whose
     stages are not the first run's)."""
     from traceana.noise import compare
