@@ -113,6 +113,21 @@ class PhaseTimer:
         path.write_text(json.dumps({"clock": "cuda events" if self.cuda else "perf_counter", "steps": out}))
 
 
+def _spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """``nprocs`` processes of ``fn(rank, *args)``, killed past ``timeout_s`` (a stuck run must not hold a lent GPU
+    for nothing: torch's P2P between two stages of one rank may hang rather than fail)."""
+    import torch.multiprocessing as mp
+
+    pc = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not pc.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in pc.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{fn.__name__} did not finish within {timeout_s:.0f} s; its processes were killed")
+
+
 # --- 1. the reference trainer, stages as processes sharing the GPU -----------------------------------------------
 def _trainer_worker(rank: int, config, world: int, init_method: str, out_dir: Path, truth_dir: Path,
                     cuda: bool) -> None:
@@ -146,9 +161,8 @@ def _trainer_worker(rank: int, config, world: int, init_method: str, out_dir: Pa
     timer.write(truth_dir / f"rank{rank}.json")
 
 
-def collect_trainer(out_dir: Path, *, bpipe: bool, cuda: bool, steps: int) -> tuple[Path, Path]:
-    import torch.multiprocessing as mp
-
+def collect_trainer(out_dir: Path, *, bpipe: bool, cuda: bool, steps: int,
+                    timeout_s: float = 300.0) -> tuple[Path, Path]:
     from collectors.launch import free_port
     from collectors.manifest import finalize_manifest
     from collectors.trainer.config import CollectConfig
@@ -159,9 +173,8 @@ def collect_trainer(out_dir: Path, *, bpipe: bool, cuda: bool, steps: int) -> tu
     truth_dir = out_dir.with_name(out_dir.name + ".truth")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    mp.start_processes(_trainer_worker, args=(config, config.world_size, f"tcp://127.0.0.1:{free_port()}", out_dir,
-                                              truth_dir, cuda),
-                       nprocs=config.world_size, join=True, start_method="spawn")
+    _spawn(_trainer_worker, (config, config.world_size, f"tcp://127.0.0.1:{free_port()}", out_dir, truth_dir, cuda),
+           config.world_size, timeout_s)
     finalize_manifest(out_dir, manifest_for(config, choose_device(0, config.world_size)), since=started)
     return out_dir, truth_dir
 
@@ -238,18 +251,16 @@ def _pipelining_worker(rank: int, world: int, init_method: str, out_dir: Path, t
     timer.write(truth_dir / f"rank{rank}.json")
 
 
-def collect_pipelining(out_dir: Path, *, cuda: bool, steps: int) -> tuple[Path, Path]:
+def collect_pipelining(out_dir: Path, *, cuda: bool, steps: int, timeout_s: float = 120.0) -> tuple[Path, Path]:
     import torch
-    import torch.multiprocessing as mp
 
     from collectors.launch import free_port
 
     world = 2 if (not cuda or torch.cuda.device_count() >= 2) else 1
     truth_dir = out_dir.with_name(out_dir.name + ".truth")
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_pipelining_worker, args=(world, f"tcp://127.0.0.1:{free_port()}", out_dir, truth_dir, cuda,
-                                                 steps),
-                       nprocs=world, join=True, start_method="spawn")
+    _spawn(_pipelining_worker, (world, f"tcp://127.0.0.1:{free_port()}", out_dir, truth_dir, cuda, steps), world,
+           timeout_s)
     return out_dir, truth_dir
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import holoviews as hv
 import polars as pl
 
+from reports import frames as F
 from reports import palette
 from traceana import names
 
@@ -28,11 +29,6 @@ def _label(kind: str) -> str:
 def _pd(frame: pl.DataFrame):
     # holoviews' grouping needs pandas (docs/field-notes.md: polars frames partly work, Bars grouping does not).
     return frame.to_pandas()
-
-
-def _stage_label() -> pl.Expr:
-    """A bar's stage as text; ranks whose stage is not known are "no stage" (a null label would be drawn "nan")."""
-    return pl.format("stage {}", pl.col("stage")).fill_null("no stage")
 
 
 def _empty(title: str, message: str) -> str:
@@ -147,7 +143,7 @@ def stacked_by_stage(
     if df.height == 0 or not (df["ms"] > 0).any():
         return _empty(title, "nothing measured in these categories")
     df = df.with_columns(
-        stage=_stage_label(),
+        stage=F.stage_label(),
         colour=pl.col("category").replace_strict(palette.CATEGORY_COLOURS, default="#999999"),
         category=pl.col("category").replace_strict(palette.CATEGORY_LABELS, default=pl.col("category")),
     )
@@ -168,7 +164,7 @@ def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str
     colour = {r: palette.run_colour(i) for i, r in enumerate(runs)}
     df = (
         frame.filter(pl.col(value).is_not_null())
-        .with_columns(stage=_stage_label(),
+        .with_columns(stage=F.stage_label(),
                       colour=pl.col("run").replace_strict(colour, default="#999999"))
         .select("stage", "run", value, "colour")
     )

@@ -155,6 +155,11 @@ def timeline_transfers(a: Analysis) -> pl.DataFrame:
     ).sort("rank", "start_ms")
 
 
+def stage_label() -> pl.Expr:
+    """A bar's stage as text; ranks whose stage is not known are "no stage" (a null label would be drawn "nan")."""
+    return pl.format("stage {}", pl.col("stage")).fill_null("no stage")
+
+
 def stage_attribution(a: Analysis) -> pl.DataFrame:
     """The summary's per-stage table in long form: stage, category, ms (mean per measured step), percent."""
     per = a.summary.per_stage

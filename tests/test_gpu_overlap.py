@@ -126,13 +126,10 @@ def test_the_report_writes_a_sentence_not_an_empty_chart_for_a_trace_that_is_not
 
 
 def test_a_rank_without_a_stage_is_labelled_no_stage_in_the_bars():
-    pytest.importorskip("holoviews")
-    from reports import figures
+    from reports.frames import stage_label
 
-    frame = pl.DataFrame({"stage": [0, None], "category": ["forward", "forward"], "ms": [1.0, 2.0],
-                          "percent": [10.0, 20.0]}, schema_overrides={"stage": pl.Int32})
-    bars = figures.stacked_by_stage(frame, title="t", ylabel="ms")
-    assert sorted(bars.data["stage"].tolist()) == ["no stage", "stage 0"]
+    frame = pl.DataFrame({"stage": [0, None]}, schema={"stage": pl.Int32})
+    assert frame.select(stage_label())["stage"].to_list() == ["stage 0", "no stage"]
 
 
 def test_dualpipe_with_all_to_all_kernels_in_a_namespace_no_rule_spells(tmp_path):
@@ -210,3 +207,30 @@ def test_the_report_shows_each_phase_s_own_gpu_time_where_phases_overlapped(tmp_
     sections.overlapped_phases(Page(), "run", a)
     text = "".join(html)
     assert "phases running at once on the GPU" in text and "own GPU time (ms)" in text and "20" in text
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 50), st.integers(1, 20)), min_size=1, max_size=12))
+def test_coverage_invariants(rows):
+    """Each item's own time is the length of its union; its overlapped part is within it; the group's covered time
+    is the union of all, and what two or more cover is counted at least twice in the items' own times; an item
+    overlaps exactly where another covers it too (brute force over integer instants)."""
+    from traceana import intervals as iv
+
+    f = pl.DataFrame({"g": [0] * len(rows), "item": [r[0] for r in rows], "start": [r[1] for r in rows],
+                      "end": [r[1] + r[2] for r in rows]})
+    per_item, per_group = iv.coverage(f, ["g"], "item")
+    cover = {}
+    for item, s, d in rows:
+        for t in range(s, s + d):
+            cover.setdefault(t, set()).add(item)
+    for item, own, over in per_item.select("item", "own_ns", "overlapped_ns").rows():
+        assert own == sum(1 for c in cover.values() if item in c)
+        assert over == sum(1 for c in cover.values() if item in c and len(c) > 1)
+    any_ns, shared = per_group.select("any_ns", "overlapped_ns").row(0)
+    assert any_ns == len(cover) and shared == sum(1 for c in cover.values() if len(c) > 1)
+    assert per_item["own_ns"].sum() >= any_ns + shared or shared == 0

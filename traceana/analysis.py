@@ -130,7 +130,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
-    link = link_bandwidth(run.manifest)  # (the transfer floor's bandwidth: traceana.p2p)
+    link = link_bandwidth(config)  # (the transfer floor's bandwidth: traceana.p2p)
     pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))

@@ -144,12 +144,10 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(**iv.COLLECT)
 
 
-def link_bandwidth(manifest) -> float:
-    """The bandwidth (bytes/s) the transfer floor assumes: run.json's ``link_bytes_per_s``, else LINK_BYTES_PER_S."""
-    given = (manifest.extra.get("link_bytes_per_s") if manifest is not None else None)
-    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0:
-        return float(given)
-    return LINK_BYTES_PER_S
+def link_bandwidth(config) -> float:
+    """The bandwidth (bytes/s) the transfer floor assumes: the run's ``link_bytes_per_s`` (``RunConfig``, from
+    run.json), else LINK_BYTES_PER_S."""
+    return float(config.link_bytes_per_s or LINK_BYTES_PER_S)
 
 
 def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
