@@ -58,11 +58,13 @@ def timeline(page, runs: Runs, G) -> None:
     page.add(H.para("One row per rank. Upper band: the schedule — forward / backward / recompute / optimizer, with the "
                     "micro-batch number. Lower band: what each instant was spent on (the attribution, same colours as "
                     "the bars below; grey is bubble). The hairline between them marks P2P or BPipe messages arriving "
-                    "on that rank. Drag to pan, scroll or box-select to zoom, hover for details.", css_class="lead"))
+                    "on that rank; the dark line above a row, where the replayed step's critical path runs on it "
+                    "(traceana whatif). Drag to pan, scroll or box-select to zoom, hover for details.",
+                    css_class="lead"))
     page.add(H.legend_swatches(list(palette.CATEGORY_COLOURS)))
     for name, a in runs:
         page.figure(G.timeline(F.timeline_blocks(a), F.attribution_strip(a), F.timeline_transfers(a),
-                               title=f"{name}: pipeline timeline"))
+                               title=f"{name}: pipeline timeline", path=F.critical_path(a)))
     page.add("</section>")
 
 

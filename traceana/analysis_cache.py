@@ -50,7 +50,7 @@ _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", 
 _RUN_TABLES = ("traces", "memory")
 # The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
 # it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").
-_SUMMARY_TABLES = ("per_stage", "replicas", "critical_path")
+_SUMMARY_TABLES = ("per_stage", "replicas", "critical_path", "path")
 
 
 class AnalysisCacheWarning(UserWarning):

@@ -28,7 +28,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
   (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
-  stage is unknown are no stage's replicas (none is invented). A rank's **own time** (``own_ms``) is its step minus
+  stage is unknown are no stage's replicas (none is invented), unless the run holds no P2P at all (pure data
+  parallelism: they are replicas of stage '–'). A rank's **own time** (``own_ms``) is its step minus
   its exposed collective time: waiting in the gradient all-reduce is waiting for the slower replicas. Per stage
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
   median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
@@ -54,8 +55,10 @@ STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # traceana whatif makes every one ideal)
 WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
-# ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
-WHATIF_MAX_OPERATIONS = 20_000
+# ~0.4 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
+WHATIF_MAX_OPERATIONS = 10_000
+NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
+
 
 def rank_steps(attribution: pl.DataFrame) -> pl.DataFrame:
     """ONE row per (rank, step) of the attribution: rank, stage, step, step_ns, ``<category>_ns`` for every category
@@ -115,6 +118,8 @@ class RunSummary:
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
+    path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
+    #                                   stage, seq, kind, start_ns, end_ns, ms, step — what the report draws
 
     @property
     def stragglers(self) -> pl.DataFrame:
@@ -230,12 +235,14 @@ def replica_table(per_step: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
-    """Per known stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
-    times), the slowest replica (largest median own time) and its rank and own time. Descriptive: who holds the
-    step back is the what-if's to say (traceana.whatif)."""
+def across_replicas(per_step: pl.DataFrame, *, unknown_are_replicas: bool = False) -> pl.DataFrame:
+    """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
+    times), the slowest replica (largest median own time) and its rank and own time. Ranks of unknown stage are
+    replicas of stage '–' only when ``unknown_are_replicas`` (the run holds no P2P at all: pure data parallelism,
+    graph.data_parallel_only); in a pipeline they are no stage's replicas. Descriptive: who holds the step back is
+    the what-if's to say (traceana.whatif)."""
     # One query (docs/performance.md "Fixed cost").
-    r = (per_step.lazy().filter(pl.col("stage").is_not_null())
+    r = (per_step.lazy().filter(pl.col("stage").is_not_null() | pl.lit(unknown_are_replicas))
          .group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min()))
     per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min())
     slowest = (per_replica.sort(["own_ms", "replica"], descending=[True, False])  # a tie: the lowest replica
@@ -244,13 +251,13 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
     return (
         stats.join(slowest.select("stage", pl.col("replica").alias("slowest_replica"),
                                   pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms")),
-                   on="stage", how="left")
+                   on="stage", how="left", nulls_equal=True)
         .collect(**COLLECT)
     )
 
 
 def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
-                                                        pl.DataFrame | None]:
+                                                        pl.DataFrame | None, pl.DataFrame | None]:
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
     the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
     can run."""
@@ -261,15 +268,15 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
                                  "if_ideal_step_ms": pl.Float64})
     if analysis.events is None:
-        return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
+        return empty, None, None, None, None  # (assembled without its events: the collectives are not known)
     try:
         g = build(analysis, steps)
         if g.ops.height > WHATIF_MAX_OPERATIONS:
-            return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
-                           "traceana whatif RUN_DIR runs it"), None, None
+            return empty, (f"{NO_WHATIF}not run here for {g.ops.height:,} operations (more than "
+                           f"{WHATIF_MAX_OPERATIONS:,}): traceana whatif RUN_DIR runs it"), None, None, None
         w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
-        return empty, f"no what-if: {e.what}", None, None
+        return empty, f"{NO_WHATIF}{e.what}", None, None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
@@ -277,7 +284,7 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
         "if_ideal_step_ms", "gain_ms")
     table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
              .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
-    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time
+    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
 def summarize(analysis) -> RunSummary:
@@ -286,10 +293,13 @@ def summarize(analysis) -> RunSummary:
     steps = measured_steps(att, analysis.schedule)
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
+    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    from traceana.graph import data_parallel_only
+
+    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=data_parallel_only(analysis))
     per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
-                 .join(across_replicas(per_replica_step), on="stage", how="left")
-                 .join(named, on="stage", how="left"))
+                 .join(replicas_of, on="stage", how="left", nulls_equal=True)
+                 .join(named, on="stage", how="left", nulls_equal=True))
     used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
     ranks = used["rank"].n_unique()
     if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
@@ -321,6 +331,7 @@ def summarize(analysis) -> RunSummary:
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
+        path=path,
     )
 
 
