@@ -113,6 +113,7 @@ class RunSummary:
     #                          straggler_rank, if_ideal_step_ms (the step with it ideal)
     replicas: pl.DataFrame | None = None  # one row per rank: stage, replica, rank, step_ms, own_ms (median),
     #                                       compute_ms, collective_ms (exposed)
+    step_times_ms: tuple[float, ...] = ()  # each measured step's time (step_ms is their mean): the noise's samples
     diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
@@ -130,6 +131,7 @@ class RunSummary:
         return {
             "measured_steps": list(self.steps),
             "step_ms": self.step_ms,
+            "step_times_ms": list(self.step_times_ms),
             "bubble_fraction": self.bubble_fraction,
             "bpipe_ms": self.bpipe_ms,
             "largest_activation_stage": self.largest_activation_stage,
@@ -323,11 +325,14 @@ def summarize(analysis) -> RunSummary:
     used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
     ranks = used["rank"].n_unique()
     if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
-        step_ms = float(used.group_by("step").agg(pl.col("step_ns").max())["step_ns"].mean()) / NS_PER_MS
-    elif used.height:  # steps that do not line up across ranks: the slowest rank's own mean
-        step_ms = float(used.group_by("rank").agg(pl.col("step_ns").mean())["step_ns"].max()) / NS_PER_MS
+        per_step = used.group_by("step").agg(pl.col("step_ns").max()).sort("step")["step_ns"]
+    elif used.height:  # steps that do not line up across ranks: the slowest rank's own steps
+        slowest = used.group_by("rank").agg(pl.col("step_ns").mean()).sort("step_ns", "rank").tail(1)["rank"]
+        per_step = used.filter(pl.col("rank").is_in(slowest.implode())).sort("step")["step_ns"]
     else:
-        step_ms = None
+        per_step = pl.Series([], dtype=pl.Int64)
+    step_times_ms = tuple(float(x) / NS_PER_MS for x in per_step.to_list())  # the noise rule's samples
+    step_ms = sum(step_times_ms) / len(step_times_ms) if step_times_ms else None
     total = float(used["step_ns"].sum()) if used.height else 0.0
     bubble = float(used["bubble_ns"].sum()) if used.height else 0.0
     bpipe = per_stage["bpipe_ms"].drop_nulls()
@@ -344,6 +349,7 @@ def summarize(analysis) -> RunSummary:
         memory_balance=float(peaks.max() / peaks.min()) if len(peaks) > 1 and peaks.min() > 0 else None,
         per_stage=per_stage,
         replicas=replicas,
+        step_times_ms=step_times_ms,
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
@@ -351,17 +357,41 @@ def summarize(analysis) -> RunSummary:
     )
 
 
-def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def compare_runs(runs: list[tuple[str, RunSummary]], *,
+                 repeats: dict[str, list[RunSummary]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
-    first run's step), largest_activation_peak_mib, peak_mib (largest stage), memory_balance. Per stage: stage, run,
-    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null
-    for a run whose stages are not the first run's)."""
-    base = runs[0][1].step_ms
+    first run's step) with its noise interval (traceana.noise: step_change_low, step_change_high, within_noise —
+    null without spread to judge —, noise_from, runs, step_change_words: the noise rule's sentence),
+    largest_activation_peak_mib, peak_mib (largest stage),
+    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the median of
+    its runs', and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
+    bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null for a run whose
+    stages are not the first run's)."""
+    from traceana.noise import compare
+
+    repeats = repeats or {}
+
+    def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
+        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
+                 for x in (s, *repeats.get(name, ()))]
+        return [r for r in runs_ if r]
+
+    base = side(*runs[0])
+    rows = []
+    for name, s in runs:
+        mine = side(name, s)
+        c = compare(base, mine) if base and mine else None
+        rows.append((name, c.other_ms if c else s.step_ms, c.change if c else None, c and c.low, c and c.high,
+                     c and c.within_noise, ("runs" if c.from_runs else "steps") if c else None, max(len(mine), 1),
+                     None if c is None or name == runs[0][0] else c.words(),
+                     s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance))
     overview = pl.DataFrame(
-        [(name, s.step_ms, (s.step_ms - base) / base if base and s.step_ms is not None else None,
-          s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance) for name, s in runs],
-        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64,
-                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64, "memory_balance": pl.Float64},
+        rows,
+        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64, "step_change_low": pl.Float64,
+                "step_change_high": pl.Float64, "within_noise": pl.Boolean, "noise_from": pl.String,
+                "runs": pl.Int32, "step_change_words": pl.String,
+                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64,
+                "memory_balance": pl.Float64},
         orient="row",
     )
     values = ("step_ms", "bubble_ms", "bpipe_ms", "peak_mib", "activation_peak_mib")

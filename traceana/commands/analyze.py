@@ -123,10 +123,17 @@ def print_tables(analysis, *, per_step: bool) -> None:
              for c in shown]
     rows += [["peak memory MiB", *(mib(r["peak_memory_bytes"]) for r in stages)],
              ["activation peak MiB", *(mib(r["activation_peak_bytes"]) for r in stages)],
-             ["MFU", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             ["MFU (model FLOPs)", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             *([["HFU (+ recompute)", *(UNKNOWN if r["hfu"] is None else f"{100 * r['hfu']:.1f}%" for r in stages)]]
+               if any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages) else []),
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
+    if any(r["mfu"] is not None for r in stages):
+        from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
+
+        hfu = any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages)
+        print_line(console, f"MFU: {MFU_COUNTS}" + (f"; HFU: {HFU_COUNTS}" if hfu else ""))
     from traceana import gpu
     from traceana.summary import headline
 
