@@ -143,12 +143,14 @@ def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFram
 WAIT_RETURN_TOLERANCE_NS = 20_000
 
 
-def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
-                  marks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFrame | None = None,
+                  posts: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair.
 
     With ``marks`` (``activity_marks`` of CPU ranks) each message counts only where its rank is blocked on it:
-    from the rank's last activity mark before the message's wait returned (module doc)."""
+    from the rank's last activity mark before the message's wait returned (module doc). ``posts`` (``rank, start,
+    end``): CPU ranks' P2P post calls, where the rank is blocked too: the part of a message's post call before its
+    split (its side's end of waiting) is waiting, the rest transfer; a post of no paired message is transfer."""
     p = pairs.filter(pl.col("channel") == "p2p")
     um = unmatched.filter(pl.col("channel") == "p2p")
     if marks is not None:
@@ -176,20 +178,39 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     measured_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
     send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end_ns"))
                  .otherwise(pl.max_horizontal(measured_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
-    # (no shorter a transfer than its bytes take on the link: traceana.p2p's floor, as on the receiving side)
+    # (no shorter a transfer than its bytes take on the link, and on a CPU rank, between CPU ranks, no longer than
+    # its bytes on the slowest link plus a message's latency: traceana.p2p's floor and ceiling, as on the receiving
+    # side; the rest of the sender's blocked time waited on the receiver's process)
     floor = pl.col("min_transfer_ns").fill_null(0) if "min_transfer_ns" in p.columns else pl.lit(0)
-    send_ready = pl.max_horizontal(pl.min_horizontal(measured_ready, send_done - floor), "send_start_ns")
+    top = (pl.when(pl.col("_send_block").is_not_null()).then(send_done - pl.col("max_transfer_ns"))
+           if "max_transfer_ns" in p.columns else pl.lit(None, pl.Int64))
+    send_ready = pl.max_horizontal(pl.min_horizontal(pl.max_horizontal(measured_ready, top), send_done - floor),
+                                   "send_start_ns")
+    p = p.with_columns(send_ready.alias("_send_ready"), send_done.alias("_send_done"))
     p, um = p.lazy(), um.lazy()  # both sets are one collect_all (docs/performance.md "Fixed cost")
-    transfer = pl.concat([
+    transfer = [
         p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
-        p.select(blocked("src", send_ready, send_done, "_send_block")),
-    ])
-    wait = pl.concat([
+        p.select(blocked("src", pl.col("_send_ready"), pl.col("_send_done"), "_send_block")),
+    ]
+    wait = [
         p.select(blocked("dst", pl.col("recv_post_ns"), pl.col("data_ready_ns"), "_recv_block")),
-        p.select(blocked("src", pl.col("send_start_ns"), send_ready, "_send_block")),
+        p.select(blocked("src", pl.col("send_start_ns"), pl.col("_send_ready"), "_send_block")),
         um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
-    ])
-    transfer, wait = pl.collect_all([transfer, wait], **iv.COLLECT)
+    ]
+    if posts is not None:
+        # Each post call is its own message's (same rank, same start): split where that message's waiting ends.
+        split = pl.concat([
+            p.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"),
+                     pl.col("data_ready_ns").alias("_split")),
+            p.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
+                     pl.col("_send_ready").alias("_split")),
+        ]).unique(["rank", "start"], keep="first")
+        cut = posts.lazy().select("rank", "start", "end").join(split, on=["rank", "start"], how="left").with_columns(
+            pl.min_horizontal(pl.max_horizontal(pl.col("_split").fill_null(pl.col("start")), "start"), "end")
+            .alias("_split"))
+        transfer.append(cut.select("rank", pl.col("_split").alias("start"), "end"))
+        wait.append(cut.select("rank", "start", pl.col("_split").alias("end")))
+    transfer, wait = pl.collect_all([pl.concat(transfer), pl.concat(wait)], **iv.COLLECT)
     return transfer, wait
 
 
@@ -270,9 +291,9 @@ def segments(
     # (where every rank with events is a GPU rank the marks would be empty: the same as none).
     has_p2p = ((pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()) and (
         gpu.height < events["rank"].n_unique())
-    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
+    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None, posts)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
-    transfer = pl.concat([transfer, posts, gpu_p2p_work])
+    transfer = pl.concat([transfer, gpu_p2p_work])
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.
