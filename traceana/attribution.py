@@ -149,8 +149,9 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFr
 
     With ``marks`` (``activity_marks`` of CPU ranks) each message counts only where its rank is blocked on it:
     from the rank's last activity mark before the message's wait returned (module doc). ``posts`` (``rank, start,
-    end``): CPU ranks' P2P post calls, where the rank is blocked too: the part of a message's post call before its
-    split (its side's end of waiting) is waiting, the rest transfer; a post of no paired message is transfer."""
+    end``): CPU ranks' P2P post calls, where the rank is blocked too: a post call is its message's cost up to the
+    message's ceiling (``max_transfer_ns``) and after the split (its side's end of waiting), waiting on the peer in
+    between; a post of no paired message, or of one without a ceiling, is transfer."""
     p = pairs.filter(pl.col("channel") == "p2p")
     um = unmatched.filter(pl.col("channel") == "p2p")
     if marks is not None:
@@ -187,6 +188,7 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFr
     send_ready = pl.max_horizontal(pl.min_horizontal(pl.max_horizontal(measured_ready, top), send_done - floor),
                                    "send_start_ns")
     p = p.with_columns(send_ready.alias("_send_ready"), send_done.alias("_send_done"))
+    has_ceiling = "max_transfer_ns" in p.columns
     p, um = p.lazy(), um.lazy()  # both sets are one collect_all (docs/performance.md "Fixed cost")
     transfer = [
         p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
@@ -199,17 +201,24 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFr
     ]
     if posts is not None:
         # Each post call is its own message's (same rank, same start): split where that message's waiting ends.
+        # Up to the message's ceiling from its start the call is the message's own cost (building it, gloo's
+        # enqueue); past that, until the split, the call is blocked on the peer (a gloo post can block for
+        # milliseconds); after the split it is the transfer. No ceiling (GPU, or no paired message): all transfer.
+        ceil = pl.col("max_transfer_ns") if has_ceiling else pl.lit(None, pl.Int64)
         split = pl.concat([
             p.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"),
-                     pl.col("data_ready_ns").alias("_split")),
+                     pl.col("data_ready_ns").alias("_split"), ceil.alias("_ceil")),
             p.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
-                     pl.col("_send_ready").alias("_split")),
+                     pl.col("_send_ready").alias("_split"), ceil.alias("_ceil")),
         ]).unique(["rank", "start"], keep="first")
-        cut = posts.lazy().select("rank", "start", "end").join(split, on=["rank", "start"], how="left").with_columns(
-            pl.min_horizontal(pl.max_horizontal(pl.col("_split").fill_null(pl.col("start")), "start"), "end")
-            .alias("_split"))
-        transfer.append(cut.select("rank", pl.col("_split").alias("start"), "end"))
-        wait.append(cut.select("rank", "start", pl.col("_split").alias("end")))
+        own = pl.min_horizontal(pl.col("end"), pl.col("start") + pl.col("_ceil").fill_null(pl.col("end") - pl.col("start")))
+        cut = (posts.lazy().select("rank", "start", "end").join(split, on=["rank", "start"], how="left")
+               .with_columns(own.alias("_a"))
+               .with_columns(pl.max_horizontal("_a", pl.min_horizontal("end", pl.col("_split").fill_null(pl.col("_a"))))
+                             .alias("_b")))
+        transfer.append(cut.select("rank", "start", pl.col("_a").alias("end")))
+        transfer.append(cut.select("rank", pl.col("_b").alias("start"), "end"))
+        wait.append(cut.select("rank", pl.col("_a").alias("start"), pl.col("_b").alias("end")))
     transfer, wait = pl.collect_all([pl.concat(transfer), pl.concat(wait)], **iv.COLLECT)
     return transfer, wait
 
