@@ -43,14 +43,16 @@ def test_a_receiver_waiting_for_a_late_sender_is_a_bubble_not_transfer():
     assert (msg["transfer_ns"], msg["wait_ns"]) == (CEILING_NS, 4_900 * US - CEILING_NS)
     assert msg["max_transfer_ns"] == CEILING_NS
     r1 = _shares(a, 1)
-    # Rank 1: its post's own 1 µs and the last ceiling before the return are P2P; 101 → 5000 − ceiling waited.
-    assert r1["p2p"] == 1 * US + CEILING_NS
-    assert r1["bubble"] == (5_000 - 101) * US - CEILING_NS
+    # Rank 1: the last ceiling before the return is the message's cost (its transfer, which leaves nothing of the
+    # ceiling to the post call's own 1 µs); the post call and the blocked time after it, 100 → 5000 − ceiling,
+    # waited.
+    assert r1["p2p"] == CEILING_NS
+    assert r1["bubble"] == (5_000 - 100) * US - CEILING_NS
     assert r1["host"] == 600 * US  # 0→100 and 5500→6000
-    # Rank 0 was blocked in its send from 1001 to 5000 (its post's end): the same ceiling holds on its side.
+    # Rank 0 was blocked in its send from 1000 to 5000: the same ceiling holds on its side.
     r0 = _shares(a, 0)
-    assert r0["p2p"] == 1 * US + CEILING_NS
-    assert r0["bubble"] == (5_000 - 1_001) * US - CEILING_NS
+    assert r0["p2p"] == CEILING_NS
+    assert r0["bubble"] == (5_000 - 1_000) * US - CEILING_NS
     assert any("waiting on the peer's process" in n for n in a.notes)
 
 
@@ -59,11 +61,12 @@ def test_run_json_sets_the_ceilings_link_and_latency():
     a = analyze(_late_sender().run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1),
                                             extra={"link_bytes_per_s": 128e6, "p2p_latency_ns": 0})))
     assert a.p2p.select("transfer_ns", "max_transfer_ns", "min_transfer_ns").row(0) == (1 * US, 1 * US, 1 * US)
-    assert _shares(a, 1)["p2p"] == 2 * US  # the post's 1 µs and the transfer's 1 µs
+    assert _shares(a, 1)["p2p"] == 1 * US  # the transfer's 1 µs: the ceiling leaves nothing to the post call
 
 
 def test_a_receive_returning_within_the_ceiling_keeps_its_transfer():
-    """Both sides ready at 1000 and the receive back at 1100: 100 µs, under the ceiling, all transfer."""
+    """Both sides ready at 1000 and the receive back at 1100: 100 µs, under the ceiling, all transfer; the receive's
+    post call (100→101) keeps its own 1 µs as P2P (the ceiling leaves room for it)."""
     b = EventsBuilder()
     for r in (0, 1):
         b.step(r, 1, 0, 2000)
@@ -72,3 +75,4 @@ def test_a_receive_returning_within_the_ceiling_keeps_its_transfer():
     a = analyze(b.run())
     assert a.p2p.select("wait_ns", "transfer_ns").row(0) == (900 * US, 100 * US)
     assert not any("waiting on the peer's process" in n for n in a.notes)
+    assert _shares(a, 1)["p2p"] == 101 * US

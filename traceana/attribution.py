@@ -149,9 +149,9 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFr
 
     With ``marks`` (``activity_marks`` of CPU ranks) each message counts only where its rank is blocked on it:
     from the rank's last activity mark before the message's wait returned (module doc). ``posts`` (``rank, start,
-    end``): CPU ranks' P2P post calls, where the rank is blocked too: a post call is its message's cost up to the
-    message's ceiling (``max_transfer_ns``) and after the split (its side's end of waiting), waiting on the peer in
-    between; a post of no paired message, or of one without a ceiling, is transfer."""
+    end``): CPU ranks' P2P post calls, where the rank is blocked too: a post call is transfer after the split (its
+    side's end of waiting) and, from its start, for what the message's ceiling (``max_transfer_ns``) leaves after
+    that; waiting on the peer in between; a post of no paired message, or of one without a ceiling, is transfer."""
     p = pairs.filter(pl.col("channel") == "p2p")
     um = unmatched.filter(pl.col("channel") == "p2p")
     if marks is not None:
@@ -201,17 +201,21 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFr
     ]
     if posts is not None:
         # Each post call is its own message's (same rank, same start): split where that message's waiting ends.
-        # Up to the message's ceiling from its start the call is the message's own cost (building it, gloo's
-        # enqueue); past that, until the split, the call is blocked on the peer (a gloo post can block for
-        # milliseconds); after the split it is the transfer. No ceiling (GPU, or no paired message): all transfer.
+        # A message costs its rank at most its ceiling in all: the transfer at its end (after the split) first,
+        # then the call's own time from its start (building the message, gloo's enqueue) up to what is left; past
+        # that, until the split, the call is blocked on the peer (a gloo post can block for milliseconds). No
+        # ceiling (GPU, or no paired message): all transfer.
         ceil = pl.col("max_transfer_ns") if has_ceiling else pl.lit(None, pl.Int64)
         split = pl.concat([
             p.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"),
-                     pl.col("data_ready_ns").alias("_split"), ceil.alias("_ceil")),
+                     pl.col("data_ready_ns").alias("_split"),
+                     (ceil - (pl.col("recv_end_ns") - pl.col("data_ready_ns"))).alias("_left")),
             p.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
-                     pl.col("_send_ready").alias("_split"), ceil.alias("_ceil")),
+                     pl.col("_send_ready").alias("_split"),
+                     (ceil - (pl.col("_send_done") - pl.col("_send_ready"))).alias("_left")),
         ]).unique(["rank", "start"], keep="first")
-        own = pl.min_horizontal(pl.col("end"), pl.col("start") + pl.col("_ceil").fill_null(pl.col("end") - pl.col("start")))
+        own = pl.min_horizontal(pl.col("end"), pl.col("start") + pl.col("_left").clip(lower_bound=0)
+                                .fill_null(pl.col("end") - pl.col("start")))
         cut = (posts.lazy().select("rank", "start", "end").join(split, on=["rank", "start"], how="left")
                .with_columns(own.alias("_a"))
                .with_columns(pl.max_horizontal("_a", pl.min_horizontal("end", pl.col("_split").fill_null(pl.col("_a"))))
