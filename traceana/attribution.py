@@ -10,8 +10,11 @@ Every instant of a step gets the first category (in this priority order) whose i
 3. ``bpipe`` — inside an EVICT/LOAD/ACCEPT/RETURN span or a BPipe op (or, on ranks without those annotations, while
    a BPipe message — either side classified as BPipe — is in flight);
 4. ``p2p`` — a P2P message is moving bytes (after ``data_ready_ns``: the peer's send had started and the receiver
-   had posted);
-5. waiting on a peer — before ``data_ready_ns`` of a message (or anywhere in an unmatched one): a bubble by the
+   had posted, moved by traceana.p2p's floor and, between CPU ranks, its ceiling: bytes over the slowest plausible
+   link plus a message's latency — a gloo receive returning later than that waited on its peer's process), or a
+   CPU rank is inside a P2P post call for its message's own cost (docs/schedules.md "Waiting or transfer");
+5. waiting on a peer — before ``data_ready_ns`` of a message (or anywhere in an unmatched one), including a post
+   call blocked there beyond its message's cost: a bubble by the
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
@@ -24,7 +27,8 @@ Every instant of a step gets the first category (in this priority order) whose i
 Blocked or computing (asynchronous P2P): a message's span runs from its post to the return of its ``wait()``, and
 schedules post receives (and sends) ahead and wait on them later, so most of that span the thread is doing other
 work. The rule (docs/schedules.md, measured there against wall-clock timers): a CPU rank is blocked while inside a
-P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds), and on a message only
+P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds: transfer or waiting as
+item 4/5 say), and on a message only
 from the last moment its training thread was seen active (the start or end of any op, annotation or post of it, or
 another wait returning) before the message's wait returned — a thread blocked in ``wait()`` records nothing — to
 that return, never before the post; a mark less than ``WAIT_RETURN_TOLERANCE_NS`` before the return is not taken
