@@ -37,14 +37,16 @@ def _empty(title: str, message: str) -> str:
 
 
 def timeline(
-    blocks: pl.DataFrame, strip: pl.DataFrame, transfers: pl.DataFrame, *, title: str
+    blocks: pl.DataFrame, strip: pl.DataFrame, transfers: pl.DataFrame, *, title: str,
+    path: pl.DataFrame | None = None,
 ) -> hv.Overlay | str:
     """Pipeline timeline, one row per rank, in two bands.
 
     Upper band: what the schedule says the rank works on — forward / backward / recompute / optimizer blocks with the
     micro-batch number. Lower band: what each instant was spent on according to the attribution (the same categories
     and colours as the bars: compute, exposed P2P / BPipe, bubbles). Between them, a hairline per received P2P or BPipe
-    message (hover: how long the receiver waited for the sender, and how long the bytes took).
+    message (hover: how long the receiver waited for the sender, and how long the bytes took). Above the upper band,
+    a dark line where the replayed step's critical path runs on that rank (``path``: reports.frames.critical_path).
     """
     if blocks.height == 0 and strip.height == 0:
         return _empty(title, "no schedule: the analysis found no forward/backward spans")
@@ -103,6 +105,15 @@ def timeline(
             hv.Segments(_pd(t), kdims=["start_ms", "yl", "end_ms", "yl"],
                         vdims=["what", "rank", "peer", "mib", "wait_ms", "transfer_ms", "colour"]).opts(
                 color="colour", line_width=3, tools=[_hover(hover_xfer)])
+        )
+
+    cp = path.join(rows, on="rank") if path is not None and path.height else None
+    if cp is not None and cp.height:
+        layers.append(
+            hv.Segments(_pd(cp.with_columns(yp=pl.col("y") - 0.47)), kdims=["start_ms", "yp", "end_ms", "yp"],
+                        vdims=["kind", "rank", "dur_ms"]).opts(
+                color="#111111", line_width=3,
+                tools=[_hover([("critical path", "@kind"), ("rank", "@rank"), ("for (ms)", "@dur_ms{0,0.000}")])])
         )
 
     # Labels only on blocks wide enough to hold one at full view; the others tell their micro-batch on hover.

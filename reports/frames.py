@@ -138,6 +138,18 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
     )
 
 
+def critical_path(a: Analysis) -> pl.DataFrame:
+    """The replayed steps' critical path (traceana.summary's ``path``, from traceana.graph): rank, kind, start_ms,
+    end_ms, dur_ms; empty where the what-if could not run."""
+    path = a.summary.path
+    if path is None or path.height == 0:
+        return pl.DataFrame(schema={"rank": pl.Int32, "kind": pl.String, "start_ms": pl.Float64,
+                                    "end_ms": pl.Float64, "dur_ms": pl.Float64})
+    origin = origin_ns(a)
+    return path.select("rank", "kind", _ms("start_ns", origin), _ms("end_ns", origin),
+                       (pl.col("ms")).alias("dur_ms")).sort("start_ms")
+
+
 def timeline_transfers(a: Analysis) -> pl.DataFrame:
     """Matched P2P / BPipe messages on the receiving rank: the transfer (data ready → received), the wait before it."""
     origin = origin_ns(a)

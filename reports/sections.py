@@ -5,7 +5,7 @@ Figures come from ``reports.figures`` (holoviews), passed in as ``G`` so that im
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import polars as pl
 
@@ -58,11 +58,13 @@ def timeline(page, runs: Runs, G) -> None:
     page.add(H.para("One row per rank. Upper band: the schedule — forward / backward / recompute / optimizer, with the "
                     "micro-batch number. Lower band: what each instant was spent on (the attribution, same colours as "
                     "the bars below; grey is bubble). The hairline between them marks P2P or BPipe messages arriving "
-                    "on that rank. Drag to pan, scroll or box-select to zoom, hover for details.", css_class="lead"))
+                    "on that rank; the dark line above a row, where the replayed step's critical path runs on it "
+                    "(traceana whatif). Drag to pan, scroll or box-select to zoom, hover for details.",
+                    css_class="lead"))
     page.add(H.legend_swatches(list(palette.CATEGORY_COLOURS)))
     for name, a in runs:
         page.figure(G.timeline(F.timeline_blocks(a), F.attribution_strip(a), F.timeline_transfers(a),
-                               title=f"{name}: pipeline timeline"))
+                               title=f"{name}: pipeline timeline", path=F.critical_path(a)))
     page.add("</section>")
 
 
@@ -268,19 +270,23 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
     page.add("</section>")
 
 
-def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None) -> None:
-    """Every run against the first: step time, the model's cross-run prediction, per-stage deltas."""
+def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None, *,
+               repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
+    """Every run against the first: step time with its noise (over ``repeats`` too), the model's cross-run
+    prediction, per-stage deltas."""
     page.add('<section id="comparison"><h2>A/B comparison</h2>')
     names = [n for n, _ in runs]
     analyses = [a for _, a in runs]
     base = names[0]
     page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
                     css_class="lead"))
-    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs])
+    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs],
+                                  repeats={n: [a.summary for a in rs] for n, rs in (repeats or {}).items()})
     page.add(H.run_swatches(names))
     page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
-    page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
+    page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", "step time (ms)"),
                                 ("step_change", f"change vs {base} (%)"),
+                                ("step_change_words", f"against {base}, with its noise (traceana.noise)"),
                                 ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
                                 ("peak_mib", "largest stage peak (MiB)"),
                                 ("memory_balance", "memory imbalance (max/min)")],
@@ -299,7 +305,7 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
             else:
                 predicted.append({"run": name, **{k: r.get(k) for k in (
                     "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
-                    "predicted_speedup", "measured_speedup")}})
+                    "predicted_speedup", "measured_speedup", "measured_change_words", "prediction_within_noise")}})
         if predicted:
             pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
                 (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
@@ -307,7 +313,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
                                   ("predicted_step_ms", "predicted step (ms)"),
                                   ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
                                   ("predicted_speedup", "predicted speed-up (×)"),
-                                  ("measured_speedup", "measured speed-up (×)")],
+                                  ("measured_speedup", "measured speed-up (×)"),
+                                  ("measured_change_words", "measured, with its noise"),
+                                  ("prediction_within_noise", "prediction inside the measured interval")],
                              formats={"error_pct": "signed_pct"}))
         for f in failures:
             page.add(H.para(f, css_class="warn"))

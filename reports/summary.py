@@ -95,7 +95,8 @@ def kpis(a: Analysis) -> str:
     # MFU only where the analysis could compute it (run.json with the model and the device's peak FLOP/s)
     mfu = a.stages["mfu"].drop_nulls() if "mfu" in a.stages.columns else None
     if mfu is not None and len(mfu):
-        items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %", "MFU, mean over stages"))
+        items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %",
+                         "MFU (model FLOPs, recompute not counted), mean over stages"))
     cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
     # who holds the step back, and what it costs: the what-if's line (traceana.whatif), never raw step times
     verdict = (H.para(f"Bottleneck (what-if: the measured step replayed with work made ideal): {s.diagnosis}",

@@ -7,6 +7,7 @@ truth the Megatron run recorded outside its trace (tests/test_foreign_pipelines.
 from __future__ import annotations
 
 import polars as pl
+import pytest
 from attribution_builder import US, EventsBuilder
 
 from traceana.analysis import analyze
@@ -59,7 +60,7 @@ def test_a_receiver_waiting_for_a_late_sender_is_a_bubble_not_transfer():
 def test_run_json_sets_the_ceilings_link_and_latency():
     """128 bytes at 128e6 bytes/s and no latency: 1 µs of transfer (the floor is the same link: 1 µs too)."""
     a = analyze(_late_sender().run(Manifest(world_size=2, pp=2, stage_of_rank=(0, 1),
-                                            extra={"link_bytes_per_s": 128e6, "p2p_latency_ns": 0})))
+                                            link_bytes_per_s=128e6, p2p_latency_ns=0)))
     assert a.p2p.select("transfer_ns", "max_transfer_ns", "min_transfer_ns").row(0) == (1 * US, 1 * US, 1 * US)
     assert _shares(a, 1)["p2p"] == 1 * US  # the transfer's 1 µs: the ceiling leaves nothing to the post call
 
@@ -76,3 +77,10 @@ def test_a_receive_returning_within_the_ceiling_keeps_its_transfer():
     assert a.p2p.select("wait_ns", "transfer_ns").row(0) == (900 * US, 100 * US)
     assert not any("waiting on the peer's process" in n for n in a.notes)
     assert _shares(a, 1)["p2p"] == 101 * US
+
+
+def test_a_bad_latency_in_run_json_is_refused():
+    from traceana.errors import BadInputError
+    for bad in (-1, "300us", True):
+        with pytest.raises(BadInputError, match="p2p_latency_ns"):
+            Manifest(world_size=2, pp=2, extra={"p2p_latency_ns": bad})

@@ -22,6 +22,7 @@ import pytest
 from collected_runs import RUNS
 from traceana.analysis import analyze
 from traceana.ingest.run_dir import load_run
+from traceana.whatif import whatif
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +74,12 @@ def test_the_slowed_replica_is_named_the_straggler(analysed):
     # The sleeps are inside rank 1's forward spans: its forward exceeds replica 0's by at least the injected time
     fwd = dict(a.stages.select("rank", "forward_ms").rows())
     assert fwd[SLOW_RANK] - fwd[0] >= 0.8 * MICROBATCHES * SLOW_MS, fwd
-    # ... and with it at its peers' speed the step loses at least most of what was injected (by hand: each step
-    # holds MICROBATCHES sleeps of SLOW_MS on the path through rank 1)
-    assert s.step_ms - stage0["if_ideal_step_ms"] >= 0.8 * MICROBATCHES * SLOW_MS, (s.step_ms, stage0)
+    # ... and with it at its peers' speed the step loses what was injected (by hand: each step holds MICROBATCHES
+    # sleeps of SLOW_MS on the path through rank 1), within the run's own noise: four ranks share two cores, so
+    # while rank 1 sleeps its peers run faster than they would beside it
+    noise = whatif(a, full=False).summary["noise_ms"]
+    gain = s.step_ms - stage0["if_ideal_step_ms"]
+    assert gain >= MICROBATCHES * SLOW_MS - 2 * noise and gain > noise, (gain, noise, s.step_ms, stage0)
     # ... and replica 0 waits for it in the all-reduce: its exposed collective time is the larger
     coll = {r["rank"]: r["collective_ms"] for r in s.replicas.iter_rows(named=True)}
     assert coll[0] > coll[SLOW_RANK] and coll[2] > coll[3], coll

@@ -126,7 +126,9 @@ def test_validation_table_shows_error(ab_report):
 
 def test_cross_run_prediction_in_comparison(ab_report):
     table = table_with(parse(ab_report), "comparison", "predicted step (ms)")
-    assert table["rows"][0][-3:] == ["+10 %", "1.06", "1.17"]
+    assert table["rows"][0][-5:-2] == ["+10 %", "1.06", "1.17"]
+    # columns for the measured change with its noise (traceana.noise) and whether the prediction lies inside it
+    assert table["header"][-2:] == ["measured, with its noise", "prediction inside the measured interval"]
 
 
 def test_no_network_references(ab_report):
@@ -220,4 +222,4 @@ def test_mfu_is_a_headline_only_when_measured():
     a = make_analysis()
     assert "MFU" not in kpis(a)
     with_mfu = dataclasses.replace(a, stages=a.stages.with_columns(mfu=pl.Series([0.12, 0.13, 0.11, 0.12])))
-    assert "<b>12 %</b><span>MFU, mean over stages</span>" in kpis(with_mfu)
+    assert "<b>12 %</b><span>MFU (model FLOPs, recompute not counted), mean over stages</span>" in kpis(with_mfu)

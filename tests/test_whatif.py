@@ -124,6 +124,25 @@ def test_replay_matches_every_rank_of_the_runs_in_tests_data(run):
     assert not g.ops["contradicted"].any(), g.ops.filter(pl.col("contradicted"))
 
 
+@pytest.mark.parametrize("run", ["megatron_pipe/1f1b/run", "megatron_pipe/interleaved/run",
+                                 "deepspeed_pipe/1f1b/run", "pipelining_memory/gpipe_m2"])
+def test_the_critical_path_is_a_chain_to_the_step_end_with_no_slack(run):
+    # what a critical path is, checked on real steps: one piece after another without a hole, ending where the slowest
+    # rank's step ends (its ProfilerStep span); every operation on it has no slack, and none anywhere has less
+    a = load_and_analyze(str(DATA / run), cache=False)
+    g = graph.build(a)
+    for step in g.steps:
+        r = graph.replay(g, step)
+        path, slack = graph.critical_path(g, r)
+        starts, ends = path["start_ns"].to_list(), path["end_ns"].to_list()
+        assert all(abs(s - e) <= 1 for s, e in zip(starts[1:], ends[:-1])), path
+        slowest = a.steps.filter(pl.col("step") == step).sort("dur_ns", descending=True).row(0, named=True)
+        assert abs(ends[-1] - slowest["end_ns"]) <= 0.02 * slowest["dur_ns"]
+        on_path = path.filter(pl.col("seq").is_not_null()).select("rank", "seq").join(slack, on=["rank", "seq"])
+        assert on_path["slack_ns"].max() <= 1_000, on_path.filter(pl.col("slack_ns") > 1_000)
+        assert slack["slack_ns"].min() >= 0
+
+
 @pytest.mark.parametrize("run", ["megatron_pipe/1f1b/run", "deepspeed_pipe/1f1b/run"])
 def test_other_frameworks_runs_name_no_straggler(run):
     s = load_and_analyze(str(DATA / run), cache=False).summary

@@ -38,9 +38,11 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
     assert s["bottleneck"] is not None and (s["bottleneck"]["group"], s["bottleneck"]["id"]) == ("stage", 1), s
     named = slow.groups.filter(pl.col("named"))
     assert named.select("group", "id").rows() == [("stage", "1")], named
-    # making it ideal takes out (nearly all of) what was injected on the path ...
+    # making it ideal takes out (nearly all of) what was injected on the path, within the run's own noise (a loaded
+    # run once recovered 318 of the 400 ms injected: its peers' forwards, the ideal, ran slower than unloaded) ...
     stage1 = slow.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1")).row(0, named=True)
-    assert s["measured_step_ms"] - stage1["if_ideal_step_ms"] >= 0.8 * MICROBATCHES * SLOW_MS, (s, stage1)
+    assert (s["measured_step_ms"] - stage1["if_ideal_step_ms"]
+            >= 0.8 * MICROBATCHES * SLOW_MS - s["noise_ms"]), (s, stage1)
     # ... and predicts the undelayed collection's step within the noise of both runs and the stages' own
     # imbalance (stage 1 "at stage 0's speed" is what the what-if can know; the undelayed run measures how far apart
     # the two stages are without the delay: its stage-1 gain)

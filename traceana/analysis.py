@@ -131,7 +131,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
     # (the transfer floor's bandwidth, and the ceiling's between CPU ranks: traceana.p2p)
-    link, ceiling = link_bandwidth(run.manifest), transfer_ceiling(run.manifest)
+    link, ceiling = link_bandwidth(config), transfer_ceiling(config)
     pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))

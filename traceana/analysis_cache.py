@@ -42,14 +42,15 @@ from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 5  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
-#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu)
+ANALYSIS_FORMAT = 6  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu;
+#                     6: the summary's step_times_ms, the noise interval's samples)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")
 # The summary (traceana.summary.RunSummary) is kept too: a hit then reads two small tables instead of recomputing
 # it (~15 ms of the repeated analyze of a tiny run, docs/performance.md "Fixed cost").
-_SUMMARY_TABLES = ("per_stage", "replicas", "critical_path")
+_SUMMARY_TABLES = ("per_stage", "replicas", "critical_path", "path")
 
 
 class AnalysisCacheWarning(UserWarning):
@@ -241,7 +242,8 @@ def _write_summary(entry: Path, summary) -> dict:
 def _read_summary(entry: Path, meta: dict):
     from traceana.summary import RunSummary
 
-    values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"])}
+    values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"]),
+                                                               "step_times_ms": tuple(meta.get("step_times_ms", ()))}
     for name in _SUMMARY_TABLES:
         path = entry / f"summary_{name}.parquet"
         if name not in meta["none"] and not regular_file(path):

@@ -91,6 +91,22 @@ def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -
 
 
 
+P2P_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer")
+
+
+def data_parallel_only(analysis) -> bool:
+    """Whether the run holds no point-to-point communication at all (pure data parallelism): then ranks whose stage
+    is unknown all hold the one model and are each other's peers. Any P2P operation (its peer known or not: without
+    record_shapes a pipeline's peers are not) makes it a pipeline, whose ranks of unknown stage are peers of none.
+    Unknown (a result kept without its events): False."""
+    if analysis.p2p.height:
+        return False
+    ev = analysis.events
+    if ev is None:
+        return False
+    return ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len()).collect().item() == 0
+
+
 class GraphError(AnalysisError):
     """The run holds no graph to replay (no schedule on some ranks, no measured step)."""
 
@@ -106,6 +122,7 @@ class StepGraph:
     steps: tuple[int, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
     unpaired: int = 0  # messages matched to no operation on a side: left out
+    data_parallel: bool = False  # no P2P at all: ranks of unknown stage are each other's peers (data_parallel_only)
 
 
 def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> pl.DataFrame:
@@ -236,7 +253,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"{bad} of {ops.height} operations started before the input the graph gives them could have "
                      "arrived (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(list(OPS)).cast(OPS), edges=edges, ranks=rank_steps, steps=tuple(steps),
-                     notes=tuple(notes), unpaired=unpaired)
+                     notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
 
 def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int]:

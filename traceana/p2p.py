@@ -162,25 +162,18 @@ def messages(events: pl.DataFrame, groups: pl.DataFrame | None = None) -> pl.Dat
     return conform(out.lazy(), MESSAGE).sort("rank", "post_ns").collect(**iv.COLLECT)
 
 
-def link_bandwidth(manifest) -> float:
-    """The bandwidth (bytes/s) the transfer floor assumes: run.json's ``link_bytes_per_s``, else LINK_BYTES_PER_S."""
-    given = (manifest.extra.get("link_bytes_per_s") if manifest is not None else None)
-    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0:
-        return float(given)
-    return LINK_BYTES_PER_S
+def link_bandwidth(config) -> float:
+    """The bandwidth (bytes/s) the transfer floor assumes: the run's ``link_bytes_per_s`` (``RunConfig``, from
+    run.json), else LINK_BYTES_PER_S."""
+    return float(config.link_bytes_per_s or LINK_BYTES_PER_S)
 
 
-def transfer_ceiling(manifest) -> tuple[float, int]:
-    """(bytes/s, latency ns) of the transfer ceiling between CPU ranks (module doc): run.json's ``link_bytes_per_s``
-    and ``p2p_latency_ns`` where given, else CPU_LINK_BYTES_PER_S and CPU_MESSAGE_LATENCY_NS."""
-    extra = manifest.extra if manifest is not None else {}
-
-    def given(key):
-        v = extra.get(key)
-        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
-    bw = given("link_bytes_per_s")
-    latency = given("p2p_latency_ns")
-    return (float(bw) if bw else CPU_LINK_BYTES_PER_S,
+def transfer_ceiling(config) -> tuple[float, int]:
+    """(bytes/s, latency ns) of the transfer ceiling between CPU ranks (module doc): the run's ``link_bytes_per_s``
+    and ``p2p_latency_ns`` (``RunConfig``, from run.json) where given, else CPU_LINK_BYTES_PER_S and
+    CPU_MESSAGE_LATENCY_NS."""
+    latency = config.p2p_latency_ns
+    return (float(config.link_bytes_per_s or CPU_LINK_BYTES_PER_S),
             int(latency) if latency is not None else CPU_MESSAGE_LATENCY_NS)
 
 

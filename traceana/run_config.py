@@ -28,7 +28,8 @@ SOURCES = (RUN_JSON, TRACE, INFERRED, DEFAULT, OPTION)
 # run.json's facts the configuration carries as they are (their source is run.json when given, else default).
 _FROM_MANIFEST = ("world_size", "pp", "tp", "dp", "schedule", "microbatch_size", "num_microbatches", "model", "dtype",
                   "attention", "recompute", "device", "peak_flops", "bpipe", "bpipe_inflight", "layers_per_stage",
-                  "host_cpus", "ranks_per_host", "hosts", "nnodes", "trainer", "dropout", "eager", "grads_in_step")
+                  "host_cpus", "ranks_per_host", "hosts", "nnodes", "trainer", "dropout", "eager", "grads_in_step",
+                  "link_bytes_per_s", "p2p_latency_ns")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class RunConfig:
     dropout: bool | None = None
     eager: bool | None = None
     grads_in_step: bool = False
+    link_bytes_per_s: float | None = None  #: the P2P link's bandwidth; None: traceana.p2p's assumed one
+    p2p_latency_ns: float | None = None  #: a CPU-rank P2P message's latency; None: traceana.p2p's assumed one
     sources: Mapping[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     refusal: str | None = None

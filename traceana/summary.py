@@ -28,7 +28,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   stage's. **Memory balance**: max/min over stages of their peak allocation.
 - **replicas** (data-parallel pipelines, pp × dp): a replica is one pipeline group — the ranks joined by P2P
   (``p2p.pipeline_groups``), numbered by their lowest rank; replicas meet only in collectives. Ranks whose
-  stage is unknown are no stage's replicas (none is invented). A rank's **own time** (``own_ms``) is its step minus
+  stage is unknown are no stage's replicas (none is invented), unless the run holds no P2P at all (pure data
+  parallelism: they are replicas of stage '–'). A rank's **own time** (``own_ms``) is its step minus
   its exposed collective time: waiting in the gradient all-reduce is waiting for the slower replicas. Per stage
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
   median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
@@ -54,8 +55,10 @@ STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # traceana whatif makes every one ideal)
 WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
-# ~1 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
-WHATIF_MAX_OPERATIONS = 20_000
+# ~0.4 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
+WHATIF_MAX_OPERATIONS = 10_000
+NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
+
 
 def rank_steps(attribution: pl.DataFrame) -> pl.DataFrame:
     """ONE row per (rank, step) of the attribution: rank, stage, step, step_ns, ``<category>_ns`` for every category
@@ -110,10 +113,13 @@ class RunSummary:
     #                          straggler_rank, if_ideal_step_ms (the step with it ideal)
     replicas: pl.DataFrame | None = None  # one row per rank: stage, replica, rank, step_ms, own_ms (median),
     #                                       compute_ms, collective_ms (exposed)
+    step_times_ms: tuple[float, ...] = ()  # each measured step's time (step_ms is their mean): the noise's samples
     diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
+    path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
+    #                                   stage, seq, kind, start_ns, end_ns, ms, step — what the report draws
 
     @property
     def stragglers(self) -> pl.DataFrame:
@@ -125,6 +131,7 @@ class RunSummary:
         return {
             "measured_steps": list(self.steps),
             "step_ms": self.step_ms,
+            "step_times_ms": list(self.step_times_ms),
             "bubble_fraction": self.bubble_fraction,
             "bpipe_ms": self.bpipe_ms,
             "largest_activation_stage": self.largest_activation_stage,
@@ -228,12 +235,14 @@ def replica_table(per_step: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
-    """Per known stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
-    times), the slowest replica (largest median own time) and its rank and own time. Descriptive: who holds the
-    step back is the what-if's to say (traceana.whatif)."""
+def across_replicas(per_step: pl.DataFrame, *, unknown_are_replicas: bool = False) -> pl.DataFrame:
+    """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
+    times), the slowest replica (largest median own time) and its rank and own time. Ranks of unknown stage are
+    replicas of stage '–' only when ``unknown_are_replicas`` (the run holds no P2P at all: pure data parallelism,
+    graph.data_parallel_only); in a pipeline they are no stage's replicas. Descriptive: who holds the step back is
+    the what-if's to say (traceana.whatif)."""
     # One query (docs/performance.md "Fixed cost").
-    r = (per_step.lazy().filter(pl.col("stage").is_not_null())
+    r = (per_step.lazy().filter(pl.col("stage").is_not_null() | pl.lit(unknown_are_replicas))
          .group_by("stage", "replica", "step").agg(pl.col("own_ms").mean(), pl.col("rank").min()))
     per_replica = r.group_by("stage", "replica").agg(pl.col("own_ms").median(), pl.col("rank").min())
     slowest = (per_replica.sort(["own_ms", "replica"], descending=[True, False])  # a tie: the lowest replica
@@ -242,13 +251,13 @@ def across_replicas(per_step: pl.DataFrame) -> pl.DataFrame:
     return (
         stats.join(slowest.select("stage", pl.col("replica").alias("slowest_replica"),
                                   pl.col("rank").alias("slowest_rank"), pl.col("own_ms").alias("slowest_own_ms")),
-                   on="stage", how="left")
+                   on="stage", how="left", nulls_equal=True)
         .collect(**COLLECT)
     )
 
 
 def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
-                                                        pl.DataFrame | None]:
+                                                        pl.DataFrame | None, pl.DataFrame | None]:
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
     the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
     can run."""
@@ -259,15 +268,15 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
                                  "if_ideal_step_ms": pl.Float64})
     if analysis.events is None:
-        return empty, None, None, None  # (a result assembled without its events: the collectives are not known)
+        return empty, None, None, None, None  # (assembled without its events: the collectives are not known)
     try:
         g = build(analysis, steps)
         if g.ops.height > WHATIF_MAX_OPERATIONS:
-            return empty, (f"not run here for {g.ops.height:,} operations (more than {WHATIF_MAX_OPERATIONS:,}): "
-                           "traceana whatif RUN_DIR runs it"), None, None
+            return empty, (f"{NO_WHATIF}not run here for {g.ops.height:,} operations (more than "
+                           f"{WHATIF_MAX_OPERATIONS:,}): traceana whatif RUN_DIR runs it"), None, None, None
         w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
     except TraceanaError as e:
-        return empty, f"no what-if: {e.what}", None, None
+        return empty, f"{NO_WHATIF}{e.what}", None, None, None
     ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
@@ -275,7 +284,7 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
         "if_ideal_step_ms", "gain_ms")
     table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
              .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
-    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time
+    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
 def summarize(analysis) -> RunSummary:
@@ -284,18 +293,24 @@ def summarize(analysis) -> RunSummary:
     steps = measured_steps(att, analysis.schedule)
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck, path_time = named_by_whatif(analysis, steps)
+    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    from traceana.graph import data_parallel_only
+
+    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=data_parallel_only(analysis))
     per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
-                 .join(across_replicas(per_replica_step), on="stage", how="left")
-                 .join(named, on="stage", how="left"))
+                 .join(replicas_of, on="stage", how="left", nulls_equal=True)
+                 .join(named, on="stage", how="left", nulls_equal=True))
     used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
     ranks = used["rank"].n_unique()
     if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
-        step_ms = float(used.group_by("step").agg(pl.col("step_ns").max())["step_ns"].mean()) / NS_PER_MS
-    elif used.height:  # steps that do not line up across ranks: the slowest rank's own mean
-        step_ms = float(used.group_by("rank").agg(pl.col("step_ns").mean())["step_ns"].max()) / NS_PER_MS
+        per_step = used.group_by("step").agg(pl.col("step_ns").max()).sort("step")["step_ns"]
+    elif used.height:  # steps that do not line up across ranks: the slowest rank's own steps
+        slowest = used.group_by("rank").agg(pl.col("step_ns").mean()).sort("step_ns", "rank").tail(1)["rank"]
+        per_step = used.filter(pl.col("rank").is_in(slowest.implode())).sort("step")["step_ns"]
     else:
-        step_ms = None
+        per_step = pl.Series([], dtype=pl.Int64)
+    step_times_ms = tuple(float(x) / NS_PER_MS for x in per_step.to_list())  # the noise rule's samples
+    step_ms = sum(step_times_ms) / len(step_times_ms) if step_times_ms else None
     total = float(used["step_ns"].sum()) if used.height else 0.0
     bubble = float(used["bubble_ns"].sum()) if used.height else 0.0
     bpipe = per_stage["bpipe_ms"].drop_nulls()
@@ -312,23 +327,49 @@ def summarize(analysis) -> RunSummary:
         memory_balance=float(peaks.max() / peaks.min()) if len(peaks) > 1 and peaks.min() > 0 else None,
         per_stage=per_stage,
         replicas=replicas,
+        step_times_ms=step_times_ms,
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
+        path=path,
     )
 
 
-def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def compare_runs(runs: list[tuple[str, RunSummary]], *,
+                 repeats: dict[str, list[RunSummary]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
-    first run's step), largest_activation_peak_mib, peak_mib (largest stage), memory_balance. Per stage: stage, run,
-    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null
-    for a run whose stages are not the first run's)."""
-    base = runs[0][1].step_ms
+    first run's step) with its noise interval (traceana.noise: step_change_low, step_change_high, within_noise —
+    null without spread to judge —, noise_from, runs, step_change_words: the noise rule's sentence),
+    largest_activation_peak_mib, peak_mib (largest stage),
+    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the median of
+    its runs', and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
+    bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null for a run whose
+    stages are not the first run's)."""
+    from traceana.noise import compare
+
+    repeats = repeats or {}
+
+    def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
+        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
+                 for x in (s, *repeats.get(name, ()))]
+        return [r for r in runs_ if r]
+
+    base = side(*runs[0])
+    rows = []
+    for name, s in runs:
+        mine = side(name, s)
+        c = compare(base, mine) if base and mine else None
+        rows.append((name, c.other_ms if c else s.step_ms, c.change if c else None, c and c.low, c and c.high,
+                     c and c.within_noise, ("runs" if c.from_runs else "steps") if c else None, max(len(mine), 1),
+                     None if c is None or name == runs[0][0] else c.words(),
+                     s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance))
     overview = pl.DataFrame(
-        [(name, s.step_ms, (s.step_ms - base) / base if base and s.step_ms is not None else None,
-          s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance) for name, s in runs],
-        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64,
-                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64, "memory_balance": pl.Float64},
+        rows,
+        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64, "step_change_low": pl.Float64,
+                "step_change_high": pl.Float64, "within_noise": pl.Boolean, "noise_from": pl.String,
+                "runs": pl.Int32, "step_change_words": pl.String,
+                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64,
+                "memory_balance": pl.Float64},
         orient="row",
     )
     values = ("step_ms", "bubble_ms", "bpipe_ms", "peak_mib", "activation_peak_mib")

@@ -111,8 +111,9 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
                             maintain_order="left").with_columns(
         pl.col("action").replace_strict(KIND_OF_ACTION, return_dtype=pl.String).alias("kind"),
         (pl.col("seq") == 0).alias("first"),
-        # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself
-        pl.coalesce("stage", -1 - pl.col("rank")).alias("_work"))
+        # the same work: the same stage; a rank whose stage is unknown is the peer of none but itself, unless the
+        # run has no P2P at all (data parallel: every rank holds the one model)
+        pl.coalesce("stage", pl.lit(-1) if g.data_parallel else -1 - pl.col("rank")).alias("_work"))
     work_key, gap_key = ["action", "_work"], ["action", "_work", "first"]
     ops = ops.with_columns(pl.col("work_ns").median().over(work_key).alias("ideal_work"),
                            pl.col("gap_ns").median().over(gap_key).alias("ideal_gap"))
@@ -195,7 +196,8 @@ class WhatIf:
     summary: dict
     per_rank: pl.DataFrame  # rank, stage, replica, measured_step_ms, replayed_step_ms, replay_error
     path_time: pl.DataFrame  # time on the critical path (graph.on_path): group (kind/stage/rank), id, ms, fraction
-    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path), with each piece's slack 0
+    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path)
+    paths: pl.DataFrame  # every measured step's
     slack: pl.DataFrame  # every operation of the last measured step: rank, seq, kind, stage, start/end, slack_ns
     groups: pl.DataFrame  # group (stage / rank / replica / kind), id, if_ideal_step_ms, gain_ms, min_gain_ms,
     #                       slowdown, named
@@ -229,7 +231,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
             raise SetError(f"--set {c.text!r}: the run has no {c.who} {c.who_id}",
                            fix=f"its {c.who}s are {', '.join(map(str, have)) or 'unknown'}")
     steps = list(g.steps)
-    stages_known = ops["stage"].null_count() == 0
+    stages_known = ops["stage"].null_count() == 0 or g.data_parallel
 
     def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
         return [x / NS_PER_MS for x in replay_steps_ns(g, ops=o, edges=e)]
@@ -337,7 +339,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
              .join(last.ops.select("rank", "seq", "start_ns", "end_ns"), on=["rank", "seq"])
              .join(paths[-1][1], on=["rank", "seq"]).sort("rank", "seq"))
     return WhatIf(summary=summary, per_rank=per_rank, groups=table, path_time=path_time, path=paths[-1][0],
-                  slack=slack, notes=notes)
+                  paths=pl.concat([p for p, _ in paths]), slack=slack, notes=notes)
 
 
 def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: float, noise: float,
@@ -407,13 +409,19 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     base = analysis.config.training_config(path=analysis.run.path)
     changes = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches), ("bpipe", bpipe))
                if v is not None}
+    if schedule is not None:  # a multi-stage schedule splits each device's layers into two chunks (and back)
+        from traceana.manifest import MULTI_STAGE_SCHEDULES
+
+        changes["virtual_stages"] = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
     target = base.replace(**changes)
     as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
     other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS
     measured = analysis.summary.step_ms
     return {
-        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe)},
-        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe)},
+        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe),
+                   "virtual_stages": base.virtual_stages},
+        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
+                 "virtual_stages": target.virtual_stages},
         "simulated_as_run_ms": as_run,
         "simulated_plan_ms": other,
         "measured_step_ms": measured,

@@ -64,11 +64,14 @@ def synthetic(pp: int, dp: int, m: int, seed: int = 0) -> graph.StepGraph:
     e = pl.DataFrame(edges, schema=graph.EDGES, orient="row")
     ranks = pl.DataFrame([(s * dp + k, 0, 0, 0, 0, s, k) for s in range(pp) for k in range(dp)],
                          schema=graph.RANK_STEPS, orient="row")
-    g = graph.StepGraph(ops=o, edges=e, ranks=ranks, steps=(0,))
-    # the "measured" step windows: where the replay ends each rank (a measured graph has them from the trace)
-    ends = graph.replay(g, 0).ranks.select("rank", pl.col("end_ns").alias("_e"))
-    ranks = ranks.join(ends, on="rank").with_columns(pl.col("_e").alias("end_ns")).drop("_e")
     return graph.StepGraph(ops=o, edges=e, ranks=ranks, steps=(0,))
+
+
+def with_windows(g: graph.StepGraph) -> graph.StepGraph:
+    """The "measured" step windows: where the replay ends each rank (a measured graph has them from the trace)."""
+    ends = graph.replay(g, 0).ranks.select("rank", pl.col("end_ns").alias("_e"))
+    ranks = g.ranks.join(ends, on="rank").with_columns(pl.col("_e").alias("end_ns")).drop("_e")
+    return graph.StepGraph(ops=g.ops, edges=g.edges, ranks=ranks, steps=(0,))
 
 
 def main() -> None:
@@ -89,6 +92,7 @@ def main() -> None:
     t = time.perf_counter()
     r = graph.replay(g, 0)
     t_replay = time.perf_counter() - t
+    g = with_windows(g)
     print(f"replay: step {r.step_ns / MS:,.1f} ms in {t_replay:.2f} s wall; peak RSS {peak_mib():,.0f} MiB")
     t = time.perf_counter()
     path, slack = graph.critical_path(g, r)

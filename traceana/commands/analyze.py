@@ -123,10 +123,17 @@ def print_tables(analysis, *, per_step: bool) -> None:
              for c in shown]
     rows += [["peak memory MiB", *(mib(r["peak_memory_bytes"]) for r in stages)],
              ["activation peak MiB", *(mib(r["activation_peak_bytes"]) for r in stages)],
-             ["MFU", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             ["MFU (model FLOPs)", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             *([["HFU (+ recompute)", *(UNKNOWN if r["hfu"] is None else f"{100 * r['hfu']:.1f}%" for r in stages)]]
+               if any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages) else []),
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
+    if any(r["mfu"] is not None for r in stages):
+        from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
+
+        hfu = any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages)
+        print_line(console, f"MFU: {MFU_COUNTS}" + (f"; HFU: {HFU_COUNTS}" if hfu else ""))
     from traceana import gpu
 
     is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
@@ -202,6 +209,7 @@ def replicas_table(console, summary) -> None:
     import polars as pl
 
     from traceana.tables import print_line, print_table
+    from traceana.summary import NO_WHATIF
     from traceana.tables import cell as _num
     from traceana.whatif import ms
 
@@ -210,14 +218,18 @@ def replicas_table(console, summary) -> None:
         return
     ps = ps.filter(pl.col("replicas") > 1)
     reps = summary.replicas
-    collective = {s: ", ".join(f"r{r}: {ms:,.2f}" for _, r, ms in
-                               reps.filter(pl.col("stage") == s).select("stage", "replica", "collective_ms").rows())
+    # eq_missing: ranks of unknown stage of a pure data-parallel run are replicas of stage '–'; == null matches nothing
+    collective = {s: ", ".join(f"r{r}: {t:,.2f}" for _, r, t in
+                               reps.filter(pl.col("stage").eq_missing(s)).select("stage", "replica", "collective_ms")
+                               .rows())
                   for s in ps["stage"].to_list()}
+    known = summary.diagnosis is not None and not summary.diagnosis.startswith(NO_WHATIF)
+    none = "none" if known else "–"  # the what-if ran and named nobody; or it could not run (not determined)
     headers = ["stage", "replicas", "mean step\nms", "mean own\nms", "slowest\nreplica", "its own\nms",
                "straggler\n(what-if)", "collective exposed\nms per replica"]
     rows = [[_num(r["stage"], "d"), str(r["replicas"]), _num(r["step_ms"]), _num(r["own_ms"]),
              f"{r['slowest_replica']} (rank {r['slowest_rank']})", _num(r["slowest_own_ms"]),
-             "–" if r["straggler"] is None else f"replica {r['straggler']} (rank {r['straggler_rank']})",
+             (none if r["straggler"] is None else f"replica {r['straggler']} (rank {r['straggler_rank']})"),
              collective[r["stage"]]]
             for r in ps.iter_rows(named=True)]  # one row per stage: display only
     print_table(console, "Data-parallel replicas per stage (own time = step − exposed collective; median over "
@@ -229,7 +241,9 @@ def replicas_table(console, summary) -> None:
                             f"{ms(summary.step_ms)} ms (the what-if names a rank only when that gain exceeds the "
                             f"noise in every measured step; traceana whatif)"
                    if r["if_ideal_step_ms"] is not None else f"straggler: rank {r['straggler_rank']}")
-    if not len(summary.stragglers):
+    if not known:
+        print_line(console, "straggler: not known — " + (summary.diagnosis or "the what-if did not run"))
+    elif not len(summary.stragglers):
         print_line(console, "no straggler: no rank or replica made ideal shortens the step by more than "
                             "the noise in every measured step (traceana whatif)")
 
