@@ -103,9 +103,10 @@ class StdoutClosed(OSError):
 EXIT_SIGINT, EXIT_SIGPIPE, EXIT_SIGTERM = 128 + 2, 128 + 13, 128 + 15  # the shell's codes for those signals
 _signalled: int | None = None  # the first SIGINT/SIGTERM of this command, once it arrived
 _at_once = False  # end the process in the handler itself (see _on_signal)
-# Commands whose processes own children (the trainer's ranks, a job, a Dask client): a signal is raised in them, so
-# that their own clean-up stops the children; every other command ends in the handler.
-OWN_CHILDREN = frozenset({"collect", "demo", "attach"})
+# Commands a signal is raised in, to be handled by their own code: those whose processes own children (the
+# trainer's ranks, a job, a Dask client), whose clean-up stops the children, and watch, which Ctrl-C ends normally
+# (exit 0); every other command ends in the handler.
+RAISED_IN = frozenset({"collect", "demo", "attach", "watch"})
 
 
 def _on_signal(signum, frame) -> None:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     traceback, wherever they arrive — in the imports, a polars call or a cache write (docs/reliability.md)."""
     global _at_once
     program = argv is None and _is_program()
-    _at_once = program and _command_in(sys.argv[1:]) not in OWN_CHILDREN and "--dask" not in sys.argv
+    _at_once = program and _command_in(sys.argv[1:]) not in RAISED_IN and "--dask" not in sys.argv
     previous = _install_signals()
     try:
         _standard_streams()

@@ -468,7 +468,8 @@ MIXED_NOTE_S = 1.0
 MIXED_SPANS = 10
 # What traceana's collectors record of a collection's configuration in every rank's trace ("traceana" metadata):
 # one collection's ranks agree on each.
-COLLECTION_KEYS = ("pp", "world_size", "schedule", "bpipe", "profiler", "torch")
+COLLECTION_KEYS = ("pp", "world_size", "schedule", "bpipe", "profiler", "torch", "microbatches", "microbatch_size",
+                   "preset", "attention", "recompute", "collector")
 
 
 def _one_collection(results: list[Parsed], run_dir: Path) -> list[str]:
