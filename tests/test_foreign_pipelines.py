@@ -188,3 +188,21 @@ def test_megatron_waiting_on_the_peer_is_a_bubble_not_p2p(megatron):
             assert got["p2p"] >= (calls["p2p"] - calls["p2p_torch"]) / step_ns - TOL, (rank, step, got)
             assert bubble >= (calls["p2p_torch"] - cost) / step_ns - TOL, (rank, step, got)
             assert bubble <= calls["p2p_torch"] / step_ns + TOL, (rank, step, got)
+
+
+def test_deepspeed_waiting_on_the_peer_is_a_bubble_not_p2p(deepspeed):
+    """The same bounds on DeepSpeed's run: its P2P instructions (SendActivation, RecvActivation, SendGrad, RecvGrad)
+    spend the time of their c10d calls (truth: comm_calls_ns "send in …" / "recv in …") on 8 messages of 2,048 bytes
+    per rank and step (16.4 + 300 µs each at most) and on waiting; the rest of the instructions is their own Python."""
+    a, truth = deepspeed
+    cost = MESSAGES_PER_RANK * (16_384 + 300_000)
+    for step in _steps(a):
+        for rank in (0, 1):
+            t = truth[rank]["steps"][str(step)]
+            step_ns, ins, comm = t["train_batch_ns"], t["instructions_ns"], t["comm_calls_ns"]
+            c10d = sum(v for k, v in comm.items() if k.startswith(("send ", "recv ")))
+            own = sum(ins.get(i, 0) for i in P2P_INSTRUCTIONS) - c10d
+            got = _shares(a, rank, step)
+            bubble = sum(got.get(c, 0) for c in BLOCKED if c != "p2p")
+            assert got["p2p"] <= (own + cost) / step_ns + TOL, (rank, step, got)
+            assert bubble >= (c10d - cost) / step_ns - TOL, (rank, step, got)
