@@ -22,7 +22,7 @@ from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
 from traceana.names import NameRules
-from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair
+from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_ceiling
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
@@ -195,8 +195,9 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
-    link = link_bandwidth(config)  # (the transfer floor's bandwidth: traceana.p2p)
-    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
+    # (the transfer floor's bandwidth, and the ceiling's between CPU ranks: traceana.p2p)
+    link, ceiling = link_bandwidth(config), transfer_ceiling(config)
+    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
@@ -210,7 +211,7 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
+        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).

@@ -12,7 +12,8 @@ KIB = 2**10
 MIB = 2**20
 GIB = 2**30
 TIB = 2**40
-GB = 10**9  # decimal gigabyte: bandwidths in GB/s, as network links are rated
+MB = 10**6  # decimal megabyte and gigabyte: bandwidths in MB/s and GB/s, as links are rated
+GB = 10**9
 TFLOPS = 10**12  # FLOP/s in a TFLOP/s
 
 
