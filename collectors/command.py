@@ -26,27 +26,26 @@ LOG = "collect.log"  # in the run directory: the spawned ranks' stderr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from collectors.trainer.config import PRESETS, SCHEDULES  # cheap: no torch import
+    from collectors.trainer.config import PRESETS  # cheap: no torch import
     from traceana.commands import options
-    from traceana.manifest import MULTI_STAGE_SCHEDULES
 
+    # The training configuration estimate shares: options.py defines each flag and its default once.
     options.model(parser, default="tiny-gpt", presets=PRESETS)
-    parser.add_argument("--pp", type=int, default=4, metavar="N", help="pipeline stages")
-    parser.add_argument("--dp", type=int, default=1, metavar="N",
-                        help="data-parallel replicas of the pipeline (pp × dp processes; rank = stage · dp + replica)")
-    options.microbatches(parser, default=8, help="micro-batches per step")
-    parser.add_argument("--microbatch-size", type=int, default=2, metavar="N", help="sequences per micro-batch")
-    parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES),
-                        help="pipeline schedule; multi-stage ones run torch.distributed.pipelining")
-    parser.add_argument("--bpipe", action="store_true", help="evict activations from stage s to stage p-1-s (BPipe)")
+    options.pp(parser)
+    options.dp(parser)
+    options.microbatches(parser)
+    options.microbatch_size(parser)
+    options.schedule(parser)
+    options.bpipe(parser)
     parser.add_argument("--bpipe-inflight", type=int, default=None, metavar="N",
                         help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)")
-    parser.add_argument("--attention", default="naive", choices=("naive", "sdpa"),
-                        help="naive keeps the s×s scores; sdpa is flash-style")
-    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                        help="activation recomputation")
-    parser.add_argument("--steps", type=int, default=2, metavar="N", help="profiled training steps")
-    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N", help="unprofiled steps before them")
+    options.attention(parser)
+    options.recompute(parser)
+    # A count of steps (attach's --window is a range of step numbers); --steps is the old spelling, kept hidden.
+    parser.add_argument("--profile-steps", "--steps", dest="steps", type=int, default=2, metavar="N",
+                        help="how many training steps are profiled, after the --warmup-steps")
+    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N",
+                        help="steps run before them, the profiler warming up (nothing kept)")
     parser.add_argument("--seed", type=int, default=1234, help="random seed of the weights and the data")
     options.output(parser, type=Path, required=True, metavar="DIR",
                    help="run directory to write (required)")
@@ -54,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from collectors.trainer.config import CollectConfig
+    from traceana.commands.options import microbatch_count
 
     return CollectConfig(
-        preset=args.model, pp=args.pp, microbatches=args.microbatches, microbatch_size=args.microbatch_size,
+        preset=args.model, pp=args.pp, microbatches=microbatch_count(args), microbatch_size=args.microbatch_size,
         schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
         recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed, dp=args.dp,
     )
@@ -81,12 +81,14 @@ def run_pipelining(args: argparse.Namespace) -> int:
     # impossible configuration is refused here and not as a traceback from inside the spawned ranks
     from traceana.pipeline_rules import device_order
 
+    from traceana.commands.options import microbatch_count
+
     config_from_args(argparse.Namespace(**{**vars(args), "schedule": "gpipe"}))
-    device_order(args.schedule, pp=args.pp // 2, num_microbatches=args.microbatches, device=0, virtual_stages=2)
+    device_order(args.schedule, pp=args.pp // 2, num_microbatches=microbatch_count(args), device=0, virtual_stages=2)
     from collectors.pipelining_example import collect
 
     with ranks_output(args.output):
-        out = collect(args.schedule, args.output, preset=args.model, microbatches=args.microbatches,
+        out = collect(args.schedule, args.output, preset=args.model, microbatches=microbatch_count(args),
                       microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
                       attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"wrote {out}; next: traceana analyze {out}")
@@ -109,6 +111,30 @@ def ranks_output(out: Path) -> Iterator[None]:
         print(f"the ranks' own output (torch's messages) is in {log}", file=sys.stderr)
         raise
     print(f"the ranks' own output (torch's messages): {log}")
+
+
+def collect_run(out: Path, *, progress=None, log: Path | None = None, **config) -> Path:
+    """Collect one run of the reference trainer into ``out`` (``CollectConfig``'s fields as keywords); returns the
+    run directory. What the demo collects with, through the command registry (``registry.provided("collect",
+    "collect_run")``): reports never imports the trainer or torch itself. ``progress``: called with one line of
+    text per event of the trainer (e.g. a rank finished a step); ``log``: where the trainer's processes write their
+    stderr (default: ours). Without torch: one BadInputError line saying how to get it."""
+    from traceana.errors import BadInputError
+
+    try:
+        from collectors.launch import collect, workers_output_to
+        from collectors.trainer.config import CollectConfig
+    except ImportError as e:  # torch is missing: say how to get it
+        raise BadInputError(
+            f"traceana demo needs the collectors and torch ({e.name or e} is missing)",
+            fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
+                "traceana report RUN_DIR",
+        ) from None
+    cfg = CollectConfig(**config)
+    if log is None:
+        return Path(collect(cfg, out, progress=progress))
+    with workers_output_to(log):
+        return Path(collect(cfg, out, progress=progress))
 
 
 OWNER = ".traceana-collect"  # in a run directory being collected: which launch it belongs to (torchrun's ranks)

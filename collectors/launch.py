@@ -15,6 +15,7 @@ Workers start from a forkserver, so a script calling ``collect`` needs the usual
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -118,7 +119,8 @@ def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | 
     ctx = multiprocessing.get_context(method)
     events = ctx.SimpleQueue() if progress else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    args = (configs, config.world_size, init_method, out_dir, results_dir, events)
+    args = (configs, config.world_size, init_method, out_dir, results_dir, events,
+            cores_to_pin(config.world_size))
     try:
         pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
@@ -189,12 +191,13 @@ def _start_method() -> str:
 
 
 def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_method: str, out_dir: Path | None,
-            results_dir: Path | None, events) -> None:
+            results_dir: Path | None, events, cores: list[int] | None = None) -> None:
     import torch.distributed as dist
 
     from collectors.trainer.train import choose_device, init_process_group, train
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    pin_to_core(rank, cores)
     setup = choose_device(rank, world_size)
     init_process_group(setup, init_method)
     try:
@@ -207,6 +210,38 @@ def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_metho
                 torch.save(dataclasses.asdict(result), Path(results_dir) / f"{index}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def cores_to_pin(world_size: int) -> list[int] | None:
+    """The cores the ranks get one each (rank r on the r-th), or None to leave them to the kernel: when the ranks
+    outnumber the launcher's cores, or when other work already keeps them busy (the 1-minute load average leaves
+    fewer free cores than ranks).
+
+    Why the load matters: one configuration (pp 2, 4 micro-batches) collected ten times alternately, pinned and
+    unpinned, while other jobs kept the 2-core machine's load at 8–10: pinned ranks took 1.4× as long (median
+    551 vs 374 ms) and were no steadier (run-to-run CV 37 % vs 41 %, within a run 41 % vs 32 %), since a pinned rank
+    cannot leave a core another job holds (docs/field-notes.md "Noise floor"). Pinning only prevents migrations
+    between cores no one else wants."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if world_size > len(cores) or busy + world_size > len(cores) + 0.5:
+        return None
+    return cores[:world_size]
+
+
+def pin_to_core(rank: int, cores: list[int] | None) -> int | None:
+    """Keep torch to one intra- and one inter-op thread (one stage a process: more threads only fight each other)
+    and pin this rank to its core of ``cores`` (``cores_to_pin``); returns the core, or None when not pinned. The
+    run's ``host_cpus`` stays the launcher's mask (run.json is finalised by the launcher)."""
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op work
+        torch.set_num_interop_threads(1)
+    if cores is None:
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
 
 
 def in_torchrun() -> bool:

@@ -77,8 +77,10 @@ def build_report(
     validation: Validation | None = default_validation,
     cross_run: Callable[[Analysis, Analysis], dict | str] | None = default_cross_run,
     title: str | None = None,
+    repeats: dict[str, Sequence[Analysis]] | None = None,
 ) -> str:
-    """Return the report for ``analyses`` as one HTML string. Raises AnalysisError for a run with nothing to show."""
+    """Return the report for ``analyses`` as one HTML string. Raises AnalysisError for a run with nothing to show.
+    ``repeats``: more runs of a named run's configuration, whose spread the A/B comparison's noise includes."""
     if not analyses:
         raise BadInputError("no runs to report on", fix="pass one or more run directories")
     for a in analyses:
@@ -103,7 +105,7 @@ def build_report(
     sections.memory(page, runs, G)
     sections.validation(page, runs, G, validation)
     if len(runs) > 1:
-        sections.comparison(page, runs, G, cross_run)
+        sections.comparison(page, runs, G, cross_run, repeats=repeats)
 
     body, script = page.render()
     # Only bokeh's own bundle, inline. Resources.render_js() would also add a <script src> that panel (imported by

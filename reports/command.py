@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from traceana.errors import BadInputError
+from traceana.units import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.peak_flops(parser)
     options.names(parser)
     parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
+    parser.add_argument("--repeat", nargs="+", action="append", default=None, metavar=("RUN_DIR", "OTHER_RUN"),
+                        help="RUN_DIR (one of the runs) then more collections of its configuration: the A/B "
+                             "comparison's noise interval then includes the spread between them; repeatable "
+                             "(default: the spread over steps only)")
     options.reading(parser)
 
 
@@ -52,9 +57,45 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
         for p in paths:
             task = bar.add_task(escape(f"reading {p}"), total=None)
             # cached under p/.traceana/analysis unless cache is False
-            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names_from=rules))
+            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names=rules))
             bar.remove_task(task)
     return out
+
+
+def _repeat_groups(repeat: list[list[str]], runs: list[str]) -> dict[int, list[str]]:
+    """--repeat groups → {position of the run in RUN_DIR…: its other collections}; refused (one line) when the
+    first of a group is not one of the runs or has no other run."""
+    out: dict[int, list[str]] = {}
+    where = {str(Path(r).resolve()): i for i, r in enumerate(runs)}
+    for group in repeat:
+        first, more = group[0], group[1:]
+        i = where.get(str(Path(first).resolve()))
+        if i is None or not more:
+            raise BadInputError(f"--repeat {' '.join(group)}: " + ("give the other runs after it" if i is not None
+                                                                      else f"{first} is not one of the runs"),
+                                fix="write --repeat RUN_DIR OTHER_RUN…, RUN_DIR one of the report's runs")
+        out.setdefault(i, []).extend(more)
+    return out
+
+
+def _same_configuration(first, more: list) -> list:
+    """``more`` if every run is ``first``'s configuration (run.json as the traces show it), else a one-line error:
+    the difference between two configurations is not noise."""
+    from traceana.errors import AnalysisError, TraceanaError
+
+    try:
+        want = first.config.training_config(path=first.run.path)
+        for a in more:
+            if a.config.training_config(path=a.run.path) != want:
+                raise AnalysisError(f"--repeat: not a collection of {first.run.path}'s configuration, so its "
+                                    "difference is not noise", path=a.run.path,
+                                    fix="give --repeat only runs collected with the same flags")
+    except AnalysisError:
+        raise
+    except TraceanaError as e:
+        raise AnalysisError(f"--repeat needs each run's configuration (run.json): {e.what}", path=e.path,
+                            fix="collect the runs with `traceana collect`, or leave out --repeat") from None
+    return more
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,16 +114,22 @@ def run(args: argparse.Namespace) -> int:
 
     for r in args.runs:  # before any work: never write the report over a trace or run.json
         refuse_inputs(args.output, input_files(r))
+    groups = _repeat_groups(args.repeat or [], args.runs)
     t0 = time.perf_counter()
     analyses = analyse_runs(args.runs, peak_flops=args.peak_flops, progress=not args.quiet, cache=not args.no_cache,
                             workers=args.workers, names=args.names)
+    read = dict(peak_flops=args.peak_flops, progress=False, cache=not args.no_cache, workers=args.workers,
+                names=args.names)
+    repeats = {i: _same_configuration(analyses[i], analyse_runs(more, **read)) for i, more in groups.items()}
     with console.status("rendering the report (holoviews + bokeh)"):
-        from reports.build import write_report
+        from reports.build import run_name, write_report
 
-        kwargs = {"names": args.name, "title": args.title}
+        taken: set[str] = set()
+        names = list(args.name) if args.name else [run_name(a, taken) for a in analyses]
+        kwargs = {"names": names, "title": args.title, "repeats": {names[i]: rs for i, rs in repeats.items()}}
         if args.no_validate:
             kwargs["validation"] = kwargs["cross_run"] = None
         path = write_report(args.output, analyses, **kwargs)
-    size = path.stat().st_size / 2**20
+    size = path.stat().st_size / MIB
     print(f"report: {path} ({size:.1f} MiB, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -1,8 +1,12 @@
 """The whole job on a tiny example: collect a CPU pipeline with and without BPipe, analyse, validate, report.
 
-Trains a tiny GPT split into 4 pipeline stages (4 processes, gloo) under the profiler, once with plain 1F1B and
-once with BPipe's activation eviction, then writes one HTML report comparing the two. Needs torch; takes about
-20 seconds on 2 cores (16 s measured, installed). Open the printed report in a browser.
+Trains a tiny GPT split into 4 pipeline stages (4 processes, gloo) under the profiler, with plain 1F1B and with
+BPipe's activation eviction, each ``ROUNDS`` times interleaved (baseline, BPipe, baseline, BPipe, …: a machine that
+slows down or speeds up meets both alike), then writes one HTML report comparing the two. It prints each side's runs
+and medians, the activation peaks, and one headline on step time whose measured part carries its noise interval over
+all the runs (traceana.noise) and whose modelled part either lies inside that interval or is said to differ, and why
+(traceana.validation.prediction.repeated_comparison). Needs torch; about 1–2 minutes on 2 cores. Open the printed
+report in a browser.
 """
 
 from __future__ import annotations
@@ -13,14 +17,17 @@ import shutil
 import time
 from pathlib import Path
 
-from traceana.errors import BadInputError
-
 DEFAULT_OUT = Path("traceana-demo")
 # Small enough for a 2-core laptop in seconds, big enough that the pipeline has a steady state to look at:
 # 4 stages, 8 micro-batches (1F1B needs at least as many micro-batches as stages), 2 profiled steps.
-DEMO = {"preset": "tiny-gpt", "pp": 4, "microbatches": 8, "microbatch_size": 2, "schedule": "1f1b", "steps": 2,
+# 3 profiled steps: the first is dropped (summary.measured_steps), two are measured — a spread for the noise rule.
+DEMO = {"preset": "tiny-gpt", "pp": 4, "microbatches": 8, "microbatch_size": 2, "schedule": "1f1b", "steps": 3,
         "warmup_steps": 1, "attention": "naive", "recompute": "none"}
 RUNS = (("baseline", False), ("bpipe", True))
+# Each configuration collected this many times, interleaved. On this project's 2-core machine one configuration
+# collected twice differed by 55–98 % (docs/field-notes.md "Noise floor"): with one run a side the step-time
+# comparison was the machine's, not BPipe's.
+ROUNDS = 3
 
 
 def bpipe_headline(plain_mib: float | None, bpipe_mib: float | None) -> str | None:
@@ -42,25 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect_run(out: Path, *, bpipe: bool, progress=None, log: Path | None = None, **overrides) -> Path:
-    """Collect one demo run into ``out`` with the collectors' Python API; returns the run directory.
+    """Collect one demo run (``DEMO`` with ``overrides``) into ``out``; returns the run directory. The collection
+    itself is the collect command's (``collectors.command.collect_run``, through the command registry): the demo
+    imports neither the trainer nor torch. ``progress``: called with one line of text per event of the trainer
+    (e.g. a rank finished a step); ``log``: where the trainer's processes write their stderr (default: ours)."""
+    from traceana.commands.registry import provided
 
-    ``progress``: called with one line of text per event of the trainer (e.g. a rank finished a step); ``log``:
-    where the trainer's processes write their stderr (default: ours)."""
-    try:
-        from collectors.launch import collect, workers_output_to
-        from collectors.trainer.config import CollectConfig
-    except ImportError as e:  # torch (or collectors) is missing: say how to get it
-        raise BadInputError(
-            f"traceana demo needs the collectors and torch ({e.name or e} is missing)",
-            fix="pip install 'traceana[collect]' (with a torch build for your machine), or analyse saved traces with "
-                "traceana report RUN_DIR",
-        ) from None
-
-    config = CollectConfig(**{**DEMO, **overrides, "bpipe": bpipe})
-    if log is None:
-        return Path(collect(config, out, progress=progress))
-    with workers_output_to(log):
-        return Path(collect(config, out, progress=progress))
+    return provided("collect", "collect_run")(out, progress=progress, log=log, **{**DEMO, **overrides, "bpipe": bpipe})
 
 
 def _short(msg: str, width: int = 90) -> str:
@@ -89,51 +84,64 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     runs_dir = out / "runs"
     t0 = time.perf_counter()
     console.print(f"[bold]traceana demo[/]: tiny GPT, {DEMO['pp']} pipeline stages × {DEMO['microbatches']} "
-                  f"micro-batches, 1F1B with and without BPipe, on the CPU")
-    analyses = []
+                  f"micro-batches, 1F1B with and without BPipe, {ROUNDS} runs each interleaved, on the CPU")
+    dirs: dict[str, list[Path]] = {name: [] for name, _ in RUNS}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   disable=args.quiet) as progress:
-        for name, bpipe in RUNS:
-            task = progress.add_task(f"collecting {name} ({DEMO['pp']} processes under the profiler)", total=None)
-            run_dir = runs_dir / name
-            if run_dir.exists():
-                shutil.rmtree(run_dir)
-            try:
-                collect_run(run_dir, bpipe=bpipe, log=log, progress=lambda msg, task=task, name=name: progress.update(
-                    task, description=escape(f"collecting {name}: {_short(msg)}")))
-            except BaseException:
-                console.print(escape(f"the trainer's own output is in {log}"))
-                raise
-            progress.update(task, description=f"collected {name}", completed=1, total=1)
+        for k in range(1, ROUNDS + 1):
+            for name, bpipe in RUNS:
+                label = f"{name} {k}/{ROUNDS}"
+                task = progress.add_task(f"collecting {label} ({DEMO['pp']} processes under the profiler)",
+                                         total=None)
+                run_dir = runs_dir / f"{name}-{k}"
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)
+                try:
+                    collect_run(run_dir, bpipe=bpipe, log=log, progress=lambda msg, task=task, label=label:
+                                progress.update(task, description=escape(f"collecting {label}: {_short(msg)}")))
+                except BaseException:
+                    console.print(escape(f"the trainer's own output is in {log}"))
+                    raise
+                progress.update(task, description=f"collected {label}", completed=1, total=1)
+                dirs[name].append(run_dir)
         from reports.command import analyse_runs
 
-        task = progress.add_task("analysing both runs", total=None)
-        analyses = analyse_runs([runs_dir / n for n, _ in RUNS], progress=False)
-        progress.update(task, description="analysed both runs", completed=1, total=1)
+        task = progress.add_task(f"analysing the {ROUNDS * len(RUNS)} runs", total=None)
+        analysed = {name: analyse_runs(ds, progress=False) for name, ds in dirs.items()}
+        progress.update(task, description=f"analysed the {ROUNDS * len(RUNS)} runs", completed=1, total=1)
 
         task = progress.add_task("validating against the model and rendering the report", total=None)
         from reports.build import write_report
 
-        write_report(report, analyses, names=[n for n, _ in RUNS], title="traceana demo: 1F1B with and without BPipe")
+        names = [n for n, _ in RUNS]
+        write_report(report, [analysed[n][0] for n in names], names=names, repeats={n: analysed[n][1:] for n in names},
+                     title="traceana demo: 1F1B with and without BPipe")
         progress.update(task, description="report written", completed=1, total=1)
 
     if not args.keep:
         shutil.rmtree(runs_dir, ignore_errors=True)
         log.unlink(missing_ok=True)
-    for (name, _), a in zip(RUNS, analyses, strict=True):
-        s = a.summary
-        peak = (f"{s.largest_activation_peak_mib:,.2f} MiB on stage {s.largest_activation_stage}"
-                if s.largest_activation_peak_mib is not None else "–")
-        console.print(f"  {name:9s} step {s.step_ms:,.1f} ms · largest activation peak {peak} · memory imbalance "
-                      "across stages " + (f"{s.memory_balance:.2f}×" if s.memory_balance else "–"), highlight=False)
-    headline = bpipe_headline(*(a.summary.largest_activation_peak_mib for a in analyses))
+    from traceana.validation.prediction import repeated_comparison
+
+    both = repeated_comparison(analysed["baseline"], analysed["bpipe"])
+    for (name, _), side in zip(RUNS, (both["baseline"], both["target"]), strict=True):
+        steps = " / ".join(f"{x:,.0f}" for x in side["step_ms"])
+        peaks = side["activation_peak_mib"]
+        peak = (f"{side['median_activation_peak_mib']:,.2f} MiB" + (
+            "" if max(peaks) - min(peaks) < 0.01 else f" ({min(peaks):,.2f}–{max(peaks):,.2f})")) if peaks else "–"
+        console.print(f"  {name:9s} {side['runs']} runs, step {steps} ms (median {side['median_step_ms']:,.0f} ms) · "
+                      f"largest activation peak {peak}", highlight=False)
+    headline = bpipe_headline(both["baseline"]["median_activation_peak_mib"],
+                              both["target"]["median_activation_peak_mib"])
     if headline:
         console.print(f"[bold]{headline}[/]", highlight=False)
+    console.print(escape(f"BPipe against the baseline, {ROUNDS} interleaved runs each: {both['headline']}"),
+                  highlight=False)
     from reports.validation import bpipe_verdict
 
-    verdict = bpipe_verdict(analyses[0])
+    verdict = bpipe_verdict(analysed["baseline"][0])
     if verdict:
-        console.print(escape(f"  model, from the baseline alone: {verdict}"), highlight=False)
+        console.print(escape(f"  model, from the first baseline alone: {verdict}"), highlight=False)
     kept = escape(f" (runs kept in {runs_dir})") if args.keep else ""
     console.print(f"done in {time.perf_counter() - t0:.0f} s{kept}")
     print(f"report: {report.resolve()}")

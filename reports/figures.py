@@ -12,6 +12,7 @@ import polars as pl
 from reports import frames as F
 from reports import palette
 from traceana import names
+from traceana.units import MIB
 
 hv.extension("bokeh", logo=False)
 
@@ -29,6 +30,13 @@ def _label(kind: str) -> str:
 def _pd(frame: pl.DataFrame):
     # holoviews' grouping needs pandas (docs/field-notes.md: polars frames partly work, Bars grouping does not).
     return frame.to_pandas()
+
+
+def _title(text: str) -> str:
+    """A plot's title as holoviews takes it: it formats titles with ``str.format`` (``{label}``, ``{group}``), so
+    braces in a run's name are doubled to stay text (``--name '{x}'`` was a KeyError). Plain text otherwise: bokeh
+    draws it as is, and escapes its own embedded JSON (no HTML escaping here)."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def _empty(title: str, message: str) -> str:
@@ -94,7 +102,7 @@ def timeline(
         )
 
     t = transfers.join(rows, on="rank").with_columns(
-        yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / 2**20, colour=colour,
+        yl=pl.col("y") + 0.12, mib=pl.col("nbytes") / MIB, colour=colour,
         what=pl.when(pl.col("kind") == "bpipe").then(pl.lit("BPipe")).otherwise(pl.lit("P2P")),
     )
     hover_xfer = [("message", "@what"), ("to rank", "@rank"), ("from rank", "@peer"), ("size (MiB)", "@mib{0,0.000}"),
@@ -130,7 +138,7 @@ def timeline(
     height = max(220, 70 * len(ranks) + 90)
     return hv.Overlay(layers).opts(
         hv.opts.Overlay(
-            title=title, height=height, xlabel="time since the first profiled step (ms)", ylabel="",
+            title=_title(title), height=height, xlabel="time since the first profiled step (ms)", ylabel="",
             yticks=yticks, invert_yaxis=True, show_legend=False, show_grid=False, **WIDTH_OPTS,
         )
     )
@@ -160,7 +168,7 @@ def stacked_by_stage(
     )
     bars = hv.Bars(_pd(df), kdims=["stage", "category"], vdims=["ms", "percent", "colour"])
     return bars.opts(
-        stacked=True, color="colour", title=title, ylabel=ylabel, xlabel="pipeline stage",
+        stacked=True, color="colour", title=_title(title), ylabel=ylabel, xlabel="pipeline stage",
         height=320, line_color="white", show_legend=False,
         tools=[_hover([("stage", "@stage"), ("category", "@category"), ("ms per step", "@ms{0,0.00}"),
                        ("share of step", "@percent{0.0}%")])],
@@ -180,7 +188,7 @@ def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str
         .select("stage", "run", value, "colour")
     )
     return hv.Bars(_pd(df), kdims=["stage", "run"], vdims=[value, "colour"]).opts(
-        color="colour", title=title, ylabel=ylabel, xlabel="pipeline stage · run", height=320, show_legend=False,
+        color="colour", title=_title(title), ylabel=ylabel, xlabel="pipeline stage · run", height=320, show_legend=False,
         tools=[_hover([("stage", "@stage"), ("run", "@run"), (ylabel, f"@{value}{{0,0.0}}")])],
         multi_level=len(runs) > 1, **WIDTH_OPTS,
     )
@@ -201,7 +209,7 @@ def memory_over_time(curves: pl.DataFrame, *, title: str) -> hv.Element:
             )
         )
     return hv.Overlay(lines).opts(
-        hv.opts.Overlay(title=title, height=320, xlabel="time since the first profiled step (ms)",
+        hv.opts.Overlay(title=_title(title), height=320, xlabel="time since the first profiled step (ms)",
                         ylabel="allocated memory (MiB, max per bin)", legend_position="top",
                         **WIDTH_OPTS)
     )
@@ -213,7 +221,7 @@ def run_bars(frame: pl.DataFrame, *, value: str, title: str, ylabel: str) -> hv.
         colour=pl.Series([palette.run_colour(i) for i in range(frame.height)], dtype=pl.String)
     )
     return hv.Bars(_pd(df), kdims=["run"], vdims=[value, "colour"]).opts(
-        color="colour", title=title, ylabel=ylabel, xlabel="run", height=300, show_legend=False,
+        color="colour", title=_title(title), ylabel=ylabel, xlabel="run", height=300, show_legend=False,
         tools=[_hover([("run", "@run"), (ylabel, f"@{value}{{0,0.00}}")])], **WIDTH_OPTS,
     )
 
@@ -234,7 +242,7 @@ def estimate_vs_measured(frame: pl.DataFrame, *, title: str, xlabel: str) -> hv.
         )
     return hv.Overlay(layers).redim.values(item=items[::-1]).opts(
         # with invert_axes the value axis is drawn horizontally but keeps the y label
-        hv.opts.Overlay(title=title, invert_axes=True, height=70 + 26 * len(items), xlabel="", ylabel=xlabel,
+        hv.opts.Overlay(title=_title(title), invert_axes=True, height=70 + 26 * len(items), xlabel="", ylabel=xlabel,
                         show_legend=False, show_grid=True, **WIDTH_OPTS)
     )
 

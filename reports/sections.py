@@ -5,7 +5,7 @@ Figures come from ``reports.figures`` (holoviews), passed in as ``G`` so that im
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import polars as pl
 
@@ -15,7 +15,7 @@ from reports import palette
 from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
 from traceana.analysis import Analysis
-from traceana.gpu import pipeline_found
+from traceana.gpu import NO_PIPELINE
 from traceana.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
@@ -77,7 +77,7 @@ def attribution(page, runs: Runs, G) -> None:
     present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
     page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
     for name, a in runs:
-        if not pipeline_found(a.stages, a.schedule, a.p2p):
+        if not a.summary.pipeline_found:
             not_a_pipeline(page, name, a)
             continue
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
@@ -131,14 +131,12 @@ STREAM_COLUMNS = [
 
 
 def not_a_pipeline(page, name: str, a: Analysis) -> None:
-    """A run that is no pipeline (traceana.gpu.pipeline_found): a sentence instead of per-stage bars, and what
+    """A run that is no pipeline (its summary's ``pipeline_found``): a sentence instead of per-stage bars, and what
     still helps: the time per rank by category, and per GPU stream."""
     from traceana.gpu import stream_means
 
-    page.add(H.para(f"{name}: no pipeline found — no rank has a stage (no run.json, no PP: or framework annotations, "
-                    "no "
-                    "P2P messages chaining ranks), so there are no per-stage bars or bubbles. Time per rank (mean per "
-                    "measured step) and per GPU stream:", css_class="lead"))
+    page.add(H.para(f"{name}: {NO_PIPELINE}. Time per rank (mean per measured step) and per GPU stream:",
+                    css_class="lead"))
     st = a.stages
     cols = [("rank", "rank"), ("step_ms", "step (ms)")] + [
         (f"{c}_ms", f"{palette.CATEGORY_LABELS[c]} (ms)") for c in palette.CATEGORY_COLOURS
@@ -201,6 +199,10 @@ def bubbles(page, runs: Runs, G) -> None:
     page.add('<div class="grid">')
     for name, a in runs:
         page.add("<div>")
+        if not a.summary.pipeline_found:  # no bubble to draw: the reason, not an empty (or all-zero) chart
+            page.add(H.para(f"{name}: {NO_PIPELINE}."))
+            page.add("</div>")
+            continue
         bub = F.bubble_breakdown(a)
         page.figure(G.stacked_by_stage(bub, title=f"{name}: bubble per step", ylabel="bubble per step (ms)"))
         wide = (
@@ -270,19 +272,23 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
     page.add("</section>")
 
 
-def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None) -> None:
-    """Every run against the first: step time, the model's cross-run prediction, per-stage deltas."""
+def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None, *,
+               repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
+    """Every run against the first: step time with its noise (over ``repeats`` too), the model's cross-run
+    prediction, per-stage deltas."""
     page.add('<section id="comparison"><h2>A/B comparison</h2>')
     names = [n for n, _ in runs]
     analyses = [a for _, a in runs]
     base = names[0]
     page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
                     css_class="lead"))
-    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs])
+    overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs],
+                                  repeats={n: [a.summary for a in rs] for n, rs in (repeats or {}).items()})
     page.add(H.run_swatches(names))
     page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
-    page.add(H.table(overview, [("run", "run"), ("step_ms", "step time (ms)"),
+    page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", "step time (ms)"),
                                 ("step_change", f"change vs {base} (%)"),
+                                ("step_change_words", f"against {base}, with its noise (traceana.noise)"),
                                 ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
                                 ("peak_mib", "largest stage peak (MiB)"),
                                 ("memory_balance", "memory imbalance (max/min)")],
@@ -301,7 +307,7 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
             else:
                 predicted.append({"run": name, **{k: r.get(k) for k in (
                     "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
-                    "predicted_speedup", "measured_speedup")}})
+                    "predicted_speedup", "measured_speedup", "measured_change_words", "prediction_within_noise")}})
         if predicted:
             pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
                 (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
@@ -309,7 +315,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
                                   ("predicted_step_ms", "predicted step (ms)"),
                                   ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
                                   ("predicted_speedup", "predicted speed-up (×)"),
-                                  ("measured_speedup", "measured speed-up (×)")],
+                                  ("measured_speedup", "measured speed-up (×)"),
+                                  ("measured_change_words", "measured, with its noise"),
+                                  ("prediction_within_noise", "prediction inside the measured interval")],
                              formats={"error_pct": "signed_pct"}))
         for f in failures:
             page.add(H.para(f, css_class="warn"))

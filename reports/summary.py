@@ -9,6 +9,7 @@ from traceana.analysis import Analysis
 from traceana.manifest import LIFTED
 from traceana.run_config import TRACE
 from traceana.summary import STEP_TIME_LABEL
+from traceana.units import NS_PER_MS
 
 
 def summary_facts(a: Analysis) -> list[tuple[str, object]]:
@@ -73,7 +74,7 @@ def inferred_notes(a: Analysis) -> list[str]:
             notes.append(f"rank numbers taken from: {', '.join(rs)}")
     offsets = a.clock_offsets
     if offsets.height and "offset_ns" in offsets.columns and offsets["offset_ns"].abs().max():
-        worst = offsets["offset_ns"].abs().max() / 1e6
+        worst = offsets["offset_ns"].abs().max() / NS_PER_MS
         notes.append(f"clocks corrected per rank (largest offset {H.num(worst)} ms), estimated from P2P pairs")
     return notes
 
@@ -95,7 +96,8 @@ def kpis(a: Analysis) -> str:
     # MFU only where the analysis could compute it (run.json with the model and the device's peak FLOP/s)
     mfu = a.stages["mfu"].drop_nulls() if "mfu" in a.stages.columns else None
     if mfu is not None and len(mfu):
-        items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %", "MFU, mean over stages"))
+        items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %",
+                         "MFU (model FLOPs, recompute not counted), mean over stages"))
     cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
     # who holds the step back, and what it costs: the what-if's line (traceana.whatif), never raw step times
     verdict = (H.para(f"Bottleneck (what-if: the measured step replayed with work made ideal): {s.diagnosis}",

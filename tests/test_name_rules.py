@@ -85,7 +85,7 @@ def test_dualpipe_trace_without_rules_has_no_phase_but_its_all_to_all_kernels_ar
     """With the PP: contract alone no phase is known (all compute is other compute), but DeepEP's kernels are
     communication by their family (names.EP_KERNEL_PATTERN), not by a rule: by hand, compute kernels 680 µs a layer
     (the 740 µs of kernels less DeepEP's exposed 60), the backward dispatch 60 µs exposed."""
-    a = analyze(traceana.load_run(dualpipe, cache=False), name_rules=names.NO_RULES)
+    a = analyze(traceana.load_run(dualpipe, cache=False), names=names.NO_RULES)
     got = _fractions(a)
     assert got["other_compute"] == pytest.approx(NO_PHASE_COMPUTE, abs=1e-6)
     assert a.schedule.filter(pl.col("phase").is_in(list(names.PASS_PHASES))).height == 0
@@ -132,7 +132,7 @@ channel = "ep"
 def test_a_rules_file_gives_the_same_as_the_builtins(dualpipe, tmp_path):
     rules = tmp_path / "names.toml"
     rules.write_text(RULES_TOML)
-    a = load_and_analyze(dualpipe, cache=False, names_from=rules)
+    a = load_and_analyze(dualpipe, cache=False, names=rules)
     got = _fractions(a)
     for category, want in TRUTH_FRACTION.items():
         assert got[category] == pytest.approx(want, abs=1e-6), category
@@ -142,7 +142,7 @@ def test_a_rules_file_gives_the_same_as_the_builtins(dualpipe, tmp_path):
     import tomllib
 
     as_json.write_text(json.dumps(tomllib.loads(RULES_TOML)))
-    b = load_and_analyze(dualpipe, cache=False, names_from=as_json)
+    b = load_and_analyze(dualpipe, cache=False, names=as_json)
     assert _fractions(b) == got
 
 
@@ -163,7 +163,7 @@ def test_stage_and_microbatch_groups_and_order(tmp_path):
         {"match": r"^stage(?P<stage>\d+)/fwd/mb(?P<microbatch>\d+)$", "phase": "forward"},
         {"match": r"^stage(?P<stage>\d+)/bwd$", "phase": "backward", "microbatch": "order"},
     ]}, origin="test")
-    a = analyze(traceana.load_run(run, cache=False), name_rules=rules)
+    a = analyze(traceana.load_run(run, cache=False), names=rules)
     rows = a.schedule.filter(pl.col("phase") != "optimizer").sort("start_ns").select("stage", "microbatch", "phase")
     assert rows.rows() == [(1, 0, "forward"), (1, 1, "forward"), (1, 0, "backward"), (1, 1, "backward")]
 
@@ -187,11 +187,11 @@ def test_run_json_names_and_the_option_overriding_it(dualpipe, tmp_path):
     (dualpipe / "run.json").write_text(json.dumps({"schema_version": 1, "world_size": 64, "names": "names.toml"}))
     a = load_and_analyze(dualpipe, cache=False)
     assert any("names.toml rule 1" in n for n in a.notes)
-    off = load_and_analyze(dualpipe, cache=False, names_from="none")
+    off = load_and_analyze(dualpipe, cache=False, names="none")
     assert _fractions(off)["other_compute"] == pytest.approx(NO_PHASE_COMPUTE, abs=1e-6)
     # The cache tells rules apart: the same run with other rules is analysed again, not served stale.
     cached_on = load_and_analyze(dualpipe)
-    cached_off = load_and_analyze(dualpipe, names_from="none")
+    cached_off = load_and_analyze(dualpipe, names="none")
     assert _fractions(cached_on)["forward"] == pytest.approx(TRUTH_FRACTION["forward"], abs=1e-6)
     assert _fractions(cached_off).get("forward", 0) == 0
 

@@ -230,7 +230,7 @@ def test_the_cli_reads_ahead_with_the_same_output(tmp_path, monkeypatch, capsys,
     taken = _taken(monkeypatch)
     ahead = _cli(argv, capsys)
     assert taken[0] is True  # the first trace was read ahead and taken (rank1's, if any, read as always)
-    monkeypatch.setattr(cli, "_read_ahead", lambda args: False)
+    monkeypatch.setattr(cli, "_read_ahead", lambda args, **_: False)
     assert _cli(argv, capsys) == ahead
     assert ahead[0] == (0 if make == "run" else 2)
 
@@ -264,8 +264,9 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("polars", "msgspec", 
 
 @pytest.mark.parametrize("case", ["small", "user", "larger"])
 def test_a_small_run_is_read_with_one_polars_thread_and_arena(tmp_path, case):
-    """Before polars is imported, a run of at most SMALL_RUN_BYTES of JSON gets one polars thread and one jemalloc
-    arena (docs/performance.md "Fixed cost"); a value the user set is kept, and a larger run keeps polars' own."""
+    """Before polars is imported, the traceana program gives a run of at most SMALL_RUN_BYTES of JSON one polars
+    thread and one jemalloc arena (docs/performance.md "Fixed cost"); a value the user set is kept, and a larger run
+    keeps polars' own. (Only the program: the library sets nothing in its host, tests/test_host_process.py.)"""
     run = _two_stage_run(tmp_path)
     if case == "larger":
         (run / "rank2.json").write_bytes(b" " * (reading.SMALL_RUN_BYTES + 1))
@@ -274,8 +275,9 @@ def test_a_small_run_is_read_with_one_polars_thread_and_arena(tmp_path, case):
         env |= {"POLARS_MAX_THREADS": "2", "_RJEM_MALLOC_CONF": "dirty_decay_ms:5"}
     code = f"""
 import os
-from traceana.ingest import reading
-reading.read_ahead({str(run)!r}, cache=False)
+from traceana.cli import program_settings
+program_settings()
+program_settings({str(run)!r})
 print(os.environ.get("POLARS_MAX_THREADS"), os.environ.get("_RJEM_MALLOC_CONF"))
 import polars  # (which puts its own allocator defaults before the value: later options win)
 print(polars.thread_pool_size())

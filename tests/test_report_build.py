@@ -126,7 +126,9 @@ def test_validation_table_shows_error(ab_report):
 
 def test_cross_run_prediction_in_comparison(ab_report):
     table = table_with(parse(ab_report), "comparison", "predicted step (ms)")
-    assert table["rows"][0][-3:] == ["+10 %", "1.06", "1.17"]
+    assert table["rows"][0][-5:-2] == ["+10 %", "1.06", "1.17"]
+    # columns for the measured change with its noise (traceana.noise) and whether the prediction lies inside it
+    assert table["header"][-2:] == ["measured, with its noise", "prediction inside the measured interval"]
 
 
 def test_no_network_references(ab_report):
@@ -154,6 +156,13 @@ def test_strings_from_traces_are_escaped(tmp_path):
     assert "&lt;script&gt;document.title=&#x27;pwned&#x27;&lt;/script&gt;" in text
     p = parse(text)
     assert not any("pwned" in s and "&lt;" not in s for s in p.scripts)
+
+
+def test_braces_in_a_run_name_are_text_in_plot_titles(tmp_path):
+    """holoviews formats a plot title with str.format: a run named ``{x} {label}`` (``--name '{x} {label}'``) was a
+    KeyError, and ``{label}`` alone would have been replaced. The titles carry the name as written."""
+    text = write_report(tmp_path / "braces.html", [make_analysis(path="/runs/{x} {label}")], validation=None).read_text()
+    assert '"text":"{x} {label}: pipeline timeline"' in text
 
 
 def test_run_with_nothing_to_report_is_a_clear_error():
@@ -220,4 +229,4 @@ def test_mfu_is_a_headline_only_when_measured():
     a = make_analysis()
     assert "MFU" not in kpis(a)
     with_mfu = dataclasses.replace(a, stages=a.stages.with_columns(mfu=pl.Series([0.12, 0.13, 0.11, 0.12])))
-    assert "<b>12 %</b><span>MFU, mean over stages</span>" in kpis(with_mfu)
+    assert "<b>12 %</b><span>MFU (model FLOPs, recompute not counted), mean over stages</span>" in kpis(with_mfu)

@@ -110,6 +110,25 @@ def test_report_command_writes_a_file(runs, tmp_path, capsys):
     assert "timeline" in parse(out.read_text()).section_ids
 
 
+def test_report_repeat_brings_the_repeated_runs_into_the_ab_noise(runs, tmp_path, capsys):
+    from traceana.cli import main
+
+    again = tmp_path / "baseline-again"
+    shutil.copytree(runs["baseline"], again, ignore=shutil.ignore_patterns(".traceana"))
+    out = tmp_path / "r.html"
+    assert main(["report", str(runs["baseline"]), str(runs["bpipe"]), "--repeat", str(runs["baseline"]), str(again),
+                 "-o", str(out), "--quiet", "--no-validate"]) == 0
+    table = table_with(parse(out.read_text()), "comparison", "runs")
+    assert [row[1] for row in table["rows"]] == ["2", "1"]  # baseline: itself and its repeat
+    # the session's runs profile one step each: the BPipe side has one step time, so no spread to judge it by
+    assert "cannot be told from noise" in table["rows"][1][4]
+    # a run of another configuration is not a repeat: its difference is not noise
+    assert main(["report", str(runs["baseline"]), str(runs["bpipe"]), "--repeat", str(runs["baseline"]),
+                 str(runs["bpipe"]), "-o", str(tmp_path / "x.html"), "--quiet"]) == 2
+    assert "not a collection of" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists()
+
+
 def test_report_command_bad_input_is_one_line(tmp_path, capsys):
     from traceana.cli import main
 

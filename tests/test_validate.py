@@ -104,6 +104,13 @@ def test_bpipe_verdict_from_a_measured_run_with_recompute(tmp_path):
     fast = bpipe_verdict_from_run(deep, bpipe_ns=0.0, policy="full-recompute")
     slow = bpipe_verdict_from_run(deep, bpipe_ns=2e6, policy="full-recompute")
     assert slow.speedup < fast.speedup and slow.deltas["transfer"] > 0
+    # the transfer time at which the verdict flips: between the free one (helps) and 2 ms (does not), and it is the
+    # turning point: a little below it BPipe still helps, a little above it no longer
+    assert fast.helps and not slow.helps
+    flip = fast.flips["bpipe_transfer_ns"]
+    assert 0 < flip < 2e6 and "would flip at a BPipe transfer" in fast.sentence
+    assert bpipe_verdict_from_run(deep, bpipe_ns=flip / 1.3, policy="full-recompute").helps
+    assert not bpipe_verdict_from_run(deep, bpipe_ns=flip * 1.3, policy="full-recompute").helps
 
 
 def test_bpipe_verdict_has_no_cancelling_terms(tmp_path):
@@ -136,6 +143,23 @@ def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
     assert out["kind"] == "prediction"
     assert out["noise_floor"] == pytest.approx(0.1 / 1.05)  # the same run 10 % slower: |1.1 − 1| / 1.05
     assert validate(a).summary["kind"] == "replay"
+
+
+def test_cross_run_measured_change_carries_the_noise_of_the_repeated_baseline(tmp_path):
+    # uniform stages: GPipe and 1F1B both take (m + p − 1)(f + b), so b's step equals a's; the baseline repeated 10 %
+    # slower makes the base side's mean 1.05× and its draws 1, 1.05 or 1.1×: the change −4.8 %, interval −9.1 … 0 %
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times, steps=3)
+    b = fake_analysis(tmp_path / "b", schedule="gpipe", pp=2, m=4, times=times, steps=3)
+    slower = fake_analysis(tmp_path / "slower", schedule="1f1b", pp=2, m=4, steps=3,
+                           times=StageTimes.uniform(2, forward=110e3, backward=220e3))
+    out = cross_run(a, b, repeat=(a, slower))
+    assert out["step_change"] == pytest.approx(1 / 1.05 - 1)
+    assert out["step_change_low"] == pytest.approx(1 / 1.1 - 1) and out["step_change_high"] == pytest.approx(0)
+    assert out["within_noise"] is True and "within noise" in out["measured_change_words"]
+    assert out["prediction_within_noise"] is True  # predicted: no change
+    alone = cross_run(a, b)  # identical steps on both sides: a zero-width interval at no change
+    assert alone["within_noise"] is True and alone["step_change_low"] == alone["step_change_high"] == 0
 
 
 def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
@@ -184,3 +208,20 @@ def test_validate_simulates_the_traces_schedule_and_micro_batches_not_a_contradi
     assert v.summary["simulated_step_ms"] == truth.summary["simulated_step_ms"]
     assert any("simulated as the traces show it: schedule 1f1b, 4 micro-batches (run.json says gpipe, 2)" in n
                for n in v.notes)
+
+
+def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_path):
+    from traceana.validation.prediction import repeated_comparison
+
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    def runs(name, t, n=2):
+        return [fake_analysis(tmp_path / f"{name}{k}", schedule="1f1b", pp=2, m=4, times=t, steps=3) for k in range(n)]
+    base = runs("a", times)
+    same = repeated_comparison(base, runs("b", times))
+    assert same["agree"] is True and "measured and modelled agree" in same["headline"]
+    assert same["step_change"] == 0 and same["baseline"]["runs"] == 2
+    # every operation twice as long in the second configuration's runs: a measured +100 % the model (same
+    # configuration: no change) cannot predict, and forward+backward per micro-batch 2× says it was the machine
+    slow = repeated_comparison(base, runs("c", StageTimes.uniform(2, forward=200e3, backward=400e3)))
+    assert slow["agree"] is False and slow["step_change"] == pytest.approx(1.0)
+    assert slow["compute_ratio"] == pytest.approx(2.0) and "the machine changed speed" in slow["headline"]

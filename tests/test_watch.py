@@ -97,6 +97,19 @@ def test_window_directories_of_attach(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "steps 10–11" in r.stdout and "steps 20–21" in r.stdout
     _check_two_windows(r.stdout)
+    # one measured step a window (the first is dropped): the 20 % shorter step is not claimed as a speed-up
+    words = " ".join(r.stdout.split())
+    assert "window 2 against window 1: pipeline step -20.0%, which cannot be told from noise" in words
+
+
+def test_each_window_against_the_first_carries_its_noise():
+    from traceana.commands.watch import _against_first
+
+    assert _against_first([(100.0, 101.0)]) is None  # nothing to compare yet
+    steady = _against_first([(100.0, 101.0, 99.0), (90.0, 150.0, 60.0)])
+    assert steady.within_noise is True  # the same mean, a wider spread
+    faster = _against_first([(100.0, 101.0, 99.0), (80.0, 81.0, 79.0)])
+    assert faster.within_noise is False and faster.change == pytest.approx(-0.2)
 
 
 def test_tensorboard_trace_handler_folder(tmp_path):

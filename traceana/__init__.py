@@ -11,40 +11,63 @@ The public API for notebooks::
 
 from __future__ import annotations
 
-import os as _os
 import sys as _sys
 
-if _sys.argv[:1] == ["-m"]:  # Python is locating ``python -m traceana``: signals during its imports, one line
+
+def _located_as_program() -> bool:
+    """Whether Python is locating ``python -m traceana`` right now (``sys.argv[0]`` is "-m" only until the module
+    runs) — not another ``python -m`` program whose package imports traceana, which keeps its own signal handlers."""
+    if _sys.argv[:1] != ["-m"]:
+        return False
+    args = list(getattr(_sys, "orig_argv", ()))
+    at = next((i for i, a in enumerate(args) if a.startswith("-m")), None)
+    if at is None:
+        return False
+    target = args[at][2:] or (args[at + 1] if at + 1 < len(args) else "")
+    return target == "traceana"
+
+
+if _located_as_program():  # signals during the program's own imports: one line, its exit code
     from traceana import _early_signals
 
     _early_signals.install()
 
 from traceana.version import __version__  # noqa: E402
 
-# polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
-# frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
-# them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%. Only takes effect when
-# traceana is imported before polars; a value the user set is kept (a small run adds one arena: reading.py).
-ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
-_os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
-
+# Importing traceana changes nothing in the host process (a notebook, a training job under attach): no environment
+# variable, no thread, no exit handler. The ``traceana`` program's own performance settings (the allocator's decay,
+# one polars thread for a small run, the deferred standard library, the quick exit) are made by its entry point,
+# traceana.cli.main, in traceana's own process only.
 from traceana.errors import TraceanaError  # noqa: E402
 
 
-def __getattr__(name: str):  # lazy: importing traceana stays cheap
-    if name == "load_run":
-        from traceana.ingest.run_dir import load_run
+# The public names, each imported on first use (``import traceana`` stays cheap: no polars until one is read;
+# tests/test_import_hygiene.py). name -> module that defines it.
+_PUBLIC = {
+    "load_run": "traceana.ingest.run_dir",  # a run directory (or one trace) -> Run: events, memory, traces, run.json
+    "analyze": "traceana.analysis",  # Run -> Analysis
+    "load_and_analyze": "traceana.analysis_cache",  # both, cached under the run folder, as traceana analyze does
+    "Analysis": "traceana.analysis",
+    "Run": "traceana.ingest",
+    "RunSummary": "traceana.summary",  # Analysis.summary: the headline figures and the per-stage table
+    "RunConfig": "traceana.run_config",  # Analysis.config: the run's configuration, each fact with where it came from
+    "compare_runs": "traceana.summary",  # several runs' summaries side by side (traceana report's comparison)
+    "validate": "traceana.validation.replay",  # the model replayed with a run's own durations, against the run
+    "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
+}
 
-        return load_run
-    if name == "analyze":
-        from traceana.analysis import analyze
-
-        return analyze
-    if name == "load_and_analyze":
-        from traceana.analysis_cache import load_and_analyze
-
-        return load_and_analyze
-    raise AttributeError(name)
+__all__ = ["TraceanaError", "__version__", *_PUBLIC]
 
 
-__all__ = ["TraceanaError", "load_run", "analyze", "load_and_analyze", "__version__"]
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # (found directly the next time)
+        return value
+    raise AttributeError(f"module 'traceana' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({n for n in globals() if not n.startswith("_")} - {"annotations"} | set(__all__))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import polars as pl
 
@@ -15,11 +16,13 @@ from traceana import attribution as attr
 from traceana import classify as cls
 from traceana import memory as mem
 from traceana import gpu, limits, names, timeline
+from traceana import names as _names  # (analyze's keyword ``names`` hides the module there)
 from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
-from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair
+from traceana.names import NameRules
+from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_ceiling
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
@@ -27,6 +30,7 @@ from traceana.schedule import (annotated_schedule, dropped_annotation_notes, inf
                                overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
+from traceana.units import NS_PER_MS, NS_PER_S
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,55 @@ class Analysis:
                 out[name] = getattr(self, name)
         return out
 
+    # --- in a notebook: what the run is and its headline figures, not the tables' rows -----------------------------
+    def _facts(self) -> dict[str, str]:
+        """What the run is, in words: its path, ranks, stages, schedule and steps (the repr's first line)."""
+        ranks = sorted(set(self.stages["rank"].to_list()))
+        held = {int(s) for listed in self.stages["stages"].drop_nulls().to_list() for s in listed.split(",")} \
+            if "stages" in self.stages.columns else set()
+        held |= set(self.stages["stage"].drop_nulls().to_list())
+        spans = " + ".join(sorted(set(self.schedule["source"].drop_nulls().to_list()))) if self.schedule.height else ""
+        c = self.config  # (the schedule's name as reconciled from run.json and the traces, with where it came from)
+        schedule = (f"schedule {c.schedule} ({c.source('schedule')}; spans {spans or 'none'})"
+                    if c.schedule != "unknown" else f"schedule unknown (spans {spans or 'none'})")
+        steps = sorted(set(self.steps["step"].to_list()))
+        measured = list(self.summary.steps)
+        path = str(self.run.path)
+        return {"path": path if len(path) <= 100 else "…" + path[-99:],
+                "ranks": f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
+                "stages": f"{len(held)} stage{'s' if len(held) != 1 else ''}" if held else "stages unknown",
+                "schedule": schedule,
+                "steps": f"{len(steps)} step{'s' if len(steps) != 1 else ''} (measured: "
+                         f"{', '.join(map(str, measured[:8])) + (', …' if len(measured) > 8 else '') or 'none'})"}
+
+    def __repr__(self) -> str:
+        """A few lines (not the events' rows): ranks, stages, schedule, steps, the headline figures
+        (``summary.headline``) and where the rest is."""
+        from traceana.summary import headline
+
+        f = self._facts()
+        lines = [f"<traceana.Analysis of {f['path']}: {f['ranks']}, {f['stages']}, {f['schedule']}, {f['steps']}>",
+                 *(f"  {line}" for line in headline(self.summary)),
+                 f"  {len(self.notes)} note{'s' if len(self.notes) != 1 else ''} (.notes); tables: "
+                 + ", ".join(self.tables()) + "; per stage: .summary.per_stage"]
+        return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)  # (many steps)
+
+    def _repr_html_(self) -> str:
+        """The headline figures and the per-stage table (``RunSummary.table_html``), for Jupyter."""
+        from html import escape
+
+        from traceana.summary import headline
+
+        f = self._facts()
+        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary))
+        notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes[:10])
+        more = f"<li>… {len(self.notes) - 10} more (.notes)</li>" if len(self.notes) > 10 else ""
+        return (f"<div><p><b>traceana.Analysis</b> of <code>{escape(f['path'])}</code>: {escape(f['ranks'])}, "
+                f"{escape(f['stages'])}, {escape(f['schedule'])}, {escape(f['steps'])}</p><ul>{head}</ul>"
+                f"<p>Per stage (mean per measured step):</p>{self.summary.table_html()}"
+                + (f"<details><summary>{len(self.notes)} notes</summary><ul>{notes}{more}</ul></details>"
+                   if self.notes else "") + "</div>")
+
 
 def _same_host(run: Run, config: RunConfig) -> bool | None:
     if config.hosts and len(set(config.hosts)) == 1 or config.nnodes == 1:
@@ -96,15 +149,23 @@ def _same_host(run: Run, config: RunConfig) -> bool | None:
     return None
 
 
-def analyze(run: Run, *, peak_flops: float | None = None,
-            name_rules: names.NameRules = names.DEFAULT_RULES, by_name: cls.NameTable | None = None) -> Analysis:
+def analyze(run: Run, *, peak_flops: float | None = None, names: str | Path | NameRules | None = None,
+            by_name: cls.NameTable | None = None, **old_keywords) -> Analysis:
     """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
     map ranks to stages, reconstruct the schedule (annotated, else inferred from P2P order), attribute every instant
     of every step to a category, and measure memory per stage. ``peak_flops`` (FLOP/s per device) overrides
-    run.json's for MFU; ``name_rules`` map other frameworks' names to phases and kinds (docs/naming.md;
-    ``names.rules_for_run`` reads a rules file or run.json's); ``by_name``: ``classify.name_table(run.events,
-    name_rules)``, if the caller has it. Pure: the run is not modified. The headline figures
-    are ``Analysis.summary``."""
+    run.json's for MFU; ``names``: the name rules mapping other frameworks' names to phases and kinds, as the
+    command line's ``--names`` (a rules file, docs/naming.md; ``"none"``; or ``NameRules``), default run.json's
+    ``"names"``, else the built-ins (``name_rules=`` is an old spelling); ``by_name``:
+    ``classify.name_table(run.events, rules)``, if the caller has it. Pure: the run is not modified. The headline
+    figures are ``Analysis.summary``."""
+    given = _names.names_keyword(names, old_keywords, "analyze")
+    rules = _names.rules_for_run(run.path, run.manifest.names if run.manifest is not None else None, given)
+    return _analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
+
+
+def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
+             by_name: cls.NameTable | None) -> Analysis:
     short = limits.analysis_short(run.events.height)  # a failed allocation in polars would abort the process
     if short is not None:
         raise BadInputError(f"its {run.events.height:,} events would take about {limits.gib(short[0])} to analyse "
@@ -130,8 +191,9 @@ def analyze(run: Run, *, peak_flops: float | None = None,
     msgs = messages(cls.filled_rows(events, fill, pl.col("comm_dir").is_not_null()
                                     | pl.col("pp_action").is_in([names.LOAD, names.ACCEPT])),
                     bpipe_groups(run.traces))
-    link = link_bandwidth(config)  # (the transfer floor's bandwidth: traceana.p2p)
-    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
+    # (the transfer floor's bandwidth, and the ceiling's between CPU ranks: traceana.p2p)
+    link, ceiling = link_bandwidth(config), transfer_ceiling(config)
+    pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
@@ -145,7 +207,7 @@ def analyze(run: Run, *, peak_flops: float | None = None,
         events = timeline.shift(events, offsets, ["ts_ns", "launch_ns"])
         steps = timeline.shift(steps, offsets, ["start_ns", "end_ns"])
         msgs = timeline.shift(msgs, offsets, ["post_ns", "end_ns", "launch_ns"])
-        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link)
+        pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     notes += pair_notes
     # The overlapped F/B spans are read from the events once (their names and times: numbering micro-batches in
     # order below changes neither).
@@ -258,8 +320,8 @@ def stage_table(
              *(pl.col(f"{c}_ns").mean().alias(f"_{c}") for c in CATEGORIES))
     )
     out = means.with_columns(
-        (pl.col("_step") / 1e6).alias("step_ms"),
-        *((pl.col(f"_{c}") / 1e6).alias(f"{c}_ms") for c in CATEGORIES),
+        (pl.col("_step") / NS_PER_MS).alias("step_ms"),
+        *((pl.col(f"_{c}") / NS_PER_MS).alias(f"{c}_ms") for c in CATEGORIES),
         *(pl.when(pl.col("_step") > 0).then(100 * pl.col(f"_{c}") / pl.col("_step")).otherwise(0.0).alias(f"{c}_pct")
           for c in CATEGORIES),
     )
@@ -297,7 +359,7 @@ def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.Da
 
     model, pp = m.model, m.pp
     rows = []
-    step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / 1e9).alias("s"))
+    step_s = steps.filter(pl.col("step") >= 0).group_by("rank").agg((pl.col("dur_ns").mean() / NS_PER_S).alias("s"))
     secs = dict(step_s.rows())
     held = stages.select("rank", "stage", "stages") if "stages" in stages.columns else stages.select(
         "rank", "stage", pl.lit(None, pl.String).alias("stages"))

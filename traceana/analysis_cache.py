@@ -34,16 +34,19 @@ import polars as pl
 
 import traceana
 from traceana import names, schema, version
+from traceana import names as _names  # (load_and_analyze's keyword ``names`` hides the module there)
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
 from traceana.files import release, temporary_name, write_failure_fix
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
+from traceana.names import NameRules
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 5  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
-#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu)
+ANALYSIS_FORMAT = 6  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+#                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu;
+#                     6: the summary's step_times_ms, the noise interval's samples)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")
@@ -241,7 +244,8 @@ def _write_summary(entry: Path, summary) -> dict:
 def _read_summary(entry: Path, meta: dict):
     from traceana.summary import RunSummary
 
-    values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"])}
+    values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"]),
+                                                               "step_times_ms": tuple(meta.get("step_times_ms", ()))}
     for name in _SUMMARY_TABLES:
         path = entry / f"summary_{name}.parquet"
         if name not in meta["none"] and not regular_file(path):
@@ -281,14 +285,14 @@ def run_name_rules(path: str | Path, given: str | Path | names.NameRules | None 
 
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,
                      workers: int | None = None, progress: bool = False,
-                     names_from: str | Path | names.NameRules | None = None) -> Analysis:
-    """``analyze(load_run(path), peak_flops=..., name_rules=...)`` with ``Analysis.rank_summary`` filled, read from /
+                     names: str | Path | NameRules | None = None, **old_keywords) -> Analysis:
+    """``analyze(load_run(path), peak_flops=..., names=...)`` with ``Analysis.rank_summary`` filled, read from /
     written to the analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run``
-    does). ``names_from``: a name rules file (docs/naming.md), ``"none"``, or NameRules; default: run.json's
-    ``"names"``, else the built-ins."""
+    does). ``names``, as the command line's ``--names``: a name rules file (docs/naming.md), ``"none"``, or
+    NameRules; default: run.json's ``"names"``, else the built-ins (``names_from=`` is an old spelling)."""
     path = Path(path)
     peak_flops = check_peak_flops(peak_flops)  # NaN, inf or 1e-300 would make MFU meaningless (and not JSON)
-    rules = run_name_rules(path, names_from)
+    rules = run_name_rules(path, _names.names_keyword(names, old_keywords, "load_and_analyze"))
     store = None
     if cache:
         try:
@@ -313,9 +317,9 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
         from rich.console import Console
 
         with Console(stderr=True).status("attributing step time"):
-            result = analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
+            result = analyze(run, peak_flops=peak_flops, names=rules, by_name=by_name)
     else:
-        result = analyze(run, peak_flops=peak_flops, name_rules=rules, by_name=by_name)
+        result = analyze(run, peak_flops=peak_flops, names=rules, by_name=by_name)
     result = replace(result, rank_summary=ranks)
     if store is not None:
         store.store(prefix, key, result)

@@ -10,8 +10,11 @@ Every instant of a step gets the first category (in this priority order) whose i
 3. ``bpipe`` — inside an EVICT/LOAD/ACCEPT/RETURN span or a BPipe op (or, on ranks without those annotations, while
    a BPipe message — either side classified as BPipe — is in flight);
 4. ``p2p`` — a P2P message is moving bytes (after ``data_ready_ns``: the peer's send had started and the receiver
-   had posted);
-5. waiting on a peer — before ``data_ready_ns`` of a message (or anywhere in an unmatched one): a bubble by the
+   had posted, moved by traceana.p2p's floor and, between CPU ranks, its ceiling: bytes over the slowest plausible
+   link plus a message's latency — a gloo receive returning later than that waited on its peer's process), or a
+   CPU rank is inside a P2P post call for its message's own cost (docs/schedules.md "Waiting or transfer");
+5. waiting on a peer — before ``data_ready_ns`` of a message (or anywhere in an unmatched one), including a post
+   call blocked there beyond its message's cost: a bubble by the
    pipeline rules' windows (``pipeline_rules.bubble_windows``): ``bubble_warmup`` before the stage's first forward
    of the step, ``bubble_cooldown`` after its last forward (the drain: only backward work is left, so waits are the
    pipeline emptying), ``bubble_stall`` in between;
@@ -24,7 +27,8 @@ Every instant of a step gets the first category (in this priority order) whose i
 Blocked or computing (asynchronous P2P): a message's span runs from its post to the return of its ``wait()``, and
 schedules post receives (and sends) ahead and wait on them later, so most of that span the thread is doing other
 work. The rule (docs/schedules.md, measured there against wall-clock timers): a CPU rank is blocked while inside a
-P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds), and on a message only
+P2P call (the post op, e.g. ``c10d::send``, which under gloo can itself take milliseconds: transfer or waiting as
+item 4/5 say), and on a message only
 from the last moment its training thread was seen active (the start or end of any op, annotation or post of it, or
 another wait returning) before the message's wait returned — a thread blocked in ``wait()`` records nothing — to
 that return, never before the post; a mark less than ``WAIT_RETURN_TOLERANCE_NS`` before the return is not taken
@@ -143,12 +147,15 @@ def activity_marks(events: pl.DataFrame, gpu_ranks: pl.DataFrame) -> pl.DataFram
 WAIT_RETURN_TOLERANCE_NS = 20_000
 
 
-def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
-                  marks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame, marks: pl.DataFrame | None = None,
+                  posts: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(transfer, wait) intervals per rank for the P2P channel, from both ends of every pair.
 
     With ``marks`` (``activity_marks`` of CPU ranks) each message counts only where its rank is blocked on it:
-    from the rank's last activity mark before the message's wait returned (module doc)."""
+    from the rank's last activity mark before the message's wait returned (module doc). ``posts`` (``rank, start,
+    end``): CPU ranks' P2P post calls, where the rank is blocked too: a post call is transfer after the split (its
+    side's end of waiting) and, from its start, for what the message's ceiling (``max_transfer_ns``) leaves after
+    that; waiting on the peer in between; a post of no paired message, or of one without a ceiling, is transfer."""
     p = pairs.filter(pl.col("channel") == "p2p")
     um = unmatched.filter(pl.col("channel") == "p2p")
     if marks is not None:
@@ -176,20 +183,51 @@ def p2p_intervals(pairs: pl.DataFrame, unmatched: pl.DataFrame,
     measured_ready = pl.min_horizontal(pl.max_horizontal("send_start_ns", "recv_post_ns"), "send_end_ns")
     send_done = (pl.when(pl.col("_send_block").is_not_null()).then(pl.col("send_end_ns"))
                  .otherwise(pl.max_horizontal(measured_ready, pl.min_horizontal("send_end_ns", "recv_end_ns"))))
-    # (no shorter a transfer than its bytes take on the link: traceana.p2p's floor, as on the receiving side)
+    # (no shorter a transfer than its bytes take on the link, and on a CPU rank, between CPU ranks, no longer than
+    # its bytes on the slowest link plus a message's latency: traceana.p2p's floor and ceiling, as on the receiving
+    # side; the rest of the sender's blocked time waited on the receiver's process)
     floor = pl.col("min_transfer_ns").fill_null(0) if "min_transfer_ns" in p.columns else pl.lit(0)
-    send_ready = pl.max_horizontal(pl.min_horizontal(measured_ready, send_done - floor), "send_start_ns")
+    top = (pl.when(pl.col("_send_block").is_not_null()).then(send_done - pl.col("max_transfer_ns"))
+           if "max_transfer_ns" in p.columns else pl.lit(None, pl.Int64))
+    send_ready = pl.max_horizontal(pl.min_horizontal(pl.max_horizontal(measured_ready, top), send_done - floor),
+                                   "send_start_ns")
+    p = p.with_columns(send_ready.alias("_send_ready"), send_done.alias("_send_done"))
+    has_ceiling = "max_transfer_ns" in p.columns
     p, um = p.lazy(), um.lazy()  # both sets are one collect_all (docs/performance.md "Fixed cost")
-    transfer = pl.concat([
+    transfer = [
         p.select(blocked("dst", pl.col("data_ready_ns"), pl.col("recv_end_ns"), "_recv_block")),
-        p.select(blocked("src", send_ready, send_done, "_send_block")),
-    ])
-    wait = pl.concat([
+        p.select(blocked("src", pl.col("_send_ready"), pl.col("_send_done"), "_send_block")),
+    ]
+    wait = [
         p.select(blocked("dst", pl.col("recv_post_ns"), pl.col("data_ready_ns"), "_recv_block")),
-        p.select(blocked("src", pl.col("send_start_ns"), send_ready, "_send_block")),
+        p.select(blocked("src", pl.col("send_start_ns"), pl.col("_send_ready"), "_send_block")),
         um.select(blocked("rank", pl.col("start"), pl.col("end"), "_block")),
-    ])
-    transfer, wait = pl.collect_all([transfer, wait], **iv.COLLECT)
+    ]
+    if posts is not None:
+        # Each post call is its own message's (same rank, same start): split where that message's waiting ends.
+        # A message costs its rank at most its ceiling in all: the transfer at its end (after the split) first,
+        # then the call's own time from its start (building the message, gloo's enqueue) up to what is left; past
+        # that, until the split, the call is blocked on the peer (a gloo post can block for milliseconds). No
+        # ceiling (GPU, or no paired message): all transfer.
+        ceil = pl.col("max_transfer_ns") if has_ceiling else pl.lit(None, pl.Int64)
+        split = pl.concat([
+            p.select(pl.col("dst").alias("rank"), pl.col("recv_post_ns").alias("start"),
+                     pl.col("data_ready_ns").alias("_split"),
+                     (ceil - (pl.col("recv_end_ns") - pl.col("data_ready_ns"))).alias("_left")),
+            p.select(pl.col("src").alias("rank"), pl.col("send_start_ns").alias("start"),
+                     pl.col("_send_ready").alias("_split"),
+                     (ceil - (pl.col("_send_done") - pl.col("_send_ready"))).alias("_left")),
+        ]).unique(["rank", "start"], keep="first")
+        own = pl.min_horizontal(pl.col("end"), pl.col("start") + pl.col("_left").clip(lower_bound=0)
+                                .fill_null(pl.col("end") - pl.col("start")))
+        cut = (posts.lazy().select("rank", "start", "end").join(split, on=["rank", "start"], how="left")
+               .with_columns(own.alias("_a"))
+               .with_columns(pl.max_horizontal("_a", pl.min_horizontal("end", pl.col("_split").fill_null(pl.col("_a"))))
+                             .alias("_b")))
+        transfer.append(cut.select("rank", "start", pl.col("_a").alias("end")))
+        transfer.append(cut.select("rank", pl.col("_b").alias("start"), "end"))
+        wait.append(cut.select("rank", pl.col("_a").alias("start"), pl.col("_b").alias("end")))
+    transfer, wait = pl.collect_all([pl.concat(transfer), pl.concat(wait)], **iv.COLLECT)
     return transfer, wait
 
 
@@ -270,9 +308,9 @@ def segments(
     # (where every rank with events is a GPU rank the marks would be empty: the same as none).
     has_p2p = ((pairs["channel"] == "p2p").any() or (unmatched["channel"] == "p2p").any()) and (
         gpu.height < events["rank"].n_unique())
-    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None)
+    transfer, wait = p2p_intervals(pairs, unmatched, activity_marks(events, gpu) if has_p2p else None, posts)
     fill = action_windows(schedule, labelled) if schedule is not None else {}
-    transfer = pl.concat([transfer, posts, gpu_p2p_work])
+    transfer = pl.concat([transfer, gpu_p2p_work])
     wait = clip(pl.concat([wait, explicit_wait]))
     # Waits are bubbles by the pipeline rules' windows: warm-up before the stage's first forward *work* (on a GPU,
     # kernels run later than the CPU annotation says), cool-down after its last, a stall in between.

@@ -27,6 +27,7 @@ from traceana import intervals as iv
 from traceana import names
 from traceana.ingest import Run
 from traceana.schema import KINDS, Kind
+from traceana.units import NS_PER_MS
 
 # Columns classify adds to schema.EVENTS.
 CLASSIFIED = {
@@ -507,7 +508,7 @@ def rank_summary(run: Run, *, by_name: NameTable | None = None) -> pl.DataFrame:
             steps=pl.col("step_no").drop_nulls().n_unique(),
             first_step=pl.col("step_no").min(),
             last_step=pl.col("step_no").max(),
-            mean_step_ms=(pl.col("dur_ns").filter(pl.col("step_no").is_not_null()).mean() / 1e6),
+            mean_step_ms=(pl.col("dur_ns").filter(pl.col("step_no").is_not_null()).mean() / NS_PER_MS),
             nccl_kernels=pl.col("nccl_kernel").sum(),
             c10d_p2p=pl.col("c10d_p2p").sum(),
             rpc_p2p=pl.col("rpc_p2p").sum(),

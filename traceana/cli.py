@@ -1,35 +1,25 @@
 """The ``traceana`` command line: thin, each command calls library functions.
 
-Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``; only the module of
-the command being run is imported (the top-level help needs only the lines in COMMANDS), and its heavy imports
-(torch, holoviews) happen inside ``run`` — ``traceana analyze`` loads neither reports nor collectors.
+Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``, listed once in the
+command registry (``traceana.commands.registry``); only the module of the command being run is imported (the
+top-level help needs only the registry's lines), and its heavy imports (torch, holoviews) happen inside ``run`` —
+``traceana analyze`` loads neither reports nor collectors.
+
+``main`` is also the program's entry point (the ``traceana`` script, ``python -m traceana``): run so, and only
+then, it makes the process settings a library must not make in its host (``program_settings``) and ends the
+process without the interpreter's teardown.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
 import warnings
 
+from traceana.commands.registry import BY_NAME, COMMANDS, load
 from traceana.errors import TraceanaError, printable
-
-# name -> (module, one-line help)
-COMMANDS = {
-    "demo": ("reports.demo_command", "collect a tiny CPU pipeline with and without BPipe, analyse it, write a report"),
-    "collect": ("collectors.command", "run the reference pipeline trainer under the profiler and write a run directory"),
-    "analyze": ("traceana.commands.analyze", "attribute each stage's step time (compute, P2P, BPipe, bubbles)"),
-    "merge": ("traceana.commands.merge", "merge all ranks into one Perfetto trace with phase and bubble tracks"),
-    "report": ("reports.command", "render a self-contained HTML report of one or more runs"),
-    "estimate": ("traceana.commands.estimate", "estimate memory per stage, step time and BPipe's benefit"),
-    "validate": ("traceana.commands.validate", "compare the model's estimate with what a run measured"),
-    "whatif": ("traceana.commands.whatif", "replay the measured step with chosen work made ideal: who holds it back"),
-    "watch": ("traceana.commands.watch", "print each profiling window's per-stage attribution as its traces land"),
-    "attach": ("collectors.attach.command", "profile a window of steps of an unmodified training command, every rank"),
-}
-
 
 class _Parser(argparse.ArgumentParser):
     """Errors about a command's arguments print that command's usage (``traceana analyze …``), not the top level's:
@@ -46,7 +36,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv``, only the command it names is loaded (none for the top-level help)."""
     from traceana.commands.options import HelpFormatter
 
-    load = set(COMMANDS) if argv is None else {_command_in(argv)}
+    wanted = set(BY_NAME) if argv is None else {_command_in(argv)}
     parser = _Parser(
         prog="traceana",
         description="Profile and explain pipeline-parallel training from Kineto traces.",
@@ -55,11 +45,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and which trace decoder is built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
-    for name, (module, help_) in COMMANDS.items():
-        if name not in load:
+    for command in COMMANDS:
+        name, help_ = command.name, command.help
+        if name not in wanted:
             sub.add_parser(name, help=help_, description=help_)  # not run: its line in the help is enough
             continue
-        mod = importlib.import_module(module)
+        mod = load(name)
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _command_parser=p)
@@ -69,7 +60,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _command_in(argv: list[str]) -> str | None:
     """The command named in ``argv``: its first word that is not a top-level option (None when it is no command)."""
     word = next((a for a in argv if not a.startswith("-")), None)
-    return word if word in COMMANDS else None
+    return word if word in BY_NAME else None
 
 
 class _Version(argparse.Action):
@@ -103,9 +94,10 @@ class StdoutClosed(OSError):
 EXIT_SIGINT, EXIT_SIGPIPE, EXIT_SIGTERM = 128 + 2, 128 + 13, 128 + 15  # the shell's codes for those signals
 _signalled: int | None = None  # the first SIGINT/SIGTERM of this command, once it arrived
 _at_once = False  # end the process in the handler itself (see _on_signal)
-# Commands whose processes own children (the trainer's ranks, a job, a Dask client): a signal is raised in them, so
-# that their own clean-up stops the children; every other command ends in the handler.
-OWN_CHILDREN = frozenset({"collect", "demo", "attach"})
+# Commands a signal is raised in, to be handled by their own code: those whose processes own children (the
+# trainer's ranks, a job, a Dask client), whose clean-up stops the children, and watch, which Ctrl-C ends normally
+# (exit 0); every other command ends in the handler.
+RAISED_IN = frozenset({"collect", "demo", "attach", "watch"})
 
 
 def _on_signal(signum, frame) -> None:
@@ -234,25 +226,24 @@ def _standard_streams() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code. Run as the program itself (the ``traceana`` script, ``python -m
-    traceana``) the process ends right after the command, its output flushed, without tearing down the interpreter:
-    freeing every module's objects one by one took ~35 ms of CPU after polars was imported (docs/performance.md
-    "Fixed cost"). Every file a command writes is closed (and renamed into place) before it returns.
+    traceana``) this is the process's entry point, and it alone changes the process: the allocator's decay and,
+    for a small run, one polars thread (``program_settings``), the deferred standard library, and the end right
+    after the command, its output flushed, without tearing down the interpreter: freeing every module's objects one
+    by one took ~35 ms of CPU after polars was imported (docs/performance.md "Fixed cost"). Called from Python (a
+    notebook, a test) it changes none of that. Every file a command writes is closed (and renamed into place)
+    before it returns.
 
     SIGINT (Ctrl-C) exits 130, SIGTERM 143, a reader gone (``| head``) 141, each with at most one line and never a
     traceback, wherever they arrive — in the imports, a polars call or a cache write (docs/reliability.md)."""
     global _at_once
     program = argv is None and _is_program()
-    _at_once = program and _command_in(sys.argv[1:]) not in OWN_CHILDREN and "--dask" not in sys.argv
+    _at_once = program and _command_in(sys.argv[1:]) not in RAISED_IN and "--dask" not in sys.argv
     previous = _install_signals()
     try:
         _standard_streams()
         if program:
-            # Only in traceana's own process: a program that imports traceana (a notebook, a training job under
-            # attach) keeps its standard library as Python loads it.
-            from traceana import _deferred
-
-            _deferred.defer(*_deferred.FOR_PROGRAM)
-        rc = _main(argv)
+            program_settings()
+        rc = _main(argv, program=program)
     except BaseException as e:  # what arrived outside the command's own ``try`` (parsing, imports, clean-up)
         rc = _ended(e)
         if rc is None:
@@ -283,6 +274,34 @@ def _exit_quietly_on_signals() -> None:
                 signal.signal(sig, now)
         except (ValueError, OSError):
             pass
+
+
+# polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
+# frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
+# them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%.
+ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
+
+
+def program_settings(run: str | os.PathLike | None = None) -> None:
+    """The traceana program's settings of its own process, made before polars is imported (they take effect only
+    then) and never by ``import traceana``: the allocator's decay (``ALLOCATOR``), the standard-library modules a
+    plain analysis never runs deferred (``traceana._deferred``), and, given the ``run`` a command reads and that run
+    is small (``reading.is_small_run``), one polars thread and one jemalloc arena. A value the user set is kept.
+    (The benchmark's jobs call it as the program does.)"""
+    if "polars" in sys.modules:
+        return
+    if run is None:
+        os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
+        from traceana import _deferred
+
+        _deferred.defer(*_deferred.FOR_PROGRAM)
+        return
+    from traceana.ingest import reading
+
+    if reading.is_small_run(run):
+        os.environ.setdefault("POLARS_MAX_THREADS", "1")
+        if os.environ.get("_RJEM_MALLOC_CONF") == ALLOCATOR:  # (traceana's own setting: not the user's)
+            os.environ["_RJEM_MALLOC_CONF"] = f"narenas:1,{ALLOCATOR}"
 
 
 def _nothing_to_tear_down() -> bool:
@@ -324,27 +343,38 @@ def _exit_now(rc: int) -> None:
     os._exit(rc)
 
 
-def _read_ahead(args: argparse.Namespace) -> bool:
-    """A command that reads a run in this process (``run_dir``, or ``runs`` of which the first is read first, and
-    the reading options) starts reading its first trace now, in a thread, while it imports polars and the analysis
-    (``traceana.ingest.reading.read_ahead``: bounded, used only for the same file unchanged, never on a cache hit).
-    Returns whether one was started."""
+def _run_read(args: argparse.Namespace) -> str | None:
+    """The run a command reads in this process (``run_dir``, or ``runs`` of which the first is read first, with
+    the reading options): None for a command that reads none here."""
     path = getattr(args, "run_dir", None)
     if path is None and getattr(args, "runs", None):
         path = args.runs[0]
     if path is None or not hasattr(args, "no_cache") or getattr(args, "dask", None) is not None:
+        return None
+    return path
+
+
+def _read_ahead(args: argparse.Namespace, *, program: bool = False) -> bool:
+    """A command that reads a run in this process starts reading its first trace now, in a thread, while it imports
+    polars and the analysis (``traceana.ingest.reading.read_ahead``: bounded, used only for the same file
+    unchanged, never on a cache hit); as the program, a small run's settings first (``program_settings``).
+    Returns whether one was started."""
+    path = _run_read(args)
+    if path is None:
         return False
+    if program:
+        program_settings(path)
     from traceana.ingest import reading
 
     return reading.read_ahead(path, cache=not args.no_cache) is not None
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, *, program: bool = False) -> int:
     warnings.showwarning = _show_warning
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    ahead = _read_ahead(args)
+    ahead = _read_ahead(args, program=program)
     try:
         return int(args._run(args) or 0)
     except TraceanaError as e:

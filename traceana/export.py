@@ -21,7 +21,8 @@ from traceana.errors import BadInputError, shown
 from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
-from traceana.units import NS_PER_MS
+from traceana.summary import without_bubble
+from traceana.units import NS_PER_MS, NS_PER_US
 
 FORMATS = TABLE_FORMATS
 
@@ -113,7 +114,9 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
         "run": str(analysis.run.path),
         "summary": analysis.summary.as_dict(),
         "config": analysis.config.as_dict(),
-        "stages": analysis.stages.to_dicts(),
+        # (a run that is no pipeline has no bubble: null, as in its summary)
+        "stages": (analysis.stages if analysis.summary.pipeline_found
+                   else without_bubble(analysis.stages)).to_dicts(),
         "clock_offsets": analysis.clock_offsets.to_dicts(),
         "notes": list(analysis.notes),
     }
@@ -124,12 +127,12 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
 
 
 def gpu_summary(analysis) -> dict[str, Any]:
-    """``pipeline_found`` (traceana.gpu.pipeline_found), and on GPU ranks, means per measured step: each phase's
+    """``pipeline_found`` (the summary's), and on GPU ranks, means per measured step: each phase's
     own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
     from traceana import gpu
 
     steps = analysis.summary.steps
-    out: dict[str, Any] = {"pipeline_found": gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)}
+    out: dict[str, Any] = {"pipeline_found": analysis.summary.pipeline_found}
     if analysis.phase_time is not None:
         out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
     if analysis.stream_time is not None:
@@ -184,7 +187,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         raise BadInputError("this analysis kept no events", fix="run analyze() again")
     origin = int(ev["ts_ns"].min() or 0)
     tids = _tids(ev)
-    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731 — one conversion, used for every table
+    us = lambda c: ((pl.col(c) - origin) / NS_PER_US)  # noqa: E731 — one conversion, used for every table
 
     def done(frame: pl.DataFrame) -> pl.DataFrame:
         return frame.select(*_MERGED_COLS, pl.col("args").struct.json_encode())
@@ -194,7 +197,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
             ev.slice(lo, chunk_rows).drop("tid").join(tids, on=["rank", "track"], how="left", maintain_order="left")
             .select(pl.lit("X").alias("ph"), names.text(pl.col("name")), pl.col("cat").fill_null(""),
                     pl.col("rank").alias("pid"),
-                    "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / 1000.0).alias("dur"),
+                    "tid", us("ts_ns").alias("ts"), (pl.col("dur_ns") / NS_PER_US).alias("dur"),
                     pl.struct(pl.col("kind").cast(pl.String), "step", "peer").alias("args"))
         )
     first_extra = int(tids["tid"].max() or 0) + 1
@@ -203,7 +206,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"),
         pl.concat_str(pl.col("phase"), pl.lit(" "), pl.col("microbatch").cast(pl.String).fill_null("")).alias("name"),
         pl.lit("traceana.phase").alias("cat"), pl.col("rank").alias("pid"), pl.lit(first_extra).alias("tid"),
-        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
         pl.struct("stage", "microbatch", "step", "source").alias("args"),
     )
     mb = (
@@ -218,7 +221,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"), pl.concat_str(pl.lit("mb "), pl.col("microbatch").cast(pl.String)).alias("name"),
         pl.lit("traceana.microbatch").alias("cat"), pl.col("rank").alias("pid"),
         (first_extra + 2 + pl.col("microbatch")).alias("tid"),  # after the phase and attribution lanes
-        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+        us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
         pl.struct("stage", "microbatch", "step").alias("args"),
     )
     # The attribution lane is the full partition of every step (compute included), so P2P flow arrows always
@@ -228,7 +231,7 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
         pl.lit("X").alias("ph"), pl.col("category").cast(pl.String).alias("name"),
         pl.lit("traceana.attribution").alias("cat"), pl.col("rank").alias("pid"),
         pl.lit(first_extra + 1).alias("tid"), us("start_ns").alias("ts"),
-        ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"), pl.struct("step").alias("args"),
+        ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"), pl.struct("step").alias("args"),
     )
     for frame in (phase_track, mb_track, bubble_track):
         for lo in range(0, frame.height, chunk_rows):
@@ -245,7 +248,7 @@ def flow_events(analysis, *, origin: int, tid: int) -> pl.DataFrame:
     """Perfetto flow arrows from each P2P/BPipe send (when it started) to its receive (when it completed), bound to
     the attribution lanes of the two ranks. Columns ph, id, name, cat, pid, tid, ts, bp."""
     p = analysis.p2p.with_row_index("id", offset=1)
-    us = lambda c: ((c - origin) / 1000.0)  # noqa: E731
+    us = lambda c: ((c - origin) / NS_PER_US)  # noqa: E731
     common = [pl.col("channel").alias("name"), pl.lit("traceana.p2p").alias("cat")]
     starts = p.select(pl.lit("s").alias("ph"), "id", *common, pl.col("src").alias("pid"), pl.lit(tid).alias("tid"),
                       us(pl.col("send_start_ns")).alias("ts"), pl.lit(None, pl.String).alias("bp"))
@@ -279,21 +282,21 @@ def critical_path_events(analysis, *, origin: int) -> pl.DataFrame:
         return empty
     pieces = (pl.concat(paths).filter(pl.col("end_ns") > pl.col("start_ns")).sort("step", "start_ns")
               .with_row_index("id", offset=1_000_000_000))  # ids apart from the P2P arrows' (1, 2, …)
-    us = lambda c: ((pl.col(c) - origin) / 1000.0)  # noqa: E731
+    us = lambda c: ((pl.col(c) - origin) / NS_PER_US)  # noqa: E731
     slices = pieces.select(pl.lit("X").alias("ph"), pl.lit(None, pl.Int64).alias("id"), pl.col("kind").alias("name"),
                            pl.lit("traceana.critical_path").alias("cat"), pl.col("rank").alias("pid"),
                            pl.lit(PATH_TID, pl.Int64).alias("tid"), us("start_ns").alias("ts"),
-                           ((pl.col("end_ns") - pl.col("start_ns")) / 1000.0).alias("dur"),
+                           ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
                            pl.lit(None, pl.String).alias("bp"))
     nxt = pieces.with_columns(pl.col("rank", "start_ns", "step").shift(-1).name.suffix("_next")).filter(
         pl.col("step_next") == pl.col("step"))
     arrow = [pl.lit("critical path").alias("name"), pl.lit("traceana.critical_path").alias("cat"),
              pl.lit(PATH_TID, pl.Int64).alias("tid"), pl.lit(None, pl.Float64).alias("dur")]
     starts = nxt.select(pl.lit("s").alias("ph"), "id", *arrow[:2], pl.col("rank").alias("pid"), arrow[2],
-                        ((pl.col("end_ns") - 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                        ((pl.col("end_ns") - 1 - origin) / NS_PER_US).alias("ts"), arrow[3],
                         pl.lit(None, pl.String).alias("bp"))
     ends = nxt.select(pl.lit("f").alias("ph"), "id", *arrow[:2], pl.col("rank_next").alias("pid"), arrow[2],
-                      ((pl.col("start_ns_next") + 1 - origin) / 1000.0).alias("ts"), arrow[3],
+                      ((pl.col("start_ns_next") + 1 - origin) / NS_PER_US).alias("ts"), arrow[3],
                       pl.lit("e").alias("bp"))
     return pl.concat([slices.cast(empty.schema), starts.cast(empty.schema), ends.cast(empty.schema)])
 

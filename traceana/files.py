@@ -205,6 +205,8 @@ def write_failure_fix(e: BaseException, *, writable: str = "choose a writable fo
         return writable
     if code == errno.ENOENT:
         return "check that the folder exists"
+    if code == errno.ENAMETOOLONG:
+        return f"use a name of at most {NAME_MAX} bytes"
     return f"free disk space, or {writable}"
 
 

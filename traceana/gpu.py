@@ -24,6 +24,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana import names
+from traceana.units import NS_PER_MS
 
 # (``shared_ns``: the step's time during which two or more phases ran, the same on every row of a (rank, step).)
 PHASE_TIME = {"rank": pl.Int32, "step": pl.Int32, "phase": pl.String, "own_ns": pl.Int64, "overlapped_ns": pl.Int64,
@@ -119,9 +120,9 @@ def concurrent_notes(events: pl.DataFrame, steps: pl.DataFrame, *, work: pl.Data
                .sort("ns", descending=True).head(2))  # a few rows: one stream's distinct kernel names
         named = "; ".join(f"{str(n)[:60]}" for n in top["name"].to_list())
         share = f"{hi:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%}–{hi:.0%}"
-        who = (f"rank {ranks[0]}: {ns / 1e6:,.1f} ms" if len(ranks) == 1 else
+        who = (f"rank {ranks[0]}: {ns / NS_PER_MS:,.1f} ms" if len(ranks) == 1 else
                f"ranks {', '.join(map(str, ranks[:8]))}{' …' if len(ranks) > 8 else ''} ({len(ranks)} ranks): up to "
-               f"{ns / 1e6:,.1f} ms a rank")
+               f"{ns / NS_PER_MS:,.1f} ms a rank")
         notes.append(f"{who} of kernels on stream {stream} ({share} of {'its' if len(ranks) == 1 else 'their'} step "
                      f"time) overlap compute on another stream and were counted as compute (mostly {named}): add a "
                      "name rule (docs/naming.md) if they are communication")
@@ -138,15 +139,20 @@ def batched_p2p_notes(events: pl.DataFrame) -> list[str]:
         "rank").unique()
     hit = (kernels.join(posting, on="rank").group_by("rank").agg(pl.len().alias("n"), pl.col("dur_ns").sum())
            .sort("rank").collect(**iv.COLLECT))
-    return [f"rank {r}: {n} send/receive kernels ({ns / 1e6:,.3f} ms) name no launching send or receive although "
+    return [f"rank {r}: {n} send/receive kernels ({ns / NS_PER_MS:,.3f} ms) name no launching send or receive although "
             "the rank posted P2P messages (batched P2P, batch_isend_irecv, launches one kernel per batch after the "
             "per-op scopes closed): they count as collective, unpaired, with no wait/transfer split (docs/gpu.md)"
             for r, n, ns in hit.rows()]
 
 
+# What every surface says of a run that is no pipeline (analyze's line, --json's summary.no_pipeline, the report).
+NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
+               "chaining ranks), so no bubble, stage, schedule or data-parallel replica figure applies")
+
+
 def pipeline_found(stages: pl.DataFrame, schedule: pl.DataFrame, p2p: pl.DataFrame) -> bool:
     """Is this a pipeline at all: a rank with a known stage, a forward/backward in the schedule, or a matched P2P
-    message? (Else no bubble, stage or schedule figure means anything; analyze says so in one line.)"""
+    message? (Else no bubble, stage or schedule figure means anything: the summary gives none (``NO_PIPELINE``).)"""
     from traceana.names import PASS_PHASES
 
     staged = "stage" in stages.columns and stages["stage"].drop_nulls().len() > 0
@@ -179,7 +185,7 @@ def phase_means(phase_time: pl.DataFrame, attribution: pl.DataFrame,
             .group_by("rank", "phase").agg(pl.col("own_ns").sum(), pl.col("overlapped_ns").sum(),
                                            pl.col("ns").fill_null(0).sum())
             .join(n, on="rank").join(shared, on="rank")
-            .select("rank", "phase", *((pl.col(c) / pl.col("_n") / 1e6).alias(m) for c, m in
+            .select("rank", "phase", *((pl.col(c) / pl.col("_n") / NS_PER_MS).alias(m) for c, m in
                                        (("own_ns", "own_ms"), ("overlapped_ns", "overlapped_ms"),
                                         ("ns", "partition_ms"))), "shared_fraction")
             .sort("rank", "phase"))
@@ -195,6 +201,6 @@ def stream_means(stream_time: pl.DataFrame, steps: list[int] | tuple[int, ...]) 
     return (st.group_by("rank", "stream").agg(pl.col(c).sum() for c in cols).join(per_rank, on="rank")
             .with_columns(pl.col(c) / pl.col("_n") for c in cols)
             .with_columns((pl.col("_dur") - pl.col("busy_ns")).alias("idle_ns"))
-            .select("rank", "stream", *((pl.col(c) / 1e6).alias(c.replace("_ns", "_ms")) for c in STREAM_TIME
+            .select("rank", "stream", *((pl.col(c) / NS_PER_MS).alias(c.replace("_ns", "_ms")) for c in STREAM_TIME
                                         if c.endswith("_ns")))
             .sort("rank", "stream"))

@@ -41,6 +41,7 @@ import polars as pl
 from traceana import intervals as iv
 from traceana import names, schema
 from traceana.errors import AnalysisError
+from traceana.units import NS_PER_MS
 
 ACTION_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "optimizer": "O"}
 # What each action is, for what-ifs and the critical path: the kinds of time on a step.
@@ -730,7 +731,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             key = (fr, fs) if fs >= 0 else None
     path = pl.DataFrame(pieces, schema={"rank": pl.Int32, "stage": pl.Int32, "seq": pl.Int32, "kind": pl.String,
                                         "start_ns": pl.Int64, "end_ns": pl.Int64}, orient="row").sort("start_ns")
-    path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / 1e6).alias("ms"),
+    path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS).alias("ms"),
                              pl.lit(step, pl.Int32).alias("step"))
     return path, slack
 

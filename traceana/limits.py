@@ -29,11 +29,11 @@ from __future__ import annotations
 import os
 import re
 
-from traceana.units import bytes_text
+from traceana.units import GIB, KIB, MIB, TIB, bytes_text
 
-MAX_VALUE_BYTES = 64 << 20
+MAX_VALUE_BYTES = 64 * MIB
 ENV = "TRACEANA_MEMORY_LIMIT"
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SUFFIX = {"": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB}
 
 
 def _env_limit() -> int | None:
@@ -49,9 +49,9 @@ def _status() -> tuple[int, int]:
         with open("/proc/self/status", "rb") as fh:
             for line in fh:
                 if line.startswith(b"VmSize:"):
-                    vm = int(line.split()[1]) * 1024
+                    vm = int(line.split()[1]) * KIB
                 elif line.startswith(b"VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
+                    rss = int(line.split()[1]) * KIB
     except (OSError, ValueError, IndexError):
         pass
     return vm, rss
@@ -143,7 +143,7 @@ def analysis_short(n_events: int) -> tuple[int, int] | None:
 
 
 def gib(n: int) -> str:
-    return bytes_text(n, 2 if n >= 2**30 else 0)
+    return bytes_text(n, 2 if n >= GIB else 0)
 
 
 # Numbers a trace or run.json declares that would size memory or time, checked against what is present (docs/

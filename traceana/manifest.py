@@ -60,7 +60,7 @@ _OPTIONAL_POSITIVE_INTS = ("pp", "microbatch_size", "num_microbatches", "global_
 _OPTIONAL_TEXT = ("dtype", "attention", "recompute", "device", "torch_version")
 # Facts with a field of their own that older run.json files (and collectors) wrote under "extra": read from there too.
 LIFTED = ("stages_of_rank", "virtual_stages", "layers_per_stage", "bpipe_inflight", "hosts", "nnodes", "trainer",
-           "dropout", "eager", "grads_in_step", "attach", "collector", "names", "link_bytes_per_s")
+           "dropout", "eager", "grads_in_step", "attach", "collector", "names", "link_bytes_per_s", "p2p_latency_ns")
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,7 @@ class Manifest:
     collector: str | None = None  # which collector wrote the run
     names: str | dict[str, Any] | None = None  # name rules (docs/naming.md): a file next to run.json, or inline
     link_bytes_per_s: float | None = None  # the P2P link's bandwidth the transfer floor assumes (traceana.p2p)
+    p2p_latency_ns: float | None = None  # a CPU-rank P2P message's latency the transfer ceiling allows (traceana.p2p)
     extra: dict[str, Any] = field(default_factory=dict)  # keys traceana does not know, kept as they were
     schema_version: int = SCHEMA_VERSION
 
@@ -262,6 +263,9 @@ class Manifest:
         v = self.link_bytes_per_s
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
             raise bad("link_bytes_per_s", "a positive number of bytes per second")
+        v = self.p2p_latency_ns
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise bad("p2p_latency_ns", "a number of nanoseconds, 0 or more")
         if self.names is not None and not isinstance(self.names, (str, dict)):
             raise bad("names", "a rules file's path or the rules themselves")
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from traceana.errors import BadInputError
+from traceana.units import MIB
 
 if TYPE_CHECKING:
     import polars as pl
@@ -386,13 +388,13 @@ def load_rules(path: str | Path) -> NameRules:
     p = Path(path)
     try:
         with open_regular(p) as f:
-            raw = f.read((1 << 20) + 1)
+            raw = f.read(MIB + 1)
     except BadInputError:
         raise
     except OSError as e:
         raise BadInputError(f"cannot read the name rules file ({e.strerror or e})", path=p,
                             fix="check the path given to --names") from None
-    if len(raw) > 1 << 20:
+    if len(raw) > MIB:
         raise BadInputError("a name rules file is a few KB; this one is over 1 MiB", path=p,
                             fix="pass the rules file (docs/naming.md), not a trace")
     try:
@@ -427,6 +429,27 @@ def rules_for_run(run_dir: str | Path | None, spec: str | dict | None,
         base = base if base.is_dir() else base.parent
         return load_rules(spec if spec in ("none", "builtin") else base / spec)
     return parse_rules(spec, origin="run.json names")
+
+
+# The name rules are one concept with one keyword wherever they are given: ``names=`` in Python, ``--names`` on the
+# command line, ``"names"`` in run.json. These older keywords are still accepted, with a DeprecationWarning.
+OLD_NAMES_KEYWORDS = ("name_rules", "names_from")
+
+
+def names_keyword(given: str | Path | NameRules | None, old: dict, where: str) -> str | Path | NameRules | None:
+    """The value of a function's ``names=`` keyword, or of an old spelling of it in ``old`` (the function's other
+    keyword arguments: ``name_rules=``, ``names_from=``), which warns (DeprecationWarning). Any other keyword is
+    the TypeError Python would raise for ``where()``."""
+    for key in old:
+        if key not in OLD_NAMES_KEYWORDS:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+    for key, value in old.items():
+        warnings.warn(f"{where}({key}=...) is now {where}(names=...), as the command line's --names",
+                      DeprecationWarning, stacklevel=3)
+        if given is not None and value is not given:
+            raise TypeError(f"{where}() got both names= and its old spelling {key}=")
+        given = value
+    return given
 
 
 def rule_columns(name: pl.Expr, rules: NameRules) -> dict[str, pl.Expr]:

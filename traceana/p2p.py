@@ -7,7 +7,16 @@ started (and a send kernel until the receive's has), so the same split separates
 Moving ``nbytes`` takes at least ``nbytes / link_bytes_per_s`` (``min_transfer_ns``): where the measured split leaves
 less (clocks of two hosts a little apart, a timeline converted from another tool), the split moves earlier, so that no
 transfer is shorter than the link allows; the bandwidth assumed is ``LINK_BYTES_PER_S`` unless run.json's
-``link_bytes_per_s`` gives the run's own. Nothing is invented: messages without a counterpart stay unmatched, with a
+``link_bytes_per_s`` gives the run's own.
+
+Between two CPU ranks (gloo) a message also takes at most ``max_transfer_ns``: its bytes over the slowest link such a
+pair plausibly has (``CPU_LINK_BYTES_PER_S``, or run.json's ``link_bytes_per_s``) plus one message's latency
+(``CPU_MESSAGE_LATENCY_NS``, or run.json's ``p2p_latency_ns``). The receive returns when the peer's process has made
+the progress the transfer needs (gloo moves bytes on both processes' threads: the sender's post, its loop writing the
+socket), so a receive that returns later than that after both sides were ready was waiting on its peer, not moving
+bytes: the split moves later, to ``recv_end_ns − max_transfer_ns`` (the bytes are taken to move last, just before the
+return). GPU ranks have no ceiling (a NCCL kernel moves bytes from the moment both kernels run). The ceiling is never
+below the floor. Nothing is invented: messages without a counterpart stay unmatched, with a
 note.
 """
 
@@ -19,14 +28,24 @@ from traceana import intervals as iv
 from traceana import names
 from traceana.classify import inside
 from traceana.schema import P2P, conform
+from traceana.units import GB, MB, NS_PER_MS, NS_PER_S, NS_PER_US
 
 # Extra columns kept beside schema.P2P for the sender's side of each pair, and the shortest transfer its bytes allow.
-P2P_EXTRA = {"send_end_ns": pl.Int64, "min_transfer_ns": pl.Int64}
+P2P_EXTRA = {"send_end_ns": pl.Int64, "min_transfer_ns": pl.Int64, "max_transfer_ns": pl.Int64}
 # The link a transfer's floor assumes (bytes/s): the fastest a pipeline message between two GPUs takes, NVLink 4
 # (H100 SXM: 900 GB/s both directions, 450 GB/s one way; NVIDIA H100 datasheet). The floor must not exceed the real
 # transfer time, so the assumption is the fastest link, not a typical one: a slower link's transfers are longer than
 # the floor, which then changes nothing. run.json's ``link_bytes_per_s`` replaces it.
 LINK_BYTES_PER_S = 450e9
+# The transfer ceiling between CPU ranks (module doc) must not fall short of a real transfer, so it assumes the slowest
+# link a gloo pipeline plausibly runs over, 1 Gb/s Ethernet (125e6 bytes/s; loopback and faster networks take less),
+# and a message's latency beyond its bytes: gloo's post, its loop thread writing and reading the socket, the waiting
+# thread waking up. 300 µs covers every message that found both sides ready in the gloo runs of tests/data (Megatron
+# 1F1B and interleaved, DeepSpeed: 57-270 µs from both ready to the receive's return, profiler overhead included;
+# the others, 0.7-5.8 ms, waited on the peer: docs/schedules.md "Waiting or transfer"). run.json's
+# ``link_bytes_per_s`` and ``p2p_latency_ns`` replace them.
+CPU_LINK_BYTES_PER_S = 125e6
+CPU_MESSAGE_LATENCY_NS = 300_000
 
 MESSAGE = {
     "rank": pl.Int32, "dir": pl.String, "channel": pl.String, "peer": pl.Int32, "tag": pl.Int32,
@@ -150,10 +169,21 @@ def link_bandwidth(config) -> float:
     return float(config.link_bytes_per_s or LINK_BYTES_PER_S)
 
 
+def transfer_ceiling(config) -> tuple[float, int]:
+    """(bytes/s, latency ns) of the transfer ceiling between CPU ranks (module doc): the run's ``link_bytes_per_s``
+    and ``p2p_latency_ns`` (``RunConfig``, from run.json) where given, else CPU_LINK_BYTES_PER_S and
+    CPU_MESSAGE_LATENCY_NS."""
+    latency = config.p2p_latency_ns
+    return (float(config.link_bytes_per_s or CPU_LINK_BYTES_PER_S),
+            int(latency) if latency is not None else CPU_MESSAGE_LATENCY_NS)
+
+
 def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
+         ceiling: tuple[float, int] = (CPU_LINK_BYTES_PER_S, CPU_MESSAGE_LATENCY_NS),
          ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, list[str]]:
     """Match sends with recvs. Returns (pairs: schema.P2P + P2P_EXTRA, unmatched messages, the messages with the
-    channel of their pair, notes). ``link_bytes_per_s``: the link the transfer floor assumes (module doc)."""
+    channel of their pair, notes). ``link_bytes_per_s``: the link the transfer floor assumes; ``ceiling``: the
+    (bytes/s, latency ns) of the ceiling between CPU ranks (module doc)."""
     # Messages between two ranks match in posting order per tag, whatever we think they carry (that is how gloo
     # and NCCL match them), so the channel is not a key: a pair is BPipe traffic if either side says so.
     keys = ["src", "dst", "tag", "step"]
@@ -172,6 +202,7 @@ def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
             .sort("post_ns").with_columns(pl.int_range(pl.len()).over(keys).cast(pl.Int32).alias("seq"))
             .select(*keys, "seq", pl.col("_row").alias(f"_{direction}_row"),
                     pl.col("channel").alias(f"{direction}_channel"), pl.col("nbytes").alias(f"{direction}_nbytes"),
+                    pl.col("on_gpu").alias(f"_{direction}_on_gpu"),
                     pl.col("post_ns").alias(post), pl.col("end_ns").alias(end))
         )
 
@@ -186,14 +217,20 @@ def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
     n_msgs = msgs.height
     joined = joined.collect(**iv.COLLECT) if n_msgs else _empty(joined)
     matched = joined.lazy().filter(pl.col("send_start_ns").is_not_null() & pl.col("recv_post_ns").is_not_null())
-    # Clamp so that wait and transfer are never negative even on slightly skewed clocks, and so that the transfer is
-    # never shorter than its bytes take on the link (module doc).
+    # Clamp so that wait and transfer are never negative even on slightly skewed clocks, so that the transfer is
+    # never shorter than its bytes take on the link, and, between CPU ranks, never longer than its bytes on the
+    # slowest link plus a message's latency (module doc).
     ready = pl.min_horizontal(pl.max_horizontal("recv_post_ns", "send_start_ns"), "recv_end_ns")
-    floor = (pl.col("nbytes").cast(pl.Float64) * (1e9 / link_bytes_per_s)).ceil().cast(pl.Int64).fill_null(0)
+    floor = (pl.col("nbytes").cast(pl.Float64) * (NS_PER_S / link_bytes_per_s)).ceil().cast(pl.Int64).fill_null(0)
+    top = ((pl.col("nbytes").cast(pl.Float64).fill_null(0) * (NS_PER_S / ceiling[0])).ceil().cast(pl.Int64) + ceiling[1])
+    cpu_pair = ~pl.col("_send_on_gpu").fill_null(True) & ~pl.col("_recv_on_gpu").fill_null(True)
     pairs = matched.with_columns(
         pl.coalesce("recv_nbytes", "send_nbytes").alias("nbytes"),
     ).with_columns(floor.alias("min_transfer_ns")).with_columns(
-        pl.max_horizontal(pl.min_horizontal(ready, pl.col("recv_end_ns") - pl.col("min_transfer_ns")),
+        pl.when(cpu_pair).then(pl.max_horizontal(top, "min_transfer_ns")).alias("max_transfer_ns"),
+    ).with_columns(
+        pl.max_horizontal(pl.min_horizontal(pl.max_horizontal(ready, pl.col("recv_end_ns") - pl.col("max_transfer_ns")),
+                                            pl.col("recv_end_ns") - pl.col("min_transfer_ns")),
                           "recv_post_ns").alias("data_ready_ns"),
     ).with_columns(
         (pl.col("data_ready_ns") - pl.col("recv_post_ns")).alias("wait_ns"),
@@ -228,12 +265,20 @@ def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
                .filter(pl.col("data_ready_ns") < pl.col("_measured_ready"))) if pairs.height else pairs
     if floored.height:
         notes.append(f"{floored.height} of {pairs.height} P2P messages left less transfer time after the peer was "
-                     f"ready than their bytes take at {link_bytes_per_s / 1e9:g} GB/s (the link assumed: "
+                     f"ready than their bytes take at {link_bytes_per_s / GB:g} GB/s (the link assumed: "
                      f"{'run.json link_bytes_per_s' if link_bytes_per_s != LINK_BYTES_PER_S else 'NVLink 4, one way'}"
                      "): their wait/transfer split was moved earlier by "
-                     f"{(floored['_measured_ready'] - floored['data_ready_ns']).sum() / 1e6:,.3f} ms in all, so no "
+                     f"{(floored['_measured_ready'] - floored['data_ready_ns']).sum() / NS_PER_MS:,.3f} ms in all, so no "
                      "transfer is shorter than the link allows (clocks of two hosts a little apart, or a faster link: "
                      "set run.json's link_bytes_per_s)")
+    waited = (pairs.with_columns(ready.alias("_measured_ready"))
+              .filter(pl.col("data_ready_ns") > pl.col("_measured_ready"))) if pairs.height else pairs
+    if waited.height:
+        notes.append(f"{waited.height} of {pairs.height} P2P messages between CPU ranks returned later after both "
+                     f"sides were ready than their bytes and a message's latency need ({ceiling[0] / MB:g} MB/s, "
+                     f"{ceiling[1] / NS_PER_US:g} µs; run.json link_bytes_per_s, p2p_latency_ns): "
+                     f"{(waited['data_ready_ns'] - waited['_measured_ready']).sum() / NS_PER_MS:,.3f} ms in all count as "
+                     "waiting on the peer's process, not transfer (docs/schedules.md \"Waiting or transfer\")")
     if to_self.height:
         on = sorted(set(to_self["rank"].to_list()))
         notes.append(f"{to_self.height} P2P messages on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "

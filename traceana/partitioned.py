@@ -30,9 +30,11 @@ from typing import Any
 import polars as pl
 
 from traceana import names, scale
+from traceana import names as _names  # (analyze_partitioned's keyword ``names`` hides the module there)
 from traceana.errors import BadInputError
 from traceana.ingest import Run
 from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.names import NameRules
 from traceana.p2p import pipeline_groups
 from traceana.reconcile import run_config
 
@@ -87,7 +89,7 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
     from traceana.classify import rank_summary
 
     run = scale.load_parquet(task.out_dir, ranks=task.ranks)
-    result = analyze(run, peak_flops=task.peak_flops, name_rules=task.name_rules)
+    result = analyze(run, peak_flops=task.peak_flops, names=task.name_rules)
     tables = {name: getattr(result, name) for name in TABLE_ORDER if name != "rank_summary"}
     tables["stages"] = result.stages
     tables["rank_summary"] = rank_summary(run)
@@ -96,16 +98,20 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
 
 
 def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.Map = map,
-                        peak_flops: float | None = None, name_rules: names.NameRules = names.DEFAULT_RULES):
+                        peak_flops: float | None = None, names: str | Path | NameRules | None = None,
+                        **old_keywords):
     """The ``Analysis`` of ``run_dir``, computed one rank, then one pipeline group, per task through ``map``.
+    ``names``: the name rules, as ``analyze``'s (``name_rules=`` is an old spelling).
 
     Its tables equal ``analyze(load_run(run_dir))``'s up to row order and the caveats in docs/performance.md;
     ``events`` is None (the classified events stay in the workers) and ``run`` holds the traces table only.
     """
     from traceana.analysis import Analysis, _mfu, stage_table
     from traceana.ingest.run_dir import IngestWarning
+    from traceana.analysis_cache import run_name_rules
     from traceana.summary import measured_steps, rank_steps
 
+    rules = run_name_rules(run_dir, _names.names_keyword(names, old_keywords, "analyze_partitioned"))
     run_dir = Path(run_dir)
     files = scale.trace_files(run_dir)
     out = Path(out_dir)
@@ -118,7 +124,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
                        key=lambda r: (r["rank"], r["trace"]))
     scale.finish_dataset(run_dir, out, summaries)
     groups = pipeline_groups({r["rank"]: r["peers"] for r in summaries})
-    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops, name_rules) for g in groups]))
+    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops, rules) for g in groups]))
 
     tables = {}
     for name in (*TABLE_ORDER, "stages"):

@@ -29,7 +29,7 @@ SOURCES = (RUN_JSON, TRACE, INFERRED, DEFAULT, OPTION)
 _FROM_MANIFEST = ("world_size", "pp", "tp", "dp", "schedule", "microbatch_size", "num_microbatches", "model", "dtype",
                   "attention", "recompute", "device", "peak_flops", "bpipe", "bpipe_inflight", "layers_per_stage",
                   "host_cpus", "ranks_per_host", "hosts", "nnodes", "trainer", "dropout", "eager", "grads_in_step",
-                  "link_bytes_per_s")
+                  "link_bytes_per_s", "p2p_latency_ns")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class RunConfig:
     eager: bool | None = None
     grads_in_step: bool = False
     link_bytes_per_s: float | None = None  #: the P2P link's bandwidth; None: traceana.p2p's assumed one
+    p2p_latency_ns: float | None = None  #: a CPU-rank P2P message's latency; None: traceana.p2p's assumed one
     sources: Mapping[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     refusal: str | None = None

@@ -34,6 +34,11 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
   median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
   slowest is not always the one to blame. Exposed collective time per replica is in ``replicas``.
+- **no pipeline** (``pipeline_found`` False, traceana.gpu.pipeline_found: no rank has a stage, no forward/backward,
+  no matched P2P message): no bubble figure applies, so ``bubble_fraction`` and the per-stage bubble columns are
+  null (not 0: nothing was measured as a bubble because there is no pipeline to wait on), and no replicas are
+  formed (two ranks of an all-to-all job are not data-parallel replicas of anything); ``as_dict`` gives the reason
+  (``no_pipeline``: gpu.NO_PIPELINE).
 - **straggler** and **bottleneck**: from the what-if (traceana.whatif), not from step times: a rank or replica is
   a straggler (``per_stage.straggler``: its replica on its stage, ``straggler_rank``) and a stage a bottleneck only
   when making it ideal (its work at its peers' median) shortens the replayed step by more than the noise in every
@@ -113,8 +118,10 @@ class RunSummary:
     #                          straggler_rank, if_ideal_step_ms (the step with it ideal)
     replicas: pl.DataFrame | None = None  # one row per rank: stage, replica, rank, step_ms, own_ms (median),
     #                                       compute_ms, collective_ms (exposed)
+    step_times_ms: tuple[float, ...] = ()  # each measured step's time (step_ms is their mean): the noise's samples
     diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
+    pipeline_found: bool = True  # gpu.pipeline_found: False = no bubble or replica figure (module docstring)
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
     path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
@@ -126,10 +133,16 @@ class RunSummary:
         return self.per_stage.filter(pl.col("straggler").is_not_null())
 
     def as_dict(self) -> dict:
-        """JSON-ready: the headline figures and the per-stage rows."""
+        """JSON-ready: the headline figures and the per-stage rows; for a run that is no pipeline, why it has no
+        bubble or replica figure (``no_pipeline``)."""
+        from traceana.gpu import NO_PIPELINE
+
         return {
+            "pipeline_found": self.pipeline_found,
+            "no_pipeline": None if self.pipeline_found else NO_PIPELINE,
             "measured_steps": list(self.steps),
             "step_ms": self.step_ms,
+            "step_times_ms": list(self.step_times_ms),
             "bubble_fraction": self.bubble_fraction,
             "bpipe_ms": self.bpipe_ms,
             "largest_activation_stage": self.largest_activation_stage,
@@ -141,6 +154,28 @@ class RunSummary:
             "bottleneck": self.bottleneck,
             "critical_path": [] if self.critical_path is None else self.critical_path.to_dicts(),
         }
+
+    # --- in a notebook: the headline figures and the main per-stage columns, not the frames' full text ---------------
+    def __repr__(self) -> str:
+        lines = ["<traceana.RunSummary>", *(f"  {line}" for line in headline(self)),
+                 f"  per stage: {self.per_stage.height} rows (.per_stage)"]
+        return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)
+
+    def table_html(self) -> str:
+        """The per-stage table's main columns (``HTML_COLUMNS``) as HTML, times rounded to the µs."""
+        shown = [c for c in HTML_COLUMNS if c in self.per_stage.columns]
+        return self.per_stage.select(shown).with_columns(pl.selectors.float().round(3))._repr_html_()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self))
+        return f"<div><ul>{head}</ul><p>Per stage (mean per measured step):</p>{self.table_html()}</div>"
+
+
+# The per-stage columns a notebook shows (RunSummary / Analysis ``_repr_html_``); the rest are in ``per_stage``.
+HTML_COLUMNS = ("stage", "ranks", "step_ms", "compute_ms", "bubble_ms", "bubble_fraction", "p2p_ms", "bpipe_ms",
+                "collective_ms", "peak_mib", "activation_peak_mib")
 
 
 def _per_stage(per_rank_step: pl.DataFrame, stages: pl.DataFrame, stage_memory: pl.DataFrame,
@@ -285,27 +320,40 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
+def without_bubble(frame: pl.DataFrame) -> pl.DataFrame:
+    """A run that is no pipeline: its bubble columns (``bubble*``) null, not 0 (module docstring)."""
+    return frame.with_columns(pl.lit(None, pl.Float64).alias(c) for c in frame.columns if c.startswith("bubble"))
+
+
 def summarize(analysis) -> RunSummary:
     """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
-    att = analysis.attribution
-    steps = measured_steps(att, analysis.schedule)
-    per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
-    replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    from traceana.gpu import pipeline_found
     from traceana.graph import data_parallel_only
 
-    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=data_parallel_only(analysis))
+    att = analysis.attribution
+    steps = measured_steps(att, analysis.schedule)
+    pipeline = pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
+    # no pipeline: no replicas (module docstring); its ranks are the per-rank table's
+    replicas = replica_table(per_replica_step) if pipeline else None
+    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=pipeline and data_parallel_only(analysis))
     per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
                  .join(replicas_of, on="stage", how="left", nulls_equal=True)
                  .join(named, on="stage", how="left", nulls_equal=True))
+    if not pipeline:
+        per_stage = without_bubble(per_stage)
     used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
     ranks = used["rank"].n_unique()
     if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
-        step_ms = float(used.group_by("step").agg(pl.col("step_ns").max())["step_ns"].mean()) / NS_PER_MS
-    elif used.height:  # steps that do not line up across ranks: the slowest rank's own mean
-        step_ms = float(used.group_by("rank").agg(pl.col("step_ns").mean())["step_ns"].max()) / NS_PER_MS
+        per_step = used.group_by("step").agg(pl.col("step_ns").max()).sort("step")["step_ns"]
+    elif used.height:  # steps that do not line up across ranks: the slowest rank's own steps
+        slowest = used.group_by("rank").agg(pl.col("step_ns").mean()).sort("step_ns", "rank").tail(1)["rank"]
+        per_step = used.filter(pl.col("rank").is_in(slowest.implode())).sort("step")["step_ns"]
     else:
-        step_ms = None
+        per_step = pl.Series([], dtype=pl.Int64)
+    step_times_ms = tuple(float(x) / NS_PER_MS for x in per_step.to_list())  # the noise rule's samples
+    step_ms = sum(step_times_ms) / len(step_times_ms) if step_times_ms else None
     total = float(used["step_ns"].sum()) if used.height else 0.0
     bubble = float(used["bubble_ns"].sum()) if used.height else 0.0
     bpipe = per_stage["bpipe_ms"].drop_nulls()
@@ -315,13 +363,15 @@ def summarize(analysis) -> RunSummary:
     return RunSummary(
         steps=tuple(steps),
         step_ms=step_ms,
-        bubble_fraction=bubble / total if total else None,
+        bubble_fraction=bubble / total if total and pipeline else None,
         bpipe_ms=float(bpipe.max()) if len(bpipe) and bpipe.max() > 0 else None,
         largest_activation_stage=int(largest["stage"][0]) if largest.height else None,
         largest_activation_peak_mib=float(largest["activation_peak_mib"][0]) if largest.height else None,
         memory_balance=float(peaks.max() / peaks.min()) if len(peaks) > 1 and peaks.min() > 0 else None,
         per_stage=per_stage,
         replicas=replicas,
+        step_times_ms=step_times_ms,
+        pipeline_found=pipeline,
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
@@ -329,17 +379,41 @@ def summarize(analysis) -> RunSummary:
     )
 
 
-def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def compare_runs(runs: list[tuple[str, RunSummary]], *,
+                 repeats: dict[str, list[RunSummary]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
-    first run's step), largest_activation_peak_mib, peak_mib (largest stage), memory_balance. Per stage: stage, run,
-    step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null
-    for a run whose stages are not the first run's)."""
-    base = runs[0][1].step_ms
+    first run's step) with its noise interval (traceana.noise: step_change_low, step_change_high, within_noise —
+    null without spread to judge —, noise_from, runs, step_change_words: the noise rule's sentence),
+    largest_activation_peak_mib, peak_mib (largest stage),
+    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the median of
+    its runs', and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
+    bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null for a run whose
+    stages are not the first run's)."""
+    from traceana.noise import compare
+
+    repeats = repeats or {}
+
+    def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
+        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
+                 for x in (s, *repeats.get(name, ()))]
+        return [r for r in runs_ if r]
+
+    base = side(*runs[0])
+    rows = []
+    for name, s in runs:
+        mine = side(name, s)
+        c = compare(base, mine) if base and mine else None
+        rows.append((name, c.other_ms if c else s.step_ms, c.change if c else None, c and c.low, c and c.high,
+                     c and c.within_noise, ("runs" if c.from_runs else "steps") if c else None, max(len(mine), 1),
+                     None if c is None or name == runs[0][0] else c.words(),
+                     s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance))
     overview = pl.DataFrame(
-        [(name, s.step_ms, (s.step_ms - base) / base if base and s.step_ms is not None else None,
-          s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance) for name, s in runs],
-        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64,
-                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64, "memory_balance": pl.Float64},
+        rows,
+        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64, "step_change_low": pl.Float64,
+                "step_change_high": pl.Float64, "within_noise": pl.Boolean, "noise_from": pl.String,
+                "runs": pl.Int32, "step_change_words": pl.String,
+                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64,
+                "memory_balance": pl.Float64},
         orient="row",
     )
     values = ("step_ms", "bubble_ms", "bpipe_ms", "peak_mib", "activation_peak_mib")
@@ -361,3 +435,30 @@ def compare_runs(runs: list[tuple[str, RunSummary]]) -> tuple[pl.DataFrame, pl.D
         .sort("stage", "run", nulls_last=True)
     )
     return overview, per_stage
+
+
+def headline(summary) -> list[str]:
+    """The run's headline figures, one per line, in the words every surface uses (traceana analyze, an Analysis's
+    repr in a notebook); no bubble line for a run that is no pipeline (``summary.pipeline_found``: it has none)."""
+    from traceana.timeline import WHOLE_TRACE_STEP
+
+    def num(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
+            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
+    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
+    if summary.pipeline_found:
+        lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "
+                     f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of "
+                     "step time")
+    if summary.bpipe_ms is not None:
+        lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
+    if summary.largest_activation_peak_mib is not None:
+        lines.append(f"largest activation peak: {summary.largest_activation_peak_mib:,.2f} MiB on stage "
+                     f"{summary.largest_activation_stage}")
+    if summary.memory_balance is not None:
+        lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
+    if summary.diagnosis is not None:
+        lines.append(f"bottleneck (what-if, traceana whatif): {summary.diagnosis}")
+    return lines

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from traceana.units import MIB
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -36,7 +38,7 @@ def cell(x, spec: str = ",.2f") -> str:
 def mib(nbytes: float | None) -> str:
     """A memory cell: bytes in MiB with two decimals in every table (a tiny run's activation peak is 0.01 MiB, as
     the headlines and reports write it), or ``UNKNOWN``."""
-    return UNKNOWN if nbytes is None else f"{nbytes / 2**20:,.2f}"
+    return UNKNOWN if nbytes is None else f"{nbytes / MIB:,.2f}"
 
 
 def progress_bar(description: str = "{task.description}"):

@@ -21,6 +21,7 @@ from traceana import names
 from traceana.errors import BadInputError
 from traceana.p2p import pipeline_groups
 from traceana.schema import STEPS, conform
+from traceana.units import NS_PER_MS
 
 WHOLE_TRACE_STEP = -1
 
@@ -192,7 +193,7 @@ def clock_offsets(pairs: pl.DataFrame, ranks: list[int], *, same_host: bool | No
                        schema={"rank": pl.Int32, "offset_ns": pl.Int64})
     worst = int(out["offset_ns"].abs().max())
     return out.with_columns(pl.lit("p2p constraints").alias("source")).select(list(schema)), [
-        f"clocks differ across ranks: corrected by up to {worst / 1e6:.3f} ms from P2P ordering constraints"]
+        f"clocks differ across ranks: corrected by up to {worst / NS_PER_MS:.3f} ms from P2P ordering constraints"]
 
 
 # GPU work that ends this long after its step's ProfilerStep span (as a share of the step) is reported: the CPU
@@ -221,10 +222,10 @@ def gpu_lag_notes(busy: pl.DataFrame, step_table: pl.DataFrame) -> list[str]:
     tail = (gpu.join(last, on="rank").filter(pl.col("end") > pl.col("_last"))
             .group_by("rank").agg((pl.col("end") - pl.max_horizontal("start", "_last")).sum().alias("tail")))
     tails = dict(tail.rows())
-    return [f"rank {r}: GPU work launched in step {s} ran until {over / 1e6:.3f} ms after its ProfilerStep span ended "
+    return [f"rank {r}: GPU work launched in step {s} ran until {over / NS_PER_MS:.3f} ms after its ProfilerStep span ended "
             f"({over / dur:.0%} of the step; the CPU ran ahead of the GPU): steps are cut by the CPU's spans, so each "
             "step's figures hold part of earlier steps' GPU work, and the step time is the CPU's"
-            + (f"; {tails[r] / 1e6:.3f} ms of GPU work after the last step is in no step" if tails.get(r) else "")
+            + (f"; {tails[r] / NS_PER_MS:.3f} ms of GPU work after the last step is in no step" if tails.get(r) else "")
             for r, s, over, dur in late.rows()]
 
 

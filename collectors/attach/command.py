@@ -1,6 +1,6 @@
 """Run an unmodified training command with a window of its steps profiled in every rank.
 
-  traceana attach -o runs/x --steps 10:12 -- torchrun --nproc-per-node 4 train.py --lr 3e-4
+  traceana attach -o runs/x --window 10:12 -- torchrun --nproc-per-node 4 train.py --lr 3e-4
 
 Every Python process the command starts profiles steps 10 and 11 (counted from 0; the end is excluded, like a
 Python slice) and writes rank{R}.pt.trace.json.gz; run.json holds what could be detected (world size, rank → stage,
@@ -37,13 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     options.output(parser, type=Path, required=True, metavar="DIR",
                    help="new (or empty) directory: the run directory (one per window with several windows) (required)")
-    parser.add_argument("--steps", default="10:12", metavar="A:B[,C:D…]",
-                        help="steps to profile, counted from 0, B excluded (default 10:12: steps 10 and 11); "
+    # A range of step numbers (collect's --profile-steps is a count); --steps is the old spelling, kept hidden.
+    parser.add_argument("--window", "--steps", dest="window", default="10:12", metavar="A:B[,C:D…]",
+                        help="the steps to profile, counted from 0, B excluded (default 10:12: steps 10 and 11); "
                              "several windows: one run directory each, OUT/steps{A}-{B-1}")
     parser.add_argument("--every", type=int, metavar="N",
                         help="repeat the last window every N steps for as long as the job runs")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N",
-                        help="profiler warm-up steps before each window (running, nothing kept)")
+    # As collect's --warmup-steps; --warmup is the old spelling, kept hidden.
+    parser.add_argument("--warmup-steps", "--warmup", dest="warmup", type=int, default=1, metavar="N",
+                        help="steps run before each window, the profiler warming up (nothing kept)")
     parser.add_argument("--step-fn", metavar="MODULE:QUALNAME",
                         help="a call of this function starts a step (instead of schedule.step / optimizer.step); "
                              "it must live in an imported module, not in the script run as __main__")
@@ -64,12 +66,12 @@ def parse_windows(text: str) -> tuple[tuple[int, int], ...]:
         try:
             start, end = int(a), int(b)
         except ValueError:
-            raise ConfigError(f"--steps {text!r}: {part.strip()!r} is not A:B", fix="write e.g. --steps 10:12") from None
+            raise ConfigError(f"--window {text!r}: {part.strip()!r} is not A:B", fix="write e.g. --window 10:12") from None
         if not sep or start < 1 or end <= start:
-            raise ConfigError(f"--steps {text!r}: {part.strip()!r} must be A:B with 1 ≤ A < B",
-                              fix="step 0 has no boundary before it to start the profiler at; e.g. --steps 10:12")
+            raise ConfigError(f"--window {text!r}: {part.strip()!r} must be A:B with 1 ≤ A < B",
+                              fix="step 0 has no boundary before it to start the profiler at; e.g. --window 10:12")
         if windows and start < windows[-1][1]:
-            raise ConfigError(f"--steps {text!r}: windows overlap or are out of order",
+            raise ConfigError(f"--window {text!r}: windows overlap or are out of order",
                               fix="list disjoint windows in increasing order")
         windows.append((start, end))
     return tuple(windows)
@@ -84,13 +86,13 @@ def _config(args: argparse.Namespace):
     if not command:
         raise ConfigError("no command to run", fix="put the training command after --, e.g. "
                           "traceana attach -o runs/x -- torchrun --nproc-per-node 2 train.py")
-    windows = parse_windows(args.steps)
+    windows = parse_windows(args.window)
     if args.warmup < 1:
-        raise ConfigError(f"--warmup must be at least 1, got {args.warmup}",
-                          fix="the warm-up step absorbs the profiler's start-up cost; keep --warmup 1")
+        raise ConfigError(f"--warmup-steps must be at least 1, got {args.warmup}",
+                          fix="the warm-up step absorbs the profiler's start-up cost; keep --warmup-steps 1")
     if any(start < args.warmup for start, _ in windows):
-        raise ConfigError(f"--steps {args.steps}: a window starts before step {args.warmup} (--warmup)",
-                          fix="start the window later or lower --warmup")
+        raise ConfigError(f"--window {args.window}: a window starts before step {args.warmup} (--warmup-steps)",
+                          fix="start the window later or lower --warmup-steps")
     if args.every is not None and args.every < windows[-1][1] - windows[-1][0] + args.warmup:
         raise ConfigError(f"--every {args.every} is shorter than a window plus its warm-up",
                           fix=f"use --every ≥ {windows[-1][1] - windows[-1][0] + args.warmup}")
@@ -304,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         live.stop()
     written = [(d, m) for d, m in results if m is not None]
     if not written:
-        say(f"no process reached the window (--steps {args.steps}); nothing was profiled"
+        say(f"no process reached the window (--window {args.window}); nothing was profiled"
             f"{'' if code == 0 else f' (the command {describe_exit(code)})'}")
     elif code < 0:
         say(f"the command {describe_exit(code)}")

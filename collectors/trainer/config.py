@@ -52,8 +52,8 @@ class CollectConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
         for name in ("pp", "dp", "microbatches", "microbatch_size", "steps"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
-                                  fix=f"pass a positive --{name.replace('_', '-')}")
+                flag = "--profile-steps" if name == "steps" else f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}", fix=f"pass a positive {flag}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)

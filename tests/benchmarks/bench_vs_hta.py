@@ -149,13 +149,16 @@ def measure(cmd: list[str], *, env: dict | None = None, interval: float = 0.02, 
 # --- the jobs, each run as ``python bench_vs_hta.py --job NAME …`` in a fresh process -----------------------------
 def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: bool) -> dict:
     """Ingest (and analysis). With ``cache``, what ``traceana analyze`` does: the ingest and analysis caches under
-    RUN_DIR/.traceana are read when valid and written when not (``analysis_cache.load_and_analyze``). The standard
-    library is deferred as the ``traceana`` program defers it (traceana.cli.main), and without the cache the first
-    trace is read ahead while polars imports as the command reads it; nothing is printed."""
+    RUN_DIR/.traceana are read when valid and written when not (``analysis_cache.load_and_analyze``). The
+    process is set up as the ``traceana`` program sets up its own (traceana.cli.program_settings: the allocator, the
+    deferred standard library, a small run's one polars thread), and without the cache the first trace is read ahead
+    while polars imports as the command reads it; nothing is printed."""
     t0 = time.perf_counter()
-    from traceana import _deferred
+    from traceana.cli import program_settings
 
-    _deferred.defer(*_deferred.FOR_PROGRAM)
+    program_settings()
+    if analyze:
+        program_settings(path)
     ahead = False
     if analyze and not cache:  # as the command does (traceana.cli): its first trace read while polars imports
         from traceana.ingest import reading

@@ -68,7 +68,8 @@ def run(root: Path, argv: list[str], *, cwd: Path, env_extra=None, stdin=None, s
     if shell_closed_stdout:
         cmd = ["sh", "-c", " ".join(f"'{c}'" for c in cmd) + " >&-"]
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    err_file = tempfile.TemporaryFile("w+")  # (not a pipe: an orphaned job holding it would block the read)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=err_file, text=True)
     if stdout == subprocess.PIPE:
         p.stdout.close()
     if wait_for is not None:
@@ -94,7 +95,8 @@ def run(root: Path, argv: list[str], *, cwd: Path, env_extra=None, stdin=None, s
             break
         time.sleep(0.02)
     p.returncode = 0
-    err = p.stderr.read()
+    err_file.seek(0)
+    err = err_file.read()
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     return rc, (lines[-1] if lines else ""), rss, time.monotonic() - t0, "Traceback" in err
 

@@ -57,10 +57,10 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
         with partitioned.connect(dask) as client:
             return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
                                                    map=partitioned.dask_map(client), peak_flops=peak_flops,
-                                                   name_rules=rules)
+                                                   names=rules)
     from traceana.analysis_cache import load_and_analyze as cached
 
-    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names_from=rules)
+    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules)
 
 
 def _finish_ahead() -> None:
@@ -123,16 +123,24 @@ def print_tables(analysis, *, per_step: bool) -> None:
              for c in shown]
     rows += [["peak memory MiB", *(mib(r["peak_memory_bytes"]) for r in stages)],
              ["activation peak MiB", *(mib(r["activation_peak_bytes"]) for r in stages)],
-             ["MFU", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             ["MFU (model FLOPs)", *(UNKNOWN if r["mfu"] is None else f"{100 * r['mfu']:.1f}%" for r in stages)],
+             *([["HFU (+ recompute)", *(UNKNOWN if r["hfu"] is None else f"{100 * r['hfu']:.1f}%" for r in stages)]]
+               if any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages) else []),
              ["stage from", *(str(r["stage_source"]) for r in stages)]]
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
-    from traceana import gpu
+    if any(r["mfu"] is not None for r in stages):
+        from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
 
-    is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+        hfu = any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages)
+        print_line(console, f"MFU: {MFU_COUNTS}" + (f"; HFU: {HFU_COUNTS}" if hfu else ""))
+    from traceana import gpu
+    from traceana.summary import headline
+
+    is_pipeline = analysis.summary.pipeline_found
     if not is_pipeline:
-        print_line(console, NO_PIPELINE)
-    for line in headline(analysis.summary, pipeline=is_pipeline):
+        print_line(console, f"{gpu.NO_PIPELINE}; the time per GPU stream follows")
+    for line in headline(analysis.summary):
         print_line(console, line)
     gpu_tables(console, analysis, pipeline=is_pipeline)
     if is_pipeline:  # (replicas of a stage: without stages, ranks are not replicas of anything)
@@ -155,10 +163,6 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         print_line(console, n, prefix="[yellow]note:[/] ")
-
-
-NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
-               "chaining ranks), so no bubble, stage or schedule figure applies; the time per GPU stream follows")
 
 
 def gpu_tables(console, analysis, *, pipeline: bool) -> None:
@@ -256,34 +260,6 @@ def path_table(console, summary) -> None:
     rows = [[f"{a} {b}".strip(), c, d] for a, b, c, d in rows]  # a few rows: display only
     print_table(console, "Critical path of the replayed step (ms per step, share of the path; traceana whatif for "
                          "slack and what-ifs)", ["on the path", "ms", "share"], rows, keys=1)
-
-
-def headline(summary, *, pipeline: bool = True) -> list[str]:
-    """The run's headline figures (traceana.summary), one per line, in the words every surface uses (no bubble line
-    where ``pipeline`` is False: a trace that is not a pipeline has none)."""
-    from traceana.summary import STEP_TIME_LABEL
-    from traceana.timeline import WHOLE_TRACE_STEP
-
-    def num(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
-            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
-    lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
-    if pipeline:
-        lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "
-                     f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of "
-                     "step time")
-    if summary.bpipe_ms is not None:
-        lines.append(f"exposed BPipe transfer (largest stage): {summary.bpipe_ms:,.2f} ms per step")
-    if summary.largest_activation_peak_mib is not None:
-        lines.append(f"largest activation peak: {summary.largest_activation_peak_mib:,.2f} MiB on stage "
-                     f"{summary.largest_activation_stage}")
-    if summary.memory_balance is not None:
-        lines.append(f"memory balance across stages (max/min peak): {summary.memory_balance:.2f}")
-    if summary.diagnosis is not None:
-        lines.append(f"bottleneck (what-if, traceana whatif): {summary.diagnosis}")
-    return lines
 
 
 def run(args: argparse.Namespace) -> int:

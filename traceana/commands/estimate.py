@@ -15,14 +15,15 @@ import math
 import sys
 
 from traceana.errors import ConfigError
-from traceana.manifest import ATTENTIONS, FAMILIES, RECOMPUTES, ModelShape, check_peak_flops
+from traceana.manifest import FAMILIES, ModelShape, check_peak_flops
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
-from traceana.model.config import MODEL_SCHEDULES, PRECISIONS, TrainingConfig
-from traceana.pipeline_rules import bpipe_applies, default_virtual_stages, stages_of_device
+from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
+from traceana.model.config import PRECISIONS, TrainingConfig
+from traceana.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
 from traceana.units import GIB as GiB
-from traceana.units import bytes_text
+from traceana.units import GB, MS_PER_S, bytes_text
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -37,24 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     ("kv-heads", "key/value heads (grouped-query attention)"), ("ffn", "feed-forward size"),
                     ("vocab", "vocabulary size"), ("seq", "sequence length")):
         m.add_argument(f"--{f}", type=int, metavar="N", help=f"{what} (default: the preset's)")
+    # The training configuration collect shares: options.py defines each flag and its default once.
     r = p.add_argument_group("training")
     r.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree")
-    r.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages")
-    r.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel degree")
-    r.add_argument("--microbatch-size", type=int, default=1, metavar="N", help="sequences per micro-batch")
-    options.microbatches(r, default=None,
-                         help="micro-batches per pipeline per step (default: from --global-batch, else --pp)")
+    options.pp(r)
+    options.dp(r)
+    options.microbatch_size(r)
+    options.microbatches(r)
     r.add_argument("--global-batch", type=int, metavar="N",
-                   help="sequences per step, sets the micro-batch count (default: --microbatches × micro-batch size × "
-                        "dp)")
-    r.add_argument("--schedule", choices=MODEL_SCHEDULES, default="1f1b",
-                   help="pipeline schedule (the names of collect and run.json; docs/schedules.md)")
+                   help="sequences per step, sets the micro-batch count instead of --microbatches (default: "
+                        "--microbatches × micro-batch size × dp)")
+    options.schedule(r)
     r.add_argument("--virtual-stages", type=int, default=None, metavar="N",
                    help="model chunks per device, for the multi-stage schedules (default: 2 for zbv and dualpipev, else 1)")
-    r.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
-                   help="naive keeps the s×s scores; sdpa/flash do not")
-    r.add_argument("--recompute", choices=RECOMPUTES, default="none", help="activation recomputation")
-    r.add_argument("--bpipe", action="store_true", help="balance activations between stage s and p−1−s (BPipe)")
+    options.attention(r)
+    options.recompute(r)
+    options.bpipe(r)
     r.add_argument("--sequence-parallel", action="store_true", help="shard activations across tensor-parallel ranks")
     r.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state across dp ranks")
     r.add_argument("--precision", choices=PRECISIONS, default="mixed-adam", help="weights, gradients and optimizer")
@@ -129,10 +128,12 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
     if args.from_run:
         cfg = _from_run(args)
         return cfg, _device(args), _curve(args.efficiency), _network(args)
+    from traceana.commands.options import microbatch_count
+
     model = _shape(args)
     if args.microbatches is None:
         if args.global_batch is None:
-            m = args.pp
+            m = microbatch_count(args)  # the shared default (commands/options.py)
         else:
             per = args.global_batch // args.dp
             if args.global_batch % (args.dp * args.microbatch_size):
@@ -170,7 +171,7 @@ def _measured_curve(run_dirs: list[str], peak_flops: float) -> EfficiencyCurve:
 
 
 def _network(args: argparse.Namespace) -> Network:
-    return Network(args.p2p_gbps * 1e9, args.bpipe_gbps * 1e9, not args.bpipe_blocking)
+    return Network(args.p2p_gbps * GB, args.bpipe_gbps * GB, not args.bpipe_blocking)
 
 
 def _device_total(args: argparse.Namespace) -> tuple[Device, float]:
@@ -234,18 +235,43 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
             for s in stages
         ],
         "fits": all(s.total_bytes <= dev.memory_bytes for s in stages),
-        "step": None if step is None else {"seconds": step.step_s, "mfu": step.mfu, "efficiency": step.efficiency,
+        "step": None if step is None else {"seconds": step.step_s, "mfu": step.mfu, "mfu_counts": MFU_COUNTS,
+                                           "hfu": step.hfu, "hfu_counts": HFU_COUNTS if step.hfu is not None else None,
+                                           "fits": all(s.total_bytes <= dev.memory_bytes for s in stages),
+                                           "efficiency": step.efficiency,
                                            "efficiency_source": curve.source, "terms_s": step.terms},
     }
-    if verdict and step is not None and bpipe_applies(cfg.schedule, pp=cfg.pp, virtual_stages=cfg.virtual_stages):
-        v = bpipe_verdict(cfg, device=dev, curve=curve, network=net, baseline=baseline, on_progress=on_progress)
-        out["bpipe"] = {
-            "baseline": v.baseline, "why": v.why,
-            "helps": v.helps, "speedup": v.speedup, "deciding_term": v.deciding_term, "deltas_s": v.deltas,
-            "sentence": v.sentence, "assumptions": list(v.assumptions),
-            "reference": v.reference.describe(), "with_bpipe": v.with_bpipe.describe() if v.with_bpipe else None,
-        }
+    why_none = _no_verdict(cfg, verdict=verdict, step=step)
+    if why_none is not None:
+        out["bpipe"] = {"verdict": None, "why_none": why_none}
+        return out
+    whole = Device(dev.name, dev.memory_bytes + reserve, dev.peak_flops, dev.source)
+    v = bpipe_verdict(cfg, device=whole, curve=curve, network=net, baseline=baseline, reserve_bytes=reserve,
+                      on_progress=on_progress)
+    out["bpipe"] = {
+        "verdict": "helps" if v.helps else "does not help", "baseline": v.baseline, "why": v.why,
+        "helps": v.helps, "speedup": v.speedup, "fits_without_bpipe": v.fits_without,
+        "deciding_term": v.deciding_term, "deltas_s": v.deltas,
+        "sentence": v.sentence, "assumptions": list(v.assumptions),
+        "reference": v.reference.describe(), "reference_step_s": v.reference.step_s,
+        "with_bpipe": v.with_bpipe.describe() if v.with_bpipe else None,
+        "with_bpipe_step_s": v.with_bpipe.step_s if v.with_bpipe else None,
+        "deciding_configuration": v.deciding_config, "margin_bytes": v.margin_bytes, "flips": v.flips,
+        "flip_notes": v.flip_notes, "margin": v.margin_line(), "warnings": list(v.warnings),
+    }
     return out
+
+
+def _no_verdict(cfg: TrainingConfig, *, verdict: bool, step) -> str | None:
+    """Why there is no BPipe verdict for this configuration (None: there is one); printed, never dropped silently."""
+    if not verdict:
+        return "skipped (--no-verdict)"
+    if step is None:
+        return "needs a step time, and there is none without the device's peak FLOP/s (pass --peak-flops)"
+    why = why_no_bpipe(cfg.schedule, pp=cfg.pp, virtual_stages=cfg.virtual_stages)  # the rules' one predicate
+    if why is not None:
+        return why + ("" if cfg.pp < 2 else ": rerun with --schedule 1f1b to ask it of the same model")
+    return None
 
 
 def render(out: dict, *, console) -> None:
@@ -286,14 +312,26 @@ def render(out: dict, *, console) -> None:
     if st is None:
         print_line(console, "step time: not estimated (no peak FLOP/s for this device; pass --peak-flops)")
         return
-    sec = (lambda x: f"{x:,.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * 1e3:,.2f} ms")
+    sec = (lambda x: f"{x:,.3f} s") if st["seconds"] >= 1 else (lambda x: f"{x * MS_PER_S:,.2f} ms")
     terms = ", ".join(f"{k} {sec(v)}" for k, v in st["terms_s"].items())
-    print_line(console, f"step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} (compute efficiency "
-               f"{st['efficiency']:.1%}, {st['efficiency_source']}); stage 0: {terms}")
-    if "bpipe" in out:
-        print_line(console, out["bpipe"]["sentence"])
-        print_line(console, out["bpipe"]["why"])
-        print_line(console, "assumptions: " + "; ".join(out["bpipe"]["assumptions"]))
+    # a configuration that does not fit has no real step time: every line that gives one says so first
+    unfit = "" if st["fits"] else "does NOT fit in memory; if it did: "
+    hfu = "" if st["hfu"] is None else f", HFU {st['hfu']:.1%} ({st['hfu_counts']})"
+    print_line(console, f"{unfit}step time {sec(st['seconds'])}, MFU {st['mfu']:.1%} ({st['mfu_counts']}){hfu}; "
+               f"compute efficiency {st['efficiency']:.1%} ({st['efficiency_source']}); stage 0: {terms}")
+    b = out.get("bpipe")
+    if b is None:
+        return
+    if b["verdict"] is None:
+        print_line(console, f"BPipe verdict: none — {b['why_none']}")
+        return
+    print_line(console, b["sentence"])
+    print_line(console, b["why"])
+    if b["margin"]:
+        print_line(console, b["margin"])
+    for w in b["warnings"]:
+        print_line(console, w, prefix="warning: ")
+    print_line(console, "assumptions: " + "; ".join(b["assumptions"]))
 
 
 def _usable(device: dict) -> str:

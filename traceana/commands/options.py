@@ -1,9 +1,13 @@
 """The command line's vocabulary: one flag per concept, defined once and used by every command that needs it.
 
 ``-o/--output`` is where a command writes, ``--model`` a model preset, ``--microbatches`` micro-batches per step,
-``--peak-flops`` the device's peak in FLOP/s, and ``--workers/--no-cache/--quiet`` how a run is read. Older spellings
-stay accepted but hidden from the help (``--num-microbatches``, ``--preset``, ``--out``, ``--peak-tflops``).
-Imports nothing but argparse (and math): building the help must stay cheap.
+``--peak-flops`` the device's peak in FLOP/s, ``--workers/--no-cache/--quiet`` how a run is read, and the training
+configuration collect and estimate share (``--pp``, ``--dp``, ``--microbatches``, ``--microbatch-size``,
+``--schedule``, ``--attention``, ``--recompute``, ``--bpipe``) one definition and one default each. Older spellings
+stay accepted but hidden from the help (``--num-microbatches``, ``--preset``, ``--out``, ``--peak-tflops``, and
+``--steps``, which was a count in collect and windows in attach: now ``--profile-steps`` and ``--window``).
+Imports nothing but argparse and math (manifest's name lists, where a choice needs them): building the help must
+stay cheap.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import copy
 import math
 import textwrap
 
+from traceana.units import TFLOPS
+
 
 # Old spellings: accepted as aliases of the same option, not shown in the help.
-HIDDEN_ALIASES = frozenset({"--out", "--preset", "--num-microbatches"})
+HIDDEN_ALIASES = frozenset({"--out", "--preset", "--num-microbatches", "--steps", "--warmup"})
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,22 +68,19 @@ def output(parser: argparse.ArgumentParser, *, default=None, required: bool = Fa
 
 
 def model(parser, *, default: str | None, presets, help: str = "model preset") -> None:
-    """``--model PRESET``; ``--preset`` is an old spelling, kept hidden."""
+    """``--model PRESET``; ``--preset`` is an old spelling, kept hidden. The one flag collect and estimate share
+    with a default each: collect runs a model (tiny-gpt), while estimate's absent ``--model`` means an explicit
+    shape (--family/--layers/...), which a default preset would fill in silently; their preset lists differ too
+    (collect runs the trainer's tiny models only)."""
     parser.add_argument("--model", "--preset", dest="model", default=default, metavar="PRESET",
                         help=f"{help}: {', '.join(presets)}" + ("" if default else " (default: none)"))
-
-
-def microbatches(parser, *, default: int | None, help: str = "micro-batches per pipeline per step") -> None:
-    """``--microbatches N``; ``--num-microbatches`` is an old spelling, kept hidden."""
-    parser.add_argument("--microbatches", "--num-microbatches", dest="microbatches", type=int, default=default,
-                        metavar="N", help=help)
 
 
 class _TeraFlops(argparse.Action):
     """``--peak-tflops X`` (old spelling) stores X·10¹² in ``peak_flops``."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values * 1e12)
+        setattr(namespace, self.dest, values * TFLOPS)
 
 
 def peak_flops(parser, *, help: str = "peak FLOP/s per device, for MFU (default: from run.json)") -> None:
@@ -130,3 +133,82 @@ def reading(parser, *, quiet_help: str = "no progress display") -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="do not read or write the run's .traceana/ cache")
     parser.add_argument("--quiet", action="store_true", help=quiet_help)
+
+
+# --- the training configuration collect and estimate share: one definition and one default each ------------------
+# Where the two commands' defaults differed (pp 4 / 1, micro-batches 8 / --pp, micro-batch size 2 / 1, attention
+# naive / sdpa) one was picked, and its help says why. The Python API's dataclasses (collectors' CollectConfig,
+# the model's TrainingConfig) keep their own field defaults.
+PP = 4
+MICROBATCHES_PER_STAGE = 2
+MICROBATCH_SIZE = 1
+ATTENTION = "sdpa"
+
+
+def pp(parser) -> None:
+    """``--pp N``, pipeline stages."""
+    parser.add_argument("--pp", type=int, default=PP, metavar="N",
+                        help="pipeline stages, one per rank with gpipe and 1f1b; with the multi-stage schedules "
+                             "collect runs --pp stages two per rank, estimate --pp devices of --virtual-stages each "
+                             f"(default: {PP}, the smallest pipeline with inner stages and two BPipe pairs)")
+
+
+def dp(parser) -> None:
+    """``--dp N``, data-parallel replicas of the pipeline."""
+    parser.add_argument("--dp", type=int, default=1, metavar="N",
+                        help="data-parallel replicas of the pipeline (pp × dp ranks; rank = stage · dp + replica)")
+
+
+def microbatches(parser, *, default: int | None = None, help: str | None = None) -> None:
+    """``--microbatches N``; ``--num-microbatches`` is an old spelling, kept hidden. Unset, ``microbatch_count``
+    gives the shared default."""
+    parser.add_argument("--microbatches", "--num-microbatches", dest="microbatches", type=int, default=default,
+                        metavar="N", help=help or (
+                            f"micro-batches per pipeline per step (default: {MICROBATCHES_PER_STAGE} × --pp: more "
+                            "micro-batches than stages, so that 1F1B has a steady state between warm-up and "
+                            "cool-down)"))
+
+
+def microbatch_count(args: argparse.Namespace) -> int:
+    """``--microbatches`` as given, else its default: MICROBATCHES_PER_STAGE × ``--pp``."""
+    return args.microbatches if args.microbatches is not None else MICROBATCHES_PER_STAGE * args.pp
+
+
+def microbatch_size(parser) -> None:
+    """``--microbatch-size N``, sequences per micro-batch."""
+    parser.add_argument("--microbatch-size", type=int, default=MICROBATCH_SIZE, metavar="N",
+                        help="sequences per micro-batch (default: 1, the smallest; a larger one is what BPipe's "
+                             "memory balance is for)")
+
+
+def schedule(parser) -> None:
+    """``--schedule NAME``: every schedule run.json names (docs/schedules.md)."""
+    from traceana.manifest import SCHEDULES
+
+    parser.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if s != "unknown"],  # (run.json's
+                        # word for a schedule it does not know)
+                        help="pipeline schedule (docs/schedules.md); collect runs the multi-stage ones with "
+                             "torch.distributed.pipelining")
+
+
+def attention(parser) -> None:
+    """``--attention``: naive or sdpa."""
+    from traceana.manifest import ATTENTIONS
+
+    parser.add_argument("--attention", default=ATTENTION, choices=ATTENTIONS,
+                        help="naive keeps the s×s attention scores for the backward, sdpa (flash-style) does not "
+                             f"(default: {ATTENTION}, what training runs today)")
+
+
+def recompute(parser) -> None:
+    """``--recompute``: activation recomputation."""
+    from traceana.manifest import RECOMPUTES
+
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTES, help="activation recomputation")
+
+
+def bpipe(parser) -> None:
+    """``--bpipe``: BPipe's activation balancing."""
+    parser.add_argument("--bpipe", action="store_true",
+                        help="BPipe (Kim et al. 2023): pair stage s with stage p−1−s; the evictor sends saved "
+                             "activations to its partner and loads them back before the backward")

@@ -7,10 +7,10 @@ reference cannot drift from the options (tests/test_cli.py checks that the file 
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import sys
 
-WIDTH = 100  # the help's line width in the file (argparse reads it from COLUMNS)
+WIDTH = 100  # the help's line width in the file (a terminal of this many columns)
 
 PYTHON = "3.11"  # argparse lays the help out differently from one Python to the next; the file is written with this
 
@@ -25,23 +25,18 @@ when it is out of date.
 
 def reference() -> str:
     """The whole page: the top-level help, then each command's."""
-    from traceana.cli import COMMANDS, build_parser
+    from traceana.cli import build_parser
+    from traceana.commands.registry import COMMANDS
 
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(WIDTH)
-    try:
-        parser = build_parser(None)
-        parser.prog = "traceana"
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parts = [HEAD, "## `traceana`\n", "```\n" + parser.format_help().rstrip() + "\n```\n"]
-        for name in COMMANDS:
-            parts.append(f"## `traceana {name}`\n")
-            parts.append("```\n" + sub.choices[name].format_help().rstrip() + "\n```\n")
-    finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
+    parser = build_parser(None)
+    parser.prog = "traceana"
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for p in (parser, *sub.choices.values()):  # the width a COLUMNS=100 terminal gives (argparse takes 2 off)
+        p.formatter_class = functools.partial(p.formatter_class, width=WIDTH - 2)
+    parts = [HEAD, "## `traceana`\n", "```\n" + parser.format_help().rstrip() + "\n```\n"]
+    for name in (c.name for c in COMMANDS):
+        parts.append(f"## `traceana {name}`\n")
+        parts.append("```\n" + sub.choices[name].format_help().rstrip() + "\n```\n")
     return "\n".join(parts)
 
 

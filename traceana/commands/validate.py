@@ -65,6 +65,11 @@ def render(v, cross: dict | None, *, console) -> None:
                    f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
                    f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
                    f"{_fmt(cross['measured_speedup'], '.3f')}×")
+        agrees = {True: "the predicted change lies inside that interval",
+                  False: "the predicted change lies outside that interval",
+                  None: "nothing to judge the prediction by"}[cross.get("prediction_within_noise")]
+        over = "with the repeats on their side" if cross["noise_runs"] != [1, 1] else "these two runs"
+        print_line(console, f"measured, {over}: {cross['measured_change_words']}; {agrees}")
         if cross.get("machine_note"):
             print_line(console, cross["machine_note"], prefix="note: ")
 
@@ -88,18 +93,21 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         repeat = tuple(load_and_analyze(str(r), **read) for r in args.repeat) if args.repeat else None
         cross = cross_run(load_and_analyze(str(args.baseline), **read), analysis, repeat=repeat)
+    why_none = None
     try:
         verdict = bpipe_verdict_from_run(analysis, policy=args.bpipe_baseline)
-    except AnalysisError:
-        verdict = None  # not a plain 1F1B run: nothing to say about BPipe
+    except AnalysisError as e:  # not a plain 1F1B run: a line says why there is no verdict, never silence
+        verdict, why_none = None, e.what.removeprefix("no BPipe verdict for this run: ")
     if args.json:
         from traceana.export import json_fractions
 
         print(json.dumps(json_fractions({
             "summary": v.summary, "per_stage": v.per_stage.to_dicts(), "notes": list(v.notes), "cross_run": cross,
-            "bpipe": None if verdict is None else {
+            "bpipe": {"verdict": None, "why_none": why_none} if verdict is None else {
+                "verdict": "helps" if verdict.helps else "does not help",
                 "helps": verdict.helps, "speedup": verdict.speedup, "baseline": verdict.baseline,
                 "deciding_term": verdict.deciding_term, "deltas_s": verdict.deltas,
+                "flips": verdict.flips, "flip_notes": verdict.flip_notes,
                 "sentence": verdict.sentence}}), indent=2, default=str))
     else:
         from traceana.tables import console as output_console
@@ -107,6 +115,5 @@ def run(args: argparse.Namespace) -> int:
 
         console = output_console()
         render(v, cross, console=console)
-        if verdict is not None:
-            print_line(console, verdict.sentence)
+        print_line(console, verdict.sentence if verdict is not None else f"BPipe verdict: none — {why_none}")
     return 0

@@ -5,7 +5,8 @@
 
 For every window: step time, compute, exposed P2P and BPipe transfers, collectives, bubbles by kind (warm-up,
 cool-down, stall) and host time per stage (the same attribution as traceana analyze), then the step time of every
-window so far against the first. A window is taken once its files have stopped changing (--settle) and, for a run
+window so far against the first, and the latest window's pipeline step against the first's with its noise interval
+(traceana/noise.py: "within noise" where the windows cannot be told apart; JSON ``vs_first_step``). A window is taken once its files have stopped changing (--settle) and, for a run
 directory with run.json, once every rank's trace is there (or its job has ended). Stop with Ctrl-C, --count or
 --timeout.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from traceana.errors import BadInputError, TraceanaError
+from traceana.units import NS_PER_S
 
 # tensorboard_trace_handler names files "{worker_name}.{time_ns}.pt.trace.json[.gz]" (torch.profiler.profiler).
 TB_NAME = re.compile(r"^(?P<worker>.+)\.(?P<ts>\d+)\.pt\.trace\.json(\.gz)?$")
@@ -153,7 +155,7 @@ def _tensorboard_windows(files: list[Path], *, settle_s: float, now: float) -> l
             break
         first_ts = min(items[k][0] for items in by_worker.values())
         out.append(Window(key="|".join(sorted(map(str, chosen))), label=f"cycle {k + 1}", files=tuple(sorted(chosen)),
-                          run_dir=None, order=(float("inf"), first_ts / 1e9, str(chosen[0]))))
+                          run_dir=None, order=(float("inf"), first_ts / NS_PER_S, str(chosen[0]))))
         k += 1
     return out
 
@@ -196,6 +198,16 @@ def running_comparison(history):
     )
 
 
+def _against_first(steps_of: list[tuple[float, ...]]):
+    """The latest window's pipeline step against the first window's, with its noise (traceana.noise); None for the
+    first window or without measured steps."""
+    from traceana.noise import compare
+
+    if len(steps_of) < 2 or not steps_of[0] or not steps_of[-1]:
+        return None
+    return compare([steps_of[0]], [steps_of[-1]])
+
+
 # --- analysing and printing --------------------------------------------------------------------------------------
 def analyse_window(window: Window, names=None):
     """(the window's ``Analysis``, its notes): traceana analyze's attribution; no cache is written next to a live
@@ -206,12 +218,12 @@ def analyse_window(window: Window, names=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IngestWarning)  # the window's notes are printed with it
         if window.run_dir is not None:
-            analysis = load_and_analyze(window.run_dir, cache=False, names_from=names)
+            analysis = load_and_analyze(window.run_dir, cache=False, names=names)
             return analysis, list(analysis.notes) + list(analysis.run.warnings)
         with tempfile.TemporaryDirectory(prefix="traceana-watch-") as tmp:
             for f in window.files:
                 (Path(tmp) / f.name).symlink_to(f.resolve())
-            analysis = load_and_analyze(tmp, cache=False, names_from=names)
+            analysis = load_and_analyze(tmp, cache=False, names=names)
         folder = str(window.files[0].parent)  # notes name the user's files, not the links
         return analysis, [n.replace(tmp, folder) for n in (*analysis.notes, *analysis.run.warnings)]
 
@@ -277,6 +289,7 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
     console = console or tables_console()
     seen: set[str] = set()
     history = []
+    steps_of: list[tuple[float, ...]] = []  # each window's measured step times (the noise rule's samples)
     first_notes: set[str] | None = None
     printed = 0
     last_new = time.monotonic()
@@ -292,6 +305,8 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
                 print_line(console, f"traceana: warning: window {window.label}: {e.line()}", style="yellow")
                 continue
             table = window_table(analysis.stages)
+            steps_of.append(analysis.summary.step_times_ms)
+            noise = _against_first(steps_of)
             history.append(table.select("rank", "stage", "step_ms", "compute_ms", "bubble_ms")
                            .with_columns(window=pl.lit(len(history)), label=pl.lit(window.label)))
             comparison = running_comparison(pl.concat(history, how="vertical_relaxed"))
@@ -304,10 +319,13 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
                 latest = comparison.filter(pl.col("window") == len(history) - 1)
                 print(json.dumps({"window": printed, "label": window.label,
                                   "path": str(window.run_dir or window.files[0].parent),
-                                  "stages": table.to_dicts(), "vs_first": latest.to_dicts(), "notes": shown},
+                                  "stages": table.to_dicts(), "vs_first": latest.to_dicts(),
+                                  "vs_first_step": None if noise is None else noise.as_dict(), "notes": shown},
                                  default=str), flush=True)
             else:
                 print_window(console, printed, window, table, comparison, shown)
+                if noise is not None:
+                    print_line(console, f"window {printed} against window 1: {noise.words(what='pipeline step')}")
             last_new = time.monotonic()
             if count is not None and printed >= count:
                 return printed

@@ -30,6 +30,8 @@ is exact to the nanosecond for 3-decimal values; an absolute µs wall clock (~1.
 digits in the file) and converted to int64 ns from its text. Kineto writes ``ts`` relative to
 ``baseTimeNanoseconds`` (checked on a torch 2.13 trace: base + ts = wall clock); when the base is present and the
 ``ts`` values are not already epoch-scale we add it, so ``ts_ns`` is absolute on every rank.
+``displayTimeUnit`` is a viewer's display hint, not the data's unit (HTA's ns_resolution_trace says "ns" and holds
+µs: docs/field-notes.md), so it is not read; ts in epoch ns is named by its size (``ns_epoch_hint``).
 
 Bad input raises a one-line ``TraceFormatError`` (or ``BadInputError`` for a path that cannot be read). A trace cut
 short while being written keeps every complete event, is marked ``truncated`` and says so in a warning.
@@ -60,6 +62,7 @@ from traceana.ingest.reading import (GPU_CAT_NAMES as _GPU_CAT_NAMES, GPU_CATS, 
                                      NotNative as _NotNative, is_trace_name, open_trace as _open,
                                      oversized as _oversized)
 from traceana.intervals import ENGINE
+from traceana.units import MIB, NS_PER_US
 
 # The native scanner (traceana/ingest/_scan.c), or None where it was not built: then (or with this set to None) the
 # general decoder does everything.
@@ -160,8 +163,8 @@ _GLOO_PREFIX = names.GLOO_PREFIX  # gloo events carry record_shapes facts too (t
 
 
 # --- reading bytes (the general decoder) -------------------------------------------------------------------------
-WHOLE_JSON_BYTES = 16 << 20  # a trace whose JSON is at most this is decoded whole (every diagnostic of a bad file)
-STREAM_PIECE = 1 << 20  # bytes read, or decompressed, at a time by the general decoder
+WHOLE_JSON_BYTES = 16 * MIB  # a trace whose JSON is at most this is decoded whole (every diagnostic of a bad file)
+STREAM_PIECE = MIB  # bytes read, or decompressed, at a time by the general decoder
 
 
 def _pieces(path: Path, state: dict):
@@ -453,7 +456,7 @@ def _event_chunks(buf: bytes | bytearray, events: msgspec.Raw):
         return
     lo, hi = span  # buf[lo] == "[", buf[hi - 1] == "]"
     total = hi - lo
-    sep = _KINETO_SEPARATOR if _KINETO_SEPARATOR.search(buf, lo, min(hi, lo + (1 << 20))) else _ANY_SEPARATOR
+    sep = _KINETO_SEPARATOR if _KINETO_SEPARATOR.search(buf, lo, min(hi, lo + MIB)) else _ANY_SEPARATOR
     start = lo + 1
     view = memoryview(buf)
     # Each chunk is copied as "[" + events + "]" into one reused buffer: a fresh 4 MB allocation per chunk cost
@@ -589,14 +592,15 @@ def _ts_ns(evs: list[_Event]) -> pl.Series | None:
         return None
     # One select (each eager Series method is a query of its own: ~0.5 ms of fixed cost per call per chunk).
     t = pl.col("t")
-    ns = t.floor().cast(pl.Int64, strict=False) * 1000 + ((t - t.floor()) * 1000.0).round(0).cast(pl.Int64, strict=False)
+    ns = (t.floor().cast(pl.Int64, strict=False) * NS_PER_US
+          + ((t - t.floor()) * NS_PER_US).round(0).cast(pl.Int64, strict=False))
     return f.to_frame().select(ns.alias("ts_rel")).to_series()
 
 
 def _dur_ns(dur_us: pl.Series) -> pl.Series:
     """Float µs → int64 ns (rounded); null where not finite or far out of range (checked again in _finish)."""
     d = pl.col(dur_us.name)
-    ns = pl.when(d.is_finite() & (d.abs() < 9.0e15)).then((d * 1000.0).round(0)).cast(pl.Int64)
+    ns = pl.when(d.is_finite() & (d.abs() < 9.0e15)).then((d * NS_PER_US).round(0)).cast(pl.Int64)
     return dur_us.to_frame().select(ns.alias("dur_ns")).to_series()
 
 
@@ -754,10 +758,11 @@ def _us_text_to_ns(text: pl.Expr) -> pl.Expr:
     parts = text.str.extract_groups(r"^(-?)(\d{1,16})(?:\.(\d*))?$")
     sign = pl.when(parts.struct.field("1") == "-").then(-1).otherwise(1)
     whole = parts.struct.field("2").cast(pl.Int64, strict=False)
-    whole = pl.when(whole < 9_000_000_000_000_000).then(whole)  # keeps whole * 1000 inside int64
+    whole = pl.when(whole < 9_000_000_000_000_000).then(whole)  # keeps whole * NS_PER_US inside int64
+    # (the first 3 digits after the point: NS_PER_US is 1,000)
     frac = parts.struct.field("3").fill_null("").str.slice(0, 3).str.pad_end(3, "0").cast(pl.Int64, strict=False)
-    exact = sign * (whole * 1000 + frac)
-    as_float = text.cast(pl.Float64, strict=False) * 1000.0
+    exact = sign * (whole * NS_PER_US + frac)
+    as_float = text.cast(pl.Float64, strict=False) * NS_PER_US
     fallback = pl.when(as_float.is_finite() & (as_float.abs() < 9.0e18)).then(as_float.round(0).cast(pl.Int64))
     return pl.when(whole.is_not_null()).then(exact).otherwise(fallback)
 
@@ -1034,7 +1039,7 @@ _NS_TS = re.compile(rb'"ts"\s*:\s*(1[0-9]{18}|[2-9][0-9]{17})\b')  # 1e17..2e19 
 NS_NOTE = "nanoseconds"
 
 
-def ns_epoch_hint(path: Path, head_bytes: int = 1 << 20) -> str | None:
+def ns_epoch_hint(path: Path, head_bytes: int = MIB) -> str | None:
     """Why a trace's events have no usable time when its exporter wrote ns, not the format's µs: a ``ts`` like
     1700000000000000000 is 2023 in ns since the epoch, and the year 55,000 in µs (beyond what a time in ns can
     hold). Looked for in the file's first MiB only when events were dropped; None when no ts looks like that."""
@@ -1126,7 +1131,7 @@ _MEM_SCHEMA = {"ts_rel": pl.Int64, **{c: t for c, _, t in _MEM_ARGS}}
 def _absolute(ts_rel: pl.Expr, base_ns: int | None, median: float | None) -> pl.Expr:
     """Kineto writes ts relative to baseTimeNanoseconds; synthetic or old traces may already hold epoch µs
     (``median``: of the trace's ts_rel, nulls aside; None if it has none)."""
-    if base_ns is not None and median is not None and median < EPOCH_US * 1000:
+    if base_ns is not None and median is not None and median < EPOCH_US * NS_PER_US:
         ts_rel = ts_rel + base_ns
     return pl.when(ts_rel.is_between(0, 2**62)).then(ts_rel)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import sys
 import threading
 import zlib
 from pathlib import Path
@@ -30,6 +29,7 @@ from traceana import limits, names
 from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
 from traceana.files import open_regular
 from traceana.manifest import MANIFEST_NAME
+from traceana.units import MIB
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
     from traceana.ingest import _scan
@@ -168,11 +168,11 @@ class Budget:
 
 
 # --- the native scanner ------------------------------------------------------------------------------------------
-NATIVE_CHUNK = 16 << 20  # bytes of JSON scanned per call (one set of column buffers)
-READ_PIECE = 16 << 20  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
+NATIVE_CHUNK = 16 * MIB  # bytes of JSON scanned per call (one set of column buffers)
+READ_PIECE = 16 * MIB  # bytes read, or gunzipped, at a time: the whole file is never in memory at once
 MIN_PIECE = 1 << 16  # the window of a small file: what a file cannot fill is not allocated (nor zero-filled)
 GZ_RATIO = 32  # raw bytes per gzipped byte assumed to size the window (Kineto JSON gzips ~10-14:1)
-THREADED_GUNZIP_BYTES = 1 << 20  # smaller gzip files are gunzipped inline: a thread and a second window cost more
+THREADED_GUNZIP_BYTES = MIB  # smaller gzip files are gunzipped inline: a thread and a second window cost more
 
 
 # Which X events the scanner gives GPU, communication and record_shapes rows (the same names as the general decoder's).
@@ -237,7 +237,7 @@ def _gunzip_inline(fh, read_bytes: int | None = None):
 # Gunzipped ahead (Reader): the window's first HEAD bytes are room for the bytes kept from the window before (an
 # event cut by its end), so that only they are copied when the windows swap.
 HEAD = MIN_PIECE
-AHEAD_READ_BYTES = 2 << 20  # compressed bytes the fill thread reads at a time (~20-30 MB of JSON): few GIL takes
+AHEAD_READ_BYTES = 2 * MIB  # compressed bytes the fill thread reads at a time (~20-30 MB of JSON): few GIL takes
 _INLINE = threading.local()  # ``on``: Readers opened in this thread gunzip inline (see gunzip_inline)
 
 
@@ -559,7 +559,7 @@ def scan(path: Path, on_progress: Callable[[int, int], None] | None = None) -> S
 # 87 MB, 123k and 138k events) are read whole. The memory rule (Budget) runs where the read is taken and counts from
 # there: what the read-ahead holds by then (its tables: ~60 bytes an event, so at most ~30 MB with the last call's
 # overshoot of a 16 MB chunk) is not in its count — nor is polars' import, which ran meanwhile.
-AHEAD_BYTES = 128 << 20
+AHEAD_BYTES = 128 * MIB
 AHEAD_EVENTS = 250_000
 # A read-ahead gunzips inline what it can read whole: a gunzip thread takes the GIL for each read of the file and
 # each window it hands over, and while the main thread imports (running Python code itself) each take waits for it
@@ -629,50 +629,56 @@ def _take(path: Path) -> _Ahead | None:
     return ahead
 
 
-# A run whose traces hold at most this much JSON (gzipped files counted at GZ_RATIO) is analysed with one polars
-# thread and one jemalloc arena when the command reads it (``read_ahead``, before polars is imported): a few
-# thousand events give polars' threads nothing to share, and each thread, arena and background thread they bring
-# is memory of its own. The tiny two-rank run (4 KB of JSON): 10 threads → 6, peak RSS −1.7 MiB (docs/performance.md
-# "Fixed cost"). Anything larger keeps polars' defaults (one thread a core).
-SMALL_RUN_BYTES = 1 << 20
+# A run whose traces hold at most this much JSON (gzipped files counted at GZ_RATIO) is analysed by the traceana
+# program with one polars thread and one jemalloc arena (traceana.cli sets them before polars is imported: a library
+# sets no environment variable in its host process): a few thousand events give polars' threads nothing to share,
+# and each thread, arena and background thread they bring is memory of its own. The tiny two-rank run (4 KB of
+# JSON): 10 threads → 6, peak RSS −1.7 MiB (docs/performance.md "Fixed cost"). Anything larger keeps polars'
+# defaults (one thread a core).
+SMALL_RUN_BYTES = MIB
 
 
-def _small_run_settings(files: list[Path]) -> None:
-    """For a run of at most ``SMALL_RUN_BYTES`` of JSON, while polars is not imported yet: one polars thread and
-    one jemalloc arena, unless the user set either (``POLARS_MAX_THREADS``, ``_RJEM_MALLOC_CONF``)."""
-    import traceana
+def run_files(path: str | Path) -> tuple[Path, list[Path]] | None:
+    """The run folder and the trace files ``load_run(path)`` would read (a folder, or one file): None when ``path``
+    is neither, or cannot be listed (load_run says why)."""
+    try:
+        path = Path(path)
+        if path.is_dir():
+            return path, find_traces(path)
+        if path.is_file():
+            return path.parent, [path]
+    except (TraceanaError, OSError, ValueError):
+        pass
+    return None
 
-    if "polars" in sys.modules or not files:
-        return
+
+def is_small_run(path: str | Path) -> bool:
+    """Whether the traces ``load_run(path)`` would read hold at most ``SMALL_RUN_BYTES`` of JSON."""
+    found = run_files(path)
+    if not found or not found[1]:
+        return False
     raw = 0
-    for f in files:
+    for f in found[1]:
         try:
             raw += f.stat().st_size * (GZ_RATIO if f.name.endswith(".gz") else 1)
         except OSError:
-            return
+            return False
         if raw > SMALL_RUN_BYTES:
-            return
-    os.environ.setdefault("POLARS_MAX_THREADS", "1")
-    if os.environ.get("_RJEM_MALLOC_CONF") == traceana.ALLOCATOR:  # (traceana's own setting: not the user's)
-        os.environ["_RJEM_MALLOC_CONF"] = f"narenas:1,{traceana.ALLOCATOR}"
+            return False
+    return True
 
 
 def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
     """Start reading the first trace that ``load_run(path)`` would read, in a background thread (native scanner
     only); returns that file, or None when nothing was started: no scanner, nothing readable (load_run says
-    why), or, with ``cache``, an entry of the run's cache for that file (a cache hit must not pay a scan). A small
-    run gets its polars settings here (``_small_run_settings``), before polars is imported."""
+    why), or, with ``cache``, an entry of the run's cache for that file (a cache hit must not pay a scan)."""
     if _scan is None:
         return None
+    found = run_files(path)
+    if found is None:
+        return None
+    run_dir, files = found
     try:
-        path = Path(path)
-        if path.is_dir():
-            run_dir, files = path, find_traces(path)
-        elif path.is_file():
-            run_dir, files = path.parent, [path]
-        else:
-            return None
-        _small_run_settings(files)
         first = next((f for f in files if not is_merged_trace(f)), None)
         if first is None or (cache and _cached(run_dir, first)):
             return None

@@ -32,6 +32,7 @@ from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_tra
 from traceana.intervals import ENGINE
 from traceana.limits import check_ranks
 from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.units import NS_PER_MS, NS_PER_S
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
 
@@ -214,10 +215,11 @@ def _marked(fn: Callable[..., Parsed], *args: Any, **kw: Any) -> tuple[Any, ...]
 
 
 def _worker_init() -> None:
-    """A worker leaves Ctrl-C to the parent (which prints the one line): it exits at once, without a traceback."""
+    """A worker leaves Ctrl-C to the parent (which prints the one line): the signal's default action ends it at
+    once, without a traceback (and without an exit call in the library)."""
     import signal
 
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _raise(payload: tuple[type, str, str | None, str | None]) -> None:
@@ -468,7 +470,8 @@ MIXED_NOTE_S = 1.0
 MIXED_SPANS = 10
 # What traceana's collectors record of a collection's configuration in every rank's trace ("traceana" metadata):
 # one collection's ranks agree on each.
-COLLECTION_KEYS = ("pp", "world_size", "schedule", "bpipe", "profiler", "torch")
+COLLECTION_KEYS = ("pp", "world_size", "schedule", "bpipe", "profiler", "torch", "microbatches", "microbatch_size",
+                   "preset", "attention", "recompute", "collector")
 
 
 def _one_collection(results: list[Parsed], run_dir: Path) -> list[str]:
@@ -510,7 +513,7 @@ def _one_collection(results: list[Parsed], run_dir: Path) -> list[str]:
     groups, end = [[spans[0]]], spans[0][1]
     gaps = []
     for span in spans[1:]:
-        if span[0] - end > MIXED_NOTE_S * 1e9:
+        if span[0] - end > MIXED_NOTE_S * NS_PER_S:
             gaps.append(span[0] - end)
             groups.append([])
         groups[-1].append(span)
@@ -523,11 +526,11 @@ def _one_collection(results: list[Parsed], run_dir: Path) -> list[str]:
         rs = sorted(r for _, _, r in group)
         return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs[:8])) + (" …" if len(rs) > 8 else "")
 
-    where = "; ".join(f"{ranks(g)} from {(g[0][0] - spans[0][0]) / 1e9:,.1f} s to "
-                      f"{(max(h for _, h, _ in g) - spans[0][0]) / 1e9:,.1f} s" for g in groups[:4])
+    where = "; ".join(f"{ranks(g)} from {(g[0][0] - spans[0][0]) / NS_PER_S:,.1f} s to "
+                      f"{(max(h for _, h, _ in g) - spans[0][0]) / NS_PER_S:,.1f} s" for g in groups[:4])
     what = (f"the ranks' traces do not overlap in time ({where}, from the first event; the ranks of one collection "
             f"profile the same steps together)")
-    if gap > MIXED_GAP_S * 1e9 and gap > MIXED_SPANS * longest:
+    if gap > MIXED_GAP_S * NS_PER_S and gap > MIXED_SPANS * longest:
         raise RunDirError(f"traces from different collections: {what}", path=shown(run_dir),
                           fix="keep each collection's traces in its own folder (if the hosts' clocks really were "
                               "that far apart, synchronise them: NTP)")
@@ -564,7 +567,7 @@ def _contradictions(results: list[Parsed], manifest: Manifest | None, run_dir: P
         if steps.height:
             first = steps.row(0, named=True)
             notes.append(f"{shown(row['path'])}: {steps.height} ProfilerStep spans overlap the previous step (first: "
-                         f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / 1e6:.3f} ms before "
+                         f"{first['name']} starts {(first['prev_end'] - first['ts_ns']) / NS_PER_MS:.3f} ms before "
                          f"{first['prev']} ends); the overlap is counted in both steps")
         if zero:
             notes.append(f"{shown(row['path'])}: every one of its {ev.height:,} events lasts 0 ns: no time can be "

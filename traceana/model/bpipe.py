@@ -22,6 +22,7 @@ configurations that needed BPipe to fit usually fit without it, and the verdict 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,11 +34,12 @@ from traceana.errors import ConfigError
 from traceana.limits import schedule_slots_error
 from traceana.model import flops
 from traceana.model.config import TrainingConfig
-from traceana.model.memory import estimate_stage_memory
+from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
+from traceana.model.memory import reserve_bytes as default_reserve
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, simulate
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
-from traceana.units import bytes_text, seconds_text
+from traceana.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 
@@ -115,11 +117,14 @@ class Network:
 class StepEstimate:
     config: TrainingConfig
     step_s: float
-    mfu: float
+    mfu: float  # model FLOPs utilisation (flops.MFU_COUNTS)
     fits: bool | None  # None when no device memory was given
     peak_bytes: float  # the largest stage's total
     terms: dict[str, float]  # seconds on stage 0 per TERM_CATEGORIES group (terms_of): they add up to the step
     efficiency: float
+    largest: StageMemory | None = None  # the stage with the largest total (the one that decides the fit)
+    hfu: float | None = None  # hardware FLOPs utilisation (flops.HFU_COUNTS); None without recompute (= mfu)
+    twin_peak_bytes: float | None = None  # a BPipe configuration's largest stage without BPipe (does BPipe make it fit?)
 
     def describe(self) -> str:
         c = self.config
@@ -139,11 +144,11 @@ def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) ->
         total = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last)
         extra = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last,
                                   recompute=cfg.recompute) - total
-        fwd.append(total / 3 / rate * 1e9)
-        bwd.append(2 * total / 3 / rate * 1e9)
-        rec.append(extra / rate * 1e9)
+        fwd.append(total / 3 / rate * NS_PER_S)
+        bwd.append(2 * total / 3 / rate * NS_PER_S)
+        rec.append(extra / rate * NS_PER_S)
         wgt.append(flops.stage_weight_gradient_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size,
-                                                     last=last) / rate * 1e9)
+                                                     last=last) / rate * NS_PER_S)
     return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp, weight_ns=tuple(wgt))
 
 
@@ -159,8 +164,8 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     msg_bytes = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * act / (cfg.tp if cfg.sequence_parallel else 1)
     evict_bytes = max((m.activation_per_microbatch for m in mem[: max(1, cfg.pp // 2)]), default=0.0)
     costs = Costs(
-        p2p_ns=msg_bytes / network.p2p_bytes_per_s * 1e9,
-        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * 1e9 if cfg.bpipe and math.isfinite(
+        p2p_ns=msg_bytes / network.p2p_bytes_per_s * NS_PER_S,
+        bpipe_ns=evict_bytes / network.bpipe_bytes_per_s * NS_PER_S if cfg.bpipe and math.isfinite(
             network.bpipe_bytes_per_s) else 0.0,
         bpipe_overlap=network.bpipe_overlap,
     )
@@ -168,11 +173,12 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
                    virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False,
                    bpipe_keep=cfg.bpipe_keep)
-    step_s = sim.step_ns / 1e9
+    step_s = sim.step_ns / NS_PER_S
     model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
     devices = cfg.pp * cfg.tp * cfg.dp
     terms = terms_of(sim.attribution)
-    peak_bytes = max(m.total_bytes for m in mem)
+    largest = max(mem, key=lambda m: m.total_bytes)
+    peak_bytes = largest.total_bytes
     out = StepEstimate(
         config=cfg,
         step_s=step_s,
@@ -181,6 +187,12 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
         peak_bytes=peak_bytes,
         terms=terms,
         efficiency=eff,
+        largest=largest,
+        twin_peak_bytes=max(m.total_bytes for m in estimate_stage_memory(cfg.replace(bpipe=False))) if cfg.bpipe
+        else None,
+        hfu=None if cfg.recompute == "none" else flops.mfu(
+            flops.iteration_flops(cfg.model, global_batch=cfg.global_batch, recompute=cfg.recompute),
+            seconds=step_s, peak_flops=peak, devices=devices),
     )
     return (out, sim) if with_simulation else out
 
@@ -204,7 +216,7 @@ def terms_of(attribution: pl.DataFrame) -> dict[str, float]:
     first = attribution.filter(pl.col("stage") == pl.col("stage").min())
     got: dict[str, float] = {g: 0.0 for g in groups}
     for category, ns in zip(first["category"].cast(pl.String).to_list(), first["ns"].to_list()):
-        got[group_of[category]] += ns / 1e9
+        got[group_of[category]] += ns / NS_PER_S
     return got
 
 
@@ -237,6 +249,35 @@ class Verdict:
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     baseline: str = DEFAULT_BASELINE
     why: str = ""  # the memory arithmetic in plain words: what BPipe frees and what that memory can buy
+    # How robust the answer is (``margins``): the configuration whose fit decides, its distance to the fit line
+    # (usable − its largest stage; negative: short by that much), the values at which the verdict flips
+    # (``flips``: reserve_bytes, bpipe_bytes_per_s, efficiency at efficiency_microbatch_size; None: none within
+    # reach, ``flip_notes`` says why) and warnings (a flip inside the memory model's measured error).
+    deciding_config: str = ""
+    margin_bytes: float | None = None
+    flips: dict = field(default_factory=dict)
+    flip_notes: dict = field(default_factory=dict)  # per key of ``flips`` left None: why none is within reach
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    fits_without: bool = True  # the reference fits without BPipe (else BPipe helps by making the run fit at all)
+
+    def margin_line(self) -> str:
+        """One line: the deciding configuration's distance to the fit line and where the verdict flips."""
+        gb = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
+        if self.margin_bytes is None:
+            room = "has no device memory limit to meet"
+        else:
+            room = (f"fits with {gb(self.margin_bytes)} to spare" if self.margin_bytes >= 0
+                    else f"is {gb(-self.margin_bytes)} short of fitting")
+        f, why = self.flips, self.flip_notes
+        values = {"reserve_bytes": lambda x: f"at a reserve of {gb(x)}",
+                  "bpipe_bytes_per_s": lambda x: f"at a BPipe link of {x / GB:,.3g} GB/s",
+                  "efficiency": lambda x: f"at E(b={f['efficiency_microbatch_size']}) = {x:.1%}"}
+        said = [values[k](f[k]) if f.get(k) is not None else why[k] for k in values
+                if f.get(k) is not None or k in why]
+        if not said and self.margin_bytes is None:
+            return ""
+        flips = "the verdict flips " + "; ".join(said) if said else "nothing within reach flips the verdict"
+        return f"Margin: the deciding configuration ({self.deciding_config}) {room}; {flips}."
 
 
 def check_baseline(baseline: str) -> str:
@@ -254,7 +295,7 @@ def decompose(ref_sim, target_sim, free_sim) -> dict[str, float]:
     the stage would have waited anyway."""
     a, b = terms_of(ref_sim.attribution), terms_of(free_sim.attribution)
     deltas = {term: b[term] - a[term] for term in TERM_CATEGORIES}
-    deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / 1e9
+    deltas["transfer"] = (target_sim.step_ns - free_sim.step_ns) / NS_PER_S
     return deltas
 
 
@@ -267,7 +308,7 @@ def deciding_term(speedup: float, deltas: dict[str, float]) -> str:
     return "bandwidth" if pick == "transfer" else pick
 
 
-def describe_deltas(deltas: dict[str, float], *, unit: float = 1e3, suffix: str = "ms", spec: str = ".0f") -> str:
+def describe_deltas(deltas: dict[str, float], *, unit: float = MS_PER_S, suffix: str = "ms", spec: str = ".0f") -> str:
     """"recompute −1200 ms, bubble +300 ms": the terms that moved, largest first ("transfer" as BPipe transfers)."""
     shown = [(k, d) for k, d in sorted(deltas.items(), key=lambda kv: -abs(kv[1]))
              if abs(d * unit) >= 0.5 * 10 ** -int(spec[1:-1] or 0)]
@@ -295,20 +336,28 @@ def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
     flash = layer_activation_bytes(m, attention="sdpa", recompute="none", **kw)
     share = (naive - flash) / naive if naive else 0.0
     plain = cfg.replace(bpipe=False, recompute="none")
-    peak = lambda c: max(st.total_bytes for st in estimate_stage_memory(c))  # noqa: E731
+    largest = lambda c: max(estimate_stage_memory(c), key=lambda st: st.total_bytes)  # noqa: E731
     words = (f"{m.name or m.family}: the s×s attention terms (scores, probabilities"
              + (", their dropout mask" if cfg.has_dropout else "") + f") are {share:.0%} of a layer's saved "
              f"activations with naive attention ({bytes_text(naive - flash)} of {bytes_text(naive)} per "
              f"layer at b={cfg.microbatch_size}, s={m.seq}); flash attention does not store them")
     if cfg.pp > 1:
+        # Each term of the largest stage named: the state (weights, gradients, optimizer) is what BPipe cannot move
+        # and often what decides (LLaMA-65B at pp 4 carries far less of it per stage than GPT-3 175B at pp 8).
+        st = largest(plain)
+        params = f"{st.params / 1e9:.2f}B" if st.params >= 1e8 else f"{st.params / 1e6:.2f}M"
+        words += (f"; largest stage's weights, gradients and optimizer state {bytes_text(st.state_bytes)} "
+                  f"({params} parameters a device)")
         for att in ("naive", "sdpa"):
             c = plain.replace(attention=att)
-            before, after = peak(c), peak(c.replace(bpipe=True))
+            before, after = largest(c), largest(c.replace(bpipe=True))
             fit = "" if device_bytes is None else (
-                " — fits without BPipe" if before <= device_bytes else
-                (" — fits only with BPipe" if after <= device_bytes else " — does not fit either way"))
-            words += (f"; {att}, no recompute: largest stage {bytes_text(before)} without BPipe, "
-                      f"{bytes_text(after)} with it{fit}")
+                " — fits without BPipe" if before.total_bytes <= device_bytes else
+                (" — fits only with BPipe" if after.total_bytes <= device_bytes else " — does not fit either way"))
+            words += (f"; {att}, no recompute: largest stage {bytes_text(before.total_bytes)} "
+                      f"(activations {bytes_text(before.activation_peak_bytes)}) without BPipe, "
+                      f"{bytes_text(after.total_bytes)} (activations {bytes_text(after.activation_peak_bytes)}) "
+                      f"with it{fit}")
     return words + "."
 
 
@@ -330,21 +379,67 @@ def candidates(cfg: TrainingConfig, *, bpipe: bool, max_microbatch: int = 64,
     return out
 
 
-def _best(estimates: list[StepEstimate]) -> StepEstimate | None:
-    ok = [e for e in estimates if e.fits is not False]
+def _best(estimates: list[StepEstimate], usable: float | None = None) -> StepEstimate | None:
+    ok = [e for e in estimates if (e.fits is not False if usable is None else e.peak_bytes <= usable)]
     return min(ok, key=lambda e: e.step_s) if ok else None
 
 
+def decide(plain: list[StepEstimate], balanced: list[StepEstimate], given: StepEstimate, *,
+           usable: float) -> tuple[bool, StepEstimate, StepEstimate | None]:
+    """(helps, reference, best BPipe) with ``usable`` bytes per device: the rule the verdict and its flips share.
+    BPipe helps when its best fitting configuration beats the baseline's by more than HELPS_ABOVE, or when the
+    baseline does not fit at all and BPipe is what makes the fastest fitting BPipe configuration fit (its twin
+    without BPipe does not; then no speed-up is a fair figure). When that configuration fits without BPipe too (e.g.
+    with recompute), its recompute or micro-batch size makes the run fit, not BPipe."""
+    reference = _best(plain, usable) or given
+    best = _best(balanced, usable)
+    if best is None:
+        return False, reference, None
+    if reference.peak_bytes > usable:
+        return best.twin_peak_bytes is None or best.twin_peak_bytes > usable, reference, best
+    return reference.step_s / best.step_s > HELPS_ABOVE, reference, best
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    """An efficiency curve with E at one micro-batch size replaced (the efficiency flip's search)."""
+
+    curve: EfficiencyCurve
+    microbatch_size: int
+    value: float
+
+    def at(self, microbatch_size: float, *, seq: int, attention: str | None = None) -> float:
+        if microbatch_size == self.microbatch_size:
+            return self.value
+        return self.curve.at(microbatch_size, seq=seq, attention=attention)
+
+
+def _bisect(helps: Callable[[float], bool], now: bool, lo: float, hi: float, *, log: bool, steps: int = 4) -> float:
+    """The value between ``lo`` (where the verdict is ``now``) and ``hi`` (where it is not) at which it flips, to
+    within (hi/lo)^(1/2^steps) (log) or (hi−lo)/2^steps: a handful of evaluations, each a few simulations."""
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi) if log else (lo + hi) / 2
+        if helps(mid) == now:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi) if log else (lo + hi) / 2
+
+
 def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve = EfficiencyCurve(),
-                  network: Network = Network(), reserve_bytes: float = 0.0,
+                  network: Network = Network(), reserve_bytes: float | None = None,
                   baseline: str = DEFAULT_BASELINE,
                   on_progress: Callable[[int, int], None] | None = None) -> Verdict:
     """Compare the best BPipe configuration with the baseline policy's configuration (``BASELINES``), at the same
-    global batch and parallelism. ``on_progress(done, total)`` after each simulated configuration (a thousand
-    micro-batches take seconds each)."""
+    global batch and parallelism, on ``device`` less ``reserve_bytes`` (default: memory.reserve_bytes's, the one
+    default the CLI uses too). ``on_progress(done, total)`` after each simulated configuration (a thousand
+    micro-batches take seconds each; ``total`` grows by the few the flip search adds)."""
     check_baseline(baseline)
     check_bpipe(cfg.schedule, virtual_stages=cfg.virtual_stages, fix="use --schedule 1f1b")
-    dev = Device(device.name, device.memory_bytes - reserve_bytes, device.peak_flops, device.source)
+    total_bytes = device.memory_bytes
+    reserve = default_reserve(total_bytes, reserve_bytes) if math.isfinite(total_bytes) else 0.0
+    dev = Device(device.name, total_bytes - reserve, device.peak_flops, device.source)
+    usable = dev.memory_bytes
     recomputes = _POLICY_RECOMPUTES[baseline]
     plain_cands = candidates(cfg, bpipe=False, recomputes=recomputes) if baseline != "as-configured" else []
     balanced_cands = candidates(cfg, bpipe=True, recomputes=recomputes) if cfg.pp > 1 else []
@@ -352,49 +447,176 @@ def bpipe_verdict(cfg: TrainingConfig, *, device: Device, curve: EfficiencyCurve
     total = 1 + len(plain_cands) + 2 * len(balanced_cands) + 3
     done = 0
 
-    def simulated(c: TrainingConfig, net: Network = network):
+    def simulated(c: TrainingConfig, net: Network = network, crv=curve):
         nonlocal done
-        out = _estimate(c, device=dev, curve=curve, network=net)
+        out = _estimate(c, device=dev, curve=crv, network=net)
         done += 1
         if on_progress is not None:
-            on_progress(done, total)
+            on_progress(done, max(total, done))
         return out
 
-    def est(c: TrainingConfig, net: Network = network) -> StepEstimate:
-        return simulated(c, net)[0]  # its simulation is dropped: memory stays one simulation's, whatever m
+    def est(c: TrainingConfig, net: Network = network, crv=curve) -> StepEstimate:
+        return simulated(c, net, crv)[0]  # its simulation is dropped: memory stays one simulation's, whatever m
 
     given = est(cfg.replace(bpipe=False))
     plain = [est(c) for c in plain_cands] or [given]
     balanced = [est(c) for c in balanced_cands]
-    reference = _best(plain) or given
-    best = _best(balanced)
-    why = memory_why(cfg, device_bytes=dev.memory_bytes)
+    helps, reference, best = decide(plain, balanced, given, usable=usable)
+    why = memory_why(cfg, device_bytes=usable)
     assumptions = (
         f"baseline: {baseline} ({BASELINES[baseline]})",
         f"compute efficiency E(b) {curve.source}"
         + ("" if curve.points else f" (saturating, e_max={curve.e_max}, n_half={curve.tokens_half:g} tokens)"),
-        f"P2P {network.p2p_bytes_per_s / 1e9:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / 1e9:g} GB/s "
+        f"P2P {network.p2p_bytes_per_s / GB:g} GB/s, BPipe transfers {network.bpipe_bytes_per_s / GB:g} GB/s "
         f"({'overlapped' if network.bpipe_overlap else 'blocking'})",
-        f"device memory {bytes_text(dev.memory_bytes, 0)} usable",
+        f"device memory {bytes_text(usable, 0)} usable ({bytes_text(reserve, 0)} of {bytes_text(total_bytes, 0)} "
+        "kept free)" if math.isfinite(total_bytes) else "no device memory limit",
     )
-    if best is None:
-        return Verdict(False, 1.0, reference, given, None, "memory", {},
-                       "BPipe does not help: no configuration fits even with balanced activations.", assumptions,
-                       baseline, why)
+    def grow(n: int) -> None:  # the flip search's simulations, announced as they come
+        nonlocal total
+        total += n
+
     # What BPipe's freed memory could buy with free transfers; what the link costs is the rest (a BPipe configuration
     # chosen to keep transfers small, e.g. with recompute, is the link's cost too).
     free_net = Network(network.p2p_bytes_per_s, math.inf, network.bpipe_overlap)
-    free_best = _best([est(c.config, free_net) for c in balanced]) or best
+    if best is None:
+        total -= len(balanced) + 3  # nothing to decompose
+        free = []
+    else:
+        free = [est(c.config, free_net) for c in balanced]
+    margins = _margins(plain, balanced, given, free, reference=reference, best=best, helps=helps,
+                       total_bytes=total_bytes, reserve=reserve, network=network, curve=curve, est=est, grow=grow)
+    if best is None:
+        sentence = ("BPipe does not help: no configuration fits even with balanced activations."
+                    if reference.peak_bytes > usable else
+                    f"BPipe does not help: no BPipe configuration fits in {bytes_text(usable, 1)} (against {baseline}, "
+                    f"{reference.describe()}, {seconds_text(reference.step_s)} per step).")
+        return Verdict(False, 1.0, reference, given, None, "memory", {}, sentence, assumptions, baseline, why,
+                       fits_without=reference.peak_bytes <= usable, **margins)
+    free_best = _best(free, usable) or best
     # The three simulations the terms come from, run again (deterministic) rather than all of them kept.
     deltas = decompose(simulated(reference.config)[1], simulated(best.config)[1],
                        simulated(free_best.config, free_net)[1])
     speedup = reference.step_s / best.step_s
-    helps = speedup > HELPS_ABOVE
-    deciding = deciding_term(speedup, deltas)
-    fits_without = reference.fits is not False
+    fits_without = reference.peak_bytes <= usable
+    deciding = deciding_term(speedup, deltas) if fits_without else "memory"
     sentence = _sentence(helps, speedup, reference, best, deltas, deciding, fits_without=fits_without,
                          baseline=baseline, evicted=evictions(best.config))
-    return Verdict(helps, speedup, reference, given, best, deciding, deltas, sentence, assumptions, baseline, why)
+    return Verdict(helps, speedup, reference, given, best, deciding, deltas, sentence, assumptions, baseline, why,
+                   fits_without=fits_without, **margins)
+
+
+def _margins(plain, balanced, given, free, *, reference, best, helps, total_bytes, reserve, network, curve, est,
+             grow) -> dict:
+    """The verdict's robustness (``Verdict.margin_bytes``, ``flips``, ``warnings``): where each assumption — the
+    reserve, the BPipe link's bandwidth, the efficiency of the BPipe side's micro-batch size — would flip it.
+
+    The reserve needs no simulation: every candidate's step time is known, only which ones fit changes, so the
+    verdict is evaluated at each candidate's fit line (``decide``). The link and the efficiency are bisected on a
+    few evaluations of the few configurations that could change the answer."""
+    usable = total_bytes - reserve
+    notes: dict[str, str] = {}
+    flips: dict = {"reserve_bytes": None, "bpipe_bytes_per_s": None, "efficiency": None,
+                   "efficiency_microbatch_size": None}
+    # -- reserve: the nearest fit line across which the verdict changes
+    nearest = None
+    if math.isfinite(total_bytes):
+        lines = [(e.peak_bytes, e) for e in {id(e): e for e in (*plain, *balanced, given)}.values()]
+        lines += [(e.twin_peak_bytes, e) for e in balanced if e.twin_peak_bytes is not None]  # BPipe needed or not
+        for p, e in sorted(lines, key=lambda pe: pe[0]):
+            if p > total_bytes:
+                continue  # no reserve lets it fit
+            after = decide(plain, balanced, given, usable=p if p > usable else p * (1 - 1e-12))[0]
+            if after != helps and (nearest is None or abs(p - usable) < abs(nearest[0] - usable)):
+                nearest = (p, e)
+    if nearest is not None:
+        line, deciding = nearest
+        flips["reserve_bytes"] = total_bytes - line
+    else:
+        deciding = best or reference
+        line = deciding.peak_bytes
+        if math.isfinite(total_bytes):
+            notes["reserve_bytes"] = "at no reserve"
+    margin = usable - line if math.isfinite(usable) else None
+    # the line may be the BPipe configuration's twin without BPipe (whether BPipe is what makes it fit)
+    twin = deciding.twin_peak_bytes is not None and line == deciding.twin_peak_bytes != deciding.peak_bytes
+    named = deciding.config.replace(bpipe=False) if twin else deciding.config
+    desc = StepEstimate.describe(dataclasses.replace(deciding, config=named)) + (" without BPipe" if twin else "")
+    warnings = []
+    if margin is not None and deciding.largest is not None:
+        err = fit_uncertainty_bytes(deciding.largest, recompute=deciding.config.recompute)
+        if abs(margin) <= err:
+            warnings.append(
+                f"the deciding configuration ({desc}) is {abs(margin) / 2**30:.1f} GiB from the fit "
+                f"line, within the memory model's measured error (±{err / 2**30:.1f} GiB on its largest stage's "
+                f"activations): the verdict may go either way")
+    # -- the BPipe link and the efficiency change nothing while the baseline itself does not fit
+    if reference.peak_bytes > usable or best is None:
+        notes["bpipe_bytes_per_s"] = ("at no link or efficiency while it stands: the baseline does not fit without "
+                                      "BPipe" if best is not None else
+                                      "at no link or efficiency while it stands: no BPipe configuration fits")
+        return dict(deciding_config=desc, margin_bytes=margin, flips=flips, flip_notes=notes,
+                    warnings=tuple(warnings))
+    # -- link: only fitting BPipe configurations that win with free transfers can make BPipe help
+    by_step = sorted(((f, b) for f, b in zip(free, balanced) if b.peak_bytes <= usable), key=lambda fb: fb[0].step_s)
+    hopeful = [b for f, b in by_step if reference.step_s / f.step_s > HELPS_ABOVE][:2]
+    if helps:
+        hopeful = [best, *[b for b in hopeful if b is not best]][:2]
+
+    def helps_at_link(bw: float) -> bool:
+        if not hopeful:
+            return False
+        grow(len(hopeful))
+        net = Network(network.p2p_bytes_per_s, bw, network.bpipe_overlap)
+        return reference.step_s / min(est(b.config, net).step_s for b in hopeful) > HELPS_ABOVE
+
+    bw = network.bpipe_bytes_per_s
+    if not hopeful:
+        notes["bpipe_bytes_per_s"] = "at no BPipe link (not even free transfers make it help)"
+    elif math.isfinite(bw):
+        x = bw
+        for _ in range(5):
+            nxt = x / 4 if helps else x * 4
+            if helps_at_link(nxt) != helps:
+                flips["bpipe_bytes_per_s"] = _bisect(helps_at_link, helps, x, nxt, log=True)
+                break
+            x = nxt
+        else:
+            notes["bpipe_bytes_per_s"] = (f"at no BPipe link from {bw / GB:,.3g} to "
+                                          f"{(bw / 4**5 if helps else bw * 4**5) / GB:,.3g} GB/s")
+    # -- efficiency at the BPipe side's micro-batch size (the re-evaluation's question: is a larger b used better?)
+    b_star = best.config.microbatch_size
+    if b_star == reference.config.microbatch_size:
+        notes["efficiency"] = f"at no E(b) that matters (both sides run b={b_star})"
+    else:
+        e_now = curve.at(b_star, seq=best.config.model.seq, attention=best.config.attention)
+
+        # the fastest fitting configuration at b* on each side: the others at b* move with it (same E)
+        def fastest_at_b(es: list[StepEstimate]) -> list[int]:
+            fit = [i for i, e in enumerate(es) if e.config.microbatch_size == b_star and e.peak_bytes <= usable]
+            return sorted(fit, key=lambda i: es[i].step_s)[:1]
+
+        at_b, at_bb = fastest_at_b(plain), fastest_at_b(balanced)
+
+        def helps_at_efficiency(x: float) -> bool:
+            grow(len(at_b) + len(at_bb))
+            pinned = _Pinned(curve, b_star, x)
+            p2, b2 = list(plain), list(balanced)
+            for i in at_b:
+                p2[i] = est(plain[i].config, network, pinned)
+            for i in at_bb:
+                b2[i] = est(balanced[i].config, network, pinned)
+            return decide(p2, b2, given, usable=usable)[0]
+
+        for end in (max(0.01, e_now / 4), min(1.0, 2 * e_now)):
+            if end != e_now and helps_at_efficiency(end) != helps:
+                flips["efficiency"] = _bisect(helps_at_efficiency, helps, e_now, end, log=False)
+                flips["efficiency_microbatch_size"] = b_star
+                break
+        else:
+            notes["efficiency"] = f"at no E(b={b_star}) from {max(0.01, e_now / 4):.0%} to {min(1.0, 2 * e_now):.0%}"
+    return dict(deciding_config=desc, margin_bytes=margin, flips=flips, flip_notes=notes,
+                warnings=tuple(warnings))
 
 
 def _estimate(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve, network: Network):
@@ -407,9 +629,19 @@ def _sentence(helps: bool, speedup: float, ref: StepEstimate, best: StepEstimate
     changed = describe_deltas(deltas) or "no term changes"
     against = f"against {baseline} ({ref.describe()}, {seconds_text(ref.step_s)} per step)"
     nothing = " BPipe evicts nothing in this configuration." if evicted == 0 else ""
+    if not fits_without and not helps:
+        return (f"BPipe does not help: the {baseline} configuration ({ref.describe()}) does not fit in memory (its "
+                f"largest stage needs {bytes_text(ref.peak_bytes, 1)}), and the fastest configuration that fits with "
+                f"BPipe, {best.describe()} ({seconds_text(best.step_s)} per step), fits without it too "
+                f"({bytes_text(best.twin_peak_bytes or 0, 1)}): its "
+                + ("recompute" if best.config.recompute != ref.config.recompute else "micro-batch size")
+                + " makes the run fit, not BPipe.")
     if not fits_without:
-        return (f"BPipe helps: without it the {baseline} configuration does not fit in memory; with it "
-                f"{best.describe()} runs at {seconds_text(best.step_s)} per step (MFU {best.mfu:.1%}).")
+        return (f"BPipe helps: without it the {baseline} configuration ({ref.describe()}) does not fit in memory "
+                f"(its largest stage needs {bytes_text(ref.peak_bytes, 1)}); with it {best.describe()} fits and "
+                f"runs at "
+                f"{seconds_text(best.step_s)} per step (MFU {best.mfu:.1%}; {speedup:.3f}× the step the unfitting "
+                "configuration would take).")
     if deciding == "no change":
         return (f"BPipe makes no difference ({speedup:.3f}×) {against}: best with it {best.describe()} "
                 f"{seconds_text(best.step_s)}; {changed}.{nothing} Deciding term: no change.")

@@ -125,6 +125,16 @@ def narayanan_iteration_flops(model: ModelShape, *, global_batch: int, recompute
     return 72.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
+# What each utilisation counts, said wherever one is shown (estimate, analyze, report): MFU counts the model's FLOPs
+# once, recompute excluded — for GPT 72·B·s·l·h²·(1 + s/6h + V/12lh) per iteration (Narayanan et al. 2021 eq. 3;
+# PaLM, Chowdhery et al. 2022, appendix B); HFU (hardware FLOPs utilisation) also counts the recomputed forward —
+# 96·B·s·l·h²·(1 + s/6h + V/16lh) under full recompute, the figure Megatron-LM quotes — so it equals MFU without
+# recompute and is shown only beside it when recompute is on.
+MFU_COUNTS = "model FLOPs, recompute not counted (PaLM app. B; for GPT 72·B·s·l·h²·(1 + s/6h + V/12lh))"
+HFU_COUNTS = ("hardware FLOPs, recompute counted (Megatron-LM's figure; for GPT under full recompute "
+              "96·B·s·l·h²·(1 + s/6h + V/16lh))")
+
+
 def mfu(model_flops: float, *, seconds: float, peak_flops: float, devices: int = 1) -> float:
     """Model FLOPs utilisation (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOP/s over the peak."""
     if seconds <= 0 or peak_flops <= 0 or devices <= 0:

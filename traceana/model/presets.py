@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from traceana.errors import ConfigError
 from traceana.manifest import ModelShape
+from traceana.units import GIB
 
-GiB = 1024**3
+GiB = GIB
 
 # The reference trainer's CPU models (collectors/trainer/config.py PRESETS; a test keeps the two in step).
 TINY_MODELS: dict[str, ModelShape] = {

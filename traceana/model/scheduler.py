@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from traceana.errors import ConfigError
 from traceana.pipeline_rules import Op
+from traceana.units import NS_PER_S
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Costs:
 
     @staticmethod
     def transfer_ns(nbytes: float, *, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> float:
-        return (latency_s + nbytes / bandwidth_bytes_per_s) * 1e9
+        return (latency_s + nbytes / bandwidth_bytes_per_s) * NS_PER_S
 
 
 def _split_wait(start: float, end: float, windows: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:

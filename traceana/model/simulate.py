@@ -36,6 +36,7 @@ from traceana.model.bpipe_policy import BPipePolicy
 from traceana.model.scheduler import Costs, Policy, Recorder, StageTimes, run_schedule
 from traceana.pipeline_rules import SCHEDULES as SIM_SCHEDULES
 from traceana.pipeline_rules import bpipe_pairs, bubble_windows, check_bpipe, device_of_stage, device_order
+from traceana.units import NS_PER_S
 
 MAX_STEP_NS = 2**62  # a simulated step longer than this (~146 years) cannot be held as Int64 nanoseconds
 
@@ -124,8 +125,8 @@ def simulate(
         opt_end.append(free[d] + o)
     step_ns = max(opt_end)
     if not math.isfinite(step_ns) or step_ns > MAX_STEP_NS:  # the tables below hold nanoseconds as Int64
-        raise ConfigError(f"the simulated step would last {step_ns / 1e9:.3g} s, more than the "
-                          f"{MAX_STEP_NS / 1e9 / 86400 / 365:.0f} years traceana's nanosecond tables hold",
+        raise ConfigError(f"the simulated step would last {step_ns / NS_PER_S:.3g} s, more than the "
+                          f"{MAX_STEP_NS / NS_PER_S / 86400 / 365:.0f} years traceana's nanosecond tables hold",
                           fix="check the model shape, micro-batch size, micro-batches and bandwidths")
     tile_rows: list[tuple[int, int, int, str]] = []  # device, start, end, category ("idle" where nothing runs)
     window_rows: list[tuple[int, int, int, int]] = []  # device, step, start, end

@@ -17,6 +17,7 @@ from traceana.model.simulate import Costs, StageTimes
 from traceana.model.flops import stage_flops
 from traceana.pipeline_rules import bpipe_applies, bpipe_plan
 from traceana.run_config import RUN_JSON
+from traceana.units import MS_PER_S
 
 
 __all__ = ["Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
@@ -227,7 +228,7 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
                             recompute=m.recompute or "none", last=s == m.pp - 1) for s in range(m.pp))
     # the passes (F, B, or I and W) and their recomputation
     passes = [f"{c}_ms" for c in (*names.PASS_PHASES, "recompute")]
-    compute_s = float(per.select(pl.sum_horizontal(*passes).sum()).item()) / 1e3
+    compute_s = float(per.select(pl.sum_horizontal(*passes).sum()).item()) / MS_PER_S
     if compute_s <= 0:
         raise AnalysisError("the run has no forward or backward compute time", path=analysis.run.path,
                             fix="profile complete steps with forward/backward annotations")

@@ -90,6 +90,8 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     base_ms = baseline.summary.step_ms
     ratio = sim_target.step_ns / sim_base.step_ns
     predicted = base_ms * ratio
+    measured_change = _measured_change(baseline, target, base_cfg, tgt_cfg, repeat)
+    predicted_change = ratio - 1
     return {
         "kind": "prediction",
         "baseline": str(baseline.run.path),
@@ -106,4 +108,81 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
         / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
         "machine_note": shared_cpus(target) or shared_cpus(baseline),
+        # the measured change with its noise interval (traceana.noise's names), and whether the predicted change
+        # lies inside that interval (None: no spread to judge)
+        **measured_change.as_dict(),
+        "measured_change_words": measured_change.words(),
+        "prediction_within_noise": None if measured_change.within_noise is None else
+        measured_change.low <= predicted_change <= measured_change.high,
     }
+
+
+def _measured_change(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_cfg: TrainingConfig,
+                     repeat: tuple[Analysis, Analysis] | None):
+    """The measured change from baseline to target with its noise (traceana.noise): over their steps, and over the
+    repeated runs too when ``repeat`` is of the baseline's or the target's configuration."""
+    from traceana.noise import compare
+
+    base, other = [baseline.summary.step_times_ms], [target.summary.step_times_ms]
+    if repeat:
+        cfg = repeat[0].config.training_config(path=repeat[0].run.path)
+        extra = [r.summary.step_times_ms for r in repeat
+                 if Path(r.run.path).resolve() not in {Path(baseline.run.path).resolve(),
+                                                         Path(target.run.path).resolve()}]
+        if cfg == base_cfg:
+            base += extra
+        elif cfg == tgt_cfg:
+            other += extra
+    if not any(base) or not any(other):
+        return compare([[baseline.summary.step_ms or 0.0]], [[target.summary.step_ms or 0.0]])
+    return compare(base, other)
+
+
+# A measured and a modelled change agree when the model's lies inside the measured interval (traceana.noise). When
+# they do not, the runs' forward+backward time per micro-batch says whether the machine changed speed between them:
+# outside 1 ± MACHINE_DRIFT it did (no configuration change of the kind compared alters a kernel's work), inside it the
+# model missed something.
+MACHINE_DRIFT = 0.10
+
+
+def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> dict:
+    """Two configurations, each collected several times (interleaved: A B A B …): the measured change of step time
+    over all their runs with its noise interval (traceana.noise), the model's predicted change (``cross_run`` of each
+    pair, the median), the median forward+backward ratio, and one ``headline`` whose measured and modelled parts
+    agree, or that says why they differ. Also each side's runs' step times and activation peaks (median and range)."""
+    import statistics
+
+    from traceana.noise import compare
+
+    if not baselines or not targets:
+        raise AnalysisError("a repeated comparison needs runs on both sides", path=None,
+                            fix="collect each configuration at least once")
+    pairs = [cross_run(b, t) for b, t in zip(baselines, targets)]
+    measured = compare([a.summary.step_times_ms or (a.summary.step_ms,) for a in baselines],
+                       [a.summary.step_times_ms or (a.summary.step_ms,) for a in targets])
+    predicted = statistics.median(1 / p["predicted_speedup"] - 1 for p in pairs)
+    compute = statistics.median(p["compute_ratio"] for p in pairs)
+
+    def side(runs: list[Analysis]) -> dict:
+        steps = [a.summary.step_ms for a in runs]
+        peaks = [a.summary.largest_activation_peak_mib for a in runs if a.summary.largest_activation_peak_mib]
+        return {"runs": len(runs), "step_ms": steps, "median_step_ms": statistics.median(steps),
+                "activation_peak_mib": peaks, "median_activation_peak_mib": statistics.median(peaks) if peaks else None}
+
+    agree = None if measured.within_noise is None else measured.low <= predicted <= measured.high
+    said = f"step time {measured.words(what='measured')}; modelled {predicted:+.1%}"
+    if agree is None:
+        headline = f"{said} — too few measured steps to tell whether they agree."
+    elif agree:
+        headline = f"{said}, inside the measured interval: measured and modelled agree."
+    elif abs(compute - 1) > MACHINE_DRIFT:
+        headline = (f"{said}, outside the measured interval: they differ because the machine changed speed — "
+                    f"forward+backward per micro-batch took {compute:.2f}× as long in the second configuration's "
+                    "runs, which no change compared here makes (other work on the host).")
+    else:
+        headline = (f"{said}, outside the measured interval, with forward+backward per micro-batch unchanged "
+                    f"({compute:.2f}×): the model misses what changed (see the report's A/B section).")
+    return {"baseline": side(baselines), "target": side(targets), **measured.as_dict(),
+            "measured_change_words": measured.words(what="measured"), "predicted_change": predicted,
+            "compute_ratio": compute,
+            "agree": agree, "headline": headline}

@@ -20,6 +20,7 @@ from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
 from traceana.pipeline_rules import device_of_stage
 from traceana.run_config import TRACE
 from traceana.schema import BLOCKED_CATEGORIES
+from traceana.units import NS_PER_MS
 from traceana.validation.measurement import Measured, measure, pass_durations, shared_cpus
 
 # The waits compared are "blocked" time, the bubble plus exposed P2P (schema.BLOCKED_CATEGORIES): measured
@@ -187,16 +188,16 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         pl.DataFrame({
             "stage": list(range(cfg.pp)),
             "rank": [meas.rank_of_stage[s] for s in range(cfg.pp)],
-            "measured_step_ms": [meas.step_ns[s] / 1e6 for s in range(cfg.pp)],
-            "measured_blocked_ms": [meas.blocked_ns[s] / 1e6 for s in range(cfg.pp)],
+            "measured_step_ms": [meas.step_ns[s] / NS_PER_MS for s in range(cfg.pp)],
+            "measured_blocked_ms": [meas.blocked_ns[s] / NS_PER_MS for s in range(cfg.pp)],
             "estimated_activation_bytes": est_mem,
         }, schema_overrides={"stage": pl.Int32, "rank": pl.Int32})
         .join(sim_per.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
         .join(mem.with_columns(pl.col("stage").cast(pl.Int32)), on="stage", how="left")
         .select(
             "stage", "rank",
-            "measured_step_ms", (pl.col("sim_step") / 1e6).alias("simulated_step_ms"),
-            "measured_blocked_ms", (pl.col("sim_blocked") / 1e6).alias("simulated_blocked_ms"),
+            "measured_step_ms", (pl.col("sim_step") / NS_PER_MS).alias("simulated_step_ms"),
+            "measured_blocked_ms", (pl.col("sim_blocked") / NS_PER_MS).alias("simulated_blocked_ms"),
             pl.col("measured_act").cast(pl.Float64).alias("measured_activation_bytes"),
             "estimated_activation_bytes",
         )
@@ -213,7 +214,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     measured_last = float(
         analysis.attribution.filter((pl.col("step") == last) & pl.col("rank").is_in(ranks))
         .group_by("rank").agg(pl.col("ns").sum())["ns"].max()
-    ) / 1e6
+    ) / NS_PER_MS
     rel = lambda est, ref: (est - ref) / ref if ref else None  # noqa: E731
     summary = {
         "run": str(run.path),
@@ -228,24 +229,24 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         # the schedule logic, not the model's power to predict (that is cross_run: --baseline OTHER_RUN)
         "kind": "replay",
         "measured_step_ms": measured_step,
-        "simulated_step_ms": sim.step_ns / 1e6,
-        "step_error": rel(sim.step_ns / 1e6, measured_step),
-        "sampled_step_ms": sampled / 1e6,
-        "sampled_error": rel(sampled / 1e6, measured_step),
-        "replay_step_ms": replay.step_ns / 1e6 if replay else None,
-        "replay_error": rel(replay.step_ns / 1e6, measured_last) if replay else None,
+        "simulated_step_ms": sim.step_ns / NS_PER_MS,
+        "step_error": rel(sim.step_ns / NS_PER_MS, measured_step),
+        "sampled_step_ms": sampled / NS_PER_MS,
+        "sampled_error": rel(sampled / NS_PER_MS, measured_step),
+        "replay_step_ms": replay.step_ns / NS_PER_MS if replay else None,
+        "replay_error": rel(replay.step_ns / NS_PER_MS, measured_last) if replay else None,
         "median_abs_memory_error": per_stage["memory_error"].abs().median(),
         "steps_used": meas.steps_used,
-        "bpipe_transfer_ms": meas.costs.bpipe_ns / 1e6 if bpipe else None,
-        "bpipe_ms_per_step": {s: v / 1e6 for s, v in meas.bpipe_step_ns.items()} if bpipe else None,
+        "bpipe_transfer_ms": meas.costs.bpipe_ns / NS_PER_MS if bpipe else None,
+        "bpipe_ms_per_step": {s: v / NS_PER_MS for s, v in meas.bpipe_step_ns.items()} if bpipe else None,
     }
     notes = (
         "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
         "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
-        f"fed: host {sum(meas.times.host_ns) / cfg.pp / 1e6:.2f} ms per operation, P2P in flight "
-        f"{meas.costs.p2p_ns / 1e6:.3f} ms (median); blocked = the bubble (warm-up + stall + cool-down) + exposed P2P"
-        + (f"; BPipe from the trace: {meas.costs.bpipe_ns / 1e6:.3f} ms per transfer in flight (median), "
-           + ", ".join(f"stage {s} {v / 1e6:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
+        f"fed: host {sum(meas.times.host_ns) / cfg.pp / NS_PER_MS:.2f} ms per operation, P2P in flight "
+        f"{meas.costs.p2p_ns / NS_PER_MS:.3f} ms (median); blocked = the bubble (warm-up + stall + cool-down) + exposed P2P"
+        + (f"; BPipe from the trace: {meas.costs.bpipe_ns / NS_PER_MS:.3f} ms per transfer in flight (median), "
+           + ", ".join(f"stage {s} {v / NS_PER_MS:.2f} ms" for s, v in meas.bpipe_step_ns.items() if v)
            + " per step in BPipe work" if bpipe and any(meas.bpipe_step_ns.values())
            else "; BPipe: run.json says it is on, but the traces hold no BPipe transfer, so its transfers are "
                 "simulated as free — check run.json's bpipe" if bpipe else ""),

@@ -11,7 +11,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
 from traceana.pipeline_rules import why_no_bpipe
-from traceana.units import bytes_text
+from traceana.units import NS_PER_MS, NS_PER_S, bytes_text
 from traceana.validation.prediction import predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
@@ -44,10 +44,15 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
     helps = speedup > HELPS_ABOVE
     before, after = estimate_stage_memory(ref_cfg), estimate_stage_memory(target)
     n_ev = evictions(target)
+    flips, notes = _transfer_flip(baseline, target, cfg, ref.step_ns, helps, sim_bpipe_ns=bpipe_ns)
+    flip = flips["bpipe_transfer_ns"]
+    flip_words = (f" It would flip at a BPipe transfer of {flip / NS_PER_MS:.3g} ms per eviction (assumed "
+                  f"{flips['assumed_bpipe_transfer_ns'] / NS_PER_MS:.3g} ms)." if flip is not None else
+                  f" It flips {notes['bpipe_transfer_ns']}.")
     verb = {"no change": "would make no difference to"}.get(deciding, "would help" if helps else "would not help")
     sentence = (
-        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / 1e6:.1f} → "
-        f"{sim.step_ns / 1e6:.1f} ms per step predicted from its own durations"
+        f"BPipe {verb} this run against {policy} ({speedup:.3f}×: {ref.step_ns / NS_PER_MS:.1f} → "
+        f"{sim.step_ns / NS_PER_MS:.1f} ms per step predicted from its own durations"
         + (", dropping recompute" if target.recompute != ref_cfg.recompute else "")
         + f"); {describe_deltas(deltas, spec='.1f') or 'no term changes'}"
         + (f"; BPipe evicts nothing at pp={cfg.pp}, m={cfg.num_microbatches}" if n_ev == 0 else
@@ -55,9 +60,10 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
         + f". Deciding term: {deciding}. Model: largest stage's activation peak "
         f"{bytes_text(max(s.activation_peak_bytes for s in before), 2)} → "
         f"{bytes_text(max(s.activation_peak_bytes for s in after), 2)}."
+        + flip_words
     )
     def est(c: TrainingConfig, s: Simulation, mem) -> StepEstimate:
-        return StepEstimate(config=c, step_s=s.step_ns / 1e9, mfu=float("nan"), fits=None,
+        return StepEstimate(config=c, step_s=s.step_ns / NS_PER_S, mfu=float("nan"), fits=None,
                             peak_bytes=max(m.total_bytes for m in mem), terms=terms_of(s.attribution),
                             efficiency=float("nan"))
 
@@ -70,4 +76,36 @@ def bpipe_verdict_from_run(baseline: Analysis, *, cfg: TrainingConfig | None = N
                         "bytes per micro-batch at 1 GB/s, overlapped (a run without BPipe has no BPipe transfer "
                         "to measure; a BPipe run's own are in validate's notes)"),
                      f"baseline: {policy} ({BASELINES[policy]})"),
-        baseline=policy)
+        baseline=policy, flips=flips, flip_notes=notes)
+
+
+def _transfer_flip(run: Analysis, target: TrainingConfig, cfg: TrainingConfig, ref_ns: float, helps: bool, *,
+                   sim_bpipe_ns: float | None) -> tuple[dict, dict]:
+    """The BPipe transfer time per eviction at which this run's verdict flips (a bisection on a few replays of the
+    run's own durations), against the one assumed; no memory limit is known for a measured run, so no reserve
+    flips it."""
+    from traceana.model.bpipe import _bisect
+
+    assumed = sim_bpipe_ns
+    if assumed is None:  # predict's default, computed the same way: one P2P message + the bytes at copy speed
+        from traceana.validation.measurement import measure
+        from traceana.validation.prediction import LOCAL_COPY_BYTES_PER_NS
+
+        assumed = (measure(run, cfg).costs.p2p_ns
+                   + estimate_stage_memory(target)[0].activation_per_microbatch / LOCAL_COPY_BYTES_PER_NS)
+
+    def helps_at(ns: float) -> bool:
+        return ref_ns / predict(run, target, base_cfg=cfg, bpipe_ns=ns).step_ns > HELPS_ABOVE
+
+    flips = {"bpipe_transfer_ns": None, "assumed_bpipe_transfer_ns": assumed}
+    if not helps and (assumed <= 0 or not helps_at(0.0)):
+        return flips, {"bpipe_transfer_ns": "at no transfer time (not even free transfers make it help)"}
+    # free transfers assumed: search up from a ten-thousandth of the step (a transfer nothing could notice)
+    x = assumed if assumed > 0 else ref_ns * 1e-4
+    for _ in range(5 if assumed > 0 else 8):
+        nxt = x * 4 if helps else x / 4
+        if helps_at(nxt) != helps:
+            flips["bpipe_transfer_ns"] = _bisect(helps_at, helps, x, nxt, log=True)
+            return flips, {}
+        x = nxt
+    return flips, {"bpipe_transfer_ns": f"at no transfer time from {assumed / NS_PER_MS:.3g} to {x / NS_PER_MS:.3g} ms"}
