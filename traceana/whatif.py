@@ -411,13 +411,28 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
             f"{ms(noise)} ms", None)
 
 
+# What a plan what-if can change of the run's configuration (everything else is the run's own).
+PLAN_FIELDS = ("schedule", "num_microbatches", "bpipe", "virtual_stages")
+
+
+def plan_of(base, target) -> dict | None:
+    """``plan_whatif``'s keywords that make the configuration ``base`` into ``target`` (TrainingConfig), or None
+    where they differ in more than a plan what-if changes (PLAN_FIELDS: e.g. recompute, the model, pp)."""
+    if base.replace(**{f: getattr(target, f) for f in PLAN_FIELDS}) != target:
+        return None
+    return {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
+            "virtual_stages": target.virtual_stages}
+
+
 def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
-                bpipe: bool | None = None) -> dict:
+                bpipe: bool | None = None, virtual_stages: int | None = None) -> dict:
     """The run's measured durations under another plan: another schedule, micro-batch count, BPipe on or off — the
-    measured counterpart of ``estimate``'s verdict. Both the run as it ran and the other plan are simulated on the one
+    measured counterpart of ``estimate``'s verdict, and ``validate --baseline``'s prediction where the two runs
+    differ only in these (``plan_of``). Both the run as it ran and the other plan are simulated on the one
     scheduler from the run's own per-stage durations (validation.prediction.predict); the other plan's step is the
     measured step × their ratio, so what the simulator leaves out of the run (host time it does not model, shared
-    cores) cancels. Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
+    cores) cancels. ``virtual_stages``: model chunks per device (default: 2 for a multi-stage schedule, else 1).
+    Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
     from traceana.validation.prediction import predict
 
     base = analysis.config.training_config(path=analysis.run.path)
@@ -427,6 +442,8 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         from traceana.manifest import MULTI_STAGE_SCHEDULES
 
         changes["virtual_stages"] = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    if virtual_stages is not None:
+        changes["virtual_stages"] = virtual_stages
     target = base.replace(**changes)
     as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
     other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS
