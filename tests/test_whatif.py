@@ -212,6 +212,7 @@ def engine_and_batch_agree(monkeypatch, analysis, graph_=None, changes=()):
     w = whatif(analysis, [parse_set(c) for c in changes], graph=graph_)
     n = 0
     for g, ops, edges, variants, got in seen:
+        assert all(graph._levels(g, step) is not None for step in g.steps)  # (batched, not the engine's fallback)
         for v, batch in zip(variants, got):
             o, e = materialize(ops, edges, v)
             assert batch == graph.replay_steps_ns(g, ops=o, edges=e)

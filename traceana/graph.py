@@ -446,8 +446,8 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     return out
 
 
-def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, variants: list[tuple[pl.Expr, pl.Expr, pl.Expr]],
-                    *, chunk: int = 64) -> list[list[int]]:
+def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
+                    variants: list[tuple[pl.Expr, pl.Expr, pl.Expr]], *, chunk: int = 64) -> list[list[int]]:
     """``replay_steps_ns`` of many variants of the graph's durations at once: each variant is (work, gap, transfer),
     polars expressions over ``ops`` (the graph's ops, what-if columns added) and ``edges``, giving work_ns, gap_ns and
     transfer_ns. Returns per variant the replayed step (ns) of every step of the graph.
@@ -527,7 +527,8 @@ def _levels(g: StepGraph, step: int):
     # levels (Kahn's order over units: an operation, or a collective's members together)
     unit = np.where(grp >= 0, n + grp, np.arange(n))
     preds: list[list[int]] = [[] for _ in range(n + len(gid))]
-    for a, b in zip(np.concatenate([prev, m_src, m_anc]).tolist(), np.concatenate([np.arange(n), m_dst, m_dst]).tolist()):
+    for a, b in zip(np.concatenate([prev, m_src, m_anc]).tolist(),
+                    np.concatenate([np.arange(n), m_dst, m_dst]).tolist()):
         if a < n:
             preds[unit[b]].append(int(unit[a]))
     succ: list[list[int]] = [[] for _ in preds]

@@ -101,9 +101,9 @@ def part(args) -> None:
     t, cpu = time.perf_counter(), time.process_time()
     w = whatif(run, graph=g, full=args.part == "full", candidates=None if args.part == "full" else 8)
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "graph_mib": before, "diagnosis": w.summary["diagnosis"], "groups": w.groups.height,
-                      "rows": w.groups.rows()}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "graph_mib": before,
+                      "diagnosis": w.summary["diagnosis"], "groups": w.groups.height, "rows": w.groups.rows()}))
 
 
 def _child(args, name: str) -> dict:
@@ -152,16 +152,16 @@ def main() -> None:
     print(f"  diagnosis: {b['diagnosis']}")
     if not args.no_baseline:
         e = _child(args, "baseline")
-        print(f"{label}, baseline (one engine replay per variant): {e['wall_s']:.1f} s wall ({e['cpu_s']:.1f} s CPU), peak RSS "
-              f"{e['peak_mib']:,.0f} MiB ({e['graph_mib']:,.0f} before it)")
-        print(f"  batched / baseline: wall {b['wall_s'] / e['wall_s']:.3f} (×{e['wall_s'] / b['wall_s']:.0f} faster), CPU {b['cpu_s'] / e['cpu_s']:.3f}, "
-              f"peak RSS {b['peak_mib'] / e['peak_mib']:.2f}; results identical: "
+        print(f"{label}, baseline (one engine replay per variant): {e['wall_s']:.1f} s wall ({e['cpu_s']:.1f} s "
+              f"CPU), peak RSS {e['peak_mib']:,.0f} MiB ({e['graph_mib']:,.0f} before it)")
+        print(f"  batched / baseline: wall {b['wall_s'] / e['wall_s']:.3f} (×{e['wall_s'] / b['wall_s']:.0f} faster), "
+              f"CPU {b['cpu_s'] / e['cpu_s']:.3f}, peak RSS {b['peak_mib'] / e['peak_mib']:.2f}; results identical: "
               f"{b['rows'] == e['rows'] and b['diagnosis'] == e['diagnosis']}")
     f = _child(args, "full")
     n = f["groups"]
     print(f"traceana whatif's what-if (every rank, replica, stage and kind made ideal, and kept as measured: {n:,} "
-          f"groups, {2 * n + 1:,} replays), batched: {f['wall_s']:.1f} s wall ({f['cpu_s']:.1f} s CPU), peak RSS {f['peak_mib']:,.0f} MiB "
-          f"(no baseline: that is {2 * n + 1:,} engine replays)")
+          f"groups, {2 * n + 1:,} replays), batched: {f['wall_s']:.1f} s wall ({f['cpu_s']:.1f} s CPU), peak RSS "
+          f"{f['peak_mib']:,.0f} MiB (no baseline: that is {2 * n + 1:,} engine replays)")
 
 
 if __name__ == "__main__":

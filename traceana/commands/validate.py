@@ -61,7 +61,8 @@ def render(v, cross: dict | None, *, console) -> None:
     if cross:
         noise = "" if cross.get("noise_floor") is None else f", noise floor {cross['noise_floor']:.1%}"
         how = " from the baseline's measured what-if" if cross.get("measured_whatif") else ""
-        print_line(console, f"prediction{how} (no duration of this run used): baseline {cross['baseline']} measured "
+        print_line(console, f"prediction{how} (no duration of this run used): baseline {cross['baseline']} "
+                   f"measured "
                    f"{cross['baseline_step_ms']:.1f} ms; predicted {cross['predicted_step_ms']:.1f} ms for this run, "
                    f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
                    f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
