@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana import intervals as iv
 from traceana.errors import TraceanaError
 from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_steps_ns
 from traceana.units import NS_PER_MS
@@ -106,7 +107,8 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The graph's ops and edges with the ideal columns (module docstring): ideal_work / ideal_gap (all peers),
     peer_work / peer_gap (peers without the op's rank), stage_work (other stages' median; passes only);
     edges' ideal_transfer."""
-    # one lazy query (docs/performance.md "Fixed cost": each eager step is a collect)
+    # one lazy query on the analysis' engine (docs/performance.md "Fixed cost": each eager step is a collect; the
+    # default engine, streaming, cost 3x the CPU here and paged in its own code)
     ops = g.ops.lazy().join(g.ranks.lazy().select("rank", "step", "replica"), on=["rank", "step"], how="left",
                             maintain_order="left").with_columns(
         pl.col("action").replace_strict(KIND_OF_ACTION, return_dtype=pl.String).alias("kind"),
@@ -131,7 +133,7 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     other = (med.join(med, on="action", suffix="_o").filter(pl.col("stage") != pl.col("stage_o"))
              .group_by("action", "stage").agg(pl.col("_m_o").median().alias("stage_work")))
     ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True, maintain_order="left").with_columns(
-        pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect()
+        pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect(**iv.COLLECT)
     edges = g.edges.with_columns(pl.col("transfer_ns").median().over("channel").alias("ideal_transfer"))
     return ops, edges
 
