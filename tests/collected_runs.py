@@ -46,6 +46,9 @@ RUNS = {
     "1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
     "1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
                           slow_rank=(1, 100.0)),
+    # the undelayed configuration again, collected after the delayed one (A B A): the two undelayed runs' difference
+    # is the run-to-run noise the cross-run comparison must allow
+    "1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {

@@ -30,27 +30,37 @@ def _analysed(path):
 
 
 def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_run):
+    # A B A: the undelayed configuration, the delayed one, the undelayed one again (interleaved, so a change of the
+    # machine's speed during the test shows as the two undelayed runs' difference)
     plain_run = _analysed(collected_run("1f1b_pp2"))
     slow = whatif(_analysed(collected_run("1f1b_pp2_slow")))
+    again = whatif(_analysed(collected_run("1f1b_pp2_again")))
     plain = whatif(plain_run)
-    s, p = slow.summary, plain.summary
+    s, p, a = slow.summary, plain.summary, again.summary
     # the delayed stage is the bottleneck; the rank feeding it (stage 0), which only waits, is not named
     assert s["bottleneck"] is not None and (s["bottleneck"]["group"], s["bottleneck"]["id"]) == ("stage", 1), s
     named = slow.groups.filter(pl.col("named"))
     assert named.select("group", "id").rows() == [("stage", "1")], named
-    # making it ideal takes out (nearly all of) what was injected on the path, within the run's own noise (a loaded
-    # run once recovered 318 of the 400 ms injected: its peers' forwards, the ideal, ran slower than unloaded) ...
     stage1 = slow.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1")).row(0, named=True)
-    assert (s["measured_step_ms"] - stage1["if_ideal_step_ms"]
-            >= 0.8 * MICROBATCHES * SLOW_MS - s["noise_ms"]), (s, stage1)
-    # ... and predicts the undelayed collection's step within the noise of both runs and the stages' own
-    # imbalance (stage 1 "at stage 0's speed" is what the what-if can know; the undelayed run measures how far apart
-    # the two stages are without the delay: its stage-1 gain)
-    natural = abs(plain.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["gain_ms"][0])
-    allowed = s["noise_ms"] + p["noise_ms"] + natural
-    assert abs(stage1["if_ideal_step_ms"] - p["measured_step_ms"]) <= allowed, (stage1, p, natural)
-    # the undelayed run names nothing beyond its noise on stage 1 (no injected delay there)
-    assert not plain.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["named"][0], plain.groups
+
+    def natural(w) -> float:  # how far apart the stages are without a delay: the undelayed run's stage-1 gain
+        return abs(w.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["gain_ms"][0])
+
+    # Within the run (no machine change between the two figures): by hand, the delayed run's step less the injected
+    # MICROBATCHES x SLOW_MS (every delayed forward is on the path) is the step at stage 0's speed, within the run's
+    # noise and the stages' own imbalance (a loaded run once recovered 318 of the 400 ms injected: its peers'
+    # forwards, the ideal, ran slower than unloaded).
+    injected = MICROBATCHES * SLOW_MS
+    in_run = s["noise_ms"] + max(natural(plain), natural(again)) + 0.2 * injected
+    assert abs(stage1["if_ideal_step_ms"] - (s["measured_step_ms"] - injected)) <= in_run, (s, stage1)
+    # Across runs: the undelayed collections' step, within the noise of the runs and the measured run-to-run change
+    # (the two undelayed runs, before and after: on this machine the same configuration differs by 50-100 % or more)
+    undelayed = sorted([p["measured_step_ms"], a["measured_step_ms"]])
+    allowed = s["noise_ms"] + max(p["noise_ms"], a["noise_ms"]) + max(natural(plain), natural(again))
+    assert undelayed[0] - allowed <= stage1["if_ideal_step_ms"] <= undelayed[1] + allowed, (stage1, p, a)
+    # the undelayed runs name nothing beyond their noise on stage 1 (no injected delay there)
+    for w in (plain, again):
+        assert not w.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["named"][0], w.groups
 
     # another plan from the run's own durations: the plan it ran is its own step; GPipe instead of 1F1B, by hand the
     # same (m + p − 1)(F + B) of passes with these stage times (Huang et al. 2019, Narayanan et al. 2021), within the
