@@ -32,6 +32,13 @@ def _pd(frame: pl.DataFrame):
     return frame.to_pandas()
 
 
+def _title(text: str) -> str:
+    """A plot's title as holoviews takes it: it formats titles with ``str.format`` (``{label}``, ``{group}``), so
+    braces in a run's name are doubled to stay text (``--name '{x}'`` was a KeyError). Plain text otherwise: bokeh
+    draws it as is, and escapes its own embedded JSON (no HTML escaping here)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 def _empty(title: str, message: str) -> str:
     """A figure with nothing to draw is a sentence instead (``reports.build.Page`` shows it as a note)."""
     return f"{title}: {message}"
@@ -131,7 +138,7 @@ def timeline(
     height = max(220, 70 * len(ranks) + 90)
     return hv.Overlay(layers).opts(
         hv.opts.Overlay(
-            title=title, height=height, xlabel="time since the first profiled step (ms)", ylabel="",
+            title=_title(title), height=height, xlabel="time since the first profiled step (ms)", ylabel="",
             yticks=yticks, invert_yaxis=True, show_legend=False, show_grid=False, **WIDTH_OPTS,
         )
     )
@@ -161,7 +168,7 @@ def stacked_by_stage(
     )
     bars = hv.Bars(_pd(df), kdims=["stage", "category"], vdims=["ms", "percent", "colour"])
     return bars.opts(
-        stacked=True, color="colour", title=title, ylabel=ylabel, xlabel="pipeline stage",
+        stacked=True, color="colour", title=_title(title), ylabel=ylabel, xlabel="pipeline stage",
         height=320, line_color="white", show_legend=False,
         tools=[_hover([("stage", "@stage"), ("category", "@category"), ("ms per step", "@ms{0,0.00}"),
                        ("share of step", "@percent{0.0}%")])],
@@ -181,7 +188,7 @@ def grouped_by_stage(frame: pl.DataFrame, *, value: str, title: str, ylabel: str
         .select("stage", "run", value, "colour")
     )
     return hv.Bars(_pd(df), kdims=["stage", "run"], vdims=[value, "colour"]).opts(
-        color="colour", title=title, ylabel=ylabel, xlabel="pipeline stage · run", height=320, show_legend=False,
+        color="colour", title=_title(title), ylabel=ylabel, xlabel="pipeline stage · run", height=320, show_legend=False,
         tools=[_hover([("stage", "@stage"), ("run", "@run"), (ylabel, f"@{value}{{0,0.0}}")])],
         multi_level=len(runs) > 1, **WIDTH_OPTS,
     )
@@ -202,7 +209,7 @@ def memory_over_time(curves: pl.DataFrame, *, title: str) -> hv.Element:
             )
         )
     return hv.Overlay(lines).opts(
-        hv.opts.Overlay(title=title, height=320, xlabel="time since the first profiled step (ms)",
+        hv.opts.Overlay(title=_title(title), height=320, xlabel="time since the first profiled step (ms)",
                         ylabel="allocated memory (MiB, max per bin)", legend_position="top",
                         **WIDTH_OPTS)
     )
@@ -214,7 +221,7 @@ def run_bars(frame: pl.DataFrame, *, value: str, title: str, ylabel: str) -> hv.
         colour=pl.Series([palette.run_colour(i) for i in range(frame.height)], dtype=pl.String)
     )
     return hv.Bars(_pd(df), kdims=["run"], vdims=[value, "colour"]).opts(
-        color="colour", title=title, ylabel=ylabel, xlabel="run", height=300, show_legend=False,
+        color="colour", title=_title(title), ylabel=ylabel, xlabel="run", height=300, show_legend=False,
         tools=[_hover([("run", "@run"), (ylabel, f"@{value}{{0,0.00}}")])], **WIDTH_OPTS,
     )
 
@@ -235,7 +242,7 @@ def estimate_vs_measured(frame: pl.DataFrame, *, title: str, xlabel: str) -> hv.
         )
     return hv.Overlay(layers).redim.values(item=items[::-1]).opts(
         # with invert_axes the value axis is drawn horizontally but keeps the y label
-        hv.opts.Overlay(title=title, invert_axes=True, height=70 + 26 * len(items), xlabel="", ylabel=xlabel,
+        hv.opts.Overlay(title=_title(title), invert_axes=True, height=70 + 26 * len(items), xlabel="", ylabel=xlabel,
                         show_legend=False, show_grid=True, **WIDTH_OPTS)
     )
 

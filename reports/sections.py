@@ -15,7 +15,7 @@ from reports import palette
 from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
 from traceana.analysis import Analysis
-from traceana.gpu import pipeline_found
+from traceana.gpu import NO_PIPELINE
 from traceana.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
@@ -77,7 +77,7 @@ def attribution(page, runs: Runs, G) -> None:
     present = pl.concat([F.stage_attribution(a).filter(pl.col("ms") > 0)["category"] for _, a in runs]).unique()
     page.add(H.legend_swatches([c for c in palette.CATEGORY_COLOURS if c in set(present.to_list())]))
     for name, a in runs:
-        if not pipeline_found(a.stages, a.schedule, a.p2p):
+        if not a.summary.pipeline_found:
             not_a_pipeline(page, name, a)
             continue
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
@@ -131,14 +131,12 @@ STREAM_COLUMNS = [
 
 
 def not_a_pipeline(page, name: str, a: Analysis) -> None:
-    """A run that is no pipeline (traceana.gpu.pipeline_found): a sentence instead of per-stage bars, and what
+    """A run that is no pipeline (its summary's ``pipeline_found``): a sentence instead of per-stage bars, and what
     still helps: the time per rank by category, and per GPU stream."""
     from traceana.gpu import stream_means
 
-    page.add(H.para(f"{name}: no pipeline found — no rank has a stage (no run.json, no PP: or framework annotations, "
-                    "no "
-                    "P2P messages chaining ranks), so there are no per-stage bars or bubbles. Time per rank (mean per "
-                    "measured step) and per GPU stream:", css_class="lead"))
+    page.add(H.para(f"{name}: {NO_PIPELINE}. Time per rank (mean per measured step) and per GPU stream:",
+                    css_class="lead"))
     st = a.stages
     cols = [("rank", "rank"), ("step_ms", "step (ms)")] + [
         (f"{c}_ms", f"{palette.CATEGORY_LABELS[c]} (ms)") for c in palette.CATEGORY_COLOURS
@@ -201,6 +199,10 @@ def bubbles(page, runs: Runs, G) -> None:
     page.add('<div class="grid">')
     for name, a in runs:
         page.add("<div>")
+        if not a.summary.pipeline_found:  # no bubble to draw: the reason, not an empty (or all-zero) chart
+            page.add(H.para(f"{name}: {NO_PIPELINE}."))
+            page.add("</div>")
+            continue
         bub = F.bubble_breakdown(a)
         page.figure(G.stacked_by_stage(bub, title=f"{name}: bubble per step", ylabel="bubble per step (ms)"))
         wide = (

@@ -99,6 +99,16 @@ def test_a_trace_that_is_not_a_pipeline_says_so_and_shows_its_streams(tmp_path, 
     out = capsys.readouterr().out
     assert "no pipeline found" in out and "Time per GPU stream" in out
     assert "bubble (warm-up" not in out and "Data-parallel replicas" not in out
+    # --json says the same: no bubble (null with the reason, not 0.0) and no replicas invented (issue 26 item 4)
+    assert main(["analyze", str(run), "--no-cache", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    s = d["summary"]
+    assert d["gpu"]["pipeline_found"] is False and s["pipeline_found"] is False
+    assert s["no_pipeline"].startswith("no pipeline found") and s["bubble_fraction"] is None
+    assert s["replicas"] == [] and [r["replicas"] for r in s["per_stage"]] == [None]
+    assert {r["bubble_ms"] for r in s["per_stage"]} == {None}
+    assert {v for r in d["stages"] for k, v in r.items() if k.startswith("bubble")} == {None}
+    assert s["step_ms"] > 0 and {r["rank"] for r in d["stages"]} == {0, 1}  # (what still holds is still there)
 
 
 def test_the_report_writes_a_sentence_not_an_empty_chart_for_a_trace_that_is_not_a_pipeline(third_party, tmp_path):

@@ -239,7 +239,14 @@ def test_third_party_nccl_collectives(third_party):
 
 
 def test_third_party_ns_resolution_trace_is_exact(third_party):
-    events, _, row = read_trace(third_party / "hta/ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz")
+    """HTA's ns_resolution_trace declares ``"displayTimeUnit": "ns"`` yet its ts/dur are µs with three decimals (the
+    step below: "dur": 35115.869, 35.1 ms, as its 5 steps of a ResNet test need): displayTimeUnit is the Trace Event
+    Format's display hint, not the unit of the data, and is not honoured as one (issue 29: a reader that did would
+    read this real trace ÷ 1000)."""
+    path = third_party / "hta/ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
+    with gzip.open(path, "rb") as fh:
+        assert json.load(fh)["displayTimeUnit"] == "ns"
+    events, _, row = read_trace(path)
     assert (row["rank"], row["world_size"], row["rank_source"]) == (0, 1, "distributedInfo")
     assert events.height == 45420 and _count(events, cat="kernel") == 4350
     step = events.filter(pl.col("name") == "ProfilerStep#101").row(0, named=True)

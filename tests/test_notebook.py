@@ -26,7 +26,7 @@ def gpipe(tmp_path_factory):
 
 
 def test_public_names_are_listed_and_resolve_without_importing_polars_first():
-    for name in ("load_run", "analyze", "load_and_analyze", "Analysis", "validate", "TraceanaError"):
+    for name in ("load_run", "analyze", "load_and_analyze", "Analysis", "validate", "TraceanaError", "RunConfig"):
         assert name in traceana.__all__ and name in dir(traceana)
     code = ("import sys, traceana; listed = dir(traceana); assert 'polars' not in sys.modules, 'import'; "
             "assert all(getattr(traceana, n) is not None for n in traceana.__all__); print('ok')")

@@ -69,3 +69,38 @@ def test_screenshot(report, tmp_path):
                     "--hide-scrollbars")
     assert shot.is_file() and shot.stat().st_size > 50_000, done.stderr[-2000:]
     assert console_errors(done.stderr) == []
+
+
+# Appended to a copy of the report: once bokeh has built its documents, every plot title's text as the browser holds
+# it (what the canvas draws), with < > & written as \u escapes so the dumped DOM's own escaping cannot blur them.
+TITLE_PROBE = """<script>
+(function poll() {
+  var t = [];
+  ((window.Bokeh && Bokeh.documents) || []).forEach(function (d) {
+    d.all_models.forEach(function (m) { if (m.type === "Title" && m.text) t.push(String(m.text)); });
+  });
+  if (!t.length) { return setTimeout(poll, 100); }
+  var p = document.createElement("pre"); p.id = "probe-titles";
+  p.textContent = JSON.stringify(t).replace(/[<>&]/g, function (c) { return "\\\\u00" + c.charCodeAt(0).toString(16); });
+  document.body.appendChild(p);
+})();
+</script>"""
+
+
+def test_plot_titles_show_a_run_name_as_written(tmp_path):
+    """Issue 29 said a --name such as ``<b>&`` showed as ``&lt;b&gt;&amp;`` in plot titles (escaped twice). The
+    report file holds the title HTML-escaped inside bokeh's JSON, which BokehJS unescapes: in the browser each title
+    is the run's name as written, plain text drawn on the canvas."""
+    import json
+
+    text = write_report(tmp_path / "r.html", [make_analysis(path="/runs/<b>&")], validation=None).read_text()
+    probe = tmp_path / "probe.html"
+    at = text.rindex("</body>")
+    probe.write_text(text[:at] + TITLE_PROBE + text[at:])
+    dom = chromium(probe, tmp_path / "profile", "--dump-dom").stdout
+    found = re.search(r'<pre id="probe-titles">([^<]*)</pre>', dom)
+    assert found, "bokeh built no plot titles"
+    titles = json.loads(found.group(1))
+    named = [t for t in titles if "b>" in t or "&" in t]  # (the memory titles name the run inside their text)
+    assert sum(t.startswith("<b>&: ") for t in named) >= 3 and all("<b>&" in t for t in named), titles
+    assert not any("&lt;" in t or "&amp;" in t for t in titles), titles

@@ -158,6 +158,13 @@ def test_strings_from_traces_are_escaped(tmp_path):
     assert not any("pwned" in s and "&lt;" not in s for s in p.scripts)
 
 
+def test_braces_in_a_run_name_are_text_in_plot_titles(tmp_path):
+    """holoviews formats a plot title with str.format: a run named ``{x} {label}`` (``--name '{x} {label}'``) was a
+    KeyError, and ``{label}`` alone would have been replaced. The titles carry the name as written."""
+    text = write_report(tmp_path / "braces.html", [make_analysis(path="/runs/{x} {label}")], validation=None).read_text()
+    assert '"text":"{x} {label}: pipeline timeline"' in text
+
+
 def test_run_with_nothing_to_report_is_a_clear_error():
     a = make_analysis(path="/runs/empty")
     empty = dataclasses.replace(

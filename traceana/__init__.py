@@ -50,6 +50,7 @@ _PUBLIC = {
     "Analysis": "traceana.analysis",
     "Run": "traceana.ingest",
     "RunSummary": "traceana.summary",  # Analysis.summary: the headline figures and the per-stage table
+    "RunConfig": "traceana.run_config",  # Analysis.config: the run's configuration, each fact with where it came from
     "compare_runs": "traceana.summary",  # several runs' summaries side by side (traceana report's comparison)
     "validate": "traceana.validation.replay",  # the model replayed with a run's own durations, against the run
     "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=

@@ -110,10 +110,6 @@ class Analysis:
                 "steps": f"{len(steps)} step{'s' if len(steps) != 1 else ''} (measured: "
                          f"{', '.join(map(str, measured[:8])) + (', …' if len(measured) > 8 else '') or 'none'})"}
 
-    def _pipeline(self) -> bool:
-        """Whether the run is a pipeline at all (``gpu.pipeline_found``): a trace that is not has no bubble line."""
-        return gpu.pipeline_found(self.stages, self.schedule, self.p2p)
-
     def __repr__(self) -> str:
         """A few lines (not the events' rows): ranks, stages, schedule, steps, the headline figures
         (``summary.headline``) and where the rest is."""
@@ -121,7 +117,7 @@ class Analysis:
 
         f = self._facts()
         lines = [f"<traceana.Analysis of {f['path']}: {f['ranks']}, {f['stages']}, {f['schedule']}, {f['steps']}>",
-                 *(f"  {line}" for line in headline(self.summary, pipeline=self._pipeline())),
+                 *(f"  {line}" for line in headline(self.summary)),
                  f"  {len(self.notes)} note{'s' if len(self.notes) != 1 else ''} (.notes); tables: "
                  + ", ".join(self.tables()) + "; per stage: .summary.per_stage"]
         return "\n".join(line if len(line) <= 180 else line[:179] + "…" for line in lines)  # (many steps)
@@ -133,7 +129,7 @@ class Analysis:
         from traceana.summary import headline
 
         f = self._facts()
-        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary, pipeline=self._pipeline()))
+        head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary))
         notes = "".join(f"<li>{escape(n)}</li>" for n in self.notes[:10])
         more = f"<li>… {len(self.notes) - 10} more (.notes)</li>" if len(self.notes) > 10 else ""
         return (f"<div><p><b>traceana.Analysis</b> of <code>{escape(f['path'])}</code>: {escape(f['ranks'])}, "

@@ -21,6 +21,7 @@ from traceana.errors import BadInputError, shown
 from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
+from traceana.summary import without_bubble
 from traceana.units import NS_PER_MS, NS_PER_US
 
 FORMATS = TABLE_FORMATS
@@ -113,7 +114,9 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
         "run": str(analysis.run.path),
         "summary": analysis.summary.as_dict(),
         "config": analysis.config.as_dict(),
-        "stages": analysis.stages.to_dicts(),
+        # (a run that is no pipeline has no bubble: null, as in its summary)
+        "stages": (analysis.stages if analysis.summary.pipeline_found
+                   else without_bubble(analysis.stages)).to_dicts(),
         "clock_offsets": analysis.clock_offsets.to_dicts(),
         "notes": list(analysis.notes),
     }
@@ -124,12 +127,12 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
 
 
 def gpu_summary(analysis) -> dict[str, Any]:
-    """``pipeline_found`` (traceana.gpu.pipeline_found), and on GPU ranks, means per measured step: each phase's
+    """``pipeline_found`` (the summary's), and on GPU ranks, means per measured step: each phase's
     own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
     from traceana import gpu
 
     steps = analysis.summary.steps
-    out: dict[str, Any] = {"pipeline_found": gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)}
+    out: dict[str, Any] = {"pipeline_found": analysis.summary.pipeline_found}
     if analysis.phase_time is not None:
         out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
     if analysis.stream_time is not None:

@@ -145,9 +145,14 @@ def batched_p2p_notes(events: pl.DataFrame) -> list[str]:
             for r, n, ns in hit.rows()]
 
 
+# What every surface says of a run that is no pipeline (analyze's line, --json's summary.no_pipeline, the report).
+NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
+               "chaining ranks), so no bubble, stage, schedule or data-parallel replica figure applies")
+
+
 def pipeline_found(stages: pl.DataFrame, schedule: pl.DataFrame, p2p: pl.DataFrame) -> bool:
     """Is this a pipeline at all: a rank with a known stage, a forward/backward in the schedule, or a matched P2P
-    message? (Else no bubble, stage or schedule figure means anything; analyze says so in one line.)"""
+    message? (Else no bubble, stage or schedule figure means anything: the summary gives none (``NO_PIPELINE``).)"""
     from traceana.names import PASS_PHASES
 
     staged = "stage" in stages.columns and stages["stage"].drop_nulls().len() > 0

@@ -34,6 +34,11 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   across its replicas: the mean (``per_stage``: the stage's ranks' means) and the **slowest replica** (largest
   median own time over the measured steps), descriptive only: own time still holds waiting on the pipeline, so the
   slowest is not always the one to blame. Exposed collective time per replica is in ``replicas``.
+- **no pipeline** (``pipeline_found`` False, traceana.gpu.pipeline_found: no rank has a stage, no forward/backward,
+  no matched P2P message): no bubble figure applies, so ``bubble_fraction`` and the per-stage bubble columns are
+  null (not 0: nothing was measured as a bubble because there is no pipeline to wait on), and no replicas are
+  formed (two ranks of an all-to-all job are not data-parallel replicas of anything); ``as_dict`` gives the reason
+  (``no_pipeline``: gpu.NO_PIPELINE).
 - **straggler** and **bottleneck**: from the what-if (traceana.whatif), not from step times: a rank or replica is
   a straggler (``per_stage.straggler``: its replica on its stage, ``straggler_rank``) and a stage a bottleneck only
   when making it ideal (its work at its peers' median) shortens the replayed step by more than the noise in every
@@ -116,6 +121,7 @@ class RunSummary:
     step_times_ms: tuple[float, ...] = ()  # each measured step's time (step_ms is their mean): the noise's samples
     diagnosis: str | None = None  # the what-if's one line (traceana.whatif); why there is none where it could not run
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
+    pipeline_found: bool = True  # gpu.pipeline_found: False = no bubble or replica figure (module docstring)
     critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
     path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
@@ -127,8 +133,13 @@ class RunSummary:
         return self.per_stage.filter(pl.col("straggler").is_not_null())
 
     def as_dict(self) -> dict:
-        """JSON-ready: the headline figures and the per-stage rows."""
+        """JSON-ready: the headline figures and the per-stage rows; for a run that is no pipeline, why it has no
+        bubble or replica figure (``no_pipeline``)."""
+        from traceana.gpu import NO_PIPELINE
+
         return {
+            "pipeline_found": self.pipeline_found,
+            "no_pipeline": None if self.pipeline_found else NO_PIPELINE,
             "measured_steps": list(self.steps),
             "step_ms": self.step_ms,
             "step_times_ms": list(self.step_times_ms),
@@ -309,19 +320,29 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
+def without_bubble(frame: pl.DataFrame) -> pl.DataFrame:
+    """A run that is no pipeline: its bubble columns (``bubble*``) null, not 0 (module docstring)."""
+    return frame.with_columns(pl.lit(None, pl.Float64).alias(c) for c in frame.columns if c.startswith("bubble"))
+
+
 def summarize(analysis) -> RunSummary:
     """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
-    att = analysis.attribution
-    steps = measured_steps(att, analysis.schedule)
-    per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
-    replicas = replica_table(per_replica_step)
-    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    from traceana.gpu import pipeline_found
     from traceana.graph import data_parallel_only
 
-    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=data_parallel_only(analysis))
+    att = analysis.attribution
+    steps = measured_steps(att, analysis.schedule)
+    pipeline = pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
+    # no pipeline: no replicas (module docstring); its ranks are the per-rank table's
+    replicas = replica_table(per_replica_step) if pipeline else None
+    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    replicas_of = across_replicas(per_replica_step, unknown_are_replicas=pipeline and data_parallel_only(analysis))
     per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
                  .join(replicas_of, on="stage", how="left", nulls_equal=True)
                  .join(named, on="stage", how="left", nulls_equal=True))
+    if not pipeline:
+        per_stage = without_bubble(per_stage)
     used = analysis.per_rank_step.filter(pl.col("step").is_in(steps))
     ranks = used["rank"].n_unique()
     if used.height and used.group_by("step").agg(pl.col("rank").n_unique().alias("n"))["n"].min() == ranks:
@@ -342,7 +363,7 @@ def summarize(analysis) -> RunSummary:
     return RunSummary(
         steps=tuple(steps),
         step_ms=step_ms,
-        bubble_fraction=bubble / total if total else None,
+        bubble_fraction=bubble / total if total and pipeline else None,
         bpipe_ms=float(bpipe.max()) if len(bpipe) and bpipe.max() > 0 else None,
         largest_activation_stage=int(largest["stage"][0]) if largest.height else None,
         largest_activation_peak_mib=float(largest["activation_peak_mib"][0]) if largest.height else None,
@@ -350,6 +371,7 @@ def summarize(analysis) -> RunSummary:
         per_stage=per_stage,
         replicas=replicas,
         step_times_ms=step_times_ms,
+        pipeline_found=pipeline,
         diagnosis=diagnosis,
         bottleneck=bottleneck,
         critical_path=path_time,
@@ -415,10 +437,9 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     return overview, per_stage
 
 
-def headline(summary, *, pipeline: bool = True) -> list[str]:
+def headline(summary) -> list[str]:
     """The run's headline figures, one per line, in the words every surface uses (traceana analyze, an Analysis's
-    repr in a notebook); no bubble line where ``pipeline`` is False (``gpu.pipeline_found``: a trace that is not a
-    pipeline has none)."""
+    repr in a notebook); no bubble line for a run that is no pipeline (``summary.pipeline_found``: it has none)."""
     from traceana.timeline import WHOLE_TRACE_STEP
 
     def num(x, fmt):
@@ -427,7 +448,7 @@ def headline(summary, *, pipeline: bool = True) -> list[str]:
     over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
             else f"steps {', '.join(map(str, summary.steps)) or '–'}")
     lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
-    if pipeline:
+    if summary.pipeline_found:
         lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "
                      f"{num(None if summary.bubble_fraction is None else 100 * summary.bubble_fraction, '.1f')} % of "
                      "step time")

@@ -137,10 +137,10 @@ def print_tables(analysis, *, per_step: bool) -> None:
     from traceana import gpu
     from traceana.summary import headline
 
-    is_pipeline = gpu.pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
+    is_pipeline = analysis.summary.pipeline_found
     if not is_pipeline:
-        print_line(console, NO_PIPELINE)
-    for line in headline(analysis.summary, pipeline=is_pipeline):
+        print_line(console, f"{gpu.NO_PIPELINE}; the time per GPU stream follows")
+    for line in headline(analysis.summary):
         print_line(console, line)
     gpu_tables(console, analysis, pipeline=is_pipeline)
     if is_pipeline:  # (replicas of a stage: without stages, ranks are not replicas of anything)
@@ -163,10 +163,6 @@ def print_tables(analysis, *, per_step: bool) -> None:
         print_line(console, "clock corrections (ns): " + ", ".join(f"rank {r}: {o:+,}" for r, o, _ in offsets.rows()))
     for n in analysis.notes:
         print_line(console, n, prefix="[yellow]note:[/] ")
-
-
-NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/framework annotations, no P2P messages "
-               "chaining ranks), so no bubble, stage or schedule figure applies; the time per GPU stream follows")
 
 
 def gpu_tables(console, analysis, *, pipeline: bool) -> None:

@@ -30,6 +30,8 @@ is exact to the nanosecond for 3-decimal values; an absolute µs wall clock (~1.
 digits in the file) and converted to int64 ns from its text. Kineto writes ``ts`` relative to
 ``baseTimeNanoseconds`` (checked on a torch 2.13 trace: base + ts = wall clock); when the base is present and the
 ``ts`` values are not already epoch-scale we add it, so ``ts_ns`` is absolute on every rank.
+``displayTimeUnit`` is a viewer's display hint, not the data's unit (HTA's ns_resolution_trace says "ns" and holds
+µs: docs/field-notes.md), so it is not read; ts in epoch ns is named by its size (``ns_epoch_hint``).
 
 Bad input raises a one-line ``TraceFormatError`` (or ``BadInputError`` for a path that cannot be read). A trace cut
 short while being written keeps every complete event, is marked ``truncated`` and says so in a warning.
