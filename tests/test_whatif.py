@@ -209,6 +209,7 @@ def engine_and_batch_agree(monkeypatch, analysis, graph_=None, changes=()):
         return got
 
     monkeypatch.setattr(wi, "replay_variants", recording)
+    monkeypatch.setattr(graph, "BATCH_FROM_OPS", 0)  # these graphs are small: batch them anyway
     w = whatif(analysis, [parse_set(c) for c in changes], graph=graph_)
     n = 0
     for g, ops, edges, variants, got in seen:
@@ -239,3 +240,13 @@ def test_batched_replays_are_the_engines_on_hand_built_steps(monkeypatch):
         assert n >= 5
     # by hand (test_changes_on_a_hand_built_step): no transfer time: 41 ms
     assert engine_and_batch_agree(monkeypatch, hand, two_ranks(), ("p2p=0",))[0].summary["changed_step_ms"] == 41
+
+
+def test_a_small_runs_whatif_replays_on_the_engine_without_numpy():
+    """A tiny run's what-if (every analyze runs it) replays each variant on the engine: importing numpy for the batched
+    evaluation would cost more than the replays (docs/performance.md "Fixed cost")."""
+    code = ("import sys, warnings; warnings.simplefilter('ignore'); import traceana; "
+            f"a = traceana.load_and_analyze({str(DATA / 'megatron_pipe/1f1b/run')!r}, cache=False); a.summary; "
+            "print('numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -446,6 +446,11 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     return out
 
 
+# Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
+# few ms, without importing numpy); above it, all variants at once.
+BATCH_FROM_OPS = 2_000
+
+
 def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
                     variants: list[tuple[pl.Expr, pl.Expr, pl.Expr]], *, chunk: int = 64) -> list[list[int]]:
     """``replay_steps_ns`` of many variants of the graph's durations at once: each variant is (work, gap, transfer),
@@ -460,18 +465,19 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     level by level (an operation's level: one more than its inputs'), one column per variant, with the engine's own
     float additions in the engine's order, so the result is the engine's to the nanosecond
     (tests/test_whatif.py checks every variant of the runs in tests/data). A graph whose dependencies form a cycle
-    goes to the engine, which says so."""
-    import numpy as np
-
+    goes to the engine, which says so, and so does a small graph (under ``BATCH_FROM_OPS`` operations: the engine's
+    few milliseconds a replay cost less than importing numpy, docs/performance.md "Fixed cost")."""
     if not variants:
         return []
-    o = ops.sort("step", "rank", "seq")
-    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True)
-    o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
-    levels = {step: _levels(g, step) for step in g.steps}
+    levels = {step: _levels(g, step) for step in g.steps} if ops.height >= BATCH_FROM_OPS else {None: None}
     if any(lv is None for lv in levels.values()):
         return [replay_steps_ns(g, ops=ops.with_columns(w.alias("work_ns"), gp.alias("gap_ns")),
                                 edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
+    import numpy as np
+
+    o = ops.sort("step", "rank", "seq")
+    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True)
+    o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     out: list[list[int]] = []
     for c0 in range(0, len(variants), chunk):
         part = variants[c0:c0 + chunk]
