@@ -240,22 +240,27 @@ def test_ctrl_c_while_polling_still_waits_for_the_job(tmp_path, monkeypatch, cap
     passes it on to the job's process group, lets the job end, finishes the run directory and exits 130, instead of
     a traceback that leaves the job behind."""
     import argparse
+    import time
 
     from collectors.attach import command
 
     polls = []
+    ready = tmp_path / "job-ready"  # the job is inside its try: (on a loaded machine its start-up takes seconds)
 
     def poll(self) -> None:
         polls.append(1)
         if len(polls) == 1:
+            deadline = time.monotonic() + 60
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise KeyboardInterrupt
 
     monkeypatch.setattr(command._Finisher, "poll", poll)
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["-o", str(tmp_path / "run"), "--", sys.executable, "-c",
-                              "import time\ntry:\n    time.sleep(5)\nexcept KeyboardInterrupt:\n"
-                              "    print('job done', flush=True)"])
+                              f"import time\ntry:\n    open({str(ready)!r}, 'w').close()\n    time.sleep(5)\n"
+                              "except KeyboardInterrupt:\n    print('job done', flush=True)"])
     assert command.run(args) == 130
     out, err = capfd.readouterr()
     assert "job done" in out and "no process reached the window" in err
