@@ -105,7 +105,7 @@ def data_parallel_only(analysis) -> bool:
     ev = analysis.events
     if ev is None:
         return False
-    return ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len()).collect().item() == 0
+    return ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len()).collect(**iv.COLLECT).item() == 0
 
 
 class GraphError(AnalysisError):
@@ -148,7 +148,7 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
         .select("rank", "step", pl.col("track").cast(pl.String), pl.col("name").cast(pl.String),
                 pl.col("pg").cast(pl.String),
                 pl.col("ts_ns").alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
-        .collect()
+        .collect(**iv.COLLECT)
     )
     if coll.height == 0:
         return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana import intervals as iv
 from traceana.errors import TraceanaError
 from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_steps_ns
 from traceana.units import NS_PER_MS
@@ -106,7 +107,10 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The graph's ops and edges with the ideal columns (module docstring): ideal_work / ideal_gap (all peers),
     peer_work / peer_gap (peers without the op's rank), stage_work (other stages' median; passes only);
     edges' ideal_transfer."""
-    # one lazy query (docs/performance.md "Fixed cost": each eager step is a collect)
+    # Lazy queries on the analysis' engine (docs/performance.md "Fixed cost": each eager step is a collect; the
+    # default engine, streaming, cost 3x the CPU here and paged in its own code), each frame used more than once
+    # collected once: without common-subplan elimination (iv.COLLECT) a single query ran the self-joins' inputs,
+    # and theirs, again for each use (the tiny run 12 -> 3 ms; the same frames).
     ops = g.ops.lazy().join(g.ranks.lazy().select("rank", "step", "replica"), on=["rank", "step"], how="left",
                             maintain_order="left").with_columns(
         pl.col("action").replace_strict(KIND_OF_ACTION, return_dtype=pl.String).alias("kind"),
@@ -116,7 +120,7 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
         pl.coalesce("stage", pl.lit(-1) if g.data_parallel else -1 - pl.col("rank")).alias("_work"))
     work_key, gap_key = ["action", "_work"], ["action", "_work", "first"]
     ops = ops.with_columns(pl.col("work_ns").median().over(work_key).alias("ideal_work"),
-                           pl.col("gap_ns").median().over(gap_key).alias("ideal_gap"))
+                           pl.col("gap_ns").median().over(gap_key).alias("ideal_gap")).collect(**iv.COLLECT).lazy()
     # peers without the op's rank: per (key, rank) the others' values; a rank alone is its own peer
     for col, key, out in (("work_ns", work_key, "peer_work"), ("gap_ns", gap_key, "peer_gap")):
         own = ops.group_by(*key, "rank").agg(pl.col(col).median().alias("_own"))
@@ -124,14 +128,14 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
                   .group_by(*key, "rank").agg(pl.col("_own_o").median().alias(out)))
         ops = (ops.join(others, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
                .join(own, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
-               .with_columns(pl.coalesce(out, "_own").alias(out)).drop("_own"))
+               .with_columns(pl.coalesce(out, "_own").alias(out)).drop("_own")).collect(**iv.COLLECT).lazy()
     # a stage at the other stages' speed: the median of the other stages' medians of the same pass
     med = (ops.filter(pl.col("action").is_in(PASS_ACTIONS) & pl.col("stage").is_not_null())
-           .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m")))
+           .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m"))).collect(**iv.COLLECT).lazy()
     other = (med.join(med, on="action", suffix="_o").filter(pl.col("stage") != pl.col("stage_o"))
              .group_by("action", "stage").agg(pl.col("_m_o").median().alias("stage_work")))
     ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True, maintain_order="left").with_columns(
-        pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect()
+        pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect(**iv.COLLECT)
     edges = g.edges.with_columns(pl.col("transfer_ns").median().over("channel").alias("ideal_transfer"))
     return ops, edges
 
