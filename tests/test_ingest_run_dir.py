@@ -247,13 +247,20 @@ def test_many_small_ranks_are_cached_in_batches(tmp_path, monkeypatch):
     assert parsed == [4, 4, 0]  # the third read: every rank from the batch
     assert_frame_equal(again.events, fresh.events) and assert_frame_equal(first.events, fresh.events)
     assert again.traces.drop("path").equals(fresh.traces.drop("path"))
+    # A damaged batch: every rank misses (read once), is written again, and the newer batch is what is read next.
+    (ingest / names[0]).write_bytes(b"garbage")
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    os.utime(ingest / names[1], (1, 1))  # (the damaged batch's rows older, as they are; it stays: its ranks current)
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    assert parsed[-2:] == [4, 0]
+    names = sorted(p.name for p in ingest.iterdir() if p.name not in names)
     # One rank rewritten (same bytes, a new file): it alone is read again, into its own batch-less entry.
     f = sorted(run4.glob("*.json*"))[1]
     data = f.read_bytes()
     f.unlink()
     f.write_bytes(data)
     assert_frame_equal(load_run(run4).events, fresh.events)
-    assert parsed[-1] == 1 and len(list(ingest.iterdir())) == 4  # the batch (3 current ranks) + 1 rank's 2 files
+    assert parsed[-1] == 1 and len(list(ingest.iterdir())) == 6  # 2 batches (3 current ranks) + 1 rank's 2 files
     # Every rank rewritten: the old batch holds no current rank and is swept at the next write.
     for f in sorted(run4.glob("*.json*")):
         data = f.read_bytes()

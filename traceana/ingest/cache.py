@@ -164,6 +164,7 @@ class TraceCache:
         self._entries: dict[str, list[str]] | None = None  # trace name -> its entries' names, listed once
         self._batches: dict[str, pl.DataFrame] = {}  # batch files read by ``load``, each read once
         self._index: dict[str, tuple[str, dict[str, Any]]] | None = None  # key -> (batch file, entry)
+        self._bad: set[str] = set()  # batch files that could not be read
 
     def _batched(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """The batched entries (``store_all``) by key: the folder listed and each batch's rows file read once."""
@@ -171,8 +172,10 @@ class TraceCache:
             self._index = {}
             if _real_dir(self.dir.parent) and _real_dir(self.dir):
                 with os.scandir(self.dir) as it:
-                    names = [e.name for e in it if _BATCH_ROWS.fullmatch(e.name)]
-                for name in names:
+                    found = [(e.stat(follow_symlinks=False).st_mtime_ns, e.name) for e in it
+                             if _BATCH_ROWS.fullmatch(e.name)]
+                for _, name in sorted(found):  # oldest first: a trace written again (its batch damaged) takes the newer
+
                     path = self.dir / name
                     try:
                         if not regular_file(path):
@@ -263,12 +266,16 @@ class TraceCache:
                 if not no_memory and not regular_file(mem_path):
                     return None
             if batch is not None:
+                if entry.get("name") != trace.name or batch in self._bad:
+                    return None
                 table = self._batches.get(batch)
                 if table is None:
+                    self._bad.add(batch)  # (until read whole: a damaged batch is tried once, not once per rank)
                     if not regular_file(self.dir / batch):
                         return None
                     table = schema.check(pl.read_parquet(self.dir / batch), schema.EVENTS, "cached events")
                     self._batches[batch] = table
+                    self._bad.discard(batch)
                 if at[0] + at[1] > table.height:
                     return None
                 events = table.slice(at[0], at[1])
