@@ -225,3 +225,22 @@ def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_pat
     slow = repeated_comparison(base, runs("c", StageTimes.uniform(2, forward=200e3, backward=400e3)))
     assert slow["agree"] is False and slow["step_change"] == pytest.approx(1.0)
     assert slow["compute_ratio"] == pytest.approx(2.0) and "the machine changed speed" in slow["headline"]
+
+
+def test_cross_run_between_plans_is_the_baselines_measured_whatif(tmp_path):
+    # two runs that differ only in their micro-batch count: the prediction is the baseline's measured what-if
+    # (whatif.plan_whatif). By hand, uniform 1F1B takes (m + p − 1)(f + b): 5 × 300 µs at m=4, 9 × 300 µs at m=8
+    from traceana.whatif import plan_whatif
+
+    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times, steps=3)
+    b = fake_analysis(tmp_path / "b", schedule="1f1b", pp=2, m=8, times=times, steps=3)
+    out = cross_run(a, b)
+    assert out["kind"] == "prediction" and out["measured_whatif"] is True and "what-if" in out["method"]
+    assert out["predicted_step_ms"] == pytest.approx(2.7) and out["measured_step_ms"] == pytest.approx(2.7)
+    assert out["predicted_step_ms"] == pytest.approx(plan_whatif(a, microbatches=8)["predicted_step_ms"])
+    # the measured change beside it, with its noise (identical steps on a side: a zero-width interval at +80 %)
+    assert out["step_change"] == pytest.approx(0.8) and out["prediction_within_noise"] is True
+    # a change a plan what-if cannot make (recompute): the model with the target's whole configuration
+    c = fake_analysis(tmp_path / "c", schedule="1f1b", pp=2, m=4, times=times, recompute="full")
+    assert cross_run(a, c)["measured_whatif"] is False

@@ -132,7 +132,9 @@ def test_validate_command_on_a_written_run(tmp_path, capsys, monkeypatch):
     assert abs(out["summary"]["step_error_fraction"]) < 0.02
     assert main(["validate", str(tmp_path), "--baseline", str(tmp_path)]) == 0
     text = " ".join(capsys.readouterr().out.split())  # sentences wrap at the terminal's width
-    assert "prediction (no duration of this run used)" in text and "step time: measured" in text and "replay" in text
+    # (one configuration on both sides: the prediction is the baseline's measured what-if, the noise beside it)
+    assert "prediction from the baseline's measured what-if (no duration of this run used)" in text
+    assert "measured change: step time +0.0%" in text and "step time: measured" in text and "replay" in text
     assert "BPipe would make no difference to this run against as-configured (1.000×" in text  # pp 2: nothing to evict
     assert "evicts nothing" in text and "Deciding term: no change" in text
     assert main(["validate", str(tmp_path / "nope")]) == 2

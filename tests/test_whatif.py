@@ -10,13 +10,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
 
 from traceana import graph
 from traceana.analysis_cache import load_and_analyze
-from traceana.whatif import SetError, apply, parse_set, whatif
+from traceana.whatif import SetError, apply, materialize, parse_set, whatif
 
 DATA = Path(__file__).parent / "data"
 MS = 1_000_000
@@ -192,3 +193,60 @@ def test_whatif_command_json_and_errors(tmp_path):
     none = subprocess.run([sys.executable, "-m", "traceana", "whatif", str(DATA / "third_party/hta/cpu_only"),
                            "--no-cache"], capture_output=True, text=True, env=env)
     assert none.returncode == 2 and "no schedule" in none.stderr and "Traceback" not in none.stderr
+
+
+def engine_and_batch_agree(monkeypatch, analysis, graph_=None, changes=()):
+    """Every variant the what-if replays (every group made ideal and kept as measured, the changes), evaluated by
+    graph.replay_variants, against the engine itself (graph.replay_steps_ns: model.scheduler.run_schedule) on the
+    variant's frames: to the nanosecond."""
+    import traceana.whatif as wi
+
+    seen = []
+
+    def recording(g, ops, edges, variants, **kw):
+        got = graph.replay_variants(g, ops, edges, variants, chunk=3)  # (several chunks)
+        seen.append((g, ops, edges, variants, got))
+        return got
+
+    monkeypatch.setattr(wi, "replay_variants", recording)
+    monkeypatch.setattr(graph, "BATCH_FROM_OPS", 0)  # these graphs are small: batch them anyway
+    w = whatif(analysis, [parse_set(c) for c in changes], graph=graph_)
+    n = 0
+    for g, ops, edges, variants, got in seen:
+        assert all(graph._levels(g, step) is not None for step in g.steps)  # (batched, not the engine's fallback)
+        for v, batch in zip(variants, got):
+            o, e = materialize(ops, edges, v)
+            assert batch == graph.replay_steps_ns(g, ops=o, edges=e)
+            n += 1
+    return w, n
+
+
+@pytest.mark.parametrize("run", ["megatron_pipe/1f1b/run", "megatron_pipe/interleaved/run",
+                                 "deepspeed_pipe/1f1b/run", "pipelining_memory/gpipe_m2",
+                                 "pipelining_memory/interleaved_m1"])
+def test_batched_replays_are_the_engines_on_every_variant_of_the_runs(monkeypatch, run):
+    a = load_and_analyze(str(DATA / run), cache=False)
+    _, n = engine_and_batch_agree(monkeypatch, a, changes=("stage=0:forward*1.7", "p2p*3", "host=0.5"))
+    assert n >= 10
+
+
+def test_batched_replays_are_the_engines_on_hand_built_steps(monkeypatch):
+    hand = SimpleNamespace(run=SimpleNamespace(path="hand"))
+    collective = hand_graph([(0, 0, "F", 10, 0, None, None), (0, 1, "C", 2, 1, "g", 2), (0, 2, "O", 3, 0, None, None),
+                             (1, 0, "F", 30, 0, None, None), (1, 1, "C", 2, 0, "g", 2)], starts={1: 4})
+    for g, changes in ((two_ranks(), ("p2p=0",)), (two_ranks(), ("rank=1:backward*0.5", "stage=0:forward=2")),
+                       (two_ranks(), ("host=0",)), (collective, ("rank=0:collective*4",))):
+        w, n = engine_and_batch_agree(monkeypatch, hand, g, changes)
+        assert n >= 5
+    # by hand (test_changes_on_a_hand_built_step): no transfer time: 41 ms
+    assert engine_and_batch_agree(monkeypatch, hand, two_ranks(), ("p2p=0",))[0].summary["changed_step_ms"] == 41
+
+
+def test_a_small_runs_whatif_replays_on_the_engine_without_numpy():
+    """A tiny run's what-if (every analyze runs it) replays each variant on the engine: importing numpy for the batched
+    evaluation would cost more than the replays (docs/performance.md "Fixed cost")."""
+    code = ("import sys, warnings; warnings.simplefilter('ignore'); import traceana; "
+            f"a = traceana.load_and_analyze({str(DATA / 'megatron_pipe/1f1b/run')!r}, cache=False); a.summary; "
+            "print('numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -446,6 +446,170 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     return out
 
 
+# Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
+# few ms, without importing numpy); above it, all variants at once.
+BATCH_FROM_OPS = 2_000
+
+
+def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
+                    variants: list[tuple[pl.Expr, pl.Expr, pl.Expr]], *, chunk: int = 64) -> list[list[int]]:
+    """``replay_steps_ns`` of many variants of the graph's durations at once: each variant is (work, gap, transfer),
+    polars expressions over ``ops`` (the graph's ops, what-if columns added) and ``edges``, giving work_ns, gap_ns and
+    transfer_ns. Returns per variant the replayed step (ns) of every step of the graph.
+
+    The engine (``replay_steps_ns``: model.scheduler.run_schedule) defines what a replay is; this evaluates the same
+    thing for many variants together. With each rank's order, the messages and the collectives fixed (``_plan``: the
+    orders, inputs and groups the engine is given), a replay is a longest path through a fixed acyclic graph: every
+    operation starts at max(its previous operation's end, each input's max(producer's end + send lag, anchor's end +
+    post lag) + transfer) + gap (a collective: the latest of its members'), ends at start + work. numpy evaluates it
+    level by level (an operation's level: one more than its inputs'), one column per variant, with the engine's own
+    float additions in the engine's order, so the result is the engine's to the nanosecond
+    (tests/test_whatif.py checks every variant of the runs in tests/data). A graph whose dependencies form a cycle
+    goes to the engine, which says so, and so does a small graph (under ``BATCH_FROM_OPS`` operations: the engine's
+    few milliseconds a replay cost less than importing numpy, docs/performance.md "Fixed cost")."""
+    if not variants:
+        return []
+    levels = {step: _levels(g, step) for step in g.steps} if ops.height >= BATCH_FROM_OPS else {None: None}
+    if any(lv is None for lv in levels.values()):
+        return [replay_steps_ns(g, ops=ops.with_columns(w.alias("work_ns"), gp.alias("gap_ns")),
+                                edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
+    import numpy as np
+
+    o = ops.sort("step", "rank", "seq")
+    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True)
+    o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
+    out: list[list[int]] = []
+    for c0 in range(0, len(variants), chunk):
+        part = variants[c0:c0 + chunk]
+
+        def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
+            if frame.height == 0:
+                return np.zeros((len(exprs), 0))
+            m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
+            return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
+
+        work = matrix(o, [w for w, _, _ in part])
+        gap = matrix(o, [gp for _, gp, _ in part])
+        transfer = matrix(e, [t for _, _, t in part])
+        per_step = []
+        for step in g.steps:
+            oi = np.flatnonzero(o_steps == step)
+            ei = np.flatnonzero(e_steps == step)
+            per_step.append(_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei]))
+        out += [[int(s[v]) for s in per_step] for v in range(len(part))]
+    return out
+
+
+def _levels(g: StepGraph, step: int):
+    """The fixed graph the engine replays for ``step`` (``_plan``'s orders, inputs and groups) as arrays for
+    ``_evaluate``, grouped by level; None when its dependencies form a cycle."""
+    import numpy as np
+
+    from traceana.model.scheduler import product
+
+    plan = _plan(g, step)
+    if "levels" in plan:
+        return plan["levels"]
+    keys, dev, n = plan["keys"], plan["dev"], len(plan["keys"])
+    r_of = np.array([dev[r] for r, _ in keys], dtype=np.int64)
+    # node n + d: device d's start (its free0); a rank's first operation follows it, a receive posted before the
+    # step's first operation is anchored on it
+    pos = {k: i for i, k in enumerate(keys)}
+    node_of = {product(op): pos[(op[1], op[2])] for order in plan["orders"] for op in order[1:]}
+    node_of.update({("X", r, -1): n + d for r, d in dev.items()})
+    prev = np.arange(-1, n - 1, dtype=np.int64)
+    first = np.ones(n, dtype=bool)
+    first[1:] = r_of[1:] != r_of[:-1]
+    prev[first] = n + r_of[first]
+    m_dst = np.array([pos[c] for c, *_ in plan["messages"]], dtype=np.int64)
+    m_src = np.array([node_of[made] for _, made, *_ in plan["messages"]], dtype=np.int64)
+    m_anc = np.array([node_of[anchor] for _, _, _, anchor, _ in plan["messages"]], dtype=np.int64)
+    m_sl = np.array([sl for _, _, sl, _, _ in plan["messages"]], dtype=np.float64)
+    m_pl = np.array([p for *_, p in plan["messages"]], dtype=np.float64)
+    gid = {}
+    grp = np.full(n, -1, dtype=np.int64)
+    for op, (name, _members) in plan["groups"].items():
+        grp[pos[(op[1], op[2])]] = gid.setdefault(name, len(gid))
+    # levels (Kahn's order over units: an operation, or a collective's members together)
+    unit = np.where(grp >= 0, n + grp, np.arange(n))
+    preds: list[list[int]] = [[] for _ in range(n + len(gid))]
+    for a, b in zip(np.concatenate([prev, m_src, m_anc]).tolist(),
+                    np.concatenate([np.arange(n), m_dst, m_dst]).tolist()):
+        if a < n:
+            preds[unit[b]].append(int(unit[a]))
+    succ: list[list[int]] = [[] for _ in preds]
+    need = [0] * len(preds)
+    for u, ps in enumerate(preds):
+        for p in set(ps):
+            if p == u:
+                plan["levels"] = None
+                return None
+            succ[p].append(u)
+            need[u] += 1
+    level = [0] * len(preds)
+    ready = [u for u in range(len(preds)) if need[u] == 0 and (u >= n or grp[u] < 0)]
+    seen = 0
+    while ready:
+        u = ready.pop()
+        seen += 1
+        for s in succ[u]:
+            level[s] = max(level[s], level[u] + 1)
+            need[s] -= 1
+            if need[s] == 0:
+                ready.append(s)
+    if seen != len(set(unit.tolist())):
+        plan["levels"] = None
+        return None
+    lv = np.array(level, dtype=np.int64)[unit]
+    by_level = []
+    e_lv = lv[m_dst] if m_dst.size else m_dst
+    for L in np.unique(lv).tolist():
+        nodes = np.flatnonzero(lv == L)
+        es = np.flatnonzero(e_lv == L)
+        es = es[np.argsort(m_dst[es], kind="stable")]
+        d = m_dst[es]
+        starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]]) if d.size else d
+        at = np.searchsorted(nodes, d[starts]) if d.size else d
+        gm = nodes[grp[nodes] >= 0]
+        gm = gm[np.argsort(grp[gm], kind="stable")]
+        gs = grp[gm]
+        g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
+        g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
+        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], starts, at,
+                         np.searchsorted(nodes, gm), g_starts, g_counts))
+    win = plan["win"]
+    last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
+    is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
+    last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
+    plan["levels"] = (n, by_level, np.array([float(s - plan["origin"]) for s in win["start_ns"]]), last,
+                      plan["origin"], win["tail_ns"].to_numpy().astype(np.int64) - win["start_ns"].to_numpy())
+    return plan["levels"]
+
+
+def _evaluate(levels, work, gap, transfer):
+    """_levels' graph with ``work``/``gap`` (variants × operations) and ``transfer`` (variants × messages): each
+    variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
+    import numpy as np
+
+    n, by_level, free0, last, origin, tail_less_start = levels
+    v = work.shape[0]
+    end = np.empty((v, n + free0.size))
+    end[:, n:] = free0[None, :]
+    for nodes, prev, es, src, anc, sl, pl_, starts, at, gpos, g_starts, g_counts in by_level:
+        t = end[:, prev]
+        if es.size:
+            arrive = np.maximum(end[:, src] + sl, end[:, anc] + pl_) + transfer[:, es]
+            ready = np.maximum.reduceat(arrive, starts, axis=1)
+            t[:, at] = np.maximum(t[:, at], ready)
+        t += gap[:, nodes]
+        if gpos.size:  # a collective starts when its last member joins
+            t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
+        t += work[:, nodes]
+        end[:, nodes] = t
+    steps = np.round(float(origin) + end[:, last]).astype(np.int64) + tail_less_start[None, :]
+    return steps.max(axis=1)
+
+
 def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
     """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
     work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones,

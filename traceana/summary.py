@@ -59,9 +59,11 @@ STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # ranks and replicas the what-if in the summary makes ideal (those whose work exceeds their peers' the most;
 # traceana whatif makes every one ideal)
 WHATIF_CANDIDATES = 8
-# ... and not at all beyond this many operations in the measured steps (each replay is Python over every operation:
-# ~0.4 s per 10,000 on the 2-core machine, tests/benchmarks/bench_whatif_scale.py); traceana whatif still runs it
-WHATIF_MAX_OPERATIONS = 10_000
+# ... and not at all beyond this many operations in the measured steps: the measured replay and its critical path are
+# Python over every operation, the what-ifs one batched evaluation (graph.replay_variants); a 1,024-rank step of
+# 67,584 operations took 4.4 s on the 2-core machine (tests/benchmarks/bench_whatif_scale.py); traceana whatif runs
+# it at any size
+WHATIF_MAX_OPERATIONS = 150_000
 NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
 
 

@@ -30,7 +30,7 @@ import polars as pl
 
 from traceana import intervals as iv
 from traceana.errors import TraceanaError
-from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_steps_ns
+from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_variants
 from traceana.units import NS_PER_MS
 
 # A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
@@ -147,50 +147,59 @@ def _selected(c_who: str | None, c_id: int | None, kind: str | None) -> pl.Expr:
     return sel
 
 
-def apply(ops: pl.DataFrame, edges: pl.DataFrame, changes: list[Change]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The ops' work_ns / gap_ns and the edges' transfer_ns after ``changes`` (in order)."""
+Variant = tuple[pl.Expr, pl.Expr, pl.Expr]  # work_ns, gap_ns (over the ops), transfer_ns (over the edges)
+
+
+def changed(ops: pl.DataFrame, changes: list[Change]) -> Variant:
+    """The ops' work_ns / gap_ns and the edges' transfer_ns after ``changes`` (in order), as expressions."""
+    work, gap, transfer = pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns")
     for c in changes:
         if c.kind in ("p2p",):
             sel = pl.lit(True) if c.who is None else (
                 pl.col("src").is_in(_members(ops, c)) | pl.col("dst").is_in(_members(ops, c)))
-            new = {"ideal": pl.col("ideal_transfer"), "scale": pl.col("transfer_ns") * c.value,
+            new = {"ideal": pl.col("ideal_transfer"), "scale": transfer * c.value,
                    "set": pl.lit(c.value * NS_PER_MS)}[c.how]
-            edges = edges.with_columns(pl.when(sel).then(new).otherwise("transfer_ns").round().cast(pl.Int64)
-                                       .alias("transfer_ns"))
+            transfer = pl.when(sel).then(new).otherwise(transfer).round().cast(pl.Int64)
             continue
         sel = _selected(c.who, c.who_id, c.kind)
         ideal_work = {"stage": "stage_work", "rank": "peer_work", "replica": "peer_work"}.get(c.who, "ideal_work")
         ideal_gap = "ideal_gap" if c.who is None else "peer_gap"
         if c.kind != "host":
-            new = {"ideal": pl.col(ideal_work), "scale": pl.col("work_ns") * c.value,
-                   "set": pl.lit(c.value * NS_PER_MS)}[c.how]
-            ops = ops.with_columns(pl.when(sel).then(new).otherwise("work_ns").round().cast(pl.Int64).alias("work_ns"))
+            new = {"ideal": pl.col(ideal_work), "scale": work * c.value, "set": pl.lit(c.value * NS_PER_MS)}[c.how]
+            work = pl.when(sel).then(new).otherwise(work).round().cast(pl.Int64)
         if c.kind in (None, "host"):
-            new = {"ideal": pl.col(ideal_gap), "scale": pl.col("gap_ns") * c.value,
-                   "set": pl.lit(c.value * NS_PER_MS)}[c.how]
-            ops = ops.with_columns(pl.when(sel).then(new).otherwise("gap_ns").round().cast(pl.Int64).alias("gap_ns"))
-    return ops, edges
+            new = {"ideal": pl.col(ideal_gap), "scale": gap * c.value, "set": pl.lit(c.value * NS_PER_MS)}[c.how]
+            gap = pl.when(sel).then(new).otherwise(gap).round().cast(pl.Int64)
+    return work, gap, transfer
+
+
+def materialize(ops: pl.DataFrame, edges: pl.DataFrame, variant: Variant) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """A variant's ops and edges (its work_ns, gap_ns, transfer_ns in place of the measured ones)."""
+    work, gap, transfer = variant
+    return (ops.with_columns(work.alias("work_ns"), gap.alias("gap_ns")),
+            edges.with_columns(transfer.alias("transfer_ns")))
+
+
+def apply(ops: pl.DataFrame, edges: pl.DataFrame, changes: list[Change]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The ops' work_ns / gap_ns and the edges' transfer_ns after ``changes`` (in order)."""
+    return materialize(ops, edges, changed(ops, changes))
 
 
 def _members(ops: pl.DataFrame, c: Change) -> list[int]:
     return ops.filter(pl.col(c.who) == c.who_id)["rank"].unique().to_list()
 
 
-def _all_ideal_except(ops: pl.DataFrame, edges: pl.DataFrame, who: str | None, who_id: int | None,
-                      kind: str | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def all_ideal_except(who: str | None, who_id: int | None, kind: str | None) -> Variant:
     """Everything ideal except the group (who = who_id, or the kind), which stays as measured."""
     keep = pl.lit(False)
     if who is not None:
         keep = pl.col(who) == who_id
     elif kind is not None and kind != "p2p":
         keep = pl.col("kind") == kind if kind != "host" else pl.lit(False)
-    o = ops.with_columns(
-        pl.when(keep).then("work_ns").otherwise(pl.col("ideal_work")).round().cast(pl.Int64).alias("work_ns"),
-        pl.when(keep | pl.lit(kind == "host")).then("gap_ns").otherwise(pl.col("ideal_gap")).round().cast(pl.Int64)
-        .alias("gap_ns"))
-    e = edges if kind == "p2p" else edges.with_columns(pl.col("ideal_transfer").round().cast(pl.Int64)
-                                                       .alias("transfer_ns"))
-    return o, e
+    work = pl.when(keep).then("work_ns").otherwise(pl.col("ideal_work")).round().cast(pl.Int64)
+    gap = pl.when(keep | pl.lit(kind == "host")).then("gap_ns").otherwise(pl.col("ideal_gap")).round().cast(pl.Int64)
+    transfer = pl.col("transfer_ns") if kind == "p2p" else pl.col("ideal_transfer").round().cast(pl.Int64)
+    return work, gap, transfer
 
 
 @dataclass(frozen=True)
@@ -237,8 +246,9 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     steps = list(g.steps)
     stages_known = ops["stage"].null_count() == 0 or g.data_parallel
 
-    def step_ms(o: pl.DataFrame, e: pl.DataFrame) -> list[float]:
-        return [x / NS_PER_MS for x in replay_steps_ns(g, ops=o, edges=e)]
+    def steps_ms(variants: list[Variant]) -> list[list[float]]:
+        """Every variant replayed (graph.replay_variants: the engine's replay, many variants at once)."""
+        return [[x / NS_PER_MS for x in v] for v in replay_variants(g, ops, edges, variants)]
 
     replays = [replay(g, s) for s in steps]
     paths = [critical_path(g, r) for r in replays]
@@ -259,8 +269,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
                       ["measured_step_ms"].to_list())
     measured = sum(measured_steps) / len(measured_steps)
     replay_mean = sum(replayed) / len(replayed)
-    o_ideal, e_ideal = _all_ideal_except(ops, edges, None, None, None)
-    ideal = step_ms(o_ideal, e_ideal)
+    ideal = steps_ms([all_ideal_except(None, None, None)])[0]
     ideal_mean = sum(ideal) / len(ideal)
     noise = noise_ms(measured_steps)
 
@@ -288,15 +297,20 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
                 skipped += [("replica", k) for k in replicas[candidates:]]
                 replicas = replicas[:candidates]
             groups += [("replica", k) for k in sorted(replicas)]
+    variants = []
     for grp, gid in groups:
         if grp == "kind":
-            made = apply(ops, edges, [Change(None, None, gid, "ideal")])
-            kept = _all_ideal_except(ops, edges, None, None, gid)
+            variants.append(changed(ops, [Change(None, None, gid, "ideal")]))
+            variants += [all_ideal_except(None, None, gid)] if full else []
         else:
-            made = apply(ops, edges, [Change(grp, gid, None, "ideal")])
-            kept = _all_ideal_except(ops, edges, grp, gid, None)
-        if_ideal = step_ms(*made)
-        only = step_ms(*kept) if full else None
+            variants.append(changed(ops, [Change(grp, gid, None, "ideal")]))
+            variants += [all_ideal_except(grp, gid, None)] if full else []
+    if changes:
+        variants.append(changed(ops, list(changes)))
+    replayed_variants = iter(steps_ms(variants))
+    for grp, gid in groups:
+        if_ideal = next(replayed_variants)
+        only = next(replayed_variants) if full else None
         gains = [a - b for a, b in zip(replayed, if_ideal)]
         rows.append((grp, str(gid), sum(if_ideal) / len(if_ideal), sum(gains) / len(gains), min(gains),
                      (sum(only) / len(only)) / ideal_mean if only and ideal_mean else None,
@@ -313,10 +327,10 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
         has = with_named[grp].drop_nulls().unique().cast(pl.String).to_list()
         table = table.with_columns(pl.when((pl.col("group") == grp) & pl.col("id").is_in(has))
                                    .then(False).otherwise("named").alias("named"))
-    changed = None
+    changed_step = None
     if changes:
-        changed_ms = step_ms(*apply(ops, edges, list(changes)))
-        changed = sum(changed_ms) / len(changed_ms)
+        changed_ms = next(replayed_variants)
+        changed_step = sum(changed_ms) / len(changed_ms)
     spread_gain = min(a - b for a, b in zip(replayed, ideal))  # everything ideal: the gain in the worst step
     diagnosis, bottleneck = _diagnose(table, ops, replay_mean, ideal_mean, noise, stages_known, spread_gain)
     summary = {
@@ -331,7 +345,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
         "diagnosis": diagnosis,
         "bottleneck": bottleneck,
         "changes": [c.text for c in changes],
-        "changed_step_ms": changed,
+        "changed_step_ms": changed_step,
         "host_gap_fraction": float(ops["gap_ns"].sum()) / total if (
             total := float((g.ranks["end_ns"] - g.ranks["start_ns"]).sum())) else None,
     }
@@ -401,13 +415,28 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, ideal: fl
             f"{ms(noise)} ms", None)
 
 
+# What a plan what-if can change of the run's configuration (everything else is the run's own).
+PLAN_FIELDS = ("schedule", "num_microbatches", "bpipe", "virtual_stages")
+
+
+def plan_of(base, target) -> dict | None:
+    """``plan_whatif``'s keywords that make the configuration ``base`` into ``target`` (TrainingConfig), or None
+    where they differ in more than a plan what-if changes (PLAN_FIELDS: e.g. recompute, the model, pp)."""
+    if base.replace(**{f: getattr(target, f) for f in PLAN_FIELDS}) != target:
+        return None
+    return {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
+            "virtual_stages": target.virtual_stages}
+
+
 def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
-                bpipe: bool | None = None) -> dict:
+                bpipe: bool | None = None, virtual_stages: int | None = None) -> dict:
     """The run's measured durations under another plan: another schedule, micro-batch count, BPipe on or off — the
-    measured counterpart of ``estimate``'s verdict. Both the run as it ran and the other plan are simulated on the one
+    measured counterpart of ``estimate``'s verdict, and ``validate --baseline``'s prediction where the two runs
+    differ only in these (``plan_of``). Both the run as it ran and the other plan are simulated on the one
     scheduler from the run's own per-stage durations (validation.prediction.predict); the other plan's step is the
     measured step × their ratio, so what the simulator leaves out of the run (host time it does not model, shared
-    cores) cancels. Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
+    cores) cancels. ``virtual_stages``: model chunks per device (default: 2 for a multi-stage schedule, else 1).
+    Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
     from traceana.validation.prediction import predict
 
     base = analysis.config.training_config(path=analysis.run.path)
@@ -417,6 +446,8 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         from traceana.manifest import MULTI_STAGE_SCHEDULES
 
         changes["virtual_stages"] = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    if virtual_stages is not None:
+        changes["virtual_stages"] = virtual_stages
     target = base.replace(**changes)
     as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
     other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS

@@ -1,7 +1,9 @@
 """The what-if at scale: a synthetic measured step of pp × dp ranks (default pp=8 × dp=128 = 1,024 ranks, 1F1B,
 m=32) as traceana.graph's frames, replayed on the scheduler's engine, its critical path, and the summary's what-if
 (everything ideal, the 8 candidate ranks and replicas and every stage made ideal). Prints wall time and peak memory
-of each part; asserts nothing (benchmarks are not tests).
+of each part; the what-if both batched (graph.replay_variants) and, as the baseline measured in the same run, with
+one engine replay per variant (as before it), each in a child process (its own peak RSS), with their ratios and
+whether their results are identical. Asserts nothing (benchmarks are not tests).
 
     .venv/bin/python tests/benchmarks/bench_whatif_scale.py
     .venv/bin/python tests/benchmarks/bench_whatif_scale.py --pp 4 --dp 8 --microbatches 8
@@ -74,12 +76,56 @@ def with_windows(g: graph.StepGraph) -> graph.StepGraph:
     return graph.StepGraph(ops=g.ops, edges=g.edges, ranks=ranks, steps=(0,))
 
 
+def _engine_per_variant(g, ops, edges, variants, **_):
+    """The baseline: every variant on the engine itself, one replay each (what the what-if did before
+    graph.replay_variants)."""
+    from traceana.whatif import materialize
+
+    return [graph.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
+
+
+PARTS = ("batched", "baseline", "full")
+
+
+def part(args) -> None:
+    """One what-if in this process (started by main as a child, so that its peak RSS is its own): prints a JSON line."""
+    import json
+
+    import traceana.whatif as wi
+
+    g = with_windows(synthetic(args.pp, args.dp, args.microbatches))
+    run = SimpleNamespace(run=SimpleNamespace(path="synthetic"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.part == "baseline":
+        wi.replay_variants = _engine_per_variant
+    t, cpu = time.perf_counter(), time.process_time()
+    w = whatif(run, graph=g, full=args.part == "full", candidates=None if args.part == "full" else 8)
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "graph_mib": before,
+                      "diagnosis": w.summary["diagnosis"], "groups": w.groups.height, "rows": w.groups.rows()}))
+
+
+def _child(args, name: str) -> dict:
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--pp", str(args.pp), "--dp", str(args.dp), "--microbatches",
+                          str(args.microbatches), "--part", name], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=8)
     ap.add_argument("--dp", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the baseline (one engine replay per variant: ~2 min at the default size)")
+    ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.part:
+        return part(args)
 
     def peak_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -98,11 +144,24 @@ def main() -> None:
     path, slack = graph.critical_path(g, r)
     print(f"critical path: {path.height} pieces, {path['ms'].sum():,.1f} ms, in {time.perf_counter() - t:.2f} s; "
           f"peak RSS {peak_mib():,.0f} MiB")
-    t = time.perf_counter()
-    w = whatif(SimpleNamespace(run=SimpleNamespace(path="synthetic")), graph=g, full=False, candidates=8)
-    print(f"summary's what-if (everything ideal, 8 ranks, 8 replicas, {args.pp} stages made ideal): "
-          f"{time.perf_counter() - t:.1f} s; peak RSS {peak_mib():,.0f} MiB")
-    print(f"  diagnosis: {w.summary['diagnosis']}")
+    print("what-ifs, each in a child process (peak RSS: the child's, its graph built before the what-if included):")
+    label = f"summary's what-if (everything ideal, 8 ranks, 8 replicas, {args.pp} stages made ideal)"
+    b = _child(args, "batched")
+    print(f"{label}, batched: {b['wall_s']:.1f} s wall ({b['cpu_s']:.1f} s CPU), peak RSS {b['peak_mib']:,.0f} MiB "
+          f"({b['graph_mib']:,.0f} before it)")
+    print(f"  diagnosis: {b['diagnosis']}")
+    if not args.no_baseline:
+        e = _child(args, "baseline")
+        print(f"{label}, baseline (one engine replay per variant): {e['wall_s']:.1f} s wall ({e['cpu_s']:.1f} s "
+              f"CPU), peak RSS {e['peak_mib']:,.0f} MiB ({e['graph_mib']:,.0f} before it)")
+        print(f"  batched / baseline: wall {b['wall_s'] / e['wall_s']:.3f} (×{e['wall_s'] / b['wall_s']:.0f} faster), "
+              f"CPU {b['cpu_s'] / e['cpu_s']:.3f}, peak RSS {b['peak_mib'] / e['peak_mib']:.2f}; results identical: "
+              f"{b['rows'] == e['rows'] and b['diagnosis'] == e['diagnosis']}")
+    f = _child(args, "full")
+    n = f["groups"]
+    print(f"traceana whatif's what-if (every rank, replica, stage and kind made ideal, and kept as measured: {n:,} "
+          f"groups, {2 * n + 1:,} replays), batched: {f['wall_s']:.1f} s wall ({f['cpu_s']:.1f} s CPU), peak RSS "
+          f"{f['peak_mib']:,.0f} MiB (no baseline: that is {2 * n + 1:,} engine replays)")
 
 
 if __name__ == "__main__":

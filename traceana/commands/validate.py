@@ -60,7 +60,9 @@ def render(v, cross: dict | None, *, console) -> None:
         print_line(console, n, prefix="note: ")
     if cross:
         noise = "" if cross.get("noise_floor") is None else f", noise floor {cross['noise_floor']:.1%}"
-        print_line(console, f"prediction (no duration of this run used): baseline {cross['baseline']} measured "
+        how = " from the baseline's measured what-if" if cross.get("measured_whatif") else ""
+        print_line(console, f"prediction{how} (no duration of this run used): baseline {cross['baseline']} "
+                   f"measured "
                    f"{cross['baseline_step_ms']:.1f} ms; predicted {cross['predicted_step_ms']:.1f} ms for this run, "
                    f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
                    f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
@@ -70,6 +72,11 @@ def render(v, cross: dict | None, *, console) -> None:
                   None: "nothing to judge the prediction by"}[cross.get("prediction_within_noise")]
         over = "with the repeats on their side" if cross["noise_runs"] != [1, 1] else "these two runs"
         print_line(console, f"measured, {over}: {cross['measured_change_words']}; {agrees}")
+        if cross.get("measured_change_words"):  # the measured change with its noise (traceana.noise)
+            inside = {True: "inside", False: "outside", None: None}[cross.get("prediction_within_noise")]
+            print_line(console, f"measured change: {cross['measured_change_words']}; predicted "
+                       f"{1 / cross['predicted_speedup'] - 1:+.1%}"
+                       + (f", {inside} the measured interval" if inside else ""))
         if cross.get("machine_note"):
             print_line(console, cross["machine_note"], prefix="note: ")
 

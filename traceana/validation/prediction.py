@@ -75,25 +75,39 @@ def cross_run(baseline: Analysis, target: Analysis, *,
 
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
     simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
-    on this machine cancels."""
+    on this machine cancels. Where the runs differ only in their plan (schedule, micro-batches, BPipe:
+    whatif.plan_of) that is the baseline's measured what-if (whatif.plan_whatif; ``measured_whatif`` true), else the
+    model with the target's whole configuration. The measured change carries its noise interval (traceana.noise),
+    and ``prediction_within_noise`` says whether the predicted change lies inside it."""
     for a in (baseline, target):
         if a.run.manifest is None:  # the run that lacks it is the one named
             raise AnalysisError("cross-run validation needs run.json in both runs: this one has none",
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = baseline.config.training_config(path=baseline.run.path)
     tgt_cfg = target.config.training_config(path=target.run.path)
-    sim_target = predict(baseline, tgt_cfg, base_cfg=base_cfg)
-    sim_base = predict(baseline, base_cfg, base_cfg=base_cfg)
+    from traceana.whatif import plan_of, plan_whatif
+
     meas_t = measure(target, tgt_cfg)
     measured = target.summary.step_ms
     meas_b = measure(baseline, base_cfg)
     base_ms = baseline.summary.step_ms
-    ratio = sim_target.step_ns / sim_base.step_ns
+    plan = plan_of(base_cfg, tgt_cfg)
+    if plan is not None:  # the runs differ only in their plan: the baseline's measured what-if (one rule)
+        whatif = plan_whatif(baseline, **plan)
+        ratio = whatif["simulated_plan_ms"] / whatif["simulated_as_run_ms"]
+        method = ("measured what-if: the baseline's own durations under this run's schedule, micro-batches and "
+                  "BPipe (traceana whatif --schedule), scaled by the baseline's measured step")
+    else:
+        ratio = (predict(baseline, tgt_cfg, base_cfg=base_cfg).step_ns
+                 / predict(baseline, base_cfg, base_cfg=base_cfg).step_ns)
+        method = "model: the simulator fed with the baseline's per-stage durations, scaled by its measured step"
     predicted = base_ms * ratio
     measured_change = _measured_change(baseline, target, base_cfg, tgt_cfg, repeat)
     predicted_change = ratio - 1
     return {
         "kind": "prediction",
+        "method": method,
+        "measured_whatif": plan is not None,
         "baseline": str(baseline.run.path),
         "target": str(target.run.path),
         "baseline_step_ms": base_ms,
