@@ -217,3 +217,54 @@ def test_default_workers_stay_serial_for_small_runs(run4, monkeypatch):
 
     monkeypatch.setattr(run_dir_mod.cf, "ProcessPoolExecutor", no_pool)
     assert load_run(run4, cache=False).ranks == [0, 1, 2, 3]
+
+
+def test_many_small_ranks_are_cached_in_batches(tmp_path, monkeypatch):
+    """A run of many small ranks writes their events into one batch file (issue 29 item 9: a Parquet write each
+    cost ~2.5 ms); read back, each rank is what a fresh read gives, a changed rank misses alone, and a batch none of
+    whose ranks is current any more is removed."""
+    from traceana.ingest import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "BATCH_MIN", 2)  # (4 ranks stand for thousands)
+    run4 = tmp_path / "small"
+    run4.mkdir()
+    for r in range(4):  # as tests/benchmarks/bench_many_ranks.py: no allocator samples
+        tb = TraceBuilder(rank=r, world_size=4, pid=r, tid=r)
+        tb.step(1, 0, 100)
+        for i in range(3):
+            tb.cpu_op("aten::mm", 2 + 20 * i, 15 + r)
+        tb.write(run4 / f"rank{r}.pt.trace.json")
+    parsed = []
+    real = run_dir_mod._parse_all
+    monkeypatch.setattr(run_dir_mod, "_parse_all", lambda files, **kw: parsed.append(len(files)) or real(files, **kw))
+    first = load_run(run4)
+    ingest = run4 / CACHE_DIR / "ingest"
+    names = sorted(p.name for p in ingest.iterdir())
+    assert len(names) == 2 and names[0].startswith("batch-") and names[0].endswith(".events.parquet")
+    assert names[1].endswith(".rows.json")
+    fresh = load_run(run4, cache=False)
+    again = load_run(run4)
+    assert parsed == [4, 4, 0]  # the third read: every rank from the batch
+    assert_frame_equal(again.events, fresh.events) and assert_frame_equal(first.events, fresh.events)
+    assert again.traces.drop("path").equals(fresh.traces.drop("path"))
+    # A damaged batch: every rank misses (read once), is written again, and the newer batch is what is read next.
+    (ingest / names[0]).write_bytes(b"garbage")
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    os.utime(ingest / names[1], (1, 1))  # (the damaged batch's rows older, as they are; it stays: its ranks current)
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    assert parsed[-2:] == [4, 0]
+    names = sorted(p.name for p in ingest.iterdir() if p.name not in names)
+    # One rank rewritten (same bytes, a new file): it alone is read again, into its own batch-less entry.
+    f = sorted(run4.glob("*.json*"))[1]
+    data = f.read_bytes()
+    f.unlink()
+    f.write_bytes(data)
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    assert parsed[-1] == 1 and len(list(ingest.iterdir())) == 6  # 2 batches (3 current ranks) + 1 rank's 2 files
+    # Every rank rewritten: the old batch holds no current rank and is swept at the next write.
+    for f in sorted(run4.glob("*.json*")):
+        data = f.read_bytes()
+        f.unlink()
+        f.write_bytes(data)
+    assert_frame_equal(load_run(run4).events, fresh.events)
+    assert parsed[-1] == 4 and names[0] not in {p.name for p in ingest.iterdir()}

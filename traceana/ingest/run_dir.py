@@ -125,9 +125,10 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
                 continue
             _raise(result[1])
         parsed[f], marks[f] = result[1][:3], result[1][3]
-        note = trace_cache.store(f, *parsed[f])
-        if note:
-            warnings.append(note)
+    # (written together: many small ranks' events go into a few batch files, not one Parquet file each)
+    note = trace_cache.store_all([(f, *parsed[f]) for f in misses if f in parsed])
+    if note:
+        warnings.append(note)
     files = [f for f in files if f in parsed]
     if not files:
         raise RunDirError("no Kineto traces in this directory (only other JSON files)", path=shown(path),
