@@ -16,6 +16,9 @@ seed, so one pair of sides always gets one interval.
   (on this project's 2-core machine the same configuration collected twice differed by 55–98 %, docs/field-notes.md
   "Noise floor"), which the words say: give repeated runs for an interval that includes it.
 
+Within one run (what-if naming, ``noise_ms``): a what-if gain must exceed the spread (max − min) of the run's
+measured steps, the slowest left out when there are three or more, and at least ``NOISE_FLOOR`` of the median step.
+
 JSON names (every surface): ``step_change`` (fraction), ``step_change_low`` / ``step_change_high`` (the interval,
 fractions), ``within_noise`` (bool or null), ``noise_from`` ("steps" or "runs"), ``noise_samples`` (step times on
 each side), ``noise_runs`` (runs on each side).
@@ -116,3 +119,16 @@ def compare(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -
     low, high = draws[int(tail * (RESAMPLES - 1))], draws[int((1 - tail) * (RESAMPLES - 1))]
     low, high = min(low, change), max(high, change)
     return Change(b, o, change, low, high, low <= 0 <= high, from_runs, samples, (len(base), len(other)))
+
+
+NOISE_FLOOR = 0.05  # the least noise a within-run gain must exceed: 5 % of the median step
+
+
+def noise_ms(steps_ms: Sequence[float]) -> float:
+    """The noise a what-if gain must exceed within one run (whatif's naming rule): the spread (max − min) of the
+    measured step over the measured steps, the slowest left out when there are three or more (one descheduled step is
+    noise by itself, and a gain counts only when it is there in every step), and at least NOISE_FLOOR of the median
+    step."""
+    ordered = sorted(steps_ms)
+    kept = ordered[:-1] if len(ordered) >= 3 else ordered
+    return max(kept[-1] - kept[0], NOISE_FLOOR * ordered[len(ordered) // 2])

@@ -42,7 +42,7 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
 - **straggler** and **bottleneck**: from the what-if (traceana.whatif), not from step times: a rank or replica is
   a straggler (``per_stage.straggler``: its replica on its stage, ``straggler_rank``) and a stage a bottleneck only
   when making it ideal (its work at its peers' median) shortens the replayed step by more than the noise in every
-  measured step (``whatif.NOISE_FLOOR``); a rank that only waits gains nothing, so it is never named.
+  measured step (``noise.NOISE_FLOOR``); a rank that only waits gains nothing, so it is never named.
   ``diagnosis`` is the what-if's one line, ``bottleneck`` what it names and what the step would be without it.
 """
 

@@ -14,8 +14,8 @@ Definitions (docs/whatif.md):
 - ``ideal_step_ms``: everything ideal; ``slowdown`` = measured / ideal; a group's slowdown (``by_*``): everything
   ideal except that group, as measured, over everything ideal (the paper's S).
 - a group's **gain**: the replayed step less the step with that group made ideal and the rest as measured.
-- **noise** (``noise_ms``): the spread (max − min) of the measured step over the measured steps, the slowest left
-  out when there are three or more, and at least NOISE_FLOOR of the median step.
+- **noise** (``noise.noise_ms``, beside the comparisons' rule): the spread (max − min) of the measured step over the
+  measured steps, the slowest left out when there are three or more, and at least NOISE_FLOOR of the median step.
 - a rank, replica or stage is **named** (a straggler: rank or replica; a bottleneck: stage) only if its gain exceeds
   the noise in every measured step. A rank that only waits gains nothing when made ideal (its work is its peers'
   already), so it is never named; a run without stages names no stage and no replica.
@@ -31,12 +31,12 @@ import polars as pl
 from traceana import intervals as iv
 from traceana.errors import TraceanaError
 from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_variants
+from traceana.noise import noise_ms
 from traceana.units import NS_PER_MS
 
 # A what-if's gain counts only above this share of the step even when the measured steps agree more closely (a
 # single measured step has no spread): equal replicas of the tiny CPU pipelines on the 2-core machine differed by up
 # to 13 % in every one of 5 steps (summary's replica rule), a replay's own error is below 0.1 % (docs/whatif.md).
-NOISE_FLOOR = 0.05
 KINDS = ("forward", "backward", "optimizer", "collective", "p2p", "host")
 PASS_ACTIONS = ("F", "B", "I", "W")
 
@@ -44,15 +44,6 @@ PASS_ACTIONS = ("F", "B", "I", "W")
 def ms(x: float) -> str:
     """Milliseconds with three significant digits at least (a 0.1 ms step and a 1,318 ms one alike)."""
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) >= 0.001 else f"{x:.2g}"
-
-
-def noise_ms(steps_ms: list[float]) -> float:
-    """The noise a gain must exceed: the spread (max − min) of the measured step over the measured steps, the slowest
-    left out when there are three or more (one descheduled step is noise by itself, and a gain counts only when it
-    is there in every step), and at least NOISE_FLOOR of the median step."""
-    ordered = sorted(steps_ms)
-    kept = ordered[:-1] if len(ordered) >= 3 else ordered
-    return max(kept[-1] - kept[0], NOISE_FLOOR * ordered[len(ordered) // 2])
 
 
 class SetError(TraceanaError):
