@@ -9,11 +9,12 @@ What the graph holds, per measured step (summary.measured_steps), from tables th
   action's span); it starts working at ``end − work``. A span nested in another of its rank (an optimizer span
   inside the optimizer step) is part of the outer one.
 - **messages** (``StepGraph.edges``): every matched send/receive pair (``Analysis.p2p``, P2P and BPipe channels).
-  Its **producer** is the last operation its sender started before posting it, its **consumer** the first operation
-  of the receiver that began its work after it arrived (ARRIVAL_SLACK_NS: clocks and span edges), its **anchor**
-  the last operation the receiver started before posting the receive (none: posted before the step's first). A message arrives at max(producer's end + send lag, anchor's end +
-  post lag) + transfer: the transfer starts once both sides have posted (p2p.pair's data-ready time), so a slow
-  receiver delays its own input and a fast one does not wait for a slow one's bookkeeping.
+  Its **producer** is the last operation its sender started before posting it, its **consumer** the first operation of
+  the receiver that began its work after it arrived (ARRIVAL_SLACK_NS: clocks and span edges), its **anchor** the last
+  operation the receiver started before posting the receive (none: posted before the step's first). A message arrives at
+  max(producer's end + send lag, anchor's end + post lag) + transfer: the transfer starts once both sides have posted
+  (p2p.pair's data-ready time), so a slow receiver delays its own input and a fast one does not wait for a slow one's
+  bookkeeping.
 - **collectives**: a rank's k-th top-level collective of the step with the same name joins the k-th of every other
   member: the members are the trace's process group where the events name one, else the ranks of the same stage
   when several ranks hold it (data-parallel groups), else every rank that has it. All members start it when the last
@@ -105,7 +106,8 @@ def data_parallel_only(analysis) -> bool:
     ev = analysis.events
     if ev is None:
         return False
-    return ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len()).collect(**iv.COLLECT).item() == 0
+    return (ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len())
+            .collect(**iv.COLLECT).item() == 0)
 
 
 class GraphError(AnalysisError):

@@ -81,7 +81,8 @@ def overlap_rows(events: pl.DataFrame, *, spans: pl.DataFrame | None = None) -> 
     span splits where the backward's work begins (F first) or ends (B first). A span with no backward op inside
     cannot be split and gives no rows (``overlap_notes`` says so). ``spans``: ``overlap_spans(events)``, if the
     caller has them already."""
-    sp = (overlap_spans(events) if spans is None else spans).lazy().filter(pl.col("_bwd_start").is_not_null())  # one query (docs/performance.md)
+    # one query (docs/performance.md)
+    sp = (overlap_spans(events) if spans is None else spans).lazy().filter(pl.col("_bwd_start").is_not_null())
     f_first = pl.col("first_action") == names.FORWARD
     split = pl.when(f_first).then(pl.col("_bwd_start")).otherwise(pl.col("_bwd_end"))
     out = []

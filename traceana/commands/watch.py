@@ -4,11 +4,11 @@
   traceana watch tb_logs/ --count 3     # a folder tensorboard_trace_handler writes into: one trace per worker per cycle
 
 For every window: step time, compute, exposed P2P and BPipe transfers, collectives, bubbles by kind (warm-up,
-cool-down, stall) and host time per stage (the same attribution as traceana analyze), then the step time of every
-window so far against the first, and the latest window's pipeline step against the first's with its noise interval
-(traceana/noise.py: "within noise" where the windows cannot be told apart; JSON ``vs_first_step``). A window is taken once its files have stopped changing (--settle) and, for a run
-directory with run.json, once every rank's trace is there (or its job has ended). Stop with Ctrl-C, --count or
---timeout.
+cool-down, stall) and host time per stage (the same attribution as traceana analyze), then the step time of every window
+so far against the first, and the latest window's pipeline step against the first's with its noise interval
+(traceana/noise.py: "within noise" where the windows cannot be told apart; JSON ``vs_first_step``). A window is taken
+once its files have stopped changing (--settle) and, for a run directory with run.json, once every rank's trace is there
+(or its job has ended). Stop with Ctrl-C, --count or --timeout.
 """
 
 from __future__ import annotations
