@@ -264,8 +264,9 @@ def _as_profiled_with_defaults(src: Path, dst: Path) -> Path:
             doc = json.load(f)
         doc.pop("traceana", None)
         doc["traceEvents"] = [
-            {**e, "args": {k: v for k, v in e["args"].items() if k not in shape_keys}} if isinstance(e.get("args"), dict)
-            else e for e in doc["traceEvents"] if e.get("cat") != "python_function"]
+            {**e, "args": {k: v for k, v in e["args"].items() if k not in shape_keys}}
+            if isinstance(e.get("args"), dict) else e
+            for e in doc["traceEvents"] if e.get("cat") != "python_function"]
         with gzip.open(dst / trace.name, "wt") as f:
             json.dump(doc, f)
     return dst
