@@ -263,24 +263,18 @@ PATH_TID = 9_999  # the merged trace's critical-path lane of each rank (after ev
 
 
 def critical_path_events(analysis, *, origin: int) -> pl.DataFrame:
-    """The replayed steps' critical paths (traceana.graph.critical_path) in the merged trace: each piece of time on
-    the path as a slice of its rank's "critical path" lane (name: its kind), and flow arrows from each piece to the
-    next along the path, across ranks where the path goes through a message. Columns ph, id, name, cat, pid, tid,
-    ts, dur, bp; empty where the run has no graph (no schedule: the what-if says why)."""
-    from traceana import graph
-    from traceana.errors import TraceanaError
-
+    """The replayed steps' critical paths (the summary's ``path``: traceana.graph.critical_path of every measured
+    step, as analyze and the report show it) in the merged trace: each piece of time on the path as a slice of its
+    rank's "critical path" lane (name: its kind), and flow arrows from each piece to the next along the path, across
+    ranks where the path goes through a message. Columns ph, id, name, cat, pid, tid, ts, dur, bp; empty where the
+    summary has no what-if (no schedule, or a run too large for it: the summary's diagnosis says why)."""
     empty = pl.DataFrame(schema={"ph": pl.String, "id": pl.Int64, "name": pl.String, "cat": pl.String,
                                  "pid": pl.Int32, "tid": pl.Int64, "ts": pl.Float64, "dur": pl.Float64,
                                  "bp": pl.String})
-    try:
-        g = graph.build(analysis)
-    except TraceanaError:
+    path = analysis.summary.path
+    if path is None or path.height == 0:
         return empty
-    paths = [graph.critical_path(g, graph.replay(g, s))[0] for s in g.steps]
-    if not paths:
-        return empty
-    pieces = (pl.concat(paths).filter(pl.col("end_ns") > pl.col("start_ns")).sort("step", "start_ns")
+    pieces = (path.filter(pl.col("end_ns") > pl.col("start_ns")).sort("step", "start_ns")
               .with_row_index("id", offset=1_000_000_000))  # ids apart from the P2P arrows' (1, 2, …)
     us = lambda c: ((pl.col(c) - origin) / NS_PER_US)  # noqa: E731
     slices = pieces.select(pl.lit("X").alias("ph"), pl.lit(None, pl.Int64).alias("id"), pl.col("kind").alias("name"),
