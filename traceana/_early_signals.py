@@ -7,15 +7,21 @@ import os
 import signal
 
 
+def said(signum: int) -> str:
+    """The one line a signal that ends traceana prints (here, and in traceana.cli's handlers)."""
+    return "traceana: interrupted" if signum == signal.SIGINT else "traceana: terminated (SIGTERM)"
+
+
 def _early(signum, frame) -> None:
-    os.write(2, b"traceana: interrupted\n" if signum == signal.SIGINT else b"traceana: terminated (SIGTERM)\n")
+    os.write(2, f"{said(signum)}\n".encode())
     os._exit(128 + signum)
 
 
-def install() -> None:
+def install(handler=_early) -> None:
+    """``handler`` for SIGINT and SIGTERM, except where they are ignored (nohup) or this is not the main thread."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, _early)
+                signal.signal(sig, handler)
         except (ValueError, OSError):
             pass

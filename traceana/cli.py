@@ -19,6 +19,7 @@ import sys
 import warnings
 
 from traceana.commands.registry import BY_NAME, COMMANDS, load
+from traceana import _early_signals
 from traceana.errors import TraceanaError, printable
 
 class _Parser(argparse.ArgumentParser):
@@ -118,9 +119,9 @@ def _on_signal(signum, frame) -> None:
         from traceana.files import remove_in_flight
 
         remove_in_flight()
-        line = b"traceana: interrupted\n" if signum == signal.SIGINT else b"traceana: terminated (SIGTERM)\n"
         try:
-            os.write(2, (b"\x1b[?25h" if os.isatty(2) else b"") + line)  # (a progress bar hid the cursor)
+            # (a progress bar hid the cursor)
+            os.write(2, (b"\x1b[?25h" if os.isatty(2) else b"") + f"{_early_signals.said(signum)}\n".encode())
         except OSError:
             pass
         os._exit(128 + signum)
@@ -148,7 +149,7 @@ def _install_signals() -> dict | None:
 
 
 def _signal_exit(which: int) -> int:
-    print("traceana: interrupted" if which == signal.SIGINT else "traceana: terminated (SIGTERM)", file=sys.stderr)
+    print(_early_signals.said(which), file=sys.stderr)
     return EXIT_SIGINT if which == signal.SIGINT else EXIT_SIGTERM
 
 
@@ -268,12 +269,7 @@ def _exit_quietly_on_signals() -> None:
     def now(signum, frame) -> None:
         os._exit(128 + signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, now)
-        except (ValueError, OSError):
-            pass
+    _early_signals.install(now)
 
 
 # polars allocates through jemalloc and keeps freed pages 0.5-1 s (its own default) before returning them: ingest
