@@ -65,18 +65,16 @@ def wait_for_ranks(out_dir: Path, world_size: int, *, since: float, timeout_s: f
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path | None:
     """Atomically write run.json; a failure is a warning, never an exception (profiling must not break training)."""
+    from traceana.errors import BadInputError
+    from traceana.files import write_text
+
     path = Path(out_dir) / MANIFEST_NAME
-    tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.partial")
-    try:
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, path)
+    try:  # traceana's one writer: a temporary renamed into place, through a symlink to its target, never a device
+        write_text(path, manifest.to_json())
         return path
-    except OSError as e:
-        log.warning("traceana: could not write %s (%s); training goes on without a manifest", path, e.strerror or e)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    except (OSError, BadInputError) as e:
+        log.warning("traceana: could not write %s (%s); training goes on without a manifest", path,
+                    getattr(e, "strerror", None) or e)
         return None
 
 

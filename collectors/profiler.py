@@ -12,8 +12,9 @@
   (docs/field-notes.md), memory per stage needs the allocator instants.
 - The trace carries a top-level ``"traceana"`` object (rank, stage, pp, world size, schedule, BPipe pairs, …) so a
   loose file describes itself; rank 0 writes ``run.json`` with ``ranks_written`` listing the ranks whose trace is on disk.
-- Writing is atomic (``.partial`` temporary, gzip, ``os.replace``): a trace that exists is complete. Any failure —
-  unwritable directory, full disk, a profiler error — is logged as a warning and training goes on.
+- Writing is atomic (``traceana.files.atomic_path``: a temporary, gzip, renamed into place): a trace that exists is
+  complete. Any failure — unwritable directory, full disk, a profiler error — is logged as a warning and training
+  goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from collectors.attach import ENV as ATTACH_ENV
 from collectors.manifest import finalize_manifest, trace_path, wait_for_ranks
+from traceana.files import atomic_path
 from traceana.manifest import Manifest
 
 log = logging.getLogger("traceana.collectors")
@@ -166,21 +168,19 @@ class PipelineProfiler:
         self.cycle += 1
         final = trace_path(self.out_dir, self.rank)
         tmp_json = self.out_dir / f".rank{self.rank}.{os.getpid()}.json.partial"
-        tmp_gz = self.out_dir / f".rank{self.rank}.{os.getpid()}.gz.partial"
         try:
             prof.export_chrome_trace(str(tmp_json))
-            with open(tmp_json, "rb") as src, _gzip.open(tmp_gz, "wb", compresslevel=3) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp_gz, final)
+            with atomic_path(final) as tmp_gz:  # traceana's one writer (a symlink's target, never a device)
+                with open(tmp_json, "rb") as src, _gzip.open(tmp_gz, "wb", compresslevel=3) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
             self.written = final
-        except Exception as e:  # OSError (permissions, ENOSPC) or a profiler export error
+        except Exception as e:  # OSError (permissions, ENOSPC), BadInputError, or a profiler export error
             self._warn(f"could not write {final} ({type(e).__name__}: {e}); training goes on")
         finally:
-            for p in (tmp_json, tmp_gz):
-                try:
-                    p.unlink(missing_ok=True)
-                except OSError:
-                    pass
+            try:
+                tmp_json.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def _abandon(self) -> None:
         try:

@@ -18,7 +18,8 @@ from isal import igzip
 
 from traceana import names
 from traceana.errors import BadInputError, shown
-from traceana.files import STDOUT, TABLE_FORMATS, atomic_path, refuse_inputs, write_bytes, write_failure_fix
+from traceana.files import (TABLE_FORMATS, atomic_path, descriptor_of, output_stream, refuse_inputs, write_bytes,
+                            write_failure_fix)
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 from traceana.summary import without_bubble
@@ -318,7 +319,9 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
 
     Streamed: the events are turned into JSON text ``chunk_rows`` at a time and written (compressed) as they come,
     so the text of the whole trace is never in memory (docs/reliability.md "Bounded memory")."""
-    to_stdout = str(path) == STDOUT
+    fd = descriptor_of(path)  # ``-o -``, /dev/stdout, a symlink to /proc/self/fd/N: that stream
+    to_stdout = fd is not None
+    stream = output_stream(fd, shown=str(path)) if to_stdout else None
     path = Path(path)
     if not to_stdout:
         refuse_inputs(path, input_files(analysis))
@@ -371,9 +374,7 @@ def write_merged_trace(analysis, path: str | Path, *, chunk_rows: int = MERGE_CH
         yield "]}"
 
     if to_stdout:  # ``-o -``: plain JSON text as it is built (a stream: a reader that stops early ends it)
-        import sys
-
-        out = sys.stdout.buffer
+        out = stream
         for text in texts():
             out.write(text.encode())
         out.flush()

@@ -14,7 +14,11 @@ Rules (docs/reliability.md "Files traceana reads and writes"):
   link of it: the same device and inode) is refused before anything is computed or written.
 - Every output is written to a temporary name in its own folder (``.NAME.PID.TOKEN.tmp``) and renamed over the
   target only when it is complete: a full disk, an error or an interrupt leaves the previous file as it was and no
-  partial file. The rename replaces a symlink at the target, never the file it points to.
+  partial file.
+- An output path that is a symlink is never replaced: the output is written (atomically, as above) at the file the
+  link finally names, and the link stays (``output_target``). A path naming one of the process' own file
+  descriptors — ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``, or a symlink to one — is
+  ``-o -``: the output goes to that stream (``descriptor_of``); nothing in /dev or /proc is ever replaced.
 - ``sweep_temporaries`` removes only files with that exact pattern whose writer process is gone, and only in a
   folder traceana created itself (its caches); nothing else is ever deleted.
 """
@@ -129,11 +133,94 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
+_MAX_LINKS = 40  # symlinks followed in one path (the kernel's own limit)
+# a path naming one of this process' file descriptors once its folders are resolved (/dev/fd is /proc/self/fd)
+_DESCRIPTOR = re.compile(r"/dev/(?P<std>stdin|stdout|stderr)|/dev/fd/(?P<dev>\d+)"
+                         r"|/proc/(?P<pid>self|thread-self|\d+)(?:/task/(?P<tid>\d+))?/fd/(?P<proc>\d+)")
+_STD = {"stdin": 0, "stdout": 1, "stderr": 2}
+
+
+def _named_fd(path: str) -> int | None:
+    m = _DESCRIPTOR.fullmatch(path)
+    if m is None:
+        return None
+    if m["std"] is not None:
+        return _STD[m["std"]]
+    if m["dev"] is not None:
+        return int(m["dev"])
+    if m["pid"] not in ("self", "thread-self", str(os.getpid())):
+        return None  # another process' descriptor: a path like any other
+    return int(m["proc"])
+
+
+def descriptor_of(path: str | Path) -> int | None:
+    """The file descriptor of this process that ``path`` names — ``-`` (standard output), ``/dev/stdout``,
+    ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N`` (or this pid's), or a symlink, or a chain of them, ending
+    at one — else None. Told by the names themselves, never by what the descriptor points to: ``/proc/self/fd/1``
+    of ``> F`` resolves to F, and renaming a file onto F would leave the shell's F empty (its descriptor holds the
+    old inode)."""
+    if str(path) == STDOUT:
+        return 1
+    p = os.path.abspath(os.fspath(path))
+    for _ in range(_MAX_LINKS):
+        folder, name = os.path.split(p)
+        p = os.path.join(os.path.realpath(folder), name)  # its folders resolved (/dev/fd -> /proc/PID/fd)
+        fd = _named_fd(p)
+        if fd is not None:
+            return fd
+        try:
+            target = os.readlink(p)
+        except (OSError, ValueError):  # not a symlink (or nothing there): a file path
+            return None
+        p = os.path.normpath(os.path.join(os.path.dirname(p), target))  # (an absolute target replaces the folder)
+    return None
+
+
+def output_target(path: str | Path) -> Path:
+    """Where an output named ``path`` is written: ``path`` itself, or, when it is a symlink (a chain of them), the
+    path the last link names (created when it does not exist yet, as the shell's ``>`` does) — so that the rename
+    replaces the target's content and never the link. A symlink loop is refused (BadInputError)."""
+    p = Path(path)
+    if not os.path.islink(p):
+        return p
+    target = Path(os.path.realpath(p))
+    if os.path.islink(target):  # realpath gives up on a loop (ELOOP) and hands back a link
+        raise BadInputError("is a symlink that loops (it never reaches a file)", path=str(path),
+                            fix="fix the symlink or choose another output path")
+    return target
+
+
+def output_stream(fd: int, *, shown: str):
+    """A binary file object writing to descriptor ``fd`` (``descriptor_of``): standard output and error through
+    Python's own streams (so that what was printed before stays in order, and a closed standard output raises),
+    another descriptor when it is open for writing; else BadInputError."""
+    import sys
+
+    std = {1: sys.stdout, 2: sys.stderr}.get(fd)
+    if std is not None:
+        std.flush()
+        return getattr(std, "buffer", std)
+    import fcntl
+
+    try:
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError:
+        raise BadInputError(f"names file descriptor {fd}, which is not open", path=shown,
+                            fix=f"open it ({fd}>FILE) or choose a file path") from None
+    if mode not in (os.O_WRONLY, os.O_RDWR):
+        raise BadInputError(f"names file descriptor {fd}, which is not open for writing", path=shown,
+                            fix=f"open it for writing ({fd}>FILE) or choose a file path")
+    return os.fdopen(fd, "wb", closefd=False)
+
+
 def refuse_inputs(output: str | Path, inputs: Iterable[str | Path], *, flag: str = "-o") -> None:
     """BadInputError when ``output`` is the same file as one of ``inputs`` (compared by device and inode, so
     ``RUN/../RUN/./rank0…``, symlinks and hard links are all caught), or the same path once resolved (an input that
     does not exist yet, like a run folder's absent run.json, is not to be created by an output either). A device,
-    FIFO, socket or directory at ``output`` is refused too (``refuse_special``)."""
+    FIFO, socket or directory at ``output`` is refused too (``refuse_special``). A descriptor (``descriptor_of``)
+    is a stream, not a file: nothing to compare."""
+    if descriptor_of(output) is not None:
+        return
     refuse_special(output, flag=flag)
     out = _identity(Path(output))
     real = os.path.realpath(output)
@@ -146,7 +233,10 @@ def refuse_inputs(output: str | Path, inputs: Iterable[str | Path], *, flag: str
 def refuse_special(output: str | Path, *, flag: str = "-o") -> None:
     """BadInputError unless ``output`` is a new path or a regular file (a symlink to one is fine): a device (a
     ``mknod`` copy of /dev/null, /dev/null itself when run as root), a FIFO, a socket, a directory or a symlink to
-    any of them is never replaced by an output (the rename onto it would destroy it)."""
+    any of them is never replaced by an output (the rename onto it would destroy it). A path naming a descriptor
+    (``/dev/stdout``) is a stream, written as ``-o -``."""
+    if descriptor_of(output) is not None:
+        return
     kind = _special(Path(output))
     if kind is not None:
         raise BadInputError(f"is {kind}; traceana writes outputs only to regular files or new paths (renaming its "
@@ -173,8 +263,16 @@ def _special(path: Path) -> str | None:
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` when the block succeeds, else remove it.
 
-    Never renamed over anything but a regular file (``refuse_special``, checked again right before the rename)."""
-    path = Path(path)
+    Never renamed over anything but a regular file (``refuse_special``, checked again right before the rename), and
+    never over a symlink: through one, the temporary is made beside the file the link names and renamed onto that
+    (``output_target``). A path naming a descriptor (``/dev/stdout``) gets a temporary file in the temporary folder,
+    copied to that stream when the block succeeds (``-o -``)."""
+    fd = descriptor_of(path)
+    if fd is not None:
+        with _through_stream(fd, shown=str(path)) as tmp:
+            yield tmp
+        return
+    path = output_target(path)
     refuse_special(path)
     sweep_temporaries_of(path)
     tmp = temporary_name(path)
@@ -185,12 +283,35 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             if stat.S_ISREG(st.st_mode):
                 os.chmod(tmp, stat.S_IMODE(st.st_mode))
         refuse_special(path)  # (it may have become a FIFO meanwhile)
+        if os.path.islink(path):  # (or a symlink: never replaced)
+            raise BadInputError("became a symlink while it was being written; it was left as it is", path=str(path),
+                                fix="run again")
         os.replace(tmp, path)
     except BaseException:  # errors, full disks, KeyboardInterrupt, SystemExit from SIGTERM: no partial file
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     finally:
+        release(tmp)
+
+
+@contextlib.contextmanager
+def _through_stream(fd: int, *, shown: str) -> Iterator[Path]:
+    """``atomic_path`` for a descriptor: the writer (polars, gzip: they want a path) writes a temporary in the
+    temporary folder, copied to the stream once complete — a failed write sends nothing."""
+    import shutil
+    import tempfile
+
+    out = output_stream(fd, shown=shown)  # (refused before anything is computed: not open, not writable)
+    tmp = temporary_name(Path(tempfile.gettempdir()) / "traceana-output")
+    try:
+        yield tmp
+        with open(tmp, "rb") as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+        out.flush()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         release(tmp)
 
 

