@@ -167,7 +167,7 @@ def _ended(e: BaseException) -> int | None:
     if isinstance(e, StdoutClosed):
         print("traceana: error: standard output is closed (>&-), so nothing could be printed — run it with "
               "standard output open, or redirected to a file", file=sys.stderr)
-        return 1
+        return 2  # a bad output, as every other one (a device, a FIFO, a missing folder)
     if isinstance(e, BrokenPipeError):  # the reader went away (``| head``): quietly, as a program killed by SIGPIPE
         _stdout_to_devnull()
         return EXIT_SIGPIPE
