@@ -131,3 +131,63 @@ def test_a_closed_stdout_is_exit_2(run2, args):
     rest = " ".join(f'"{a}"' for a in args[1:])
     r = _sh(f'exec $TRACEANA {args[0]} "{run2}" {rest} --no-cache >&-')
     assert r.returncode == 2 and "standard output is closed" in _one_line(r.stderr.decode())
+
+
+# --- 2. a clock shifted by a round amount is undone exactly ------------------------------------------------------
+DATA = ROOT / "tests" / "data"
+
+
+def _copy_run(src: Path, dst: Path, *, shift_us: float = 0.0, ranks: tuple[int, ...] = ()) -> Path:
+    """``src`` copied without its host names (so that clocks are estimated, as between hosts), ``ranks``' clocks
+    moved by ``shift_us`` (every ``ts``, as a rank on a host whose clock is that far ahead)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name.endswith(".pt.trace.json.gz"):
+            trace = json.loads(gzip.decompress(f.read_bytes()))
+            trace.pop("host_name", None)
+            if trace["distributedInfo"]["rank"] in ranks:
+                for e in trace["traceEvents"]:
+                    if "ts" in e:
+                        e["ts"] += shift_us
+            (dst / f.name).write_bytes(gzip.compress(json.dumps(trace).encode()))
+        elif f.name == "run.json":
+            manifest = json.loads(f.read_text())
+            manifest.pop("ranks_per_host", None)  # (3 ranks on 3 of a host's ranks: one host)
+            (dst / f.name).write_text(json.dumps(manifest))
+    return dst
+
+
+def test_a_run_with_one_clock_shifted_10_s_analyses_as_the_original(tmp_path):
+    """A real 3-stage GPipe run (torch.distributed.pipelining, gloo) on one host, its rank 1 moved by exactly 10 s.
+    The messages allow rank 1 an interval 0.27 ms wide around −10 s (their tightest latencies: 185 µs one way, 89 µs
+    the other); its middle took rank 1 back by 10.000048 s, moving its P2P share by 3.5 % (1.4 ms on the issue's
+    run). Shifted back by exactly 10 s, every figure is the original's."""
+    import polars as pl
+    from polars.testing import assert_frame_equal
+
+    import traceana
+
+    orig = traceana.analyze(traceana.load_run(_copy_run(DATA / "pipelining_memory" / "gpipe_m2", tmp_path / "a"),
+                                              cache=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (10 s apart: "traces from different collections?", before correction)
+        moved = traceana.analyze(traceana.load_run(_copy_run(DATA / "pipelining_memory" / "gpipe_m2",
+                                                             tmp_path / "b", shift_us=10e6, ranks=(1,)), cache=False))
+    assert orig.clock_offsets["offset_ns"].to_list() == [0, 0, 0]
+    assert moved.clock_offsets["offset_ns"].to_list() == [0, -10_000_000_000, 0]
+    cols = ["stage", "step_ms", "p2p_ms", "bubble_ms"]
+    assert_frame_equal(moved.summary.per_stage.select(cols), orig.summary.per_stage.select(cols))
+    assert moved.summary.step_ms == orig.summary.step_ms
+    assert_frame_equal(moved.attribution.sort(pl.all()), orig.attribution.sort(pl.all()))
+
+
+def test_an_offset_that_is_not_round_still_takes_the_middle():
+    """Where no round value is far rounder than the interval is wide (hosts never synchronised), the estimate stays
+    the middle of what the messages allow (at most half the interval from the truth)."""
+    from traceana.timeline import _offset_in
+
+    assert _offset_in(-36_000, -20_000) == -28_000  # 16 µs wide: −30 µs is a multiple of 10 µs only
+    assert _offset_in(-506_000, -490_000) == -498_000  # −500 µs: a multiple of 100 µs, not 1.6 ms
+    assert _offset_in(-10_000_185_037, -9_999_911_384) == -10_000_000_000  # 0.27 ms wide: 10 s is 10^10
+    assert _offset_in(-185_037, 88_616) == 0
+    assert _offset_in(1_234_567_891, 1_234_667_891) == 1_234_617_891  # 100 µs wide, no multiple of 10 ms in it
