@@ -191,3 +191,83 @@ def test_an_offset_that_is_not_round_still_takes_the_middle():
     assert _offset_in(-10_000_185_037, -9_999_911_384) == -10_000_000_000  # 0.27 ms wide: 10 s is 10^10
     assert _offset_in(-185_037, 88_616) == 0
     assert _offset_in(1_234_567_891, 1_234_667_891) == 1_234_617_891  # 100 µs wide, no multiple of 10 ms in it
+
+
+# --- 3. cache names do not grow with input names -----------------------------------------------------------------
+def test_a_long_legal_rank_file_name_is_cached(run2, tmp_path, capsys):
+    """Rank files of 250 bytes (legal: NAME_MAX is 255): their entries' names were the name plus 36 bytes, over
+    NAME_MAX, and the cache went off with a warning whose advice (at most 255 bytes) the names already met."""
+    long = tmp_path / "long"
+    long.mkdir()
+    for f in run2.iterdir():
+        if f.name.endswith(".pt.trace.json.gz"):
+            rank = f.name.split(".")[0]
+            name = rank + "." + "x" * (250 - len(rank) - 1 - len(".pt.trace.json.gz")) + ".pt.trace.json.gz"
+            assert len(name.encode()) == 250
+            os.link(f, long / name)
+        else:
+            os.link(f, long / f.name)
+    for _ in range(2):
+        rc, _, err = _cli(["analyze", long], capsys)
+        assert rc == 0 and "cache" not in err, err
+    ingest = sorted(p.name for p in (long / ".traceana" / "ingest").iterdir())
+    assert sum(n.endswith(".trace.json") for n in ingest) == 2, ingest  # one entry a rank
+    assert all(len(n.encode()) <= 255 - 30 for n in ingest), ingest  # and room for a temporary's suffix
+    assert all(n.startswith(("rank0.xxxx", "rank1.xxxx")) for n in ingest)  # still readable
+    assert len(list((long / ".traceana" / "analysis").iterdir())) == 1
+
+
+def test_short_names_are_kept_and_long_ones_cut_and_hashed():
+    from traceana.files import short_name
+
+    assert short_name("rank0.pt.trace.json.gz") == "rank0.pt.trace.json.gz"
+    a, b = "é" * 120 + "a", "é" * 120 + "b"  # 241 bytes each, the same first 100
+    assert short_name(a) != short_name(b) and len(short_name(a).encode()) <= 100
+    assert short_name(a).startswith("é" * 41) and short_name(a).encode().decode("utf-8")  # whole characters
+
+
+# --- 4. a killed analysis' temporary folder is swept, by any later run ------------------------------------------
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_a_killed_analysis_temporary_folder_is_swept_by_the_next_hit(run2, capsys):
+    import shutil
+
+    rc, _, err = _cli(["analyze", run2], capsys)
+    assert rc == 0, err
+    cache = run2 / ".traceana" / "analysis"
+    (entry,) = [p for p in cache.iterdir()]
+    old = os.path.getmtime(entry) - 3600
+
+    def left(name: str, *, young_file: bool = False) -> Path:
+        p = cache / name
+        shutil.copytree(entry, p)  # as kill -9 during a store leaves it: a folder of tables
+        for f in [*p.iterdir(), p]:
+            os.utime(f, (old, old))
+        if young_file:  # a writer elsewhere (another host sharing the folder) is writing a table into it now
+            (p / "steps.parquet").write_bytes(b"x")
+            os.utime(p, (old, old))
+        return p
+
+    dead = _dead_pid()
+    stale = left(f".{entry.name}.{dead}.0123abcd.tmp")
+    writing = left(f".{entry.name}.{dead}.89abcdef.tmp", young_file=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a writer still running
+    live = left(f".{entry.name}.{alive.pid}.01234567.tmp")  # (a token all digits, one in 43: not "pid 1234567")
+    other = cache.parent / "ingest" / f".rank0.pt.trace.json.gz.{dead}.0123abcd.tmp"  # a killed ingest write
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    try:
+        rc, _, err = _cli(["analyze", run2], capsys)  # a hit: nothing is stored, the sweep runs all the same
+    finally:
+        alive.kill()
+        alive.wait()
+    assert rc == 0, err
+    assert not stale.exists() and writing.exists() and live.exists() and entry.exists()
+    assert other.exists()  # (the ingest cache is not looked at on an analysis hit)
+    from traceana.ingest.run_dir import load_run
+
+    load_run(run2)  # an ingest hit sweeps its folder
+    assert not other.exists()

@@ -37,7 +37,7 @@ from traceana import names, schema, version
 from traceana import names as _names  # (load_and_analyze's keyword ``names`` hides the module there)
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.files import release, temporary_name, write_failure_fix
+from traceana.files import release, short_name, sweep_temporaries, temporary_name, write_failure_fix
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 from traceana.names import NameRules
@@ -137,7 +137,7 @@ def _target(path: Path) -> tuple[Path, list[Path], str]:
         from traceana.ingest.run_dir import find_traces
 
         return path, find_traces(path), "run"
-    return path.parent, [path], path.name
+    return path.parent, [path], short_name(path.name)  # (cut and hashed when long: the entry stays within NAME_MAX)
 
 
 def entry_key(path: Path, files: list[Path], run_dir: Path, peak_flops: float | None,
@@ -162,6 +162,9 @@ class AnalysisCache:
              workers: int | None) -> Analysis | None:
         if not self.enabled:
             return None
+        # Temporaries a killed writer left (``kill -9`` during a store: a folder of tables) go at every look-up,
+        # not only at the next store: an unchanged run hits its entry and would never store again.
+        sweep_temporaries(self.dir)
         entry = self.dir / f"{prefix}.{key}"
         try:
             if entry.is_symlink() or not regular_file(entry / "meta.json"):

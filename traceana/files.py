@@ -38,7 +38,10 @@ from traceana.errors import BadInputError
 
 TABLE_FORMATS = ("parquet", "csv")  # what tables are written as (traceana.export; here so the CLI needs no polars)
 # Ours: ".NAME.PID.TOKEN.tmp"; earlier versions wrote ".NAME.PID.tmp" (and ".NAME.PID.old" while replacing).
-_TMP = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]{8}\.tmp|\.tmp|\.old)$")
+_TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$")
+# (apart, and tried second: in one pattern ".NAME.PID.01234567.tmp", whose token happens to be all digits, one in
+# 43, read as the older form of a dead "PID" 1234567, and a live writer's temporary was swept)
+_OLD_TMP = re.compile(r"^\..+\.(\d+)\.(?:tmp|old)$")
 STALE_AFTER_S = 60.0  # a temporary of a dead writer older than this is swept (younger: it may be on another host)
 
 
@@ -80,6 +83,31 @@ def remove_in_flight() -> None:
                 os.unlink(name)
         except OSError:
             pass
+
+
+SHORT_NAME_BYTES = 100  # a cache entry named after an input keeps the input's name up to this many bytes
+
+
+def short_name(name: str, limit: int = SHORT_NAME_BYTES) -> str:
+    """``name`` itself when it is at most ``limit`` bytes, else its first whole characters and a hash of all of it
+    (``~`` and 16 hex digits), at most ``limit`` bytes in all: a cache entry named after an input (a 216-byte rank
+    file is legal) stays readable and within NAME_MAX with its key and suffix, whatever the input's name."""
+    import hashlib
+
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    digest = hashlib.sha1(raw).hexdigest()[:16]
+    head = raw[:limit - 17].decode("utf-8", "ignore") if _utf8(raw) else os.fsdecode(raw[:limit - 17])
+    return f"{head}~{digest}"
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _cut(name: str, limit: int) -> str:
@@ -346,7 +374,9 @@ def sweep_temporaries(directory: Path, *, now: float | None = None) -> int:
     """Remove temporaries (``temporary_name``) left in ``directory`` by writers that died; returns how many.
 
     Only for folders traceana created (its caches). A temporary of a live process, or a young one (its writer may be
-    on another host sharing the folder), is kept."""
+    on another host sharing the folder), is kept; a temporary folder (an analysis cache entry being written) is
+    young while anything in it is (``_newest``: a writer adding a table to it changes the folder's mtime, and
+    writing a large one changes only the table's)."""
     now = time.time() if now is None else now
     removed = 0
     try:
@@ -354,12 +384,12 @@ def sweep_temporaries(directory: Path, *, now: float | None = None) -> int:
     except OSError:
         return 0
     for e in entries:
-        m = _TMP.match(e.name)
+        m = _TMP.match(e.name) or _OLD_TMP.match(e.name)
         if not m:
             continue
         try:
             st = e.stat(follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode) or now - st.st_mtime < STALE_AFTER_S or _alive(int(m.group(1))):
+            if stat.S_ISLNK(st.st_mode) or now - _newest(e.path, st) < STALE_AFTER_S or _alive(int(m.group(1))):
                 continue
             if stat.S_ISDIR(st.st_mode):
                 import shutil
@@ -371,6 +401,23 @@ def sweep_temporaries(directory: Path, *, now: float | None = None) -> int:
         except OSError:
             continue
     return removed
+
+
+def _newest(path: str, st: os.stat_result) -> float:
+    """The latest mtime of ``path`` and, for a folder, of what it holds (one level: a cache entry's tables)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_mtime
+    newest = st.st_mtime
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return newest
 
 
 def sweep_temporaries_of(path: Path, *, now: float | None = None) -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import STALE_AFTER_S, release, sweep_temporaries, temporary_name, write_failure_fix
+from traceana.files import (STALE_AFTER_S, release, short_name, sweep_temporaries, temporary_name,
+                            write_failure_fix)
 
 if TYPE_CHECKING:
     import polars as pl
@@ -161,10 +162,11 @@ class TraceCache:
         directory, self.note = cache_dir(run_dir, SUBDIR, enabled=enabled)
         self.dir = directory if directory is not None else run_dir / CACHE_DIR / SUBDIR
         self.enabled = directory is not None
-        self._entries: dict[str, list[str]] | None = None  # trace name -> its entries' names, listed once
+        self._entries: dict[str, list[str]] | None = None  # trace's short_name -> its entries' names, listed once
         self._batches: dict[str, pl.DataFrame] = {}  # batch files read by ``load``, each read once
         self._index: dict[str, tuple[str, dict[str, Any]]] | None = None  # key -> (batch file, entry)
         self._bad: set[str] = set()  # batch files that could not be read
+        self._swept = False  # the folder's dead writers' temporaries removed (once per run, at the first look-up)
 
     def _batched(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """The batched entries (``store_all``) by key: the folder listed and each batch's rows file read once."""
@@ -236,13 +238,17 @@ class TraceCache:
                     path.unlink(missing_ok=True)
 
     def _paths(self, trace: Path, key: str) -> tuple[Path, Path, Path]:
-        stem = f"{trace.name}.{key}"
+        stem = f"{short_name(trace.name)}.{key}"  # (a long name cut and hashed: within NAME_MAX whatever its length)
         return (self.dir / f"{stem}.events.parquet", self.dir / f"{stem}.memory.parquet",
                 self.dir / f"{stem}.trace.json")
 
     def load(self, trace: Path, rank: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]] | None:
         if not self.enabled:
             return None
+        if not self._swept:  # a killed writer's temporaries go at the first look-up too: a run whose entries all
+            self._swept = True  # hit never writes again (and ``_listed`` sweeps only at the first write)
+            if _real_dir(self.dir.parent) and _real_dir(self.dir):
+                sweep_temporaries(self.dir)
         import polars as pl
 
         from traceana import schema
@@ -364,9 +370,10 @@ class TraceCache:
 
     def _drop_stale(self, trace: Path, key: str, listed: dict[str, list[str]]) -> None:
         """Remove this trace's stale entries (older file or tool version): only names this cache writes."""
-        for name in listed.pop(trace.name, ()):
+        stem = short_name(trace.name)
+        for name in listed.pop(stem, ()):
             old = self.dir / name
-            if _ENTRY.fullmatch(name[len(trace.name) + 1:]).group(1) != key and regular_file(old):
+            if _ENTRY.fullmatch(name[len(stem) + 1:]).group(1) != key and regular_file(old):
                 old.unlink(missing_ok=True)
 
     def store(self, trace: Path, events: pl.DataFrame, memory: pl.DataFrame, row: dict[str, Any],
