@@ -271,3 +271,63 @@ def test_a_killed_analysis_temporary_folder_is_swept_by_the_next_hit(run2, capsy
 
     load_run(run2)  # an ingest hit sweeps its folder
     assert not other.exists()
+
+
+# --- 5. a full disk is named as such, whatever words the Parquet writer found for it ----------------------------
+def test_a_full_disk_reported_as_invalid_thrift_is_named_a_full_disk(run2, tmp_path, capsys, monkeypatch):
+    """polars reports a disk that fills while it writes a Parquet footer as "Invalid thrift: transport error" (no
+    errno); with less free space left than the table, that is a full disk, and the fix says to free space."""
+    import polars as pl
+
+    import traceana.files as files
+
+    def thrift(self, file, *args, **kwargs):
+        Path(file).write_bytes(b"PAR1")  # part of it was written
+        raise pl.exceptions.ComputeError("parquet: File out of specification: Invalid thrift: transport error")
+
+    class Full:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", thrift)
+    monkeypatch.setattr(files.os, "statvfs", lambda path: Full())
+    rc, _, err = _cli(["analyze", run2, "--export", tmp_path / "t", "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "No space left on device" in line and "thrift" not in line
+    assert "free disk space (the disk or the quota is full)" in line and "writable" not in line
+    assert os.listdir(tmp_path / "t") == []  # nothing partial
+
+
+def test_another_parquet_error_with_room_left_is_not_called_a_full_disk(run2, tmp_path, capsys, monkeypatch):
+    import polars as pl
+
+    def thrift(self, file, *args, **kwargs):
+        raise pl.exceptions.ComputeError("parquet: File out of specification: Invalid thrift: transport error")
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", thrift)  # tmp_path has far more than 1 MiB free
+    rc, _, err = _cli(["analyze", run2, "--export", tmp_path / "t", "--no-cache"], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "Invalid thrift" in line and "No space" not in line
+
+
+def test_exports_onto_a_really_full_disk_say_no_space_left(run2, tmp_path):
+    """A real full disk (a tmpfs of a few pages, as root): at each size the export fails somewhere, and says so —
+    polars' words at 28 and 48 KiB on a Megatron run were "Invalid thrift: transport error"."""
+    import traceana
+    from traceana.errors import BadInputError
+    from traceana.export import write_tables
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    a = traceana.analyze(traceana.load_run(run2, cache=False))
+    said = []
+    for kib in (8, 16, 24, 32):
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(disk)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+        try:
+            with pytest.raises(BadInputError) as e:
+                write_tables(a, disk / "t")
+            said.append(str(e.value))
+        finally:
+            subprocess.run(["umount", str(disk)], check=True)
+    assert all("No space left on device" in s and "free disk space (the disk" in s for s in said), said

@@ -37,7 +37,7 @@ from traceana import names, schema, version
 from traceana import names as _names  # (load_and_analyze's keyword ``names`` hides the module there)
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.files import release, short_name, sweep_temporaries, temporary_name, write_failure_fix
+from traceana.files import os_error_of, release, short_name, sweep_temporaries, temporary_name, write_failure_fix
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 from traceana.names import NameRules
@@ -196,11 +196,13 @@ class AnalysisCache:
             return
         entry = self.dir / f"{prefix}.{key}"
         tmp = temporary_name(entry)
+        needed = 0  # (the tables' size: a failure with less free than that is a full disk, whatever polars says)
         try:
             make_cache_dir(self.dir)
             tmp.mkdir()
             tables = {name: getattr(analysis, name) for name in _TABLES}
             tables |= {"traces": analysis.run.traces, "memory": analysis.run.memory}
+            needed = sum(t.estimated_size() for t in tables.values() if t is not None)
             for name, table in tables.items():
                 if table is not None:
                     table.write_parquet(tmp / f"{name}.parquet", compression="lz4", statistics=False)
@@ -228,8 +230,10 @@ class AnalysisCache:
             if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned up, and on its way out
                 raise
             self.enabled = False
+            e = os_error_of(e, self.dir, needed)  # (a full disk, even as polars' "Invalid thrift": named)
             fix = write_failure_fix(e, writable="make the run directory writable")
-            pywarnings.warn(f"{self.dir}: could not write the analysis cache ({type(e).__name__}: {e}); continuing "
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            pywarnings.warn(f"{self.dir}: could not write the analysis cache ({reason}); continuing "
                             f"without it — {fix}, or pass --no-cache",
                             AnalysisCacheWarning, stacklevel=3)
 

@@ -18,8 +18,8 @@ from isal import igzip
 
 from traceana import names
 from traceana.errors import BadInputError, shown
-from traceana.files import (TABLE_FORMATS, atomic_path, descriptor_of, output_stream, refuse_inputs, write_bytes,
-                            write_failure_fix)
+from traceana.files import (TABLE_FORMATS, atomic_path, descriptor_of, os_error_of, output_stream, refuse_inputs,
+                            write_bytes, write_failure_fix)
 from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
 from traceana.schema import CATEGORIES
 from traceana.summary import without_bubble
@@ -65,7 +65,8 @@ def write_tables(analysis, directory: str | Path, *, fmt: str = "parquet") -> li
                     table.with_columns(pl.col(pl.Enum, pl.Categorical).cast(pl.String)).write_csv(tmp)
         except BadInputError:
             raise
-        except Exception as e:  # disk full, permissions (polars raises its own types for some)
+        except Exception as e:  # disk full, permissions (polars raises its own types, a full disk even as thrift's)
+            e = os_error_of(e, path.parent, table.estimated_size())
             raise _write_error(path, e, "the table", targets[:i], len(targets)) from None
     try:
         write_bytes(targets[-1], "".join(f"{n}\n" for n in analysis.notes).encode())

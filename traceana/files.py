@@ -359,6 +359,30 @@ def write_failure_fix(e: BaseException, *, writable: str = "choose a writable fo
     return f"free disk space, or {writable}"
 
 
+def os_error_of(e: BaseException, folder: str | Path, needed: int = 0) -> BaseException:
+    """``e`` as the OSError it stands for, so that ``write_failure_fix`` and the message can say what happened. A
+    library that writes in native code may hide the errno: polars reports a full disk as "underlying IO error: No
+    space left on device (os error 28)", or — when the disk fills while it writes a Parquet footer — as "Invalid
+    thrift: transport error", with no errno at all. The errno in the text is taken; without one, a write into a
+    file system with less free than ``needed`` bytes (what was being written) and 1 MiB is a full disk."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    try:
+        st = os.statvfs(folder)
+    except (OSError, ValueError, AttributeError):
+        return e
+    free = st.f_bavail * st.f_frsize
+    if free < needed + (1 << 20):
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free // 1024:,} KiB free there")
+    return e
+
+
 def write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "xb") as fh:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import (STALE_AFTER_S, release, short_name, sweep_temporaries, temporary_name,
+from traceana.files import (STALE_AFTER_S, os_error_of, release, short_name, sweep_temporaries, temporary_name,
                             write_failure_fix)
 
 if TYPE_CHECKING:
@@ -364,7 +364,8 @@ class TraceCache:
                 release(t)
         except Exception as e:
             self.enabled = False
-            return (f"{self.dir}: could not write the ingest cache ({type(e).__name__}: {e}); continuing without "
+            e = os_error_of(e, self.dir, sum(ev.estimated_size() for _, ev, _, _ in items))  # (a full disk: named)
+            return (f"{self.dir}: could not write the ingest cache ({_reason(e)}); continuing without "
                     f"it — {write_failure_fix(e, writable='make the run directory writable')}, or pass --no-cache")
         return None
 
@@ -405,9 +406,17 @@ class TraceCache:
                 release(*tmp)
         except Exception as e:  # read-only file system, disk full, ...: analysis goes on without a cache
             self.enabled = False
-            return (f"{self.dir}: could not write the ingest cache ({type(e).__name__}: {e}); continuing without "
+            e = os_error_of(e, self.dir, events.estimated_size() + memory.estimated_size())  # (a full disk: named)
+            return (f"{self.dir}: could not write the ingest cache ({_reason(e)}); continuing without "
                     f"it — {write_failure_fix(e, writable='make the run directory writable')}, or pass --no-cache")
         return None
+
+
+def _reason(e: BaseException) -> str:
+    """What went wrong, for a warning: an OSError's own words, else the exception's type and first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 _ENTRY = re.compile(r"([0-9a-f]{20})\.(?:events\.parquet|memory\.parquet|trace\.json)")
