@@ -331,3 +331,38 @@ def test_exports_onto_a_really_full_disk_say_no_space_left(run2, tmp_path):
         finally:
             subprocess.run(["umount", str(disk)], check=True)
     assert all("No space left on device" in s and "free disk space (the disk" in s for s in said), said
+
+
+# --- 6. names: no trailing space in merged slices, escaped exactly once in plot titles ---------------------------
+def test_merged_phase_slices_have_no_trailing_space(tmp_path):
+    """The optimizer runs for no micro-batch: its slice of a real run's merged trace (torch.distributed.pipelining,
+    GPipe, 3 ranks, 2 steps: 6 optimizer steps) was named "optimizer " (the phase, a space, nothing)."""
+    import polars as pl
+
+    import traceana
+    from traceana.export import write_merged_trace
+
+    a = traceana.analyze(traceana.load_run(DATA / "pipelining_memory" / "gpipe_m2", cache=False))
+    assert a.schedule.filter(pl.col("microbatch").is_null())["phase"].to_list() == ["optimizer"] * 6
+    out = write_merged_trace(a, tmp_path / "m.json")
+    phases = [e["name"] for e in json.loads(out.read_text())["traceEvents"] if e.get("cat") == "traceana.phase"]
+    assert all(n == n.strip() for n in phases), sorted(set(phases))
+    assert phases.count("optimizer") == 6 and "forward 0" in phases and "backward 1" in phases
+
+
+def test_plot_titles_hold_a_name_as_given(run2, tmp_path, capsys):
+    """A run named ``<b>A&B``: its plot titles, as bokehjs reads them (it unescapes the document's JSON, which bokeh
+    HTML-escapes once for embedding), are ``<b>A&B: …``, drawn as text — never ``&lt;b&gt;`` (escaped twice)."""
+    import html
+    import re
+
+    out = tmp_path / "r.html"
+    rc, _, err = _cli(["report", run2, "--name", "<b>A&B", "-o", out, "--no-cache", "--quiet"], capsys)
+    assert rc == 0, err
+    page = out.read_text()
+    literal = re.search(r"const docs_json = '((?:[^'\\]|\\.)*)';", page).group(1)
+    text = html.unescape(literal.encode().decode("unicode_escape"))  # (the JS string, then bokehjs' unescape)
+    titles = re.findall(r'"name":"Title","id":"[^"]*","attributes":\{"text":"((?:[^"\\]|\\.)*)"', text)
+    named = [t for t in titles if "A&B" in t]
+    assert len(named) >= 4 and all("<b>A&B" in t for t in named), titles
+    assert named[0] == "<b>A&B: pipeline timeline" and "&lt;" not in text and "&amp;" not in text

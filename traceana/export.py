@@ -206,7 +206,9 @@ def _merged_parts(analysis, *, chunk_rows: int = MERGE_CHUNK_ROWS):
     sched = analysis.schedule.filter(pl.col("end_ns") > pl.col("start_ns"))
     phase_track = sched.select(
         pl.lit("X").alias("ph"),
-        pl.concat_str(pl.col("phase"), pl.lit(" "), pl.col("microbatch").cast(pl.String).fill_null("")).alias("name"),
+        # "forward 3"; a phase of no micro-batch (the optimizer) is its name alone, no trailing space
+        pl.concat_str(pl.col("phase"), pl.lit(" ") + pl.col("microbatch").cast(pl.String), ignore_nulls=True)
+        .alias("name"),
         pl.lit("traceana.phase").alias("cat"), pl.col("rank").alias("pid"), pl.lit(first_extra).alias("tid"),
         us("start_ns").alias("ts"), ((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_US).alias("dur"),
         pl.struct("stage", "microbatch", "step", "source").alias("args"),
