@@ -37,7 +37,8 @@ from traceana import names, schema, version
 from traceana import names as _names  # (load_and_analyze's keyword ``names`` hides the module there)
 from traceana.analysis import Analysis, analyze
 from traceana.ingest import Run
-from traceana.files import os_error_of, release, short_name, sweep_temporaries, temporary_name, write_failure_fix
+from traceana.files import (failure_reason, os_error_of, release, short_name, sweep_temporaries, temporary_name,
+                            write_failure_fix)
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.manifest import MANIFEST_NAME, Manifest, check_peak_flops
 from traceana.names import NameRules
@@ -232,8 +233,7 @@ class AnalysisCache:
             self.enabled = False
             e = os_error_of(e, self.dir, needed)  # (a full disk, even as polars' "Invalid thrift": named)
             fix = write_failure_fix(e, writable="make the run directory writable")
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-            pywarnings.warn(f"{self.dir}: could not write the analysis cache ({reason}); continuing "
+            pywarnings.warn(f"{self.dir}: could not write the analysis cache ({failure_reason(e)}); continuing "
                             f"without it — {fix}, or pass --no-cache",
                             AnalysisCacheWarning, stacklevel=3)
 

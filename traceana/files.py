@@ -383,6 +383,14 @@ def os_error_of(e: BaseException, folder: str | Path, needed: int = 0) -> BaseEx
     return e
 
 
+def failure_reason(e: BaseException) -> str:
+    """What went wrong, for a warning: an OSError's own words (``os_error_of`` gives one), else the exception's type
+    and its first line (polars' messages run over many)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "xb") as fh:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import (STALE_AFTER_S, os_error_of, release, short_name, sweep_temporaries, temporary_name,
-                            write_failure_fix)
+from traceana.files import (STALE_AFTER_S, failure_reason, os_error_of, release, short_name, sweep_temporaries,
+                            temporary_name, write_failure_fix)
 
 if TYPE_CHECKING:
     import polars as pl
@@ -365,7 +365,7 @@ class TraceCache:
         except Exception as e:
             self.enabled = False
             e = os_error_of(e, self.dir, sum(ev.estimated_size() for _, ev, _, _ in items))  # (a full disk: named)
-            return (f"{self.dir}: could not write the ingest cache ({_reason(e)}); continuing without "
+            return (f"{self.dir}: could not write the ingest cache ({failure_reason(e)}); continuing without "
                     f"it — {write_failure_fix(e, writable='make the run directory writable')}, or pass --no-cache")
         return None
 
@@ -407,16 +407,9 @@ class TraceCache:
         except Exception as e:  # read-only file system, disk full, ...: analysis goes on without a cache
             self.enabled = False
             e = os_error_of(e, self.dir, events.estimated_size() + memory.estimated_size())  # (a full disk: named)
-            return (f"{self.dir}: could not write the ingest cache ({_reason(e)}); continuing without "
+            return (f"{self.dir}: could not write the ingest cache ({failure_reason(e)}); continuing without "
                     f"it — {write_failure_fix(e, writable='make the run directory writable')}, or pass --no-cache")
         return None
-
-
-def _reason(e: BaseException) -> str:
-    """What went wrong, for a warning: an OSError's own words, else the exception's type and first line."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 _ENTRY = re.compile(r"([0-9a-f]{20})\.(?:events\.parquet|memory\.parquet|trace\.json)")
