@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana import intervals as iv
-from traceana.errors import TraceanaError
-from traceana.graph import KIND_OF_ACTION, StepGraph, build, critical_path, on_path, replay, replay_variants
+from traceana.errors import AnalysisError, TraceanaError
+from traceana.graph import (KIND_OF_ACTION, GraphError, StepGraph, build, critical_path, on_path, replay,
+                            replay_variants)
 from traceana.noise import noise_ms
 from traceana.units import NS_PER_MS
 
@@ -573,50 +574,293 @@ def _diagnose(table: pl.DataFrame, ops: pl.DataFrame, replayed: float, within: f
 
 # What a plan what-if can change of the run's configuration (everything else is the run's own).
 PLAN_FIELDS = ("schedule", "num_microbatches", "bpipe", "virtual_stages")
+# Moving one micro-batch's activations between two processes on one host, where neither run.json's link nor a
+# measured BPipe transfer gives it: an assumption (1 GB/s), said where it is used.
+LOCAL_COPY_BYTES_PER_NS = 1.0
 
 
 def plan_of(base, target) -> dict | None:
     """``plan_whatif``'s keywords that make the configuration ``base`` into ``target`` (TrainingConfig), or None
-    where they differ in more than a plan what-if changes (PLAN_FIELDS: e.g. recompute, the model, pp)."""
+    where they differ in more than these (PLAN_FIELDS: recompute, which plan_whatif prices too, goes to
+    validation's model with the whole configuration, as the model, pp do)."""
     if base.replace(**{f: getattr(target, f) for f in PLAN_FIELDS}) != target:
         return None
     return {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
             "virtual_stages": target.virtual_stages}
 
 
+def _plan_dict(cfg) -> dict:
+    return {"schedule": cfg.schedule, "microbatches": cfg.num_microbatches, "bpipe": bool(cfg.bpipe),
+            "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute}
+
+
+def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
+    """The measured work the plan engine is fed, per measured step: passes per (action, virtual stage,
+    micro-batch) (graph.pass_durations, the graph's work: the mean over the stage's replicas), optimizer and
+    collectives per device; from the graph where it builds: the median host gap per device, each P2P message's
+    time in flight (send lag + transfer) per (F / B, producing stage, micro-batch), the BPipe transfers' median."""
+    from traceana.graph import pass_durations
+    from traceana.pipeline_rules import device_of_stage
+
+    p = base.pp
+    steps = list(g.steps) if g is not None else list(analysis.summary.steps)
+    step_f = pl.DataFrame({"step": steps}, schema={"step": pl.Int32})
+    passes = (pass_durations(analysis, step_f).filter(pl.col("phase").is_in(list(_PHASE_ACTION))
+                                                     & pl.col("stage").is_not_null())
+              .with_columns(pl.col("phase").replace_strict(_PHASE_ACTION).alias("action"),
+                            pl.col("d").clip(lower_bound=0).alias("work_ns")))
+    if passes.height == 0:
+        raise AnalysisError("the measured steps hold no numbered forward or backward: no work to re-sequence",
+                            path=analysis.run.path, fix="profile with the PP: annotations (traceana collect)")
+    dev_of_rank = {r: device_of_stage(base.schedule, int(s), pp=p) % p
+                   for r, s in passes.group_by("rank").agg(pl.col("stage").min()).iter_rows()}
+    rk = pl.DataFrame({"rank": list(dev_of_rank), "device": list(dev_of_rank.values())},
+                      schema={"rank": pl.Int32, "device": pl.Int32})
+    work = passes.group_by("step", "action", "stage", "microbatch").agg(pl.col("work_ns").mean())
+    if g is not None:
+        others = g.ops.filter(pl.col("action").is_in(["O", "C"])).select("rank", "step", "work_ns")
+    else:
+        others = (analysis.schedule.join(step_f, on="step").filter(pl.col("phase") == "optimizer")
+                  .select("rank", "step", (pl.col("end_ns") - pl.col("start_ns")).alias("work_ns")))
+    other = (others.join(rk, on="rank").group_by("step", "rank", "device").agg(pl.col("work_ns").sum())
+             .group_by("step", "device").agg(pl.col("work_ns").mean()))
+    host = p2p = bpipe = None
+    if g is not None:
+        host = (g.ops.filter(pl.col("seq") > 0).join(rk, on="rank").group_by("step", "rank", "device")
+                .agg(pl.col("gap_ns").median()).group_by("step", "device").agg(pl.col("gap_ns").mean()))
+        made = g.ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("src_seq"), "action", "stage",
+                            "microbatch")
+        msgs = (g.edges.join(made, on=["src", "step", "src_seq"])
+                .with_columns((pl.col("send_lag_ns") + pl.col("transfer_ns")).alias("t")))
+        p2p = (msgs.filter((pl.col("channel") != "bpipe") & pl.col("action").is_in(PASS_ACTIONS)
+                           & pl.col("microbatch").is_not_null())
+               .with_columns(pl.when(pl.col("action") == "F").then(pl.lit("F")).otherwise(pl.lit("B")).alias("key"))
+               .group_by("step", "key", "stage", "microbatch").agg(pl.col("t").mean()))
+        bpipe = msgs.filter(pl.col("channel") == "bpipe")
+    out = {}
+    for step in steps:
+        def at(frame):
+            return frame.filter(pl.col("step") == step)
+
+        b = at(bpipe) if bpipe is not None else None
+        out[step] = {
+            "per_op": {(a, int(st), int(mb)): float(x) for _, a, st, mb, x in at(work).iter_rows()},
+            "other": {int(d): float(x) for _, d, x in at(other).iter_rows()},
+            "host": {int(d): float(x) for _, d, x in at(host).iter_rows()} if host is not None else {},
+            "messages": {(k, int(st), int(mb)): float(x) for _, k, st, mb, x in at(p2p).iter_rows()}
+            if p2p is not None else {},
+            "bpipe_ns": float(b["t"].median()) if b is not None and b.height else None,
+        }
+    return out
+
+
+_PHASE_ACTION = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+
+
+def _times(m: dict, base, target, pp: int):
+    """StageTimes and Costs of one measured step for the target plan (the run's measured work; see plan_whatif)."""
+    from traceana.model.scheduler import Costs, StageTimes
+    from traceana.pipeline_rules import device_of_stage
+
+    nv_base, nv = pp * base.virtual_stages, pp * target.virtual_stages
+    per_op = m["per_op"]
+
+    def mean_of(action: str, vs: int) -> float:
+        xs = [x for (a, s, _), x in per_op.items() if a == action and s == vs]
+        return sum(xs) / len(xs) if xs else 0.0
+
+    split = any(a in ("I", "W") for a, _, _ in per_op)
+    fwd = [mean_of("F", s) for s in range(nv_base)]
+    bwd = [mean_of("I", s) + mean_of("W", s) if split else mean_of("B", s) for s in range(nv_base)]
+    wgt = [mean_of("W", s) for s in range(nv_base)] if split else []
+    ops = dict(per_op)
+    recompute: list[float] = []
+    base_rc, target_rc = base.recompute != "none", target.recompute != "none"
+    if target_rc and not base_rc:  # full recompute: each backward first runs its forward again (measured)
+        recompute = list(fwd)
+    elif base_rc and not target_rc:  # the run's backwards held a forward's recompute: taken out (the measured one)
+        bwd = [max(0.0, b - f) for b, f in zip(bwd, fwd)]
+        ops = {k: (max(0.0, x - per_op.get(("F", k[1], k[2]), 0.0)) if k[0] in ("B", "I") else x)
+               for k, x in per_op.items()}
+    elif base_rc and target_rc:
+        recompute = [0.0] * nv_base  # inside the measured backwards already
+    if nv != nv_base:  # another placement of the layers: per device, split over its chunks by the simulator
+        def per_device(xs):
+            out = [0.0] * pp
+            for s, x in enumerate(xs):
+                out[device_of_stage(base.schedule, s, pp=pp) % pp] += x
+            return tuple(out)
+
+        fwd, bwd = per_device(fwd), per_device(bwd)
+        wgt = per_device(wgt) if wgt else []
+        recompute = per_device(recompute) if recompute else []
+        ops = None
+    times = StageTimes(forward_ns=tuple(fwd), backward_ns=tuple(bwd), recompute_ns=tuple(recompute),
+                       optimizer_ns=tuple(m["other"].get(d, 0.0) for d in range(pp)),
+                       host_ns=tuple(m["host"].get(d, 0.0) for d in range(pp)), weight_ns=tuple(wgt),
+                       per_op_ns=ops if ops is not None and target.num_microbatches <= base.num_microbatches
+                       else ({k: x for k, x in ops.items() if k[2] < base.num_microbatches} if ops else None))
+    msgs = m["messages"]
+    p2p = sorted(msgs.values())[len(msgs) // 2] if msgs else 0.0
+    costs = Costs(p2p_ns=p2p, per_message_ns=dict(msgs) if nv == nv_base else None)
+    return times, costs
+
+
 def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
-                bpipe: bool | None = None, virtual_stages: int | None = None) -> dict:
-    """The run's measured durations under another plan: another schedule, micro-batch count, BPipe on or off — the
-    measured counterpart of ``estimate``'s verdict, and ``validate --baseline``'s prediction where the two runs
-    differ only in these (``plan_of``). Both the run as it ran and the other plan are simulated on the one
-    scheduler from the run's own per-stage durations (validation.prediction.predict); the other plan's step is the
-    measured step × their ratio, so what the simulator leaves out of the run (host time it does not model, shared
-    cores) cancels. ``virtual_stages``: model chunks per device (default: 2 for a multi-stage schedule, else 1).
-    Needs run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
-    from traceana.validation.prediction import predict
+                bpipe: bool | None = None, virtual_stages: int | None = None, recompute: bool | None = None,
+                graph: StepGraph | None = None) -> dict:
+    """The run's measured work under another plan — another schedule, micro-batch count, BPipe on or off,
+    recompute on or off — re-sequenced in the rules' planned order (pipeline_rules.device_order) on the one engine
+    (model.scheduler.run_schedule through model.simulate): each pass's measured work per (action, virtual stage,
+    micro-batch) (a micro-batch the run did not have: its stage's mean), each P2P message's measured time in flight,
+    each device's median host gap, its optimizer and collectives; recompute from the measured forwards; BPipe's
+    evictions and loads priced at the run's own BPipe transfers, else the stage's measured activations per
+    micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said). Every measured step is simulated on its
+    own: the step, its interval (the steps' spread, at least noise.NOISE_FLOOR), the bubble share and memory per stage
+    (the memory model's in-flight counts on the measured activations). A **prediction** (the run as it ran goes
+    through the same engine: ``simulated_as_run_ms`` against the measured step says how far the engine is from
+    this run). Refused exactly where ``traceana collect`` refuses the plan (pipeline_rules.plan_refusal). Needs
+    run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
+    from traceana.manifest import MULTI_STAGE_SCHEDULES
+    from traceana.model.memory import estimate_stage_memory
+    from traceana.model.simulate import bubble_fraction, simulate
+    from traceana.pipeline_rules import bpipe_applies, check_virtual_stages, plan_refusal
 
     base = analysis.config.training_config(path=analysis.run.path)
-    changes = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches), ("bpipe", bpipe))
-               if v is not None}
+    notes: list[str] = []
+    changes: dict = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches)) if v is not None}
     if schedule is not None:  # a multi-stage schedule splits each device's layers into two chunks (and back)
-        from traceana.manifest import MULTI_STAGE_SCHEDULES
-
         changes["virtual_stages"] = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
     if virtual_stages is not None:
         changes["virtual_stages"] = virtual_stages
+    if recompute is not None:
+        if base.recompute == "selective" and not recompute:
+            raise AnalysisError("the run's selective recompute is inside its measured backwards and cannot be told "
+                                "apart from them: recompute off is not priced", path=analysis.run.path,
+                                fix="collect the run without recompute to compare")
+        changes["recompute"] = "full" if recompute else "none"
+    want = base.bpipe if bpipe is None else bpipe
+    sched, vs = changes.get("schedule", base.schedule), changes.get("virtual_stages", base.virtual_stages)
+    if want and bpipe is None and not bpipe_applies(sched, pp=base.pp, virtual_stages=vs):
+        notes.append(f"BPipe off: the run's BPipe does not apply to {sched} (pass --bpipe on to be told why)")
+        want = False
+    changes["bpipe"] = bool(want)
+    try:
+        check_virtual_stages(sched, vs)
+    except TraceanaError as e:
+        raise AnalysisError(e.what, path=analysis.run.path, fix=e.fix) from None
     target = base.replace(**changes)
-    as_run = predict(analysis, base, base_cfg=base).step_ns / NS_PER_MS
-    other = predict(analysis, target, base_cfg=base).step_ns / NS_PER_MS
+    refused = plan_refusal(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches,
+                           bpipe=bool(target.bpipe), bpipe_keep=target.bpipe_keep)
+    if refused is not None:
+        raise AnalysisError(f"the plan is one traceana collect refuses: {refused[0]}", path=analysis.run.path,
+                            fix=refused[1])
+    g = graph
+    if g is None:
+        try:
+            g = build(analysis)
+        except GraphError as e:  # the passes alone: no host gaps, no message times (said)
+            notes.append(f"no graph of the measured step ({e.what}): host gaps and message times are not in the plan")
+    measured_in = _measured_plan_inputs(analysis, g, base)
+    p = base.pp
+    # BPipe's transfers: the run's own, else priced from the stage's measured activations per micro-batch
+    act = _activation_per_microbatch(analysis, base)
+    link = analysis.config.link_bytes_per_s
+    latency = analysis.config.p2p_latency_ns or 0.0
+
+    def priced(m: dict) -> float:
+        if m["bpipe_ns"] is not None:
+            return m["bpipe_ns"]
+        evict = act.get(0, 0.0)
+        return latency + evict / (link / 1e9 if link else LOCAL_COPY_BYTES_PER_NS)
+
+    if target.bpipe:
+        any_measured = any(m["bpipe_ns"] is not None for m in measured_in.values())
+        notes.append("BPipe's evictions and loads: " + (
+            "the run's own measured transfers (median)" if any_measured else
+            f"stage 0's measured activations per micro-batch ({act.get(0, 0.0) / 1e6:.3g} MB) over "
+            + (f"run.json's link ({link / 1e9:.3g} GB/s)" if link else
+               f"an assumed {LOCAL_COPY_BYTES_PER_NS:g} GB/s (no link in run.json, no BPipe transfer measured)")))
+
+    def run(cfg, m) -> object:
+        import dataclasses
+
+        times, costs = _times(m, base, cfg, p)
+        if cfg.bpipe:
+            costs = dataclasses.replace(costs, bpipe_ns=priced(m))
+        return simulate(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
+                        virtual_stages=cfg.virtual_stages, bpipe=bool(cfg.bpipe), bpipe_keep=cfg.bpipe_keep)
+
+    as_run = [run(base, m) for m in measured_in.values()]
+    plan = [run(target, m) for m in measured_in.values()]
+    as_ms = [s.step_ns / NS_PER_MS for s in as_run]
+    plan_ms = [s.step_ns / NS_PER_MS for s in plan]
+    spread = noise_ms(plan_ms)
     measured = analysis.summary.step_ms
+    a_mean, p_mean = _mean(as_ms), _mean(plan_ms)
+
+    def bubbles(sims) -> dict[int, float]:
+        fr = pl.concat([bubble_fraction(s) for s in sims]).group_by("stage").agg(pl.col("bubble_fraction").mean())
+        return {int(st): float(x) for st, x in fr.sort("stage").iter_rows()}
+
+    memory = _plan_memory(analysis, base, target, act, estimate_stage_memory)
+    m_as, m_plan = base.num_microbatches, target.num_microbatches
     return {
-        "as_run": {"schedule": base.schedule, "microbatches": base.num_microbatches, "bpipe": bool(base.bpipe),
-                   "virtual_stages": base.virtual_stages},
-        "plan": {"schedule": target.schedule, "microbatches": target.num_microbatches, "bpipe": bool(target.bpipe),
-                 "virtual_stages": target.virtual_stages},
-        "simulated_as_run_ms": as_run,
-        "simulated_plan_ms": other,
+        "as_run": _plan_dict(base),
+        "plan": _plan_dict(target),
         "measured_step_ms": measured,
-        "predicted_step_ms": measured * other / as_run if as_run and measured else None,
-        "speedup": as_run / other if other else None,
-        "kind": "prediction from this run's own measured durations (the simulator, calibrated by the run's own step)",
+        "simulated_as_run_ms": a_mean,
+        "as_run_error": (a_mean - measured) / measured if measured else None,
+        "simulated_plan_ms": p_mean,
+        "predicted_step_ms": p_mean,
+        "interval_ms": [p_mean - spread / 2, p_mean + spread / 2],
+        "step_ratio": p_mean / a_mean if a_mean else None,
+        # the same micro-batches: the step's speed-up; another count: the time per micro-batch's (samples per second)
+        "speedup": a_mean / p_mean if p_mean and m_as == m_plan else None,
+        "per_microbatch_speedup": (a_mean / m_as) / (p_mean / m_plan) if p_mean else None,
+        "bubble_fraction": bubbles(plan),
+        "as_run_bubble_fraction": bubbles(as_run),
+        "memory_bytes": memory,
+        "steps_simulated": len(plan_ms),
+        "kind": "prediction: this run's measured work per operation re-sequenced in the plan's order on the "
+                "schedule engine (not a replay of the measured step)",
+        "notes": notes,
     }
+
+
+def _activation_per_microbatch(analysis, base) -> dict[int, float]:
+    """Per device: the measured peak of saved activations (stage_memory's activation_peak_bytes, the median over
+    ranks and measured steps) over the micro-batches the memory model holds at that peak."""
+    from traceana.model.memory import estimate_stage_memory
+
+    sm = analysis.stage_memory
+    if sm is None or sm.height == 0 or "activation_peak_bytes" not in sm.columns:
+        return {}
+    peak = dict(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
+                .agg(pl.col("activation_peak_bytes").median()).iter_rows())
+    out = {}
+    for m in estimate_stage_memory(base):
+        held = m.in_flight + m.foreign_in_flight
+        if m.stage in peak and held and peak[m.stage] is not None:
+            out[m.stage] = float(peak[m.stage]) / held
+    return out
+
+
+def _plan_memory(analysis, base, target, act: dict[int, float], estimate) -> dict[int, float] | None:
+    """Per stage the plan's peak memory: the measured baseline (what is not activations) plus the measured
+    activations per micro-batch × the micro-batches the memory model holds under the plan (recompute: the model's
+    ratio of activations per micro-batch with and without it)."""
+    sm = analysis.stage_memory
+    if not act or sm is None or "baseline_bytes" not in sm.columns:
+        return None
+    baseline = dict(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
+                    .agg(pl.col("baseline_bytes").median()).iter_rows())
+    was = {m.stage: m for m in estimate(base)}
+    out = {}
+    for m in estimate(target):
+        if m.stage not in act or m.stage not in was:
+            continue
+        scale = m.activation_per_microbatch / was[m.stage].activation_per_microbatch \
+            if was[m.stage].activation_per_microbatch else 1.0
+        out[m.stage] = float(baseline.get(m.stage) or 0) + act[m.stage] * scale * (m.in_flight + m.foreign_in_flight)
+    return out
