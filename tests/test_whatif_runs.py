@@ -63,8 +63,8 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
         assert not w.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1"))["named"][0], w.groups
 
     # another plan from the run's own measured work: the plan it ran is the run on the same engine; GPipe instead of
-    # 1F1B, by hand the same (m + p − 1)(F + B) of passes with these stage times (Huang et al. 2019, Narayanan et al. 2021), within the
-    # optimizer and host time the two orders place differently
+    # 1F1B, by hand the same (m + p − 1)(F + B) of passes with these stage times (Huang et al. 2019, Narayanan et
+    # al. 2021), within the optimizer and host time the two orders place differently
     same = plan_whatif(plain_run)
     assert same["simulated_plan_ms"] == pytest.approx(same["simulated_as_run_ms"]) and same["speedup"] == 1
     gpipe = plan_whatif(plain_run, schedule="gpipe")
