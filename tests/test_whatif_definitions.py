@@ -158,3 +158,56 @@ def _frames(g):
     from traceana.whatif import _ideals
 
     return _ideals(g)
+
+
+def test_plan_whatifs_re_sequence_the_measured_work(tmp_path):
+    """A run whose every forward took 100 µs and every backward 200 µs (1F1B, pp 2, m 4; made by the simulator, so
+    its timeline is known). By hand (Narayanan et al. 2021: uniform 1F1B and GPipe take (m + p − 1)(F + B)):
+    as run 5 × 300 = 1,500 µs; GPipe the same; 8 micro-batches 9 × 300 = 2,700 µs — a longer step holding twice the
+    micro-batches, so per micro-batch (1,500 / 4) / (2,700 / 8) = 1.111× as fast, and no step "speed-up";
+    full recompute runs each forward again before its backward: 5 × 400 = 2,000 µs. 1F1B with 1 micro-batch for
+    2 stages and BPipe at pp 2 are what collect refuses, and so are they here."""
+    from test_validate import fake_analysis
+
+    from traceana.errors import AnalysisError
+    from traceana.model.simulate import StageTimes
+    from traceana.whatif import plan_whatif
+
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=StageTimes.uniform(2, forward=100e3, backward=200e3))
+    same = plan_whatif(a)
+    assert same["simulated_as_run_ms"] == pytest.approx(1.5) and same["speedup"] == pytest.approx(1)
+    assert plan_whatif(a, schedule="gpipe")["predicted_step_ms"] == pytest.approx(1.5)
+    more = plan_whatif(a, microbatches=8)
+    assert more["predicted_step_ms"] == pytest.approx(2.7) and more["speedup"] is None
+    assert more["per_microbatch_speedup"] == pytest.approx((1.5 / 4) / (2.7 / 8))
+    assert plan_whatif(a, recompute=True)["predicted_step_ms"] == pytest.approx(2.0)
+    lo, hi = more["interval_ms"]
+    assert lo <= more["predicted_step_ms"] <= hi
+    assert set(more["bubble_fraction"]) == {0, 1} and more["memory_bytes"] is not None
+    with pytest.raises(AnalysisError, match="never reaches its steady state"):
+        plan_whatif(a, microbatches=1)
+    with pytest.raises(AnalysisError, match="BPipe can balance nothing at --pp 2"):
+        plan_whatif(a, bpipe=True)
+    # GPipe with BPipe: the rule's reason, not a traceback
+    with pytest.raises(AnalysisError, match="GPipe holds all its micro-batches"):
+        plan_whatif(a, schedule="gpipe", bpipe=True)
+
+
+def test_the_command_says_what_is_replay_and_what_is_prediction():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = str(Path(__file__).parent / "data" / "pipelining_memory" / "gpipe_m2")
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "traceana", "whatif", run, "--no-cache"]
+    out = subprocess.run([*cmd, "--microbatches", "4"], capture_output=True, text=True, env=env, check=True).stdout
+    assert "replay of the measured step (a consistency check of the graph's edges, in sample, not a prediction)" in out
+    assert "the study's ideal (OSDI 2025" in out and "ours beside it" in out
+    assert "plan (a prediction, not a replay" in out and "per micro-batch" in out and "speed-up" not in out
+    for bad in ("forward*1e14", "forward=1e308", "bpipe=on"):
+        r = subprocess.run([*cmd, "--set", bad], capture_output=True, text=True, env=env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run([*cmd, "--schedule", "1f1b"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "never reaches its steady state" in r.stderr and "Traceback" not in r.stderr

@@ -749,12 +749,13 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         check_virtual_stages(sched, vs)
     except TraceanaError as e:
         raise AnalysisError(e.what, path=analysis.run.path, fix=e.fix) from None
-    target = base.replace(**changes)
-    refused = plan_refusal(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches,
-                           bpipe=bool(target.bpipe), bpipe_keep=target.bpipe_keep)
+    refused = plan_refusal(sched, pp=base.pp, num_microbatches=changes.get("num_microbatches",
+                                                                          base.num_microbatches),
+                           bpipe=bool(want), bpipe_keep=base.bpipe_keep)
     if refused is not None:
         raise AnalysisError(f"the plan is one traceana collect refuses: {refused[0]}", path=analysis.run.path,
                             fix=refused[1])
+    target = base.replace(**changes)
     g = graph
     if g is None:
         try:
