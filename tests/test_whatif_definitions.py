@@ -163,8 +163,8 @@ def _frames(g):
 def test_plan_whatifs_re_sequence_the_measured_work(tmp_path):
     """A run whose every forward took 100 µs and every backward 200 µs (1F1B, pp 2, m 4; made by the simulator, so
     its timeline is known). By hand (Narayanan et al. 2021: uniform 1F1B and GPipe take (m + p − 1)(F + B)):
-    as run 5 × 300 = 1,500 µs; GPipe the same; 8 micro-batches 9 × 300 = 2,700 µs — a longer step holding twice the
-    micro-batches, so per micro-batch (1,500 / 4) / (2,700 / 8) = 1.111× as fast, and no step "speed-up";
+    as run 5 × 300 = 1,500 µs; GPipe the same; 8 micro-batches 9 × 300 = 2,700 µs — a longer step holding twice
+    the micro-batches, so per micro-batch (1,500 / 4) / (2,700 / 8) = 1.111× as fast, and no step "speed-up";
     full recompute runs each forward again before its backward: 5 × 400 = 2,000 µs. 1F1B with 1 micro-batch for
     2 stages and BPipe at pp 2 are what collect refuses, and so are they here."""
     from test_validate import fake_analysis

@@ -139,7 +139,8 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
         # run has no P2P at all (data parallel: every rank holds the one model)
         pl.coalesce("stage", pl.lit(-1) if g.data_parallel else -1 - pl.col("rank")).alias("_work"),
         # the study's kinds: a compute action, or a collective by its name (graph: "step|scope|name|k")
-        pl.when(pl.col("action") == "C").then(pl.lit("C|") + pl.col("group").str.split("|").list.get(2, null_on_oob=True))
+        pl.when(pl.col("action") == "C")
+        .then(pl.lit("C|") + pl.col("group").str.split("|").list.get(2, null_on_oob=True))
         .otherwise(pl.col("action")).alias("_pub"))
     ops = ops.with_columns(
         pl.when(pl.col("action") == "C").then(pl.col("work_ns").median().over("_pub"))

@@ -130,7 +130,8 @@ def render_plan(plan: dict, *, console) -> None:
                   f"{a['microbatches']}); per micro-batch {plan['per_microbatch_speedup']:.3f}× as fast")
     print_line(console, f"plan (a prediction, not a replay: this run's measured work per operation re-sequenced in "
                         f"the plan's order): {desc(b)} instead of {desc(a)}: the step would be about "
-                        f"{ms(plan['predicted_step_ms'])} ms ({ms(lo)}–{ms(hi)} over the measured steps) — {change}; "
+                        f"{ms(plan['predicted_step_ms'])} ms ({ms(lo)}–{ms(hi)}: the measured steps' spread) — "
+                        f"{change}; "
                         f"the run as it ran on the same engine: {ms(plan['simulated_as_run_ms'])} ms against "
                         f"{ms(plan['measured_step_ms'])} ms measured ({plan['as_run_error']:+.1%})")
     bub = ", ".join(f"stage {k} {100 * v:.0f}%" for k, v in plan["bubble_fraction"].items())
