@@ -211,3 +211,32 @@ def test_the_command_says_what_is_replay_and_what_is_prediction():
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run([*cmd, "--schedule", "1f1b"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "never reaches its steady state" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_bpipe_runs_plans(tmp_path):
+    """1F1B + BPipe, pp 4, m 8, a run made by the simulator (every forward 100 µs, backward 200 µs; no BPipe
+    transfer in its tables, so BPipe is priced from its measured activations, and says so). GPipe does not take BPipe, so --schedule gpipe turns it off and says so (by hand uniform
+    GPipe takes (m + p − 1)(F + B) = 11 × 300 = 3,300 µs); --bpipe off is 1F1B without it, the same 3,300 µs;
+    GPipe with BPipe asked for is refused with the rule's reason."""
+    import dataclasses
+
+    from test_validate import fake_analysis
+
+    from traceana.errors import AnalysisError
+    from traceana.model.simulate import StageTimes
+    from traceana.pipeline_rules import bpipe_pairs
+    from traceana.whatif import plan_whatif
+
+    a = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8, times=StageTimes.uniform(4, forward=100e3, backward=200e3))
+    a = dataclasses.replace(a, run=dataclasses.replace(a.run, manifest=dataclasses.replace(
+        a.run.manifest, bpipe=bpipe_pairs(4))))
+    assert a.config.training_config().bpipe
+    gpipe = plan_whatif(a, schedule="gpipe")
+    assert not gpipe["plan"]["bpipe"] and gpipe["predicted_step_ms"] == pytest.approx(3.3)
+    assert any("BPipe off" in n for n in gpipe["notes"]), gpipe["notes"]
+    off = plan_whatif(a, bpipe=False)
+    assert off["predicted_step_ms"] == pytest.approx(3.3) and not off["plan"]["bpipe"]
+    on = plan_whatif(a)
+    assert on["plan"]["bpipe"] and any("BPipe's evictions and loads" in n for n in on["notes"]), on["notes"]
+    with pytest.raises(AnalysisError, match="GPipe holds all its micro-batches"):
+        plan_whatif(a, schedule="gpipe", bpipe=True)
