@@ -234,7 +234,9 @@ def apply(ops: pl.DataFrame, edges: pl.DataFrame, changes: list[Change]) -> tupl
     top = max(float(o.select(pl.max_horizontal(pl.col("work_ns", "gap_ns").max())).item() or 0),
               float(e["transfer_ns"].max() or 0) if e.height else 0.0)
     if not top <= MAX_MS * NS_PER_MS:
-        raise SetError(f"--set {' '.join(c.text for c in changes)!r}: together they make an operation last "
+        named = (repr(" ".join(c.text for c in changes)) if len(changes) <= 3 else
+                 f"({len(changes):,} changes, from {changes[0].text!r} to {changes[-1].text!r})")
+        raise SetError(f"--set {named}: together they make an operation last "
                        f"{'more than' if math.isfinite(top) else 'beyond'} {MAX_MS:,.0f} ms (about 11.6 days)",
                        fix="give smaller factors or durations")
     return (o.with_columns(_int(pl.col("work_ns")), _int(pl.col("gap_ns"))),
