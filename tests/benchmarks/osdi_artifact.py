@@ -10,9 +10,9 @@ The graph, as the artifact's dependency model has it (analyzer/dependency_model.
 sender's k-th compute of its kind to the receiver's k-th (the k-th valid send of stage s with the k-th valid
 receive of stage s ± 1 in its replica: a receive posted after its stage's last compute of that kind, or a send
 ended before its first, is one of the profiler's no-ops), anchored at the receiver's operation before the receive
-was posted, in flight from both sides posted to the receive's end; params-all-gather, grads-reduce-scatter and
+was posted, in flight from both sides posted to the receive's end (or its consumer's start, if earlier); params-all-gather, grads-reduce-scatter and
 separate-grads-all-reduce among the stage's replicas, embedding-grads-all-reduce between the first and the last
-stage of a replica, optimizer-clip-main-grad among a replica's stages (a collective's work: its end less the last
+stage of a replica, optimizer-clip-main-grad among every rank (the artifact's label_dp_sync) (a collective's work: its end less the last
 member's start, the artifact's transfer_duration); an operation's gap: its start less the later of its rank's
 previous end and its inputs' arrival (the artifact's launch delay)."""
 
@@ -33,11 +33,14 @@ from traceana.whatif import whatif  # noqa: E402
 NS = 1e9
 COMPUTE = {"forward-compute": "F", "backward-compute": "B", "optimizer": "O"}
 DP_SYNC = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
-PER_REPLICA = {"embedding-grads-all-reduce": "first-last", "optimizer-clip-main-grad": "all"}
+PER_REPLICA = ("embedding-grads-all-reduce",)
+EVERY_RANK = ("optimizer-clip-main-grad",)  # the artifact's label_dp_sync: among a replica's stages and every replica
 SINGLE = ("layernorm-grads-all-reduce",)
 
 
-def step_graph(trace: Path) -> graph.StepGraph:
+def step_graph(trace: Path, *, launch_delays: bool = True) -> graph.StepGraph:
+    """The artifact's op table as a step graph; ``launch_delays`` False: every gap 0, the study's own convention
+    (its S, decompositions, M_S and M_W are all computed on the replay without launch delays, step_t_nodelay)."""
     d = (pl.read_parquet(trace).with_columns(pl.col("optype").cast(pl.String))
          .filter(pl.col("optype") != "gc")
          .with_columns((pl.col("start_ts").cast(pl.Float64) * NS).round().cast(pl.Int64).alias("s"),
@@ -46,9 +49,10 @@ def step_graph(trace: Path) -> graph.StepGraph:
                        pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int32),
                        pl.col("stage").cast(pl.Int32), pl.col("dp_rank").cast(pl.Int32)))
     pp = int(d["stage"].max()) + 1
-    ops = d.filter(pl.col("optype").is_in([*COMPUTE, *DP_SYNC, *PER_REPLICA, *SINGLE]))
+    ops = d.filter(pl.col("optype").is_in([*COMPUTE, *DP_SYNC, *PER_REPLICA, *EVERY_RANK, *SINGLE]))
     scope = (pl.when(pl.col("optype").is_in(DP_SYNC)).then(pl.lit("dp ") + pl.col("stage").cast(pl.String))
-             .when(pl.col("optype").is_in(list(PER_REPLICA))).then(pl.lit("mp ") + pl.col("dp_rank").cast(pl.String)))
+             .when(pl.col("optype").is_in(PER_REPLICA)).then(pl.lit("mp ") + pl.col("dp_rank").cast(pl.String))
+             .when(pl.col("optype").is_in(EVERY_RANK)).then(pl.lit("all")))
     ops = (ops.with_columns(
         pl.when(pl.col("optype").is_in(list(COMPUTE))).then(pl.col("optype").replace_strict(COMPUTE, default=None))
         .otherwise(pl.lit("C")).alias("action"),
@@ -94,6 +98,8 @@ def step_graph(trace: Path) -> graph.StepGraph:
     first = o.join(ranks.select("rank", "step", pl.col("start_ns").alias("_w")), on=["rank", "step"])
     o = first.with_columns(pl.when(pl.col("seq") == 0).then(pl.col("start_ns") - pl.col("_w"))
                            .otherwise("gap_ns").alias("gap_ns")).drop("_w")
+    if not launch_delays:
+        o = o.with_columns(pl.lit(0, pl.Int64).alias("gap_ns"))
     return graph.StepGraph(ops=o, edges=edges.select(list(graph.EDGES)).cast(graph.EDGES), ranks=ranks,
                            steps=tuple(sorted(o["step"].unique().to_list())))
 
@@ -122,7 +128,8 @@ def _messages(d: pl.DataFrame, ops: pl.DataFrame, pp: int) -> pl.DataFrame:
         # operation before the receive was posted anchors it
         prod = c.select(pl.col("rank").alias("src"), "step", "k", pl.col("seq").alias("src_seq"),
                         pl.col("e").alias("_pe"))
-        cons = c.select(pl.col("rank").alias("dst"), "step", "k", pl.col("seq").alias("dst_seq"))
+        cons = c.select(pl.col("rank").alias("dst"), "step", "k", pl.col("seq").alias("dst_seq"),
+                        pl.col("s").alias("_cs"))
         m = (pair.select(pl.col("rank").alias("src"), pl.col("rank_r").alias("dst"), "step", "k",
                          pl.col("s").alias("_ss"), pl.col("s_r").alias("_rs"), pl.col("e_r").alias("_re"))
              .join(prod, on=["src", "step", "k"]).join(cons, on=["dst", "step", "k"]))
@@ -134,13 +141,16 @@ def _messages(d: pl.DataFrame, ops: pl.DataFrame, pp: int) -> pl.DataFrame:
             "step", pl.lit("p2p").alias("channel"), "src", "src_seq", "dst", "dst_seq", "anchor_seq",
             (pl.col("_ss") - pl.col("_pe")).clip(lower_bound=0).alias("send_lag_ns"),
             (pl.col("_rs") - pl.col("_ae").fill_null(pl.col("_rs"))).clip(lower_bound=0).alias("post_lag_ns"),
-            (pl.col("_re") - pl.max_horizontal("_ss", "_rs")).clip(lower_bound=0).alias("transfer_ns")))
+            # in flight from both sides posted until the receive ended, or its consumer began if earlier (the
+            # receive's span on its own stream can end after the compute that needed it started)
+            (pl.min_horizontal("_re", "_cs") - pl.max_horizontal("_ss", "_rs")).clip(lower_bound=0)
+            .alias("transfer_ns")))
     return pl.concat(rows).cast({k: v for k, v in graph.EDGES.items()})
 
 
 def main(root: Path, jobs: list[str]) -> None:
-    for job in jobs:
-        g = step_graph(root / "data" / f"trace-{job}.parquet")
+    for job, delays in [(j, d) for j in jobs for d in (True, False)]:
+        g = step_graph(root / "data" / f"trace-{job}.parquet", launch_delays=delays)
         w = whatif(SimpleNamespace(run=SimpleNamespace(path=f"osdi {job}")), graph=g)
         s = w.summary
         res = json.loads((root / "data" / f"result-{job}.json").read_text())
@@ -158,7 +168,8 @@ def main(root: Path, jobs: list[str]) -> None:
             return f"{k} ({v[k]:.3f})" if k is not None else "–"
 
         r0 = w.groups.filter((pl.col("group") == "rank") & (pl.col("id") == "0")).row(0, named=True)
-        print(f"{job}: {g.ops.height} operations, {g.edges.height} messages, {len(g.steps)} steps, "
+        print(f"{job} ({'launch delays as host gaps' if delays else 'launch delays 0, as the study'}): "
+              f"{g.ops.height} operations, {g.edges.height} messages, {len(g.steps)} steps, "
               f"{int(g.ops['contradicted'].sum())} contradicted")
         print(f"  traceana: step {s['replayed_step_ms'] / 1e3:.3f} s (measured {s['measured_step_ms'] / 1e3:.3f}), "
               f"ideal {s['ideal_step_ms'] / 1e3:.3f} s, S {s['slowdown']:.3f}, S host 0 "
