@@ -755,9 +755,10 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     refused = plan_refusal(sched, pp=base.pp, num_microbatches=changes.get("num_microbatches",
                                                                           base.num_microbatches),
                            bpipe=bool(want), bpipe_keep=base.bpipe_keep)
-    if refused is not None:
+    if refused is not None:  # (collect's --bpipe-inflight is no option of the what-if's)
+        fix = re.sub(r", or force evictions with --bpipe-inflight \d+", "", refused[1])
         raise AnalysisError(f"the plan is one traceana collect refuses: {refused[0]}", path=analysis.run.path,
-                            fix=refused[1])
+                            fix=fix)
     target = base.replace(**changes)
     g = graph
     if g is None:
