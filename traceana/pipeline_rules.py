@@ -421,6 +421,37 @@ def check_bpipe(schedule: str, *, pp: int | None = None, virtual_stages: int = 1
         raise ConfigError(f"BPipe is defined on the 1F1B schedule: {why}", fix=fix)
 
 
+def plan_refusal(schedule: str, *, pp: int, num_microbatches: int, bpipe: bool = False,
+                 bpipe_keep: int | None = None) -> tuple[str, str] | None:
+    """Why a pipeline plan cannot be run, as (why, fix), or None: the rules ``traceana collect`` refuses a plan by
+    (collectors.trainer.config) and a plan what-if refuses the same one by (traceana.whatif) — BPipe where it does
+    not apply (``why_no_bpipe``), 1F1B that never reaches its steady state (fewer micro-batches than stages), and
+    BPipe that balances nothing (no pair's ``bpipe_plan`` evicts)."""
+    why = why_no_bpipe(schedule, pp=pp) if bpipe else None
+    if why is not None:
+        return why, ("use --pp 2 or more, or drop --bpipe" if pp < 2 else "use --schedule 1f1b, or drop --bpipe")
+    if schedule == "1f1b" and num_microbatches < pp:
+        return (f"1F1B with {num_microbatches} micro-batches for {pp} stages never reaches its steady state",
+                f"use --microbatches {pp} or more, or --schedule gpipe")
+    if bpipe and not any(bpipe_plan(schedule, pp=pp, num_microbatches=num_microbatches, evictor=e,
+                                    keep=bpipe_keep).evicted for e, _ in bpipe_pairs(pp)):
+        held = [microbatches_in_flight(schedule, pp=pp, stage=s, num_microbatches=num_microbatches)
+                for s in range(pp)]
+        if all(held[e] <= held[a] for e, a in bpipe_pairs(pp)):
+            why = (f"every stage already holds as many micro-batches as its partner ({schedule} keeps "
+                   f"{', '.join(f'{h:g}' for h in held)} on stages 0..{pp - 1})")
+        else:
+            why = ("no evictor would hold fewer micro-batches than it does without it (the acceptor would have to "
+                   "take the next before returning the last)")
+        # --bpipe-inflight is suggested only with a value under which the rules' plan does evict
+        keeps = bpipe_keeps_that_evict(schedule, pp=pp, num_microbatches=num_microbatches)
+        fix = "drop --bpipe" + (", or use --pp 4 or more" if pp < 4 else "") + (
+            f", or force evictions with --bpipe-inflight {keeps[-1]}" if keeps and bpipe_keep is None else "")
+        return (f"BPipe can balance nothing at --pp {pp} with {num_microbatches} micro-batches ({schedule}): {why}",
+                fix)
+    return None
+
+
 def bpipe_keeps_that_evict(schedule: str, *, pp: int, num_microbatches: int) -> tuple[int, ...]:
     """The keeps (``--bpipe-inflight`` values) under which some pair's plan evicts anything, smallest first: what
     a suggestion to force evictions may offer (none at 1F1B's pp 2, whose evictor's only other resident micro-batch

@@ -316,9 +316,9 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     named = w.groups.filter(pl.col("named"))
     by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
         "stage", pl.col("replica").alias("straggler"), pl.col("id").cast(pl.Int32).alias("straggler_rank"),
-        "if_ideal_step_ms", "gain_ms")
-    table = (by_rank.sort("gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
-             .drop("gain_ms").cast(empty.schema).select(list(empty.schema)))
+        pl.col("if_peers_step_ms").alias("if_ideal_step_ms"), "peers_gain_ms")  # the straggler at its peers' speed
+    table = (by_rank.sort("peers_gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
+             .drop("peers_gain_ms").cast(empty.schema).select(list(empty.schema)))
     return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 

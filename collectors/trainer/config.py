@@ -13,7 +13,7 @@ from traceana.manifest import ModelShape
 from traceana.model.config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
 from traceana.pipeline_rules import bpipe_pairs as all_bpipe_pairs
-from traceana.pipeline_rules import bpipe_keeps_that_evict, bpipe_plan, microbatches_in_flight, why_no_bpipe
+from traceana.pipeline_rules import bpipe_plan, plan_refusal
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
@@ -57,33 +57,13 @@ class CollectConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
-        why = why_no_bpipe(self.schedule, pp=self.pp) if self.bpipe else None
-        if why is not None:  # the rules' one predicate: what the model, simulator, validate and the verdict take
-            fix = "use --pp 2 or more, or drop --bpipe" if self.pp < 2 else "use --schedule 1f1b, or drop --bpipe"
-            raise ConfigError(why, fix=fix)
-        if self.schedule == "1f1b" and self.microbatches < self.pp:
-            raise ConfigError(
-                f"1F1B with {self.microbatches} micro-batches for {self.pp} stages never reaches its steady state",
-                fix=f"use --microbatches {self.pp} or more, or --schedule gpipe",
-            )
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
-        if self.bpipe and not self.bpipe_pairs:
-            held = [microbatches_in_flight(self.schedule, pp=self.pp, stage=s, num_microbatches=self.microbatches)
-                    for s in range(self.pp)]
-            if all(held[e] <= held[a] for e, a in all_bpipe_pairs(self.pp)):
-                why = (f"every stage already holds as many micro-batches as its partner ({self.schedule} keeps "
-                       f"{', '.join(f'{h:g}' for h in held)} on stages 0..{self.pp - 1})")
-            else:
-                why = ("no evictor would hold fewer micro-batches than it does without it (the acceptor would have to "
-                       "take the next before returning the last)")
-            # --bpipe-inflight is suggested only with a value under which the rules' plan does evict
-            keeps = bpipe_keeps_that_evict(self.schedule, pp=self.pp, num_microbatches=self.microbatches)
-            fix = "drop --bpipe" + (", or use --pp 4 or more" if self.pp < 4 else "") + (
-                f", or force evictions with --bpipe-inflight {keeps[-1]}" if keeps and self.bpipe_inflight is None
-                else "")
-            raise ConfigError(f"BPipe can balance nothing at --pp {self.pp} with {self.microbatches} micro-batches "
-                              f"({self.schedule}): {why}", fix=fix)
+        # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
+        refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.microbatches, bpipe=self.bpipe,
+                               bpipe_keep=self.bpipe_inflight)
+        if refused is not None:
+            raise ConfigError(refused[0], fix=refused[1])
 
     def training_config(self) -> TrainingConfig:
         """The model's description of this run (traceana.model.config), which also validates it."""

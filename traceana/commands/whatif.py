@@ -1,21 +1,23 @@
-"""What would the step take if some work ran at its peers' speed: the measured step's dependency graph (operations,
+"""What would the step take if some work ran at its ideal: the measured step's dependency graph (operations,
 P2P messages, collectives, host gaps) replayed on the simulator's engine with chosen operations made ideal or
 changed (docs/whatif.md).
 
-By default: the measured step, its replay and the replay's error per rank, the step with everything ideal (each
-operation at the median of the same work on its stage), the slowdown (measured / ideal), the slowdown attributed
-to each stage, rank, replica and kind of time (everything ideal but that group, over everything ideal), what the
-step would be with each one made ideal, and one line saying who holds the step back. A rank, replica or stage is
-named only when making it ideal shortens the step by more than the noise in every measured step.
+By default: the measured step and its replay (the graph on the measured durations: how far its edges agree with
+the timeline, in sample — not a prediction); the study's ideal (Lin et al., OSDI 2025: each compute kind at its mean
+across stages, replicas and steps, communication at its median), the slowdown S = measured / ideal, its M_S (share
+due to the last stage) and M_W (due to single workers); per stage, rank, replica and kind of time the slowdown
+(everything ideal but it, over everything ideal) and the step with it made ideal; beside them ours (each operation at
+its stage's median; a rank at its peers' speed), which names the straggler: a rank, replica or stage is named only
+when at its peers' speed the step is shorter by more than the noise in every measured step.
 
   traceana whatif runs/1f1b
   traceana whatif runs/1f1b --set 'stage=1:forward*0.5' --set 'p2p=0'
-  traceana whatif runs/pp2dp2 --set 'rank=3:ideal' --json
-  traceana whatif runs/1f1b --schedule gpipe --microbatches 8 --bpipe off
+  traceana whatif runs/pp2dp2 --set 'rank=3:peers' --json
+  traceana whatif runs/1f1b --schedule gpipe --microbatches 8 --bpipe off --recompute on
 
---schedule, --microbatches and --bpipe predict the step under another plan from the run's own measured durations
-(the simulator, the same scheduler the replay runs on, calibrated by the run's step): the measured counterpart of
-`estimate`'s BPipe verdict.
+--schedule, --microbatches, --bpipe and --recompute predict the step under another plan: the run's measured work
+per operation re-sequenced in that plan's order on the same engine, with its interval, bubble share and memory per
+stage (a prediction, not a replay); a plan `traceana collect` refuses is refused.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal, KIND:ideal, KIND*FACTOR or "
-            "KIND=MS and KIND one of forward, backward, optimizer, collective, p2p, host; repeat to combine (e.g. "
-            "'stage=1:forward*0.5', 'p2p=0', 'rank=3:ideal') (default: none)")
+SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal (the study's: the mean of "
+            "each kind across stages), peers (ours: its peers' speed), KIND:ideal, KIND:peers, KIND*FACTOR (≤ "
+            "1,000,000) or KIND=MS (≤ 1,000,000,000) and KIND one of forward, backward, optimizer, collective, p2p, "
+            "host; repeat to combine, applied in order (e.g. 'stage=1:forward*0.5', 'p2p=0', 'rank=3:ideal') "
+            "(default: none)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,11 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     p.add_argument("--set", action="append", default=[], metavar="CHANGE", dest="changes", help=SET_HELP)
     p.add_argument("--schedule", metavar="NAME",
-                   help="also predict the step under another schedule (gpipe, 1f1b, …) from this run's own measured "
-                        "durations (needs run.json's model and pipeline) (default: none)")
+                   help="also predict the step under another schedule (gpipe, 1f1b, …): this run's measured work "
+                        "re-sequenced in its order (needs run.json's model and pipeline) (default: as the run)")
     p.add_argument("--microbatches", type=int, metavar="N",
                    help="… with another number of micro-batches per step (default: as the run)")
-    p.add_argument("--bpipe", choices=("on", "off"), help="… with BPipe on or off (default: as the run)")
+    p.add_argument("--bpipe", choices=("on", "off"),
+                   help="… with BPipe on or off, its evictions priced from the run's activations (default: as the "
+                        "run; off where the run's BPipe does not apply to --schedule)")
+    p.add_argument("--recompute", choices=("on", "off"),
+                   help="… with full activation recomputation on or off, priced from the measured forwards "
+                        "(default: as the run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
@@ -52,19 +61,36 @@ def render(w, *, console) -> None:
     from traceana.whatif import ms
 
     s = w.summary
+
+    def f2(x):
+        return "–" if x is None else f"{x:.2f}"
+
     print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over steps "
-               f"{', '.join(map(str, s['measured_steps']))}; replayed {ms(s['replayed_step_ms'])} ms (largest "
-               f"error of a rank's step {s['replay_error']:.2%}); everything ideal {ms(s['ideal_step_ms'])} ms, "
-               f"slowdown {_fmt(s['slowdown'], '.2f')}×; noise {ms(s['noise_ms'])} ms")
-    headers = ["group", "", "step if ideal\nms", "gain\nms", "gain in the\nworst step ms", "slowdown", "named"]
+               f"{', '.join(map(str, s['measured_steps']))}; noise {ms(s['noise_ms'])} ms")
+    print_line(console, f"replay of the measured step (a consistency check of the graph's edges, in sample, not a "
+               f"prediction): {ms(s['replayed_step_ms'])} ms, largest difference of a rank's step "
+               f"{s['replay_error']:.2%}")
+    print_line(console, f"the study's ideal (OSDI 2025: compute at the mean of its kind across stages, replicas and "
+               f"steps; communication at its median): {ms(s['ideal_step_ms'])} ms, slowdown S "
+               f"{f2(s['slowdown'])}× (host gaps 0 on both sides: {f2(s['slowdown_without_host'])}×); M_S "
+               f"{_share(s['m_s'])}, M_W {_share(s['m_w'])}"
+               + (f" (ranks {', '.join(map(str, s['m_w_ranks']))})" if s["m_w"] is not None else ""))
+    ws = s["within_stage"]
+    print_line(console, f"ours beside it (each operation at its stage's median): {ms(ws['ideal_step_ms'])} ms, "
+               f"slowdown {f2(ws['slowdown'])}×")
+    headers = ["group", "", "study: step if\nideal ms", "gain\nms", "gain in the\nworst step ms", "slowdown",
+               "ours: at its\npeers' speed ms", "gain\nms", "named"]
+
     def sig(x, sign=""):
         return "–" if x is None else (sign if x >= 0 else "") + ms(x)
 
     rows = [[r["group"], r["id"], sig(r["if_ideal_step_ms"]), sig(r["gain_ms"], "+"), sig(r["min_gain_ms"], "+"),
-             _fmt(r["slowdown"], ".2f"), "yes" if r["named"] else ""]
+             _fmt(r["slowdown"], ".2f"), sig(r["if_peers_step_ms"]), sig(r["peers_gain_ms"], "+"),
+             "yes" if r["named"] else ""]
             for r in w.groups.iter_rows(named=True)]  # one row per group: display only
     print_table(console, "What if each were ideal (the rest as measured); slowdown: everything ideal but it, over "
-                         "everything ideal", headers, rows, keys=2, justify=["left", "left", *["right"] * 5])
+                         "everything ideal (the study's); named: at its peers' speed the step is shorter by more than "
+                         "the noise in every step", headers, rows, keys=2, justify=["left", "left", *["right"] * 7])
     pt = w.path_time
     if pt.height:
         rows = [[f"{r['group']} {r['id']}", ms(r["ms"]), f"{100 * (r['fraction'] or 0):.0f}%"]
@@ -75,8 +101,46 @@ def render(w, *, console) -> None:
         change = s["changed_step_ms"] - s["replayed_step_ms"]
         print_line(console, f"with {', '.join(s['changes'])}: the step would be {ms(s['changed_step_ms'])} ms "
                             f"({'+' if change >= 0 else ''}{ms(change)} ms against the replay)")
-    print_line(console, s["diagnosis"], prefix="diagnosis: ")
+    print_line(console, s["diagnosis"], prefix="diagnosis (ours: at its peers' speed): ")
     for n in w.notes:
+        print_line(console, n, prefix="note: ")
+
+
+def _share(x) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def render_plan(plan: dict, *, console) -> None:
+    """The plan what-if's lines: what it predicts and what it is."""
+    from traceana.tables import print_line
+    from traceana.whatif import ms
+
+    a, b = plan["as_run"], plan["plan"]
+    on = {True: "on", False: "off"}
+
+    def desc(x: dict) -> str:
+        return (f"{x['schedule']}, {x['microbatches']} micro-batches, BPipe {on[x['bpipe']]}, recompute "
+                f"{x['recompute']}")
+
+    lo, hi = plan["interval_ms"]
+    if plan["speedup"] is not None:
+        change = f"{plan['speedup']:.3f}× the step's speed"
+    else:  # another micro-batch count: a step does other work; its time per micro-batch is what compares
+        change = (f"{plan['step_ratio']:.3f}× the step (it holds {b['microbatches']} micro-batches instead of "
+                  f"{a['microbatches']}); per micro-batch {plan['per_microbatch_speedup']:.3f}× as fast")
+    print_line(console, f"plan (a prediction, not a replay: this run's measured work per operation re-sequenced in "
+                        f"the plan's order): {desc(b)} instead of {desc(a)}: the step would be about "
+                        f"{ms(plan['predicted_step_ms'])} ms ({ms(lo)}–{ms(hi)}: the measured steps' spread) — "
+                        f"{change}; "
+                        f"the run as it ran on the same engine: {ms(plan['simulated_as_run_ms'])} ms against "
+                        f"{ms(plan['measured_step_ms'])} ms measured ({plan['as_run_error']:+.1%})")
+    bub = ", ".join(f"stage {k} {100 * v:.0f}%" for k, v in plan["bubble_fraction"].items())
+    print_line(console, f"plan's bubble share: {bub}")
+    if plan["memory_bytes"]:
+        mem = ", ".join(f"stage {k} {v / 2**20:.1f} MiB" for k, v in plan["memory_bytes"].items())
+        print_line(console, f"plan's peak memory (the memory model's in-flight micro-batches on the measured "
+                            f"activations): {mem}")
+    for n in plan["notes"]:
         print_line(console, n, prefix="note: ")
 
 
@@ -90,28 +154,19 @@ def run(args: argparse.Namespace) -> int:
                                 progress=progress, names=args.names)
     w = whatif(analysis, changes)
     plan = None
-    if args.schedule is not None or args.microbatches is not None or args.bpipe is not None:
+    if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute)):
         from traceana.whatif import plan_whatif
 
         plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
-                           bpipe=None if args.bpipe is None else args.bpipe == "on")
+                           bpipe=None if args.bpipe is None else args.bpipe == "on",
+                           recompute=None if args.recompute is None else args.recompute == "on")
     if args.json:
         print(json.dumps({**w.as_dict(), "plan": plan}, indent=2, default=str))
     else:
         from traceana.tables import console as output_console
-        from traceana.tables import print_line
-        from traceana.whatif import ms
 
         console = output_console()
         render(w, console=console)
         if plan is not None:
-            a, b = plan["as_run"], plan["plan"]
-            on = {True: "on", False: "off"}
-            print_line(console, f"plan: {b['schedule']}, {b['microbatches']} micro-batches, BPipe {on[b['bpipe']]} "
-                                f"instead of {a['schedule']}, {a['microbatches']}, BPipe {on[a['bpipe']]}: the step "
-                                f"would be about "
-                                f"{ms(plan['predicted_step_ms'])} ms instead of {ms(plan['measured_step_ms'])} ms "
-                                f"({plan['speedup']:.3f}× — simulated from this run's own durations: "
-                                f"{ms(plan['simulated_as_run_ms'])} ms as it ran, {ms(plan['simulated_plan_ms'])} ms "
-                                "so; a prediction, not a replay)")
+            render_plan(plan, console=console)
     return 0
