@@ -37,7 +37,7 @@ from traceana.model.config import TrainingConfig
 from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
 from traceana.model.memory import reserve_bytes as default_reserve
 from traceana.model.presets import Device
-from traceana.model.simulate import Costs, StageTimes, simulate
+from traceana.model.simulate import Costs, StageTimes, engine_inputs, simulate
 from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
 from traceana.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 
@@ -132,24 +132,33 @@ class StepEstimate:
         return f"b={c.microbatch_size}, m={c.num_microbatches}{rc}{', BPipe' if c.bpipe else ''}"
 
 
-def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) -> StageTimes:
-    """Per-device durations (ns) of one micro-batch from FLOPs at a given efficiency (the backward is 2× the forward;
-    its weight-gradient half W is ``flops.stage_weight_gradient_flops``, which schedules splitting the backward
-    run apart)."""
-    layers = cfg.stage_layers()
+def stage_work(cfg: TrainingConfig, *, peak_flops: float, efficiency: float) -> dict:
+    """Per device the modelled durations (ns) of one micro-batch, as model.simulate.engine_inputs takes work (every
+    micro-batch alike: micro-batch None): from FLOPs at a given efficiency, the backward B 2× the forward F, its
+    weight-gradient part W ``flops.stage_weight_gradient_flops`` (which schedules splitting the backward run apart),
+    R the recompute's extra forward."""
     rate = peak_flops * efficiency * cfg.tp  # the stage's tensor-parallel group works together
-    fwd, bwd, rec, wgt = [], [], [], []
-    for s, n in enumerate(layers):
+    work = {}
+    for s, n in enumerate(cfg.stage_layers()):
         last = s == cfg.last_device
         total = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last)
         extra = flops.stage_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size, last=last,
                                   recompute=cfg.recompute) - total
-        fwd.append(total / 3 / rate * NS_PER_S)
-        bwd.append(2 * total / 3 / rate * NS_PER_S)
-        rec.append(extra / rate * NS_PER_S)
-        wgt.append(flops.stage_weight_gradient_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size,
-                                                     last=last) / rate * NS_PER_S)
-    return StageTimes(tuple(fwd), tuple(bwd), tuple(rec), (0.0,) * cfg.pp, weight_ns=tuple(wgt))
+        work[("F", s, None)] = total / 3 / rate * NS_PER_S
+        work[("B", s, None)] = 2 * total / 3 / rate * NS_PER_S
+        work[("R", s, None)] = extra / rate * NS_PER_S
+        work[("W", s, None)] = flops.stage_weight_gradient_flops(cfg.model, layers=n, microbatch_size=cfg.microbatch_size,
+                                                               last=last) / rate * NS_PER_S
+    return work
+
+
+def stage_times(cfg: TrainingConfig, *, peak_flops: float, efficiency: float,
+                costs: Costs = Costs()) -> tuple[StageTimes, Costs]:
+    """The engine's inputs of the modelled step: ``stage_work`` per device through model.simulate.engine_inputs (the
+    path ``whatif``'s plans feed the measured work through), one chunk's share of it a virtual stage."""
+    return engine_inputs(stage_work(cfg, peak_flops=peak_flops, efficiency=efficiency),
+                         device_of_work=tuple(range(cfg.pp)), stages=cfg.pp * cfg.virtual_stages,
+                         p2p_ns=costs.p2p_ns, optimizer_ns=(0.0,) * cfg.pp, costs=costs)
 
 
 def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: EfficiencyCurve,
@@ -169,7 +178,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
             network.bpipe_bytes_per_s) else 0.0,
         bpipe_overlap=network.bpipe_overlap,
     )
-    times = stage_times(cfg, peak_flops=peak, efficiency=eff)
+    times, costs = stage_times(cfg, peak_flops=peak, efficiency=eff, costs=costs)
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
                    virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False,
                    bpipe_keep=cfg.bpipe_keep)

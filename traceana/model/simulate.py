@@ -24,7 +24,9 @@ BPipe load is ``bpipe``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -40,7 +42,12 @@ from traceana.units import NS_PER_S
 
 MAX_STEP_NS = 2**62  # a simulated step longer than this (~146 years) cannot be held as Int64 nanoseconds
 
-__all__ = ["SIM_SCHEDULES", "Costs", "Simulation", "StageTimes", "bubble_fraction", "simulate"]
+__all__ = ["SIM_SCHEDULES", "Costs", "Simulation", "StageTimes", "bubble_fraction", "engine_inputs", "simulate"]
+
+# Work = durations (ns) keyed (action, virtual stage, micro-batch): action F, B (the whole backward, recompute
+# excluded), I and W (a split backward's halves; with B, W is B's weight-gradient part) or R (a backward's recompute);
+# micro-batch None: every micro-batch of that stage (a modelled duration), else one micro-batch's (a measured one).
+Work = Mapping[tuple[str, int, "int | None"], float]
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,64 @@ class Simulation:
     step_ns: int
     peak_in_flight: tuple[float, ...]  # per device: most micro-batches' activations held at once (own + accepted)
     evicted: tuple[int, ...] = field(default_factory=tuple)  # per device: micro-batches it evicted
+
+
+def engine_inputs(work: Work, *, device_of_work: tuple[int, ...], stages: int,
+                  messages: Mapping[tuple[str, int, int], float] | None = None, p2p_ns: float | None = None,
+                  optimizer_ns: tuple[float, ...] = (), host_ns: tuple[float, ...] = (),
+                  costs: Costs = Costs()) -> tuple[StageTimes, Costs]:
+    """The engine's inputs (StageTimes, Costs) for a plan of ``stages`` virtual stages from per-operation work:
+    the one path from durations to the engine, whether they are measured (``traceana whatif``'s plans: each pass's
+    measured work per micro-batch, each message's measured time in flight) or modelled (``traceana estimate``: FLOPs
+    at an efficiency, one duration a stage, every message the link's time).
+
+    ``work`` (``Work``) is keyed by the virtual stages it was measured or modelled on, ``device_of_work[s]`` the
+    device of its stage s. Each stage's duration of an action is its ``None`` entry, else the mean of its
+    micro-batches; a micro-batch whose work differs from that is kept as it is (``StageTimes.per_op_ns``; one the work
+    does not have runs at its stage's). The backward is B, else I + W; W its weight-gradient part (none: the
+    simulator's half). Where the plan's stages are another placement of the layers (``stages`` ≠ the work's: 1F1B ↔
+    interleaved) the work is summed per device and the simulator splits it over the device's chunks; no single
+    operation or message is kept then. ``messages``: each message's time in flight keyed ("F" activation / "B"
+    gradient, producing stage, micro-batch); ``p2p_ns`` the time of any other (default: their median, 0 without
+    any). ``costs``: the other costs (BPipe's, the sender's), kept."""
+    n_work, devices = len(device_of_work), max(device_of_work) + 1
+    stage_of: dict[tuple[str, int], float] = {}
+    by_stage: dict[tuple[str, int], list[float]] = {}
+    for (a, s, mb), x in work.items():
+        if mb is None:
+            stage_of[(a, s)] = x
+        else:
+            by_stage.setdefault((a, s), []).append(x)
+    for k, xs in by_stage.items():  # equal durations keep their value exactly (a sum over them would round)
+        stage_of.setdefault(k, xs[0] if min(xs) == max(xs) else math.fsum(xs) / len(xs))
+    actions = {a for a, _ in stage_of}
+
+    def col(a: str) -> list[float]:
+        return [stage_of.get((a, s), 0.0) for s in range(n_work)]
+
+    fwd = col("F")
+    bwd = col("B") if "B" in actions else [i + w for i, w in zip(col("I"), col("W"))]
+    wgt = col("W") if "W" in actions else []
+    rec = col("R") if "R" in actions else []
+    per_op: dict | None = {(a, s, mb): x for (a, s, mb), x in work.items()
+                           if mb is not None and x != stage_of[(a, s)]} or None
+    msgs = dict(messages or {})
+    if p2p_ns is None:
+        p2p_ns = sorted(msgs.values())[len(msgs) // 2] if msgs else 0.0
+    per_message: dict | None = {k: x for k, x in msgs.items() if x != p2p_ns} or None
+    if stages != n_work:  # another placement of the layers: per device, split over its chunks by the simulator
+        def per_device(xs: list[float]) -> list[float]:
+            out = [0.0] * devices
+            for s, x in enumerate(xs):
+                out[device_of_work[s]] += x
+            return out
+
+        fwd, bwd, wgt, rec = (per_device(xs) if xs else xs for xs in (fwd, bwd, wgt, rec))
+        per_op = per_message = None
+    times = StageTimes(forward_ns=tuple(fwd), backward_ns=tuple(bwd), recompute_ns=tuple(rec),
+                       optimizer_ns=tuple(optimizer_ns), host_ns=tuple(host_ns), weight_ns=tuple(wgt),
+                       per_op_ns=per_op)
+    return times, dataclasses.replace(costs, p2p_ns=p2p_ns, per_message_ns=per_message)
 
 
 def simulate(
