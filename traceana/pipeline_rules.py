@@ -381,6 +381,23 @@ def stage_layer_ranges(layers: int, stages: int) -> list[range]:
     return [range(starts[s], starts[s + 1]) for s in range(stages)]
 
 
+def layers_refusal(layers_per_stage: tuple[int, ...], *, layers: int, pp: int,
+                   virtual_stages: int = 1) -> tuple[str, str] | None:
+    """Why a split of the transformer blocks over the devices cannot be run, as (why, fix), or None: one count a
+    device summing to the model's blocks, and every chunk at least one block — ``stage_layer_ranges``' rule, which
+    is the one ``traceana collect`` splits its model by (it refuses fewer blocks than stages)."""
+    n = tuple(layers_per_stage)
+    if len(n) != pp or sum(n) != layers:
+        return (f"layers per stage {','.join(map(str, n))} must be {pp} counts summing to the model's {layers} "
+                f"layers", f"give {pp} counts that sum to {layers}")
+    short = [d for d, k in enumerate(n) if k < virtual_stages]
+    if short:
+        return (f"stage {short[0]} would hold {n[short[0]]} layers: every "
+                + ("chunk" if virtual_stages > 1 else "stage") + " needs at least one (as collect splits its model)",
+                f"give every stage at least {virtual_stages} layer{'s' if virtual_stages > 1 else ''}")
+    return None
+
+
 def stage_layers(layers: int, stages: int) -> tuple[int, ...]:
     """Blocks per stage of ``stage_layer_ranges``."""
     return tuple(len(r) for r in stage_layer_ranges(layers, stages))
@@ -422,11 +439,17 @@ def check_bpipe(schedule: str, *, pp: int | None = None, virtual_stages: int = 1
 
 
 def plan_refusal(schedule: str, *, pp: int, num_microbatches: int, bpipe: bool = False,
-                 bpipe_keep: int | None = None) -> tuple[str, str] | None:
+                 bpipe_keep: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
+                 layers: int | None = None, virtual_stages: int = 1) -> tuple[str, str] | None:
     """Why a pipeline plan cannot be run, as (why, fix), or None: the rules ``traceana collect`` refuses a plan by
     (collectors.trainer.config) and a plan what-if refuses the same one by (traceana.whatif) — BPipe where it does
     not apply (``why_no_bpipe``), 1F1B that never reaches its steady state (fewer micro-batches than stages), and
-    BPipe that balances nothing (no pair's ``bpipe_plan`` evicts)."""
+    BPipe that balances nothing (no pair's ``bpipe_plan`` evicts); with ``layers_per_stage`` (of a model of
+    ``layers`` blocks) also ``layers_refusal``."""
+    if layers_per_stage is not None:
+        why_layers = layers_refusal(layers_per_stage, layers=layers, pp=pp, virtual_stages=virtual_stages)
+        if why_layers is not None:
+            return why_layers
     why = why_no_bpipe(schedule, pp=pp) if bpipe else None
     if why is not None:
         return why, ("use --pp 2 or more, or drop --bpipe" if pp < 2 else "use --schedule 1f1b, or drop --bpipe")
