@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana import intervals as iv
-from traceana.errors import AnalysisError, TraceanaError
+from traceana.errors import AnalysisError, ConfigError, TraceanaError
 from traceana.graph import (KIND_OF_ACTION, GraphError, StepGraph, build, critical_path, on_path, replay,
                             replay_variants)
 from traceana.noise import noise_ms
@@ -594,7 +594,8 @@ def plan_of(base, target) -> dict | None:
 
 def _plan_dict(cfg) -> dict:
     return {"schedule": cfg.schedule, "microbatches": cfg.num_microbatches, "bpipe": bool(cfg.bpipe),
-            "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute}
+            "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
+            "layers_per_stage": list(cfg.stage_layers())}
 
 
 def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
@@ -661,64 +662,68 @@ _PHASE_ACTION = {"forward": "F", "backward": "B", "backward_input": "I", "backwa
 
 
 def _times(m: dict, base, target, pp: int):
-    """StageTimes and Costs of one measured step for the target plan (the run's measured work; see plan_whatif)."""
-    from traceana.model.scheduler import Costs, StageTimes
+    """StageTimes and Costs of one measured step for the target plan (the run's measured work; see plan_whatif),
+    through model.simulate.engine_inputs, the path ``estimate``'s modelled durations take too."""
+    from traceana.model.simulate import engine_inputs
     from traceana.pipeline_rules import device_of_stage
 
-    nv_base, nv = pp * base.virtual_stages, pp * target.virtual_stages
-    per_op = m["per_op"]
-
-    def mean_of(action: str, vs: int) -> float:
-        xs = [x for (a, s, _), x in per_op.items() if a == action and s == vs]
-        return sum(xs) / len(xs) if xs else 0.0
-
-    split = any(a in ("I", "W") for a, _, _ in per_op)
-    fwd = [mean_of("F", s) for s in range(nv_base)]
-    bwd = [mean_of("I", s) + mean_of("W", s) if split else mean_of("B", s) for s in range(nv_base)]
-    wgt = [mean_of("W", s) for s in range(nv_base)] if split else []
-    ops = dict(per_op)
-    recompute: list[float] = []
+    nv_base = pp * base.virtual_stages
+    device_of_work = tuple(device_of_stage(base.schedule, s, pp=pp) % pp for s in range(nv_base))
+    scale = _layer_scale(base, target)  # layers moved between stages: each device's work by its layer count
+    per_op = {k: x * scale[device_of_work[k[1]]] for k, x in m["per_op"].items()}
+    work = dict(per_op)
     base_rc, target_rc = base.recompute != "none", target.recompute != "none"
-    if target_rc and not base_rc:  # full recompute: each backward first runs its forward again (measured)
-        recompute = list(fwd)
-    elif base_rc and not target_rc:  # the run's backwards held a forward's recompute: taken out (the measured one)
-        bwd = [max(0.0, b - f) for b, f in zip(bwd, fwd)]
-        ops = {k: (max(0.0, x - per_op.get(("F", k[1], k[2]), 0.0)) if k[0] in ("B", "I") else x)
-               for k, x in per_op.items()}
-    elif base_rc and target_rc:
-        recompute = [0.0] * nv_base  # inside the measured backwards already
-    if nv != nv_base:  # another placement of the layers: per device, split over its chunks by the simulator
-        def per_device(xs):
-            out = [0.0] * pp
-            for s, x in enumerate(xs):
-                out[device_of_stage(base.schedule, s, pp=pp) % pp] += x
-            return tuple(out)
+    if target_rc and not base_rc:  # full recompute: each backward first runs its own measured forward again
+        work.update({("R", s, mb): x for (a, s, mb), x in per_op.items() if a == "F"})
+    elif base_rc and not target_rc:  # the run's backwards held their forward's recompute: taken out (the measured one)
+        work = {k: (max(0.0, x - per_op.get(("F", k[1], k[2]), 0.0)) if k[0] in ("B", "I") else x)
+                for k, x in work.items()}
+    elif base_rc and target_rc:  # inside the measured backwards already
+        work.update({("R", s, None): 0.0 for s in range(nv_base)})
+    return engine_inputs(work, device_of_work=device_of_work, stages=pp * target.virtual_stages,
+                         messages=m["messages"],
+                         optimizer_ns=tuple(m["other"].get(d, 0.0) * scale[d] for d in range(pp)),
+                         host_ns=tuple(m["host"].get(d, 0.0) for d in range(pp)))
 
-        fwd, bwd = per_device(fwd), per_device(bwd)
-        wgt = per_device(wgt) if wgt else []
-        recompute = per_device(recompute) if recompute else []
-        ops = None
-    times = StageTimes(forward_ns=tuple(fwd), backward_ns=tuple(bwd), recompute_ns=tuple(recompute),
-                       optimizer_ns=tuple(m["other"].get(d, 0.0) for d in range(pp)),
-                       host_ns=tuple(m["host"].get(d, 0.0) for d in range(pp)), weight_ns=tuple(wgt),
-                       per_op_ns=ops if ops is not None and target.num_microbatches <= base.num_microbatches
-                       else ({k: x for k, x in ops.items() if k[2] < base.num_microbatches} if ops else None))
-    msgs = m["messages"]
-    p2p = sorted(msgs.values())[len(msgs) // 2] if msgs else 0.0
-    costs = Costs(p2p_ns=p2p, per_message_ns=dict(msgs) if nv == nv_base else None)
-    return times, costs
+
+def _layer_scale(base, target) -> tuple[float, ...]:
+    """Per device: the plan's transformer blocks over the run's (1 where none moved). Per-layer work is not in the
+    traces (no span a block), so a device's measured work — its blocks', and its embedding's or head's with them — is
+    scaled by its layer count: the assumption the plan's note states."""
+    was, now = base.stage_layers(), target.stage_layers()
+    return tuple(1.0 if a == b else b / a for a, b in zip(was, now))
+
+
+LAYERS_ASSUMPTION = ("layers moved: each stage's measured work (forwards, backwards, optimizer and collectives) "
+                     "scaled by its layer count, {was} → {now} (an assumption: the traces time no single layer, so "
+                     "the embedding's and the head's work scale with the blocks beside them); messages as measured")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``--layers-per-stage 3,3,2``: one block count a device (stage), comma-separated; a ConfigError (one line)
+    otherwise. Whether the counts fit the run is plan_whatif's (pipeline_rules.layers_refusal)."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(x < 0 for x in out):
+        raise ConfigError(f"--layers-per-stage {text!r} is not a comma-separated list of layer counts",
+                          fix="give one layer count a stage, e.g. --layers-per-stage 3,3,2")
+    return out
 
 
 def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
                 bpipe: bool | None = None, virtual_stages: int | None = None, recompute: bool | None = None,
-                graph: StepGraph | None = None) -> dict:
+                layers_per_stage: tuple[int, ...] | None = None, graph: StepGraph | None = None) -> dict:
     """The run's measured work under another plan — another schedule, micro-batch count, BPipe on or off,
     recompute on or off — re-sequenced in the rules' planned order (pipeline_rules.device_order) on the one engine
     (model.scheduler.run_schedule through model.simulate): each pass's measured work per (action, virtual stage,
     micro-batch) (a micro-batch the run did not have: its stage's mean), each P2P message's measured time in flight,
     each device's median host gap, its optimizer and collectives; recompute from the measured forwards; BPipe's
     evictions and loads priced at the run's own BPipe transfers, else the stage's measured activations per
-    micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said). Every measured step is simulated on its
+    micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said); ``layers_per_stage`` (one block count a
+    device) moves layers between stages, each device's measured work scaled by its layer count (_layer_scale, the
+    assumption said in a note). Every measured step is simulated on its
     own: the step, its interval (the steps' spread, at least noise.NOISE_FLOOR), the bubble share and memory per stage
     (the memory model's in-flight counts on the measured activations). A **prediction** (the run as it ran goes
     through the same engine: ``simulated_as_run_ms`` against the measured step says how far the engine is from
@@ -752,14 +757,22 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         check_virtual_stages(sched, vs)
     except TraceanaError as e:
         raise AnalysisError(e.what, path=analysis.run.path, fix=e.fix) from None
+    if layers_per_stage is not None:
+        layers_per_stage = tuple(int(x) for x in layers_per_stage)
+        if layers_per_stage != base.stage_layers():
+            changes["layers_per_stage"] = layers_per_stage
     refused = plan_refusal(sched, pp=base.pp, num_microbatches=changes.get("num_microbatches",
                                                                           base.num_microbatches),
-                           bpipe=bool(want), bpipe_keep=base.bpipe_keep)
+                           bpipe=bool(want), bpipe_keep=base.bpipe_keep, layers_per_stage=layers_per_stage,
+                           layers=base.model.layers, virtual_stages=vs)
     if refused is not None:  # (collect's --bpipe-inflight is no option of the what-if's)
         fix = re.sub(r", or force evictions with --bpipe-inflight \d+", "", refused[1])
         raise AnalysisError(f"the plan is one traceana collect refuses: {refused[0]}", path=analysis.run.path,
                             fix=fix)
     target = base.replace(**changes)
+    if target.stage_layers() != base.stage_layers():
+        notes.append(LAYERS_ASSUMPTION.format(was=",".join(map(str, base.stage_layers())),
+                                              now=",".join(map(str, target.stage_layers()))))
     g = graph
     if g is None:
         try:
@@ -776,7 +789,7 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     def priced(m: dict) -> float:
         if m["bpipe_ns"] is not None:
             return m["bpipe_ns"]
-        evict = act.get(0, 0.0)
+        evict = act.get(0, 0.0) * _activation_scale(base, target).get(0, 1.0)
         return latency + evict / (link / 1e9 if link else LOCAL_COPY_BYTES_PER_NS)
 
     if target.bpipe:
@@ -851,10 +864,21 @@ def _activation_per_microbatch(analysis, base) -> dict[int, float]:
     return out
 
 
+def _activation_scale(base, target) -> dict[int, float]:
+    """Per device: the memory model's activations per micro-batch under the plan over the run's (recompute, the
+    layers a stage holds)."""
+    from traceana.model.memory import estimate_stage_memory
+
+    was = {m.stage: m.activation_per_microbatch for m in estimate_stage_memory(base)}
+    return {m.stage: m.activation_per_microbatch / was[m.stage] if was.get(m.stage) else 1.0
+            for m in estimate_stage_memory(target)}
+
+
 def _plan_memory(analysis, base, target, act: dict[int, float], estimate) -> dict[int, float] | None:
     """Per stage the plan's peak memory: the measured baseline (what is not activations) plus the measured
-    activations per micro-batch × the micro-batches the memory model holds under the plan (recompute: the model's
-    ratio of activations per micro-batch with and without it)."""
+    activations per micro-batch × the micro-batches the memory model holds under the plan (recompute, the layers a
+    stage holds: the model's ratio of activations per micro-batch under the plan and as run). With layers moved the
+    baseline scales by the model's ratio of the stage's weights, gradients and optimizer state."""
     sm = analysis.stage_memory
     if not act or sm is None or "baseline_bytes" not in sm.columns:
         return None
@@ -865,7 +889,10 @@ def _plan_memory(analysis, base, target, act: dict[int, float], estimate) -> dic
     for m in estimate(target):
         if m.stage not in act or m.stage not in was:
             continue
-        scale = m.activation_per_microbatch / was[m.stage].activation_per_microbatch \
-            if was[m.stage].activation_per_microbatch else 1.0
-        out[m.stage] = float(baseline.get(m.stage) or 0) + act[m.stage] * scale * (m.in_flight + m.foreign_in_flight)
+        w = was[m.stage]
+        scale = m.activation_per_microbatch / w.activation_per_microbatch if w.activation_per_microbatch else 1.0
+        state, state_was = (x.weight_bytes + x.grad_bytes + x.optimizer_bytes for x in (m, w))
+        kept = state / state_was if state_was and state != state_was else 1.0
+        out[m.stage] = (float(baseline.get(m.stage) or 0) * kept
+                        + act[m.stage] * scale * (m.in_flight + m.foreign_in_flight))
     return out

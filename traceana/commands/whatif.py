@@ -14,8 +14,9 @@ when at its peers' speed the step is shorter by more than the noise in every mea
   traceana whatif runs/1f1b --set 'stage=1:forward*0.5' --set 'p2p=0'
   traceana whatif runs/pp2dp2 --set 'rank=3:peers' --json
   traceana whatif runs/1f1b --schedule gpipe --microbatches 8 --bpipe off --recompute on
+  traceana whatif runs/gpipe --layers-per-stage 2,3,3
 
---schedule, --microbatches, --bpipe and --recompute predict the step under another plan: the run's measured work
+--schedule, --microbatches, --bpipe, --recompute and --layers-per-stage predict the step under another plan: the run's measured work
 per operation re-sequenced in that plan's order on the same engine, with its interval, bubble share and memory per
 stage (a prediction, not a replay); a plan `traceana collect` refuses is refused.
 """
@@ -50,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=("on", "off"),
                    help="… with full activation recomputation on or off, priced from the measured forwards "
                         "(default: as the run)")
+    p.add_argument("--layers-per-stage", metavar="N,N,...",
+                   help="… with the transformer layers split so over the stages (one count a stage, summing to the "
+                        "model's layers), each stage's measured work scaled by its layer count (default: as the run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
@@ -119,8 +123,10 @@ def render_plan(plan: dict, *, console) -> None:
     on = {True: "on", False: "off"}
 
     def desc(x: dict) -> str:
+        layers = (f", layers {','.join(map(str, x['layers_per_stage']))}"
+                  if a["layers_per_stage"] != b["layers_per_stage"] else "")
         return (f"{x['schedule']}, {x['microbatches']} micro-batches, BPipe {on[x['bpipe']]}, recompute "
-                f"{x['recompute']}")
+                f"{x['recompute']}{layers}")
 
     lo, hi = plan["interval_ms"]
     if plan["speedup"] is not None:
@@ -146,20 +152,22 @@ def render_plan(plan: dict, *, console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.whatif import parse_set, whatif
+    from traceana.whatif import parse_layers, parse_set, whatif
 
     changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
+    layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress, names=args.names)
     w = whatif(analysis, changes)
     plan = None
-    if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute)):
+    if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
         from traceana.whatif import plan_whatif
 
         plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
                            bpipe=None if args.bpipe is None else args.bpipe == "on",
-                           recompute=None if args.recompute is None else args.recompute == "on")
+                           recompute=None if args.recompute is None else args.recompute == "on",
+                           layers_per_stage=layers)
     if args.json:
         print(json.dumps({**w.as_dict(), "plan": plan}, indent=2, default=str))
     else:
