@@ -100,7 +100,7 @@ def test_layers_moved_between_stages_by_hand(tmp_path):
     assert plan_whatif(a, layers_per_stage=(1, 3))["predicted_step_ms"] == pytest.approx(5.55)
     with pytest.raises(AnalysisError, match="stage 1 would hold 0 layers"):
         plan_whatif(a, layers_per_stage=(4, 0))
-    with pytest.raises(AnalysisError, match="must be 2 counts summing to the model's 4 layers"):
+    with pytest.raises(AnalysisError, match="must be 2 counts \(one a device\) summing to the model.s 4 layers"):
         plan_whatif(a, layers_per_stage=(2, 1))
     # with another schedule: 1F1B of the moved layers, uniform 150 / 300: 5 × 450 µs as well
     assert plan_whatif(a, schedule="1f1b", layers_per_stage=(3, 1))["predicted_step_ms"] == pytest.approx(2.25)

@@ -388,12 +388,16 @@ def layers_refusal(layers_per_stage: tuple[int, ...], *, layers: int, pp: int,
     is the one ``traceana collect`` splits its model by (it refuses fewer blocks than stages)."""
     n = tuple(layers_per_stage)
     if len(n) != pp or sum(n) != layers:
-        return (f"layers per stage {','.join(map(str, n))} must be {pp} counts summing to the model's {layers} "
-                f"layers", f"give {pp} counts that sum to {layers}")
+        return (f"layers per stage {','.join(map(str, n))} must be {pp} counts (one a device) summing to the "
+                f"model's {layers} layers", f"give {pp} counts that sum to {layers}")
     short = [d for d, k in enumerate(n) if k < virtual_stages]
     if short:
-        return (f"stage {short[0]} would hold {n[short[0]]} layers: every "
-                + ("chunk" if virtual_stages > 1 else "stage") + " needs at least one (as collect splits its model)",
+        k = n[short[0]]
+        held = f"{k} layer{'' if k == 1 else 's'}"
+        return ((f"device {short[0]} would hold {held} for its {virtual_stages} chunks" if virtual_stages > 1 else
+                 f"stage {short[0]} would hold {held}")
+                + ": every " + ("chunk" if virtual_stages > 1 else "stage")
+                + " needs at least one (as collect splits its model)",
                 f"give every stage at least {virtual_stages} layer{'s' if virtual_stages > 1 else ''}")
     return None
 

@@ -52,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="… with full activation recomputation on or off, priced from the measured forwards "
                         "(default: as the run)")
     p.add_argument("--layers-per-stage", metavar="N,N,...",
-                   help="… with the transformer layers split so over the stages (one count a stage, summing to the "
-                        "model's layers), each stage's measured work scaled by its layer count (default: as the run)")
+                   help="… with the transformer layers split so over the stages (one count a stage, all its chunks "
+                        "together when interleaved, summing to the model's layers), each stage's measured work "
+                        "scaled by its layer count (default: as the run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
