@@ -4,6 +4,8 @@ Give a model preset (--model llama-65b) or an explicit shape (--family/--layers/
 layout and the batch. The step time comes from the schedule simulator fed with FLOPs at an efficiency E(b): measured
 points (--efficiency 1:0.45,2:0.50) or an assumed saturating curve, which the output says.
 """
+# The modelled durations reach the engine through model.simulate.engine_inputs (model.bpipe.estimate_step), the path
+# whatif's plans feed a run's measured durations through.
 
 from __future__ import annotations
 
