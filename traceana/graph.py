@@ -238,9 +238,12 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                            .alias("members"))
     win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
     replica = pipeline_replicas(analysis)
+    # a rank's step ends with its last CPU work of the step (the host time after its last operation: zero_grad,
+    # Python), not with its ProfilerStep span's end, which the replay does not read (docs/whatif.md)
     rank_steps = (
         win.join(ops.group_by("rank", "step").agg(pl.col("end_ns").max().alias("_last")), on=["rank", "step"])
-        .with_columns((pl.col("end_ns") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
+        .join(_last_cpu(analysis, step_f), on=["rank", "step"], how="left")
+        .with_columns((pl.coalesce("_cpu_end", "_last") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
         .join(analysis.stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank",
               how="left")
         .join(replica, on="rank", how="left")
@@ -257,6 +260,19 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                      "arrived (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(list(OPS)).cast(OPS), edges=edges, ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
+
+
+def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
+    """rank, step, ``_cpu_end``: when each rank's last CPU event of the step ends (the ProfilerStep spans apart)."""
+    ev = analysis.events
+    if ev is None or ev.height == 0:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int32, "_cpu_end": pl.Int64})
+    return (
+        ev.lazy().filter(~pl.col("is_gpu") & pl.col("step").is_not_null() & (pl.col("kind") != "step"))
+        .join(steps.lazy(), on="step")
+        .group_by("rank", "step").agg((pl.col("ts_ns") + pl.col("dur_ns")).max().alias("_cpu_end"))
+        .collect(**iv.COLLECT).cast({"rank": pl.Int32, "step": pl.Int32, "_cpu_end": pl.Int64})
+    )
 
 
 def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int]:
@@ -280,14 +296,20 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         left_on="recv_post_ns", right_on="_as", by=["dst", "step"], strategy="backward", check_sortedness=False)
     start = win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w"))
     e = (
-        prod.join(cons.select("_m", "dst_seq"), on="_m").join(anchor.select("_m", "anchor_seq", "_ae"), on="_m")
+        prod.join(cons.select("_m", "dst_seq", "_ws"), on="_m").join(anchor.select("_m", "anchor_seq", "_ae"),
+                                                                      on="_m")
         .join(start, on=["dst", "step"], how="left")
     )
     keep = pl.col("src_seq").is_not_null() & pl.col("dst_seq").is_not_null()
     unpaired = e.filter(~keep).height
+    # The message's time from both sides posted to its consumer starting work is the edge's (its transfer): where
+    # the receive returned later than its bytes take (gloo waiting on its peer's progress: p2p.pair's split), the
+    # wait is this message's, not the consumer's host time, and it goes with the message (docs/whatif.md)
+    posted = pl.max_horizontal("send_start_ns", "recv_post_ns")
     e = e.filter(keep).with_columns(
         (pl.col("send_start_ns") - pl.col("_pe")).alias("send_lag_ns"),
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
+        pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
     )
     return e.select(list(EDGES)).cast(EDGES).sort("step", "dst", "dst_seq"), unpaired
 
@@ -382,8 +404,15 @@ def _plan(g: StepGraph, step: int) -> dict:
                  key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1), float(post_lag))
                 for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
                     "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
+    msg_dev = [(dev[src], dev[dst]) for src, dst in edges.select("src", "dst").iter_rows()]
+    origin = int(win["start_ns"].min())
+    host0 = [0.0] * len(ranks)  # each rank's measured host gaps: what its lags and tail scale with
+    for r, gp in ops.group_by("rank").agg(pl.col("gap_ns").sum()).iter_rows():
+        host0[dev[r]] = float(gp)
+    total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "origin": int(win["start_ns"].min()),
+            "messages": messages, "msg_dev": msg_dev, "origin": origin, "host0": host0, "total0": total0,
+            "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
     return plan
@@ -412,27 +441,47 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
     return out
 
 
+def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[float]
+            ) -> tuple[list[float], float]:
+    """What the time the graph holds no operation for scales with in a variant (docs/whatif.md "No frozen time"):
+    per rank its host ratio (its host gaps in the variant over the measured ones; 1 where it measured none) — the
+    rank's lags before a send or a receive's post and its tail after its last operation are its CPU's host work —
+    and the step's ratio ``rho`` (all its work, gaps and transfers in the variant over the measured ones): a rank
+    that started the step late waited on the previous step, taken to shrink as this one does."""
+    sums = [0.0] * len(plan["ranks"])
+    for (r, _), x in zip(plan["keys"], g_list):
+        sums[plan["dev"][r]] += x
+    host = [x / h if h > 0 else 1.0 for x, h in zip(sums, plan["host0"])]
+    total0 = plan["total0"]
+    rho = (sum(w_list) + sum(g_list) + sum(t_list)) / total0 if total0 > 0 else 1.0
+    return host, rho
+
+
 def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
     from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
 
     plan = _plan(g, step)
     w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
+    host, rho = _scales(plan, w_list, g_list, t_list)
     work = dict(zip(plan["keys"], w_list))
     gaps = {k: (x, x) for k, x in zip(plan["keys"], g_list)}
     inputs: dict[tuple, list] = {}
-    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"], t_list):
-        inputs.setdefault(consumer, []).append((((made, send_lag), (anchor, post_lag)), transfer))
+    for (consumer, made, send_lag, anchor, post_lag), (sd, dd), transfer in zip(plan["messages"], plan["msg_dev"],
+                                                                              t_list):
+        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
+                                                transfer))
     trace = Trace()
-    win = plan["win"]
+    starts = [float(round(o * rho)) for o in plan["offset"]]
+    tails = [round(t * h) for t, h in zip(plan["tail"], host)]
     _, free = run_schedule(
         plan["orders"], rec=NullRecorder(), policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)),
         costs=Costs(), pp=len(plan["ranks"]), virtual_stages=1, schedule="measured", num_microbatches=1,
         dur=lambda a, r, seq: 0.0 if a == "R" or seq < 0 else work[(r, seq)],
         inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
         gap=lambda d, i, op: gaps.get((op[1], op[2]), (0.0, 0.0)), groups=plan["groups"], trace=trace,
-        free0=[float(s - plan["origin"]) for s in win["start_ns"]])
-    return plan, trace, free
+        free0=starts)
+    return plan, trace, free, starts, tails
 
 
 def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None
@@ -441,10 +490,9 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     values = _values(g, ops, edges)
     out = []
     for step in g.steps:
-        plan, _, free = _run(g, step, None, None, values)
-        win = plan["win"]
-        out.append(max(round(plan["origin"] + f) + t - s0
-                       for f, t, s0 in zip(free, win["tail_ns"].to_list(), win["start_ns"].to_list())))
+        plan, _, free, starts, tails = _run(g, step, None, None, values)
+        origin = plan["origin"]
+        out.append(max(round(origin + f) + t - (origin + int(s0)) for f, t, s0 in zip(free, tails, starts)))
     return out
 
 
@@ -528,6 +576,8 @@ def _levels(g: StepGraph, step: int):
     m_anc = np.array([node_of[anchor] for _, _, _, anchor, _ in plan["messages"]], dtype=np.int64)
     m_sl = np.array([sl for _, _, sl, _, _ in plan["messages"]], dtype=np.float64)
     m_pl = np.array([p for *_, p in plan["messages"]], dtype=np.float64)
+    m_sd = np.array([sd for sd, _ in plan["msg_dev"]], dtype=np.int64)
+    m_dd = np.array([dd for _, dd in plan["msg_dev"]], dtype=np.int64)
     gid = {}
     grp = np.full(n, -1, dtype=np.int64)
     for op, (name, _members) in plan["groups"].items():
@@ -577,14 +627,16 @@ def _levels(g: StepGraph, step: int):
         gs = grp[gm]
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
-        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], starts, at,
-                         np.searchsorted(nodes, gm), g_starts, g_counts))
+        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
+                         starts, at, np.searchsorted(nodes, gm), g_starts, g_counts))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
     last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
-    plan["levels"] = (n, by_level, np.array([float(s - plan["origin"]) for s in win["start_ns"]]), last,
-                      plan["origin"], win["tail_ns"].to_numpy().astype(np.int64) - win["start_ns"].to_numpy())
+    onehot = np.zeros((n, len(plan["ranks"])))
+    onehot[np.arange(n), r_of] = 1.0
+    plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
+                      np.array(plan["tail"], dtype=np.float64), onehot, np.array(plan["host0"]), plan["total0"])
     return plan["levels"]
 
 
@@ -593,22 +645,30 @@ def _evaluate(levels, work, gap, transfer):
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
-    n, by_level, free0, last, origin, tail_less_start = levels
+    n, by_level, offset, last, origin, tail, onehot, host0, total0 = levels
     v = work.shape[0]
-    end = np.empty((v, n + free0.size))
-    end[:, n:] = free0[None, :]
-    for nodes, prev, es, src, anc, sl, pl_, starts, at, gpos, g_starts, g_counts in by_level:
+    # _scales, per variant: the ranks' host ratios and the step's
+    sums = gap @ onehot if n else np.zeros((v, host0.size))
+    host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], 1.0)
+    rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
+           else np.ones(v))
+    starts = np.round(offset[None, :] * rho[:, None])
+    end = np.empty((v, n + offset.size))
+    end[:, n:] = starts
+    for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts in by_level:
         t = end[:, prev]
         if es.size:
-            arrive = np.maximum(end[:, src] + sl, end[:, anc] + pl_) + transfer[:, es]
-            ready = np.maximum.reduceat(arrive, starts, axis=1)
+            arrive = (np.maximum(end[:, src] + sl[None, :] * host[:, sd], end[:, anc] + pl_[None, :] * host[:, dd])
+                      + transfer[:, es])
+            ready = np.maximum.reduceat(arrive, m_starts, axis=1)
             t[:, at] = np.maximum(t[:, at], ready)
         t += gap[:, nodes]
         if gpos.size:  # a collective starts when its last member joins
             t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
         t += work[:, nodes]
         end[:, nodes] = t
-    steps = np.round(float(origin) + end[:, last]).astype(np.int64) + tail_less_start[None, :]
+    steps = (np.round(float(origin) + end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
+             - (origin + starts.astype(np.int64)))
     return steps.max(axis=1)
 
 
@@ -616,8 +676,8 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
     work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones,
     the same rows)."""
-    plan, trace, free = _run(g, step, ops, edges)
-    ranks, origin, member_seq, win = plan["ranks"], plan["origin"], plan["member_seq"], plan["win"]
+    plan, trace, free, starts, tails = _run(g, step, ops, edges)
+    ranks, origin, member_seq = plan["ranks"], plan["origin"], plan["member_seq"]
 
     def source(bound) -> tuple[str, int | None, int | None]:
         if bound == "device":
@@ -632,10 +692,11 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
                            orient="row").sort("rank", "seq")
-    rank_rows = win.with_columns(
-        pl.Series("_free", [origin + free[plan["dev"][r]] for r in ranks], dtype=pl.Float64)
-    ).select("rank", "start_ns", (pl.col("_free").round().cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
-             ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    rank_rows = pl.DataFrame(
+        {"rank": ranks, "start_ns": [origin + int(s) for s in starts],
+         "end_ns": [round(origin + f) + t for f, t in zip(free, tails)]},
+        schema={"rank": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64},
+    ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
     return Replay(step=step, ranks=rank_rows, ops=op_rows)
 
 
