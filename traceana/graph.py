@@ -56,6 +56,9 @@ ARRIVAL_SLACK_NS = 20_000
 OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String, "phase": pl.String,
        "stage": pl.Int32, "microbatch": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "work_ns": pl.Int64,
        "gap_ns": pl.Int64, "group": pl.String, "members": pl.Int32, "source": pl.String, "contradicted": pl.Boolean}
+# Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
+# holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
+WAIT = {"wait_ns": pl.Int64}
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
@@ -253,12 +256,18 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops = _gaps(ops, edges, win)
+    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win))
+    waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
+    if waits.height:
+        per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
+        notes.append(f"waits no edge explains (the rank ran nothing on its CPU and no message, collective or earlier "
+                     f"operation of the graph held it): {per_rank} over the steps replayed; they are not work — the "
+                     "replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
     bad = int(ops["contradicted"].sum())
     if bad:
         notes.append(f"{bad} of {ops.height} operations started before the input the graph gives them could have "
                      "arrived (an edge the timeline contradicts): their replay starts late")
-    return StepGraph(ops=ops.select(list(OPS)).cast(OPS), edges=edges, ranks=rank_steps, steps=tuple(steps),
+    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
 
@@ -312,6 +321,39 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
     )
     return e.select(list(EDGES)).cast(EDGES).sort("step", "dst", "dst_seq"), unpaired
+
+
+# Events in which a CPU thread waits rather than works (a P2P call, a collective: what it waits for is a message or
+# a group's other members) and the steps' own spans; every other CPU event (an op, a Python frame, a launch) is work.
+WAIT_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer", "collective", "step")
+
+
+def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
+    """Each operation's gap split into host work (``gap_ns``: its CPU ran an op or a Python frame, outside any wait)
+    and a wait no edge explains (``wait_ns``: the CPU ran nothing, or waited in a call the graph holds no edge for)."""
+    win = ops.select("rank", "step", "seq", (pl.col("end_ns") - pl.col("work_ns")).alias("_s"), "gap_ns", "group",
+                     "start_ns")
+    win = win.with_columns(pl.when(pl.col("group").is_not_null()).then("start_ns").otherwise("_s").alias("end"))
+    win = win.with_columns((pl.col("end") - pl.col("gap_ns")).alias("start")).filter(pl.col("gap_ns") > 0)
+    ev = analysis.events
+    if ev is None or ev.height == 0 or win.height == 0:
+        return ops.with_columns(pl.lit(0, pl.Int64).alias("wait_ns"))
+    cpu = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0))
+    spans = [pl.col("rank"), pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
+    busy, waiting = pl.collect_all([cpu.filter(~pl.col("kind").is_in(WAIT_KINDS)).select(spans),
+                                    cpu.filter(pl.col("kind").is_in(WAIT_KINDS[:-1])).select(spans)], **iv.COLLECT)
+    work = iv.subtract(iv.merge(busy, "rank"), iv.merge(waiting, "rank"), "rank")
+    pieces = iv.intersect(work, win.select("rank", "start", "end"), "rank")
+    if pieces.height == 0:
+        return ops.with_columns(pl.col("gap_ns").alias("wait_ns"), pl.lit(0, pl.Int64).alias("gap_ns"))
+    at = (pieces.sort("start").join_asof(win.select("rank", "step", "seq", pl.col("start").alias("_w")).sort("_w"),
+                                         left_on="start", right_on="_w", by="rank", strategy="backward",
+                                         check_sortedness=False)
+          .group_by("rank", "step", "seq").agg((pl.col("end") - pl.col("start")).sum().alias("_busy")))
+    return (ops.join(at, on=["rank", "step", "seq"], how="left", maintain_order="left")
+            .with_columns(pl.min_horizontal(pl.col("_busy").fill_null(0), "gap_ns").alias("_busy"))
+            .with_columns((pl.col("gap_ns") - pl.col("_busy")).alias("wait_ns"), pl.col("_busy").alias("gap_ns"))
+            .drop("_busy"))
 
 
 def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
@@ -409,9 +451,11 @@ def _plan(g: StepGraph, step: int) -> dict:
     host0 = [0.0] * len(ranks)  # each rank's measured host gaps: what its lags and tail scale with
     for r, gp in ops.group_by("rank").agg(pl.col("gap_ns").sum()).iter_rows():
         host0[dev[r]] = float(gp)
+    # waits no edge explains, in keys' order
+    wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "msg_dev": msg_dev, "origin": origin, "host0": host0, "total0": total0,
+            "messages": messages, "msg_dev": msg_dev, "origin": origin, "host0": host0, "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
@@ -444,16 +488,17 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
 def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[float]
             ) -> tuple[list[float], float]:
     """What the time the graph holds no operation for scales with in a variant (docs/whatif.md "No frozen time"):
-    per rank its host ratio (its host gaps in the variant over the measured ones; 1 where it measured none) — the
+    per rank its host ratio (its host gaps in the variant over the measured ones; the step's where it measured
+    none) — the
     rank's lags before a send or a receive's post and its tail after its last operation are its CPU's host work —
     and the step's ratio ``rho`` (all its work, gaps and transfers in the variant over the measured ones): a rank
     that started the step late waited on the previous step, taken to shrink as this one does."""
     sums = [0.0] * len(plan["ranks"])
     for (r, _), x in zip(plan["keys"], g_list):
         sums[plan["dev"][r]] += x
-    host = [x / h if h > 0 else 1.0 for x, h in zip(sums, plan["host0"])]
     total0 = plan["total0"]
     rho = (sum(w_list) + sum(g_list) + sum(t_list)) / total0 if total0 > 0 else 1.0
+    host = [x / h if h > 0 else rho for x, h in zip(sums, plan["host0"])]
     return host, rho
 
 
@@ -465,7 +510,7 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
     w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
     host, rho = _scales(plan, w_list, g_list, t_list)
     work = dict(zip(plan["keys"], w_list))
-    gaps = {k: (x, x) for k, x in zip(plan["keys"], g_list)}
+    gaps = {k: (x + w * rho, x + w * rho) for k, x, w in zip(plan["keys"], g_list, plan["wait"])}
     inputs: dict[tuple, list] = {}
     for (consumer, made, send_lag, anchor, post_lag), (sd, dd), transfer in zip(plan["messages"], plan["msg_dev"],
                                                                               t_list):
@@ -492,7 +537,7 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     for step in g.steps:
         plan, _, free, starts, tails = _run(g, step, None, None, values)
         origin = plan["origin"]
-        out.append(max(round(origin + f) + t - (origin + int(s0)) for f, t, s0 in zip(free, tails, starts)))
+        out.append(max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts)))
     return out
 
 
@@ -636,7 +681,8 @@ def _levels(g: StepGraph, step: int):
     onehot = np.zeros((n, len(plan["ranks"])))
     onehot[np.arange(n), r_of] = 1.0
     plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
-                      np.array(plan["tail"], dtype=np.float64), onehot, np.array(plan["host0"]), plan["total0"])
+                      np.array(plan["tail"], dtype=np.float64), onehot, np.array(plan["host0"]), plan["total0"],
+                      np.array(plan["wait"], dtype=np.float64))
     return plan["levels"]
 
 
@@ -645,13 +691,13 @@ def _evaluate(levels, work, gap, transfer):
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
-    n, by_level, offset, last, origin, tail, onehot, host0, total0 = levels
+    n, by_level, offset, last, origin, tail, onehot, host0, total0, wait = levels
     v = work.shape[0]
     # _scales, per variant: the ranks' host ratios and the step's
     sums = gap @ onehot if n else np.zeros((v, host0.size))
-    host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], 1.0)
     rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
            else np.ones(v))
+    host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], rho[:, None])
     starts = np.round(offset[None, :] * rho[:, None])
     end = np.empty((v, n + offset.size))
     end[:, n:] = starts
@@ -662,13 +708,13 @@ def _evaluate(levels, work, gap, transfer):
                       + transfer[:, es])
             ready = np.maximum.reduceat(arrive, m_starts, axis=1)
             t[:, at] = np.maximum(t[:, at], ready)
-        t += gap[:, nodes]
+        t += gap[:, nodes] + wait[None, nodes] * rho[:, None]
         if gpos.size:  # a collective starts when its last member joins
             t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
         t += work[:, nodes]
         end[:, nodes] = t
-    steps = (np.round(float(origin) + end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
-             - (origin + starts.astype(np.int64)))
+    steps = (np.round(end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
+             - starts.astype(np.int64))
     return steps.max(axis=1)
 
 
@@ -687,14 +733,14 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
             return "group", last, member_seq[(bound[1], last)]
         return "input", bound[1], bound[2]
 
-    rows = [(op[1], op[2], round(origin + start), round(origin + end), *source(bound))
+    rows = [(op[1], op[2], origin + round(start), origin + round(end), *source(bound))
             for (d, i), (op, _f, _ready, start, end, bound) in trace.ops.items() if op[2] >= 0]
     op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
                            orient="row").sort("rank", "seq")
     rank_rows = pl.DataFrame(
         {"rank": ranks, "start_ns": [origin + int(s) for s in starts],
-         "end_ns": [round(origin + f) + t for f, t in zip(free, tails)]},
+         "end_ns": [origin + round(f) + t for f, t in zip(free, tails)]},
         schema={"rank": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64},
     ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
     return Replay(step=step, ranks=rank_rows, ops=op_rows)
@@ -712,15 +758,30 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     latest end allowed by everything that waits on it (each rank's step may end at its start + the step time), less
     its replayed end)."""
     step = r.step
-    ops = (g.ops.filter(pl.col("step") == step).select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group")
+    own = g.ops.filter(pl.col("step") == step)
+    # what the replay put before each operation: its host gap and its wait (scaled as the replay scaled it: the
+    # replayed start less the later of its previous end and its inputs' arrival is what the walk below reads)
+    ops = (own.select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group",
+                      (pl.col("wait_ns") if "wait_ns" in own.columns else pl.lit(0, pl.Int64)).alias("_wait"))
            .join(r.ops, on=["rank", "seq"]))
     edges = g.edges.filter(pl.col("step") == step)
     win = g.ranks.filter(pl.col("step") == step).join(r.ranks.select("rank", pl.col("end_ns").alias("_end")),
                                                       on="rank")
     info = {(rk, sq): (a, st, w, gp, grp, s0, e0, b, fr, fs)
             for rk, sq, a, st, w, gp, grp, s0, e0, b, fr, fs in ops.select(
-                "rank", "seq", "action", "stage", "work_ns", "gap_ns", "group", "start_ns", "end_ns", "bound",
-                "from_rank", "from_seq").iter_rows()}
+                "rank", "seq", "action", "stage", "work_ns", pl.col("gap_ns") + pl.col("_wait"), "group", "start_ns",
+                "end_ns", "bound", "from_rank", "from_seq").iter_rows()}
+    wait_of = dict(((rk, sq), wt) for rk, sq, wt in ops.select("rank", "seq", "_wait").iter_rows())
+
+    def before_op(rk: int, st, sq: int, t0: int, t1: int) -> None:
+        """The time [t0, t1) before operation (rk, sq) on the path: its wait no edge explains first, then host."""
+        if t1 <= t0:
+            return
+        wt = min(wait_of.get((rk, sq), 0), t1 - t0)
+        if wt > 0:
+            pieces.append((rk, st, None, "wait", t0, t0 + wt))
+        if t1 > t0 + wt:
+            pieces.append((rk, st, None, "host", t0 + wt, t1))
     start_of = dict(win.select("rank", "start_ns").iter_rows())
     tail = dict(win.select("rank", "tail_ns").iter_rows())
     last_seq = dict(ops.group_by("rank").agg(pl.col("seq").max()).iter_rows())
@@ -780,9 +841,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         joined = b == "group"
         if b == "device":
             prev = (rk, sq - 1) if (rk, sq - 1) in info else None
-            before = info[prev][6] if prev else start_of[rk]
-            if s0 > before:
-                pieces.append((rk, st, None, "host", before, s0))
+            before_op(rk, st, sq, info[prev][6] if prev else start_of[rk], s0)
             key = prev
         elif b == "group":
             key = (fr, fs)
@@ -790,8 +849,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             # from the producer's end to the send (or from the receiver's operation to its posting the receive) too
             src_end = info[(fr, fs)][6] if fs >= 0 else start_of[fr]  # (-1: the rank's step start)
             arrive = s0 - gp
-            if s0 > arrive:
-                pieces.append((rk, st, None, "host", arrive, s0))
+            before_op(rk, st, sq, arrive, s0)
             lag = post_lag_of.get((rk, sq, fs)) if fr == rk else None
             if lag is not None and lag > 0:  # the receiver's own time before it posted the receive
                 pieces.append((rk, st, None, "host", src_end, min(arrive, src_end + lag)))
@@ -799,6 +857,15 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             if arrive > src_end:
                 pieces.append((rk, st, None, "p2p", src_end, arrive))
             key = (fr, fs) if fs >= 0 else None
+    # the path spans the slowest rank's step: from its start (a path that begins on a rank that started later
+    # begins with that rank's wait on the previous step; time before the slowest rank's start is not in its step)
+    # to its end, so the time on it is the step printed beside it
+    first = start_of[end_rank]
+    begin = min((p[4] for p in pieces), default=first)
+    if begin > first:
+        at = min(pieces, key=lambda p: p[4])
+        pieces.append((at[0], at[1], None, "previous step", first, begin))
+    pieces = [(*p[:4], max(p[4], first), p[5]) for p in pieces if p[5] > first]
     path = pl.DataFrame(pieces, schema={"rank": pl.Int32, "stage": pl.Int32, "seq": pl.Int32, "kind": pl.String,
                                         "start_ns": pl.Int64, "end_ns": pl.Int64}, orient="row").sort("start_ns")
     path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS).alias("ms"),
