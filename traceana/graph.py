@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana import intervals as iv
-from traceana import names, schema
+from traceana import names, p2p, schema
 from traceana.errors import AnalysisError
 from traceana.units import NS_PER_MS
 
@@ -195,8 +195,6 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
 
 def build(analysis, steps: list[int] | None = None) -> StepGraph:
     """The dependency graph of ``steps`` (default: the measured steps) of an analysed run."""
-    from traceana.summary import pipeline_replicas
-
     steps = list(analysis.summary.steps if steps is None else steps)
     if not steps:
         raise GraphError("the run has no measured step", path=analysis.run.path,
@@ -240,7 +238,14 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     ops = ops.with_columns(pl.when(pl.col("group").is_not_null()).then(pl.len().over("group")).cast(pl.Int32)
                            .alias("members"))
     win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
-    replica = pipeline_replicas(analysis)
+    pairs, n, complete = _pairs(analysis)
+    notes += n
+    ranks_all = sorted(analysis.attribution["rank"].unique().to_list())
+    # replicas only where the job has them: with messages left unpaired, the P2P graph's components are not the
+    # pipelines (each rank would be a "replica" of its own)
+    replica = (p2p.replica_of(ranks_all, pairs) if complete
+               else pl.DataFrame({"rank": ranks_all, "replica": [None] * len(ranks_all)},
+                                 schema={"rank": pl.Int32, "replica": pl.Int32}))
     # a rank's step ends with its last CPU work of the step (the host time after its last operation: zero_grad,
     # Python), not with its ProfilerStep span's end, which the replay does not read (docs/whatif.md)
     rank_steps = (
@@ -252,7 +257,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .join(replica, on="rank", how="left")
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
-    edges, unpaired = _edges(analysis.p2p.join(step_f, on="step"), ops, win)
+    edges, unpaired = _edges(pairs.join(step_f, on="step"), ops, win)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
@@ -269,6 +274,52 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                      "arrived (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
+
+
+def _pairs(analysis) -> tuple[pl.DataFrame, list[str], bool]:
+    """The messages the graph's edges are made of: the analysis' pairs, and where the traces name no peer
+    (torch.profiler's defaults: record_shapes off) the same messages with the peer of each taken from the schedule
+    (``p2p.peers_from_schedule``) and paired again. Returns (pairs, notes, complete: no message left unpaired for
+    want of a peer). Every message left unpaired is said: the graph holds no edge for it."""
+    ev = analysis.events
+    if ev is None:
+        return analysis.p2p, [], True
+    comm = ev.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null())
+    if comm.select(pl.len()).collect(**iv.COLLECT).item() == 0:
+        return analysis.p2p, [], True
+    msgs = p2p.messages(ev, p2p.bpipe_groups(analysis.run.traces))
+    config = analysis.config
+    notes: list[str] = []
+    counts = {"missing": 0}
+    if msgs["peer"].null_count():
+        msgs, counts = p2p.peers_from_schedule(msgs, analysis.schedule)
+    pairs, unmatched, _, _ = p2p.pair(msgs, link_bytes_per_s=p2p.link_bandwidth(config),
+                                      ceiling=p2p.transfer_ceiling(config))
+    if counts["missing"]:
+        notes.append(f"{counts['missing']} P2P messages name no peer (profiled without record_shapes): "
+                     f"{counts['given']} were given the rank of the adjacent stage their pass sends to or receives "
+                     f"from, and paired in order between the two ranks ({pairs.height} pairs)"
+                     + (f"; {counts['by_place']} of them between stages held by several ranks, the i-th rank of "
+                        "one stage taken to talk to the i-th of the next (rank = stage · dp + replica)"
+                        if counts["by_place"] else "")
+                     + (f"; {counts['ambiguous']} not, their adjacent stage being held by several ranks (which "
+                        "replica is not in the trace)" if counts["ambiguous"] else ""))
+        late = pairs.filter(pl.col("recv_end_ns") < pl.col("send_start_ns")).height if pairs.height else 0
+        if late:  # a receive cannot return before its send was posted: the pairing by order is contradicted
+            notes.append(f"{late} of those pairs end their receive before the send was posted: the peers taken "
+                         "from the schedule contradict the timeline there (their edges are kept, and counted as "
+                         "contradicted where they start an operation late)")
+    else:
+        pairs = analysis.p2p  # (the same pairs: the analysis made them from the same messages)
+    if unmatched.height:
+        per = unmatched.group_by("rank", "dir").agg(pl.len()).sort("rank", "dir")
+        said = ", ".join(f"rank {r}: {n} {d}{'s' if n > 1 else ''}" for r, d, n in per.rows())
+        notes.append(f"{unmatched.height} P2P messages have no counterpart ({said}): the graph holds no edge for "
+                     "them, so what they made their receivers wait for is a wait no edge explains, and a what-if "
+                     "does not move it with its sender")
+    complete = counts["missing"] == counts.get("given", 0) and not (
+        unmatched.height and msgs["peer"].null_count())
+    return pairs, notes, complete
 
 
 def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
