@@ -130,6 +130,15 @@ class StepGraph:
     unpaired: int = 0  # messages matched to no operation on a side: left out
     data_parallel: bool = False  # no P2P at all: ranks of unknown stage are each other's peers (data_parallel_only)
 
+    @property
+    def consistent(self) -> tuple[int, int]:
+        """(N, M): "edges consistent with the timeline: N of M operations" — the operations none of whose inputs
+        the timeline contradicts (it started after each could have arrived, and after the passes it depends on),
+        of all. What the in-sample replay shows is this, not an accuracy: on the measured durations it reproduces
+        the timeline wherever the edges agree with it, by construction."""
+        bad = int(self.ops["contradicted"].sum()) if self.ops.height else 0
+        return self.ops.height - bad, self.ops.height
+
 
 def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> pl.DataFrame:
     """Rows not inside an earlier row's span of the same ``by`` (nested spans are part of the outer one)."""
@@ -268,10 +277,14 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"waits no edge explains (the rank ran nothing on its CPU and no message, collective or earlier "
                      f"operation of the graph held it): {per_rank} over the steps replayed; they are not work — the "
                      "replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
+    ops, cyc = _order_cycles(ops)
+    if cyc:
+        notes.append(cyc)
     bad = int(ops["contradicted"].sum())
     if bad:
-        notes.append(f"{bad} of {ops.height} operations started before the input the graph gives them could have "
-                     "arrived (an edge the timeline contradicts): their replay starts late")
+        notes.append(f"edges consistent with the timeline: {ops.height - bad} of {ops.height} operations; {bad} "
+                     "started before an input the graph gives them could have arrived, or before the pass they "
+                     "depend on (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
@@ -320,6 +333,35 @@ def _pairs(analysis) -> tuple[pl.DataFrame, list[str], bool]:
     complete = counts["missing"] == counts.get("given", 0) and not (
         unmatched.height and msgs["peer"].null_count())
     return pairs, notes, complete
+
+
+def _order_cycles(ops: pl.DataFrame) -> tuple[pl.DataFrame, str | None]:
+    """Operations a rank ran before the one they depend on (a backward, or its I or W half, of a micro-batch before
+    that micro-batch's forward on the same stage; a W before its I): with the pipeline's own dependencies the step
+    is a cycle — the backward needs the forward's activations, so no schedule can run it so. The replay follows the
+    timeline there, which it cannot be trusted for: each such operation is marked ``contradicted`` and the run gets a
+    note (None where there is none)."""
+    key = ["rank", "step", "stage", "microbatch"]
+    passes = ops.filter(pl.col("action").is_in(["F", "B", "I", "W"]) & pl.col("microbatch").is_not_null())
+    if passes.height == 0:
+        return ops, None
+    first = passes.group_by(key).agg(pl.col("start_ns").filter(pl.col("action") == "F").min().alias("_f"),
+                                     pl.col("start_ns").filter(pl.col("action") == "I").min().alias("_i"))
+    early = (passes.join(first, on=key, how="left", nulls_equal=True)
+             .filter(((pl.col("action") != "F") & pl.col("_f").is_not_null() & (pl.col("start_ns") < pl.col("_f")))
+                     | ((pl.col("action") == "W") & pl.col("_i").is_not_null() & (pl.col("start_ns") < pl.col("_i"))))
+             .select("rank", "step", "seq", "action", "stage", "microbatch"))
+    if early.height == 0:
+        return ops, None
+    eg = early.sort("rank", "step", "seq").row(0, named=True)
+    ops = ops.join(early.select("rank", "step", "seq", pl.lit(True).alias("_cyc")), on=["rank", "step", "seq"],
+                   how="left").with_columns((pl.col("contradicted") | pl.col("_cyc").fill_null(False))
+                                            .alias("contradicted")).drop("_cyc")
+    return ops, (f"dependency cycle: {early.height} operations ran before the pass they depend on (e.g. rank "
+                 f"{eg['rank']}, step {eg['step']}: {eg['action']} of micro-batch {eg['microbatch']}, stage "
+                 f"{eg['stage']}, before its forward{' or I' if eg['action'] == 'W' else ''}): no schedule can run "
+                 "the step in that order (a backward needs its forward's activations), so the trace's order or "
+                 "names are wrong there; the replay follows the timeline for them and they count as contradicted")
 
 
 def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
