@@ -771,10 +771,11 @@ def _levels(g: StepGraph, step: int):
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
     last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
-    onehot = np.zeros((n, len(plan["ranks"])))
-    onehot[np.arange(n), r_of] = 1.0
+    # each device's operations are contiguous (keys in rank, seq order): its host sum is one reduceat segment
+    seg = np.flatnonzero(np.r_[True, r_of[1:] != r_of[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    segments = (seg, r_of[seg] if n else seg)
     plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
-                      np.array(plan["tail"], dtype=np.float64), onehot, np.array(plan["host0"]), plan["total0"],
+                      np.array(plan["tail"], dtype=np.float64), segments, np.array(plan["host0"]), plan["total0"],
                       np.array(plan["wait"], dtype=np.float64))
     return plan["levels"]
 
@@ -784,10 +785,12 @@ def _evaluate(levels, work, gap, transfer):
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
-    n, by_level, offset, last, origin, tail, onehot, host0, total0, wait = levels
+    n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait = levels
     v = work.shape[0]
     # _scales, per variant: the ranks' host ratios and the step's
-    sums = gap @ onehot if n else np.zeros((v, host0.size))
+    sums = np.zeros((v, host0.size))
+    if n:  # (sums of whole nanoseconds: exact in any order, as _scales' are)
+        sums[:, seg_dev] = np.add.reduceat(gap, seg, axis=1)
     rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
            else np.ones(v))
     host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], rho[:, None])
