@@ -422,8 +422,9 @@ WAIT_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer", "collective"
 
 
 def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
-    """Each operation's gap split into host work (``gap_ns``: its CPU ran an op or a Python frame, outside any wait)
-    and a wait no edge explains (``wait_ns``: the CPU ran nothing, or waited in a call the graph holds no edge for)."""
+    """Each operation's gap split into host work (``gap_ns``: its CPU ran an op or a Python frame begun in the gap,
+    outside any wait) and a wait no edge explains (``wait_ns``: the CPU ran nothing begun there, or waited in a call
+    the graph holds no edge for)."""
     win = ops.select("rank", "step", "seq", (pl.col("end_ns") - pl.col("work_ns")).alias("_s"), "gap_ns", "group",
                      "start_ns")
     win = win.with_columns(pl.when(pl.col("group").is_not_null()).then("start_ns").otherwise("_s").alias("end"))
@@ -433,17 +434,31 @@ def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
         return ops.with_columns(pl.lit(0, pl.Int64).alias("wait_ns"))
     cpu = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0))
     spans = [pl.col("rank"), pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
-    busy, waiting = pl.collect_all([cpu.filter(~pl.col("kind").is_in(WAIT_KINDS)).select(spans),
-                                    cpu.filter(pl.col("kind").is_in(WAIT_KINDS[:-1])).select(spans)], **iv.COLLECT)
-    work = iv.subtract(iv.merge(busy, "rank"), iv.merge(waiting, "rank"), "rank")
-    pieces = iv.intersect(work, win.select("rank", "start", "end"), "rank")
-    if pieces.height == 0:
-        return ops.with_columns(pl.col("gap_ns").alias("wait_ns"), pl.lit(0, pl.Int64).alias("gap_ns"))
-    at = (pieces.sort("start").join_asof(win.select("rank", "step", "seq", pl.col("start").alias("_w")).sort("_w"),
-                                         left_on="start", right_on="_w", by="rank", strategy="backward",
-                                         check_sortedness=False)
-          .group_by("rank", "step", "seq").agg((pl.col("end") - pl.col("start")).sum().alias("_busy")))
-    return (ops.join(at, on=["rank", "step", "seq"], how="left", maintain_order="left")
+    # a GPU rank's CPU waiting for its GPU (cudaStreamSynchronize, cudaDeviceSynchronize, …) waits too: the graph
+    # holds no launch → kernel edge yet, so such a wait is one no edge explains
+    syncing = names.name_test(pl.col("name"), lambda t: t.str.contains("Synchronize")).fill_null(False)
+    # (and a schedule's own wait actions: the reference trainer's WAIT_F / WAIT_B spans)
+    waits = (pl.col("kind").is_in(WAIT_KINDS[:-1]) | ((pl.col("kind") == "runtime") & syncing)
+             | pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B]).fill_null(False))
+    busy, waiting = pl.collect_all([cpu.filter(~pl.col("kind").is_in(WAIT_KINDS) & ~waits).select(spans),
+                                    cpu.filter(waits).select(spans)], **iv.COLLECT)
+    windows = win.select("rank", "step", "seq", pl.col("start").alias("_w0"), pl.col("end").alias("_w1")).sort("_w0")
+    keys = ["rank", "step", "seq"]
+
+    def in_window(frame: pl.DataFrame) -> pl.DataFrame:
+        """Each interval's piece inside the gap window it starts in (keys), or none."""
+        return (frame.sort("start").join_asof(windows, left_on="start", right_on="_w0", by="rank",
+                                              strategy="backward", check_sortedness=False)
+                .filter(pl.col("_w1").is_not_null() & (pl.col("start") < pl.col("_w1")))
+                .select(*keys, "start", pl.min_horizontal("end", "_w1").alias("end")))
+
+    # host work: what the CPU began in the gap (an op, a Python frame) — not the frames enclosing the operations
+    # around it (a training loop's own frame spans the whole step, its waits included) —, less its time in waits
+    work = in_window(busy)
+    stuck = in_window(iv.intersect(iv.merge(waiting, "rank"), win.select("rank", "start", "end"), "rank"))
+    pieces = iv.subtract(iv.merge(work, keys), iv.merge(stuck, keys), keys) if stuck.height else iv.merge(work, keys)
+    at = pieces.group_by(keys).agg((pl.col("end") - pl.col("start")).sum().alias("_busy"))
+    return (ops.join(at, on=keys, how="left", maintain_order="left")
             .with_columns(pl.min_horizontal(pl.col("_busy").fill_null(0), "gap_ns").alias("_busy"))
             .with_columns((pl.col("gap_ns") - pl.col("_busy")).alias("wait_ns"), pl.col("_busy").alias("gap_ns"))
             .drop("_busy"))
