@@ -96,6 +96,24 @@ def test_a_late_start_shrinks_with_the_step():
     assert replayed_ms(g, ["forward*0.5"]) == [8]
 
 
+def test_a_blocking_send_holds_its_sender_until_the_message_is_through():
+    # rank 0: A (10 ms) sends to rank 1, whose receive is posted after its X (20 ms, a backward); the message takes
+    # 1 ms once both are posted: it is through at 21, C 21-31. The send blocked (gloo's send waits for its
+    # receiver), so rank 0's B waits for it too: 21-31 (without that edge 10-20). X at half: through at 11, B and
+    # C 11-21.
+    g = hand([(0, 0, "F", 10, 0, 0), (0, 1, "F", 10, 0, 0), (1, 0, "B", 20, 0, 0), (1, 1, "F", 10, 0, 0)],
+             [(0, 0, 1, 1, 0, 0, 0, 1)])
+    g = graph.StepGraph(ops=g.ops, edges=g.edges, ranks=g.ranks, steps=g.steps,
+                        blocking=pl.DataFrame([(0, 0, 0, 1)], schema=graph.BLOCKING, orient="row"))
+    r = graph.replay(g, 0)
+    got = {(a, b): (s / MS, e / MS) for a, b, s, e in r.ops.select("rank", "seq", "start_ns", "end_ns").iter_rows()}
+    assert got[(0, 1)] == (21, 31) and got[(1, 1)] == (21, 31)
+    assert replayed_ms(g, []) == [31]
+    assert replayed_ms(g, ["backward*0.5"]) == [21]
+    path, _ = graph.critical_path(g, r)
+    assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
+
+
 def _zeroed_share(a) -> float:
     g = graph.build(a)
     ops, edges = _ideals(g)

@@ -59,6 +59,9 @@ OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String,
 # Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
 # holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
 WAIT = {"wait_ns": pl.Int64}
+# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then _EDGE_ORDER) is
+# also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
+BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
@@ -129,6 +132,9 @@ class StepGraph:
     notes: tuple[str, ...] = field(default_factory=tuple)
     unpaired: int = 0  # messages matched to no operation on a side: left out
     data_parallel: bool = False  # no P2P at all: ranks of unknown stage are each other's peers (data_parallel_only)
+    # BLOCKING: sends that blocked their sender until the message was through (gloo's send waits for its receiver):
+    # the message is an input of the sender's next operation too; None: none
+    blocking: pl.DataFrame | None = None
 
     @property
     def consistent(self) -> tuple[int, int]:
@@ -266,11 +272,12 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .join(replica, on="rank", how="left")
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
-    edges, unpaired = _edges(pairs.join(step_f, on="step"), ops, win)
+    edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
+    blocking = _blocking(edges, sent, ops, win)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win))
+    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking))
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
     if waits.height:
         per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
@@ -285,7 +292,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"edges consistent with the timeline: {ops.height - bad} of {ops.height} operations; {bad} "
                      "started before an input the graph gives them could have arrived, or before the pass they "
                      "depend on (an edge the timeline contradicts): their replay starts late")
-    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, ranks=rank_steps, steps=tuple(steps),
+    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking, ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
 
@@ -377,16 +384,18 @@ def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int]:
-    """Every message's producer, consumer and anchor (module docstring) with its lags and transfer."""
+def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int, pl.DataFrame]:
+    """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
+    order (step, _EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
     if pairs.height == 0:
-        return pl.DataFrame(schema=EDGES), 0
+        return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64})
     by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
     # an operation's work starts at end − work (a collective's at its span's start)
     by_work = ops.select("rank", "step", "seq", pl.when(pl.col("action") == "C").then("start_ns")
                          .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
-    m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns",
-                     "transfer_ns").with_row_index("_m")
+    m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns", "transfer_ns",
+                     (pl.col("send_end_ns") if "send_end_ns" in pairs.columns else pl.lit(None, pl.Int64))
+                     .alias("send_end_ns")).with_row_index("_m")
     prod = m.sort("send_start_ns").join_asof(
         by_start.rename({"rank": "src", "seq": "src_seq", "start_ns": "_ps", "end_ns": "_pe"}),
         left_on="send_start_ns", right_on="_ps", by=["src", "step"], strategy="backward", check_sortedness=False)
@@ -413,7 +422,8 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
         pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
     )
-    return e.select(list(EDGES)).cast(EDGES).sort("step", "dst", "dst_seq"), unpaired
+    e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    return e.select(list(EDGES)).cast(EDGES), unpaired, e.select("send_start_ns", "send_end_ns")
 
 
 # Events in which a CPU thread waits rather than works (a P2P call, a collective: what it waits for is a message or
@@ -464,21 +474,58 @@ def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
             .drop("_busy"))
 
 
-def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
-    """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
-    first) and its inputs' modelled arrival (module docstring); negative: contradicted, taken as 0."""
+def _arrivals(edges: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
+    """Each message's modelled arrival (``_arrive``, module docstring) on the measured durations, with its index in
+    the step (``edge``; edges in the replay's order)."""
     ends = ops.select("rank", "step", "seq", "end_ns")
-    e = (
-        edges.join(ends.rename({"rank": "src", "seq": "src_seq", "end_ns": "_pe"}), on=["src", "step", "src_seq"])
+    return (
+        edges.with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("edge"))
+        .join(ends.rename({"rank": "src", "seq": "src_seq", "end_ns": "_pe"}), on=["src", "step", "src_seq"],
+              maintain_order="left")
         .join(ends.rename({"rank": "dst", "seq": "anchor_seq", "end_ns": "_ae"}), on=["dst", "step", "anchor_seq"],
-              how="left")
-        .join(win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w")), on=["dst", "step"])
+              how="left", maintain_order="left")
+        .join(win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w")), on=["dst", "step"],
+              maintain_order="left")
         .with_columns((pl.max_horizontal(pl.col("_pe") + pl.col("send_lag_ns"),
                                          pl.coalesce("_ae", "_w") + pl.col("post_lag_ns"))
                        + pl.col("transfer_ns")).alias("_arrive"))
-        .group_by(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"))
-        .agg(pl.col("_arrive").max())
     )
+
+
+def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
+    """Sends that blocked (BLOCKING): the send call lasted more than ARRIVAL_SLACK_NS and returned no earlier than
+    its message's modelled arrival (less ARRIVAL_SLACK_NS) — gloo's send waits for its receiver, so the sender's
+    next operation waited on the message, which is then its input too: the sender's first operation that began
+    its work after the arrival. (An asynchronous send, which returns at once, makes none.)"""
+    if edges.height == 0 or sent.height != edges.height:
+        return pl.DataFrame(schema=BLOCKING)
+    arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal").filter(
+        pl.col("send_end_ns").is_not_null()
+        & (pl.col("send_end_ns") - pl.col("send_start_ns") > ARRIVAL_SLACK_NS)
+        & (pl.col("send_end_ns") >= pl.col("_arrive") - ARRIVAL_SLACK_NS))
+    if arr.height == 0:
+        return pl.DataFrame(schema=BLOCKING)
+    by_work = ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("_seq"),
+                         pl.when(pl.col("action") == "C").then("start_ns")
+                         .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
+    got = (arr.sort("_arrive").join_asof(by_work, left_on="_arrive", right_on="_ws", by=["src", "step"],
+                                         strategy="forward", check_sortedness=False)
+           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq"))))
+    return got.select("step", "edge", pl.col("src").alias("rank"), pl.col("_seq").alias("seq")).cast(BLOCKING).sort(
+        "step", "edge")
+
+
+def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None
+          ) -> pl.DataFrame:
+    """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
+    first) and its inputs' modelled arrival (module docstring; a blocking send's message is its sender's next
+    operation's input too); negative: contradicted, taken as 0."""
+    arr = _arrivals(edges, ops, win)
+    inputs = [arr.select(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"), "_arrive")]
+    if blocking is not None and blocking.height:
+        inputs.append(blocking.join(arr.select("step", "edge", "_arrive"), on=["step", "edge"])
+                      .select("rank", "step", "seq", "_arrive"))
+    e = pl.concat(inputs).group_by("rank", "step", "seq").agg(pl.col("_arrive").max())
     out = (
         ops.join(e, on=["rank", "step", "seq"], how="left")
         .join(win.select("rank", "step", pl.col("start_ns").alias("_w")), on=["rank", "step"])
@@ -535,7 +582,7 @@ def _plan(g: StepGraph, step: int) -> dict:
     if step in entry[1]:
         return entry[1][step]
     ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
-    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
+    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)
     win = g.ranks.filter(pl.col("step") == step).sort("rank")
     ranks = win["rank"].to_list()
     dev = {r: i for i, r in enumerate(ranks)}
@@ -555,6 +602,9 @@ def _plan(g: StepGraph, step: int) -> dict:
                 for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
                     "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
     msg_dev = [(dev[src], dev[dst]) for src, dst in edges.select("src", "dst").iter_rows()]
+    # a blocking send's message is also an input of its sender's next operation: (that operation, the message)
+    blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
+                 .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
     origin = int(win["start_ns"].min())
     host0 = [0.0] * len(ranks)  # each rank's measured host gaps: what its lags and tail scale with
     for r, gp in ops.group_by("rank").agg(pl.col("gap_ns").sum()).iter_rows():
@@ -563,7 +613,7 @@ def _plan(g: StepGraph, step: int) -> dict:
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "msg_dev": msg_dev, "origin": origin, "host0": host0, "total0": total0, "wait": wait,
+            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "origin": origin, "host0": host0, "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
@@ -576,7 +626,7 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
     sort of each frame for all the steps."""
     o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
         "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
-    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True).select(
+    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True).select(
         "step", pl.col("transfer_ns").cast(pl.Float64))
     steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
     e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
@@ -624,6 +674,11 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
                                                                               t_list):
         inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
                                                 transfer))
+    for consumer, j in plan["blocking"]:
+        _, made, send_lag, anchor, post_lag = plan["messages"][j]
+        sd, dd = plan["msg_dev"][j]
+        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
+                                                t_list[j]))
     trace = Trace()
     starts = [float(round(o * rho)) for o in plan["offset"]]
     tails = [round(t * h) for t, h in zip(plan["tail"], host)]
@@ -679,7 +734,7 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     import numpy as np
 
     o = ops.sort("step", "rank", "seq")
-    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True)
+    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     out: list[list[int]] = []
     for c0 in range(0, len(variants), chunk):
@@ -731,6 +786,13 @@ def _levels(g: StepGraph, step: int):
     m_pl = np.array([p for *_, p in plan["messages"]], dtype=np.float64)
     m_sd = np.array([sd for sd, _ in plan["msg_dev"]], dtype=np.int64)
     m_dd = np.array([dd for _, dd in plan["msg_dev"]], dtype=np.int64)
+    t_col = np.arange(len(plan["messages"]), dtype=np.int64)  # each input's transfer: its message's column
+    if plan["blocking"]:  # a blocking send's message, again, as an input of its sender's next operation
+        bj = np.array([j for _, j in plan["blocking"]], dtype=np.int64)
+        m_dst = np.r_[m_dst, np.array([pos[c] for c, _ in plan["blocking"]], dtype=np.int64)]
+        m_src, m_anc, m_sl, m_pl = np.r_[m_src, m_src[bj]], np.r_[m_anc, m_anc[bj]], np.r_[m_sl, m_sl[bj]], np.r_[
+            m_pl, m_pl[bj]]
+        m_sd, m_dd, t_col = np.r_[m_sd, m_sd[bj]], np.r_[m_dd, m_dd[bj]], np.r_[t_col, bj]
     gid = {}
     grp = np.full(n, -1, dtype=np.int64)
     for op, (name, _members) in plan["groups"].items():
@@ -780,7 +842,7 @@ def _levels(g: StepGraph, step: int):
         gs = grp[gm]
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
-        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
+        by_level.append((nodes, prev[nodes], t_col[es], m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
                          starts, at, np.searchsorted(nodes, gm), g_starts, g_counts))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
@@ -907,6 +969,14 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         after.setdefault((src, s_seq), []).append(((dst, d_seq), send_lag + transfer))
         if a_seq is not None:
             after.setdefault((dst, a_seq), []).append(((dst, d_seq), post_lag + transfer))
+    if g.blocking is not None and g.blocking.height:  # a blocking send's message also holds its sender's next op
+        rows = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True).select(
+            "src", "src_seq", "dst", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").rows()
+        for j, rk, sq in g.blocking.filter(pl.col("step") == step).select("edge", "rank", "seq").iter_rows():
+            src, s_seq, dst, a_seq, send_lag, post_lag, transfer = rows[j]
+            after.setdefault((src, s_seq), []).append(((rk, sq), send_lag + transfer))
+            if a_seq is not None:
+                after.setdefault((dst, a_seq), []).append(((rk, sq), post_lag + transfer))
     post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
                    edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
     members: dict[str, list[tuple[int, int]]] = {}
