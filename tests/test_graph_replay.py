@@ -221,3 +221,29 @@ def test_an_order_no_schedule_can_run_is_said(tmp_path):
     assert any(n.startswith("dependency cycle") for n in g.notes), g.notes
     n, m = g.consistent
     assert n < m
+
+
+def test_the_batched_replay_is_the_engines_on_a_graph_of_ten_thousand_operations():
+    # pp 8 × dp 20, 1F1B, m 32 (tests/benchmarks/bench_whatif_scale.py's synthetic step): 10,560 operations. The
+    # batched evaluator checks itself against the engine on the measured durations (its run-time invariant) and
+    # gives the engine's step on changed ones: a slowed stage, everything at half, a rank's host time doubled.
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+    from bench_whatif_scale import synthetic, with_windows
+
+    g = with_windows(synthetic(8, 20, 32))
+    assert g.ops.height >= 10_000
+    ops = g.ops.with_columns(pl.col("phase").alias("kind"))
+    variants = [
+        (pl.when(pl.col("stage") == 3).then(pl.col("work_ns") * 2).otherwise("work_ns"), pl.col("gap_ns"),
+         pl.col("transfer_ns")),
+        ((pl.col("work_ns") // 2), (pl.col("gap_ns") // 2), (pl.col("transfer_ns") // 2)),
+        (pl.col("work_ns"), pl.when(pl.col("rank") == 5).then(pl.col("gap_ns") * 2).otherwise("gap_ns"),
+         pl.col("transfer_ns")),
+    ]
+    batched = graph.replay_variants(g, ops, g.edges, variants)
+    engine = [graph.replay_steps_ns(g, ops=ops.with_columns(w.alias("work_ns"), gp.alias("gap_ns")),
+                                    edges=g.edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
+    assert batched == engine
+    assert batched[0][0] > graph.replay_steps_ns(g)[0] > batched[1][0]

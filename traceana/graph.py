@@ -699,9 +699,16 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     out = []
     for step in g.steps:
         plan, _, free, starts, tails = _run(g, step, None, None, values)
-        origin = plan["origin"]
         out.append(max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts)))
+        if ops is None and edges is None:
+            plan["engine_ns"] = out[-1]  # the measured durations' replay, for replay_variants' invariant
     return out
+
+
+def _engine_measured(g: StepGraph) -> list[int]:
+    """The engine's replay of the graph's own durations, every step (kept in the plans once computed)."""
+    have = [_plan(g, step).get("engine_ns") for step in g.steps]
+    return have if None not in have else replay_steps_ns(g)
 
 
 # Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
@@ -736,9 +743,17 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     o = ops.sort("step", "rank", "seq")
     e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
+    # The run-time invariant (one semantics): the first chunk also evaluates the frames' own durations, which where
+    # they are the graph's must give the engine's replay of them to the nanosecond (else a bug, said as one)
+    own = (pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))
+    g_o = g.ops.sort("step", "rank", "seq")
+    g_e = g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    check = (o["work_ns"].equals(g_o["work_ns"]) and o["gap_ns"].equals(g_o["gap_ns"])
+             and e["transfer_ns"].equals(g_e["transfer_ns"]))
+    todo = [own, *variants] if check else list(variants)
     out: list[list[int]] = []
-    for c0 in range(0, len(variants), chunk):
-        part = variants[c0:c0 + chunk]
+    for c0 in range(0, len(todo), chunk):
+        part = todo[c0:c0 + chunk]
 
         def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
             if frame.height == 0:
@@ -755,6 +770,12 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
             ei = np.flatnonzero(e_steps == step)
             per_step.append(_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei]))
         out += [[int(s[v]) for s in per_step] for v in range(len(part))]
+    if check:
+        batched, engine = out.pop(0), _engine_measured(g)
+        if batched != engine:
+            raise RuntimeError(f"the batched replay and the engine disagree on the measured durations ({batched} vs "
+                               f"{engine} ns a step): one semantics is broken (graph._evaluate against "
+                               "model.scheduler.run_schedule) — a bug, report it")
     return out
 
 
@@ -897,6 +918,8 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     the same rows)."""
     plan, trace, free, starts, tails = _run(g, step, ops, edges)
     ranks, origin, member_seq = plan["ranks"], plan["origin"], plan["member_seq"]
+    if ops is None and edges is None:
+        plan["engine_ns"] = max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts))
 
     def source(bound) -> tuple[str, int | None, int | None]:
         if bound == "device":
