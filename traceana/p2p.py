@@ -382,7 +382,11 @@ def peers_from_schedule(msgs: pl.DataFrame, schedule: pl.DataFrame) -> tuple[pl.
 
 def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
     """rank, replica: each rank's pipeline group (the ranks joined by P2P, p2p.pipeline_groups), numbered by
-    their lowest rank."""
+    their lowest rank. No pair at all among several ranks (their messages name no peer, or there are none): which
+    ranks form a pipeline is not known, and no replica is invented (null: not one "replica" per rank)."""
+    if pairs.height == 0 and len(ranks) > 1:
+        return pl.DataFrame({"rank": ranks, "replica": [None] * len(ranks)},
+                            schema={"rank": pl.Int32, "replica": pl.Int32})
     peers: dict[int, set[int]] = {r: set() for r in ranks}
     for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
         if a in peers and b in peers:
