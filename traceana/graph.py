@@ -292,7 +292,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"edges consistent with the timeline: {ops.height - bad} of {ops.height} operations; {bad} "
                      "started before an input the graph gives them could have arrived, or before the pass they "
                      "depend on (an edge the timeline contradicts): their replay starts late")
-    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking, ranks=rank_steps, steps=tuple(steps),
+    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking,
+                     ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
 
@@ -613,7 +614,8 @@ def _plan(g: StepGraph, step: int) -> dict:
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "origin": origin, "host0": host0, "total0": total0, "wait": wait,
+            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "origin": origin, "host0": host0,
+            "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
