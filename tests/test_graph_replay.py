@@ -247,3 +247,13 @@ def test_the_batched_replay_is_the_engines_on_a_graph_of_ten_thousand_operations
                                     edges=g.edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     assert batched == engine
     assert batched[0][0] > graph.replay_steps_ns(g)[0] > batched[1][0]
+
+
+def test_a_single_pipeline_without_peers_gets_no_invented_replicas(tmp_path):
+    # gpipe_m2 is one pipeline of 3 ranks; without shapes its messages name no peer: the summary's replica table must
+    # not show each rank as a replica of its own (it showed 3), nor the graph
+    a = load_and_analyze(str(_copy(DATA / "pipelining_memory/gpipe_m2", tmp_path / "r", _without_shapes)), cache=False)
+    s = a.summary
+    assert s.per_stage["replicas"].to_list() == [1, 1, 1], s.per_stage
+    assert s.replicas is None or s.replicas["replica"].null_count() == s.replicas.height, s.replicas
+    assert graph.build(a).ranks["replica"].n_unique() == 1
