@@ -19,12 +19,17 @@ What the graph holds, per measured step (summary.measured_steps), from tables th
   member: the members are the trace's process group where the events name one, else the ranks of the same stage
   when several ranks hold it (data-parallel groups), else every rank that has it. All members start it when the last
   one joins; each then takes what it took after the last join.
-- **host gaps** (``gap_ns``): the time between an operation's start and the later of its rank's previous end and its
-  inputs' arrival. Python, launches, data loading and anything the graph holds no edge for are gaps.
+- **host gaps** (``gap_ns``) and **waits** (``wait_ns``): the time between an operation's start and the later of its
+  rank's previous end and its inputs' arrival — host work where the rank's CPU ran an op or a Python frame begun
+  there (``_busy_in_gaps``), else a wait no edge explains (said per rank in a note; not work). A message whose peers
+  the traces do not name is paired from the schedule (``_pairs``, p2p.peers_from_schedule); a blocking send's message
+  is an input of its sender's next operation too (``blocking``).
 
 The replay re-runs these with the measured durations through ``model.scheduler.run_schedule`` (the same engine that
 runs the rules' planned orders): each operation starts at max(previous end, inputs' arrival) + its gap. Every rank
-starts its step when it did. On the measured durations the replay reproduces each rank's step exactly unless an
+starts its step when it did. Nothing is frozen in a variant (``_scales``): a rank's send/post lags and its tail
+(to its last CPU event, not the ProfilerStep end) scale with its host time, its late start and its waits with the
+step's work. On the measured durations the replay reproduces each rank's step exactly unless an
 edge contradicts the timeline: an operation that started before the input the graph gives it could have arrived
 (``contradicted``: its gap is taken as 0 and its replay starts late), which is counted and said.
 
