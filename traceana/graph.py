@@ -19,12 +19,17 @@ What the graph holds, per measured step (summary.measured_steps), from tables th
   member: the members are the trace's process group where the events name one, else the ranks of the same stage
   when several ranks hold it (data-parallel groups), else every rank that has it. All members start it when the last
   one joins; each then takes what it took after the last join.
-- **host gaps** (``gap_ns``): the time between an operation's start and the later of its rank's previous end and its
-  inputs' arrival. Python, launches, data loading and anything the graph holds no edge for are gaps.
+- **host gaps** (``gap_ns``) and **waits** (``wait_ns``): the time between an operation's start and the later of its
+  rank's previous end and its inputs' arrival — host work where the rank's CPU ran an op or a Python frame begun
+  there (``_busy_in_gaps``), else a wait no edge explains (said per rank in a note; not work). A message whose peers
+  the traces do not name is paired from the schedule (``_pairs``, p2p.peers_from_schedule); a blocking send's message
+  is an input of its sender's next operation too (``blocking``).
 
 The replay re-runs these with the measured durations through ``model.scheduler.run_schedule`` (the same engine that
 runs the rules' planned orders): each operation starts at max(previous end, inputs' arrival) + its gap. Every rank
-starts its step when it did. On the measured durations the replay reproduces each rank's step exactly unless an
+starts its step when it did. Nothing is frozen in a variant (``_scales``): a rank's send/post lags and its tail
+(to its last CPU event, not the ProfilerStep end) scale with its host time, its late start and its waits with the
+step's work. On the measured durations the replay reproduces each rank's step exactly unless an
 edge contradicts the timeline: an operation that started before the input the graph gives it could have arrived
 (``contradicted``: its gap is taken as 0 and its replay starts late), which is counted and said.
 
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana import intervals as iv
-from traceana import names, schema
+from traceana import names, p2p, schema
 from traceana.errors import AnalysisError
 from traceana.units import NS_PER_MS
 
@@ -56,6 +61,12 @@ ARRIVAL_SLACK_NS = 20_000
 OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String, "phase": pl.String,
        "stage": pl.Int32, "microbatch": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "work_ns": pl.Int64,
        "gap_ns": pl.Int64, "group": pl.String, "members": pl.Int32, "source": pl.String, "contradicted": pl.Boolean}
+# Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
+# holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
+WAIT = {"wait_ns": pl.Int64}
+# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then _EDGE_ORDER) is
+# also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
+BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
@@ -126,6 +137,18 @@ class StepGraph:
     notes: tuple[str, ...] = field(default_factory=tuple)
     unpaired: int = 0  # messages matched to no operation on a side: left out
     data_parallel: bool = False  # no P2P at all: ranks of unknown stage are each other's peers (data_parallel_only)
+    # BLOCKING: sends that blocked their sender until the message was through (gloo's send waits for its receiver):
+    # the message is an input of the sender's next operation too; None: none
+    blocking: pl.DataFrame | None = None
+
+    @property
+    def consistent(self) -> tuple[int, int]:
+        """(N, M): "edges consistent with the timeline: N of M operations" — the operations none of whose inputs
+        the timeline contradicts (it started after each could have arrived, and after the passes it depends on),
+        of all. What the in-sample replay shows is this, not an accuracy: on the measured durations it reproduces
+        the timeline wherever the edges agree with it, by construction."""
+        bad = int(self.ops["contradicted"].sum()) if self.ops.height else 0
+        return self.ops.height - bad, self.ops.height
 
 
 def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> pl.DataFrame:
@@ -192,8 +215,6 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
 
 def build(analysis, steps: list[int] | None = None) -> StepGraph:
     """The dependency graph of ``steps`` (default: the measured steps) of an analysed run."""
-    from traceana.summary import pipeline_replicas
-
     steps = list(analysis.summary.steps if steps is None else steps)
     if not steps:
         raise GraphError("the run has no measured step", path=analysis.run.path,
@@ -237,38 +258,150 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     ops = ops.with_columns(pl.when(pl.col("group").is_not_null()).then(pl.len().over("group")).cast(pl.Int32)
                            .alias("members"))
     win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
-    replica = pipeline_replicas(analysis)
+    pairs, n, complete = _pairs(analysis)
+    notes += n
+    ranks_all = sorted(analysis.attribution["rank"].unique().to_list())
+    # replicas only where the job has them: with messages left unpaired, the P2P graph's components are not the
+    # pipelines (each rank would be a "replica" of its own)
+    replica = (p2p.replica_of(ranks_all, pairs) if complete
+               else pl.DataFrame({"rank": ranks_all, "replica": [None] * len(ranks_all)},
+                                 schema={"rank": pl.Int32, "replica": pl.Int32}))
+    # a rank's step ends with its last CPU work of the step (the host time after its last operation: zero_grad,
+    # Python), not with its ProfilerStep span's end, which the replay does not read (docs/whatif.md)
     rank_steps = (
         win.join(ops.group_by("rank", "step").agg(pl.col("end_ns").max().alias("_last")), on=["rank", "step"])
-        .with_columns((pl.col("end_ns") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
+        .join(_last_cpu(analysis, step_f), on=["rank", "step"], how="left")
+        .with_columns((pl.coalesce("_cpu_end", "_last") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
         .join(analysis.stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank",
               how="left")
         .join(replica, on="rank", how="left")
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
-    edges, unpaired = _edges(analysis.p2p.join(step_f, on="step"), ops, win)
+    edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
+    blocking = _blocking(edges, sent, ops, win)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops = _gaps(ops, edges, win)
+    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking))
+    waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
+    if waits.height:
+        per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
+        notes.append(f"waits no edge explains (the rank ran nothing on its CPU and no message, collective or earlier "
+                     f"operation of the graph held it): {per_rank} over the steps replayed; they are not work — the "
+                     "replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
+    ops, cyc = _order_cycles(ops)
+    if cyc:
+        notes.append(cyc)
     bad = int(ops["contradicted"].sum())
     if bad:
-        notes.append(f"{bad} of {ops.height} operations started before the input the graph gives them could have "
-                     "arrived (an edge the timeline contradicts): their replay starts late")
-    return StepGraph(ops=ops.select(list(OPS)).cast(OPS), edges=edges, ranks=rank_steps, steps=tuple(steps),
+        notes.append(f"edges consistent with the timeline: {ops.height - bad} of {ops.height} operations; {bad} "
+                     "started before an input the graph gives them could have arrived, or before the pass they "
+                     "depend on (an edge the timeline contradicts): their replay starts late")
+    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking,
+                     ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
 
-def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int]:
-    """Every message's producer, consumer and anchor (module docstring) with its lags and transfer."""
+def _pairs(analysis) -> tuple[pl.DataFrame, list[str], bool]:
+    """The messages the graph's edges are made of: the analysis' pairs, and where the traces name no peer
+    (torch.profiler's defaults: record_shapes off) the same messages with the peer of each taken from the schedule
+    (``p2p.peers_from_schedule``) and paired again. Returns (pairs, notes, complete: no message left unpaired for
+    want of a peer). Every message left unpaired is said: the graph holds no edge for it."""
+    ev = analysis.events
+    if ev is None:
+        return analysis.p2p, [], True
+    comm = ev.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null())
+    if comm.select(pl.len()).collect(**iv.COLLECT).item() == 0:
+        return analysis.p2p, [], True
+    msgs = p2p.messages(ev, p2p.bpipe_groups(analysis.run.traces))
+    config = analysis.config
+    notes: list[str] = []
+    counts = {"missing": 0}
+    if msgs["peer"].null_count():
+        msgs, counts = p2p.peers_from_schedule(msgs, analysis.schedule)
+    pairs, unmatched, _, _ = p2p.pair(msgs, link_bytes_per_s=p2p.link_bandwidth(config),
+                                      ceiling=p2p.transfer_ceiling(config))
+    if counts["missing"]:
+        notes.append(f"{counts['missing']} P2P messages name no peer (profiled without record_shapes): "
+                     f"{counts['given']} were given the rank of the adjacent stage their pass sends to or receives "
+                     f"from, and paired in order between the two ranks ({pairs.height} pairs)"
+                     + (f"; {counts['by_place']} of them between stages held by several ranks, the i-th rank of "
+                        "one stage taken to talk to the i-th of the next (rank = stage · dp + replica)"
+                        if counts["by_place"] else "")
+                     + (f"; {counts['ambiguous']} not, their adjacent stage being held by several ranks (which "
+                        "replica is not in the trace)" if counts["ambiguous"] else ""))
+        late = pairs.filter(pl.col("recv_end_ns") < pl.col("send_start_ns")).height if pairs.height else 0
+        if late:  # a receive cannot return before its send was posted: the pairing by order is contradicted
+            notes.append(f"{late} of those pairs end their receive before the send was posted: the peers taken "
+                         "from the schedule contradict the timeline there (their edges are kept, and counted as "
+                         "contradicted where they start an operation late)")
+    else:
+        pairs = analysis.p2p  # (the same pairs: the analysis made them from the same messages)
+    if unmatched.height:
+        per = unmatched.group_by("rank", "dir").agg(pl.len()).sort("rank", "dir")
+        said = ", ".join(f"rank {r}: {n} {d}{'s' if n > 1 else ''}" for r, d, n in per.rows())
+        notes.append(f"{unmatched.height} P2P messages have no counterpart ({said}): the graph holds no edge for "
+                     "them, so what they made their receivers wait for is a wait no edge explains, and a what-if "
+                     "does not move it with its sender")
+    complete = counts["missing"] == counts.get("given", 0) and not (
+        unmatched.height and msgs["peer"].null_count())
+    return pairs, notes, complete
+
+
+def _order_cycles(ops: pl.DataFrame) -> tuple[pl.DataFrame, str | None]:
+    """Operations a rank ran before the one they depend on (a backward, or its I or W half, of a micro-batch before
+    that micro-batch's forward on the same stage; a W before its I): with the pipeline's own dependencies the step
+    is a cycle — the backward needs the forward's activations, so no schedule can run it so. The replay follows the
+    timeline there, which it cannot be trusted for: each such operation is marked ``contradicted`` and the run gets a
+    note (None where there is none)."""
+    key = ["rank", "step", "stage", "microbatch"]
+    passes = ops.filter(pl.col("action").is_in(["F", "B", "I", "W"]) & pl.col("microbatch").is_not_null())
+    if passes.height == 0:
+        return ops, None
+    first = passes.group_by(key).agg(pl.col("start_ns").filter(pl.col("action") == "F").min().alias("_f"),
+                                     pl.col("start_ns").filter(pl.col("action") == "I").min().alias("_i"))
+    early = (passes.join(first, on=key, how="left", nulls_equal=True)
+             .filter(((pl.col("action") != "F") & pl.col("_f").is_not_null() & (pl.col("start_ns") < pl.col("_f")))
+                     | ((pl.col("action") == "W") & pl.col("_i").is_not_null() & (pl.col("start_ns") < pl.col("_i"))))
+             .select("rank", "step", "seq", "action", "stage", "microbatch"))
+    if early.height == 0:
+        return ops, None
+    eg = early.sort("rank", "step", "seq").row(0, named=True)
+    ops = ops.join(early.select("rank", "step", "seq", pl.lit(True).alias("_cyc")), on=["rank", "step", "seq"],
+                   how="left").with_columns((pl.col("contradicted") | pl.col("_cyc").fill_null(False))
+                                            .alias("contradicted")).drop("_cyc")
+    return ops, (f"dependency cycle: {early.height} operations ran before the pass they depend on (e.g. rank "
+                 f"{eg['rank']}, step {eg['step']}: {eg['action']} of micro-batch {eg['microbatch']}, stage "
+                 f"{eg['stage']}, before its forward{' or I' if eg['action'] == 'W' else ''}): no schedule can run "
+                 "the step in that order (a backward needs its forward's activations), so the trace's order or "
+                 "names are wrong there; the replay follows the timeline for them and they count as contradicted")
+
+
+def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
+    """rank, step, ``_cpu_end``: when each rank's last CPU event of the step ends (the ProfilerStep spans apart)."""
+    ev = analysis.events
+    if ev is None or ev.height == 0:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int32, "_cpu_end": pl.Int64})
+    return (
+        ev.lazy().filter(~pl.col("is_gpu") & pl.col("step").is_not_null() & (pl.col("kind") != "step"))
+        .join(steps.lazy(), on="step")
+        .group_by("rank", "step").agg((pl.col("ts_ns") + pl.col("dur_ns")).max().alias("_cpu_end"))
+        .collect(**iv.COLLECT).cast({"rank": pl.Int32, "step": pl.Int32, "_cpu_end": pl.Int64})
+    )
+
+
+def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int, pl.DataFrame]:
+    """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
+    order (step, _EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
     if pairs.height == 0:
-        return pl.DataFrame(schema=EDGES), 0
+        return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64})
     by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
     # an operation's work starts at end − work (a collective's at its span's start)
     by_work = ops.select("rank", "step", "seq", pl.when(pl.col("action") == "C").then("start_ns")
                          .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
-    m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns",
-                     "transfer_ns").with_row_index("_m")
+    m = pairs.select("step", "channel", "src", "dst", "send_start_ns", "recv_post_ns", "recv_end_ns", "transfer_ns",
+                     (pl.col("send_end_ns") if "send_end_ns" in pairs.columns else pl.lit(None, pl.Int64))
+                     .alias("send_end_ns")).with_row_index("_m")
     prod = m.sort("send_start_ns").join_asof(
         by_start.rename({"rank": "src", "seq": "src_seq", "start_ns": "_ps", "end_ns": "_pe"}),
         left_on="send_start_ns", right_on="_ps", by=["src", "step"], strategy="backward", check_sortedness=False)
@@ -280,33 +413,125 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         left_on="recv_post_ns", right_on="_as", by=["dst", "step"], strategy="backward", check_sortedness=False)
     start = win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w"))
     e = (
-        prod.join(cons.select("_m", "dst_seq"), on="_m").join(anchor.select("_m", "anchor_seq", "_ae"), on="_m")
+        prod.join(cons.select("_m", "dst_seq", "_ws"), on="_m").join(anchor.select("_m", "anchor_seq", "_ae"),
+                                                                      on="_m")
         .join(start, on=["dst", "step"], how="left")
     )
     keep = pl.col("src_seq").is_not_null() & pl.col("dst_seq").is_not_null()
     unpaired = e.filter(~keep).height
+    # The message's time from both sides posted to its consumer starting work is the edge's (its transfer): where
+    # the receive returned later than its bytes take (gloo waiting on its peer's progress: p2p.pair's split), the
+    # wait is this message's, not the consumer's host time, and it goes with the message (docs/whatif.md)
+    posted = pl.max_horizontal("send_start_ns", "recv_post_ns")
     e = e.filter(keep).with_columns(
         (pl.col("send_start_ns") - pl.col("_pe")).alias("send_lag_ns"),
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
+        pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
     )
-    return e.select(list(EDGES)).cast(EDGES).sort("step", "dst", "dst_seq"), unpaired
+    e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    return e.select(list(EDGES)).cast(EDGES), unpaired, e.select("send_start_ns", "send_end_ns")
 
 
-def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
-    """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
-    first) and its inputs' modelled arrival (module docstring); negative: contradicted, taken as 0."""
+# Events in which a CPU thread waits rather than works (a P2P call, a collective: what it waits for is a message or
+# a group's other members) and the steps' own spans; every other CPU event (an op, a Python frame, a launch) is work.
+WAIT_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer", "collective", "step")
+
+
+def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
+    """Each operation's gap split into host work (``gap_ns``: its CPU ran an op or a Python frame begun in the gap,
+    outside any wait) and a wait no edge explains (``wait_ns``: the CPU ran nothing begun there, or waited in a call
+    the graph holds no edge for)."""
+    win = ops.select("rank", "step", "seq", (pl.col("end_ns") - pl.col("work_ns")).alias("_s"), "gap_ns", "group",
+                     "start_ns")
+    win = win.with_columns(pl.when(pl.col("group").is_not_null()).then("start_ns").otherwise("_s").alias("end"))
+    win = win.with_columns((pl.col("end") - pl.col("gap_ns")).alias("start")).filter(pl.col("gap_ns") > 0)
+    ev = analysis.events
+    if ev is None or ev.height == 0 or win.height == 0:
+        return ops.with_columns(pl.lit(0, pl.Int64).alias("wait_ns"))
+    cpu = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0))
+    spans = [pl.col("rank"), pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
+    # a GPU rank's CPU waiting for its GPU (cudaStreamSynchronize, cudaDeviceSynchronize, …) waits too: the graph
+    # holds no launch → kernel edge yet, so such a wait is one no edge explains
+    syncing = names.name_test(pl.col("name"), lambda t: t.str.contains("Synchronize")).fill_null(False)
+    # (and a schedule's own wait actions: the reference trainer's WAIT_F / WAIT_B spans)
+    waits = (pl.col("kind").is_in(WAIT_KINDS[:-1]) | ((pl.col("kind") == "runtime") & syncing)
+             | pl.col("pp_action").is_in([names.WAIT_F, names.WAIT_B]).fill_null(False))
+    busy, waiting = pl.collect_all([cpu.filter(~pl.col("kind").is_in(WAIT_KINDS) & ~waits).select(spans),
+                                    cpu.filter(waits).select(spans)], **iv.COLLECT)
+    windows = win.select("rank", "step", "seq", pl.col("start").alias("_w0"), pl.col("end").alias("_w1")).sort("_w0")
+    keys = ["rank", "step", "seq"]
+
+    def in_window(frame: pl.DataFrame) -> pl.DataFrame:
+        """Each interval's piece inside the gap window it starts in (keys), or none."""
+        return (frame.sort("start").join_asof(windows, left_on="start", right_on="_w0", by="rank",
+                                              strategy="backward", check_sortedness=False)
+                .filter(pl.col("_w1").is_not_null() & (pl.col("start") < pl.col("_w1")))
+                .select(*keys, "start", pl.min_horizontal("end", "_w1").alias("end")))
+
+    # host work: what the CPU began in the gap (an op, a Python frame) — not the frames enclosing the operations
+    # around it (a training loop's own frame spans the whole step, its waits included) —, less its time in waits
+    work = in_window(busy)
+    stuck = in_window(iv.intersect(iv.merge(waiting, "rank"), win.select("rank", "start", "end"), "rank"))
+    pieces = iv.subtract(iv.merge(work, keys), iv.merge(stuck, keys), keys) if stuck.height else iv.merge(work, keys)
+    at = pieces.group_by(keys).agg((pl.col("end") - pl.col("start")).sum().alias("_busy"))
+    return (ops.join(at, on=keys, how="left", maintain_order="left")
+            .with_columns(pl.min_horizontal(pl.col("_busy").fill_null(0), "gap_ns").alias("_busy"))
+            .with_columns((pl.col("gap_ns") - pl.col("_busy")).alias("wait_ns"), pl.col("_busy").alias("gap_ns"))
+            .drop("_busy"))
+
+
+def _arrivals(edges: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
+    """Each message's modelled arrival (``_arrive``, module docstring) on the measured durations, with its index in
+    the step (``edge``; edges in the replay's order)."""
     ends = ops.select("rank", "step", "seq", "end_ns")
-    e = (
-        edges.join(ends.rename({"rank": "src", "seq": "src_seq", "end_ns": "_pe"}), on=["src", "step", "src_seq"])
+    return (
+        edges.with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("edge"))
+        .join(ends.rename({"rank": "src", "seq": "src_seq", "end_ns": "_pe"}), on=["src", "step", "src_seq"],
+              maintain_order="left")
         .join(ends.rename({"rank": "dst", "seq": "anchor_seq", "end_ns": "_ae"}), on=["dst", "step", "anchor_seq"],
-              how="left")
-        .join(win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w")), on=["dst", "step"])
+              how="left", maintain_order="left")
+        .join(win.select(pl.col("rank").alias("dst"), "step", pl.col("start_ns").alias("_w")), on=["dst", "step"],
+              maintain_order="left")
         .with_columns((pl.max_horizontal(pl.col("_pe") + pl.col("send_lag_ns"),
                                          pl.coalesce("_ae", "_w") + pl.col("post_lag_ns"))
                        + pl.col("transfer_ns")).alias("_arrive"))
-        .group_by(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"))
-        .agg(pl.col("_arrive").max())
     )
+
+
+def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
+    """Sends that blocked (BLOCKING): the send call lasted more than ARRIVAL_SLACK_NS and returned no earlier than
+    its message's modelled arrival (less ARRIVAL_SLACK_NS) — gloo's send waits for its receiver, so the sender's
+    next operation waited on the message, which is then its input too: the sender's first operation that began
+    its work after the arrival. (An asynchronous send, which returns at once, makes none.)"""
+    if edges.height == 0 or sent.height != edges.height:
+        return pl.DataFrame(schema=BLOCKING)
+    arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal").filter(
+        pl.col("send_end_ns").is_not_null()
+        & (pl.col("send_end_ns") - pl.col("send_start_ns") > ARRIVAL_SLACK_NS)
+        & (pl.col("send_end_ns") >= pl.col("_arrive") - ARRIVAL_SLACK_NS))
+    if arr.height == 0:
+        return pl.DataFrame(schema=BLOCKING)
+    by_work = ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("_seq"),
+                         pl.when(pl.col("action") == "C").then("start_ns")
+                         .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
+    got = (arr.sort("_arrive").join_asof(by_work, left_on="_arrive", right_on="_ws", by=["src", "step"],
+                                         strategy="forward", check_sortedness=False)
+           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq"))))
+    return got.select("step", "edge", pl.col("src").alias("rank"), pl.col("_seq").alias("seq")).cast(BLOCKING).sort(
+        "step", "edge")
+
+
+def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None
+          ) -> pl.DataFrame:
+    """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
+    first) and its inputs' modelled arrival (module docstring; a blocking send's message is its sender's next
+    operation's input too); negative: contradicted, taken as 0."""
+    arr = _arrivals(edges, ops, win)
+    inputs = [arr.select(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"), "_arrive")]
+    if blocking is not None and blocking.height:
+        inputs.append(blocking.join(arr.select("step", "edge", "_arrive"), on=["step", "edge"])
+                      .select("rank", "step", "seq", "_arrive"))
+    e = pl.concat(inputs).group_by("rank", "step", "seq").agg(pl.col("_arrive").max())
     out = (
         ops.join(e, on=["rank", "step", "seq"], how="left")
         .join(win.select("rank", "step", pl.col("start_ns").alias("_w")), on=["rank", "step"])
@@ -363,7 +588,7 @@ def _plan(g: StepGraph, step: int) -> dict:
     if step in entry[1]:
         return entry[1][step]
     ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
-    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True)
+    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)
     win = g.ranks.filter(pl.col("step") == step).sort("rank")
     ranks = win["rank"].to_list()
     dev = {r: i for i, r in enumerate(ranks)}
@@ -382,8 +607,21 @@ def _plan(g: StepGraph, step: int) -> dict:
                  key_of[(dst, a_seq)] if a_seq is not None else ("X", dst, -1), float(post_lag))
                 for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
                     "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
+    msg_dev = [(dev[src], dev[dst]) for src, dst in edges.select("src", "dst").iter_rows()]
+    # a blocking send's message is also an input of its sender's next operation: (that operation, the message)
+    blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
+                 .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
+    origin = int(win["start_ns"].min())
+    host0 = [0.0] * len(ranks)  # each rank's measured host gaps: what its lags and tail scale with
+    for r, gp in ops.group_by("rank").agg(pl.col("gap_ns").sum()).iter_rows():
+        host0[dev[r]] = float(gp)
+    # waits no edge explains, in keys' order
+    wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
+    total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "origin": int(win["start_ns"].min()),
+            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "origin": origin, "host0": host0,
+            "total0": total0, "wait": wait,
+            "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
     return plan
@@ -395,7 +633,7 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
     sort of each frame for all the steps."""
     o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
         "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
-    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True).select(
+    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True).select(
         "step", pl.col("transfer_ns").cast(pl.Float64))
     steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
     e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
@@ -412,27 +650,53 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
     return out
 
 
+def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[float]
+            ) -> tuple[list[float], float]:
+    """What the time the graph holds no operation for scales with in a variant (docs/whatif.md "No frozen time"):
+    per rank its host ratio (its host gaps in the variant over the measured ones; the step's where it measured
+    none) — the
+    rank's lags before a send or a receive's post and its tail after its last operation are its CPU's host work —
+    and the step's ratio ``rho`` (all its work, gaps and transfers in the variant over the measured ones): a rank
+    that started the step late waited on the previous step, taken to shrink as this one does."""
+    sums = [0.0] * len(plan["ranks"])
+    for (r, _), x in zip(plan["keys"], g_list):
+        sums[plan["dev"][r]] += x
+    total0 = plan["total0"]
+    rho = (sum(w_list) + sum(g_list) + sum(t_list)) / total0 if total0 > 0 else 1.0
+    host = [x / h if h > 0 else rho for x, h in zip(sums, plan["host0"])]
+    return host, rho
+
+
 def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
     from traceana.model.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
 
     plan = _plan(g, step)
     w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
+    host, rho = _scales(plan, w_list, g_list, t_list)
     work = dict(zip(plan["keys"], w_list))
-    gaps = {k: (x, x) for k, x in zip(plan["keys"], g_list)}
+    gaps = {k: (x + w * rho, x + w * rho) for k, x, w in zip(plan["keys"], g_list, plan["wait"])}
     inputs: dict[tuple, list] = {}
-    for (consumer, made, send_lag, anchor, post_lag), transfer in zip(plan["messages"], t_list):
-        inputs.setdefault(consumer, []).append((((made, send_lag), (anchor, post_lag)), transfer))
+    for (consumer, made, send_lag, anchor, post_lag), (sd, dd), transfer in zip(plan["messages"], plan["msg_dev"],
+                                                                              t_list):
+        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
+                                                transfer))
+    for consumer, j in plan["blocking"]:
+        _, made, send_lag, anchor, post_lag = plan["messages"][j]
+        sd, dd = plan["msg_dev"][j]
+        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
+                                                t_list[j]))
     trace = Trace()
-    win = plan["win"]
+    starts = [float(round(o * rho)) for o in plan["offset"]]
+    tails = [round(t * h) for t, h in zip(plan["tail"], host)]
     _, free = run_schedule(
         plan["orders"], rec=NullRecorder(), policy=Policy(), times=StageTimes(forward_ns=(0.0,), backward_ns=(0.0,)),
         costs=Costs(), pp=len(plan["ranks"]), virtual_stages=1, schedule="measured", num_microbatches=1,
         dur=lambda a, r, seq: 0.0 if a == "R" or seq < 0 else work[(r, seq)],
         inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
         gap=lambda d, i, op: gaps.get((op[1], op[2]), (0.0, 0.0)), groups=plan["groups"], trace=trace,
-        free0=[float(s - plan["origin"]) for s in win["start_ns"]])
-    return plan, trace, free
+        free0=starts)
+    return plan, trace, free, starts, tails
 
 
 def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None
@@ -441,11 +705,17 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     values = _values(g, ops, edges)
     out = []
     for step in g.steps:
-        plan, _, free = _run(g, step, None, None, values)
-        win = plan["win"]
-        out.append(max(round(plan["origin"] + f) + t - s0
-                       for f, t, s0 in zip(free, win["tail_ns"].to_list(), win["start_ns"].to_list())))
+        plan, _, free, starts, tails = _run(g, step, None, None, values)
+        out.append(max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts)))
+        if ops is None and edges is None:
+            plan["engine_ns"] = out[-1]  # the measured durations' replay, for replay_variants' invariant
     return out
+
+
+def _engine_measured(g: StepGraph) -> list[int]:
+    """The engine's replay of the graph's own durations, every step (kept in the plans once computed)."""
+    have = [_plan(g, step).get("engine_ns") for step in g.steps]
+    return have if None not in have else replay_steps_ns(g)
 
 
 # Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
@@ -478,11 +748,19 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     import numpy as np
 
     o = ops.sort("step", "rank", "seq")
-    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True)
+    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
+    # The run-time invariant (one semantics): the first chunk also evaluates the frames' own durations, which where
+    # they are the graph's must give the engine's replay of them to the nanosecond (else a bug, said as one)
+    own = (pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))
+    g_o = g.ops.sort("step", "rank", "seq")
+    g_e = g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    check = (o["work_ns"].equals(g_o["work_ns"]) and o["gap_ns"].equals(g_o["gap_ns"])
+             and e["transfer_ns"].equals(g_e["transfer_ns"]))
+    todo = [own, *variants] if check else list(variants)
     out: list[list[int]] = []
-    for c0 in range(0, len(variants), chunk):
-        part = variants[c0:c0 + chunk]
+    for c0 in range(0, len(todo), chunk):
+        part = todo[c0:c0 + chunk]
 
         def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
             if frame.height == 0:
@@ -499,6 +777,12 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
             ei = np.flatnonzero(e_steps == step)
             per_step.append(_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei]))
         out += [[int(s[v]) for s in per_step] for v in range(len(part))]
+    if check:
+        batched, engine = out.pop(0), _engine_measured(g)
+        if batched != engine:
+            raise RuntimeError(f"the batched replay and the engine disagree on the measured durations ({batched} vs "
+                               f"{engine} ns a step): one semantics is broken (graph._evaluate against "
+                               "model.scheduler.run_schedule) — a bug, report it")
     return out
 
 
@@ -528,6 +812,15 @@ def _levels(g: StepGraph, step: int):
     m_anc = np.array([node_of[anchor] for _, _, _, anchor, _ in plan["messages"]], dtype=np.int64)
     m_sl = np.array([sl for _, _, sl, _, _ in plan["messages"]], dtype=np.float64)
     m_pl = np.array([p for *_, p in plan["messages"]], dtype=np.float64)
+    m_sd = np.array([sd for sd, _ in plan["msg_dev"]], dtype=np.int64)
+    m_dd = np.array([dd for _, dd in plan["msg_dev"]], dtype=np.int64)
+    t_col = np.arange(len(plan["messages"]), dtype=np.int64)  # each input's transfer: its message's column
+    if plan["blocking"]:  # a blocking send's message, again, as an input of its sender's next operation
+        bj = np.array([j for _, j in plan["blocking"]], dtype=np.int64)
+        m_dst = np.r_[m_dst, np.array([pos[c] for c, _ in plan["blocking"]], dtype=np.int64)]
+        m_src, m_anc, m_sl, m_pl = np.r_[m_src, m_src[bj]], np.r_[m_anc, m_anc[bj]], np.r_[m_sl, m_sl[bj]], np.r_[
+            m_pl, m_pl[bj]]
+        m_sd, m_dd, t_col = np.r_[m_sd, m_sd[bj]], np.r_[m_dd, m_dd[bj]], np.r_[t_col, bj]
     gid = {}
     grp = np.full(n, -1, dtype=np.int64)
     for op, (name, _members) in plan["groups"].items():
@@ -577,14 +870,18 @@ def _levels(g: StepGraph, step: int):
         gs = grp[gm]
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
-        by_level.append((nodes, prev[nodes], es, m_src[es], m_anc[es], m_sl[es], m_pl[es], starts, at,
-                         np.searchsorted(nodes, gm), g_starts, g_counts))
+        by_level.append((nodes, prev[nodes], t_col[es], m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
+                         starts, at, np.searchsorted(nodes, gm), g_starts, g_counts))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
     last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
-    plan["levels"] = (n, by_level, np.array([float(s - plan["origin"]) for s in win["start_ns"]]), last,
-                      plan["origin"], win["tail_ns"].to_numpy().astype(np.int64) - win["start_ns"].to_numpy())
+    # each device's operations are contiguous (keys in rank, seq order): its host sum is one reduceat segment
+    seg = np.flatnonzero(np.r_[True, r_of[1:] != r_of[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    segments = (seg, r_of[seg] if n else seg)
+    plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
+                      np.array(plan["tail"], dtype=np.float64), segments, np.array(plan["host0"]), plan["total0"],
+                      np.array(plan["wait"], dtype=np.float64))
     return plan["levels"]
 
 
@@ -593,22 +890,32 @@ def _evaluate(levels, work, gap, transfer):
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
-    n, by_level, free0, last, origin, tail_less_start = levels
+    n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait = levels
     v = work.shape[0]
-    end = np.empty((v, n + free0.size))
-    end[:, n:] = free0[None, :]
-    for nodes, prev, es, src, anc, sl, pl_, starts, at, gpos, g_starts, g_counts in by_level:
+    # _scales, per variant: the ranks' host ratios and the step's
+    sums = np.zeros((v, host0.size))
+    if n:  # (sums of whole nanoseconds: exact in any order, as _scales' are)
+        sums[:, seg_dev] = np.add.reduceat(gap, seg, axis=1)
+    rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
+           else np.ones(v))
+    host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], rho[:, None])
+    starts = np.round(offset[None, :] * rho[:, None])
+    end = np.empty((v, n + offset.size))
+    end[:, n:] = starts
+    for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts in by_level:
         t = end[:, prev]
         if es.size:
-            arrive = np.maximum(end[:, src] + sl, end[:, anc] + pl_) + transfer[:, es]
-            ready = np.maximum.reduceat(arrive, starts, axis=1)
+            arrive = (np.maximum(end[:, src] + sl[None, :] * host[:, sd], end[:, anc] + pl_[None, :] * host[:, dd])
+                      + transfer[:, es])
+            ready = np.maximum.reduceat(arrive, m_starts, axis=1)
             t[:, at] = np.maximum(t[:, at], ready)
-        t += gap[:, nodes]
+        t += gap[:, nodes] + wait[None, nodes] * rho[:, None]
         if gpos.size:  # a collective starts when its last member joins
             t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
         t += work[:, nodes]
         end[:, nodes] = t
-    steps = np.round(float(origin) + end[:, last]).astype(np.int64) + tail_less_start[None, :]
+    steps = (np.round(end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
+             - starts.astype(np.int64))
     return steps.max(axis=1)
 
 
@@ -616,8 +923,10 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     """Replay ``step`` of the graph on the scheduler's engine (model.scheduler.run_schedule), with ``ops``'
     work_ns/gap_ns and ``edges``' transfer_ns (default: the graph's own, as measured; a what-if passes changed ones,
     the same rows)."""
-    plan, trace, free = _run(g, step, ops, edges)
-    ranks, origin, member_seq, win = plan["ranks"], plan["origin"], plan["member_seq"], plan["win"]
+    plan, trace, free, starts, tails = _run(g, step, ops, edges)
+    ranks, origin, member_seq = plan["ranks"], plan["origin"], plan["member_seq"]
+    if ops is None and edges is None:
+        plan["engine_ns"] = max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts))
 
     def source(bound) -> tuple[str, int | None, int | None]:
         if bound == "device":
@@ -627,15 +936,16 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
             return "group", last, member_seq[(bound[1], last)]
         return "input", bound[1], bound[2]
 
-    rows = [(op[1], op[2], round(origin + start), round(origin + end), *source(bound))
+    rows = [(op[1], op[2], origin + round(start), origin + round(end), *source(bound))
             for (d, i), (op, _f, _ready, start, end, bound) in trace.ops.items() if op[2] >= 0]
     op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},
                            orient="row").sort("rank", "seq")
-    rank_rows = win.with_columns(
-        pl.Series("_free", [origin + free[plan["dev"][r]] for r in ranks], dtype=pl.Float64)
-    ).select("rank", "start_ns", (pl.col("_free").round().cast(pl.Int64) + pl.col("tail_ns")).alias("end_ns")
-             ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    rank_rows = pl.DataFrame(
+        {"rank": ranks, "start_ns": [origin + int(s) for s in starts],
+         "end_ns": [origin + round(f) + t for f, t in zip(free, tails)]},
+        schema={"rank": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64},
+    ).with_columns((pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
     return Replay(step=step, ranks=rank_rows, ops=op_rows)
 
 
@@ -651,15 +961,30 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     latest end allowed by everything that waits on it (each rank's step may end at its start + the step time), less
     its replayed end)."""
     step = r.step
-    ops = (g.ops.filter(pl.col("step") == step).select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group")
+    own = g.ops.filter(pl.col("step") == step)
+    # what the replay put before each operation: its host gap and its wait (scaled as the replay scaled it: the
+    # replayed start less the later of its previous end and its inputs' arrival is what the walk below reads)
+    ops = (own.select("rank", "seq", "action", "stage", "work_ns", "gap_ns", "group",
+                      (pl.col("wait_ns") if "wait_ns" in own.columns else pl.lit(0, pl.Int64)).alias("_wait"))
            .join(r.ops, on=["rank", "seq"]))
     edges = g.edges.filter(pl.col("step") == step)
     win = g.ranks.filter(pl.col("step") == step).join(r.ranks.select("rank", pl.col("end_ns").alias("_end")),
                                                       on="rank")
     info = {(rk, sq): (a, st, w, gp, grp, s0, e0, b, fr, fs)
             for rk, sq, a, st, w, gp, grp, s0, e0, b, fr, fs in ops.select(
-                "rank", "seq", "action", "stage", "work_ns", "gap_ns", "group", "start_ns", "end_ns", "bound",
-                "from_rank", "from_seq").iter_rows()}
+                "rank", "seq", "action", "stage", "work_ns", pl.col("gap_ns") + pl.col("_wait"), "group", "start_ns",
+                "end_ns", "bound", "from_rank", "from_seq").iter_rows()}
+    wait_of = dict(((rk, sq), wt) for rk, sq, wt in ops.select("rank", "seq", "_wait").iter_rows())
+
+    def before_op(rk: int, st, sq: int, t0: int, t1: int) -> None:
+        """The time [t0, t1) before operation (rk, sq) on the path: its wait no edge explains first, then host."""
+        if t1 <= t0:
+            return
+        wt = min(wait_of.get((rk, sq), 0), t1 - t0)
+        if wt > 0:
+            pieces.append((rk, st, None, "wait", t0, t0 + wt))
+        if t1 > t0 + wt:
+            pieces.append((rk, st, None, "host", t0 + wt, t1))
     start_of = dict(win.select("rank", "start_ns").iter_rows())
     tail = dict(win.select("rank", "tail_ns").iter_rows())
     last_seq = dict(ops.group_by("rank").agg(pl.col("seq").max()).iter_rows())
@@ -674,6 +999,14 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         after.setdefault((src, s_seq), []).append(((dst, d_seq), send_lag + transfer))
         if a_seq is not None:
             after.setdefault((dst, a_seq), []).append(((dst, d_seq), post_lag + transfer))
+    if g.blocking is not None and g.blocking.height:  # a blocking send's message also holds its sender's next op
+        rows = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True).select(
+            "src", "src_seq", "dst", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").rows()
+        for j, rk, sq in g.blocking.filter(pl.col("step") == step).select("edge", "rank", "seq").iter_rows():
+            src, s_seq, dst, a_seq, send_lag, post_lag, transfer = rows[j]
+            after.setdefault((src, s_seq), []).append(((rk, sq), send_lag + transfer))
+            if a_seq is not None:
+                after.setdefault((dst, a_seq), []).append(((rk, sq), post_lag + transfer))
     post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
                    edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
     members: dict[str, list[tuple[int, int]]] = {}
@@ -719,9 +1052,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         joined = b == "group"
         if b == "device":
             prev = (rk, sq - 1) if (rk, sq - 1) in info else None
-            before = info[prev][6] if prev else start_of[rk]
-            if s0 > before:
-                pieces.append((rk, st, None, "host", before, s0))
+            before_op(rk, st, sq, info[prev][6] if prev else start_of[rk], s0)
             key = prev
         elif b == "group":
             key = (fr, fs)
@@ -729,8 +1060,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             # from the producer's end to the send (or from the receiver's operation to its posting the receive) too
             src_end = info[(fr, fs)][6] if fs >= 0 else start_of[fr]  # (-1: the rank's step start)
             arrive = s0 - gp
-            if s0 > arrive:
-                pieces.append((rk, st, None, "host", arrive, s0))
+            before_op(rk, st, sq, arrive, s0)
             lag = post_lag_of.get((rk, sq, fs)) if fr == rk else None
             if lag is not None and lag > 0:  # the receiver's own time before it posted the receive
                 pieces.append((rk, st, None, "host", src_end, min(arrive, src_end + lag)))
@@ -738,6 +1068,15 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             if arrive > src_end:
                 pieces.append((rk, st, None, "p2p", src_end, arrive))
             key = (fr, fs) if fs >= 0 else None
+    # the path spans the slowest rank's step: from its start (a path that begins on a rank that started later
+    # begins with that rank's wait on the previous step; time before the slowest rank's start is not in its step)
+    # to its end, so the time on it is the step printed beside it
+    first = start_of[end_rank]
+    begin = min((p[4] for p in pieces), default=first)
+    if begin > first:
+        at = min(pieces, key=lambda p: p[4])
+        pieces.append((at[0], at[1], None, "previous step", first, begin))
+    pieces = [(*p[:4], max(p[4], first), p[5]) for p in pieces if p[5] > first]
     path = pl.DataFrame(pieces, schema={"rank": pl.Int32, "stage": pl.Int32, "seq": pl.Int32, "kind": pl.String,
                                         "start_ns": pl.Int64, "end_ns": pl.Int64}, orient="row").sort("start_ns")
     path = path.with_columns(((pl.col("end_ns") - pl.col("start_ns")) / NS_PER_MS).alias("ms"),

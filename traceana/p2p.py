@@ -311,3 +311,92 @@ def _empty(query: pl.LazyFrame) -> pl.DataFrame:
     """What ``query`` gives on empty inputs: no rows, its planned columns."""
     return pl.DataFrame(schema=query.collect_schema())
 
+
+
+# A message's peer where the trace names none (torch.profiler's defaults: record_shapes off, so c10d's Concrete
+# Inputs are not written): its direction is its pass's. A send belongs to the pass its rank last started before
+# posting it; a receive to the pass that consumed it: the one running when it returned (torch.distributed.pipelining
+# waits inside the action), else the next to start. A forward sends its activation to the next stage and receives
+# from the previous one; a backward (B, or its input half I) sends its gradient to the previous stage and receives
+# from the next one.
+SENDS_TO = {"forward": 1, "backward": -1, "backward_input": -1}
+RECEIVES_FROM = {"forward": -1, "backward": 1, "backward_input": 1}
+
+
+def peers_from_schedule(msgs: pl.DataFrame, schedule: pl.DataFrame) -> tuple[pl.DataFrame, dict]:
+    """``msgs`` (MESSAGE) with each missing peer taken from the schedule (rank, step, stage, phase, start_ns, end_ns):
+    the rank holding the adjacent stage its pass sends to or receives from (module constants above); pairing then
+    matches them in order between the two ranks, as gloo and NCCL do. A peer stays unknown where the pass is not
+    known (no schedule row around it), the adjacent stage does not exist, or several ranks hold it (data-parallel
+    replicas, unless every such stage holds as many ranks as its neighbour: then by place, below). Returns the
+    messages and counts: ``missing`` (messages without a peer), ``given`` (peers taken from the schedule),
+    ``by_place`` (of those, between stages of several ranks: the i-th rank of one to the i-th of the other),
+    ``ambiguous`` (left unknown: their adjacent stage held by several ranks, a different number)."""
+    missing = msgs.filter(pl.col("peer").is_null() & (pl.col("channel") == "p2p"))
+    counts = {"missing": missing.height, "given": 0, "ambiguous": 0, "by_place": 0}
+    if missing.height == 0 or schedule.height == 0:
+        return msgs, counts
+    passes = (schedule.filter(pl.col("phase").is_in(list(SENDS_TO)) & pl.col("stage").is_not_null())
+              .select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int32), pl.col("stage").cast(pl.Int32),
+                      pl.col("phase").cast(pl.String), "start_ns", "end_ns").sort("start_ns"))
+    holders = passes.group_by("stage").agg(pl.col("rank").unique().sort().alias("_holders"))
+    # a rank's place among its stage's ranks (its replica where each stage's ranks are its replicas in rank order)
+    place = (passes.select("rank", "stage").unique().sort("rank")
+             .with_columns(pl.int_range(pl.len()).over("stage").alias("_place"))
+             .join(holders.select("stage", pl.col("_holders").list.len().alias("_n")), on="stage")
+             .group_by("rank").agg(pl.col("_place").first(), pl.col("_n").first()))
+    m = missing.with_row_index("_i").with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int32))
+    sends = (m.filter(pl.col("dir") == "send").sort("post_ns")
+             .join_asof(passes.rename({"start_ns": "_ps", "end_ns": "_pe"}), left_on="post_ns", right_on="_ps",
+                        by=["rank", "step"], strategy="backward", check_sortedness=False)
+             .with_columns(pl.col("phase").replace_strict(SENDS_TO, default=None).alias("_dir")))
+    recv = m.filter(pl.col("dir") == "recv").sort("end_ns")
+    running = recv.join_asof(passes.rename({"start_ns": "_ps", "end_ns": "_pe"}), left_on="end_ns", right_on="_ps",
+                             by=["rank", "step"], strategy="backward", check_sortedness=False)
+    nxt = recv.join_asof(passes.rename({"start_ns": "_ps", "end_ns": "_pe", "stage": "_ns", "phase": "_nph"}),
+                         left_on="end_ns", right_on="_ps", by=["rank", "step"], strategy="forward",
+                         check_sortedness=False).select("_i", "_ns", "_nph")
+    recvs = (running.join(nxt, on="_i", how="left")
+             .with_columns(pl.when(pl.col("_pe") >= pl.col("end_ns")).then("stage").otherwise("_ns").alias("stage"),
+                           pl.when(pl.col("_pe") >= pl.col("end_ns")).then("phase").otherwise("_nph").alias("phase"))
+             .with_columns(pl.col("phase").replace_strict(RECEIVES_FROM, default=None).alias("_dir")))
+    both = pl.concat([sends.select("_i", "rank", "stage", "_dir"), recvs.select("_i", "rank", "stage", "_dir")])
+    # several ranks per stage: the i-th rank of one stage is taken to talk to the i-th of the next (the layout
+    # rank = stage · dp + replica of Megatron, DeepSpeed and traceana collect) where both hold as many ranks
+    peer = (both.with_columns((pl.col("stage") + pl.col("_dir")).alias("stage"))
+            .join(holders, on="stage", how="left").join(place, on="rank", how="left")
+            .with_columns(pl.when(pl.col("_holders").list.len() == 1).then(pl.col("_holders").list.first())
+                          .when(pl.col("_holders").list.len() == pl.col("_n"))
+                          .then(pl.col("_holders").list.get(pl.col("_place"), null_on_oob=True))
+                          .alias("_peer"),
+                          (pl.col("_holders").list.len() > 1).fill_null(False).alias("_ambiguous")))
+    counts["by_place"] = int((peer["_ambiguous"] & peer["_peer"].is_not_null()).sum())
+    counts["ambiguous"] = int((peer["_ambiguous"] & peer["_peer"].is_null()).sum())
+    filled = m.join(peer.select("_i", "_peer"), on="_i", how="left")
+    counts["given"] = int(filled["_peer"].is_not_null().sum())
+    out = pl.concat([msgs.filter(~(pl.col("peer").is_null() & (pl.col("channel") == "p2p"))),
+                     filled.with_columns(pl.col("_peer").alias("peer")).drop("_i", "_peer").cast(msgs.schema)],
+                    how="vertical_relaxed")
+    return out.sort("rank", "post_ns"), counts
+
+
+def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
+    """rank, replica: each rank's pipeline group (the ranks joined by P2P, p2p.pipeline_groups), numbered by
+    their lowest rank. No pair at all among several ranks (their messages name no peer, or there are none): which
+    ranks form a pipeline is not known, and no replica is invented (null: not one "replica" per rank)."""
+    if pairs.height == 0 and len(ranks) > 1:
+        return pl.DataFrame({"rank": ranks, "replica": [None] * len(ranks)},
+                            schema={"rank": pl.Int32, "replica": pl.Int32})
+    peers: dict[int, set[int]] = {r: set() for r in ranks}
+    for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
+        if a in peers and b in peers:
+            peers[a].add(b)
+            peers[b].add(a)
+    groups = pipeline_groups({r: sorted(p) for r, p in peers.items()})
+    return pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
+                        schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
+
+
+def pipeline_replicas(analysis) -> pl.DataFrame:
+    """``replica_of`` the analysis' ranks."""
+    return replica_of(sorted(analysis.attribution["rank"].unique().to_list()), analysis.p2p)

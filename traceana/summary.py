@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceana.intervals import COLLECT
+from traceana.p2p import pipeline_replicas, replica_of  # noqa: F401  (summary's names: the pipeline groups)
 from traceana.schema import BLOCKED_CATEGORIES, BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.units import MIB, NS_PER_MS
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
@@ -213,26 +214,6 @@ def _per_stage(per_rank_step: pl.DataFrame, stages: pl.DataFrame, stage_memory: 
         .sort("stage", nulls_last=True)
         .collect(**COLLECT)
     )
-
-
-def replica_of(ranks: list[int], pairs: pl.DataFrame) -> pl.DataFrame:
-    """rank, replica: each rank's pipeline group (the ranks joined by P2P, p2p.pipeline_groups), numbered by
-    their lowest rank."""
-    from traceana.p2p import pipeline_groups  # (not from partitioned: its cluster tasks and their imports)
-
-    peers: dict[int, set[int]] = {r: set() for r in ranks}
-    for a, b in pairs.select("src", "dst").unique().rows():  # one row per linked rank pair
-        if a in peers and b in peers:
-            peers[a].add(b)
-            peers[b].add(a)
-    groups = pipeline_groups({r: sorted(p) for r, p in peers.items()})
-    return pl.DataFrame([(r, i) for i, g in enumerate(groups) for r in g],
-                        schema={"rank": pl.Int32, "replica": pl.Int32}, orient="row")
-
-
-def pipeline_replicas(analysis) -> pl.DataFrame:
-    """``replica_of`` the analysis' ranks."""
-    return replica_of(sorted(analysis.attribution["rank"].unique().to_list()), analysis.p2p)
 
 
 def replica_steps(attribution: pl.DataFrame, stages: pl.DataFrame, pairs: pl.DataFrame,
