@@ -455,6 +455,8 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
         "measured_step_ms": measured,
         "replayed_step_ms": replay_mean,
         "replay_error": float(per_rank["replay_error"].max()),
+        "consistent_operations": g.consistent[0],
+        "operations": g.consistent[1],
         "replay": "the measured step's graph replayed on the measured durations (in sample: how far the graph's "
                   "edges agree with the timeline, not a prediction)",
         "ideal_step_ms": ideal_mean,

@@ -73,8 +73,9 @@ def render(w, *, console) -> None:
     print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over steps "
                f"{', '.join(map(str, s['measured_steps']))}; noise {ms(s['noise_ms'])} ms")
     print_line(console, f"replay of the measured step (a consistency check of the graph's edges, in sample, not a "
-               f"prediction): {ms(s['replayed_step_ms'])} ms, largest difference of a rank's step "
-               f"{s['replay_error']:.2%}")
+               f"prediction): {ms(s['replayed_step_ms'])} ms; edges consistent with the timeline: "
+               f"{s['consistent_operations']:,} of {s['operations']:,} operations (largest difference of a rank's "
+               f"step {s['replay_error']:.2%})")
     print_line(console, f"the study's ideal (OSDI 2025: compute at the mean of its kind across stages, replicas and "
                f"steps; communication at its median): {ms(s['ideal_step_ms'])} ms, slowdown S "
                f"{f2(s['slowdown'])}× (host gaps 0 on both sides: {f2(s['slowdown_without_host'])}×); M_S "
