@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from collectors.trainer.config import SCHEDULES  # no torch import
-from traceana.manifest import MULTI_STAGE_SCHEDULES
+from traceana.manifest import MULTI_STAGE_SCHEDULES, Workload
 
 RUNS = {
     # name: CollectConfig keyword arguments
@@ -49,6 +49,23 @@ RUNS = {
     # the undelayed configuration again, collected after the delayed one (A B A): the two undelayed runs' difference
     # is the run-to-run noise the cross-run comparison must allow
     "1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
+    # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
+    # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
+    # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after
+    # (tests/test_known_workload.py); 1F1B pp=2 plain, stage 1 slowed ×3, plain again (A B A,
+    # tests/test_whatif_runs.py)
+    "sleep_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
+                            workload=Workload("sleep", 15.0, 25.0, 5.0, slow_stages=((1, 2.0),))),
+    "sleep0_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
+                             workload=Workload("sleep", 0.0, 0.0)),
+    "sleep0_gpipe_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe",
+                                   steps=2, workload=Workload("sleep", 0.0, 0.0)),
+    "sleep_1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
+                           workload=Workload("sleep", 10.0, 20.0)),
+    "sleep_1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
+                                workload=Workload("sleep", 10.0, 20.0, slow_stages=((1, 3.0),))),
+    "sleep_1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
+                                 steps=3, workload=Workload("sleep", 10.0, 20.0)),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {
