@@ -41,19 +41,14 @@ RUNS = {
     "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
                              steps=6, slow_rank=(1, 300.0)),
-    # one stage delayed (pp=2, no data parallelism): rank 1 = stage 1 sleeps 100 ms inside each forward, and the same
-    # configuration without (tests/test_whatif_runs.py)
-    "1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
-    "1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
-                          slow_rank=(1, 100.0)),
-    # the undelayed configuration again, collected after the delayed one (A B A): the two undelayed runs' difference
-    # is the run-to-run noise the cross-run comparison must allow
-    "1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
     # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
     # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
     # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after
     # (tests/test_known_workload.py); 1F1B pp=2 plain, stage 1 slowed ×3, plain again (A B A,
     # tests/test_whatif_runs.py)
+    # 1F1B pp=4, 4 micro-batches, F = 20 ms, B = 40 ms: the stages' bubbles (tests/test_schedule_real.py)
+    "sleep_1f1b": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="1f1b",
+                       workload=Workload("sleep", 20.0, 40.0)),
     "sleep_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
                             workload=Workload("sleep", 15.0, 25.0, 5.0, slow_stages=((1, 2.0),))),
     "sleep0_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,

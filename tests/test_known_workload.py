@@ -10,6 +10,7 @@ import gzip
 import json
 import re
 import statistics
+import sys
 import time
 
 import pytest
@@ -104,7 +105,7 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
     w = RUNS["sleep_gpipe_pp2"]["workload"]
     assert manifest.workload == w and manifest.schedule == "gpipe"
     m, steps = RUNS["sleep_gpipe_pp2"]["microbatches"], RUNS["sleep_gpipe_pp2"]["steps"]
-    slack = 10 * _calibrated_slack_ms()
+    slack, gil = 10 * _calibrated_slack_ms(), sys.getswitchinterval() * 1e3
     for rank in range(2):
         stage = rank  # pp=2, dp=1
         held = _held(run, manifest, rank)
@@ -119,8 +120,10 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
                 assert s["stated_ms"] == ms
                 took = (s["end_ns"] - s["start_ns"]) / 1e6
                 # never shorter than stated (a deadline); longer only by the time the kernel kept the rank from
-                # running (its own run-queue delay) and this machine's wake-up slack, measured above
-                assert ms <= took <= ms + s["run_delay_ns"] / 1e6 + slack, (rank, s, slack)
+                # running (its own run-queue delay), this machine's wake-up slack, measured above, and the time
+                # another thread of the rank (gloo's waiters, the profiler) may keep the interpreter before handing
+                # it back (Python's switch interval)
+                assert ms <= took <= ms + s["run_delay_ns"] / 1e6 + slack + gil, (rank, s, slack)
         # the trace: each forward span holds its F, each backward span its I and W (one full backward); what the
         # trace adds around them (the pass's own bookkeeping) is smaller than the gap between any two stated
         # durations, so a trace's pass durations tell the stated ones apart

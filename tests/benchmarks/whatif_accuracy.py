@@ -16,6 +16,7 @@ against each schedule's measured step and bubble share, and the analytic step of
 
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --repeats 3
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --noise-floor --repeats 5
+    PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --repeats 3 --root DIR --reuse  # re-predict
 
 ``--noise-floor``: only GPipe and 1F1B (pp 4, m 8), REPEATS times interleaved: the spread of the step, the load, and
 the analytic step. Prints markdown; ``--json FILE`` also writes every figure. Asserts nothing (a benchmark).
@@ -100,19 +101,33 @@ def spread(xs: list[float]) -> float:
 
 
 def simulated(name: str, forward_ms: float, backward_ms: float) -> tuple[float, float]:
-    """The simulator fed the stated durations (nothing measured): step ms and mean bubble share."""
+    """The simulator fed the stated durations (nothing measured): step ms and mean bubble share. A slowed stage
+    holds FACTOR × F and B; a slowed rank slows its stage in its replica, and the slowest replica sets the step
+    (the data-parallel all-reduce waits for it), so its stage is simulated at that factor."""
     from traceana.model.scheduler import StageTimes
     from traceana.model.simulate import bubble_fraction, simulate
 
     flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
     schedule, pp, m = flags["--schedule"], int(flags["--pp"]), int(flags["--microbatches"])
+    dp = int(flags.get("--dp", 1))
     v = 2 if schedule in ("interleaved-1f1b", "looped-bfs") else 1
     devices = pp // v
+    factor = [1.0] * pp
+    for i, f in (x.split(":") for x in _all(CONFIGS[name], "--slow-stage")):
+        factor[int(i)] *= float(f)
+    for r, f in (x.split(":") for x in _all(CONFIGS[name], "--slow-rank")):
+        stage = int(r) // dp  # rank = stage · dp + replica
+        factor[stage] = max(factor[stage], factor[stage] * float(f))
     ns = 1e6
-    times = StageTimes(forward_ns=(forward_ms * ns,) * pp, backward_ns=(backward_ms * ns,) * pp)
+    times = StageTimes(forward_ns=tuple(forward_ms * ns * k for k in factor),
+                       backward_ns=tuple(backward_ms * ns * k for k in factor))
     sim = simulate(schedule, pp=devices, num_microbatches=m, times=times, virtual_stages=v,
                    bpipe="--bpipe" in CONFIGS[name])
     return sim.step_ns / ns, float(bubble_fraction(sim)["bubble_fraction"].mean())
+
+
+def _all(flags: list[str], flag: str) -> list[str]:
+    return [flags[i + 1] for i, f in enumerate(flags) if f == flag]
 
 
 def analytic(name: str, forward_ms: float, backward_ms: float) -> float:
@@ -130,6 +145,8 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=None, help="case numbers to run (1-based; default: all)")
     ap.add_argument("--root", type=Path, default=None, help="scratch folder (default: a new one under /tmp)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the runs already in --root (NAME.REP folders) instead of collecting again")
     args = ap.parse_args()
     F, B = args.forward_ms, args.backward_ms
     cases = [c for i, c in enumerate(CASES, 1) if args.cases is None or str(i) in args.cases]
@@ -137,7 +154,10 @@ def main() -> None:
     root = args.root or Path(tempfile.mkdtemp(prefix="whatif_accuracy."))
     began, load_before = time.monotonic(), load()
     print(f"collecting {', '.join(names)} × {args.repeats} into {root} (load {load_before})", file=sys.stderr)
-    runs = collect_all(root, names, args.repeats, F, B, args.profile_steps)
+    if args.reuse:
+        runs = {n: [root / f"{n}.{rep}" for rep in range(args.repeats)] for n in names}
+    else:
+        runs = collect_all(root, names, args.repeats, F, B, args.profile_steps)
     load_after = load()
     facts = {name: [analyzed(r) for r in rs] for name, rs in runs.items()}
     steps = {name: [a["summary"]["step_ms"] for a in fs] for name, fs in facts.items()}
