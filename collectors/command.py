@@ -61,9 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --work sleep: the weights' gradient pass (W of zero-bubble schedules); a full "
                            "backward holds B + W (default: 0)")
     work.add_argument("--slow-stage", action="append", default=None, metavar="S:FACTOR",
-                      help="with --work sleep: every pass of stage S holds FACTOR times as long (repeatable) (default: none)")
+                      help="with --work sleep: every pass of stage S holds FACTOR times as long (repeatable) "
+                           "(default: none)")
     work.add_argument("--slow-rank", action="append", default=None, metavar="R:FACTOR",
-                      help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) (default: none)")
+                      help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
+                           "(default: none)")
     options.output(parser, type=Path, required=True, metavar="DIR",
                    help="run directory to write (required)")
 

@@ -1,7 +1,7 @@
 """The known workload (``traceana collect --work sleep``, docs/known-workload.md): its flags, run.json's record, and
 its own truth — the durations it was told, the perf_counter spans it records outside the trace (RUN/workload/), and
-the analytic step of GPipe, (m − 1)·max F + ΣF + (m − 1)·max B + ΣB (Huang et al. 2019; (m + p − 1)(F + B) when
-the stages are equal).
+the analytic step of GPipe, (m − 1)·max F + ΣF + (m − 1)·max B + ΣB (Huang et al. 2019; (m + p − 1)(F + B)
+when the stages are equal).
 """
 
 from __future__ import annotations
@@ -178,3 +178,32 @@ def test_the_step_is_the_analytic_gpipe_step_plus_the_overhead_a_zero_hold_twin_
         assert analytic - 1e-3 <= step, (step, analytic)
     assert statistics.median(measured) <= analytic + max(overhead) + noise, (measured, analytic, overhead)
     assert manifest.workload.held_ms("B", stage=1, rank=1) == b[1]
+
+
+@pytest.mark.slow
+def test_a_split_backward_schedule_holds_one_f_one_i_and_one_w_per_microbatch(collected_run):
+    # torch.distributed.pipelining's ZB-V (2 ranks × 2 stages in a V): its input pass (I) and weight pass (W) each
+    # run their own hold once, as the trace's PP:{s}I{mb} / PP:{s}W{mb} spans show — except on stage 0, whose input
+    # (token ids) has no gradient: torch's I computes nothing there and its W the whole backward, so the trace's W
+    # holds I + W (docs/known-workload.md)
+    run = collected_run("pipelining-zbv-sleep")
+    manifest = Manifest.read(run / "run.json")
+    assert manifest.workload == Workload("sleep", 10.0, 20.0, 10.0) and manifest.schedule == "zbv"
+    m = 4
+    for rank, stages in enumerate(manifest.stages_of_rank):
+        spans = _held(run, manifest, rank)["spans"]
+        profiled = max(s["step"] for s in spans)
+        with gzip.open(run / f"rank{rank}.pt.trace.json.gz", "rt") as f:
+            events = json.load(f)["traceEvents"]
+        for stage in stages:
+            in_trace = {"F": 10.0, "I": 0.0 if stage == 0 else 20.0, "W": 30.0 if stage == 0 else 10.0}
+            for action in "FIW":
+                mine = sorted(s["microbatch"] for s in spans if s["step"] == profiled and s["stage"] == stage
+                              and s["action"] == action)
+                assert mine == list(range(m)), (rank, stage, action, mine)
+                name = re.compile(rf"PP:{stage}{action}\d+")
+                traced = [e["dur"] / 1e3 for e in events if e.get("ph") == "X" and name.fullmatch(e.get("name", ""))]
+                assert len(traced) == m and all(t >= in_trace[action] - 1e-3 for t in traced), \
+                    (rank, stage, action, traced)
+                if stage == 0 and action == "I":  # the hold is not inside it: shorter than one I
+                    assert min(traced) < 20.0, traced

@@ -14,7 +14,9 @@ A stage module's ``forward`` is replaced, on the instance, by two autograd funct
   weight_ms``; the zero-bubble schedules of torch.distributed.pipelining run them as their I and W (their input
   pass stops at the sum, their weight pass goes from it to the parameters only: neither runs the other's hold). On
   the first stage, whose input is token ids, ``_Pass`` hangs from a scalar leaf of its own (``_Held.anchor``) so
-  that its backward still runs (measured: one F, one I and one W a micro-batch on every stage of every schedule).
+  that its backward still runs (measured: one F, one I and one W hold a micro-batch on every stage of every
+  schedule). There torch's split schedules compute no input gradient: their I pass of stage 0 holds nothing and
+  their W pass holds both (B + W), as a real first stage's backward is all weight gradients.
 - Each hold sleeps to a ``perf_counter`` deadline taken at the pass's start (never a sum of ``sleep(dt)``) and is
   recorded, outside the profiler, as a ``perf_counter_ns`` span with the time the thread was runnable but waiting
   for a CPU inside it (schedstat): ``RUN/workload/rank{R}.json`` (``write_spans``), the test's independent truth.

@@ -166,9 +166,10 @@ def main() -> None:
     print(f"\nF = {F:g} ms, B = {B:g} ms, tiny-gpt, 1 warm-up + {args.profile_steps} profiled steps, "
           f"{args.repeats} interleaved collections each; load (1, 5, 15 min) {load_before} before, {load_after} "
           f"after collecting; {os.cpu_count()} CPUs\n")
-    print("| configuration | measured step ms: median (min–max) | spread | analytic (m+p−1)(F+B) ms | + P2P + optimizer "
-          "ms | simulator (stated F, B) ms | measured bubble | simulated bubble |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| configuration | measured step ms: median (min–max) | spread | analytic (m+p−1)(F+B) ms "
+          "| + P2P + optimizer ms | simulator (stated F, B) ms | simulator error | measured bubble "
+          "| simulated bubble |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         xs = steps[name]
         exposed = statistics.median(max(s["p2p_ms"] for s in a["summary"]["per_stage"]) +
@@ -183,7 +184,8 @@ def main() -> None:
         ana_text = f"{ana:.0f}" if ana is not None else "–"
         plus = f"{ana + exposed:.0f}" if ana is not None else "–"
         print(f"| {name} ({' '.join(CONFIGS[name])}) | {row['median_ms']:.0f} ({min(xs):.0f}–{max(xs):.0f}) | "
-              f"{row['spread']:.1%} | {ana_text} | {plus} | {sim_ms:.0f} | {bubble:.1%} | {sim_bubble:.1%} |")
+              f"{row['spread']:.1%} | {ana_text} | {plus} | {sim_ms:.0f} | {sim_ms / row['median_ms'] - 1:+.1%} | "
+              f"{bubble:.1%} | {sim_bubble:.1%} |")
     if not args.noise_floor:
         print("\n| case | predicted ms | measured ms | error | noise floor | verdict |")
         print("|---|---|---|---|---|---|")
