@@ -56,11 +56,11 @@ RUNS = {
     "sleep0_gpipe_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe",
                                    steps=2, workload=Workload("sleep", 0.0, 0.0)),
     "sleep_1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
-                           workload=Workload("sleep", 10.0, 20.0)),
+                           workload=Workload("sleep", 20.0, 40.0)),
     "sleep_1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
-                                workload=Workload("sleep", 10.0, 20.0, slow_stages=((1, 3.0),))),
+                                workload=Workload("sleep", 20.0, 40.0, slow_stages=((1, 3.0),))),
     "sleep_1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
-                                 steps=3, workload=Workload("sleep", 10.0, 20.0)),
+                                 steps=3, workload=Workload("sleep", 20.0, 40.0)),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {

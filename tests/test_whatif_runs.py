@@ -1,5 +1,5 @@
 """The what-if on real collected runs of the known workload (``collect --work sleep``, docs/known-workload.md): pp=2
-1F1B whose passes hold F = 10 ms and B = 20 ms, once with stage 1 slowed ×3 (run.json's ``workload.slow_stages``),
+1F1B whose passes hold F = 20 ms and B = 40 ms, once with stage 1 slowed ×3 (run.json's ``workload.slow_stages``),
 and the same configuration without, before and after it (A B A). The truth is the stated durations: by hand the
 slowed stage 1 holds each of its MICROBATCHES forwards and backwards (FACTOR − 1)(F + B) longer, every one of them on
 the step's path (1F1B on two stages runs stage 1's passes back to back), and the undelayed collections' step,
@@ -40,10 +40,7 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
     plain = whatif(plain_run)
     s, p, a = slow.summary, plain.summary, again.summary
     assert SLOW_STAGE == 1
-    # the delayed stage is the bottleneck; the rank feeding it (stage 0), which only waits, is not named
-    assert s["bottleneck"] is not None and (s["bottleneck"]["group"], s["bottleneck"]["id"]) == ("stage", 1), s
-    named = slow.groups.filter(pl.col("named"))
-    assert named.select("group", "id").rows() == [("stage", "1")], named
+    injected = MICROBATCHES * (FACTOR - 1) * (SLOW.forward_ms + SLOW.backward_ms)
     stage1 = slow.groups.filter((pl.col("group") == "stage") & (pl.col("id") == "1")).row(0, named=True)
 
     def natural(w) -> float:  # how far apart the stages are without a delay: the undelayed run's stage-1 gain
@@ -51,11 +48,20 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
 
     # the run-to-run change, measured here: the two undelayed collections, before and after
     drift = abs(p["measured_step_ms"] - a["measured_step_ms"])
+    in_run = s["noise_ms"] + max(natural(plain), natural(again)) + drift
+    # The delayed stage is the bottleneck; the rank feeding it (stage 0), which only waits, is not named. The what-if
+    # names a group only when making it ideal gains more than the noise of every measured step: so it must, unless
+    # the loaded machine stretched a step by about as much as the injected delay (seen once in five runs at load 10)
+    named = slow.groups.filter(pl.col("named"))
+    if injected - in_run > s["noise_ms"]:
+        assert s["bottleneck"] is not None and (s["bottleneck"]["group"], s["bottleneck"]["id"]) == ("stage", 1), s
+        assert named.select("group", "id").rows() == [("stage", "1")], named
+    else:
+        assert named.is_empty() or named.select("group", "id").rows() == [("stage", "1")], (s, named)
+
     # Within the run: by hand, the delayed run's step less what the slow-down holds on the path, MICROBATCHES ×
     # (FACTOR − 1) × (F + B), is the step at stage 0's speed, within the run's own noise, the stages' imbalance
     # without a delay and the run-to-run change
-    injected = MICROBATCHES * (FACTOR - 1) * (SLOW.forward_ms + SLOW.backward_ms)
-    in_run = s["noise_ms"] + max(natural(plain), natural(again)) + drift
     assert abs(stage1["if_ideal_step_ms"] - (s["measured_step_ms"] - injected)) <= in_run, (s, stage1, in_run)
     # Across runs: the undelayed collections' step, within the noise of the runs and the measured run-to-run change
     undelayed = sorted([p["measured_step_ms"], a["measured_step_ms"]])
