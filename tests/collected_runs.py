@@ -36,11 +36,12 @@ RUNS = {
     "1f1b_m8_bpipe": dict(preset="tiny-gpt", pp=4, microbatches=8, microbatch_size=2, schedule="1f1b", bpipe=True,
                           steps=2),
     # data-parallel pipelines: pp=2 × dp=2 (rank = stage · dp + replica), six profiled steps (a straggler is slow
-    # in every one of the 5 measured); "_slow" sleeps 300 ms inside each forward of rank 1 (stage 0 of replica 1),
-    # well above what one descheduled step adds on the loaded 2-core machine (~250 ms): tests/test_replicas.py
-    "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6),
+    # in every one of the 5 measured), on the known workload (F 20, B 40 ms); "_slow" holds every pass of rank 1
+    # (stage 0 of replica 1) three times as long: tests/test_replicas.py
+    "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6,
+                        workload=Workload("sleep", 20.0, 40.0)),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
-                             steps=6, slow_rank=(1, 300.0)),
+                             steps=6, workload=Workload("sleep", 20.0, 40.0, slow_ranks=((1, 3.0),))),
     # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
     # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
     # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after
