@@ -47,8 +47,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=1, metavar="N",
                         help="steps run before them, the profiler warming up (nothing kept)")
     parser.add_argument("--seed", type=int, default=1234, help="random seed of the weights and the data")
+    work = parser.add_argument_group(
+        "known workload", "--work sleep: every pass holds for a stated time instead of computing, everything else "
+        "stays real (docs/known-workload.md)")
+    work.add_argument("--work", choices=WORKS, default="compute",
+                      help="compute: train the model; sleep: hold each forward/backward for --forward-ms/--backward-ms")
+    work.add_argument("--forward-ms", type=float, default=None, metavar="F",
+                      help="with --work sleep: what each forward holds, in ms (required)")
+    work.add_argument("--backward-ms", type=float, default=None, metavar="B",
+                      help="with --work sleep: what each backward holds (the input-gradient pass I of zero-bubble "
+                           "schedules), in ms (required)")
+    work.add_argument("--weight-ms", type=float, default=None, metavar="W",
+                      help="with --work sleep: the weights' gradient pass (W of zero-bubble schedules); a full "
+                           "backward holds B + W (default: 0)")
+    work.add_argument("--slow-stage", action="append", default=None, metavar="S:FACTOR",
+                      help="with --work sleep: every pass of stage S holds FACTOR times as long (repeatable) "
+                           "(default: none)")
+    work.add_argument("--slow-rank", action="append", default=None, metavar="R:FACTOR",
+                      help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
+                           "(default: none)")
     options.output(parser, type=Path, required=True, metavar="DIR",
                    help="run directory to write (required)")
+
+
+WORKS = ("compute", "sleep")
+
+
+def workload_from_args(args: argparse.Namespace):
+    """The known workload the flags describe (traceana.manifest.Workload), None for ``--work compute``; a flag that
+    makes no sense is one ConfigError line (exit 2)."""
+    from traceana.errors import ConfigError
+    from traceana.manifest import Workload
+
+    given = [flag for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms),
+                                  ("--weight-ms", args.weight_ms), ("--slow-stage", args.slow_stage),
+                                  ("--slow-rank", args.slow_rank)) if v is not None]
+    if args.work != "sleep":
+        if given:
+            raise ConfigError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} the known workload",
+                              fix="add --work sleep, or drop " + ", ".join(given))
+        return None
+    missing = [flag for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms))
+               if v is None]
+    if missing:
+        raise ConfigError(f"--work sleep needs {' and '.join(missing)}",
+                          fix="give each pass's time, e.g. --forward-ms 20 --backward-ms 40")
+    for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms),
+                    ("--weight-ms", args.weight_ms)):
+        if v is not None and not (v >= 0 and v < float("inf")):
+            raise ConfigError(f"{flag} must be a number of milliseconds, 0 or more, got {v:g}",
+                              fix=f"give {flag} 0 or more")
+
+    def pairs(flag: str, values: list[str] | None) -> tuple[tuple[int, float], ...]:
+        out = []
+        for text in values or ():
+            index, sep, factor = text.partition(":")
+            try:
+                i, f = int(index), float(factor)
+            except ValueError:
+                i, f = None, None
+            if not sep or i is None or i < 0:
+                raise ConfigError(f"{flag} {text!r} is not INDEX:FACTOR",
+                                  fix=f"write e.g. {flag} 1:2 (index 1, every pass twice as long)")
+            if not (f > 0 and f < float("inf")):
+                raise ConfigError(f"{flag} {text!r}: the factor must be more than 0, got {factor}",
+                                  fix="give a factor above 0 (2 = twice as long, 0.5 = half)")
+            if i in dict(out):
+                raise ConfigError(f"{flag} names {i} twice", fix=f"give each {flag[7:]} once")
+            out.append((i, f))
+        return tuple(out)
+
+    return Workload(kind="sleep", forward_ms=args.forward_ms, backward_ms=args.backward_ms,
+                    weight_ms=args.weight_ms or 0.0, slow_stages=pairs("--slow-stage", args.slow_stage),
+                    slow_ranks=pairs("--slow-rank", args.slow_rank))
 
 
 def config_from_args(args: argparse.Namespace):
@@ -59,6 +130,7 @@ def config_from_args(args: argparse.Namespace):
         preset=args.model, pp=args.pp, microbatches=microbatch_count(args), microbatch_size=args.microbatch_size,
         schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
         recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed, dp=args.dp,
+        workload=workload_from_args(args),
     )
 
 
@@ -83,6 +155,11 @@ def run_pipelining(args: argparse.Namespace) -> int:
 
     from traceana.commands.options import microbatch_count
 
+    workload = workload_from_args(args)
+    if workload is not None:
+        from collectors.trainer.config import check_workload_layout
+
+        check_workload_layout(workload, stages=args.pp, ranks=args.pp // 2)
     config_from_args(argparse.Namespace(**{**vars(args), "schedule": "gpipe"}))
     device_order(args.schedule, pp=args.pp // 2, num_microbatches=microbatch_count(args), device=0, virtual_stages=2)
     from collectors.pipelining_example import collect
@@ -90,7 +167,8 @@ def run_pipelining(args: argparse.Namespace) -> int:
     with ranks_output(args.output):
         out = collect(args.schedule, args.output, preset=args.model, microbatches=microbatch_count(args),
                       microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
-                      attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps)
+                      attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps,
+                      workload=workload)
     print(f"wrote {out}; next: traceana analyze {out}")
     return 0
 

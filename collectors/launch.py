@@ -98,9 +98,14 @@ def collect(config: CollectConfig, out_dir: str | Path, *, progress: Progress | 
 def describe(config: CollectConfig) -> str:
     bp = " + BPipe" if config.bpipe else ""
     dp = f" × dp={config.dp}" if config.dp > 1 else ""
+    w = config.workload
+    work = "" if w is None else (f", work=sleep F={w.forward_ms:g} B={w.backward_ms:g}"
+                                 + (f" W={w.weight_ms:g}" if w.weight_ms else "") + " ms"
+                                 + "".join(f" stage {i}×{f:g}" for i, f in w.slow_stages)
+                                 + "".join(f" rank {i}×{f:g}" for i, f in w.slow_ranks))
     return (f"{config.preset} pp={config.pp}{dp} {config.schedule}{bp}, {config.microbatches}×{config.microbatch_size} "
             f"micro-batches, attention={config.attention}, recompute={config.recompute}, "
-            f"{config.steps} profiled step(s)")
+            f"{config.steps} profiled step(s){work}")
 
 
 def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | None = None,

@@ -45,9 +45,10 @@ from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.config import PRESETS
 from collectors.trainer.model import GPT
+from collectors.trainer.workload import Clock, make_sleeping, run_delay_ns
 from traceana.pipeline_rules import placement_of, stage_layer_ranges
 from traceana.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
-from traceana.manifest import Manifest
+from traceana.manifest import Manifest, Workload
 
 # name (as in run.json) -> (torch class, virtual stages per rank this example runs); which rank holds which stage is
 # traceana.pipeline_rules' placement rule
@@ -71,16 +72,6 @@ def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
 # Runtime schedules' compute actions. (GPipe's ``Forward {i}`` / ``Backward {i}`` group a micro-batch's P2P posts
 # with its compute and are not timed as actions: the stage calls inside them are.)
 COMPUTE_ACTION = re.compile(r"^(PP:\d+[FBIW]\d+|PP:\(.*\)OVERLAP_F_B)$")
-
-
-def run_delay_ns() -> int:
-    """How long this thread has been runnable but waiting for a CPU, in all (Linux: /proc/thread-self/schedstat's
-    second field); 0 where the kernel does not tell."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 class Truth:
@@ -172,7 +163,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def manifest(schedule: str, world: int, stages: int, microbatches: int, microbatch_size: int, preset: str,
-             steps: int, *, attention: str = "naive", warmup_steps: int = 1) -> Manifest:
+             steps: int, *, attention: str = "naive", warmup_steps: int = 1,
+             workload: Workload | None = None) -> Manifest:
     per_rank = stages_of_ranks(schedule, world)
     return Manifest(
         world_size=world, pp=stages, stage_of_rank=tuple(p[0] for p in per_rank), schedule=schedule,
@@ -182,12 +174,14 @@ def manifest(schedule: str, world: int, stages: int, microbatches: int, microbat
         torch_version=torch.__version__,
         **host_facts(world),
         collector="torch.distributed.pipelining", stages_of_rank=tuple(tuple(p) for p in per_rank),
+        workload=workload,
     )
 
 
 def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_dir: Path, preset: str,
              microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None,
-             attention: str = "naive", seed: int = 1234, warmup_steps: int = 1) -> None:
+             attention: str = "naive", seed: int = 1234, warmup_steps: int = 1,
+             workload: Workload | None = None) -> None:
     from torch.distributed import pipelining
 
     torch.set_num_threads(1)
@@ -198,8 +192,17 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     torch.manual_seed(seed)
     model = GPT(shape, attention=attention)
     my_stages = stages_of_ranks(schedule_name, world)[rank]
-    pipe = [pipelining.PipelineStage(Part(model, stage=s, stages=stages), s, stages, torch.device("cpu"))
-            for s in my_stages]
+    parts = [Part(model, stage=s, stages=stages) for s in my_stages]
+    clock = Clock(rank=rank) if workload is not None else None
+    if clock is not None:  # the known workload (collect --work sleep): each stage's passes hold instead of computing
+        for s, part in zip(my_stages, parts):
+            x = (torch.zeros(microbatch_size, shape.seq, dtype=torch.int64) if s == 0 else
+                 torch.zeros(microbatch_size, shape.seq, shape.hidden, requires_grad=True))
+            make_sleeping(part, workload, stage=s, rank=rank, clock=clock, example=(x,))
+    pipe = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for s, part in zip(my_stages, parts)]
+    if clock is not None:
+        for st in pipe:
+            _label_microbatches(st, clock)
     params = [p for st in pipe for p in st.submod.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     truth = Truth() if truth_dir is not None else None
@@ -216,23 +219,19 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
                for inputs, targets in batches]
     # As the reference trainer: the profiler's warm-up is the last unprofiled step; earlier ones run before it.
     unprofiled = max(warmup_steps - 1, 0)
-    for args, kwargs in batches[:unprofiled]:
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step(*args, **kwargs)
-        optimizer.step()
+    for step, (args, kwargs) in enumerate(batches[:unprofiled]):
+        _train_step(schedule, optimizer, args, kwargs, clock, step)
     if truth:  # the wall-clock spans cover the profiled window's steps only
         truth.install(pipe, optimizer)
     with PipelineProfiler(out_dir, rank=rank, stage=my_stages[0], world_size=world, pp=stages,
                           schedule=schedule_name, warmup=min(warmup_steps, 1), active=steps,
                           manifest=manifest(schedule_name, world, stages, microbatches, microbatch_size, preset, steps,
-                                            attention=attention, warmup_steps=warmup_steps)
+                                            attention=attention, warmup_steps=warmup_steps, workload=workload)
                           if rank == 0 else None,
                           metadata={"stages": my_stages, "collector": "torch.distributed.pipelining"}) as prof:
         delay, begun = run_delay_ns(), time.perf_counter_ns()
-        for args, kwargs in batches[unprofiled:]:
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step(*args, **kwargs)
-            optimizer.step()
+        for step, (args, kwargs) in enumerate(batches[unprofiled:], start=unprofiled):
+            _train_step(schedule, optimizer, args, kwargs, clock, step)
             if truth:
                 now = time.perf_counter_ns()
                 truth.steps.append((begun, now, run_delay_ns() - delay))
@@ -241,11 +240,36 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     dist.destroy_process_group()
     if truth:
         truth.write(truth_dir / f"rank{rank}.json")
+    if clock is not None:
+        clock.write(out_dir, workload)
+
+
+def _train_step(schedule, optimizer, args, kwargs, clock: Clock | None, step: int) -> None:
+    begun = time.perf_counter_ns()
+    if clock is not None:
+        clock.step = step
+    optimizer.zero_grad(set_to_none=True)
+    schedule.step(*args, **kwargs)
+    optimizer.step()
+    if clock is not None:
+        clock.steps.append((step, begun, time.perf_counter_ns()))
+
+
+def _label_microbatches(stage, clock: Clock) -> None:
+    """Tell the known workload's clock which micro-batch each forward of ``stage`` is (its backward keeps it)."""
+    forward = stage.forward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id: int, *args, **kwargs):
+        clock.microbatch = fwd_chunk_id
+        return forward(fwd_chunk_id, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
 
 
 def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", microbatches: int = 8,
             microbatch_size: int = 2, steps: int = 2, ranks: int | None = None, truth: bool = False,
-            attention: str = "naive", seed: int = 1234, warmup_steps: int = 1) -> Path:
+            attention: str = "naive", seed: int = 1234, warmup_steps: int = 1,
+            workload: Workload | None = None) -> Path:
     """Collect one run of a pipelining schedule: 4 ranks × 1 stage (multi-stage schedules: 2 ranks × 2 stages).
     With ``truth``, the independent wall-clock spans go to ``<out_dir>.truth/`` (see the module doc). ``attention``,
     ``seed`` and ``warmup_steps`` mean what they mean for the reference trainer (collectors.trainer.config)."""
@@ -260,10 +284,11 @@ def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", mic
     method = _start_method()
     mp.start_processes(run_rank, args=(world, f"tcp://127.0.0.1:{free_port()}", schedule, out_dir, preset,
                                        microbatches, microbatch_size, steps, truth_dir, attention, seed,
-                                       warmup_steps),
+                                       warmup_steps, workload),
                        nprocs=world, join=True, start_method=method)
     finalize_manifest(out_dir, manifest(schedule, world, world * virtual, microbatches, microbatch_size, preset, steps,
-                                        attention=attention, warmup_steps=warmup_steps), since=started)
+                                        attention=attention, warmup_steps=warmup_steps, workload=workload),
+                      since=started)
     return out_dir
 
 

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from collectors.trainer.config import SCHEDULES  # no torch import
-from traceana.manifest import MULTI_STAGE_SCHEDULES
+from traceana.manifest import MULTI_STAGE_SCHEDULES, Workload
 
 RUNS = {
     # name: CollectConfig keyword arguments
@@ -36,19 +36,32 @@ RUNS = {
     "1f1b_m8_bpipe": dict(preset="tiny-gpt", pp=4, microbatches=8, microbatch_size=2, schedule="1f1b", bpipe=True,
                           steps=2),
     # data-parallel pipelines: pp=2 × dp=2 (rank = stage · dp + replica), six profiled steps (a straggler is slow
-    # in every one of the 5 measured); "_slow" sleeps 300 ms inside each forward of rank 1 (stage 0 of replica 1),
-    # well above what one descheduled step adds on the loaded 2-core machine (~250 ms): tests/test_replicas.py
-    "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6),
+    # in every one of the 5 measured), on the known workload (F 20, B 40 ms); "_slow" holds every pass of rank 1
+    # (stage 0 of replica 1) three times as long: tests/test_replicas.py
+    "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6,
+                        workload=Workload("sleep", 20.0, 40.0)),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
-                             steps=6, slow_rank=(1, 300.0)),
-    # one stage delayed (pp=2, no data parallelism): rank 1 = stage 1 sleeps 100 ms inside each forward, and the same
-    # configuration without (tests/test_whatif_runs.py)
-    "1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
-    "1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
-                          slow_rank=(1, 100.0)),
-    # the undelayed configuration again, collected after the delayed one (A B A): the two undelayed runs' difference
-    # is the run-to-run noise the cross-run comparison must allow
-    "1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3),
+                             steps=6, workload=Workload("sleep", 20.0, 40.0, slow_ranks=((1, 3.0),))),
+    # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
+    # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
+    # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after
+    # (tests/test_known_workload.py); 1F1B pp=2 plain, stage 1 slowed ×3, plain again (A B A,
+    # tests/test_whatif_runs.py)
+    # 1F1B pp=4, 4 micro-batches, F = 20 ms, B = 40 ms: the stages' bubbles (tests/test_schedule_real.py)
+    "sleep_1f1b": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="1f1b",
+                       workload=Workload("sleep", 20.0, 40.0)),
+    "sleep_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
+                            workload=Workload("sleep", 15.0, 25.0, 5.0, slow_stages=((1, 2.0),))),
+    "sleep0_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
+                             workload=Workload("sleep", 0.0, 0.0)),
+    "sleep0_gpipe_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe",
+                                   steps=2, workload=Workload("sleep", 0.0, 0.0)),
+    "sleep_1f1b_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
+                           workload=Workload("sleep", 20.0, 40.0)),
+    "sleep_1f1b_pp2_slow": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=3,
+                                workload=Workload("sleep", 20.0, 40.0, slow_stages=((1, 3.0),))),
+    "sleep_1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
+                                 steps=3, workload=Workload("sleep", 20.0, 40.0)),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {
@@ -57,6 +70,9 @@ PIPELINING_RUNS = {
        for s in PIPELINING_SCHEDULES},
     **{f"pipelining-{s}@3": dict(schedule=s, microbatches=3, microbatch_size=1, steps=1, ranks=3)
        for s in ("interleaved-1f1b", "zbv")},
+    # the known workload on a split-backward schedule: F 10, I 20, W 10 ms (tests/test_known_workload.py)
+    "pipelining-zbv-sleep": dict(schedule="zbv", microbatches=4, microbatch_size=1, steps=1,
+                                 workload=Workload("sleep", 10.0, 20.0, 10.0)),
 }
 
 

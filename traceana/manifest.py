@@ -117,6 +117,64 @@ class ModelShape:
         return 256 * -(-(8 * self.hidden // 3) // 256)
 
 
+WORK_KINDS = ("sleep",)  # run.json's workload.kind: every pass held for a stated time instead of computing
+WORKLOAD_SPANS = "workload"  # the run folder's subfolder of the held passes' perf_counter spans, one file a rank
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A known workload (``traceana collect --work sleep``, docs/known-workload.md): each pass held for its stated
+    time instead of computing. A forward holds ``forward_ms``, an input-gradient backward (I) ``backward_ms``, a
+    weight-gradient pass (W) ``weight_ms``, a full backward (B) ``backward_ms + weight_ms``; each times the factor of
+    its stage in ``slow_stages`` and of its rank in ``slow_ranks`` (1 where not named). The passes' own perf_counter
+    spans are in ``spans``/rank{R}.json (``WORKLOAD_SPANS``), outside the trace."""
+
+    kind: str
+    forward_ms: float
+    backward_ms: float
+    weight_ms: float = 0.0
+    slow_stages: tuple[tuple[int, float], ...] = ()  # (stage, factor)
+    slow_ranks: tuple[tuple[int, float], ...] = ()  # (global rank, factor)
+    spans: str = WORKLOAD_SPANS
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> BadInputError:
+            return BadInputError(f"workload {what}"[:200], fix="fix run.json's workload")
+
+        if self.kind not in WORK_KINDS:
+            raise bad(f"kind must be one of {', '.join(WORK_KINDS)}, got {self.kind!r}")
+        for name in ("forward_ms", "backward_ms", "weight_ms"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise bad(f"{name} must be a number of milliseconds, 0 or more, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("slow_stages", "slow_ranks"):
+            pairs = getattr(self, name)
+            try:
+                pairs = tuple((_strict_int(a, name), b) for a, b in pairs)
+            except (TypeError, ValueError):
+                raise bad(f"{name} must be a list of [index, factor] pairs, got {pairs!r}") from None
+            for index, factor in pairs:
+                if index < 0 or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                        or not math.isfinite(factor) or factor <= 0:
+                    raise bad(f"{name} needs an index >= 0 and a factor > 0, got [{index!r}, {factor!r}]")
+            if len({index for index, _ in pairs}) != len(pairs):
+                raise bad(f"{name} names an index twice: {[list(p) for p in pairs]}")
+            object.__setattr__(self, name, tuple((index, float(factor)) for index, factor in pairs))
+        if not isinstance(self.spans, str) or not self.spans:
+            raise bad(f"spans must be a folder name, got {self.spans!r}")
+
+    def factor(self, *, stage: int, rank: int) -> float:
+        """How much longer than stated every pass of this stage on this rank holds."""
+        return dict(self.slow_stages).get(stage, 1.0) * dict(self.slow_ranks).get(rank, 1.0)
+
+    def held_ms(self, action: str, *, stage: int, rank: int) -> float:
+        """The time one pass (``F``, ``B``, ``I`` or ``W``) of ``stage`` on ``rank`` holds."""
+        base = {"F": self.forward_ms, "B": self.backward_ms + self.weight_ms, "I": self.backward_ms,
+                "W": self.weight_ms}[action]
+        return base * self.factor(stage=stage, rank=rank)
+
+
 def _strict_int(x: Any, field_name: str) -> int:
     """An integer as JSON writes it (1, not 1.5, "1" or true)."""
     if isinstance(x, bool) or not isinstance(x, int):
@@ -165,6 +223,7 @@ class Manifest:
     names: str | dict[str, Any] | None = None  # name rules (docs/naming.md): a file next to run.json, or inline
     link_bytes_per_s: float | None = None  # the P2P link's bandwidth the transfer floor assumes (traceana.p2p)
     p2p_latency_ns: float | None = None  # a CPU-rank P2P message's latency the transfer ceiling allows (traceana.p2p)
+    workload: Workload | None = None  # a known workload's stated durations (collect --work sleep); None = real compute
     extra: dict[str, Any] = field(default_factory=dict)  # keys traceana does not know, kept as they were
     schema_version: int = SCHEMA_VERSION
 
@@ -212,6 +271,12 @@ class Manifest:
             if bad:
                 raise BadInputError(f"bpipe pair {list(bad[0])} names a stage outside 0..{self.pp - 1}",
                                     fix="fix run.json (pairs are evictor and acceptor stages)")
+        if isinstance(self.workload, Workload):
+            for name, pairs, count in (("slow_stages", self.workload.slow_stages, self.pp),
+                                       ("slow_ranks", self.workload.slow_ranks, self.world_size)):
+                if count is not None and any(index >= count for index, _ in pairs):
+                    raise BadInputError(f"workload {name} names {max(i for i, _ in pairs)}, outside 0..{count - 1}",
+                                        fix="fix run.json's workload")
         if self.schedule not in SCHEDULES:
             raise BadInputError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
         if self.attention is not None and self.attention not in ATTENTIONS:
@@ -268,6 +333,8 @@ class Manifest:
             raise bad("p2p_latency_ns", "a number of nanoseconds, 0 or more")
         if self.names is not None and not isinstance(self.names, (str, dict)):
             raise bad("names", "a rules file's path or the rules themselves")
+        if self.workload is not None and not isinstance(self.workload, Workload):
+            raise bad("workload", "an object (kind, forward_ms, backward_ms, …)")
 
     @property
     def bpipe_on(self) -> bool:
@@ -299,6 +366,10 @@ class Manifest:
                 raise TypeError(f"model must be an object, got {kwargs['model']!r}"[:200])
             if kwargs.get("model") is not None:
                 kwargs["model"] = ModelShape(**kwargs["model"])
+            if kwargs.get("workload") is not None:
+                if not isinstance(kwargs["workload"], dict):
+                    raise TypeError(f"workload must be an object, got {kwargs['workload']!r}"[:200])
+                kwargs["workload"] = Workload(**kwargs["workload"])
             if _depth(data, MAX_NESTING) > MAX_NESTING:
                 raise ValueError(f"nested more than {MAX_NESTING} levels deep")
             for k in ("stage_of_rank", "ranks_written"):

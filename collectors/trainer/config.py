@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from traceana.errors import ConfigError
-from traceana.manifest import ModelShape
+from traceana.manifest import ModelShape, Workload
 from traceana.model.config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
 from traceana.pipeline_rules import bpipe_pairs as all_bpipe_pairs
@@ -44,6 +44,9 @@ class CollectConfig:
     # A straggler for tests: (rank, ms) sleeps that long inside each of that rank's forward passes. Not in run.json
     # or the trace: the test that sets it holds the truth.
     slow_rank: tuple[int, float] | None = None
+    # The known workload (collect --work sleep, docs/known-workload.md): every pass held for a stated time instead of
+    # computing; None = real compute. In run.json as ``workload``.
+    workload: Workload | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -56,6 +59,8 @@ class CollectConfig:
                 raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}", fix=f"pass a positive {flag}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
+        if self.workload is not None:
+            check_workload_layout(self.workload, stages=self.pp, ranks=self.world_size)
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
@@ -101,3 +106,13 @@ class CollectConfig:
 
     def replace(self, **changes: object) -> CollectConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_workload_layout(workload: Workload, *, stages: int, ranks: int) -> None:
+    """A slowed stage or rank of the known workload must exist in the run (ConfigError, before anything starts)."""
+    for flag, pairs, count, what in (("--slow-stage", workload.slow_stages, stages, "stages"),
+                                     ("--slow-rank", workload.slow_ranks, ranks, "ranks")):
+        for index, _ in pairs:
+            if index >= count:
+                raise ConfigError(f"{flag} {index} names no {what[:-1]}: this run has {count} {what} "
+                                  f"(0..{count - 1})", fix=f"give {flag} a {what[:-1]} between 0 and {count - 1}")

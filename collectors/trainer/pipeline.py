@@ -15,6 +15,7 @@ from collectors import annotations as ann
 from collectors.bpipe import Acceptor, Evictor
 from collectors.trainer.comm import Transport, Waiter
 from collectors.trainer.model import Recompute, Stage
+from collectors.trainer.workload import Clock
 from traceana import names
 from traceana.pipeline_rules import FORWARD, Op
 
@@ -31,6 +32,7 @@ class StageRunner:
     rank_of_stage: list[int]
     evictor: Evictor | None = None
     acceptor: Acceptor | None = None
+    clock: Clock | None = None  # the known workload's record (collect --work sleep): told each forward's micro-batch
     _held: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # mb -> (input, output)
     _sends: list = field(default_factory=list)  # (done event, work, tensor being sent)
     waiter: Waiter = field(default_factory=Waiter)
@@ -99,6 +101,8 @@ class StageRunner:
                 x = transfer.wait().requires_grad_()
         target = targets[mb].to(self.transport.device) if self.last else None
         hooks = self.evictor.capture(mb) if capture else None
+        if self.clock is not None:
+            self.clock.microbatch = mb
         with ann.forward(s, mb):
             if hooks is not None:
                 with hooks:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from collectors.trainer.comm import Transport
 from collectors.trainer.config import CollectConfig
 from collectors.trainer.model import GPT, Stage
 from collectors.trainer.pipeline import StageRunner
+from collectors.trainer.workload import Clock, make_sleeping
 from traceana.manifest import Manifest
 from traceana.pipeline_rules import bpipe_plan, device_order
 
@@ -81,7 +83,7 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         profiler={"wait": 0, "warmup": min(config.warmup_steps, 1), "active": config.steps, "repeat": 1},
         torch_version=torch.__version__,
         **host_facts(setup.world_size),
-        collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight,
+        collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight, workload=config.workload,
         extra={"backend": setup.backend, "host_staged": setup.host_staged, "preset": config.preset},
     )
 
@@ -91,6 +93,11 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     torch.manual_seed(config.seed)  # the whole model on every rank from one seed: identical weights everywhere
     model = GPT(shape, attention=config.attention, recompute_mode=config.recompute)
     module = Stage(model, stage=stage, stages=stages).to(setup.device)
+    clock = None
+    if config.workload is not None:  # the known workload: the stage's passes hold instead of computing
+        clock = Clock(rank=setup.rank)
+        make_sleeping(module, config.workload, stage=stage, rank=setup.rank, clock=clock,
+                      example=_example_microbatch(config, stage, setup.device))
     if config.slow_rank is not None and config.slow_rank[0] == setup.rank:
         module.forward = _slowed(module.forward, config.slow_rank[1] / 1e3)
     rank_of_stage = [config.rank_of(s, setup.rank % config.dp) for s in range(stages)]
@@ -98,7 +105,8 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     batch = setup.backend == "nccl" if config.batch_p2p is None else config.batch_p2p
     transport = Transport(setup.device, setup.host_staged, batch_sends=batch)
     act_shape = (config.microbatch_size, shape.seq, shape.hidden)
-    runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage)
+    runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage,
+                         clock=clock)
     pair = next((pair for pair in config.bpipe_pairs if stage in pair), None)
     if pair is not None:
         evictor, acceptor = pair
@@ -116,6 +124,19 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
             runner.acceptor = Acceptor(stage=stage, evictor_rank=rank_of_stage[evictor], plan=plan, layout=layout,
                                        transport=bp)
     return runner
+
+
+def _example_microbatch(config: CollectConfig, stage: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One micro-batch's inputs of ``stage`` as the pipeline hands them over (token ids on the first stage, an
+    activation requiring its gradient elsewhere; the targets on the last)."""
+    b, shape = config.microbatch_size, config.shape
+    if stage == 0:
+        x = torch.zeros(b, shape.seq, dtype=torch.int64, device=device)
+    else:
+        x = torch.zeros(b, shape.seq, shape.hidden, device=device, requires_grad=True)
+    if stage == config.pp - 1:
+        return x, torch.zeros(b, shape.seq, dtype=torch.int64, device=device)
+    return (x,)
 
 
 def _slowed(forward, seconds: float):
@@ -211,6 +232,8 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
             if progress is not None:
                 progress(step + 1, config.total_steps)
     result.warnings = profiler.warnings
+    if runner.clock is not None and out_dir is not None:
+        runner.clock.write(out_dir, config.workload)
     result.grads = {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters() if p.grad is not None}
     result.params = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
     return result
@@ -218,6 +241,9 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
 
 def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int, result: RankResult,
                 dp_group=None) -> None:
+    begun = time.perf_counter_ns()
+    if runner.clock is not None:
+        runner.clock.step = step
     optimizer.zero_grad(set_to_none=True)
     replica = runner.rank_of_stage[0] % config.dp
     # each replica trains on its own share of the batch (replica 0's is the single-pipeline run's)
@@ -231,6 +257,8 @@ def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int
         optimizer.step()
     if loss is not None:
         result.losses.append(loss)
+    if runner.clock is not None:
+        runner.clock.steps.append((step, begun, time.perf_counter_ns()))
 
 
 def init_process_group(setup: DistSetup, init_method: str | None) -> None:
