@@ -169,14 +169,28 @@ def test_the_step_is_the_analytic_gpipe_step_plus_the_overhead_a_zero_hold_twin_
             out += [(s["end_ns"] - s["start_ns"]) / 1e6 for s in held["steps"][-steps:]]
         return out
 
+    def overrun(path) -> float:
+        """The most the held passes of one profiled step overran their stated time, all ranks' passes together (an
+        upper bound of what the step's path holds beyond the analytic step: each pass is on it at most once), from
+        the side spans: the wake-up slack and the run-queue delay a loaded machine adds to each hold, which a
+        zero-hold twin, holding nothing, does not have."""
+        mf = Manifest.read(path / "run.json")
+        late: dict[int, float] = {}
+        for rank in range(mf.world_size):
+            for sp in _held(path, mf, rank)["spans"]:
+                late[sp["step"]] = late.get(sp["step"], 0.0) + max(
+                    0.0, (sp["end_ns"] - sp["start_ns"]) / 1e6 - sp["stated_ms"])
+        return max(v for k, v in late.items() if k >= max(late) - steps + 1)
+
     measured = step_spans(run)
     overhead = [statistics.median(step_spans(zero)), statistics.median(step_spans(again))]
     noise = max(overhead) - min(overhead)
     # never below the analytic step (holds never end early, every dependency is real); above it by no more than
-    # the zero-hold twins' step and their difference
+    # the zero-hold twins' step, their difference and what the holds themselves overran (measured, side spans)
     for step in measured:
         assert analytic - 1e-3 <= step, (step, analytic)
-    assert statistics.median(measured) <= analytic + max(overhead) + noise, (measured, analytic, overhead)
+    assert statistics.median(measured) <= analytic + max(overhead) + noise + overrun(run), (
+        measured, analytic, overhead, overrun(run))
     assert manifest.workload.held_ms("B", stage=1, rank=1) == b[1]
 
 
