@@ -302,9 +302,9 @@ def comparison(page, runs: Runs, G, cross_run: Callable[..., dict | str] | None,
                            ylabel="step time (ms)"))
     page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", f"step time (ms, {STATISTIC})"),
                                 ("step_change_words", f"against {base}: change, speed-up, 95 % interval between runs"),
-                                ("largest_activation_peak_mib", "largest stage activation peak (MiB, this run)"),
-                                ("peak_mib", "largest stage peak (MiB, this run)"),
-                                ("memory_balance", "memory imbalance (max/min, this run)")]))
+                                ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
+                                ("peak_mib", "largest stage peak (MiB)"),
+                                ("memory_balance", "memory imbalance (max/min)")]))
     if cross_run is not None:
         page.add("<h3>Predicted from the first run's durations, against the same measurement</h3>")
         page.add(H.para("The model measures the first run's durations and predicts each other run's change of step "
