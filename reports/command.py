@@ -1,7 +1,10 @@
 """Render a self-contained HTML report of one or more runs.
 
 Each RUN_DIR (or single trace file) is read and analysed; with two or more, the report adds an A/B comparison
-against the first (e.g. `traceana report baseline/ bpipe/ -o report.html`). The file needs no network to open.
+against the first (e.g. `traceana report baseline/ bpipe/ -o report.html`). Step times compare between runs: a
+side's step time is the geometric mean of its runs (the run and its --repeat collections), its change carries a
+95 % interval from the spread between those runs, and with one run on a side the noise is unknown and no difference
+is claimed (docs/comparisons.md). The file needs no network to open.
 """
 
 from __future__ import annotations
