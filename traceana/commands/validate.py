@@ -72,15 +72,15 @@ def render_cross(cross: dict, *, console) -> None:
     """The cross-run prediction: one statistic (each side's geometric mean of runs), one measured change with its
     between-run interval, the predicted change beside it; speed-ups are 1/(1 + change) of the same numbers."""
     from traceana.tables import cell as _fmt
-    from traceana.tables import plural, print_line
+    from traceana.tables import print_line
 
     how = "the baseline's measured what-if" if cross.get("measured_whatif") else "the model"
     runs = cross["noise_runs"]
-    stat = (lambda n: "" if n == 1 else f", {cross['statistic']} of {n}")  # noqa: E731
+    stat = (lambda n: "one run" if n == 1 else f"geometric mean of {n} runs")  # noqa: E731  (traceana.noise)
     print_line(console, f"cross-run prediction by {how}, from the baseline's durations alone (none of this run's): "
                f"baseline {cross['baseline']} step {cross['baseline_step_ms']:.1f} ms "
-               f"({plural(runs[0], 'run')}{stat(runs[0])}); predicted {cross['predicted_step_ms']:.1f} ms, measured "
-               f"{cross['measured_step_ms']:.1f} ms ({plural(runs[1], 'run')}{stat(runs[1])}), error "
+               f"({stat(runs[0])}); predicted {cross['predicted_step_ms']:.1f} ms, measured "
+               f"{cross['measured_step_ms']:.1f} ms ({stat(runs[1])}), error "
                f"{_fmt(cross['error'], '+.1%')}")
     print_line(console, f"{cross['measured_change_words']}; {cross['prediction_words']}")
     for n in cross.get("counted_once") or ():

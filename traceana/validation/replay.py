@@ -2,8 +2,8 @@
 measurement (``validate``; JSON ``kind`` "in_sample_prediction"). "Replay" is a word of the what-if only (the measured
 step's graph replayed, traceana.whatif); here the simulator predicts.
 
-It checks the schedule logic, not the model's power to predict another run (that is ``prediction.cross_run``). Also the memory
-model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
+It checks the schedule logic, not the model's power to predict another run (that is ``prediction.cross_run``).
+Also the memory model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
 """
 
 from __future__ import annotations
