@@ -255,7 +255,10 @@ def memory(page, runs: Runs, G) -> None:
 def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | None) -> None:
     """Estimate vs measured per run, from traceana.validation (a failure is one line)."""
     page.add('<section id="validation"><h2>Estimate vs measured</h2>')
-    page.add(H.para("The performance model's estimate for each run next to what the run measured.", css_class="lead"))
+    page.add(H.para("The model's prediction for each run from that run's own measured durations (in sample: the "
+                    "simulator fed with them, a check of the schedule logic; the what-if's replay is another model) "
+                    "and the memory model's estimate, next to what the run measured. A prediction of one run from "
+                    "another is in the A/B comparison.", css_class="lead"))
     for name, a in runs:
         v = validate(a) if validate is not None else Validated(message="validation was not requested")
         page.add(f"<h3>{H.esc(name)}</h3>")
