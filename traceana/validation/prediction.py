@@ -90,6 +90,14 @@ def distinct(runs: list[Analysis]) -> tuple[list[Analysis], list[str]]:
     return kept, said
 
 
+def _measured(*runs: Analysis) -> None:
+    """Refuse (one line) a run with no measured step time: it has nothing to compare."""
+    for r in runs:
+        if not r.summary.step_ms:
+            raise AnalysisError("no measured step time in this run, so it cannot be compared", path=r.run.path,
+                                fix="profile at least one complete step after the warm-up")
+
+
 def _sides(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_cfg: TrainingConfig,
            repeat: tuple[Analysis, ...] | None) -> tuple[list[Analysis], list[Analysis], list[str]]:
     """Each side's runs in the order given (the baseline or the target first, then the ``repeat`` runs of its
@@ -105,6 +113,7 @@ def _sides(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_c
             raise AnalysisError("--repeat: this run is a collection of neither the baseline's nor the target's "
                                 "configuration (run.json), so its difference is not noise", path=r.run.path,
                                 fix="give --repeat only more collections of the two configurations compared")
+    _measured(*base, *other)
     base, said = distinct(base)
     other, said_o = distinct(other)
     return base, other, said + said_o
@@ -229,6 +238,7 @@ def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> d
     if not baselines or not targets:
         raise AnalysisError("a repeated comparison needs runs on both sides", path=None,
                             fix="collect each configuration at least once")
+    _measured(*baselines, *targets)
     (baselines, said_b), (targets, said_t) = distinct(baselines), distinct(targets)
     pairs = [cross_run(b, t) for b, t in zip(baselines, targets)]
     measured = between_runs([a.summary.step_ms for a in baselines], [a.summary.step_ms for a in targets])
