@@ -18,13 +18,16 @@ the steps of one run say nothing about the next run and never make an interval h
 - **Different** only when the interval excludes 0 (``within_noise`` False); otherwise "within noise" — the runs cannot
   be told apart and no speed-up or slow-down is claimed. With one run on a side the between-run noise is unknown:
   ``within_noise`` is None, no interval, no verdict, and the words say "repeat to tell".
-- The same run given twice is not two runs (``refuse_twice``): a copy adds no spread and would narrow the interval.
+- The same run given twice is not two runs (``twice`` finds it: one folder, or a copy with the same measured steps):
+  it adds no spread and would narrow the interval; the callers refuse it or count it once, with a word.
 
 Calibration (tests/test_noise.py, docs/comparisons.md): simulated interleaved rounds whose run step times carry
 heavy-tailed (Student-t, 3 df) log noise, one run in ten descheduled (×1.5–3) and a drifting machine (a random walk
 plus a steady trend); identical configurations read "different" at most 5 % of the time, and a real 2× difference
-is detected in ≥ 95 % of comparisons from ``DETECTS_2X_FROM`` rounds on at that noise. Rounds alternate their order
-(A B, B A, …: ``round_order``) so that a steady trend does not fall on one side.
+is detected in ≥ 95 % of comparisons from ``DETECTS_2X_FROM`` rounds on at that noise (from 6 on a quiet machine;
+3 rounds, the demo's, detect it 39 % of the time on the noisy one: the rest read "within noise", never a false
+number). Rounds alternate their order (A B, B A, …: ``round_order``) so that a steady trend does not fall on one
+side.
 
 **Within one run.** ``compare_steps`` (``watch``: the latest window of one job against its first) bootstraps the
 windows' step times: there the steps of the one job are the samples. ``noise_ms`` (what-if naming): a what-if gain
