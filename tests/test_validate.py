@@ -267,3 +267,24 @@ def test_cross_run_between_plans_is_the_baselines_measured_whatif(tmp_path):
     # a change a plan what-if cannot make (recompute): the model with the target's whole configuration
     c = fake_analysis(tmp_path / "c", schedule="1f1b", pp=2, m=4, times=times, recompute="full")
     assert cross_run(a, c)["measured_whatif"] is False
+
+
+def test_the_demo_results_say_a_change_beyond_the_noise_plainly(tmp_path):
+    """The demo's result lines (reports.demo_command.results) from two rounds whose second configuration's passes
+    take twice as long in both (hand reasoning: the ratio 2 in each round, no spread between rounds): memory first,
+    the bubbles, each side's runs, then the step time said to be beyond the noise, with the model against it."""
+    from reports.demo_command import results
+    from traceana.validation.prediction import repeated_comparison
+
+    def runs(name, k):
+        return [fake_analysis(tmp_path / f"{name}{i}", schedule="1f1b", pp=2, m=4, steps=3, act_bytes=[2**20, 2**19],
+                              times=StageTimes.uniform(2, forward=100e3 * k * r, backward=200e3 * k * r))
+                for i, r in enumerate((1.0, 1.01))]
+    lines = results(repeated_comparison(runs("a", 1), runs("b", 2)), rounds=2)
+    assert lines[0] == ("BPipe: largest stage's activation peak 1.00 MiB without, 1.00 MiB with (+0%), the same in "
+                        "each of the 2 rounds")
+    assert lines[1].startswith("bubble (warm-up + stall + cool-down)")
+    assert lines[2].startswith("  baseline  2 runs, step") and lines[3].startswith("  bpipe     2 runs, step")
+    assert lines[4].startswith("step time, geometric mean of runs:")
+    assert "step time +100.0% (speed-up 0.500×), beyond the noise: slower" in lines[4]
+    assert "the machine changed speed" in lines[4]  # the model predicts no change; the work itself took 2×
