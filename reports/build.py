@@ -75,7 +75,7 @@ def build_report(
     *,
     names: Sequence[str] | None = None,
     validation: Validation | None = default_validation,
-    cross_run: Callable[[Analysis, Analysis], dict | str] | None = default_cross_run,
+    cross_run: Callable[..., dict | str] | None = default_cross_run,
     title: str | None = None,
     repeats: dict[str, Sequence[Analysis]] | None = None,
 ) -> str:
@@ -98,7 +98,7 @@ def build_report(
     if len(runs) > 1:
         nav.append(("comparison", "A/B comparison"))
 
-    sections.summary(page, runs)
+    sections.summary(page, runs, repeats=repeats)
     sections.timeline(page, runs, G)
     sections.attribution(page, runs, G)
     sections.bubbles(page, runs, G)

@@ -1,7 +1,10 @@
 """Render a self-contained HTML report of one or more runs.
 
 Each RUN_DIR (or single trace file) is read and analysed; with two or more, the report adds an A/B comparison
-against the first (e.g. `traceana report baseline/ bpipe/ -o report.html`). The file needs no network to open.
+against the first (e.g. `traceana report baseline/ bpipe/ -o report.html`). Step times compare between runs: a
+side's step time is the geometric mean of its runs (the run and its --repeat collections), its change carries a
+95 % interval from the spread between those runs, and with one run on a side the noise is unknown and no difference
+is claimed (docs/comparisons.md). The file needs no network to open.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.names(parser)
     parser.add_argument("--no-validate", action="store_true", help="leave out the estimate-vs-measured section")
     parser.add_argument("--repeat", nargs="+", action="append", default=None, metavar=("RUN_DIR", "OTHER_RUN"),
-                        help="RUN_DIR (one of the runs) then more collections of its configuration: the A/B "
-                             "comparison's noise interval then includes the spread between them; repeatable "
-                             "(default: the spread over steps only)")
+                        help="RUN_DIR (one of the runs) then more collections of its configuration, in the order "
+                             "collected: the A/B comparison's step time is then the geometric mean of each side's runs "
+                             "and its interval the spread between them (paired by round when both sides have as "
+                             "many); each run once; repeatable (default: one run a side, the between-run noise "
+                             "unknown and no difference claimed)")
     options.reading(parser)
 
 
@@ -75,7 +80,29 @@ def _repeat_groups(repeat: list[list[str]], runs: list[str]) -> dict[int, list[s
                                                                       else f"{first} is not one of the runs"),
                                 fix="write --repeat RUN_DIR OTHER_RUN…, RUN_DIR one of the report's runs")
         out.setdefault(i, []).extend(more)
+    for i, more in out.items():  # a run given twice is one run: it adds no spread between runs
+        side = [runs[i], *more]
+        resolved = [str(Path(r).resolve()) for r in side]
+        again = next((r for k, r in enumerate(side) if resolved[k] in resolved[:k]), None)
+        if again is not None:
+            raise BadInputError(f"--repeat: {again} is given more than once for {runs[i]}'s side; one run counts "
+                                "once (a run given again adds no spread between runs)",
+                                fix="give --repeat other collections of the configuration, each once")
     return out
+
+
+def _not_twice(first, more: list) -> list:
+    """``more`` unless a run of the side (``first`` and ``more``) is a copy of another (the same measured steps,
+    traceana.noise.twice): refused in one line, as the same folder given twice is."""
+    from traceana.noise import twice
+
+    side = [first, *more]
+    hit = twice([(str(Path(a.run.path).resolve()), a.summary.step_times_ms) for a in side])
+    if hit is not None:
+        raise BadInputError(f"--repeat: {side[hit[1]].run.path} is a copy of {side[hit[0]].run.path} (the same "
+                            "measured steps); one run counts once", path=side[hit[1]].run.path,
+                            fix="give --repeat other collections of the configuration, each once")
+    return more
 
 
 def _same_configuration(first, more: list) -> list:
@@ -120,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
                             workers=args.workers, names=args.names)
     read = dict(peak_flops=args.peak_flops, progress=False, cache=not args.no_cache, workers=args.workers,
                 names=args.names)
-    repeats = {i: _same_configuration(analyses[i], analyse_runs(more, **read)) for i, more in groups.items()}
+    repeats = {i: _not_twice(analyses[i], _same_configuration(analyses[i], analyse_runs(more, **read)))
+               for i, more in groups.items()}
     with console.status("rendering the report (holoviews + bokeh)"):
         from reports.build import run_name, write_report
 

@@ -1,12 +1,13 @@
 """The whole job on a tiny example: collect a CPU pipeline with and without BPipe, analyse, validate, report.
 
 Trains a tiny GPT split into 4 pipeline stages (4 processes, gloo) under the profiler, with plain 1F1B and with
-BPipe's activation eviction, each ``ROUNDS`` times interleaved (baseline, BPipe, baseline, BPipe, …: a machine that
-slows down or speeds up meets both alike), then writes one HTML report comparing the two. It prints each side's runs
-and medians, the activation peaks, and one headline on step time whose measured part carries its noise interval over
-all the runs (traceana.noise) and whose modelled part either lies inside that interval or is said to differ, and why
-(traceana.validation.prediction.repeated_comparison). Needs torch; about 1–2 minutes on 2 cores. Open the printed
-report in a browser.
+BPipe's activation eviction, each ``ROUNDS`` times interleaved with the order alternating per round (baseline BPipe,
+BPipe baseline, …: traceana.noise.round_order, so a machine that slows down or speeds up meets both alike), then
+writes one HTML report comparing the two. The results go to stdout, what holds first (``results``): BPipe's memory
+result, the bubbles, then the step time with its between-run interval (traceana.noise: beyond the noise, within it,
+or too few runs to tell) and the model's prediction against it (traceana.validation.prediction.repeated_comparison);
+the last line is ``report: PATH``. Progress goes to the terminal (stderr). Needs torch; about 1–2 minutes on 2 cores.
+Open the printed report in a browser.
 """
 
 from __future__ import annotations
@@ -28,6 +29,30 @@ RUNS = (("baseline", False), ("bpipe", True))
 # collected twice differed by 55–98 % (docs/field-notes.md "Noise floor"): with one run a side the step-time
 # comparison was the machine's, not BPipe's.
 ROUNDS = 3
+
+
+def results(both: dict, *, rounds: int) -> list[str]:
+    """The demo's result lines, what holds first: the activation peaks (memory does not feel the machine's load), the
+    bubbles, each side's runs, then the step time with its between-run interval and the model against it (one
+    statistic, traceana.noise's, and one interval: the report's A/B table says the same)."""
+    base, bp = both["baseline"], both["target"]
+    lines = []
+    headline = bpipe_headline(base["median_activation_peak_mib"], bp["median_activation_peak_mib"])
+    if headline:
+        spread = [max(s["activation_peak_mib"]) - min(s["activation_peak_mib"]) for s in (base, bp)
+                  if s["activation_peak_mib"]]
+        lines.append(headline + (f", the same in each of the {rounds} rounds" if max(spread, default=1) < 0.01
+                                 else " (medians of the runs)"))
+    if base.get("median_bubble") is not None and bp.get("median_bubble") is not None:
+        lines.append(f"bubble (warm-up + stall + cool-down) {base['median_bubble']:.1%} of all ranks' step time "
+                     f"without, {bp['median_bubble']:.1%} with (medians of the runs)")
+    for name, side in (("baseline", base), ("bpipe", bp)):
+        steps = " / ".join(f"{x:,.0f}" for x in side["step_ms"])
+        lines.append(f"  {name:9s} {side['runs']} runs, step {steps} ms")
+    lines.append(f"step time, {both['statistic']}: {both['base_step_ms']:,.0f} ms without BPipe, "
+                 f"{both['other_step_ms']:,.0f} ms with; {both['headline']}")
+    lines.extend(f"note: {n}" for n in both.get("counted_once") or ())
+    return lines
 
 
 def bpipe_headline(plain_mib: float | None, bpipe_mib: float | None) -> str | None:
@@ -88,26 +113,33 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     dirs: dict[str, list[Path]] = {name: [] for name, _ in RUNS}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   disable=args.quiet) as progress:
-        for k in range(1, ROUNDS + 1):
-            for name, bpipe in RUNS:
-                label = f"{name} {k}/{ROUNDS}"
-                task = progress.add_task(f"collecting {label} ({DEMO['pp']} processes under the profiler)",
-                                         total=None)
-                run_dir = runs_dir / f"{name}-{k}"
-                if run_dir.exists():
-                    shutil.rmtree(run_dir)
-                try:
-                    collect_run(run_dir, bpipe=bpipe, log=log, progress=lambda msg, task=task, label=label:
-                                progress.update(task, description=escape(f"collecting {label}: {_short(msg)}")))
-                except BaseException:
-                    console.print(escape(f"the trainer's own output is in {log}"))
-                    raise
-                progress.update(task, description=f"collected {label}", completed=1, total=1)
-                dirs[name].append(run_dir)
+        from traceana.noise import round_order
+
+        bpipe_of = dict(RUNS)
+        for k0, name in round_order(ROUNDS, [n for n, _ in RUNS]):
+            k, bpipe = k0 + 1, bpipe_of[name]
+            label = f"{name} {k}/{ROUNDS}"
+            task = progress.add_task(f"collecting {label} ({DEMO['pp']} processes under the profiler)",
+                                     total=None)
+            run_dir = runs_dir / f"{name}-{k}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            try:
+                collect_run(run_dir, bpipe=bpipe, log=log, progress=lambda msg, task=task, label=label:
+                            progress.update(task, description=escape(f"collecting {label}: {_short(msg)}")))
+            except BaseException:
+                console.print(escape(f"the trainer's own output is in {log}"))
+                raise
+            progress.update(task, description=f"collected {label}", completed=1, total=1)
+            dirs[name].append(run_dir)
         from reports.command import analyse_runs
+        from traceana.validation.prediction import distinct
 
         task = progress.add_task(f"analysing the {ROUNDS * len(RUNS)} runs", total=None)
-        analysed = {name: analyse_runs(ds, progress=False) for name, ds in dirs.items()}
+        analysed, counted_once = {}, []  # a run given twice (a copy) counts once, in the report as in the results
+        for name, ds in dirs.items():
+            analysed[name], said = distinct(analyse_runs(ds, progress=False))
+            counted_once += said
         progress.update(task, description=f"analysed the {ROUNDS * len(RUNS)} runs", completed=1, total=1)
 
         task = progress.add_task("validating against the model and rendering the report", total=None)
@@ -124,24 +156,14 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     from traceana.validation.prediction import repeated_comparison
 
     both = repeated_comparison(analysed["baseline"], analysed["bpipe"])
-    for (name, _), side in zip(RUNS, (both["baseline"], both["target"]), strict=True):
-        steps = " / ".join(f"{x:,.0f}" for x in side["step_ms"])
-        peaks = side["activation_peak_mib"]
-        peak = (f"{side['median_activation_peak_mib']:,.2f} MiB" + (
-            "" if max(peaks) - min(peaks) < 0.01 else f" ({min(peaks):,.2f}–{max(peaks):,.2f})")) if peaks else "–"
-        console.print(f"  {name:9s} {side['runs']} runs, step {steps} ms (median {side['median_step_ms']:,.0f} ms) · "
-                      f"largest activation peak {peak}", highlight=False)
-    headline = bpipe_headline(both["baseline"]["median_activation_peak_mib"],
-                              both["target"]["median_activation_peak_mib"])
-    if headline:
-        console.print(f"[bold]{headline}[/]", highlight=False)
-    console.print(escape(f"BPipe against the baseline, {ROUNDS} interleaved runs each: {both['headline']}"),
-                  highlight=False)
+    both["counted_once"] = counted_once + both["counted_once"]
+    for line in results(both, rounds=ROUNDS):
+        print(line, flush=True)
     from reports.validation import bpipe_verdict
 
     verdict = bpipe_verdict(analysed["baseline"][0])
     if verdict:
-        console.print(escape(f"  model, from the first baseline alone: {verdict}"), highlight=False)
+        print(f"the model's verdict, from the first baseline run alone: {verdict}", flush=True)
     kept = escape(f" (runs kept in {runs_dir})") if args.keep else ""
     console.print(f"done in {time.perf_counter() - t0:.0f} s{kept}")
     print(f"report: {report.resolve()}")

@@ -16,6 +16,7 @@ from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
 from traceana.analysis import Analysis
 from traceana.gpu import NO_PIPELINE
+from traceana.noise import STATISTIC
 from traceana.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
@@ -34,13 +35,20 @@ STAGE_COLUMNS = [
 ]
 
 
-def summary(page, runs: Runs) -> None:
-    """Per run: headline numbers, the facts run.json recorded, and what had to be inferred."""
+def summary(page, runs: Runs, *, repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
+    """Per run: headline numbers, the facts run.json recorded, and what had to be inferred. A run with --repeat
+    collections leads with its side's step time (the A/B table's: traceana.noise's statistic), its own labelled so."""
     page.add('<section id="summary"><h2>Run summary</h2>')
     page.add('<div class="cards">')
+    repeats = repeats or {}
+    sides = {}
+    if repeats:
+        overview, _ = compare_runs([(n, a.summary) for n, a in runs],
+                                   repeats={n: [a.summary for a in rs] for n, rs in repeats.items()})
+        sides = {r["run"]: (r["step_ms"], r["runs"]) for r in overview.iter_rows(named=True)}  # a row per run
     for name, a in runs:
         page.add(f'<div class="card"><h3>{H.esc(name)}</h3>')
-        page.add(kpis(a))
+        page.add(kpis(a, side=sides.get(name)))
         page.add(H.facts(summary_facts(a)))
         notes = inferred_notes(a)
         if notes:
@@ -247,7 +255,10 @@ def memory(page, runs: Runs, G) -> None:
 def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | None) -> None:
     """Estimate vs measured per run, from traceana.validation (a failure is one line)."""
     page.add('<section id="validation"><h2>Estimate vs measured</h2>')
-    page.add(H.para("The performance model's estimate for each run next to what the run measured.", css_class="lead"))
+    page.add(H.para("The model's prediction for each run from that run's own measured durations (in sample: the "
+                    "simulator fed with them, a check of the schedule logic; the what-if's replay is another model) "
+                    "and the memory model's estimate, next to what the run measured. A prediction of one run from "
+                    "another is in the A/B comparison.", css_class="lead"))
     for name, a in runs:
         v = validate(a) if validate is not None else Validated(message="validation was not requested")
         page.add(f"<h3>{H.esc(name)}</h3>")
@@ -272,42 +283,46 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
     page.add("</section>")
 
 
-def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], dict | str] | None, *,
+def comparison(page, runs: Runs, G, cross_run: Callable[..., dict | str] | None, *,
                repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
-    """Every run against the first: step time with its noise (over ``repeats`` too), the model's cross-run
-    prediction, per-stage deltas."""
+    """Every run against the first: one step time per side (the geometric mean of its runs, traceana.noise) with one
+    between-run interval, the model's cross-run prediction against that same measurement, per-stage deltas."""
     page.add('<section id="comparison"><h2>A/B comparison</h2>')
     names = [n for n, _ in runs]
     analyses = [a for _, a in runs]
     base = names[0]
-    page.add(H.para(f"Every run against the first one ({base}). Negative deltas mean less time or memory.",
-                    css_class="lead"))
+    repeats = repeats or {}
+    page.add(H.para(f"Every run against the first one ({base}). A side's step time is the {STATISTIC} (the run and "
+                    "its --repeat collections, in the order collected); the change is other/base − 1 and the speed-up "
+                    "base/other, so a positive change is a speed-up below 1×. The 95 % interval comes from the "
+                    "spread between runs (paired by round when both sides have as many), never from the steps of "
+                    "one run: with one run on a side the noise is unknown and no difference is claimed. "
+                    "Per-stage deltas and memory are each run's own.", css_class="lead"))
     overview, cmp_ = compare_runs([(n, a.summary) for n, a in runs],
-                                  repeats={n: [a.summary for a in rs] for n, rs in (repeats or {}).items()})
+                                  repeats={n: [a.summary for a in rs] for n, rs in repeats.items()})
     page.add(H.run_swatches(names))
-    page.figure(G.run_bars(overview, value="step_ms", title="step time per run", ylabel="step time (ms)"))
-    page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", "step time (ms)"),
-                                ("step_change", f"change vs {base} (%)"),
-                                ("step_change_words", f"against {base}, with its noise (traceana.noise)"),
+    page.figure(G.run_bars(overview, value="step_ms", title=f"step time per side ({STATISTIC})",
+                           ylabel="step time (ms)"))
+    page.add(H.table(overview, [("run", "run"), ("runs", "runs"), ("step_ms", f"step time (ms, {STATISTIC})"),
+                                ("step_change_words", f"against {base}: change, speed-up, 95 % interval between runs"),
                                 ("largest_activation_peak_mib", "largest stage activation peak (MiB)"),
                                 ("peak_mib", "largest stage peak (MiB)"),
-                                ("memory_balance", "memory imbalance (max/min)")],
-                     formats={"step_change": "signed_fraction"}))
+                                ("memory_balance", "memory imbalance (max/min)")]))
     if cross_run is not None:
-        page.add("<h3>Predicted from the first run, then measured</h3>")
-        page.add(H.para("The model measures the first run's durations and predicts each other run's step time "
-                        "from them (e.g. the same pipeline with BPipe); the measured step time is what the run "
-                        "actually took, both over the measured steps and as the slowest rank's step, like the step times "
-                        "above.", css_class="lead"))
+        page.add("<h3>Predicted from the first run's durations, against the same measurement</h3>")
+        page.add(H.para("The model measures the first run's durations and predicts each other run's change of step "
+                        "time from them alone (e.g. the same pipeline with BPipe); the measured step times and the "
+                        "interval are the table's above.", css_class="lead"))
         predicted, failures = [], []
         for name, a in runs[1:]:
-            r = cross_run(analyses[0], a)
+            more = (*repeats.get(base, ()), *repeats.get(name, ()))
+            r = cross_run(analyses[0], a, repeat=more) if more else cross_run(analyses[0], a)
             if isinstance(r, str):
                 failures.append(f"{name}: {r}")
             else:
                 predicted.append({"run": name, **{k: r.get(k) for k in (
                     "baseline_step_ms", "predicted_step_ms", "measured_step_ms", "error",
-                    "predicted_speedup", "measured_speedup", "measured_change_words", "prediction_within_noise")}})
+                    "predicted_speedup", "measured_speedup", "prediction_words")}})
         if predicted:
             pt = pl.DataFrame(predicted, infer_schema_length=None).with_columns(
                 (pl.col("error").cast(pl.Float64) * 100).alias("error_pct"))
@@ -316,8 +331,7 @@ def comparison(page, runs: Runs, G, cross_run: Callable[[Analysis, Analysis], di
                                   ("measured_step_ms", "measured step (ms)"), ("error_pct", "error (%)"),
                                   ("predicted_speedup", "predicted speed-up (×)"),
                                   ("measured_speedup", "measured speed-up (×)"),
-                                  ("measured_change_words", "measured, with its noise"),
-                                  ("prediction_within_noise", "prediction inside the measured interval")],
+                                  ("prediction_words", "the prediction against the measured interval")],
                              formats={"error_pct": "signed_pct"}))
         for f in failures:
             page.add(H.para(f, css_class="warn"))

@@ -79,7 +79,11 @@ def inferred_notes(a: Analysis) -> list[str]:
     return notes
 
 
-def kpis(a: Analysis) -> str:
+def kpis(a: Analysis, *, side: tuple[float, int] | None = None) -> str:
+    """The card's headline figures. ``side``: (its side's step time, runs) when the run was repeated: the card then
+    leads with that (traceana.noise's statistic, the A/B table's figure) and labels this run's own as such."""
+    from traceana.noise import STATISTIC
+
     s = a.summary
     act = (f"{H.num(s.largest_activation_peak_mib)} MiB (stage {s.largest_activation_stage})"
            if s.largest_activation_peak_mib is not None else "–")
@@ -98,6 +102,11 @@ def kpis(a: Analysis) -> str:
     if mfu is not None and len(mfu):
         items.insert(2, (H.num(100 * float(mfu.mean()), digits=2) + " %",
                          "MFU (model FLOPs, recompute not counted), mean over stages"))
+    if side is not None and side[1] > 1:  # the side's figure first; every other one is this run's own
+        items = [(v, f"{label} (this run)") for v, label in items]
+        items[0] = (H.num(side[0]) + " ms", f"{STEP_TIME_LABEL}, {STATISTIC}: {side[1]} runs")
+        items.insert(1, (H.num(s.step_ms) + " ms" if s.step_ms is not None else "–",
+                         f"{STEP_TIME_LABEL}: this run alone (the first)"))
     cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
     # who holds the step back, and what it costs: the what-if's line (traceana.whatif), never raw step times
     verdict = (H.para(f"Bottleneck (what-if: the measured step replayed with work made ideal): {s.diagnosis}",

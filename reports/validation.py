@@ -69,11 +69,12 @@ def coerce_validation(result: object) -> Validated:
     return Validated(table=table, notes=tuple(getattr(result, "notes", ()) or ()))
 
 
-def default_cross_run(baseline: Analysis, target: Analysis) -> dict | str:
-    """``traceana.validation.cross_run``: predict the target from the baseline's measurements; a string if it fails."""
+def default_cross_run(baseline: Analysis, target: Analysis, repeat: tuple[Analysis, ...] = ()) -> dict | str:
+    """``traceana.validation.cross_run``: predict the target from the baseline's measurements, against the measured
+    change over both sides' runs (``repeat``: their other collections); a string if it fails."""
     from traceana.validation import cross_run
 
     try:
-        return cross_run(baseline, target)
+        return cross_run(baseline, target, repeat=repeat or None)
     except TraceanaError as e:
         return f"could not predict this run from {baseline.run.path.name}: {e.line()}"

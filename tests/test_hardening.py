@@ -207,9 +207,10 @@ def test_watch_says_why_a_run_with_a_broken_run_json_never_shows(tmp_path, capsy
 
 
 def test_the_noise_floor_is_only_taken_from_two_runs_of_one_configuration(tmp_path, capsys):
-    """--repeat RUN1 RUN2 is 'one configuration collected twice'. One folder given twice measured a noise floor of
-    exactly 0; a 1F1B and a GPipe run gave their difference as 'noise'; and without --baseline the option was
-    dropped silently. Each is refused in one line."""
+    """--repeat holds more collections of the two configurations compared; two of one configuration also give the
+    noise floor. One folder given twice (or a copy: the same measured steps) measured a noise floor of exactly 0; a
+    run of a third configuration gave its difference as 'noise'; and without --baseline the option was dropped
+    silently. Each is refused in one line."""
     from test_validate import StageTimes, fake_analysis
 
     from traceana.errors import AnalysisError
@@ -217,13 +218,18 @@ def test_the_noise_floor_is_only_taken_from_two_runs_of_one_configuration(tmp_pa
 
     times = StageTimes.uniform(2, forward=100e3, backward=200e3)
     a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times)
-    again = fake_analysis(tmp_path / "again", schedule="1f1b", pp=2, m=4, times=times)
+    again = fake_analysis(tmp_path / "again", schedule="1f1b", pp=2, m=4,
+                          times=StageTimes.uniform(2, forward=101e3, backward=202e3))
     gpipe = fake_analysis(tmp_path / "g", schedule="gpipe", pp=2, m=4, times=times)
-    assert cross_run(a, gpipe, repeat=(a, again))["noise_floor"] == 0.0  # two runs, equal by construction
+    copy = fake_analysis(tmp_path / "copy", schedule="1f1b", pp=2, m=4, times=times)  # a's steps exactly
+    assert cross_run(a, gpipe, repeat=(a, again))["noise_floor"] == pytest.approx(0.01 / 1.005)  # 1 % apart
     with pytest.raises(AnalysisError, match="same run twice"):
         cross_run(a, gpipe, repeat=(a, a))
-    with pytest.raises(AnalysisError, match="differ in schedule"):
-        cross_run(a, gpipe, repeat=(a, gpipe))
+    with pytest.raises(AnalysisError, match="same run twice"):
+        cross_run(a, gpipe, repeat=(a, copy))
+    zb = fake_analysis(tmp_path / "zb", schedule="gpipe", pp=2, m=8, times=times)
+    with pytest.raises(AnalysisError, match="neither the baseline's nor the target's"):
+        cross_run(a, gpipe, repeat=(zb,))
     assert main(["validate", str(tmp_path), "--repeat", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "--baseline" in capsys.readouterr().err
 

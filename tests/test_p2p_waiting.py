@@ -84,3 +84,26 @@ def test_a_bad_latency_in_run_json_is_refused():
     for bad in (-1, "300us", True):
         with pytest.raises(BadInputError, match="p2p_latency_ns"):
             Manifest(world_size=2, pp=2, extra={"p2p_latency_ns": bad})
+
+
+def test_the_waiting_note_counts_messages_waiting_at_once_once_per_rank_and_step():
+    """Two 128-byte receives on rank 1, posted at 100 and 110 µs, both sent at 1000 and back at 5000 (tags 0 and
+    1): each waited from its ready time (1000, the send's start) to 5000 − ceiling. Summed over messages that is
+    twice 3,698.976 µs; rank 1 waited once, 3,698.976 µs, in its 6 ms step (issue 33: a note summed 56 s of
+    waiting on a run whose ranks ran 10 s)."""
+    import re
+
+    b = EventsBuilder()
+    for r in (0, 1):
+        b.step(r, 1, 0, 6000)
+    b.op(0, "aten::mm", 0, 1000)
+    for tag, post in ((0, 100), (1, 110)):
+        b.send(0, 1, 1000, 5000, tag=tag)
+        b.recv(1, 0, post, 5000, tag=tag)
+    a = analyze(b.run())
+    note = next(n for n in a.notes if "waiting on the peer's process" in n)
+    once = (5_000 - 1_000) * US - CEILING_NS  # ns
+    assert f"{once / 1e6:,.3f} ms on the receiving ranks over 1 rank-step " in note, note
+    assert f"at most {once / 1e6:,.3f} ms on rank 1 in step 1" in note, note
+    total = float(re.search(r"— ([\d,.]+) ms on the receiving ranks", note).group(1).replace(",", ""))
+    assert total <= 6.0  # never more than the rank ran (its 6 ms step)

@@ -82,9 +82,11 @@ def test_stage_table_matches_analysis_tables(analyses, report, which):
 
 
 def test_comparison_step_times_match(analyses, report):
-    overview = table_with(parse(report[1]), "comparison", "step time (ms)")
+    # one run a side: its side's step time (the geometric mean of its one run) is the run's own mean step
+    header = "step time (ms, geometric mean of runs)"
+    overview = table_with(parse(report[1]), "comparison", header)
     expected = [a.steps.group_by("step").agg(pl.col("dur_ns").max())["dur_ns"].mean() / 1e6 for a in analyses]
-    col = overview["header"].index("step time (ms)")
+    col = overview["header"].index(header)
     assert [r[col] for r in overview["rows"]] == [H.num(x) for x in expected]
 
 
@@ -110,21 +112,22 @@ def test_report_command_writes_a_file(runs, tmp_path, capsys):
     assert "timeline" in parse(out.read_text()).section_ids
 
 
-def test_report_repeat_brings_the_repeated_runs_into_the_ab_noise(runs, tmp_path, capsys):
+def test_report_repeat_counts_each_run_once_and_refuses_other_configurations(runs, tmp_path, capsys):
+    """A copy of a run, or the run named again, is one run: it adds no spread between runs, so --repeat refuses it
+    in one line (issue 33: `report RUN --repeat RUN RUN` was accepted without a word); a run of another
+    configuration is not a repeat either: its difference is not noise."""
     from traceana.cli import main
 
     again = tmp_path / "baseline-again"
     shutil.copytree(runs["baseline"], again, ignore=shutil.ignore_patterns(".traceana"))
     out = tmp_path / "r.html"
-    assert main(["report", str(runs["baseline"]), str(runs["bpipe"]), "--repeat", str(runs["baseline"]), str(again),
-                 "-o", str(out), "--quiet", "--no-validate"]) == 0
-    table = table_with(parse(out.read_text()), "comparison", "runs")
-    assert [row[1] for row in table["rows"]] == ["2", "1"]  # baseline: itself and its repeat
-    # the session's runs profile one step each: the BPipe side has one step time, so no spread to judge it by
-    assert "cannot be told from noise" in table["rows"][1][4]
-    # a run of another configuration is not a repeat: its difference is not noise
-    assert main(["report", str(runs["baseline"]), str(runs["bpipe"]), "--repeat", str(runs["baseline"]),
-                 str(runs["bpipe"]), "-o", str(tmp_path / "x.html"), "--quiet"]) == 2
+    base, bpipe = str(runs["baseline"]), str(runs["bpipe"])
+    assert main(["report", base, bpipe, "--repeat", base, str(again), "-o", str(out), "--quiet", "--no-validate"]) == 2
+    assert "is a copy of" in capsys.readouterr().err and not out.exists()
+    assert main(["report", base, "--repeat", base, base, "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "given more than once" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    assert main(["report", base, bpipe, "--repeat", base, bpipe, "-o", str(tmp_path / "x.html"), "--quiet"]) == 2
     assert "not a collection of" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists()
 
@@ -156,7 +159,13 @@ def test_demo_writes_the_report_and_says_where(runs, tmp_path, monkeypatch, caps
     monkeypatch.setattr(demo, "collect_run", copy_run)
     out = tmp_path / "demo"
     assert demo.run(argparse.Namespace(output=out, keep=False, quiet=True)) == 0
-    assert capsys.readouterr().out.strip() == f"report: {(out / 'report.html').resolve()}"
+    said = capsys.readouterr().out.strip().splitlines()
+    # the results on stdout, what holds first (memory), the report's path last
+    assert said[-1] == f"report: {(out / 'report.html').resolve()}"
+    assert said[0].startswith("BPipe: largest stage's activation peak")
+    # the copies stand for one run a side: counted once, so the step time gets no verdict (repeat to tell)
+    assert any("step time, geometric mean of runs" in line and "repeat to tell" in line for line in said), said
+    assert any(line.startswith("note: ") and "counted once" in line for line in said)
     assert (out / "report.html").stat().st_size > 100_000
     assert not (out / "runs").exists()
     assert "comparison" in parse((out / "report.html").read_text()).section_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import polars as pl
@@ -142,24 +143,38 @@ def test_cross_run_is_a_prediction_with_a_noise_floor(tmp_path):
     out = cross_run(a, b, repeat=(a, slower))
     assert out["kind"] == "prediction"
     assert out["noise_floor"] == pytest.approx(0.1 / 1.05)  # the same run 10 % slower: |1.1 − 1| / 1.05
-    assert validate(a).summary["kind"] == "replay"
+    # the simulator fed with a run's own durations is the model's in-sample prediction ("replay" is the what-if's
+    # word only, issue 33): the key says so
+    assert validate(a).summary["kind"] == "in_sample_prediction"
 
 
-def test_cross_run_measured_change_carries_the_noise_of_the_repeated_baseline(tmp_path):
-    # uniform stages: GPipe and 1F1B both take (m + p − 1)(f + b), so b's step equals a's; the baseline repeated 10 %
-    # slower makes the base side's mean 1.05× and its draws 1, 1.05 or 1.1×: the change −4.8 %, interval −9.1 … 0 %
-    times = StageTimes.uniform(2, forward=100e3, backward=200e3)
-    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times, steps=3)
-    b = fake_analysis(tmp_path / "b", schedule="gpipe", pp=2, m=4, times=times, steps=3)
-    slower = fake_analysis(tmp_path / "slower", schedule="1f1b", pp=2, m=4, steps=3,
-                           times=StageTimes.uniform(2, forward=110e3, backward=220e3))
-    out = cross_run(a, b, repeat=(a, slower))
-    assert out["step_change"] == pytest.approx(1 / 1.05 - 1)
-    assert out["step_change_low"] == pytest.approx(1 / 1.1 - 1) and out["step_change_high"] == pytest.approx(0)
-    assert out["within_noise"] is True and "within noise" in out["measured_change_words"]
-    assert out["prediction_within_noise"] is True  # predicted: no change
-    alone = cross_run(a, b)  # identical steps on both sides: a zero-width interval at no change
-    assert alone["within_noise"] is True and alone["step_change_low"] == alone["step_change_high"] == 0
+def test_cross_run_measured_change_comes_from_runs_not_steps(tmp_path):
+    """The measured change's interval comes from the runs of each side (traceana.noise): with one run of the target
+    the between-run noise is unknown whatever the baseline's repeats, and with two runs a side, paired by round, the
+    interval is Student's t on the per-round log ratios (issue 33: one run's steps said nothing about the next run).
+    Uniform stages: GPipe and 1F1B both take (m + p − 1)(f + b), so the model predicts no change."""
+    t = lambda k: StageTimes.uniform(2, forward=100e3 * k, backward=200e3 * k)  # noqa: E731
+    a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=t(1.0), steps=3)
+    b = fake_analysis(tmp_path / "b", schedule="gpipe", pp=2, m=4, times=t(1.0), steps=3)
+    a2 = fake_analysis(tmp_path / "a2", schedule="1f1b", pp=2, m=4, steps=3, times=t(1.1))
+    b2 = fake_analysis(tmp_path / "b2", schedule="gpipe", pp=2, m=4, steps=3, times=t(1.2))
+    out = cross_run(a, b, repeat=(a2,))
+    assert out["noise_runs"] == [2, 1] and out["within_noise"] is None and out["prediction_within_noise"] is None
+    assert "repeat to tell" in out["measured_change_words"] and "cannot judge" in out["prediction_words"]
+    # base side √(1 · 1.1), target 1: the one statistic everywhere, and the speed-up is 1/(1 + change)
+    assert out["step_change"] == pytest.approx(1 / math.sqrt(1.1) - 1)
+    assert out["measured_speedup"] == pytest.approx(1 / (1 + out["step_change"]))
+    assert out["measured_step_ms"] / out["baseline_step_ms"] == pytest.approx(1 + out["step_change"])
+    # two rounds: log ratios 0 and ln(1.2/1.1); mean m = ln(1.2/1.1)/2, sd = ln(1.2/1.1)/√2, se = sd/√2 = m,
+    # t(1) = 12.706: m ± 12.706 m holds 0 — within noise, and the model's 0 lies inside
+    both = cross_run(a, b, repeat=(a2, b2))
+    m = math.log(1.2 / 1.1) / 2
+    assert both["paired"] is True and both["noise_runs"] == [2, 2]
+    assert both["step_change_low"] == pytest.approx(math.exp(m - 12.706 * m) - 1, abs=1e-4)
+    assert both["within_noise"] is True and both["prediction_within_noise"] is True and both["agree"] is None
+    # the same run given again on a side counts once, with a word
+    again = cross_run(a, b, repeat=(a,))
+    assert again["noise_runs"] == [1, 1] and any("counted once" in n for n in again["counted_once"])
 
 
 def test_bpipe_verdict_needs_plain_1f1b(tmp_path):
@@ -218,13 +233,21 @@ def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_pat
         return [fake_analysis(tmp_path / f"{name}{k}", schedule="1f1b", pp=2, m=4, times=t, steps=3) for k in range(n)]
     base = runs("a", times)
     same = repeated_comparison(base, runs("b", times))
-    assert same["agree"] is True and "measured and modelled agree" in same["headline"]
-    assert same["step_change"] == 0 and same["baseline"]["runs"] == 2
+    # identical runs are one run given twice (the same measured steps): counted once, so the noise is unknown and
+    # the model is not judged
+    assert same["baseline"]["runs"] == 1 and same["agree"] is None and "repeat to tell" in same["headline"]
+    assert same["step_change"] == 0 and same["counted_once"]
     # every operation twice as long in the second configuration's runs: a measured +100 % the model (same
     # configuration: no change) cannot predict, and forward+backward per micro-batch 2× says it was the machine
-    slow = repeated_comparison(base, runs("c", StageTimes.uniform(2, forward=200e3, backward=400e3)))
-    assert slow["agree"] is False and slow["step_change"] == pytest.approx(1.0)
+    # (two rounds whose runs differ by 1 %: the ratio 2 in both, beyond the noise)
+    def scaled(name, k):
+        return [fake_analysis(tmp_path / f"{name}{i}", schedule="1f1b", pp=2, m=4, steps=3,
+                              times=StageTimes.uniform(2, forward=100e3 * k * r, backward=200e3 * k * r))
+                for i, r in enumerate((1.0, 1.01))]
+    slow = repeated_comparison(scaled("p", 1), scaled("c", 2))
+    assert slow["within_noise"] is False and slow["agree"] is False and slow["step_change"] == pytest.approx(1.0)
     assert slow["compute_ratio"] == pytest.approx(2.0) and "the machine changed speed" in slow["headline"]
+    assert slow["headline"].startswith("step time +100.0% (speed-up 0.500×), beyond the noise: slower")
 
 
 def test_cross_run_between_plans_is_the_baselines_measured_whatif(tmp_path):
@@ -239,8 +262,29 @@ def test_cross_run_between_plans_is_the_baselines_measured_whatif(tmp_path):
     assert out["kind"] == "prediction" and out["measured_whatif"] is True and "what-if" in out["method"]
     assert out["predicted_step_ms"] == pytest.approx(2.7) and out["measured_step_ms"] == pytest.approx(2.7)
     assert out["predicted_step_ms"] == pytest.approx(plan_whatif(a, microbatches=8)["predicted_step_ms"])
-    # the measured change beside it, with its noise (identical steps on a side: a zero-width interval at +80 %)
-    assert out["step_change"] == pytest.approx(0.8) and out["prediction_within_noise"] is True
+    # the measured change beside it: +80 %, with one run a side the between-run noise unknown (no verdict)
+    assert out["step_change"] == pytest.approx(0.8) and out["prediction_within_noise"] is None
     # a change a plan what-if cannot make (recompute): the model with the target's whole configuration
     c = fake_analysis(tmp_path / "c", schedule="1f1b", pp=2, m=4, times=times, recompute="full")
     assert cross_run(a, c)["measured_whatif"] is False
+
+
+def test_the_demo_results_say_a_change_beyond_the_noise_plainly(tmp_path):
+    """The demo's result lines (reports.demo_command.results) from two rounds whose second configuration's passes
+    take twice as long in both (hand reasoning: the ratio 2 in each round, no spread between rounds): memory first,
+    the bubbles, each side's runs, then the step time said to be beyond the noise, with the model against it."""
+    from reports.demo_command import results
+    from traceana.validation.prediction import repeated_comparison
+
+    def runs(name, k):
+        return [fake_analysis(tmp_path / f"{name}{i}", schedule="1f1b", pp=2, m=4, steps=3, act_bytes=[2**20, 2**19],
+                              times=StageTimes.uniform(2, forward=100e3 * k * r, backward=200e3 * k * r))
+                for i, r in enumerate((1.0, 1.01))]
+    lines = results(repeated_comparison(runs("a", 1), runs("b", 2)), rounds=2)
+    assert lines[0] == ("BPipe: largest stage's activation peak 1.00 MiB without, 1.00 MiB with (+0%), the same in "
+                        "each of the 2 rounds")
+    assert lines[1].startswith("bubble (warm-up + stall + cool-down)")
+    assert lines[2].startswith("  baseline  2 runs, step") and lines[3].startswith("  bpipe     2 runs, step")
+    assert lines[4].startswith("step time, geometric mean of runs:")
+    assert "step time +100.0% (speed-up 0.500×), beyond the noise: slower" in lines[4]
+    assert "the machine changed speed" in lines[4]  # the model predicts no change; the work itself took 2×

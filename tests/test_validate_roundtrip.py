@@ -132,9 +132,13 @@ def test_validate_command_on_a_written_run(tmp_path, capsys, monkeypatch):
     assert abs(out["summary"]["step_error_fraction"]) < 0.02
     assert main(["validate", str(tmp_path), "--baseline", str(tmp_path)]) == 0
     text = " ".join(capsys.readouterr().out.split())  # sentences wrap at the terminal's width
-    # (one configuration on both sides: the prediction is the baseline's measured what-if, the noise beside it)
-    assert "prediction from the baseline's measured what-if (no duration of this run used)" in text
-    assert "measured change: step time +0.0%" in text and "step time: measured" in text and "replay" in text
+    # (one configuration on both sides: the prediction is the baseline's measured what-if; one run a side, so the
+    # between-run noise is unknown and nothing is judged — issue 33; the simulator on the run's own durations is the
+    # model's in-sample prediction, "replay" being the what-if's word only)
+    assert "cross-run prediction by the baseline's measured what-if, from the baseline's durations alone" in text
+    assert "measured step time +0.0% (speed-up 1.000×), between-run noise unknown" in text
+    assert "the runs cannot judge it" in text
+    assert "step time: measured" in text and "in sample" in text and "replay" not in text
     assert "BPipe would make no difference to this run against as-configured (1.000×" in text  # pp 2: nothing to evict
     assert "evicts nothing" in text and "Deciding term: no change" in text
     assert main(["validate", str(tmp_path / "nope")]) == 2

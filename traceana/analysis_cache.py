@@ -45,9 +45,10 @@ from traceana.names import NameRules
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 6  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+ANALYSIS_FORMAT = 7  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
 #                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time, traceana.gpu;
-#                     6: the summary's step_times_ms, the noise interval's samples)
+#                     6: the summary's step_times_ms, the noise interval's samples; 7: the P2P waiting note per
+#                     rank and step)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")

@@ -88,7 +88,8 @@ def _write_error(path: Path, e: BaseException, what: str, done: list[Path] = (),
 # Shares in the JSON the commands print: every one is a fraction (0..1) and its key says so. These fields are
 # fractions under a bare name in the tables; ``*_pct`` columns are percents (0..100).
 FRACTION_FIELDS = frozenset({"mfu", "hfu", "efficiency", "error", "step_error", "sampled_error", "replay_error",
-                             "blocked_error", "memory_error", "median_abs_memory_error", "noise_floor"})
+                             "last_step_error", "blocked_error", "memory_error", "median_abs_memory_error",
+                             "noise_floor"})
 
 
 def json_fractions(value: Any) -> Any:

@@ -1,124 +1,279 @@
-"""Noise in a comparison of measured runs: the one rule every comparison uses (the report's A/B, ``traceana demo``,
-``validate --baseline``, ``watch``'s running comparison; summary.compare_runs).
+"""Noise in a comparison of measured runs: the one rule every cross-run comparison uses (the report's A/B table and
+cards, ``traceana demo``, ``validate --baseline/--repeat``; summary.compare_runs, validation.prediction), and the
+within-run rules (``watch``'s windows of one job, the what-if's naming).
 
-A run's step time is the mean of its measured steps' times (the slowest rank per step, summary.RunSummary.step_ms);
-a side with repeated runs is the median of its runs' step times (one run descheduled by another job does not move
-it). Comparing two sides, the **change** is other/base − 1, and its **interval** is a 95 % bootstrap percentile
-interval: ``RESAMPLES`` times, each side's step times are drawn again with replacement — with repeated runs of a
-side, first its runs, then the steps within each drawn run (so the spread between runs counts, not only the spread
-within one) — and the change recomputed; the interval is the 2.5th and 97.5th percentiles. The draws use a fixed
-seed, so one pair of sides always gets one interval.
+**Between runs (``between_runs``).** The unit is the run: two collections of one configuration differ by more than
+the steps of one collection do (on this project's 2-core machine by 55–98 %, docs/field-notes.md "Noise floor"), so
+the steps of one run say nothing about the next run and never make an interval here.
 
-- The change is **within noise** when its interval contains 0: the runs cannot be told apart, and no speed-up or
-  slow-down is claimed. Otherwise it is a change, with its interval.
-- With fewer than 2 step times on a side there is no spread to judge: ``within_noise`` is None and the words say so.
-- With one run a side the interval holds only the spread over steps; runs of one configuration can differ by more
-  (on this project's 2-core machine the same configuration collected twice differed by 55–98 %, docs/field-notes.md
-  "Noise floor"), which the words say: give repeated runs for an interval that includes it.
+- A run's step time is ``summary.RunSummary.step_ms`` (the slowest rank per step, the mean of the measured steps).
+- A side's step time is the **geometric mean of its runs' step times** (one run: that run's); the **change** is
+  other/base − 1 of the two sides' step times, and the **speed-up** is base/other = 1/(1 + change): a change of
+  +50 % is a speed-up of 0.667× (slower), −50 % one of 2× (faster). Both come from the same two numbers everywhere.
+- The **interval** (95 %) is Student's t on the logarithms of the run step times. With as many runs on each side
+  (n ≥ 2, given in the order collected: round k's runs are the k-th of each side) the runs are **paired by round**:
+  the interval is mean(dᵢ) ± t₀.₉₇₅,ₙ₋₁ · sd(dᵢ)/√n of the per-round log ratios dᵢ, so a machine that speeds up or
+  slows down between rounds meets both sides alike. With unequal counts (≥ 2 each) it is Welch's interval (degrees
+  of freedom rounded down). The interval of the change is exp(·) − 1 of the log interval: it contains the change.
+- **Different** only when the interval excludes 0 (``within_noise`` False); otherwise "within noise" — the runs cannot
+  be told apart and no speed-up or slow-down is claimed. With one run on a side the between-run noise is unknown:
+  ``within_noise`` is None, no interval, no verdict, and the words say "repeat to tell".
+- The same run given twice is not two runs (``twice`` finds it: one folder, or a copy with the same measured steps):
+  it adds no spread and would narrow the interval; the callers refuse it or count it once, with a word.
 
-Within one run (what-if naming, ``noise_ms``): a what-if gain must exceed the spread (max − min) of the run's
-measured steps, the slowest left out when there are three or more, and at least ``NOISE_FLOOR`` of the median step.
+Calibration (tests/test_noise.py, docs/comparisons.md): simulated interleaved rounds whose run step times carry
+heavy-tailed (Student-t, 3 df) log noise, one run in ten descheduled (×1.5–3) and a drifting machine (a random walk
+plus a steady trend); identical configurations read "different" at most 5 % of the time, and a real 2× difference
+is detected in ≥ 95 % of comparisons from ``DETECTS_2X_FROM`` rounds on at that noise (from 6 on a quiet machine;
+3 rounds, the demo's, detect it 39 % of the time on the noisy one: the rest read "within noise", never a false
+number). Rounds alternate their order (A B, B A, …: ``round_order``) so that a steady trend does not fall on one
+side.
 
-JSON names (every surface): ``step_change`` (fraction), ``step_change_low`` / ``step_change_high`` (the interval,
-fractions), ``within_noise`` (bool or null), ``noise_from`` ("steps" or "runs"), ``noise_samples`` (step times on
-each side), ``noise_runs`` (runs on each side).
+**Within one run.** ``compare_steps`` (``watch``: the latest window of one job against its first) bootstraps the
+windows' step times: there the steps of the one job are the samples. ``noise_ms`` (what-if naming): a what-if gain
+must exceed the spread (max − min) of the run's measured steps, the slowest left out when there are three or more,
+and at least ``NOISE_FLOOR`` of the median step.
+
+JSON names (every cross-run surface): ``step_change`` (fraction, other/base − 1), ``step_change_low`` /
+``step_change_high`` (the interval, fractions; null with one run on a side), ``within_noise`` (bool; null: unknown),
+``speedup`` (base/other), ``noise_from`` ("runs", or "unknown" with one run on a side), ``noise_runs`` (runs on each
+side), ``paired`` (paired by round), ``statistic`` ("geometric mean of runs").
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-RESAMPLES = 2000
+import numpy as np
+
 LEVEL = 0.95
-SEED = 27
+STATISTIC = "geometric mean of runs"
+DETECTS_2X_FROM = 10  # rounds from which the calibration detects a 2× change ≥ 95 % of the time (tests/test_noise.py)
+
+
+# --- Student's t quantile (no scipy): the regularized incomplete beta by its continued fraction ------------------
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T ≤ t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
+@functools.lru_cache(maxsize=512)
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom, by bisection of ``t_cdf``."""
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _t_crit(df: np.ndarray) -> np.ndarray:
+    q = (1 + LEVEL) / 2
+    return np.array([t_quantile(q, int(d)) for d in df.ravel()]).reshape(df.shape) if df.size else df * 0.0
+
+
+# --- the rule, vectorised over comparisons (the calibration simulates thousands at once) --------------------------
+def log_intervals(base: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rule on M comparisons at once: ``base`` (M × nb) and ``other`` (M × no) hold the logarithms of each
+    comparison's run step times, in the order collected (nb, no ≥ 2). Returns (centre, low, high) of the log ratio
+    other/base per comparison: paired by round when nb == no, else Welch's (module docstring)."""
+    nb, no = base.shape[1], other.shape[1]
+    if min(nb, no) < 2:
+        raise ValueError("the between-run interval needs at least 2 runs on each side")
+    centre = other.mean(axis=1) - base.mean(axis=1)
+    if nb == no:
+        d = other - base
+        se = d.std(axis=1, ddof=1) / math.sqrt(nb)
+        df = np.full(len(d), nb - 1)
+    else:
+        vb, vo = base.var(axis=1, ddof=1) / nb, other.var(axis=1, ddof=1) / no
+        se = np.sqrt(vb + vo)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            df = (vb + vo) ** 2 / (vb ** 2 / (nb - 1) + vo ** 2 / (no - 1))
+        df = np.floor(np.nan_to_num(df, nan=min(nb, no) - 1)).clip(min(nb, no) - 1, nb + no - 2).astype(int)
+    half = _t_crit(df) * se
+    return centre, centre - half, centre + half
 
 
 @dataclass(frozen=True)
 class Change:
-    """other/base − 1 of two sides' mean step times, with its bootstrap interval (see the module docstring)."""
+    """A cross-run change of step time, other/base − 1, with its between-run interval (the module docstring)."""
 
-    base_ms: float
+    base_ms: float  # each side's step time: the geometric mean of its runs' step times
     other_ms: float
     change: float  # other/base − 1 (negative: the other side is faster)
-    low: float | None  # the interval of ``change``; None without spread on a side
+    low: float | None  # the 95 % interval of ``change``; None with one run on a side (the noise is unknown)
     high: float | None
-    within_noise: bool | None  # the interval contains 0; None: no spread to judge
-    from_runs: bool  # repeated runs on both sides: the interval includes the spread between runs
-    samples: tuple[int, int]  # step times on each side
-    runs: tuple[int, int] = (1, 1)  # runs on each side
+    within_noise: bool | None  # the interval contains 0; None: one run on a side, no verdict
+    runs: tuple[int, int]  # runs on each side
+    paired: bool  # paired by round (as many runs on each side)
 
     @property
     def speedup(self) -> float:
-        """base/other: > 1 when the other side is faster."""
+        """base/other = 1/(1 + change): > 1 when the other side is faster, < 1 when it is slower."""
         return self.base_ms / self.other_ms if self.other_ms else float("nan")
 
     @property
     def speedup_interval(self) -> tuple[float, float] | None:
-        if self.low is None or self.high is None or self.high <= -1:
+        if self.low is None or self.high is None:
             return None
         return 1 / (1 + self.high), 1 / (1 + self.low)
 
+    @property
+    def direction(self) -> str:
+        """"slower", "faster", or "" when within noise or unknown."""
+        if self.within_noise is not False:
+            return ""
+        return "slower" if self.change > 0 else "faster"
+
+    def over(self) -> str:
+        how = ", paired by round" if self.paired else ""
+        return f"{self.runs[0]} + {self.runs[1]} runs{how}"
+
     def words(self, *, what: str = "step time") -> str:
-        """"step time −25.3 % (95 % interval −40.1 … −5.2 %, over 3 + 3 steps of one run each)" or "… within
-        noise …"."""
-        over = f"over {self.samples[0]} + {self.samples[1]} steps"
-        if self.runs == (1, 1):
-            over += (" of one run each: runs of one configuration can differ by more; repeat them for an interval "
-                     "that includes that")
-        elif self.from_runs:
-            over += f" of {self.runs[0]} + {self.runs[1]} repeated runs"
-        else:
-            over += (f" of {self.runs[0]} + {self.runs[1]} runs: the spread between runs counts on the repeated "
-                     "side only")
+        """"step time +25.3 % (speed-up 0.798×), beyond the noise: slower (95 % interval +5.2 … +40.1 % over 5 + 5
+        runs, paired by round)", "… within noise (…)", or "…, between-run noise unknown (one run on a side): repeat
+        to tell"."""
+        said = f"{what} {self.change:+.1%} (speed-up {self.speedup:.3f}×)"
         if self.within_noise is None:
-            return (f"{what} {self.change:+.1%}, which cannot be told from noise: a side has fewer than 2 measured "
-                    f"steps (profile more steps)")
-        interval = f"95 % interval {self.low:+.1%} … {self.high:+.1%}, {over}"
+            one = "each side" if self.runs == (1, 1) else "a side"
+            return (f"{said}, between-run noise unknown (one run on {one}): repeat to tell — collect each side at "
+                    "least twice, interleaved")
+        interval = f"95 % interval {self.low:+.1%} … {self.high:+.1%} over {self.over()}"
         if self.within_noise:
-            return f"{what} {self.change:+.1%}, within noise ({interval})"
-        return f"{what} {self.change:+.1%} ({interval})"
+            return f"{said}, within noise ({interval})"
+        return f"{said}, beyond the noise: {self.direction} ({interval})"
 
     def as_dict(self) -> dict:
         return {"step_change": self.change, "step_change_low": self.low, "step_change_high": self.high,
-                "within_noise": self.within_noise, "noise_from": "runs" if self.from_runs else "steps",
-                "noise_samples": list(self.samples), "noise_runs": list(self.runs)}
+                "within_noise": self.within_noise, "speedup": self.speedup,
+                "noise_from": "unknown" if self.within_noise is None else "runs", "noise_runs": list(self.runs),
+                "paired": self.paired, "statistic": STATISTIC}
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
+def between_runs(base: Sequence[float], other: Sequence[float]) -> Change:
+    """The change from ``base`` to ``other``, each the step times (ms) of its runs in the order collected."""
+    b = np.log(np.asarray([x for x in base if x is not None], dtype=float))
+    o = np.log(np.asarray([x for x in other if x is not None], dtype=float))
+    if not len(b) or not len(o) or not (np.isfinite(b).all() and np.isfinite(o).all()):
+        raise ValueError("between_runs needs a positive step time for at least one run on each side")
+    base_ms, other_ms = math.exp(b.mean()), math.exp(o.mean())
+    change = other_ms / base_ms - 1
+    runs, paired = (len(b), len(o)), len(b) == len(o) >= 2
+    if min(runs) < 2:
+        return Change(base_ms, other_ms, change, None, None, None, runs, False)
+    _, low, high = (float(v[0]) for v in log_intervals(b[None, :], o[None, :]))
+    low, high = math.expm1(low), math.expm1(high)
+    return Change(base_ms, other_ms, change, low, high, low <= 0 <= high, runs, paired)
 
 
-def _side_mean(runs: Sequence[Sequence[float]]) -> float:
-    """A side's step time: its run's mean step, or the median of its runs' mean steps."""
-    return statistics.median([_mean(r) for r in runs])
+def twice(runs: Sequence[tuple[str, Sequence[float]]]) -> tuple[int, int] | None:
+    """The first (i, j), i < j, of ``runs`` ((resolved path, measured step times) each) that are one run given twice:
+    the same folder, or the same measured step times to the nanosecond (a copy; two collections never agree so)."""
+    seen: dict[object, int] = {}
+    for j, (path, steps) in enumerate(runs):
+        for key in (("path", str(path)), ("steps", tuple(round(x, 6) for x in steps)) if steps else None):
+            if key is None:
+                continue
+            if key in seen:
+                return seen[key], j
+            seen[key] = j
+    return None
 
 
-def _draw(runs: Sequence[Sequence[float]], rng: random.Random) -> float:
-    picked = [runs[rng.randrange(len(runs))] for _ in runs] if len(runs) > 1 else runs
-    return statistics.median([_mean([r[rng.randrange(len(r))] for _ in r]) for r in picked])
+def round_order(rounds: int, sides: Sequence[str]) -> list[tuple[int, str]]:
+    """The order to collect ``rounds`` rounds of two sides: A B, B A, A B, … (round, side): a machine that slows down
+    steadily then meets both sides alike (module docstring)."""
+    return [(k, s) for k in range(rounds) for s in (sides if k % 2 == 0 else tuple(reversed(sides)))]
 
 
-def compare(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> Change:
-    """The change from ``base`` to ``other``, each a list of runs, each run its measured steps' times (ms)."""
-    base = [list(r) for r in base if len(r)]
-    other = [list(r) for r in other if len(r)]
+# --- within one run -----------------------------------------------------------------------------------------------
+RESAMPLES = 2000
+SEED = 27
+
+
+@dataclass(frozen=True)
+class StepsChange:
+    """Within one job (``watch``'s windows): other/base − 1 of two windows' mean step times, with a bootstrap
+    interval over their steps."""
+
+    base_ms: float
+    other_ms: float
+    change: float
+    low: float | None
+    high: float | None
+    within_noise: bool | None  # the interval contains 0; None: fewer than 2 steps in a window
+    samples: tuple[int, int]
+
+    def words(self, *, what: str = "step time") -> str:
+        if self.within_noise is None:
+            return (f"{what} {self.change:+.1%}, which cannot be told from noise: a window has fewer than 2 measured "
+                    "steps")
+        interval = f"95 % interval {self.low:+.1%} … {self.high:+.1%} over {self.samples[0]} + {self.samples[1]} steps"
+        return f"{what} {self.change:+.1%}, within noise ({interval})" if self.within_noise else \
+            f"{what} {self.change:+.1%} ({interval})"
+
+    def as_dict(self) -> dict:
+        return {"step_change": self.change, "step_change_low": self.low, "step_change_high": self.high,
+                "within_noise": self.within_noise, "noise_from": "steps", "noise_samples": list(self.samples)}
+
+
+def compare_steps(base: Sequence[float], other: Sequence[float]) -> StepsChange:
+    """Two windows of one job, each its measured steps' times (ms): the change of the mean, with a 95 % percentile
+    bootstrap interval over the steps (``RESAMPLES`` draws, seed ``SEED``: one pair of windows, one interval)."""
+    base, other = list(base), list(other)
     if not base or not other:
-        raise ValueError("compare needs at least one measured step on each side")
-    b, o = _side_mean(base), _side_mean(other)
+        raise ValueError("compare_steps needs at least one measured step in each window")
+    b, o = statistics.fmean(base), statistics.fmean(other)
     change = o / b - 1 if b else float("nan")
-    samples = (sum(map(len, base)), sum(map(len, other)))
-    from_runs = len(base) > 1 and len(other) > 1
+    samples = (len(base), len(other))
     if min(samples) < 2 or not b:
-        return Change(b, o, change, None, None, None, from_runs, samples, (len(base), len(other)))
+        return StepsChange(b, o, change, None, None, None, samples)
     rng = random.Random(SEED)
-    draws = sorted(_draw(other, rng) / _draw(base, rng) - 1 for _ in range(RESAMPLES))
+
+    def draw(xs: list[float]) -> float:
+        return statistics.fmean(xs[rng.randrange(len(xs))] for _ in xs)
+
+    draws = sorted(draw(other) / draw(base) - 1 for _ in range(RESAMPLES))
     tail = (1 - LEVEL) / 2
     low, high = draws[int(tail * (RESAMPLES - 1))], draws[int((1 - tail) * (RESAMPLES - 1))]
     low, high = min(low, change), max(high, change)
-    return Change(b, o, change, low, high, low <= 0 <= high, from_runs, samples, (len(base), len(other)))
+    return StepsChange(b, o, change, low, high, low <= 0 <= high, samples)
 
 
 NOISE_FLOOR = 0.05  # the least noise a within-run gain must exceed: 5 % of the median step

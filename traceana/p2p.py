@@ -274,11 +274,15 @@ def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
     waited = (pairs.with_columns(ready.alias("_measured_ready"))
               .filter(pl.col("data_ready_ns") > pl.col("_measured_ready"))) if pairs.height else pairs
     if waited.height:
+        per, worst = waiting_per_rank_step(waited)
         notes.append(f"{waited.height} of {pairs.height} P2P messages between CPU ranks returned later after both "
                      f"sides were ready than their bytes and a message's latency need ({ceiling[0] / MB:g} MB/s, "
-                     f"{ceiling[1] / NS_PER_US:g} µs; run.json link_bytes_per_s, p2p_latency_ns): "
-                     f"{(waited['data_ready_ns'] - waited['_measured_ready']).sum() / NS_PER_MS:,.3f} ms in all count as "
-                     "waiting on the peer's process, not transfer (docs/schedules.md \"Waiting or transfer\")")
+                     f"{ceiling[1] / NS_PER_US:g} µs; run.json link_bytes_per_s, p2p_latency_ns): that time counts as "
+                     "waiting on the peer's process, not transfer (docs/schedules.md \"Waiting or transfer\") — "
+                     f"{per['ns'].sum() / NS_PER_MS:,.3f} ms on the receiving ranks over {per.height} "
+                     f"rank-step{'s' if per.height != 1 else ''} "
+                     "(messages waiting at once counted once), at most "
+                     f"{worst['ns'] / NS_PER_MS:,.3f} ms on rank {worst['rank']} in step {worst['step']}")
     if to_self.height:
         on = sorted(set(to_self["rank"].to_list()))
         notes.append(f"{to_self.height} P2P messages on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "
@@ -305,6 +309,24 @@ def pair(msgs: pl.DataFrame, *, link_bytes_per_s: float = LINK_BYTES_PER_S,
                          "their time counts as waiting, with no wait/transfer split")
     unmatched = unmatched.drop("_peer")
     return pairs, unmatched, msgs, notes
+
+
+def waiting_per_rank_step(waited: pl.DataFrame) -> tuple[pl.DataFrame, dict]:
+    """The receiving ranks' waiting on their peers' processes (``_measured_ready`` → ``data_ready_ns`` of each
+    message that waited) as time per (rank, step): the spans merged, so that messages in flight at once count once
+    and no rank waits longer than it ran. Returns (rank, step, ns) and its largest row."""
+    spans = (waited.select(pl.col("dst").alias("rank"), "step", pl.col("_measured_ready").alias("_s"),
+                           pl.col("data_ready_ns").alias("_e"))
+             .sort("rank", "step", "_s"))
+    key = ["rank", "step"]
+    merged = (
+        spans.with_columns(_reach=pl.col("_e").cum_max().shift(1).over(key))
+        .with_columns(_block=(pl.col("_reach").is_null() | (pl.col("_s") > pl.col("_reach"))).cum_sum().over(key))
+        .group_by(*key, "_block").agg(pl.col("_s").min(), pl.col("_e").max())
+        .group_by(key).agg(ns=(pl.col("_e") - pl.col("_s")).sum())
+        .sort(key)
+    )
+    return merged, merged.sort("ns", descending=True).row(0, named=True)
 
 
 def _empty(query: pl.LazyFrame) -> pl.DataFrame:

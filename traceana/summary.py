@@ -364,38 +364,38 @@ def summarize(analysis) -> RunSummary:
 
 def compare_runs(runs: list[tuple[str, RunSummary]], *,
                  repeats: dict[str, list[RunSummary]] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Every run against the first: (overview, per_stage). Overview: run, step_ms, step_change (a fraction of the
-    first run's step) with its noise interval (traceana.noise: step_change_low, step_change_high, within_noise —
-    null without spread to judge —, noise_from, runs, step_change_words: the noise rule's sentence),
-    largest_activation_peak_mib, peak_mib (largest stage),
-    memory_balance. ``repeats``: more runs of a named run's configuration (its side's step time is then the median of
-    its runs', and the interval includes the spread between them). Per stage: stage, run, step_ms, bubble_ms,
-    bpipe_ms, peak_mib, activation_peak_mib and each one's change against the first run (null for a run whose
-    stages are not the first run's)."""
-    from traceana.noise import compare
+    """Every run against the first: (overview, per_stage). Overview: run, runs (its side's runs: itself and its
+    ``repeats``, in the order collected), step_ms (its side's step time: the geometric mean of its runs' step times,
+    traceana.noise), run_step_ms (this run's own, the first of its side), step_change (other/base − 1) with its
+    between-run interval (traceana.noise.between_runs: step_change_low, step_change_high, within_noise — null with one
+    run on a side: the noise is unknown —, noise_from, paired), speedup (base/other: < 1 is slower),
+    step_change_words (the rule's sentence), largest_activation_peak_mib, peak_mib (largest stage), memory_balance.
+    Per stage: stage, run, step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib (this run's own) and each
+    one's change against the first run (null for a run whose stages are not the first run's)."""
+    from traceana.noise import between_runs
 
     repeats = repeats or {}
 
-    def side(name: str, s: RunSummary) -> list[tuple[float, ...]]:  # its runs' step times (the mean alone if no more)
-        runs_ = [x.step_times_ms or ((x.step_ms,) if x.step_ms is not None else ())
-                 for x in (s, *repeats.get(name, ()))]
-        return [r for r in runs_ if r]
+    def side(name: str, s: RunSummary) -> list[float]:  # its runs' step times, in the order given
+        return [x.step_ms for x in (s, *repeats.get(name, ())) if x.step_ms]
 
     base = side(*runs[0])
     rows = []
     for name, s in runs:
         mine = side(name, s)
-        c = compare(base, mine) if base and mine else None
-        rows.append((name, c.other_ms if c else s.step_ms, c.change if c else None, c and c.low, c and c.high,
-                     c and c.within_noise, ("runs" if c.from_runs else "steps") if c else None, max(len(mine), 1),
-                     None if c is None or name == runs[0][0] else c.words(),
+        c = between_runs(base, mine) if base and mine else None
+        first = name == runs[0][0]
+        rows.append((name, max(len(mine), 1), c.other_ms if c else s.step_ms, s.step_ms, c.change if c else None,
+                     c and c.low, c and c.high, None if c is None or first else c.within_noise,
+                     c.as_dict()["noise_from"] if c else None, c.paired if c else None, c.speedup if c else None,
+                     None if c is None or first else c.words(),
                      s.largest_activation_peak_mib, s.per_stage["peak_mib"].max(), s.memory_balance))
     overview = pl.DataFrame(
         rows,
-        schema={"run": pl.String, "step_ms": pl.Float64, "step_change": pl.Float64, "step_change_low": pl.Float64,
-                "step_change_high": pl.Float64, "within_noise": pl.Boolean, "noise_from": pl.String,
-                "runs": pl.Int32, "step_change_words": pl.String,
-                "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64,
+        schema={"run": pl.String, "runs": pl.Int32, "step_ms": pl.Float64, "run_step_ms": pl.Float64,
+                "step_change": pl.Float64, "step_change_low": pl.Float64, "step_change_high": pl.Float64,
+                "within_noise": pl.Boolean, "noise_from": pl.String, "paired": pl.Boolean, "speedup": pl.Float64,
+                "step_change_words": pl.String, "largest_activation_peak_mib": pl.Float64, "peak_mib": pl.Float64,
                 "memory_balance": pl.Float64},
         orient="row",
     )

@@ -72,9 +72,9 @@ def main() -> None:
     collect_all(args.out, recollect=args.recollect, steps=args.steps)
     t_collect = time.time() - t0
     analyses, rows = {}, []
-    step_errors, wait_errors, mem_errors, sampled_errors, replay_errors = [], [], [], [], []
+    step_errors, wait_errors, mem_errors, sampled_errors, last_step_errors = [], [], [], [], []
     print("| run | schedule | pp | m | attention | recompute | BPipe | measured ms | simulated ms | step error | "
-          "sampled error | replay error | wait error per stage | activation MB per stage (measured) | "
+          "sampled error | last-step prediction error | wait error per stage | activation MB per stage (measured) | "
           "memory error per stage |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (preset, pp, m, schedule, attention, recompute, bpipe) in MATRIX.items():
@@ -83,14 +83,14 @@ def main() -> None:
         s, ps = v.summary, v.per_stage
         step_errors.append(abs(s["step_error"]))
         sampled_errors.append(abs(s["sampled_error"]))
-        if s["replay_error"] is not None:
-            replay_errors.append(abs(s["replay_error"]))
+        if s["last_step_error"] is not None:
+            last_step_errors.append(abs(s["last_step_error"]))
         wait_errors += [abs(x) for x in ps["blocked_error"].drop_nulls().to_list()]
         mem_errors += [abs(x) for x in ps["memory_error"].drop_nulls().to_list()]
         rows.append(name)
         print(f"| {name} ({preset}) | {schedule} | {pp} | {m} | {attention} | {recompute} | {'on' if bpipe else 'off'} | "
               f"{s['measured_step_ms']:.0f} | {s['simulated_step_ms']:.0f} | {pct(s['step_error'])} | "
-              f"{pct(s['sampled_error'])} | {pct(s['replay_error'])} | "
+              f"{pct(s['sampled_error'])} | {pct(s['last_step_error'])} | "
               f"{' '.join(pct(x) for x in ps['blocked_error'].to_list())} | "
               f"{' '.join('—' if x is None else f'{x / 1e6:.2f}' for x in ps['measured_activation_bytes'].to_list())} | "
               f"{' '.join(pct(x) for x in ps['memory_error'].to_list())} |")
@@ -106,8 +106,8 @@ def main() -> None:
               f"{c['measured_speedup']:.3f}× | {c['compute_ratio']:.2f} |")
     print(f"\nmedian |step error| {statistics.median(step_errors):.1%} (max {max(step_errors):.1%}) over "
           f"{len(step_errors)} runs (means fed); sampled {statistics.median(sampled_errors):.1%} "
-          f"(max {max(sampled_errors):.1%}); replay {statistics.median(replay_errors):.1%} "
-          f"(max {max(replay_errors):.1%}); median |wait error| per stage {statistics.median(wait_errors):.1%}; "
+          f"(max {max(sampled_errors):.1%}); last-step prediction {statistics.median(last_step_errors):.1%} "
+          f"(max {max(last_step_errors):.1%}); median |wait error| per stage {statistics.median(wait_errors):.1%}; "
           f"median |memory error| per stage {statistics.median(mem_errors):.1%} (max {max(mem_errors):.1%}); "
           f"median |cross-run error| {statistics.median(cross_errors):.1%}")
     print(f"collection {t_collect:.0f} s, analysis and validation {time.time() - t0 - t_collect:.0f} s")

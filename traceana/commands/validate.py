@@ -1,6 +1,8 @@
-"""Compare the model with what a run measured: step time and bubble per stage from the simulator fed with the run's
-own durations, activation memory per stage from the memory model, and (with --baseline) the prediction of this run
-from another run's measurements (e.g. a BPipe run predicted from its plain 1F1B baseline)."""
+"""Compare the model with what a run measured: the model's in-sample prediction of step time and blocked time per stage
+(the simulator fed with the run's own durations), activation memory per stage from the memory model, and (with
+--baseline) the cross-run prediction of this run from another run's measurements (e.g. a BPipe run predicted from its
+plain 1F1B baseline) against the measured change, whose interval comes from repeated runs (--repeat; traceana.noise).
+"Replay" is only the what-if's replay of the measured step's graph (traceana whatif), never the simulator here."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the run to validate (a directory with run.json and rank traces)")
     p.add_argument("--baseline", type=Path, metavar="RUN_DIR",
                    help="predict RUN_DIR from this run's measurements and compare (default: no cross-run check)")
-    p.add_argument("--repeat", type=Path, nargs=2, metavar=("RUN1", "RUN2"),
-                   help="one configuration collected twice: the noise floor printed next to the prediction's error "
-                        "(default: none)")
+    p.add_argument("--repeat", type=Path, nargs="+", action="extend", metavar="RUN",
+                   help="more collections of the baseline's or RUN_DIR's configuration, in the order collected "
+                        "(interleaved: round k's runs the k-th of each side): the measured change's interval comes "
+                        "from the runs of each side; a run given twice counts once (default: none — one run a side, "
+                        "the between-run noise unknown)")
     p.add_argument("--bpipe-baseline", default="as-configured",
                    choices=("as-configured", "best-without-bpipe", "full-recompute"),
                    help="what the BPipe verdict compares with (as-configured: the run as configured)")
@@ -41,44 +45,48 @@ def render(v, cross: dict | None, *, console) -> None:
     print_line(console, f"{s['run']}: {s['schedule']}, {layout}, {mbs}, attention {s['attention']}, "
                f"recompute {s['recompute']}, BPipe {'on' if s['bpipe'] else 'off'} "
                f"({plural(s['steps_used'], 'step')} measured)")
-    print_line(console, "replay (fed with this run's own durations; not a prediction):")
-    print_line(console, f"step time: measured {s['measured_step_ms']:.1f} ms, replayed with mean durations "
-               f"{s['simulated_step_ms']:.1f} ms, error {_fmt(s['step_error'], '+.1%')}; with durations drawn from "
-               f"the measured ones {s['sampled_step_ms']:.1f} ms, error {_fmt(s['sampled_error'], '+.1%')}")
-    print_line(console, f"replay of the last step with its own durations {_fmt(s['replay_step_ms'], '.1f')} ms, "
-               f"error {_fmt(s['replay_error'], '+.1%')}")
-    headers = ["stage", "rank", "step ms\nmeasured", "step ms\nreplayed", "step\nerror", "blocked ms\nmeasured",
-               "blocked ms\nreplayed", "blocked\nerror", "activation\npeak MiB", "estimate\nMiB", "memory\nerror"]
+    print_line(console, "the model's prediction from this run's own durations (in sample: the simulator fed with "
+               "them; a cross-run prediction uses none, --baseline):")
+    print_line(console, f"step time: measured {s['measured_step_ms']:.1f} ms; predicted from mean durations "
+               f"{s['simulated_step_ms']:.1f} ms, error {_fmt(s['step_error'], '+.1%')}; from durations drawn from "
+               f"the measured ones {s['sampled_step_ms']:.1f} ms, error {_fmt(s['sampled_error'], '+.1%')}; from the "
+               f"last step's own durations {_fmt(s['last_step_predicted_ms'], '.1f')} ms, error "
+               f"{_fmt(s['last_step_error'], '+.1%')} (against that step)")
+    headers = ["stage", "rank", "step ms\nmeasured", "step ms\npredicted", "step\nerror", "blocked ms\nmeasured",
+               "blocked ms\npredicted", "blocked\nerror", "activation\npeak MiB", "estimate\nMiB", "memory\nerror"]
     rows = [[_fmt(r["stage"], "d"), str(r["rank"]), _fmt(r["measured_step_ms"], ",.1f"),
              _fmt(r["simulated_step_ms"], ",.1f"), _fmt(r["step_error"], "+.1%"), _fmt(r["measured_blocked_ms"], ",.1f"),
              _fmt(r["simulated_blocked_ms"], ",.1f"), _fmt(r["blocked_error"], "+.1%"),
              mib(r["measured_activation_bytes"]), mib(r["estimated_activation_bytes"]),
              _fmt(r["memory_error"], "+.1%")]
             for r in v.per_stage.iter_rows(named=True)]  # one row per stage: display only
-    print_table(console, "Per stage: measured vs replayed", headers, rows, keys=2, justify=["right"] * len(headers))
+    print_table(console, "Per stage: measured vs predicted (in sample)", headers, rows, keys=2,
+                justify=["right"] * len(headers))
     for n in v.notes:
         print_line(console, n, prefix="note: ")
     if cross:
-        noise = "" if cross.get("noise_floor") is None else f", noise floor {cross['noise_floor']:.1%}"
-        how = " from the baseline's measured what-if" if cross.get("measured_whatif") else ""
-        print_line(console, f"prediction{how} (no duration of this run used): baseline {cross['baseline']} "
-                   f"measured "
-                   f"{cross['baseline_step_ms']:.1f} ms; predicted {cross['predicted_step_ms']:.1f} ms for this run, "
-                   f"measured {cross['measured_step_ms']:.1f} ms (error {_fmt(cross['error'], '+.1%')}{noise}); "
-                   f"speed-up predicted {_fmt(cross['predicted_speedup'], '.3f')}×, measured "
-                   f"{_fmt(cross['measured_speedup'], '.3f')}×")
-        agrees = {True: "the predicted change lies inside that interval",
-                  False: "the predicted change lies outside that interval",
-                  None: "nothing to judge the prediction by"}[cross.get("prediction_within_noise")]
-        over = "with the repeats on their side" if cross["noise_runs"] != [1, 1] else "these two runs"
-        print_line(console, f"measured, {over}: {cross['measured_change_words']}; {agrees}")
-        if cross.get("measured_change_words"):  # the measured change with its noise (traceana.noise)
-            inside = {True: "inside", False: "outside", None: None}[cross.get("prediction_within_noise")]
-            print_line(console, f"measured change: {cross['measured_change_words']}; predicted "
-                       f"{1 / cross['predicted_speedup'] - 1:+.1%}"
-                       + (f", {inside} the measured interval" if inside else ""))
-        if cross.get("machine_note"):
-            print_line(console, cross["machine_note"], prefix="note: ")
+        render_cross(cross, console=console)
+
+
+def render_cross(cross: dict, *, console) -> None:
+    """The cross-run prediction: one statistic (each side's geometric mean of runs), one measured change with its
+    between-run interval, the predicted change beside it; speed-ups are 1/(1 + change) of the same numbers."""
+    from traceana.tables import cell as _fmt
+    from traceana.tables import print_line
+
+    how = "the baseline's measured what-if" if cross.get("measured_whatif") else "the model"
+    runs = cross["noise_runs"]
+    stat = (lambda n: "one run" if n == 1 else f"geometric mean of {n} runs")  # noqa: E731  (traceana.noise)
+    print_line(console, f"cross-run prediction by {how}, from the baseline's durations alone (none of this run's): "
+               f"baseline {cross['baseline']} step {cross['baseline_step_ms']:.1f} ms "
+               f"({stat(runs[0])}); predicted {cross['predicted_step_ms']:.1f} ms, measured "
+               f"{cross['measured_step_ms']:.1f} ms ({stat(runs[1])}), error "
+               f"{_fmt(cross['error'], '+.1%')}")
+    print_line(console, f"{cross['measured_change_words']}; {cross['prediction_words']}")
+    for n in cross.get("counted_once") or ():
+        print_line(console, n, prefix="note: ")
+    if cross.get("machine_note"):
+        print_line(console, cross["machine_note"], prefix="note: ")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,13 +100,14 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
         from traceana.errors import ConfigError
 
-        raise ConfigError("--repeat gives the noise floor of a prediction, and there is none without --baseline",
+        raise ConfigError("--repeat gives the between-run noise of a cross-run prediction, and there is none "
+                          "without --baseline",
                           fix="add --baseline OTHER_RUN, or drop --repeat")
     analysis = load_and_analyze(str(args.run_dir), **read)
     v = validate(analysis)
     cross = None
     if args.baseline:
-        repeat = tuple(load_and_analyze(str(r), **read) for r in args.repeat) if args.repeat else None
+        repeat = tuple(load_and_analyze(str(r), **read) for r in args.repeat) if args.repeat else None  # in order
         cross = cross_run(load_and_analyze(str(args.baseline), **read), analysis, repeat=repeat)
     why_none = None
     try:

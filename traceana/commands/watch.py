@@ -200,12 +200,13 @@ def running_comparison(history):
 
 def _against_first(steps_of: list[tuple[float, ...]]):
     """The latest window's pipeline step against the first window's, with its noise (traceana.noise); None for the
-    first window or without measured steps."""
-    from traceana.noise import compare
+    first window or without measured steps. Within one job the windows' steps are the samples
+    (traceana.noise.compare_steps); across runs the unit is the run (traceana.noise.between_runs)."""
+    from traceana.noise import compare_steps
 
     if len(steps_of) < 2 or not steps_of[0] or not steps_of[-1]:
         return None
-    return compare([steps_of[0]], [steps_of[-1]])
+    return compare_steps(steps_of[0], steps_of[-1])
 
 
 # --- analysing and printing --------------------------------------------------------------------------------------

@@ -49,8 +49,11 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
     Refused (AnalysisError) unless they are two runs (not one folder twice, which would read as no noise at all)
     of one configuration as their run.json describe it (the traces' schedule and micro-batches): the difference
     between two configurations is not noise."""
-    if Path(first.run.path).resolve() == Path(second.run.path).resolve():
-        raise AnalysisError("--repeat names the same run twice: its noise floor would be 0", path=first.run.path,
+    from traceana.noise import twice
+
+    if twice([(str(Path(a.run.path).resolve()), a.summary.step_times_ms) for a in (first, second)]):
+        raise AnalysisError("--repeat names the same run twice (one folder, or a copy with the same measured steps): "
+                            "its noise floor would be 0", path=second.run.path,
                             fix="give two separate collections of one configuration")
     cfgs = []
     for a in (first, second):
@@ -67,29 +70,81 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
     return abs(x - y) / ((x + y) / 2) if x + y else 0.0
 
 
+def distinct(runs: list[Analysis]) -> tuple[list[Analysis], list[str]]:
+    """``runs`` with each run once (traceana.noise.twice: the same folder, or a copy with the same measured steps),
+    and one sentence per run dropped: a run given twice adds no spread between runs, so it counts once."""
+    from traceana.noise import twice
+
+    kept: list[Analysis] = []
+    said: list[str] = []
+    for a in runs:
+        hit = twice([(str(Path(r.run.path).resolve()), r.summary.step_times_ms) for r in (*kept, a)])
+        if hit is None:
+            kept.append(a)
+        else:
+            first = kept[hit[0]].run.path
+            how = "the same folder" if Path(first).resolve() == Path(a.run.path).resolve() else \
+                "the same measured steps: a copy"
+            said.append(f"{a.run.path} is {first} again ({how}): counted once")
+    return kept, said
+
+
+def _measured(*runs: Analysis) -> None:
+    """Refuse (one line) a run with no measured step time: it has nothing to compare."""
+    for r in runs:
+        if not r.summary.step_ms:
+            raise AnalysisError("no measured step time in this run, so it cannot be compared", path=r.run.path,
+                                fix="profile at least one complete step after the warm-up")
+
+
+def _sides(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_cfg: TrainingConfig,
+           repeat: tuple[Analysis, ...] | None) -> tuple[list[Analysis], list[Analysis], list[str]]:
+    """Each side's runs in the order given (the baseline or the target first, then the ``repeat`` runs of its
+    configuration), each run once; a repeat of neither configuration is refused (its difference is not noise)."""
+    base, other = [baseline], [target]
+    for r in repeat or ():
+        cfg = r.config.training_config(path=r.run.path) if r.run.manifest is not None else None
+        if cfg == base_cfg:
+            base.append(r)
+        elif cfg == tgt_cfg:
+            other.append(r)
+        else:
+            raise AnalysisError("--repeat: this run is a collection of neither the baseline's nor the target's "
+                                "configuration (run.json), so its difference is not noise", path=r.run.path,
+                                fix="give --repeat only more collections of the two configurations compared")
+    _measured(*base, *other)
+    base, said = distinct(base)
+    other, said_o = distinct(other)
+    return base, other, said + said_o
+
+
 def cross_run(baseline: Analysis, target: Analysis, *,
-              repeat: tuple[Analysis, Analysis] | None = None) -> dict[str, float | str | None]:
+              repeat: tuple[Analysis, ...] | None = None) -> dict[str, float | str | None]:
     """A PREDICTION: measure the baseline, predict the target from it (no duration of the target is used), compare
-    with the target's measured step time; with ``repeat`` (one configuration collected twice), the noise floor.
+    with the target's measured step time; ``repeat``: more collections of either configuration (each side's runs
+    then give the between-run noise, traceana.noise).
 
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
-    simulations (target over baseline, both fed only with the baseline's measurements), so a bias the simulator has
-    on this machine cancels. Where the runs differ only in their plan (schedule, micro-batches, BPipe:
+    simulations (target over baseline, both fed only with the baseline run's measurements), so a bias the simulator
+    has on this machine cancels. Where the runs differ only in their plan (schedule, micro-batches, BPipe:
     whatif.plan_of) that is the baseline's measured what-if (whatif.plan_whatif; ``measured_whatif`` true), else the
-    model with the target's whole configuration. The measured change carries its noise interval (traceana.noise),
-    and ``prediction_within_noise`` says whether the predicted change lies inside it."""
+    model with the target's whole configuration. One statistic throughout: each side's step time is the geometric
+    mean of its runs' (traceana.noise: ``baseline_step_ms``, ``measured_step_ms``; ``predicted_step_ms`` is the
+    baseline side's times the predicted ratio), the measured change and its interval come from the runs, and the
+    speed-ups are 1/(1 + change) of the same numbers. ``prediction_within_noise``: whether the predicted change lies
+    inside the measured interval (None: one run on a side, the noise unknown)."""
     for a in (baseline, target):
         if a.run.manifest is None:  # the run that lacks it is the one named
             raise AnalysisError("cross-run validation needs run.json in both runs: this one has none",
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = baseline.config.training_config(path=baseline.run.path)
     tgt_cfg = target.config.training_config(path=target.run.path)
+    from traceana.noise import between_runs
     from traceana.whatif import plan_of, plan_whatif
 
+    base_runs, tgt_runs, counted_once = _sides(baseline, target, base_cfg, tgt_cfg, repeat)
     meas_t = measure(target, tgt_cfg)
-    measured = target.summary.step_ms
     meas_b = measure(baseline, base_cfg)
-    base_ms = baseline.summary.step_ms
     plan = plan_of(base_cfg, tgt_cfg)
     if plan is not None:  # the runs differ only in their plan: the baseline's measured what-if (one rule)
         whatif = plan_whatif(baseline, **plan)
@@ -100,102 +155,106 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         ratio = (predict(baseline, tgt_cfg, base_cfg=base_cfg).step_ns
                  / predict(baseline, base_cfg, base_cfg=base_cfg).step_ns)
         method = "model: the simulator fed with the baseline's per-stage durations, scaled by its measured step"
+    measured_change = between_runs([a.summary.step_ms for a in base_runs], [a.summary.step_ms for a in tgt_runs])
+    base_ms, measured = measured_change.base_ms, measured_change.other_ms
     predicted = base_ms * ratio
-    measured_change = _measured_change(baseline, target, base_cfg, tgt_cfg, repeat)
     predicted_change = ratio - 1
+    compute = ((sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
+               / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)))
+    agree, prediction_words = judged(measured_change, predicted_change, compute)
+    one_config = len(repeat or ()) == 2 and len({r.config.training_config(path=r.run.path) for r in repeat}) == 1
     return {
         "kind": "prediction",
         "method": method,
         "measured_whatif": plan is not None,
         "baseline": str(baseline.run.path),
         "target": str(target.run.path),
+        "statistic": measured_change.as_dict()["statistic"],
         "baseline_step_ms": base_ms,
         "predicted_step_ms": predicted,
         "measured_step_ms": measured,
         "error": (predicted - measured) / measured if measured else None,
-        "noise_floor": noise_floor(*repeat) if repeat else None,
+        # two --repeat runs of one configuration: |step₁ − step₂| / their mean, beside the error (JSON only)
+        "noise_floor": noise_floor(*repeat) if one_config else None,
+        "predicted_change": predicted_change,
         "predicted_speedup": 1 / ratio,
-        "measured_speedup": base_ms / measured if measured else None,
+        "measured_speedup": measured_change.speedup,
         # the target's forward+backward time per micro-batch over the baseline's: the model assumes 1 unless the
         # change (e.g. recompute) alters the work; anything else is the machine running at another speed
-        "compute_ratio": (sum(meas_t.times.forward_ns) + sum(meas_t.times.backward_ns))
-        / (sum(meas_b.times.forward_ns) + sum(meas_b.times.backward_ns)),
+        "compute_ratio": compute,
         "machine_note": shared_cpus(target) or shared_cpus(baseline),
-        # the measured change with its noise interval (traceana.noise's names), and whether the predicted change
-        # lies inside that interval (None: no spread to judge)
+        # the measured change with its between-run interval (traceana.noise's names), and whether the predicted
+        # change lies inside it (None: the noise unknown)
         **measured_change.as_dict(),
-        "measured_change_words": measured_change.words(),
+        "measured_change_words": measured_change.words(what="measured step time"),
         "prediction_within_noise": None if measured_change.within_noise is None else
         measured_change.low <= predicted_change <= measured_change.high,
+        # the model against the measurement: agree only where the measured change is beyond the noise
+        "agree": agree, "prediction_words": prediction_words,
+        "counted_once": counted_once,
     }
 
 
-def _measured_change(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_cfg: TrainingConfig,
-                     repeat: tuple[Analysis, Analysis] | None):
-    """The measured change from baseline to target with its noise (traceana.noise): over their steps, and over the
-    repeated runs too when ``repeat`` is of the baseline's or the target's configuration."""
-    from traceana.noise import compare
-
-    base, other = [baseline.summary.step_times_ms], [target.summary.step_times_ms]
-    if repeat:
-        cfg = repeat[0].config.training_config(path=repeat[0].run.path)
-        extra = [r.summary.step_times_ms for r in repeat
-                 if Path(r.run.path).resolve() not in {Path(baseline.run.path).resolve(),
-                                                         Path(target.run.path).resolve()}]
-        if cfg == base_cfg:
-            base += extra
-        elif cfg == tgt_cfg:
-            other += extra
-    if not any(base) or not any(other):
-        return compare([[baseline.summary.step_ms or 0.0]], [[target.summary.step_ms or 0.0]])
-    return compare(base, other)
-
-
-# A measured and a modelled change agree when the model's lies inside the measured interval (traceana.noise). When
-# they do not, the runs' forward+backward time per micro-batch says whether the machine changed speed between them:
-# outside 1 ± MACHINE_DRIFT it did (no configuration change of the kind compared alters a kernel's work), inside it the
-# model missed something.
+# A measured and a modelled change agree when the measured one is beyond the noise and the model's lies inside its
+# interval (traceana.noise). When they do not, the runs' forward+backward time per micro-batch says whether the
+# machine changed speed between them: outside 1 ± MACHINE_DRIFT it did (no configuration change of the kind compared
+# alters a kernel's work), inside it the model missed something.
 MACHINE_DRIFT = 0.10
 
 
+def judged(measured, predicted: float, compute: float) -> tuple[bool | None, str]:
+    """(agree, sentence) for a measured change (traceana.noise.Change) against the model's predicted change: agree is
+    None where the runs cannot judge the model (within noise, or one run on a side)."""
+    said = f"the model predicts {predicted:+.1%} (speed-up {1 / (1 + predicted):.3f}×)"
+    if measured.within_noise is None:
+        return None, f"{said}; the runs cannot judge it until each side is repeated"
+    inside = measured.low <= predicted <= measured.high
+    if measured.within_noise:
+        return None, (f"{said}, {'inside' if inside else 'outside'} that interval; runs within noise neither "
+                      "confirm nor refute it")
+    if inside:
+        return True, f"{said}, inside that interval: measured and modelled agree"
+    if abs(compute - 1) > MACHINE_DRIFT:
+        return False, (f"{said}, outside that interval: they differ because the machine changed speed — "
+                       f"forward+backward per micro-batch took {compute:.2f}× as long in the second configuration's "
+                       "runs, which no change compared here makes (other work on the host)")
+    return False, (f"{said}, outside that interval, with forward+backward per micro-batch unchanged "
+                   f"({compute:.2f}×): the model misses what changed (see the report's A/B section)")
+
+
 def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> dict:
-    """Two configurations, each collected several times (interleaved: A B A B …): the measured change of step time
-    over all their runs with its noise interval (traceana.noise), the model's predicted change (``cross_run`` of each
-    pair, the median), the median forward+backward ratio, and one ``headline`` whose measured and modelled parts
-    agree, or that says why they differ. Also each side's runs' step times and activation peaks (median and range)."""
+    """Two configurations, each collected several times (interleaved, in the order collected: round k's runs are the
+    k-th of each list): the measured change of step time over their runs with its between-run interval
+    (traceana.noise), the model's predicted change (``cross_run`` of each pair, the median), the median
+    forward+backward ratio, and one ``headline`` that says the measured change with its interval first and then
+    whether the model's agrees, or why it cannot be judged. Each side's step time (``base_step_ms``,
+    ``other_step_ms``) is traceana.noise's statistic; per side also its runs' step times, activation peaks and bubble
+    fractions (with their medians: memory and bubbles, not the step-time comparison)."""
     import statistics
 
-    from traceana.noise import compare
+    from traceana.noise import between_runs
 
     if not baselines or not targets:
         raise AnalysisError("a repeated comparison needs runs on both sides", path=None,
                             fix="collect each configuration at least once")
+    _measured(*baselines, *targets)
+    (baselines, said_b), (targets, said_t) = distinct(baselines), distinct(targets)
     pairs = [cross_run(b, t) for b, t in zip(baselines, targets)]
-    measured = compare([a.summary.step_times_ms or (a.summary.step_ms,) for a in baselines],
-                       [a.summary.step_times_ms or (a.summary.step_ms,) for a in targets])
-    predicted = statistics.median(1 / p["predicted_speedup"] - 1 for p in pairs)
+    measured = between_runs([a.summary.step_ms for a in baselines], [a.summary.step_ms for a in targets])
+    predicted = statistics.median(p["predicted_change"] for p in pairs)
     compute = statistics.median(p["compute_ratio"] for p in pairs)
 
     def side(runs: list[Analysis]) -> dict:
         steps = [a.summary.step_ms for a in runs]
         peaks = [a.summary.largest_activation_peak_mib for a in runs if a.summary.largest_activation_peak_mib]
-        return {"runs": len(runs), "step_ms": steps, "median_step_ms": statistics.median(steps),
-                "activation_peak_mib": peaks, "median_activation_peak_mib": statistics.median(peaks) if peaks else None}
+        bubbles = [a.summary.bubble_fraction for a in runs if a.summary.bubble_fraction is not None]
+        return {"runs": len(runs), "step_ms": steps, "activation_peak_mib": peaks,
+                "median_activation_peak_mib": statistics.median(peaks) if peaks else None,
+                "bubble_fraction": bubbles, "median_bubble": statistics.median(bubbles) if bubbles else None}
 
-    agree = None if measured.within_noise is None else measured.low <= predicted <= measured.high
-    said = f"step time {measured.words(what='measured')}; modelled {predicted:+.1%}"
-    if agree is None:
-        headline = f"{said} — too few measured steps to tell whether they agree."
-    elif agree:
-        headline = f"{said}, inside the measured interval: measured and modelled agree."
-    elif abs(compute - 1) > MACHINE_DRIFT:
-        headline = (f"{said}, outside the measured interval: they differ because the machine changed speed — "
-                    f"forward+backward per micro-batch took {compute:.2f}× as long in the second configuration's "
-                    "runs, which no change compared here makes (other work on the host).")
-    else:
-        headline = (f"{said}, outside the measured interval, with forward+backward per micro-batch unchanged "
-                    f"({compute:.2f}×): the model misses what changed (see the report's A/B section).")
+    agree, model = judged(measured, predicted, compute)
+    words = measured.words(what="step time")
     return {"baseline": side(baselines), "target": side(targets), **measured.as_dict(),
-            "measured_change_words": measured.words(what="measured"), "predicted_change": predicted,
-            "compute_ratio": compute,
-            "agree": agree, "headline": headline}
+            "base_step_ms": measured.base_ms, "other_step_ms": measured.other_ms,
+            "measured_change_words": words, "predicted_change": predicted, "compute_ratio": compute,
+            "agree": agree, "headline": f"{words}; {model}.", "counted_once": said_b + said_t}

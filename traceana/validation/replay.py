@@ -1,7 +1,9 @@
-"""Replay: the simulator fed with a run's own measured durations (in sample), against the run's measurement.
+"""The model's in-sample prediction: the simulator fed with a run's own measured durations, against the run's
+measurement (``validate``; JSON ``kind`` "in_sample_prediction"). "Replay" is a word of the what-if only (the measured
+step's graph replayed, traceana.whatif); here the simulator predicts.
 
-It checks the schedule logic, not the model's power to predict (that is ``prediction.cross_run``). Also the memory
-model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
+It checks the schedule logic, not the model's power to predict another run (that is ``prediction.cross_run``).
+Also the memory model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
 """
 
 from __future__ import annotations
@@ -225,24 +227,24 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         "bpipe": bool(bpipe),
         "recompute": cfg.recompute,
         "attention": cfg.attention,
-        # every simulated figure here is a REPLAY: fed with this run's own measured durations (in sample); it checks
+        # every simulated figure here is an IN-SAMPLE prediction: fed with this run's own measured durations; it checks
         # the schedule logic, not the model's power to predict (that is cross_run: --baseline OTHER_RUN)
-        "kind": "replay",
+        "kind": "in_sample_prediction",
         "measured_step_ms": measured_step,
         "simulated_step_ms": sim.step_ns / NS_PER_MS,
         "step_error": rel(sim.step_ns / NS_PER_MS, measured_step),
         "sampled_step_ms": sampled / NS_PER_MS,
         "sampled_error": rel(sampled / NS_PER_MS, measured_step),
-        "replay_step_ms": replay.step_ns / NS_PER_MS if replay else None,
-        "replay_error": rel(replay.step_ns / NS_PER_MS, measured_last) if replay else None,
+        "last_step_predicted_ms": replay.step_ns / NS_PER_MS if replay else None,
+        "last_step_error": rel(replay.step_ns / NS_PER_MS, measured_last) if replay else None,
         "median_abs_memory_error": per_stage["memory_error"].abs().median(),
         "steps_used": meas.steps_used,
         "bpipe_transfer_ms": meas.costs.bpipe_ns / NS_PER_MS if bpipe else None,
         "bpipe_ms_per_step": {s: v / NS_PER_MS for s, v in meas.bpipe_step_ns.items()} if bpipe else None,
     }
     notes = (
-        "replay, not prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
-        "last step's own); a prediction uses none of them (validate RUN --baseline OTHER_RUN)",
+        "in-sample prediction: the simulator is fed with this run's own measured durations (means, sampled, or the "
+        "last step's own); a cross-run prediction uses none of them (validate RUN --baseline OTHER_RUN)",
         f"fed: host {sum(meas.times.host_ns) / cfg.pp / NS_PER_MS:.2f} ms per operation, P2P in flight "
         f"{meas.costs.p2p_ns / NS_PER_MS:.3f} ms (median); blocked = the bubble (warm-up + stall + cool-down) + exposed P2P"
         + (f"; BPipe from the trace: {meas.costs.bpipe_ns / NS_PER_MS:.3f} ms per transfer in flight (median), "
