@@ -243,7 +243,7 @@ def test_a_bpipe_runs_plans(tmp_path):
         plan_whatif(a, schedule="gpipe", bpipe=True)
 
 
-OSDI = Path(__file__).parent / "data" / "third_party" / "osdi25"
+OSDI = Path(__file__).parent / "data" / "osdi25"
 
 
 @pytest.mark.parametrize("job", ["ST", "AR"])

@@ -48,8 +48,10 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where a comparison runs: every analyze reads noise_ms, which needs none
+    import numpy as np
 
 LEVEL = 0.95
 STATISTIC = "geometric mean of runs"
@@ -103,6 +105,8 @@ def t_quantile(p: float, df: int) -> float:
 
 
 def _t_crit(df: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     q = (1 + LEVEL) / 2
     return np.array([t_quantile(q, int(d)) for d in df.ravel()]).reshape(df.shape) if df.size else df * 0.0
 
@@ -112,6 +116,8 @@ def log_intervals(base: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.n
     """The rule on M comparisons at once: ``base`` (M × nb) and ``other`` (M × no) hold the logarithms of each
     comparison's run step times, in the order collected (nb, no ≥ 2). Returns (centre, low, high) of the log ratio
     other/base per comparison: paired by round when nb == no, else Welch's (module docstring)."""
+    import numpy as np
+
     nb, no = base.shape[1], other.shape[1]
     if min(nb, no) < 2:
         raise ValueError("the between-run interval needs at least 2 runs on each side")
@@ -188,6 +194,8 @@ class Change:
 
 def between_runs(base: Sequence[float], other: Sequence[float]) -> Change:
     """The change from ``base`` to ``other``, each the step times (ms) of its runs in the order collected."""
+    import numpy as np
+
     b = np.log(np.asarray([x for x in base if x is not None], dtype=float))
     o = np.log(np.asarray([x for x in other if x is not None], dtype=float))
     if not len(b) or not len(o) or not (np.isfinite(b).all() and np.isfinite(o).all()):
