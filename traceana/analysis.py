@@ -26,7 +26,8 @@ from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
-from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
+from traceana.schedule import (annotated_schedule, autograd_schedule, dropped_annotation_notes, infer_schedule,
+                               overlap_notes,
                                overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -249,6 +250,15 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
         if got:
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
+    # torch.profiler's defaults (no peers in the P2P calls): the passes from autograd's ops and the calls' order.
+    left = sorted(set(rest) - set(inferred["rank"].to_list()))
+    if left:
+        from_defaults, stages, n = autograd_schedule(events, stages, run.traces, ranks=left,
+                                                     several=True if interleaved else None)
+        if stages["stage"].null_count() == 0:  # (stage_map's "could not be determined" no longer holds)
+            notes = [x for x in notes if not (x.startswith("stage of rank") and "could not be determined" in x)]
+        notes += n
+        inferred = pl.concat([inferred, from_defaults])
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
     notes += dropped_annotation_notes(events)
     facts = annotated_facts(annotated)

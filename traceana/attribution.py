@@ -240,9 +240,12 @@ def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, 
     """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
     action that no op covers and no wait explains is that action's (module doc)."""
     gpu = _gpu_ranks(labelled).lazy()
-    # Only windows the trace itself drew (annotations): an inferred window is traceana's reconstruction from the
-    # ops, and the time between them is not claimed for an action nobody named.
-    w = (schedule.lazy().filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
+    # Only windows the trace itself drew (annotations), or a pass told from torch.profiler's default events
+    # (source "autograd": one pass's own ops, from its first to its last, with no communication call or other pass
+    # between, so the Python between them is that pass's, as a wall-clock timer around it counts it): a window
+    # inferred from P2P order is traceana's reconstruction from ops that may belong elsewhere, and the time between
+    # them is not claimed for an action nobody named.
+    w = (schedule.lazy().filter(pl.col("source").is_in(["annotated", "autograd"])).join(gpu, on="rank", how="anti")
          .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
          .collect(**iv.COLLECT))
     return _by(w, "phase", [ph for ph in COMPUTE_ORDER if ph != "other_compute"])

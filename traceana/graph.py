@@ -202,6 +202,14 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     ranks = sorted(analysis.attribution["rank"].unique().to_list())
     sched = analysis.schedule.join(step_f, on="step")
     have = set(sched.filter(pl.col("phase").is_in(names.PASS_PHASES))["rank"].unique().to_list())
+    passes_only = sorted(set(sched.filter(pl.col("source") == "autograd")["rank"].unique().to_list()))
+    if passes_only and len(ranks) > 1 and analysis.p2p.filter(pl.col("channel") == "p2p").height == 0:
+        # (torch.profiler's defaults: passes told from autograd's ops, but no message paired to a peer)
+        raise GraphError(f"ranks {', '.join(map(str, passes_only))} have a schedule from torch.profiler's default "
+                         "events, but their P2P calls carry no peer (record_shapes was off), so no message links one "
+                         "rank's passes to another's: the step's dependency graph cannot be known",
+                         path=analysis.run.path,
+                         fix="profile with record_shapes=True (the P2P calls then name their peer)")
     missing = [r for r in ranks if r not in have]
     if missing:
         raise GraphError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "

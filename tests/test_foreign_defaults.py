@@ -1,0 +1,122 @@
+"""Megatron-core (1F1B, interleaved) and DeepSpeed's PipelineEngine as torch.profiler's defaults record them (no
+``with_stack``: no Python frames; no ``record_shapes``: P2P calls without their peer; no run.json, no traceana
+metadata): the passes come from autograd's ops and the communication calls' order (issue 36).
+
+The truth is the runs' own perf_counter timers (tests/data/README.md, ``truth.rank{R}.json``), recorded outside the
+trace: the framework's forward_step / backward_step (Megatron) and ForwardPass / BackwardPass instructions
+(DeepSpeed) per step, and the step. Counts are the schedule's, by hand: 4 micro-batches, 2 stages (interleaved:
+2 model chunks a rank, so 8 forwards and 8 backwards a rank and step)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+import traceana
+from traceana.analysis import analyze
+
+DATA = Path(__file__).parent / "data"
+SHAPE_KEYS = {"Input Dims", "Input type", "Concrete Inputs", "Input Strides"}
+# Forward and backward within 0.05 of the step (the issue's target). The P2P helpers' own Python (Megatron's
+# send_forward…, DeepSpeed's SendActivation…: truth "p2p" − "p2p_torch") has no event of its own without Python
+# frames and reads as host time, so the blocked share is bounded more loosely, by what was measured (0.10).
+# DeepSpeed's last stage: its RecvActivation's own ops after the receive (the buffer's clone, requires_grad) and its
+# LoadMicroBatch (the labels) run between the receive and the ForwardPass with no call between them, so they read
+# as forward (measured: 0.061 of the step over the timer's ForwardPass).
+TOL, BLOCKED_TOL, DS_LAST_FORWARD_TOL = 0.05, 0.11, 0.07
+BLOCKED = ("p2p", "bubble_warmup", "bubble_stall", "bubble_cooldown")
+
+
+def as_defaults(src: Path, dst: Path) -> Path:
+    """The run as torch.profiler's defaults would have written it: no Python frames, no input shapes or concrete
+    inputs, no collector metadata, no run.json."""
+    dst.mkdir(parents=True)
+    for trace in sorted(src.glob("rank*.pt.trace.json.gz")):
+        with gzip.open(trace, "rt") as f:
+            doc = json.load(f)
+        doc.pop("traceana", None)
+        doc["traceEvents"] = [
+            {**e, "args": {k: v for k, v in e["args"].items() if k not in SHAPE_KEYS}}
+            if isinstance(e.get("args"), dict) else e
+            for e in doc["traceEvents"] if e.get("cat") != "python_function"]
+        with gzip.open(dst / trace.name, "wt") as f:
+            json.dump(doc, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name in ("megatron_pipe/1f1b", "megatron_pipe/interleaved", "deepspeed_pipe/1f1b"):
+        run = as_defaults(DATA / name / "run", tmp_path_factory.mktemp(name.replace("/", "_")) / "run")
+        truth = {r: json.loads((DATA / name / f"truth.rank{r}.json").read_text()) for r in (0, 1)}
+        out[name] = (analyze(traceana.load_run(run, cache=False)), truth)
+    return out
+
+
+def _shares(a, rank: int, step: int) -> dict[str, float]:
+    att = a.attribution.filter((pl.col("rank") == rank) & (pl.col("step") == step))
+    total = att["ns"].sum()
+    got = {c: att.filter(pl.col("category") == c)["ns"].sum() / total for c in att["category"].cast(str).unique()}
+    got["blocked"] = sum(got.get(c, 0) for c in BLOCKED)
+    return got
+
+
+def _want(name: str, t: dict) -> dict[str, float]:
+    if name.startswith("deepspeed"):
+        ins, step = t["instructions_ns"], t["train_batch_ns"]
+        p2p = sum(ins.get(i, 0) for i in ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"))
+        return {"forward": ins["ForwardPass"] / step, "backward": ins["BackwardPass"] / step, "blocked": p2p / step}
+    c, step = t["calls_ns"], t["step_ns"]
+    return {"forward": c["forward_step"] / step, "backward": c["backward_step"] / step,
+            "optimizer": c["optimizer"] / step, "blocked": c["p2p"] / step}
+
+
+@pytest.mark.parametrize("name", ["megatron_pipe/1f1b", "megatron_pipe/interleaved", "deepspeed_pipe/1f1b"])
+def test_shares_from_the_defaults_against_the_frameworks_timers(runs, name):
+    a, truth = runs[name]
+    steps = sorted(a.steps["step"].unique().to_list())
+    assert steps
+    for step in steps:
+        for rank in (0, 1):
+            got, want = _shares(a, rank, step), _want(name, truth[rank]["steps"][str(step)])
+            for k, v in want.items():
+                tol = (BLOCKED_TOL if k == "blocked" else
+                       DS_LAST_FORWARD_TOL if (name.startswith("deepspeed") and rank == 1 and k == "forward") else TOL)
+                assert got.get(k, 0) == pytest.approx(v, abs=tol), \
+                    (name, rank, step, k, got.get(k, 0), v)
+
+
+@pytest.mark.parametrize("name", ["megatron_pipe/1f1b", "deepspeed_pipe/1f1b"])
+def test_one_stage_a_rank_gets_its_stages_and_micro_batches(runs, name):
+    a, _ = runs[name]
+    # Megatron names its pipeline group in distributedInfo; DeepSpeed's groups are "undefined", and the rank whose
+    # steps open with a send is stage 0.
+    assert dict(a.stages.select("rank", "stage").rows()) == {0: 0, 1: 1}
+    how = "megatron-core's pipeline process group" if name.startswith("megatron") else "P2P call order"
+    assert all(how in s for s in a.stages["stage_source"].to_list()), a.stages
+    fb = a.schedule.filter(pl.col("phase").is_in(["forward", "backward"]))
+    assert set(fb["source"]) == {"autograd"}
+    for (rank, step, phase), rows in fb.group_by("rank", "step", "phase"):
+        assert rows["microbatch"].sort().to_list() == [0, 1, 2, 3], (rank, step, phase)
+        assert rows["stage"].unique().to_list() == [rank]
+    # 1F1B over 2 stages, 4 micro-batches: the first stage's order (Narayanan et al. 2021, Fig. 4).
+    last = max(fb["step"].to_list())
+    r0 = fb.filter((pl.col("rank") == 0) & (pl.col("step") == last)).sort("start_ns")
+    assert [f"{p[0].upper()}{m}" for p, m in r0.select("phase", "microbatch").rows()] == \
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert not any("could not be determined" in n for n in a.notes), a.notes
+
+
+def test_interleaved_passes_are_counted_not_numbered(runs):
+    a, _ = runs["megatron_pipe/interleaved"]
+    fb = a.schedule.filter(pl.col("phase").is_in(["forward", "backward"]))
+    counts = fb.group_by("rank", "step", "phase").len()["len"].unique().to_list()
+    assert counts == [8], counts  # 4 micro-batches × 2 model chunks
+    assert fb["microbatch"].is_null().all()
+    assert any("more P2P calls per step than it runs passes" in n for n in a.notes), a.notes
+    assert any("stages_of_rank" in n for n in a.notes)
