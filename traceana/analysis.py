@@ -355,12 +355,13 @@ def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.Da
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
     peak = m.peak_flops
     missing = [what for what, ok in (
-        ("run.json", m.manifest is not None), ("model shape", m.model is not None),
-        ("pp", bool(m.pp)), ("micro-batch size", bool(m.microbatch_size)),
-        ("number of micro-batches", bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
+        ("model", m.model is not None), ("pp", bool(m.pp)), ("microbatch_size", bool(m.microbatch_size)),
+        ("num_microbatches", bool(m.num_microbatches)), ("peak_flops", bool(peak)),
     ) if not ok]
-    if missing:
-        return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    if missing:  # (each by its run.json key: what to write, not only what is lacking)
+        where = "run.json lacks" if m.manifest is not None else "there is no run.json to give"
+        return empty, [f"MFU not computed: {where} {', '.join(missing)} (--peak-flops gives peak_flops; "
+                       "`traceana describe RUN -o run.json` writes a template for the run folder)"]
     layers_of = m.stage_layers()
     if layers_of is None:
         return empty, [f"MFU not computed: run.json's layers_per_stage ({len(m.layers_per_stage or ())} entries) "
