@@ -52,8 +52,10 @@ def render(w, *, console) -> None:
     from traceana.whatif import ms
 
     s = w.summary
-    print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over steps "
-               f"{', '.join(map(str, s['measured_steps']))}; replayed {ms(s['replayed_step_ms'])} ms (largest "
+    from traceana.summary import steps_label
+
+    print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over "
+               f"{steps_label(s['measured_steps'])}; replayed {ms(s['replayed_step_ms'])} ms (largest "
                f"error of a rank's step {s['replay_error']:.2%}); everything ideal {ms(s['ideal_step_ms'])} ms, "
                f"slowdown {_fmt(s['slowdown'], '.2f')}×; noise {ms(s['noise_ms'])} ms")
     headers = ["group", "", "step if ideal\nms", "gain\nms", "gain in the\nworst step ms", "slowdown", "named"]
