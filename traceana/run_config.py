@@ -177,6 +177,17 @@ class RunConfig:
             eager=self.eager if self.eager is not None else trainer,
         )
 
+    def _repr_html_(self) -> str:
+        """Each known fact with where it came from, and the conflicts, for Jupyter."""
+        from html import escape
+
+        rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(f['value']))}</td><td>{escape(str(f['source']))}"
+                       "</td></tr>" for k, f in self.as_dict()["facts"].items() if f["value"] not in (None, {}, []))
+        conflicts = "".join(f"<li>{escape(c)}</li>" for c in self.conflicts)
+        return ("<div><p><b>traceana.RunConfig</b></p><table><thead><tr><th>fact</th><th>value</th><th>from</th>"
+                f"</tr></thead><tbody>{rows}</tbody></table>"
+                + (f"<p>conflicts:</p><ul>{conflicts}</ul>" if conflicts else "") + "</div>")
+
     def as_dict(self) -> dict:
         """JSON-ready: every fact with its source, and the conflicts."""
         facts = {}
