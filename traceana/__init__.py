@@ -59,6 +59,7 @@ _PUBLIC = {
     "WhatIfResult": "traceana.results",
     "Comparison": "traceana.results",
     "ValidationResult": "traceana.results",
+    "gpu_views": "traceana.gpu",  # HTA's GPU views of an Analysis: kernel types, overlap, idle split, top kernels
     "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
 }
 
