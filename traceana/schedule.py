@@ -444,6 +444,37 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
             and not any(r in known or r in filled for r in talking)):
         for r in talking:
             filled[r] = (0 if first_of[r] == "p2p_send" else 1, "inferred from P2P call order (the one whose steps open with a send is stage 0)")
+    # When each rank's first message of a step arrived (the first receive to return: gloo's span ends at its
+    # wait's return, where a receive posted early waits; NCCL's CPU calls return at once, so ranks on GPUs have no
+    # such time and are not ordered this way) and when it first sent.
+    arrivals = (events.lazy().filter(~pl.col("is_gpu") & pl.col("rank").is_in(talking) & pl.col("step").is_not_null()
+                                     & pl.col("kind").is_in(["p2p_send", "p2p_recv"]))
+                .group_by("rank", "step")
+                .agg((pl.col("ts_ns") + pl.col("dur_ns")).filter(
+                    (pl.col("kind") == "p2p_recv")
+                    & names.name_test(pl.col("name"), lambda t: t.str.starts_with(names.GLOO_PREFIX))).min()
+                     .alias("_in"),
+                     pl.col("ts_ns").filter(pl.col("kind") == "p2p_send").min().alias("_out"))
+                .collect(**iv.COLLECT))
+    openers = sorted(set(arrivals.filter(pl.col("_out") < pl.col("_in").fill_null(pl.col("_out") + 1))["rank"]
+                         .to_list()))
+    if (len(talking) > 2 and len(openers) == 1 and world <= {len(talking)}
+            and arrivals.filter(pl.col("rank") != openers[0])["_in"].null_count() == 0
+            and not any(r in known or r in filled for r in talking)):
+        # One pipeline, every rank traced: micro-batch 0's activation leaves the first stage (it sends before
+        # anything reaches it) and reaches each next stage after the one before forwarded it, so the others' first
+        # messages of a step arrive in stage order.
+        order = (arrivals.with_columns(pl.when(pl.col("rank") == openers[0]).then(pl.lit(-1, pl.Int64))
+                                       .otherwise(pl.col("_in")).alias("_in"))
+                 .sort("step", "_in").group_by("step", maintain_order=True).agg(pl.col("rank")))
+        orders = {tuple(o) for o in order["rank"].to_list()}
+        if len(orders) == 1 and len(next(iter(orders))) == len(talking):
+            for i, r in enumerate(next(iter(orders))):
+                filled[r] = (i, "inferred from P2P order and timing (stage 0 sends before anything reaches it; "
+                                "the others' first messages of a step arrive in stage order)")
+        else:
+            notes.append(f"{_ranks_text(talking)}: the order in which they first receive in a step differs between "
+                         "steps, so their stages are not inferred from it: give run.json's stage_of_rank")
     if filled:
         src = dict(stages.select("rank", "stage_source").rows())
         new = {r: filled.get(r, (known.get(r), src.get(r)))for r in stages["rank"].to_list()}
