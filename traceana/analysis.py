@@ -21,6 +21,9 @@ from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
+
+# Multi-stage schedules whose backward is one pass (no input/weight split): autograd's ops tell their phases.
+WHOLE_BACKWARD_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
 from traceana.names import NameRules
 from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_ceiling
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
@@ -236,13 +239,19 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     # (interleaved: from run.json or the traces' metadata, above; without either the P2P pattern can tell:
     # placement.placements, a V or a looped placement.)
     refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
+    # A multi-stage schedule that keeps each backward whole (interleaved 1F1B, looped BFS: no I/W split) still has
+    # its phases in autograd's ops: those ranks get their passes from them (no stage, no micro-batch); a split
+    # backward (zero-bubble, zbv, DualPipeV) or an unnamed schedule stays refused.
+    whole_backward = config.schedule in WHOLE_BACKWARD_MULTI_STAGE
+    phases_only = refused if whole_backward else []
+    refused = [] if whole_backward else refused
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
                      f"{config.schedule if config.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
                      "(several virtual stages per rank): which stage, micro-batch and phase each piece of their work "
                      "belongs to cannot be told from P2P order, so their schedule is not inferred and no "
                      "forward/backward is claimed for them (their compute counts as other compute)")
-    rest = sorted(set(unannotated) - set(refused))
+    rest = sorted(set(unannotated) - set(refused) - set(phases_only))
     if rest:
         inferred, n = infer_schedule(events, msgs, stages, ranks=rest)
         notes += n
@@ -251,10 +260,10 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
     # torch.profiler's defaults (no peers in the P2P calls): the passes from autograd's ops and the calls' order.
-    left = sorted(set(rest) - set(inferred["rank"].to_list()))
+    left = sorted((set(rest) - set(inferred["rank"].to_list())) | set(phases_only))
     if left:
         from_defaults, stages, n = autograd_schedule(events, stages, run.traces, ranks=left,
-                                                     several=True if interleaved else None)
+                                                     several=True if interleaved or phases_only else None)
         if stages["stage"].null_count() == 0:  # (stage_map's "could not be determined" no longer holds)
             notes = [x for x in notes if not (x.startswith("stage of rank") and "could not be determined" in x)]
         notes += n
