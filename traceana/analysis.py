@@ -30,7 +30,7 @@ from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
 from traceana.schedule import (annotated_schedule, autograd_schedule, dropped_annotation_notes, infer_schedule,
-                               overlap_notes,
+                               overlap_notes, pipeline_group_stages,
                                overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -242,7 +242,10 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     # A multi-stage schedule that keeps each backward whole (interleaved 1F1B, looped BFS: no I/W split) still has
     # its phases in autograd's ops: those ranks get their passes from them (no stage, no micro-batch); a split
     # backward (zero-bubble, zbv, DualPipeV) or an unnamed schedule stays refused.
-    whole_backward = config.schedule in WHOLE_BACKWARD_MULTI_STAGE
+    # (megatron-core, known by its pipeline process group, has no split-backward schedule: its multi-chunk one is
+    # interleaved 1F1B)
+    whole_backward = config.schedule in WHOLE_BACKWARD_MULTI_STAGE or (
+        config.schedule == "unknown" and bool(pipeline_group_stages(run.traces)))
     phases_only = refused if whole_backward else []
     refused = [] if whole_backward else refused
     if refused:
