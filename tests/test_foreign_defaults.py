@@ -157,3 +157,37 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
             got, want = _shares(inferred, rank, step), _shares(annotated, rank, step)
             for k in ("forward", "backward", "blocked"):
                 assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=0.07), (schedule, rank, step, k)
+
+
+def test_interleaved_passes_are_numbered_by_run_jsons_plan(tmp_path):
+    """Megatron's interleaved run profiled with the defaults, with the run.json of its real configuration (2 ranks,
+    stages [[0, 2], [1, 3]], 4 micro-batches): each forward's stage and micro-batch are the ones the with_stack trace
+    of the same run shows, read here from its raw Python frames (``nn.Module: Stage_{c}`` is model chunk c; the
+    k-th call of a chunk in a step is its micro-batch k), and every stage runs 4 backwards a step."""
+    src = DATA / "megatron_pipe" / "interleaved" / "run"
+    run = as_defaults(src, tmp_path / "run")
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "pp": 4, "stages_of_rank": [[0, 2], [1, 3]],
+                                              "schedule": "interleaved-1f1b", "num_microbatches": 4}))
+    a = analyze(traceana.load_run(run, cache=False))
+    fb = a.schedule.filter(pl.col("phase").is_in(["forward", "backward"]))
+    assert fb["microbatch"].null_count() == 0 and set(fb["source"]) == {"autograd"}
+    for rank in (0, 1):
+        with gzip.open(src / f"rank{rank}.pt.trace.json.gz", "rt") as f:
+            ev = json.load(f)["traceEvents"]
+        steps = sorted((e for e in ev if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        chunks = sorted((e for e in ev if e.get("name") in ("nn.Module: Stage_0", "nn.Module: Stage_1")),
+                        key=lambda e: e["ts"])
+        for s in steps:
+            step = int(s["name"].split("#")[1])
+            seen: dict[int, int] = {}
+            want = []
+            for e in chunks:
+                if s["ts"] <= e["ts"] < s["ts"] + s["dur"]:
+                    c = int(e["name"][-1])
+                    want.append((2 * c + rank, seen.get(c, 0)))
+                    seen[c] = seen.get(c, 0) + 1
+            got = fb.filter((pl.col("rank") == rank) & (pl.col("step") == step) & (pl.col("phase") == "forward")) \
+                .sort("start_ns").select("stage", "microbatch").rows()
+            assert got == want, (rank, step)
+            back = fb.filter((pl.col("rank") == rank) & (pl.col("step") == step) & (pl.col("phase") == "backward"))
+            assert sorted(back.group_by("stage").len().rows()) == [(rank, 4), (rank + 2, 4)]

@@ -275,8 +275,9 @@ def test_torch_pipelining_interleaved_annotated_and_not_guessed(pipelining_run):
     # 4 virtual stages × 4 micro-batches × F/B, in each profiled step
     assert fb(a.schedule).height == 4 * 4 * 2 * a.schedule["step"].n_unique()
     # Without the names, run.json's interleaved 1F1B keeps each backward whole: the passes come from autograd's ops
-    # (issue 36), as many as annotated, with no stage or micro-batch guessed
+    # and run.json's plan numbers them (issue 36): the annotated (stage, micro-batch, phase) of every pass
+    key = ["rank", "step", "stage", "microbatch", "phase"]
     told = fb(inferred.schedule)
-    assert told.height == fb(a.schedule).height and set(told["source"]) == {"autograd"}
-    assert told["microbatch"].is_null().all()
+    assert set(told["source"]) == {"autograd"}
+    assert told.select(key).sort(key).equals(fb(a.schedule).select(key).sort(key))
     assert any("several stages a rank" in n for n in inferred.notes)

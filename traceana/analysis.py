@@ -265,8 +265,12 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     # torch.profiler's defaults (no peers in the P2P calls): the passes from autograd's ops and the calls' order.
     left = sorted((set(rest) - set(inferred["rank"].to_list())) | set(phases_only))
     if left:
+        # run.json's plan numbers a multi-stage schedule's passes (its device order)
+        plan = ((config.schedule, config.pp // config.virtual_stages, config.virtual_stages, config.num_microbatches)
+                if config.schedule in WHOLE_BACKWARD_MULTI_STAGE and config.pp and config.virtual_stages
+                and config.num_microbatches and config.pp % config.virtual_stages == 0 else None)
         from_defaults, stages, n = autograd_schedule(events, stages, run.traces, ranks=left,
-                                                     several=True if interleaved or phases_only else None)
+                                                     several=True if interleaved or phases_only else None, plan=plan)
         if stages["stage"].null_count() == 0:  # (stage_map's "could not be determined" no longer holds)
             notes = [x for x in notes if not (x.startswith("stage of rank") and "could not be determined" in x)]
         notes += n

@@ -322,6 +322,36 @@ def _top_level_ops(events: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
     return ops.filter(~inside(ops, "start", opt))
 
 
+def _numbered_by_plan(rows: pl.DataFrame, plan: tuple[str, int, int, int]) -> pl.DataFrame | None:
+    """``rows`` (passes with ``rank, step, phase, start, stage`` = the rank's first stage) with ``stage`` and
+    ``microbatch`` from the schedule's device order (``pipeline_rules.device_order``), or None where a rank's
+    passes of a step are not as many as that order has, or a rank's first stage is no device of it."""
+    from traceana.pipeline_rules import device_order
+
+    schedule, devices, virtual, microbatches = plan
+    ranks = rows.select("rank", "stage").unique()
+    if ranks["stage"].null_count() or not devices or not ((ranks["stage"] >= 0) & (ranks["stage"] < devices)).all():
+        return None
+    try:
+        orders = [(d, o.action, o.stage, o.microbatch) for d in sorted(set(ranks["stage"].to_list()))
+                  for o in device_order(schedule, pp=devices, num_microbatches=microbatches, device=d,
+                                        virtual_stages=virtual)]
+    except Exception:  # noqa: BLE001 - a plan the rules cannot build (ConfigError): passes stay unnumbered
+        return None
+    phase = {names.FORWARD: "forward", names.BACKWARD: "backward"}
+    order = (pl.DataFrame(orders, schema={"stage": pl.Int32, "_a": pl.String, "_s": pl.Int32, "_mb": pl.Int32},
+                          orient="row")
+             .with_columns(pl.col("_a").replace_strict(phase, default=None).alias("phase")).drop_nulls("phase")
+             .with_columns(pl.int_range(pl.len()).over("stage", "phase").alias("_k")))
+    per = order.group_by("stage", "phase").len()
+    counts = rows.group_by("rank", "step", "phase", "stage").len().join(per, on=["stage", "phase"], how="left")
+    if (counts["len"] != counts["len_right"]).fill_null(True).any():
+        return None
+    return (rows.sort("start").with_columns(pl.int_range(pl.len()).over("rank", "step", "phase").alias("_k"))
+            .join(order.select("stage", "phase", "_k", "_s", "_mb"), on=["stage", "phase", "_k"], how="left")
+            .with_columns(pl.col("_s").alias("stage"), pl.col("_mb").alias("microbatch")).drop("_k", "_s", "_mb"))
+
+
 def steps_of(events: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
     """``rank, step, _step_start``: where each step of ``ranks`` begins (its first event)."""
     return (events.lazy().filter(pl.col("rank").is_in(ranks) & pl.col("step").is_not_null())
@@ -334,7 +364,8 @@ def _ranks_text(ranks) -> str:
 
 
 def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.DataFrame, *, ranks: list[int],
-                      several: bool | None = None) -> tuple[pl.DataFrame, pl.DataFrame, list[str]]:
+                      several: bool | None = None, plan: tuple[str, int, int, int] | None = None
+                      ) -> tuple[pl.DataFrame, pl.DataFrame, list[str]]:
     """Forward and backward passes of ``ranks`` from what torch.profiler records with no options: ``(rows, stages,
     notes)``, the schema.SCHEDULE rows (source "autograd"), ``stages`` with the stages this could tell filled in,
     and what it inferred and could not.
@@ -352,7 +383,10 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
     there every P2P call is one of its micro-batches' activations out or gradients in, as many as its passes;
     more calls than passes mean virtual stages (interleaved: the first rank also passes activations on for its
     later chunks), whose passes are then left without a micro-batch (``several``: True or False to say so
-    instead, from run.json or the traces' metadata)."""
+    instead, from run.json or the traces' metadata). ``plan``: run.json's ``(schedule, devices, virtual stages,
+    micro-batches)`` of such a run; where every rank runs as many forwards and backwards a step as it says, the k-th
+    of each phase is the k-th of that phase in the schedule's device order (``pipeline_rules.device_order``: the
+    same chunk and micro-batch sequence megatron-core's interleaved 1F1B runs), which numbers them."""
     notes: list[str] = []
     empty = conform(pl.DataFrame(), SCHEDULE).clear()
     ops = _top_level_ops(events, ranks)
@@ -502,7 +536,13 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
                              f"({_ranks_text(firsts_['rank'].unique().to_list())}): its ranks hold several (virtual) "
                              "stages, as in interleaved schedules")
     rows = seg.join(stages.select("rank", "stage"), on="rank", how="left")
-    if several:
+    numbered = _numbered_by_plan(rows, plan) if several and plan is not None else None
+    if numbered is not None:
+        rows = numbered
+        notes.append(f"{_ranks_text(ranks)}: several stages a rank; the stage and micro-batch of each pass are the "
+                     f"{plan[0]} order's for run.json's {plan[2]} stages a rank and {plan[3]} micro-batches (the k-th "
+                     "forward and backward of a step are the schedule's k-th)")
+    elif several:
         rows = rows.with_columns(pl.lit(None, pl.Int32).alias("microbatch"))
         notes.append(f"{_ranks_text(ranks)}: several stages a rank and no names that say which pass is whose: each "
                      "phase's time is attributed, the stage and micro-batch of a pass are not known (listed under "
