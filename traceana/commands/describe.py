@@ -191,7 +191,10 @@ def describe(analysis) -> dict[str, Any]:
             import dataclasses
 
             facts["model"], how["model"] = dataclasses.asdict(manifest.model), "run.json"
-    wanted = ["pp", "stage_of_rank", "schedule", "num_microbatches", *NEVER_IN_TRACES]
+    pipeline = bool(analysis.summary.pipeline_found)
+    if not pipeline:  # (a data-parallel or single-rank job: no pipeline fact to ask for)
+        seen["pipeline"] = "none found: no rank has a stage, no pass and no P2P message chains ranks"
+    wanted = [*(["pp", "stage_of_rank", "schedule", "num_microbatches"] if pipeline else []), *NEVER_IN_TRACES]
     if several:
         wanted.append("stages_of_rank")
     missing = {k: KEY_MEANINGS[k] for k in wanted if k not in facts}
