@@ -21,13 +21,13 @@ from traceana.analysis import analyze
 
 DATA = Path(__file__).parent / "data"
 SHAPE_KEYS = {"Input Dims", "Input type", "Concrete Inputs", "Input Strides"}
-# Forward and backward within 0.05 of the step (the issue's target). The P2P helpers' own Python (Megatron's
-# send_forward…, DeepSpeed's SendActivation…: truth "p2p" − "p2p_torch") has no event of its own without Python
-# frames and reads as host time, so the blocked share is bounded more loosely, by what was measured (0.10).
+# Every share within 0.05 of the step (the issue's target). The P2P helpers' own Python (Megatron's send_forward…,
+# DeepSpeed's SendActivation…: truth "p2p" − "p2p_torch") has no event of its own without Python frames: the idle
+# time touching a P2P call is taken for it (attribution._helpers_python; without that, blocked read 0.08–0.10 low).
 # DeepSpeed's last stage: its RecvActivation's own ops after the receive (the buffer's clone, requires_grad) and its
 # LoadMicroBatch (the labels) run between the receive and the ForwardPass with no call between them, so they read
 # as forward (measured: 0.061 of the step over the timer's ForwardPass).
-TOL, BLOCKED_TOL, DS_LAST_FORWARD_TOL = 0.05, 0.11, 0.07
+TOL, BLOCKED_TOL, DS_LAST_FORWARD_TOL = 0.05, 0.05, 0.07
 BLOCKED = ("p2p", "bubble_warmup", "bubble_stall", "bubble_cooldown")
 
 
@@ -129,7 +129,8 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
     shapes (so the P2P peers), the metadata and run.json removed, the stages (from P2P order and timing: one
     pipeline, every rank traced), micro-batches and phases are the annotated ones, and each rank's forward and
     backward shares within 0.07 of the annotated analysis' (measured here: at most 0.065, GPipe's first stage,
-    whose gradient scaling after its last backward the annotated B holds)."""
+    whose gradient scaling after its last backward the annotated B holds); blocked between the annotated reading's
+    and that plus its host time."""
     from stripped_runs import strip_trace
 
     src = collected_run(f"pipelining-{schedule}")
@@ -155,8 +156,13 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
     for step in annotated.summary.steps:
         for rank in range(4):
             got, want = _shares(inferred, rank, step), _shares(annotated, rank, step)
-            for k in ("forward", "backward", "blocked"):
-                assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=0.07), (schedule, rank, step, k)
+            for k in ("forward", "backward"):
+                assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=0.07), (schedule, rank, step, k, got, want)
+            # blocked: the annotated reading's, plus at most its host time touching the P2P calls, which the
+            # defaults' reading gives the calls (torch's _batch_p2p / _wait_batch_p2p Python, which the
+            # collector's wall-clock truth counts as blocked too)
+            assert want["blocked"] - 0.02 <= got["blocked"] <= want["blocked"] + want.get("host", 0) + 0.02, \
+                (schedule, rank, step, got, want)
 
 
 def test_interleaved_passes_are_numbered_by_run_jsons_plan(tmp_path):
