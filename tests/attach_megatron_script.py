@@ -38,7 +38,8 @@ class Stage(torch.nn.Module):
 
         self.config, self.first, self.input_tensor = config, first, None
         self.model_type = ModelType.encoder_or_decoder
-        self.net = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
+        self.net = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+                                       torch.nn.Linear(HIDDEN, HIDDEN))
 
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor

@@ -65,8 +65,8 @@ def test_deepspeed_engine_is_read():
 
 def test_a_frameworks_facts_make_its_run_json():
     common = dict(framework="megatron-core", num_stages=4, schedule="interleaved-1f1b", num_microbatches=4,
-                  microbatch_size=2, tp=1, dp=1, schedule_class="megatron-core forward_backward_pipelining_with_"
-                                                             "interleaving", stages_from="megatron-core's parallel_state")
+                  microbatch_size=2, tp=1, dp=1, stages_from="megatron-core's parallel_state",
+                  schedule_class="megatron-core forward_backward_pipelining_with_interleaving")
     m = window_manifest({0: _facts(0, stages=[0, 2], **common), 1: _facts(1, stages=[1, 3], **common)}, (0, 1))
     assert (m.pp, m.stage_of_rank, m.stages_of_rank, m.schedule, m.num_microbatches, m.microbatch_size, m.trainer) \
         == (4, (0, 1), ((0, 2), (1, 3)), "interleaved-1f1b", 4, 2, "megatron-core")

@@ -70,7 +70,8 @@ class WhatIfResult:
             p, was = self.plan["plan"], self.plan["as_run"]
             out.append(f"as {p['schedule']}, {p['microbatches']} micro-batches, BPipe {'on' if p['bpipe'] else 'off'} "
                        f"(ran as {was['schedule']}, {was['microbatches']}): predicted step "
-                       f"{_ms(self.plan['predicted_step_ms'])} ms against the measured {_ms(self.plan['measured_step_ms'])}")
+                       f"{_ms(self.plan['predicted_step_ms'])} ms against the measured "
+                       f"{_ms(self.plan['measured_step_ms'])}")
         out.append(f"diagnosis: {s['diagnosis']}")
         return out
 

@@ -306,7 +306,8 @@ def _top_level_ops(events: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
     differentiated = ("aten::" + node.drop_nulls().str.to_lowercase()).unique().cast(events.schema["name"])
     ops = (
         cpu.sort("rank", "track", "ts_ns")
-        .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), names.backward_like(pl.col("name")).alias("_bwd"),
+        .with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end"),
+                      names.backward_like(pl.col("name")).alias("_bwd"),
                       pl.col("name").is_in(differentiated.implode()).alias("_diff"))
         .with_columns(pl.col("end").cum_max().shift(1).over("rank", "track").alias("_reach"))
         .with_columns((pl.col("_reach").is_null() | (pl.col("ts_ns") >= pl.col("_reach"))).cum_sum()
@@ -372,17 +373,18 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
 
     The communication calls (P2P and collectives, any direction, peer or not) and the optimizer's ranges cut each
     rank's step into windows; within a window the outermost ops from the first to the last of autograd's backward
-    ops are one backward pass, the other ops before or after it a forward pass, except the work after the step's
-    last backward: a forward is kept where its activation leaves next (a send is the next call) or its backward follows
-    it in the window (the last stage), and after a backward only on a rank whose step opens with a send (the first
-    stage: no other makes its forward's input itself); other work between calls is no pass. In a pipeline holding one stage a
-    rank, the k-th forward and the k-th backward of a step are micro-batch k (every such schedule runs its
-    micro-batches in order, docs/schedules.md). A rank's stage is run.json's or the traces' (``stages``), else its
-    place in megatron-core's pipeline process group, else, where the traces hold exactly two ranks exchanging P2P,
-    which of them sends first (stage 0: nothing is upstream of it). One stage a rank shows on the first stage:
-    there every P2P call is one of its micro-batches' activations out or gradients in, as many as its passes;
-    more calls than passes mean virtual stages (interleaved: the first rank also passes activations on for its
-    later chunks), whose passes are then left without a micro-batch (``several``: True or False to say so
+    ops are one backward pass (from where the thread last did something else: the engine records nothing before its
+    first node), the other ops before or after it forward candidates. A step runs as many forwards as backwards, so
+    its most graph-building candidates (ops autograd's nodes differentiate) are the forwards; the rest (the next
+    step's data, an output's detach) is other compute. In a pipeline holding one stage a rank, the k-th forward and
+    the k-th backward of a step are micro-batch k (every such schedule runs its micro-batches in order,
+    docs/schedules.md). A rank's stage is run.json's or the traces' (``stages``), else its place in megatron-core's
+    pipeline process group, else, where the traces hold exactly two ranks exchanging P2P, which of them sends first
+    (stage 0: nothing is upstream of it), else, for one pipeline with every rank traced over gloo, the order in which
+    micro-batch 0's activation reaches the ranks. One stage a rank shows on the first stage: there every P2P call is
+    one of its micro-batches' activations out or gradients in, as many as its passes; more calls than passes mean
+    virtual stages (interleaved: the first rank also passes activations on for its later chunks), whose passes are
+    then left without a micro-batch (``several``: True or False to say so
     instead, from run.json or the traces' metadata). ``plan``: run.json's ``(schedule, devices, virtual stages,
     micro-batches)`` of such a run; where every rank runs as many forwards and backwards a step as it says, the k-th
     of each phase is the k-th of that phase in the schedule's device order (``pipeline_rules.device_order``: the
@@ -477,7 +479,8 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
     if (len(talking) == 2 and world <= {2} and sorted(first_of.values()) == ["p2p_recv", "p2p_send"]
             and not any(r in known or r in filled for r in talking)):
         for r in talking:
-            filled[r] = (0 if first_of[r] == "p2p_send" else 1, "inferred from P2P call order (the one whose steps open with a send is stage 0)")
+            filled[r] = (0 if first_of[r] == "p2p_send" else 1,
+                         "inferred from P2P call order (the one whose steps open with a send is stage 0)")
     # When each rank's first message of a step arrived (the first receive to return: gloo's span ends at its
     # wait's return, where a receive posted early waits; NCCL's CPU calls return at once, so ranks on GPUs have no
     # such time and are not ordered this way) and when it first sent.

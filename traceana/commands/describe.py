@@ -122,8 +122,9 @@ def describe(analysis) -> dict[str, Any]:
             facts["stages_of_rank"] = [held[r] for r in sorted(held)]
             how["stages_of_rank"] = how["stage_of_rank"]
     elif known.height:
-        notes.append(f"stages of the traced ranks ({', '.join(f'{r}: {s}' for r, s in known.select('rank', 'stage').rows())})"
-                     " are known, but not every rank is traced: stage_of_rank lists every rank, so it is left to fill")
+        listed = ", ".join(f"{r}: {s}" for r, s in known.select("rank", "stage").rows())
+        notes.append(f"stages of the traced ranks ({listed}) are known, but not every rank is traced: stage_of_rank "
+                     "lists every rank, so it is left to fill")
     unstaged = st.filter(pl.col("stage").is_null())["rank"].to_list()
     if unstaged:
         notes.append(f"stage of ranks {', '.join(map(str, unstaged))} not told by the traces: stage_of_rank")
