@@ -129,8 +129,8 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
     shapes (so the P2P peers), the metadata and run.json removed, the stages (from P2P order and timing: one
     pipeline, every rank traced), micro-batches and phases are the annotated ones, and each rank's forward and
     backward shares within 0.07 of the annotated analysis' (measured here: at most 0.065, GPipe's first stage,
-    whose gradient scaling after its last backward the annotated B holds); blocked between the annotated reading's
-    and that plus its host time."""
+    whose gradient scaling after its last backward the annotated B holds); blocked at least the annotated
+    reading's and at most 0.1 more."""
     from stripped_runs import strip_trace
 
     src = collected_run(f"pipelining-{schedule}")
@@ -158,11 +158,11 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
             got, want = _shares(inferred, rank, step), _shares(annotated, rank, step)
             for k in ("forward", "backward"):
                 assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=0.07), (schedule, rank, step, k, got, want)
-            # blocked: the annotated reading's, plus at most its host time touching the P2P calls, which the
-            # defaults' reading gives the calls (torch's _batch_p2p / _wait_batch_p2p Python, which the
-            # collector's wall-clock truth counts as blocked too)
-            assert want["blocked"] - 0.02 <= got["blocked"] <= want["blocked"] + want.get("host", 0) + 0.02, \
-                (schedule, rank, step, got, want)
+            # blocked: at least the annotated reading's, and at most 0.1 more: the defaults' reading gives the
+            # P2P calls the idle time touching them (torch's _batch_p2p / _wait_batch_p2p Python, which the
+            # collector's wall-clock truth counts as blocked too), part of which the annotated reading gives the
+            # action whose span holds it (measured: up to 0.08 on this loaded 2-core machine)
+            assert want["blocked"] - 0.02 <= got["blocked"] <= want["blocked"] + 0.1, (schedule, rank, step, got, want)
 
 
 def test_interleaved_passes_are_numbered_by_run_jsons_plan(tmp_path):
