@@ -573,4 +573,26 @@ def autograd_schedule(events: pl.DataFrame, stages: pl.DataFrame, traces: pl.Dat
                      "(no annotations, no Python frames, no P2P peers)")
     out = rows.select("rank", "step", "stage", "microbatch", "phase", pl.col("start").alias("start_ns"),
                       pl.col("end").alias("end_ns"), pl.lit("autograd").alias("source"))
+    out = pl.concat([conform(out, SCHEDULE), _optimizer_preparation(ops, rows, comm, stages)])
     return conform(out, SCHEDULE).sort("rank", "step", "start_ns"), stages, notes
+
+
+def _optimizer_preparation(ops: pl.DataFrame, passes: pl.DataFrame, comm: pl.DataFrame,
+                           stages: pl.DataFrame) -> pl.DataFrame:
+    """An "optimizer" row per (rank, step) for the compute between the step's last pass or collective and torch.optim's
+    ``Optimizer.step#`` range: the gradients' clipping and unscaling a framework does before the step (DeepSpeed's
+    OptimizerStep instruction clips there), which no pass holds."""
+    opt = (comm.filter(pl.col("kind").cast(pl.String).is_in(["p2p_send", "p2p_recv", "collective"]).not_())
+           .group_by("rank", "step").agg(pl.col("start").min().alias("_opt")))
+    before = pl.concat([passes.select("rank", "step", pl.col("end").alias("_after")),
+                        comm.filter(pl.col("kind") == "collective").select("rank", "step", pl.col("start")
+                                                                            .alias("_after"))])
+    prep = (ops.join(opt, on=["rank", "step"])
+            .join(before.join(opt, on=["rank", "step"]).filter(pl.col("_after") < pl.col("_opt"))
+                  .group_by("rank", "step").agg(pl.col("_after").max()), on=["rank", "step"])
+            .filter((pl.col("start") >= pl.col("_after")) & (pl.col("end") <= pl.col("_opt")))
+            .group_by("rank", "step").agg(pl.col("start").min().alias("start_ns"), pl.col("_opt").first()
+                                          .alias("end_ns")))
+    return conform(prep.join(stages.select("rank", "stage"), on="rank", how="left").with_columns(
+        pl.lit(None, pl.Int32).alias("microbatch"), pl.lit("optimizer").alias("phase"),
+        pl.lit("autograd").alias("source")), SCHEDULE)
