@@ -2,7 +2,10 @@
 
 Based on the Okabe–Ito palette (Okabe & Ito 2008, "Color Universal Design"; also Wong 2011, Nature Methods 8:441),
 which stays distinguishable under the common forms of colour-vision deficiency. It has eight colours; the three
-bubble categories use greys of different lightness, since bubbles are "absence of work" and should recede.
+bubble categories use greys, since bubbles are "absence of work" and should recede, told apart by lightness alone
+(which every form of colour-vision deficiency keeps): CIE L* about 85, 62 and 35, at least 20 apart from each other
+and from the host's beige (tests/test_palette.py). The three greys of 87/70/50 L* were hard to tell apart in a
+stacked bar (issue 36); warm-up also takes a slight blue tint so it does not read as the host's beige.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ CATEGORY_COLOURS = {
     "p2p": VERMILLION,
     "bpipe": BLACK,
     "collective": YELLOW,
-    "bubble_warmup": "#DDDDDD",
-    "bubble_stall": "#AAAAAA",
-    "bubble_cooldown": "#777777",
+    "bubble_warmup": "#CFD8E0",
+    "bubble_stall": "#9A9A9A",
+    "bubble_cooldown": "#525252",
     "host": "#E5D8BD",
 }
 

@@ -91,3 +91,23 @@ def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for block in blocks:
         exec(compile(block, "docs/python.md", "exec"), {})
+
+
+def test_the_command_lines_answers_are_small_objects_in_a_notebook(gpipe):
+    """issue 36 item 4: what-if, comparison, validation and configuration each show themselves in a few lines and as
+    HTML; the what-if is traceana whatif's (the same replay as the module's function)."""
+    from traceana.whatif import parse_set, whatif
+
+    w = traceana.what_if(gpipe, set="stage=1:forward*0.5")
+    assert w.summary == whatif(gpipe, [parse_set("stage=1:forward*0.5")]).summary
+    assert len(repr(w)) < 1000 and "diagnosis:" in repr(w) and w._repr_html_().count("<table") == 1
+    assert w.as_dict()["plan"] is None
+    c = traceana.compare_runs([("a", gpipe), ("b", gpipe.summary)])
+    overview, per_stage = c  # (it unpacks as the tuple it was)
+    assert overview.height == 2 and "<table" in c._repr_html_() and "2 runs" in repr(c)
+    v = traceana.validate(gpipe)
+    assert "validation" in repr(v) and "<table" in v._repr_html_() and v.simulation is not None
+    html = gpipe.config._repr_html_()
+    assert "<td>pp</td><td>3</td><td>run.json</td>" in html
+    with pytest.raises(traceana.TraceanaError):
+        traceana.what_if(gpipe, set="nonsense")

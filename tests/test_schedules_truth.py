@@ -134,6 +134,19 @@ def test_with_the_names_stripped_inference_recovers_single_stage_schedules_and_r
         key = ["rank", "stage", "microbatch", "phase"]
         truth = a.schedule.filter(pl.col("phase") != "optimizer").select(key).sort(key)
         assert set(passes["source"]) == {"inferred"} and passes.select(key).sort(key).equals(truth)
+    elif with_manifest and schedule in ("interleaved-1f1b", "looped-bfs"):
+        # run.json names a multi-stage schedule that keeps each backward whole: the passes come from autograd's ops
+        # and run.json's plan numbers them (issue 36): the same (rank, stage, micro-batch, phase) rows as torch's own
+        # annotations, and every rank's forward and backward shares the annotated ones' to within 0.07
+        key = ["rank", "stage", "microbatch", "phase"]
+        assert set(passes["source"]) == {"autograd"}
+        truth = a.schedule.filter(pl.col("phase").is_in(["forward", "backward"])
+                                  & pl.col("step").is_in(passes["step"].unique().implode()))
+        assert passes.select(key).sort(key).equals(truth.select(key).sort(key))
+        for rank in range(run.manifest.world_size):
+            for phase in ("forward", "backward"):
+                assert share(stripped, rank, (phase,)) == pytest.approx(share(a, rank, (phase,)), abs=0.07), \
+                    (schedule, rank, phase)
     else:  # several stages per rank (run.json, or the trace's own metadata, says so): refused, and said why
         assert passes.height == 0
         assert share(stripped, 0, ("forward", "backward", "backward_input", "backward_weight")) == 0

@@ -7,6 +7,7 @@ The public API for notebooks::
     result = traceana.analyze(run)              # steps, p2p, schedule, attribution, stage memory frames
     result.summary                              # the headline figures (traceana.summary)
     traceana.load_and_analyze("runs/demo")      # both, cached under the run folder, with the per-rank counts
+    traceana.what_if(result, set=["stage=1:forward*0.5"])  # traceana whatif (docs/python.md)
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ _PUBLIC = {
     "Run": "traceana.ingest",
     "RunSummary": "traceana.summary",  # Analysis.summary: the headline figures and the per-stage table
     "RunConfig": "traceana.run_config",  # Analysis.config: the run's configuration, each fact with where it came from
-    "compare_runs": "traceana.summary",  # several runs' summaries side by side (traceana report's comparison)
-    "validate": "traceana.validation.replay",  # the model replayed with a run's own durations, against the run
+    # several runs side by side (traceana report's comparison): a Comparison, which unpacks as (overview, per_stage)
+    "compare_runs": "traceana.results",
+    "validate": "traceana.results",  # the model replayed with a run's own durations, against the run
+    "what_if": "traceana.results",  # traceana whatif: the step replayed with changes, or under another plan
+    "WhatIfResult": "traceana.results",
+    "Comparison": "traceana.results",
+    "ValidationResult": "traceana.results",
+    "gpu_views": "traceana.gpu",  # HTA's GPU views of an Analysis: kernel types, overlap, idle split, top kernels
     "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
 }
 

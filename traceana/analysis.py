@@ -21,12 +21,16 @@ from traceana.errors import BadInputError, shown
 from traceana.intervals import COLLECT
 from traceana.ingest import Run
 from traceana.manifest import MULTI_STAGE_SCHEDULES
+
+# Multi-stage schedules whose backward is one pass (no input/weight split): autograd's ops tell their phases.
+WHOLE_BACKWARD_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
 from traceana.names import NameRules
 from traceana.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_ceiling
 from traceana.placement import several_stages, stage_map, virtual_stage_ranks
 from traceana.reconcile import annotated_facts, missing_notes, run_config
 from traceana.run_config import RunConfig
-from traceana.schedule import (annotated_schedule, dropped_annotation_notes, infer_schedule, overlap_notes,
+from traceana.schedule import (annotated_schedule, autograd_schedule, dropped_annotation_notes, infer_schedule,
+                               overlap_notes, pipeline_group_stages,
                                overlap_rows, overlap_spans)
 from traceana.summary import RunSummary, measured_steps, rank_steps, summarize
 from traceana.schema import CATEGORIES, SCHEDULE, conform
@@ -235,13 +239,22 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     # (interleaved: from run.json or the traces' metadata, above; without either the P2P pattern can tell:
     # placement.placements, a V or a looped placement.)
     refused = unannotated if interleaved else sorted(set(unannotated) & set(several_stages(stages)))
+    # A multi-stage schedule that keeps each backward whole (interleaved 1F1B, looped BFS: no I/W split) still has
+    # its phases in autograd's ops: those ranks get their passes from them (no stage, no micro-batch); a split
+    # backward (zero-bubble, zbv, DualPipeV) or an unnamed schedule stays refused.
+    # (megatron-core, known by its pipeline process group, has no split-backward schedule: its multi-chunk one is
+    # interleaved 1F1B)
+    whole_backward = config.schedule in WHOLE_BACKWARD_MULTI_STAGE or (
+        config.schedule == "unknown" and bool(pipeline_group_stages(run.traces)))
+    phases_only = refused if whole_backward else []
+    refused = [] if whole_backward else refused
     if refused:
         notes.append(f"ranks {', '.join(map(str, refused))} carry no forward/backward annotations and run a "
                      f"{config.schedule if config.schedule in MULTI_STAGE_SCHEDULES else 'multi-stage'} schedule "
                      "(several virtual stages per rank): which stage, micro-batch and phase each piece of their work "
                      "belongs to cannot be told from P2P order, so their schedule is not inferred and no "
                      "forward/backward is claimed for them (their compute counts as other compute)")
-    rest = sorted(set(unannotated) - set(refused))
+    rest = sorted(set(unannotated) - set(refused) - set(phases_only))
     if rest:
         inferred, n = infer_schedule(events, msgs, stages, ranks=rest)
         notes += n
@@ -249,6 +262,19 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
         if got:
             notes.append(f"schedule of ranks {', '.join(map(str, got))} inferred from P2P order (no forward/backward "
                          "annotations)")
+    # torch.profiler's defaults (no peers in the P2P calls): the passes from autograd's ops and the calls' order.
+    left = sorted((set(rest) - set(inferred["rank"].to_list())) | set(phases_only))
+    if left:
+        # run.json's plan numbers a multi-stage schedule's passes (its device order)
+        plan = ((config.schedule, config.pp // config.virtual_stages, config.virtual_stages, config.num_microbatches)
+                if config.schedule in WHOLE_BACKWARD_MULTI_STAGE and config.pp and config.virtual_stages
+                and config.num_microbatches and config.pp % config.virtual_stages == 0 else None)
+        from_defaults, stages, n = autograd_schedule(events, stages, run.traces, ranks=left,
+                                                     several=True if interleaved or phases_only else None, plan=plan)
+        if stages["stage"].null_count() == 0:  # (stage_map's "could not be determined" no longer holds)
+            notes = [x for x in notes if not (x.startswith("stage of rank") and "could not be determined" in x)]
+        notes += n
+        inferred = pl.concat([inferred, from_defaults])
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
     notes += dropped_annotation_notes(events)
     facts = annotated_facts(annotated)
@@ -345,12 +371,13 @@ def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.Da
     empty = pl.DataFrame(schema={"rank": pl.Int32, "mfu": pl.Float64, "hfu": pl.Float64})
     peak = m.peak_flops
     missing = [what for what, ok in (
-        ("run.json", m.manifest is not None), ("model shape", m.model is not None),
-        ("pp", bool(m.pp)), ("micro-batch size", bool(m.microbatch_size)),
-        ("number of micro-batches", bool(m.num_microbatches)), ("device peak FLOP/s", bool(peak)),
+        ("model", m.model is not None), ("pp", bool(m.pp)), ("microbatch_size", bool(m.microbatch_size)),
+        ("num_microbatches", bool(m.num_microbatches)), ("peak_flops", bool(peak)),
     ) if not ok]
-    if missing:
-        return empty, [f"MFU not computed: missing {', '.join(missing)} (give --peak-flops for the peak)"]
+    if missing:  # (each by its run.json key: what to write, not only what is lacking)
+        where = "run.json lacks" if m.manifest is not None else "there is no run.json to give"
+        return empty, [f"MFU not computed: {where} {', '.join(missing)} (--peak-flops gives peak_flops; "
+                       "`traceana describe RUN -o run.json` writes a template for the run folder)"]
     layers_of = m.stage_layers()
     if layers_of is None:
         return empty, [f"MFU not computed: run.json's layers_per_stage ({len(m.layers_per_stage or ())} entries) "

@@ -188,7 +188,7 @@ class AnalysisCache:
         run = _build(CachedRun, dict(path=path, memory=memory, traces=traces, manifest=manifest,
                                      warnings=tuple(meta["warnings"])), {"_workers": workers})
         for w in run.warnings:  # as load_run gives them, so a hit reads like a miss
-            pywarnings.warn(w, _ingest_warning(), stacklevel=3)
+            pywarnings.warn(w, _ingest_warning(w), stacklevel=3)
         return _build(CachedAnalysis, dict(run=run, notes=tuple(meta["notes"]), peak_flops=peak_flops,
                                            **tables),
                       {"_peak_flops": peak_flops, "summary": summary})  # Analysis.summary's cached value
@@ -262,10 +262,10 @@ def _read_summary(entry: Path, meta: dict):
     return RunSummary(**values)
 
 
-def _ingest_warning():
-    from traceana.ingest.run_dir import IngestWarning
+def _ingest_warning(message: str):
+    from traceana.ingest.run_dir import category_of
 
-    return IngestWarning
+    return category_of(message)
 
 
 def _glob_escape(name: str) -> str:

@@ -240,9 +240,12 @@ def action_windows(schedule: pl.DataFrame, labelled: pl.DataFrame) -> dict[str, 
     """Per compute phase, the schedule windows (``rank, start, end``) of CPU-only ranks: the time inside a compute
     action that no op covers and no wait explains is that action's (module doc)."""
     gpu = _gpu_ranks(labelled).lazy()
-    # Only windows the trace itself drew (annotations): an inferred window is traceana's reconstruction from the
-    # ops, and the time between them is not claimed for an action nobody named.
-    w = (schedule.lazy().filter(pl.col("source") == "annotated").join(gpu, on="rank", how="anti")
+    # Only windows the trace itself drew (annotations), or a pass told from torch.profiler's default events
+    # (source "autograd": one pass's own ops, from its first to its last, with no communication call or other pass
+    # between, so the Python between them is that pass's, as a wall-clock timer around it counts it): a window
+    # inferred from P2P order is traceana's reconstruction from ops that may belong elsewhere, and the time between
+    # them is not claimed for an action nobody named.
+    w = (schedule.lazy().filter(pl.col("source").is_in(["annotated", "autograd"])).join(gpu, on="rank", how="anti")
          .select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
          .collect(**iv.COLLECT))
     return _by(w, "phase", [ph for ph in COMPUTE_ORDER if ph != "other_compute"])
@@ -327,7 +330,38 @@ def segments(
     ]
     segs = iv.partition(windows, layers, by=["rank", "step"], on="rank", default="host", label="category",
                         label_dtype=Category)
-    return conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)
+    segs = conform(segs.rename({"start": "start_ns", "end": "end_ns"}), SEGMENTS)
+    return _helpers_python(segs, schedule) if schedule is not None else segs
+
+
+# What waiting or moving a message is, next to which idle time is a P2P helper's own Python (_helpers_python).
+_IN_A_CALL = ("p2p", pipeline_rules.BUBBLE_WARMUP, pipeline_rules.BUBBLE_STALL, pipeline_rules.BUBBLE_COOLDOWN)
+
+
+def _helpers_python(segs: pl.DataFrame, schedule: pl.DataFrame) -> pl.DataFrame:
+    """On CPU ranks whose passes were told from torch.profiler's default events (schedule source "autograd": no
+    Python frames, so no framework helper span), host time touching a P2P call's time (its transfer or its wait)
+    is the helper that made the call (Megatron's ``send_forward…``, DeepSpeed's ``SendActivation``: building its
+    ops and buffers before the post, taking the result after the wait) and counts as P2P, as the helper's span
+    would have made it (item 6 of the module doc; issue 36: without it the blocked share read 0.05–0.10 low)."""
+    ranks = schedule.filter(pl.col("source") == "autograd")["rank"].unique()
+    if ranks.len() == 0:
+        return segs
+    mine = pl.col("rank").is_in(ranks.implode())
+    seg = segs.with_row_index("_i").sort("rank", "step", "start_ns")
+    cat = pl.col("category").cast(pl.String)
+    near = (seg.with_columns(cat.shift(1).over("rank", "step").alias("_prev"),
+                             cat.shift(-1).over("rank", "step").alias("_next"),
+                             pl.col("end_ns").shift(1).over("rank", "step").alias("_prev_end"),
+                             pl.col("start_ns").shift(-1).over("rank", "step").alias("_next_start"))
+            .filter(mine & (cat == "host")
+                    & ((pl.col("_prev").is_in(list(_IN_A_CALL)) & (pl.col("_prev_end") == pl.col("start_ns")))
+                       | (pl.col("_next").is_in(list(_IN_A_CALL)) & (pl.col("_next_start") == pl.col("end_ns"))))))
+    if near.height == 0:
+        return segs
+    relabel = pl.repeat(False, segs.height, dtype=pl.Boolean, eager=True).scatter(near["_i"], True)
+    return segs.with_columns(pl.when(pl.lit(relabel)).then(pl.lit("p2p", dtype=segs.schema["category"]))
+                             .otherwise(pl.col("category")).alias("category"))
 
 
 def attribute(segs: pl.DataFrame, steps: pl.DataFrame, stages: pl.DataFrame) -> pl.DataFrame:

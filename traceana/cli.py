@@ -80,7 +80,9 @@ class _Version(argparse.Action):
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     # Warnings (a truncated trace, a skipped file) are for the user: one line each, no source location.
-    print(f"traceana: warning: {printable(str(message))}", file=sys.stderr)
+    # (a job profiled on a sample of its ranks is said as a note: normal practice, not a fault)
+    kind = "note" if getattr(category, "__name__", "") == "IngestNote" else "warning"
+    print(f"traceana: {kind}: {printable(str(message))}", file=sys.stderr)
 
 
 class Terminated(BaseException):

@@ -140,6 +140,9 @@ def gpu_summary(analysis) -> dict[str, Any]:
         out["phases"] = gpu.phase_means(analysis.phase_time, analysis.attribution, steps).to_dicts()
     if analysis.stream_time is not None:
         out["streams"] = gpu.stream_means(analysis.stream_time, steps).to_dicts()
+    views = gpu.gpu_views(analysis)  # HTA's views (kernel types, overlap, idle split, top kernels): issue 36
+    if views:
+        out["views"] = views
     return out
 
 

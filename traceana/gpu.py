@@ -204,3 +204,135 @@ def stream_means(stream_time: pl.DataFrame, steps: list[int] | tuple[int, ...]) 
             .select("rank", "stream", *((pl.col(c) / NS_PER_MS).alias(c.replace("_ns", "_ms")) for c in STREAM_TIME
                                         if c.endswith("_ns")))
             .sort("rank", "stream"))
+
+
+# --- HTA's GPU views, pipeline-aware (issue 36 Build 3) -------------------------------------------------------------
+# HolisticTraceAnalysis (HTA 0.5.0, hta/analyzers/breakdown_analysis.py and communication_analysis.py) reads a GPU
+# trace as: kernel types (communication: NCCL kernels; memory: copies and memsets; computation: the rest), the share
+# of communication time during which computation ran (get_comm_comp_overlap), and each stream's idle time between
+# consecutive kernels split by why (get_idle_time_breakdown): "host wait" where the next kernel's launch call began
+# only after the previous kernel ended (the CPU was late), "kernel wait" where the launch came earlier and the gap is
+# under KERNEL_WAIT_BELOW_NS (back-to-back launch overhead), "other" for the rest (waiting on an event, another
+# stream). The same figures here, from the classified events (a kernel's type is its kind: classify's rules, so a
+# name rule's communication kernels count as communication), per rank, per stream and per stage, and the top
+# kernels of each pipeline phase (the phase whose schedule window holds the kernel's launch).
+KERNEL_TYPES = {"computation": ("compute",), "communication": COMMUNICATION_KINDS, "memory": MEMORY_KINDS}
+KERNEL_WAIT_BELOW_NS = 30_000  # HTA's consecutive_kernel_delay default, 30 in the trace's unit (µs in Kineto's JSON)
+TOP_KERNELS = 5  # kernels listed per (rank, phase)
+
+
+def gpu_kernels(events: pl.DataFrame, steps: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Every kernel, copy and memset: ``rank, stream, type, name, start, end, launch_ns`` (the start of the runtime
+    call that launched it, null if none is in the trace), cut to ``steps`` when given (with ``step``)."""
+    type_of = pl.lit(None, pl.String)
+    for t, kinds in reversed(KERNEL_TYPES.items()):
+        type_of = pl.when(pl.col("kind").is_in(list(kinds))).then(pl.lit(t)).otherwise(type_of)
+    k = (events.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0))
+         .select("rank", pl.col("stream").fill_null(-1), type_of.alias("type"), pl.col("name").cast(pl.String),
+                 pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"),
+                 pl.when(pl.col("launch_ns") != pl.col("ts_ns")).then(pl.col("launch_ns")).alias("launch_ns"))
+         .filter(pl.col("type").is_not_null()).collect(**iv.COLLECT))
+    return _in_steps(k, steps) if steps is not None and k.height else k
+
+
+def kernel_type_breakdown(kernels: pl.DataFrame) -> pl.DataFrame:
+    """``rank, type, ns, fraction``: each type's summed kernel time and its share of the rank's (HTA's kernel type
+    breakdown: durations summed, so kernels running at once on two streams both count)."""
+    d = kernels.group_by("rank", "type").agg((pl.col("end") - pl.col("start")).sum().alias("ns"))
+    return (d.with_columns((pl.col("ns") / pl.col("ns").sum().over("rank")).alias("fraction"))
+            .sort("rank", "ns", descending=[False, True]))
+
+
+def comm_comp_overlap(kernels: pl.DataFrame, by: list[str] | None = None) -> pl.DataFrame:
+    """``by + [communication_ns, overlapped_ns, overlap_pct]``: the union of communication kernels' time and the
+    part of it during which a computation kernel ran on any stream of the rank, in percent (HTA's
+    comp_comm_overlap_pctg); ``by`` ["rank"] (default) or ["rank", "stream"] (the communication of one stream)."""
+    by = by or ["rank"]
+    comm = kernels.filter(pl.col("type") == "communication")
+    comp = iv.merge(kernels.filter(pl.col("type") == "computation"), "rank")
+    comm_u = iv.merge(comm, by)
+    both = iv.intersect(comm_u, comp, "rank") if len(by) == 1 else iv.intersect(
+        comm_u, comp.join(comm_u.select("rank", "stream").unique(), on="rank"), by)
+    length = (pl.col("end") - pl.col("start")).sum()
+    total = comm_u.group_by(by).agg(length.alias("communication_ns"))
+    over = both.group_by(by).agg(length.alias("overlapped_ns"))
+    return (total.join(over, on=by, how="left").with_columns(pl.col("overlapped_ns").fill_null(0))
+            .with_columns((100 * pl.col("overlapped_ns") / pl.col("communication_ns")).alias("overlap_pct"))
+            .sort(by))
+
+
+def idle_breakdown(kernels: pl.DataFrame) -> pl.DataFrame:
+    """``rank, stream, host_wait_ns, kernel_wait_ns, other_ns, idle_ns``: each stream's gaps between consecutive
+    kernels (copies and memsets count as kernels), split as HTA's get_idle_time_breakdown does (module comment)."""
+    k = kernels.sort("rank", "stream", "start").with_columns(
+        pl.col("end").shift(1).over("rank", "stream").alias("_prev_end"))
+    k = k.filter(pl.col("_prev_end").is_not_null()).with_columns((pl.col("start") - pl.col("_prev_end")).alias("_gap"))
+    host = pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") > pl.col("_prev_end"))
+    kernel = ~host & (pl.col("_gap") < KERNEL_WAIT_BELOW_NS)
+    gap = pl.col("_gap").clip(lower_bound=0)
+    return (k.group_by("rank", "stream").agg(gap.filter(host).sum().alias("host_wait_ns"),
+                                              gap.filter(kernel).sum().alias("kernel_wait_ns"),
+                                              gap.filter(~host & ~kernel).sum().alias("other_ns"),
+                                              gap.sum().alias("idle_ns"))
+            .sort("rank", "stream"))
+
+
+def top_kernels(kernels: pl.DataFrame, schedule: pl.DataFrame, *, n: int = TOP_KERNELS) -> pl.DataFrame:
+    """``rank, phase, name, ns, count, fraction``: the ``n`` kernels taking the most time in each phase of each rank
+    (``fraction`` of the phase's kernel time). A kernel's phase is the schedule window (forward, backward, W, …,
+    optimizer) holding its launch on its rank; communication kernels are "communication", kernels launched outside
+    every window "other"."""
+    k = kernels.with_columns(pl.coalesce("launch_ns", "start").alias("_at"))
+    windows = (schedule.select("rank", "phase", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
+               .filter(pl.col("end") > pl.col("start")))
+    if windows.height:
+        phase = iv.containing(k, "_at", windows.sort("rank", "start"), by="rank", columns=["phase"])["phase"]
+    else:
+        phase = pl.repeat(None, k.height, dtype=pl.String, eager=True)
+    k = k.with_columns(pl.when(pl.col("type") == "communication").then(pl.lit("communication"))
+                       .otherwise(pl.lit(phase).fill_null("other")).alias("phase"))
+    per = (k.group_by("rank", "phase", "name").agg((pl.col("end") - pl.col("start")).sum().alias("ns"),
+                                                   pl.len().alias("count"))
+           .with_columns((pl.col("ns") / pl.col("ns").sum().over("rank", "phase")).alias("fraction")))
+    return (per.sort("rank", "phase", "ns", descending=[False, False, True])
+            .group_by("rank", "phase", maintain_order=True).head(n))
+
+
+def gpu_views(analysis) -> dict:
+    """HTA's views of a run's GPU ranks over its measured steps (module comment), times in ms per step and shares as
+    fractions (JSON's units): ``kernel_types``, ``overlap`` (per rank, with its stage: ``overlap_fraction`` is HTA's
+    comp_comm_overlap_pctg / 100), ``overlap_by_stream``, ``overlap_by_stage`` (the stage's ranks together), ``idle``
+    (per rank and stream) and ``top_kernels`` per phase; empty for a run with no GPU work or no events."""
+    if analysis.events is None:
+        return {}
+    steps = analysis.steps.filter(pl.col("step").is_in(list(analysis.summary.steps)))
+    k = gpu_kernels(analysis.events, steps if steps.height else None)
+    if k.height == 0:
+        return {}
+    n = steps.group_by("rank").agg(pl.len().alias("_n")) if steps.height else \
+        k.select("rank").unique().with_columns(pl.lit(1).alias("_n"))
+    stage = analysis.stages.select(pl.col("rank").cast(pl.Int32), "stage", "stages")
+    def per_step(f: pl.DataFrame, cols: list[str]) -> pl.DataFrame:  # ms per step; percentages as fractions (JSON)
+        f = f.join(n, on="rank").with_columns(
+            *((pl.col(c) / pl.col("_n") / NS_PER_MS).alias(c.replace("_ns", "_ms")) for c in cols)).drop(*cols, "_n")
+        return fraction(f)
+
+    def fraction(f: pl.DataFrame) -> pl.DataFrame:
+        return (f.with_columns((pl.col("overlap_pct") / 100).alias("overlap_fraction")).drop("overlap_pct")
+                if "overlap_pct" in f.columns else f)
+
+    ov = comm_comp_overlap(k)
+    by_stage = (ov.join(stage, on="rank", how="left").group_by("stage")
+                .agg(pl.col("communication_ns", "overlapped_ns").sum(), pl.col("rank").sort().alias("ranks"))
+                .with_columns((100 * pl.col("overlapped_ns") / pl.col("communication_ns")).alias("overlap_pct"))
+                .sort("stage", nulls_last=True))
+    return {
+        "kernel_types": per_step(kernel_type_breakdown(k), ["ns"]).to_dicts(),
+        "overlap": per_step(ov.join(stage, on="rank", how="left"), ["communication_ns", "overlapped_ns"]).to_dicts(),
+        "overlap_by_stream": per_step(comm_comp_overlap(k, ["rank", "stream"]),
+                                      ["communication_ns", "overlapped_ns"]).to_dicts(),
+        "overlap_by_stage": fraction(by_stage.with_columns(pl.col("ranks").cast(pl.List(pl.Int64))).drop(
+            "communication_ns", "overlapped_ns")).to_dicts(),
+        "idle": per_step(idle_breakdown(k), ["host_wait_ns", "kernel_wait_ns", "other_ns", "idle_ns"]).to_dicts(),
+        "top_kernels": per_step(top_kernels(k, analysis.schedule), ["ns"]).to_dicts(),
+    }

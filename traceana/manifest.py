@@ -182,6 +182,30 @@ def _strict_int(x: Any, field_name: str) -> int:
     return x
 
 
+# What each run.json key means, in a few words: the messages that name a missing fact and the template
+# `traceana describe` writes say it with the key.
+KEY_MEANINGS = {
+    "world_size": "ranks in the job (every rank, traced or not)",
+    "pp": "pipeline stages (all of them: virtual stages count)",
+    "dp": "data-parallel replicas of the pipeline",
+    "tp": "tensor-parallel ranks of one stage",
+    "stage_of_rank": "the (first) stage of each rank, index = global rank",
+    "stages_of_rank": "every stage each rank holds, index = global rank, e.g. [[0, 2], [1, 3]]",
+    "virtual_stages": "model chunks a rank (interleaved schedules)",
+    "schedule": f"the pipeline schedule: one of {', '.join(SCHEDULES)}",
+    "microbatch_size": "sequences in one micro-batch",
+    "num_microbatches": "micro-batches a step",
+    "global_batch": "sequences a step (micro-batch size × micro-batches × dp)",
+    "model": 'the model shape, {"family": "gpt" or "llama", "layers", "hidden", "heads", "seq", "vocab", ...}',
+    "dtype": "the parameters' dtype, e.g. bf16",
+    "attention": f"attention kernel: one of {', '.join(ATTENTIONS)}",
+    "recompute": f"activation recomputation: one of {', '.join(RECOMPUTES)}",
+    "device": "the accelerator, e.g. h100-80gb (traceana estimate lists the presets)",
+    "peak_flops": "the device's peak FLOP/s, for MFU (or --peak-flops)",
+    "trainer": "the training code, e.g. megatron-core, deepspeed, torch.distributed.pipelining",
+}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Contents of run.json. Only ``world_size`` is required; unknown facts stay None and are inferred."""

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from traceana.errors import ConfigError, shown
-from traceana.manifest import MANIFEST_NAME, Manifest, ModelShape
+from traceana.manifest import KEY_MEANINGS, MANIFEST_NAME, Manifest, ModelShape
 
 if TYPE_CHECKING:
     from traceana.model.config import Precision, TrainingConfig
 
 RUN_JSON, TRACE, INFERRED, DEFAULT, OPTION = "run.json", "trace", "inferred", "default", "option"
+RUN_JSON_KEYS = KEY_MEANINGS  # (manifest.KEY_MEANINGS: what each run.json key means)
 SOURCES = (RUN_JSON, TRACE, INFERRED, DEFAULT, OPTION)
 
 # run.json's facts the configuration carries as they are (their source is run.json when given, else default).
@@ -136,15 +137,20 @@ class RunConfig:
             if where is None:
                 raise
             fix = _FLAG.sub(lambda m: _RUN_JSON_KEY.get(m.group(1), m.group(1).replace("-", "_")), e.fix or "")
-            raise ConfigError(e.what, path=shown(where), fix=f"{fix} in run.json" if fix else "fix run.json") from None
+            raise ConfigError(e.what, path=shown(where), fix=fix if "run.json" in fix else
+                              f"{fix} in run.json" if fix else "fix run.json") from None
 
     def _training_config(self, precision: Precision | None) -> TrainingConfig:
         from traceana.model.config import FP32_ADAM, MIXED_ADAM, MODEL_SCHEDULES, TrainingConfig
 
         missing = [f for f in ("model", "pp", "microbatch_size", "num_microbatches") if getattr(self, f) is None]
         if missing:
-            raise ConfigError(f"run.json lacks {', '.join(missing)}, which the model needs",
-                              fix="collect the run with `traceana collect`, or add them to run.json")
+            keys = ", ".join(f"{f} ({RUN_JSON_KEYS[f]})" for f in missing)
+            # (every missing fact named by its run.json key; `traceana describe` writes the rest from the traces)
+            what = ("there is no run.json and the traces do not show " if self.manifest is None else "run.json lacks ")
+            raise ConfigError(f"{what}{', '.join(missing)}, which the model needs",
+                              fix=f"write run.json with {keys}: `traceana describe RUN -o run.json` writes one with "
+                                  "what the traces show and names the rest, to put in the run folder")
         if self.schedule not in MODEL_SCHEDULES:
             raise ConfigError(f"the model cannot simulate schedule {self.schedule!r}",
                               fix=f"use one of {', '.join(MODEL_SCHEDULES)}")
@@ -170,6 +176,17 @@ class RunConfig:
             dropout=self.dropout if self.dropout is not None else (False if trainer else None),
             eager=self.eager if self.eager is not None else trainer,
         )
+
+    def _repr_html_(self) -> str:
+        """Each known fact with where it came from, and the conflicts, for Jupyter."""
+        from html import escape
+
+        rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(f['value']))}</td><td>{escape(str(f['source']))}"
+                       "</td></tr>" for k, f in self.as_dict()["facts"].items() if f["value"] not in (None, {}, []))
+        conflicts = "".join(f"<li>{escape(c)}</li>" for c in self.conflicts)
+        return ("<div><p><b>traceana.RunConfig</b></p><table><thead><tr><th>fact</th><th>value</th><th>from</th>"
+                f"</tr></thead><tbody>{rows}</tbody></table>"
+                + (f"<p>conflicts:</p><ul>{conflicts}</ul>" if conflicts else "") + "</div>")
 
     def as_dict(self) -> dict:
         """JSON-ready: every fact with its source, and the conflicts."""

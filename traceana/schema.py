@@ -139,7 +139,7 @@ SCHEDULE = {
     "phase": pl.String,  # forward | backward | backward_input | backward_weight | recompute | optimizer
     "start_ns": pl.Int64,
     "end_ns": pl.Int64,
-    "source": pl.String,  # annotated | inferred | simulated
+    "source": pl.String,  # annotated | inferred (P2P order) | autograd (torch.profiler's defaults) | simulated
 }
 
 ATTRIBUTION = {

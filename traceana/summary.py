@@ -149,9 +149,9 @@ class RunSummary:
             "bubble_fraction": self.bubble_fraction,
             "bpipe_ms": self.bpipe_ms,
             "largest_activation_stage": self.largest_activation_stage,
-            "largest_activation_peak_mib": self.largest_activation_peak_mib,
+            "largest_activation_peak_bytes": _bytes(self.largest_activation_peak_mib),
             "memory_balance": self.memory_balance,
-            "per_stage": self.per_stage.to_dicts(),
+            "per_stage": [_bytes_keys(row) for row in self.per_stage.to_dicts()],
             "replicas": [] if self.replicas is None else self.replicas.to_dicts(),
             "diagnosis": self.diagnosis,
             "bottleneck": self.bottleneck,
@@ -174,6 +174,17 @@ class RunSummary:
 
         head = "".join(f"<li>{escape(line)}</li>" for line in headline(self))
         return f"<div><ul>{head}</ul><p>Per stage (mean per measured step):</p>{self.table_html()}</div>"
+
+
+def _bytes(mib: float | None) -> int | None:
+    """Memory in JSON is in bytes, as every other table's ``*_bytes`` (README "Commands"); the tables show MiB."""
+    return None if mib is None else round(mib * MIB)
+
+
+def _bytes_keys(row: dict) -> dict:
+    """A per-stage row for JSON: each ``*_mib`` figure as ``*_bytes``."""
+    return {(k.removesuffix("_mib") + "_bytes" if k.endswith("_mib") else k): (_bytes(v) if k.endswith("_mib") else v)
+            for k, v in row.items()}
 
 
 # The per-stage columns a notebook shows (RunSummary / Analysis ``_repr_html_``); the rest are in ``per_stage``.
@@ -420,6 +431,19 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     return overview, per_stage
 
 
+def steps_label(steps) -> str:
+    """Measured steps as labels, not a count: "step #2", "steps #2, #3", "steps #1–#8" (a run of consecutive ones),
+    "no step" (ProfilerStep numbers are names: "over steps 2" read as two steps)."""
+    steps = list(steps)
+    if not steps:
+        return "no step"
+    if len(steps) == 1:
+        return f"step #{steps[0]}"
+    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps #{steps[0]}–#{steps[-1]}"
+    return "steps " + ", ".join(f"#{x}" for x in steps)
+
+
 def headline(summary) -> list[str]:
     """The run's headline figures, one per line, in the words every surface uses (traceana analyze, an Analysis's
     repr in a notebook); no bubble line for a run that is no pipeline (``summary.pipeline_found``: it has none)."""
@@ -429,7 +453,7 @@ def headline(summary) -> list[str]:
         return "–" if x is None else format(x, fmt)
 
     over = ("the whole trace (no ProfilerStep spans)" if tuple(summary.steps) == (WHOLE_TRACE_STEP,)
-            else f"steps {', '.join(map(str, summary.steps)) or '–'}")
+            else steps_label(summary.steps))
     lines = [f"{STEP_TIME_LABEL}: {num(summary.step_ms, ',.2f')} ms over {over}"]
     if summary.pipeline_found:
         lines.append(f"bubble (warm-up + stall + cool-down, all ranks): "

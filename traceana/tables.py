@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 UNKNOWN = "–"  # a value that could not be determined (never drawn as 0 or as some other field)
 
 
+def stage_label(stage: int | None, stages: str | None = None) -> str:
+    """A rank's every stage as a column label: "stage 1", "stages 0+3" (a V or looped placement: ``stages`` is
+    ``Analysis.stages``' "0,3"), "stage –" when not determined."""
+    if stage is None:
+        return f"stage {UNKNOWN}"
+    label = (stages or str(stage)).replace(",", "+")
+    return f"stage{'s' if '+' in label else ''} {label}"
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``plural(1, "rank") == "1 rank"``, ``plural(3, "rank") == "3 ranks"``, ``plural(2, "entry", "entries")``."""
     return f"{n:,} {word if n == 1 else (words or word + 's')}"

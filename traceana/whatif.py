@@ -324,7 +324,9 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
             raise SetError(f"--set {c.text!r}: the run has no {c.who} {c.who_id}",
                            fix=f"its {c.who}s are {', '.join(map(str, have)) or 'unknown'}")
     steps = list(g.steps)
-    stages_known = ops["stage"].null_count() == 0 or g.data_parallel
+    # the stages are known where every pass has one (an optimizer step the traces give no stage is the rank's)
+    stages_known = (ops.filter(pl.col("action").is_in(PASS_ACTIONS))["stage"].null_count() == 0
+                    or g.data_parallel)
     per_work = dict(ops.group_by("_work").agg(pl.col("rank").n_unique()).iter_rows())
     alone = {r: per_work[w] == 1 for r, w in ops.select("rank", "_work").unique().iter_rows()}
     notes: list[str] = list(g.notes)
@@ -419,8 +421,10 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
             at_peers = next(out)
             gains = [a - b for a, b in zip(replayed, at_peers)]
             peer = (_mean(at_peers), _mean(gains), min(gains))
+        # a rank alone on its stage has no peers but its own micro-batches: their spread is not a straggler (a slow
+        # rank alone on its stage is its stage's imbalance, named as the stage)
         rows.append((grp, str(gid), *(pub or (None,) * 4), *(peer or (None,) * 3),
-                     peer is not None and peer[2] > noise))
+                     peer is not None and peer[2] > noise and not (grp == "rank" and alone.get(int(gid), False))))
     rows += [(grp, str(gid), *(None,) * 7, False) for grp, gid in skipped]
     table = pl.DataFrame(rows, schema=GROUP_SCHEMA, orient="row")
     # A stage or replica is named for itself only when none of its ranks is: one slow rank makes its stage and its
@@ -499,7 +503,7 @@ def _shares(table: pl.DataFrame, ops: pl.DataFrame, edges: pl.DataFrame, steps_m
     last = table.filter((pl.col("group") == "stage") & (pl.col("id") == str(stages[-1])))["if_ideal_step_ms"][0]
     s_of = {(grp, i): s for grp, i, s in table.filter(pl.col("group").is_in(["stage", "replica"]))
             .select("group", "id", "slowdown").iter_rows()}
-    where = ops.select("rank", "stage", "replica").unique()
+    where = ops.filter(pl.col("stage").is_not_null()).select("rank", "stage", "replica").unique()
     whole = replayed / ideal if ideal else None
     # Eq. 4: a worker's score is the smaller of its replica's and its stage's slowdowns (one replica: the job's)
     score = sorted(((min(s_of.get(("replica", str(k)), whole) if len(replicas) > 1 else whole,

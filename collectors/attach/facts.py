@@ -65,7 +65,8 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
     stage_of_rank = None
     if pp is not None and len(stages_of_rank) == world and all(r in stages_of_rank for r in range(world)):
         stage_of_rank = tuple(min(stages_of_rank[r]) for r in range(world))
-        detected["stage_of_rank"] = "the schedule's PipelineStage objects (stage_index), every rank"
+        detected["stage_of_rank"] = (f"{agreed('stages_from')}, every rank" if agreed("stages_from") else
+                                     "the schedule's PipelineStage objects (stage_index), every rank")
     elif stages_of_rank:
         missing["stage_of_rank"] = (f"only ranks {sorted(stages_of_rank)} of {world} reported their stages "
                                     "(attach.stages_of_rank has those)")
@@ -73,7 +74,7 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         missing["pipeline stages (pp, stage_of_rank)"] = ("no torch.distributed.pipelining schedule stepped: the "
                                                           "analysis infers stages from P2P traffic, if any")
     if pp is not None:
-        detected["pp"] = "PipelineStage.num_stages"
+        detected["pp"] = agreed("stages_from") or "PipelineStage.num_stages"
 
     schedule_class = agreed("schedule_class")
     schedule = agreed("schedule") or "unknown"
@@ -83,21 +84,27 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         missing["schedule"] = "no torch.distributed.pipelining schedule seen"
 
     n_mb = agreed("num_microbatches")
+    framework = agreed("framework")
     if n_mb is not None:
-        detected["num_microbatches"] = "the schedule's n_microbatches"
+        detected["num_microbatches"] = (f"{framework}'s own setting (its schedule call or engine)" if framework else
+                                        "the schedule's n_microbatches")
     elif schedule_class:
         missing["num_microbatches"] = "ranks disagree or the schedule does not say"
     else:
         missing["num_microbatches"] = "no pipelining schedule"
     mbs = agreed("microbatch_size")
     if mbs is not None:
-        detected["microbatch_size"] = "the first stage's input batch / n_microbatches"
+        detected["microbatch_size"] = (f"{framework}'s own setting" if framework else
+                                       "the first stage's input batch / n_microbatches")
     else:
         missing["microbatch_size"] = ("the first stage's rank did not record it (its step() input was not one tensor "
                                       "splitting evenly)" if schedule_class else "no pipelining schedule")
 
     dp = 1
-    if pp is not None and stages_of_rank:
+    if agreed("dp") is not None and framework:  # the framework's own grid
+        dp = int(agreed("dp"))
+        detected["dp"] = f"{framework}'s data-parallel group"
+    elif pp is not None and stages_of_rank:
         per_pipeline = pp // max(len(s) for s in stages_of_rank.values())
         if per_pipeline and world % per_pipeline == 0:
             dp = world // per_pipeline
@@ -132,6 +139,12 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
         else:
             missing[key] = "not seen"
     missing.update(_NEVER_DETECTED)
+    tp = agreed("tp") if framework else None
+    if tp is not None:
+        detected["tp"] = f"{framework}'s tensor-parallel group"
+        missing.pop("tensor-parallel degree", None)
+    if framework:
+        detected["trainer"] = f"{framework} (its own objects, read in the job)"
 
     expected = set(range(world))
     not_profiled = {r: f["problem"] for r, f in facts.items() if f.get("problem")}
@@ -157,7 +170,10 @@ def window_manifest(facts: dict[int, dict[str, Any]], written: tuple[int, ...], 
                 "the job ended with status {} before these ranks wrote their trace (died, killed, or never reached "
                 "the window's end)".format(job.get("exit_code")))
     return Manifest(
-        world_size=world, pp=pp, dp=dp, stage_of_rank=stage_of_rank, schedule=schedule, microbatch_size=mbs,
+        world_size=world, pp=pp, dp=dp, tp=int(tp) if tp else 1, trainer=framework,
+        stages_of_rank=(tuple(tuple(stages_of_rank[r]) for r in range(world))
+                        if stage_of_rank is not None and any(len(v) > 1 for v in stages_of_rank.values()) else None),
+        stage_of_rank=stage_of_rank, schedule=schedule, microbatch_size=mbs,
         num_microbatches=n_mb, global_batch=global_batch, dtype=agreed("dtype"), device=agreed("device"),
         profiler={"wait": 0, "warmup": int(any_fact.get("warmup", 1)),
                   "active": int(any_fact["window"][1] - any_fact["window"][0]), "repeat": 1},

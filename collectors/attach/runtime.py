@@ -36,6 +36,13 @@ from typing import Any, Callable
 from collectors.attach import ENV, FACTS_DIR, FAIL_ENV, Config, windows_at
 
 SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
+# Other frameworks' pipelines, read without changing them (issue 36): megatron-core's schedules (their calls carry
+# the micro-batch count and size; parallel_state the layout) and DeepSpeed's PipelineEngine (its stage, stages,
+# micro-batches and grid).
+MEGATRON_SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+MEGATRON_SCHEDULES = {"forward_backward_pipelining_without_interleaving": "1f1b",
+                      "forward_backward_pipelining_with_interleaving": "interleaved-1f1b"}
+DEEPSPEED_ENGINE_MODULE = "deepspeed.runtime.pipe.engine"
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 PRIORITY = {"optimizer": 1, "schedule": 2, "step_fn": 3}
 SOURCE_TEXT = {
@@ -58,6 +65,8 @@ def install() -> None:
     hooks: dict[str, Callable[[Any], None]] = {
         OPTIMIZER_MODULE: _state.patch_optimizer,
         SCHEDULES_MODULE: _state.patch_schedules,
+        MEGATRON_SCHEDULES_MODULE: _state.patch_megatron,
+        DEEPSPEED_ENGINE_MODULE: _state.patch_deepspeed,
     }
     if config.step_fn:
         module, _, _ = config.step_fn.partition(":")
@@ -147,6 +156,8 @@ class _State:
         self.optimizer_hook: Any = None
         self.in_schedule_step = False
         self.in_step_fn = False
+        self.framework: dict[str, Any] | None = None  # megatron-core's schedule call (patch_megatron)
+        self.deepspeed_engine: Any = None  # DeepSpeed's PipelineEngine (patch_deepspeed)
 
     def _start_boundary(self) -> float:
         """The boundary that starts the current window's warm-up."""
@@ -178,6 +189,46 @@ class _State:
                 if getattr(step, "__isabstractmethod__", False):
                     continue
                 value.step = self._wrap_schedule_step(step)
+
+    def patch_megatron(self, module: Any) -> None:
+        """Record the schedule megatron-core runs and its keywords (num_microbatches, micro_batch_size) at each
+        call; get_forward_backward_func returns these module attributes by name, so the wrapped ones run."""
+        for name, schedule in MEGATRON_SCHEDULES.items():
+            fn = getattr(module, name, None)
+            if callable(fn) and not getattr(fn, "_traceana", False):
+                setattr(module, name, self._wrap_megatron(fn, name, schedule))
+
+    def _wrap_megatron(self, fn: Callable, name: str, schedule: str) -> Callable:
+        state = self
+
+        @functools.wraps(fn)
+        def traceana_megatron_schedule(*args, **kwargs):
+            try:
+                state.framework = {"framework": "megatron-core", "schedule_class": f"megatron-core {name}",
+                                   "schedule": schedule, "num_microbatches": kwargs.get("num_microbatches"),
+                                   "microbatch_size": kwargs.get("micro_batch_size")}
+            except Exception:  # noqa: BLE001 - facts only: the job's call goes on
+                pass
+            return fn(*args, **kwargs)
+
+        traceana_megatron_schedule._traceana = True
+        return traceana_megatron_schedule
+
+    def patch_deepspeed(self, module: Any) -> None:
+        """Keep the PipelineEngine whose train_batch runs, for its stage, stages, micro-batches and grid."""
+        engine = getattr(module, "PipelineEngine", None)
+        train = getattr(engine, "train_batch", None) if engine is not None else None
+        if train is None or getattr(train, "_traceana", False):
+            return
+        state = self
+
+        @functools.wraps(train)
+        def traceana_train_batch(engine_self, *args, **kwargs):
+            state.deepspeed_engine = engine_self
+            return train(engine_self, *args, **kwargs)
+
+        traceana_train_batch._traceana = True
+        engine.train_batch = traceana_train_batch
 
     def patch_step_fn(self, module: Any) -> None:
         _, _, qualname = self.config.step_fn.partition(":")
@@ -515,6 +566,7 @@ def detect_facts(state: _State, args: tuple) -> dict[str, Any]:
         mbs = _microbatch_size(schedule, args)
         if mbs is not None:
             facts["microbatch_size"] = mbs
+    facts.update(framework_facts(state))
     if not params and state.optimizer is not None:
         params = [p for g in state.optimizer.param_groups for p in g["params"]]
         facts["parameters_from"] = f"{type(state.optimizer).__name__} param_groups"
@@ -527,6 +579,35 @@ def detect_facts(state: _State, args: tuple) -> dict[str, Any]:
         facts["dtype"] = str(first.dtype).removeprefix("torch.")
         facts["device"] = first.device.type
     return facts
+
+
+def framework_facts(state: _State) -> dict[str, Any]:
+    """The pipeline of an unmodified megatron-core or DeepSpeed job, as the framework itself holds it: megatron-core's
+    parallel_state (pipeline rank and size, virtual stages, tensor and data parallel sizes) and the schedule call it
+    made (``_State.framework``); DeepSpeed's PipelineEngine (stage_id, num_stages, micro_batches, micro_batch_size,
+    its grid's data and model parallel sizes). Only modules the job imported are read; never raises."""
+    out: dict[str, Any] = {}
+    try:
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            p, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+            v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+            out.update(framework="megatron-core", stages=[r + i * p for i in range(v)], num_stages=p * v,
+                       tp=ps.get_tensor_model_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+                       stages_from="megatron-core's parallel_state (pipeline rank, size, virtual size)")
+            if state.framework:
+                out.update({k: v for k, v in state.framework.items() if v is not None})
+        engine = state.deepspeed_engine
+        if engine is not None:
+            grid = engine.grid
+            out.update(framework="deepspeed", stages=[int(engine.stage_id)], num_stages=int(engine.num_stages),
+                       schedule="1f1b", schedule_class="deepspeed PipelineEngine (TrainSchedule)",
+                       num_microbatches=int(engine.micro_batches), microbatch_size=int(engine.micro_batch_size),
+                       dp=int(grid.data_parallel_size), tp=int(getattr(grid, "model_parallel_size", 1) or 1),
+                       stages_from="DeepSpeed's PipelineEngine (stage_id, num_stages)")
+    except Exception as e:  # noqa: BLE001 - a framework version with other names: say so, keep the rest
+        out.setdefault("notes", []).append(f"framework layout not readable ({type(e).__name__}: {e})")
+    return out
 
 
 def _microbatch_size(schedule: Any, args: tuple) -> int | None:

@@ -111,11 +111,9 @@ def print_tables(analysis, *, per_step: bool) -> None:
     st = analysis.stages
     shown = [c for c in CATEGORIES if st.height and (st[f"{c}_ms"].fill_null(0) > 0).any()]
     stages = st.to_dicts()  # one dict per rank: display only
-    def stage_label(r) -> str:  # an interleaved rank holds several stages: "stages 0+4"
-        label = UNKNOWN if r["stage"] is None else (r.get("stages") or str(r["stage"])).replace(",", "+")
-        return f"stage{'s' if '+' in label else ''} {label}"
+    from traceana.tables import stage_label
 
-    headers = ["", *(f"{stage_label(r)}\nrank {r['rank']}" for r in stages)]
+    headers = ["", *(f"{stage_label(r['stage'], r.get('stages'))}\nrank {r['rank']}" for r in stages)]
     rows = [["steps", *(str(r["steps"] or 0) for r in stages)],
             ["step ms", *(_num(r["step_ms"]) for r in stages)]]
     rows += [[CATEGORY_LABELS[c], *(UNKNOWN if _unknown(c, r["stage"]) else _ms_pct(r[f"{c}_ms"], r[f"{c}_pct"],

@@ -45,6 +45,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("validate", "traceana.commands.validate", "compare the model's estimate with what a run measured"),
     Command("whatif", "traceana.commands.whatif",
             "replay the measured step with chosen work made ideal: who holds it back"),
+    Command("describe", "traceana.commands.describe",
+            "say what a run's traces show and lack, and write a run.json template for it"),
     Command("watch", "traceana.commands.watch",
             "print each profiling window's per-stage attribution as its traces land"),
     Command("attach", "collectors.attach.command",

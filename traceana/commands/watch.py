@@ -170,7 +170,7 @@ def window_table(stages):
 
     cats = [c for _, c in _rows() if c not in ("step_ms", "compute_ms")]
     return stages.select(
-        "rank", "stage", "steps", "step_ms",
+        "rank", "stage", *(["stages"] if "stages" in stages.columns else []), "steps", "step_ms",
         compute_ms=pl.sum_horizontal(pl.col(f"{c}_ms").fill_null(0) for c in COMPUTE_CATEGORIES),
         bubble_ms=pl.sum_horizontal(pl.col(f"{c}_ms").fill_null(0) for c in BUBBLE_CATEGORIES),
         *(pl.col(c).fill_null(0) for c in cats),
@@ -239,12 +239,12 @@ def _ms(ms: float | None, step: float | None) -> str:
 
 def print_window(console, n: int, window: Window, table, comparison, notes: list[str]) -> None:
     """One window: its mean step per rank, the step against window 1 once there are several, and its new notes."""
-    from traceana.tables import print_line, print_table
+    from traceana.tables import print_line, print_table, stage_label
 
     rows = table.to_dicts()  # one dict per rank: display only
     print_line(console, f"{window.label} — {window.run_dir or Path(window.files[0]).parent}",
                prefix=f"[bold]window {n}[/]: ")
-    heads = ["", *(f"stage {'?' if r['stage'] is None else r['stage']}\nrank {r['rank']}" for r in rows)]
+    heads = ["", *(f"{stage_label(r['stage'], r.get('stages'))}\nrank {r['rank']}" for r in rows)]
     body = [["steps", *(str(r["steps"] or 0) for r in rows)]]
     sections = []
     for label, col in _rows():
@@ -256,8 +256,9 @@ def print_window(console, n: int, window: Window, table, comparison, notes: list
     print_table(console, "mean per step: ms (% of the step)", heads, body, sections=sections)
     if comparison["window"].n_unique() > 1:
         ranks = sorted(set(comparison["rank"].to_list()))
-        stage_of = dict(zip(table["rank"].to_list(), table["stage"].to_list()))
-        heads = ["window", *(f"stage {'?' if stage_of.get(r) is None else stage_of[r]}\nrank {r}" for r in ranks)]
+        held = table["stages"].to_list() if "stages" in table.columns else [None] * table.height
+        stage_of = {r: (s, h) for r, s, h in zip(table["rank"].to_list(), table["stage"].to_list(), held)}
+        heads = ["window", *(f"{stage_label(*stage_of.get(r, (None, None)))}\nrank {r}" for r in ranks)]
         body = []
         for (w, label), part in comparison.group_by("window", "label", maintain_order=True):  # one row per window
             by_rank = {d["rank"]: d for d in part.to_dicts()}

@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def render(w, *, console) -> None:
     from traceana.tables import cell as _fmt
     from traceana.tables import print_line, print_table
+    from traceana.summary import steps_label
     from traceana.whatif import ms
 
     s = w.summary
@@ -70,8 +71,8 @@ def render(w, *, console) -> None:
     def f2(x):
         return "–" if x is None else f"{x:.2f}"
 
-    print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over steps "
-               f"{', '.join(map(str, s['measured_steps']))}; noise {ms(s['noise_ms'])} ms")
+    print_line(console, f"{s['run']}: measured step {ms(s['measured_step_ms'])} ms over "
+               f"{steps_label(s['measured_steps'])}; noise {ms(s['noise_ms'])} ms")
     print_line(console, f"replay of the measured step (a consistency check of the graph's edges, in sample, not a "
                f"prediction): {ms(s['replayed_step_ms'])} ms; edges consistent with the timeline: "
                f"{s['consistent_operations']:,} of {s['operations']:,} operations (largest difference of a rank's "

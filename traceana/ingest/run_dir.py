@@ -45,6 +45,20 @@ class IngestWarning(UserWarning):
     """
 
 
+class IngestNote(IngestWarning):
+    """A fact about the input that is normal practice, not a fault: a job profiled on some of its ranks (2 of
+    128 is usual). Listed in ``Run.warnings`` like the others, shown as a note, not a warning (``category_of``)."""
+
+
+SAMPLED_RANKS = " ranks have no trace ("  # (the words of the one note ``_check_ranks`` gives)
+
+
+def category_of(message: str) -> type[IngestWarning]:
+    """The warning class of one of ``Run.warnings``: ``IngestNote`` for a sample of the ranks, else
+    ``IngestWarning`` (a cached run's warnings are text, so the class is told from the words)."""
+    return IngestNote if SAMPLED_RANKS in message else IngestWarning
+
+
 def input_files(path: str | Path) -> list[Path]:
     """The files an analysis of ``path`` reads (its traces and run.json, or the one trace file): outputs are
     checked against these (``traceana.files.refuse_inputs``) so that none is ever written over."""
@@ -167,7 +181,7 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     parsed.clear()
     events = _one_table(frames) if frames else schema.empty(schema.EVENTS)
     for w in warnings:
-        pywarnings.warn(w, IngestWarning, stacklevel=2)
+        pywarnings.warn(w, category_of(w), stacklevel=2)
     return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
                memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
                warnings=tuple(warnings))
@@ -453,8 +467,9 @@ def _check_ranks(results: list[Parsed], manifest: Manifest | None, run_dir: Path
         if n_missing:
             first = list(itertools.islice((r for r in range(world) if r not in by_rank), 10))
             listed = ", ".join(map(str, first)) + (" …" if n_missing > 10 else "")
-            notes.append(f"{shown(run_dir)}: {n_missing:,} of {world:,} ranks have no trace ({listed}); analysing "
-                         f"the {len(by_rank)} present")
+            # (a note, not a fault: profiling a sample of the ranks is usual; the figures are the traced ranks')
+            notes.append(f"{shown(run_dir)}: {n_missing:,} of {world:,}{SAMPLED_RANKS}{listed}); analysing "
+                         f"the {len(by_rank)} present (a sample of the job's ranks: every figure is theirs)")
     if manifest is not None and manifest.ranks_written is not None:
         unwritten = sorted(set(by_rank) - set(manifest.ranks_written))
         if unwritten:
@@ -632,4 +647,4 @@ def _marks_found(results: list[Parsed], found: list[Marks | None] | None = None
 
 
 # --- per-rank summary ----------------------------------------------------------------------------------------------
-__all__ = ["load_run", "read_trace", "find_traces", "IngestWarning", "CACHE_DIR"]
+__all__ = ["load_run", "read_trace", "find_traces", "IngestWarning", "IngestNote", "CACHE_DIR"]
