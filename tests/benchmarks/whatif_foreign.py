@@ -152,33 +152,40 @@ def rows(results: list[dict], stage: int) -> list[dict]:
                 hi = max(t["measured_ms"] for t in twins)
                 noise = max(t["noise_ms"] for t in twins)
                 row["twin"] = {"median": statistics.median(t["measured_ms"] for t in twins), "min": lo, "max": hi,
-                               "noise": noise}
+                               "noise": noise, "peers_min": min(t["peers_ms"] for t in twins),
+                               "peers_max": max(t["peers_ms"] for t in twins)}
                 row["within"] = all(lo - noise <= p <= hi + noise for p in row["peers_ms"])
+                row["within_twin_whatif"] = all(row["twin"]["peers_min"] - noise <= p <= row["twin"]["peers_max"] + noise
+                                                for p in row["peers_ms"])
             row["expected"] = [] if kind == "none" else [f"stage {stage}"]
             out.append(row)
     return out
 
 
 def table(rs: list[dict]) -> str:
-    lines = ["| framework | profile | slowdown | runs | named | what-if: stage at the others' speed ms (study's ideal) "
-             "| twin measured ms, median (range) | within the twin's noise | zeroed replay |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed, ms (range); the "
+             "study's ideal; measured | twin measured ms, median (range) ± noise | within it | the twin's own what-if "
+             "(the same --set) | within it | zeroed replay, largest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         if "measured_ms" not in r:
             lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | error: {r['errors']} |"
-                         " | | | |")
+                         " | | | | | |")
             continue
         named = ", ".join(r["named"]) or "nothing"
         if r["kind"] == "none":
-            wi, tw, within = "–", "–", "–"
+            wi = f"measured {statistics.median(r['measured_ms']):.1f} ({min(r['measured_ms']):.1f}–{max(r['measured_ms']):.1f})"
+            tw, within, tp, within2 = "–", "–", "–", "–"
         else:
             wi = (f"{statistics.median(r['peers_ms']):.1f} ({min(r['peers_ms']):.1f}–{max(r['peers_ms']):.1f}); "
                   f"ideal {statistics.median(r['ideal_ms']):.1f}; measured {statistics.median(r['measured_ms']):.1f}")
             t = r.get("twin")
             tw = f"{t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) ± {t['noise']:.1f}" if t else "no twin"
             within = ("yes" if r["within"] else "no") if t else "–"
+            tp = f"{t['peers_min']:.1f}–{t['peers_max']:.1f}" if t else "–"
+            within2 = ("yes" if r["within_twin_whatif"] else "no") if t else "–"
         lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | {named} | {wi} | {tw} | "
-                     f"{within} | {100 * r['zeroed_max']:.1f} % |")
+                     f"{within} | {tp} | {within2} | {100 * r['zeroed_max']:.1f} % |")
     return "\n".join(lines)
 
 
@@ -193,12 +200,20 @@ def main() -> None:
     p.add_argument("--slow-ms", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--analyze-only", action="store_true", help="read the runs already in OUT")
+    p.add_argument("--table", nargs="+", type=Path, metavar="RESULTS_JSON",
+                   help="only print the table of earlier runs' results.json files, together")
     p.add_argument("--pipelining-child", metavar="RUN", help=argparse.SUPPRESS)
     p.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--slow-kind", default="sleep", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.pipelining_child:
         pipelining_child(a.pipelining_child, a.defaults, (a.slow_stage, a.slow_ms, a.slow_kind) if a.slow_ms else None)
+        return
+    if a.table:
+        runs = [r for f in a.table for r in json.loads(f.read_text())["runs"]]
+        print(table(rows(runs, a.slow_stage)))
+        loads = [r["load"][0] for r in runs if r.get("load")]
+        print(f"load average (1 min) over the runs: {min(loads):.1f}–{max(loads):.1f}")
         return
     results = []
     port = 29600
@@ -215,6 +230,10 @@ def main() -> None:
                     if not a.analyze_only:
                         port += 1
                         wall = collect(fw, run, a.python, mode == "defaults", slow, port)
+                    # what was done to the run, beside it (tests/test_whatif_foreign.py reads it: the expectation)
+                    run.parent.joinpath("slow.json").write_text(json.dumps(
+                        {"framework": fw, "profile": mode, "slow": list(slow) if slow else None,
+                         "microbatches": MICROBATCHES}))
                     r = read(run, a.slow_stage)
                 except RuntimeError as e:
                     r = {"run": str(run), "error": [str(e)]}
