@@ -423,6 +423,18 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
                      peer is not None and peer[2] > noise))
     rows += [(grp, str(gid), *(None,) * 7, False) for grp, gid in skipped]
     table = pl.DataFrame(rows, schema=GROUP_SCHEMA, orient="row")
+    # A rank alone on its stage (one replica: the rank is its stage) is measured against its own median — what the
+    # spread of its own micro-batches gains — and its stage against the other stages. Where both are named and the
+    # stage gains at least as much in every step, the stage is the cause (a slowed stage of a pp-only run), not a
+    # straggling rank: the rank is not named for it.
+    named_stage = dict(table.filter((pl.col("group") == "stage") & pl.col("named"))
+                       .select("id", "peers_min_gain_ms").iter_rows())
+    lone = [str(r) for r, s in ops.select("rank", "stage").unique().drop_nulls().iter_rows()
+            if alone.get(r) and str(s) in named_stage
+            and named_stage[str(s)] >= table.filter((pl.col("group") == "rank") & (pl.col("id") == str(r)))
+            ["peers_min_gain_ms"].fill_null(float("inf")).max()]
+    table = table.with_columns(pl.when((pl.col("group") == "rank") & pl.col("id").is_in(lone))
+                               .then(False).otherwise("named").alias("named"))
     # A stage or replica is named for itself only when none of its ranks is: one slow rank makes its stage and its
     # replica slow too, and naming those would point at the ranks that only wait on it.
     with_named = ops.join(table.filter((pl.col("group") == "rank") & pl.col("named"))
