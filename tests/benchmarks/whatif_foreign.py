@@ -155,6 +155,15 @@ def rows(results: list[dict], stage: int) -> list[dict]:
                                "noise": noise, "peers_min": min(t["peers_ms"] for t in twins),
                                "peers_max": max(t["peers_ms"] for t in twins)}
                 row["within"] = all(lo - noise <= p <= hi + noise for p in row["peers_ms"])
+                # within the run (no machine change between the figures, as tests/test_whatif_runs.py): every slowed
+                # forward is on the path, so the step at the other stage's speed is the measured step less the
+                # injected MICROBATCHES x X ms, within the run's noise and the stages' own imbalance (the twins' gain)
+                natural = max(t["measured_ms"] - t["peers_ms"] for t in twins)
+                ms = next((r["slow"][1] for r in ok if r.get("slow")), None)
+                row["in_run"] = [p - (m - MICROBATCHES * ms) for p, m in zip(row["peers_ms"], row["measured_ms"])] \
+                    if ms else None
+                row["in_run_ok"] = all(abs(d) <= r_["noise_ms"] + natural for d, r_ in zip(row["in_run"], ok)) \
+                    if ms else None
                 row["within_twin_whatif"] = all(row["twin"]["peers_min"] - noise <= p <= row["twin"]["peers_max"] + noise
                                                 for p in row["peers_ms"])
             row["expected"] = [] if kind == "none" else [f"stage {stage}"]
@@ -165,17 +174,18 @@ def rows(results: list[dict], stage: int) -> list[dict]:
 def table(rs: list[dict]) -> str:
     lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed, ms (range); the "
              "study's ideal; measured | twin measured ms, median (range) ± noise | within it | the twin's own what-if "
-             "(the same --set) | within it | zeroed replay, largest |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(the same --set) | within it | what-if − (measured − injected), ms | within the run's noise + the twins' "
+             "imbalance | zeroed replay, largest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         if "measured_ms" not in r:
             lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | error: {r['errors']} |"
-                         " | | | | | |")
+                         " | | | | | | | |")
             continue
-        named = ", ".join(r["named"]) or "nothing"
+        named = " / ".join(", ".join(n) or "nothing" for n in r["named_each"])  # each run's
         if r["kind"] == "none":
             wi = f"measured {statistics.median(r['measured_ms']):.1f} ({min(r['measured_ms']):.1f}–{max(r['measured_ms']):.1f})"
-            tw, within, tp, within2 = "–", "–", "–", "–"
+            tw, within, tp, within2, ir, irok = "–", "–", "–", "–", "–", "–"
         else:
             wi = (f"{statistics.median(r['peers_ms']):.1f} ({min(r['peers_ms']):.1f}–{max(r['peers_ms']):.1f}); "
                   f"ideal {statistics.median(r['ideal_ms']):.1f}; measured {statistics.median(r['measured_ms']):.1f}")
@@ -184,8 +194,10 @@ def table(rs: list[dict]) -> str:
             within = ("yes" if r["within"] else "no") if t else "–"
             tp = f"{t['peers_min']:.1f}–{t['peers_max']:.1f}" if t else "–"
             within2 = ("yes" if r["within_twin_whatif"] else "no") if t else "–"
+            ir = (f"{min(r['in_run']):+.1f} to {max(r['in_run']):+.1f}" if r.get("in_run") else "–")
+            irok = ("yes" if r["in_run_ok"] else "no") if r.get("in_run") else "–"
         lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | {named} | {wi} | {tw} | "
-                     f"{within} | {tp} | {within2} | {100 * r['zeroed_max']:.1f} % |")
+                     f"{within} | {tp} | {within2} | {ir} | {irok} | {100 * r['zeroed_max']:.1f} % |")
     return "\n".join(lines)
 
 
@@ -237,7 +249,8 @@ def main() -> None:
                     r = read(run, a.slow_stage)
                 except RuntimeError as e:
                     r = {"run": str(run), "error": [str(e)]}
-                r.update(framework=fw, mode=mode, kind=kind, repeat=i, wall_s=wall, load=os.getloadavg())
+                r.update(framework=fw, mode=mode, kind=kind, repeat=i, wall_s=wall, load=os.getloadavg(),
+                         slow=list(slow) if slow else None)
                 print(json.dumps({k: r.get(k) for k in ("run", "named", "measured_ms", "peers_ms", "ideal_ms",
                                                        "zeroed_share", "error", "load")}), flush=True)
                 results.append(r)
