@@ -128,9 +128,15 @@ def infer_schedule(
     if st.height == 0:
         return conform(pl.DataFrame(), SCHEDULE).clear(), notes
     stage_of = stages.select(pl.col("rank").alias("peer"), pl.col("stage").alias("peer_stage"))
+    # A message without a peer (torch.profiler's defaults: record_shapes off, so c10d writes none) on the first or
+    # the last stage has one neighbouring stage to go to: that one. On a middle stage it could be either: unknown.
+    first, last = stages["stage"].min(), stages["stage"].max()
     roles = (
-        msgs.filter((pl.col("channel") == "p2p") & pl.col("peer").is_not_null())
+        msgs.filter((pl.col("channel") == "p2p") & (pl.col("peer").is_not_null() | (first != last)))
         .join(st.select("rank", "stage"), on="rank").join(stage_of, on="peer", how="left")
+        .with_columns(pl.when(pl.col("peer").is_not_null()).then(pl.col("peer_stage"))
+                      .when(pl.col("stage") == first).then(pl.col("stage") + 1)
+                      .when(pl.col("stage") == last).then(pl.col("stage") - 1).alias("peer_stage"))
         .filter(pl.col("peer_stage").is_not_null() & (pl.col("peer_stage") != pl.col("stage")))
         .with_columns(
             pl.when(pl.col("peer_stage") < pl.col("stage"))

@@ -9,13 +9,19 @@ The truth is recorded outside the trace: every pipe instruction the engine execu
 each instruction class (the trace's ProfilerStep#N spans the same call, from one ``prof.step()`` to the next).
 
     DS_ACCELERATOR=cpu python tests/data/deepspeed_pipe/make_trace.py OUT_DIR   # truth.rank{R}.json next to OUT_DIR
+        [--defaults] [--port N] [--slow-stage S --slow-ms X [--slow-kind sleep|compute]]
+
+``--slow-stage S --slow-ms X``: stage S's module (the ``PipelineModule``'s forward, the job's own code) spends X ms
+more in each forward of a micro-batch: ``time.sleep`` (``--slow-kind sleep``, the default) or torch matmuls until X ms
+have passed (``compute``: CPU ops inside the forward). ``--defaults`` profiles with torch.profiler's defaults (no
+``with_stack``, no ``record_shapes``) instead of with both. (tests/benchmarks/whatif_foreign.py makes its runs so.)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +31,26 @@ import torch.multiprocessing as mp
 MICROBATCHES, STEPS, HIDDEN, MB_SIZE = 4, 3, 64, 8
 
 
-def worker(rank: int, world: int, out: str, port: int) -> None:
+def slow_down(ms: float, kind: str) -> None:
+    """Spend ``ms`` more: asleep (``sleep``) or running torch matmuls on this CPU (``compute``)."""
+    if kind == "sleep":
+        time.sleep(ms / 1e3)
+        return
+    end = time.perf_counter() + ms / 1e3
+    a = torch.full((96, 96), 0.01)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def slowed(forward, ms: float, kind: str):
+    def slow(*a, **kw):
+        slow_down(ms, kind)
+        return forward(*a, **kw)
+    return slow
+
+
+def worker(rank: int, world: int, out: str, port: int, defaults: bool = False,
+           slow: tuple[int, float, str] | None = None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.manual_seed(0)
@@ -89,12 +114,16 @@ def worker(rank: int, world: int, out: str, port: int) -> None:
             x = torch.randn(MB_SIZE, HIDDEN, generator=g)
             yield x, x.flip(-1)
 
+    if slow is not None and slow[0] == engine.stage_id:  # nn.Module.__call__ looks forward up on the instance
+        net.forward = slowed(net.forward, slow[1], slow[2])
     it = data()
     steps: list[tuple[int, int]] = []
     stage = engine.stage_id
     with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world, schedule="1f1b",
-                          warmup=1, active=STEPS - 1, with_stack=True, profile_memory=False,
-                          metadata={"framework": f"deepspeed {deepspeed.__version__}"}) as prof:
+                          warmup=1, active=STEPS - 1, with_stack=not defaults, record_shapes=not defaults,
+                          profile_memory=False,
+                          metadata={"framework": f"deepspeed {deepspeed.__version__}",
+                                    "slow": list(slow) if slow else None}) as prof:
         for s in range(STEPS):
             current["step"] = s
             t0 = time.perf_counter_ns()
@@ -102,6 +131,7 @@ def worker(rank: int, world: int, out: str, port: int) -> None:
             steps.append((s, time.perf_counter_ns() - t0))
             prof.step()
     truth = {"rank": rank, "stage": stage, "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+             "profiler": "defaults" if defaults else "with_stack, record_shapes", "slow": list(slow) if slow else None,
              "steps": {}}
     for s, dur in steps:
         per = {}
@@ -121,5 +151,13 @@ def worker(rank: int, world: int, out: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    mp.spawn(worker, args=(2, out, 29517), nprocs=2, join=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--defaults", action="store_true", help="torch.profiler's defaults: no stack, no shapes")
+    parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--slow-stage", type=int)
+    parser.add_argument("--slow-ms", type=float, default=0.0)
+    parser.add_argument("--slow-kind", choices=("sleep", "compute"), default="sleep")
+    args = parser.parse_args()
+    slow = (args.slow_stage, args.slow_ms, args.slow_kind) if args.slow_stage is not None and args.slow_ms else None
+    mp.spawn(worker, args=(2, args.out, args.port, args.defaults, slow), nprocs=2, join=True)

@@ -14,14 +14,20 @@ send_forward_recv_backward, send_backward_recv_forward: each returns after its w
 torch.distributed's P2P calls and their requests' wait() ("p2p_torch"), the optimizer step, and the whole step (the
 schedule call plus the optimizer step); ``truth.rank{R}.json`` next to OUT_DIR.
 
-    python tests/data/megatron_pipe/make_trace.py OUT_DIR [--interleaved]
+    python tests/data/megatron_pipe/make_trace.py OUT_DIR [--interleaved] [--defaults] [--port N]
+                                                  [--slow-stage S --slow-ms X [--slow-kind sleep|compute]]
+
+``--slow-stage S --slow-ms X``: stage S's module (``Stage.forward``, the job's own code) spends X ms more in each
+forward of a micro-batch: ``time.sleep`` (``--slow-kind sleep``, the default) or torch matmuls until X ms have passed
+(``compute``: CPU ops inside the forward). ``--defaults`` profiles with torch.profiler's defaults (no ``with_stack``,
+no ``record_shapes``) instead of with both. (tests/benchmarks/whatif_foreign.py makes its runs so.)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +35,17 @@ import torch
 import torch.multiprocessing as mp
 
 MICROBATCHES, STEPS, HIDDEN, SEQ, MB_SIZE = 4, 3, 64, 16, 2
+
+
+def slow_down(ms: float, kind: str) -> None:
+    """Spend ``ms`` more: asleep (``sleep``) or running torch matmuls on this CPU (``compute``)."""
+    if kind == "sleep":
+        time.sleep(ms / 1e3)
+        return
+    end = time.perf_counter() + ms / 1e3
+    a = torch.full((96, 96), 0.01)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
 
 
 def _cpu_shims() -> None:
@@ -52,15 +69,19 @@ class Stage(torch.nn.Module):
         self.config, self.first, self.input_tensor = config, first, None
         self.model_type = ModelType.encoder_or_decoder
         self.net = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
+        self.slow: tuple[float, str] | None = None  # (ms, kind): --slow-stage's extra time in each forward
 
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
 
     def forward(self, x):
+        if self.slow:
+            slow_down(*self.slow)
         return self.net(x if self.first else self.input_tensor)
 
 
-def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> None:
+def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaults: bool = False,
+           slow: tuple[int, float, str] | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.manual_seed(rank)
     torch.set_num_threads(1)
@@ -82,6 +103,9 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> Non
                                if interleaved else None)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     models = [Stage(config, first=(stage == 0 and c == 0)) for c in range(chunks)]
+    for c, m in enumerate(models):
+        if slow is not None and slow[0] == stage + c * world:
+            m.slow = (slow[1], slow[2])
     opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=1e-3)
 
     calls: list[tuple[int, str, int]] = []
@@ -154,8 +178,9 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> Non
     stages = [stage + c * world for c in range(chunks)]
     with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world * chunks,
                           schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=STEPS - 1,
-                          with_stack=True, profile_memory=False,
-                          metadata={"framework": f"megatron-core {megatron.core.__version__}", "stages": stages}) as prof:
+                          with_stack=not defaults, record_shapes=not defaults, profile_memory=False,
+                          metadata={"framework": f"megatron-core {megatron.core.__version__}", "stages": stages,
+                                    "slow": list(slow) if slow else None}) as prof:
         for s in range(STEPS):
             current["step"] = s
             its = [data() for _ in range(chunks)]
@@ -172,7 +197,8 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> Non
             steps.append((s, t2 - t0))
             prof.step()
     truth = {"rank": rank, "stage": stage, "stages": stages, "megatron_core": megatron.core.__version__,
-             "torch": torch.__version__, "steps": {}}
+             "torch": torch.__version__, "profiler": "defaults" if defaults else "with_stack, record_shapes",
+             "slow": list(slow) if slow else None, "steps": {}}
     for s, dur in steps:
         per: dict[str, int] = {}
         counts: dict[str, int] = {}
@@ -187,4 +213,14 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool) -> Non
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, sys.argv[1], 29531, "--interleaved" in sys.argv), nprocs=2, join=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--interleaved", action="store_true")
+    parser.add_argument("--defaults", action="store_true", help="torch.profiler's defaults: no stack, no shapes")
+    parser.add_argument("--port", type=int, default=29531)
+    parser.add_argument("--slow-stage", type=int)
+    parser.add_argument("--slow-ms", type=float, default=0.0)
+    parser.add_argument("--slow-kind", choices=("sleep", "compute"), default="sleep")
+    args = parser.parse_args()
+    slow = (args.slow_stage, args.slow_ms, args.slow_kind) if args.slow_stage is not None and args.slow_ms else None
+    mp.spawn(worker, args=(2, args.out, args.port, args.interleaved, args.defaults, slow), nprocs=2, join=True)

@@ -1,0 +1,265 @@
+"""Slowed foreign runs (issue 32, Show): megatron-core, DeepSpeed and torch.distributed.pipelining pipelines with one
+stage slowed inside the job's own module, each beside an unslowed twin collected interleaved with it, profiled with
+torch.profiler's defaults (no stack, no shapes) and with stack and shapes; then ``traceana whatif`` on each.
+
+    python tests/benchmarks/whatif_foreign.py OUT [--python VENV_PYTHON] [--frameworks megatron,deepspeed,pipelining]
+        [--modes defaults,stack] [--kinds sleep,compute] [--slow-stage 1] [--slow-ms 20] [--repeats 2] [--analyze-only]
+
+Runs (2 stages, 4 micro-batches, 1 warm-up and 2 profiled steps each), per framework and profile mode, interleaved:
+slowed (each kind), twin, slowed, twin, … (``--repeats`` of each). megatron-core and DeepSpeed run their generators
+``tests/data/{megatron,deepspeed}_pipe/make_trace.py`` (``--slow-stage/--slow-ms/--slow-kind``, ``--defaults``) with
+``--python`` (a venv holding megatron-core 0.16.1 and deepspeed 0.19.8); torch.distributed.pipelining runs
+``collectors.pipelining_example``'s ranks (Schedule1F1B on 2 ranks, tiny-gpt, micro-batch size 1) with stage S's
+``Part.forward`` slowed the same way (``--pipelining-child``, below).
+
+Per run: ``traceana whatif RUN --json --set 'stage=S:peers'`` (ours: the stage at the other stages' speed, what names
+it) and, for the study's ideal beside it, the same JSON's ``by_stage[S].if_ideal_step_ms`` (the stage at the mean of
+its kind across stages, its own slow forwards included: not expected to reach the twin); and the zeroed replay
+(``--set forward=0 --set backward=0 --set p2p=0 --set host=0 --set collective=0 --set optimizer=0``) over the measured
+step. The table: framework, profile mode, slowdown, the groups named (stage/rank/replica ``named``), the what-if
+(median over the slowed runs, and their range), the twins' measured step (median, range), whether every slowed run's
+what-if lies within the twins' noise (their range widened by traceana's noise on each side, ``noise_ms``: the spread
+over a run's steps, at least 5 % of its step), and the largest zeroed replay share. ``OUT/results.json`` keeps every
+run's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ZEROED = ["forward=0", "backward=0", "p2p=0", "host=0", "collective=0", "optimizer=0"]
+GENERATORS = {"megatron": ROOT / "tests/data/megatron_pipe/make_trace.py",
+              "deepspeed": ROOT / "tests/data/deepspeed_pipe/make_trace.py"}
+MICROBATCHES = 4
+
+
+# -- torch.distributed.pipelining, in the child: collectors.pipelining_example's ranks with a slowed Part.forward --
+
+def slow_down(ms: float, kind: str) -> None:
+    """Spend ``ms`` more: asleep (``sleep``) or running torch matmuls on this CPU (``compute``)."""
+    import torch
+
+    if kind == "sleep":
+        time.sleep(ms / 1e3)
+        return
+    end = time.perf_counter() + ms / 1e3
+    a = torch.full((96, 96), 0.01)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def _pipelining_rank(rank: int, world: int, init: str, out: str, defaults: bool, slow) -> None:
+    import functools
+
+    import collectors.pipelining_example as ex
+    from collectors.profiler import PipelineProfiler
+
+    if slow is not None and slow[0] in ex.stages_of_ranks("1f1b", world)[rank]:
+        forward = ex.Part.forward
+
+        def slowed(self, x):
+            slow_down(slow[1], slow[2])
+            return forward(self, x)
+        ex.Part.forward = slowed
+    ex.PipelineProfiler = functools.partial(PipelineProfiler, record_shapes=not defaults, with_stack=not defaults)
+    ex.run_rank(rank, world, init, "1f1b", Path(out), "tiny-gpt", MICROBATCHES, 1, 2)
+
+
+def pipelining_child(out: str, defaults: bool, slow) -> None:
+    import torch.multiprocessing as mp
+
+    from collectors.launch import free_port
+    from collectors.manifest import finalize_manifest
+    from collectors.pipelining_example import manifest
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    mp.start_processes(_pipelining_rank, args=(2, f"tcp://127.0.0.1:{free_port()}", out, defaults, slow), nprocs=2,
+                       join=True, start_method="spawn")
+    finalize_manifest(Path(out), manifest("1f1b", 2, 2, MICROBATCHES, 1, "tiny-gpt", 2), since=started)
+
+
+# -- the parent: make the runs, read them --
+
+def collect(framework: str, out: Path, python: str, defaults: bool, slow, port: int) -> float:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    if framework == "pipelining":
+        cmd = [python, __file__, "--pipelining-child", str(out)]
+    else:
+        cmd = [python, str(GENERATORS[framework]), str(out), "--port", str(port)]
+    if defaults:
+        cmd.append("--defaults")
+    if slow is not None:
+        cmd += ["--slow-stage", str(slow[0]), "--slow-ms", str(slow[1]), "--slow-kind", slow[2]]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {res.returncode}: {res.stderr.strip().splitlines()[-3:]}")
+    return time.perf_counter() - t0
+
+
+def whatif(run: Path, sets: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "traceana", "whatif", str(run), "--json", "--quiet", "--no-cache"]
+    for s in sets:
+        cmd += ["--set", s]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    if res.returncode != 0:
+        return {"error": (res.stderr or res.stdout).strip().splitlines()[-1:]}
+    return json.loads(res.stdout)
+
+
+def read(run: Path, stage: int) -> dict:
+    w = whatif(run, [f"stage={stage}:peers"])
+    if "error" in w:
+        return {"run": str(run), "error": w["error"]}
+    z = whatif(run, ZEROED)
+    named = [f"{g} {e['id']}" for g in ("stage", "rank", "replica") for e in w.get(f"by_{g}", []) if e.get("named")]
+    ideal = next((e["if_ideal_step_ms"] for e in w["by_stage"] if str(e["id"]) == str(stage)), None)
+    return {"run": str(run), "measured_ms": w["measured_step_ms"], "noise_ms": w["noise_ms"],
+            "peers_ms": w["changed_step_ms"], "ideal_ms": ideal, "named": named, "diagnosis": w["diagnosis"],
+            "consistent": [w["consistent_operations"], w["operations"]],
+            "zeroed_ms": z.get("changed_step_ms"), "zeroed_share": (z["changed_step_ms"] / z["measured_step_ms"])
+            if "changed_step_ms" in z else None, "notes": w.get("notes", [])}
+
+
+def rows(results: list[dict], stage: int) -> list[dict]:
+    out = []
+    for fw, mode in dict.fromkeys((r["framework"], r["mode"]) for r in results):
+        twins = [r for r in results if (r["framework"], r["mode"], r["kind"]) == (fw, mode, "none") and "error" not in r]
+        for kind in dict.fromkeys(r["kind"] for r in results if (r["framework"], r["mode"]) == (fw, mode)):
+            group = [r for r in results if (r["framework"], r["mode"], r["kind"]) == (fw, mode, kind)]
+            ok = [r for r in group if "error" not in r]
+            row = {"framework": fw, "mode": mode, "kind": kind, "runs": len(group),
+                   "errors": [r["error"] for r in group if "error" in r]}
+            if ok:
+                row["named"] = sorted({n for r in ok for n in r["named"]})
+                row["named_each"] = [r["named"] for r in ok]
+                row["measured_ms"] = [r["measured_ms"] for r in ok]
+                row["peers_ms"] = [r["peers_ms"] for r in ok]
+                row["ideal_ms"] = [r["ideal_ms"] for r in ok]
+                row["zeroed_max"] = max(r["zeroed_share"] for r in ok)
+            if twins and ok:
+                lo = min(t["measured_ms"] for t in twins)
+                hi = max(t["measured_ms"] for t in twins)
+                noise = max(t["noise_ms"] for t in twins)
+                row["twin"] = {"median": statistics.median(t["measured_ms"] for t in twins), "min": lo, "max": hi,
+                               "noise": noise, "peers_min": min(t["peers_ms"] for t in twins),
+                               "peers_max": max(t["peers_ms"] for t in twins)}
+                row["within"] = all(lo - noise <= p <= hi + noise for p in row["peers_ms"])
+                # within the run (no machine change between the figures, as tests/test_whatif_runs.py): every slowed
+                # forward is on the path, so the step at the other stage's speed is the measured step less the
+                # injected MICROBATCHES x X ms, within the run's noise and the stages' own imbalance (the twins' gain)
+                natural = max(t["measured_ms"] - t["peers_ms"] for t in twins)
+                ms = next((r["slow"][1] for r in ok if r.get("slow")), None)
+                row["in_run"] = [p - (m - MICROBATCHES * ms) for p, m in zip(row["peers_ms"], row["measured_ms"])] \
+                    if ms else None
+                row["in_run_ok"] = all(abs(d) <= r_["noise_ms"] + natural for d, r_ in zip(row["in_run"], ok)) \
+                    if ms else None
+                row["within_twin_whatif"] = all(row["twin"]["peers_min"] - noise <= p <= row["twin"]["peers_max"] + noise
+                                                for p in row["peers_ms"])
+            row["expected"] = [] if kind == "none" else [f"stage {stage}"]
+            out.append(row)
+    return out
+
+
+def table(rs: list[dict]) -> str:
+    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed, ms (range); the "
+             "study's ideal; measured | twin measured ms, median (range) ± noise | within it | the twin's own what-if "
+             "(the same --set) | within it | what-if − (measured − injected), ms | within the run's noise + the twins' "
+             "imbalance | zeroed replay, largest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rs:
+        if "measured_ms" not in r:
+            lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | error: {r['errors']} |"
+                         " | | | | | | | |")
+            continue
+        named = " / ".join(", ".join(n) or "nothing" for n in r["named_each"])  # each run's
+        if r["kind"] == "none":
+            wi = f"measured {statistics.median(r['measured_ms']):.1f} ({min(r['measured_ms']):.1f}–{max(r['measured_ms']):.1f})"
+            tw, within, tp, within2, ir, irok = "–", "–", "–", "–", "–", "–"
+        else:
+            wi = (f"{statistics.median(r['peers_ms']):.1f} ({min(r['peers_ms']):.1f}–{max(r['peers_ms']):.1f}); "
+                  f"ideal {statistics.median(r['ideal_ms']):.1f}; measured {statistics.median(r['measured_ms']):.1f}")
+            t = r.get("twin")
+            tw = f"{t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) ± {t['noise']:.1f}" if t else "no twin"
+            within = ("yes" if r["within"] else "no") if t else "–"
+            tp = f"{t['peers_min']:.1f}–{t['peers_max']:.1f}" if t else "–"
+            within2 = ("yes" if r["within_twin_whatif"] else "no") if t else "–"
+            ir = (f"{min(r['in_run']):+.1f} to {max(r['in_run']):+.1f}" if r.get("in_run") else "–")
+            irok = ("yes" if r["in_run_ok"] else "no") if r.get("in_run") else "–"
+        lines.append(f"| {r['framework']} | {r['mode']} | {r['kind']} | {r['runs']} | {named} | {wi} | {tw} | "
+                     f"{within} | {tp} | {within2} | {ir} | {irok} | {100 * r['zeroed_max']:.1f} % |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, nargs="?")
+    p.add_argument("--python", default=sys.executable, help="the interpreter with megatron-core and deepspeed")
+    p.add_argument("--frameworks", default="megatron,deepspeed,pipelining")
+    p.add_argument("--modes", default="defaults,stack")
+    p.add_argument("--kinds", default="sleep", help="slowdowns, comma-separated: sleep, compute")
+    p.add_argument("--slow-stage", type=int, default=1)
+    p.add_argument("--slow-ms", type=float, default=20.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--analyze-only", action="store_true", help="read the runs already in OUT")
+    p.add_argument("--table", nargs="+", type=Path, metavar="RESULTS_JSON",
+                   help="only print the table of earlier runs' results.json files, together")
+    p.add_argument("--pipelining-child", metavar="RUN", help=argparse.SUPPRESS)
+    p.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--slow-kind", default="sleep", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.pipelining_child:
+        pipelining_child(a.pipelining_child, a.defaults, (a.slow_stage, a.slow_ms, a.slow_kind) if a.slow_ms else None)
+        return
+    if a.table:
+        runs = [r for f in a.table for r in json.loads(f.read_text())["runs"]]
+        print(table(rows(runs, a.slow_stage)))
+        loads = [r["load"][0] for r in runs if r.get("load")]
+        print(f"load average (1 min) over the runs: {min(loads):.1f}–{max(loads):.1f}")
+        return
+    results = []
+    port = 29600
+    for fw in a.frameworks.split(","):
+        for mode in a.modes.split(","):
+            order = [k for _ in range(a.repeats) for k in a.kinds.split(",") + ["none"]]
+            seen: dict[str, int] = {}
+            for kind in order:
+                i = seen[kind] = seen.get(kind, -1) + 1
+                run = a.out / f"{fw}-{mode}-{kind}-{i}" / "run"
+                slow = None if kind == "none" else (a.slow_stage, a.slow_ms, kind)
+                wall = None
+                try:
+                    if not a.analyze_only:
+                        port += 1
+                        wall = collect(fw, run, a.python, mode == "defaults", slow, port)
+                    # what was done to the run, beside it (tests/test_whatif_foreign.py reads it: the expectation)
+                    run.parent.joinpath("slow.json").write_text(json.dumps(
+                        {"framework": fw, "profile": mode, "slow": list(slow) if slow else None,
+                         "microbatches": MICROBATCHES}))
+                    r = read(run, a.slow_stage)
+                except RuntimeError as e:
+                    r = {"run": str(run), "error": [str(e)]}
+                r.update(framework=fw, mode=mode, kind=kind, repeat=i, wall_s=wall, load=os.getloadavg(),
+                         slow=list(slow) if slow else None)
+                print(json.dumps({k: r.get(k) for k in ("run", "named", "measured_ms", "peers_ms", "ideal_ms",
+                                                       "zeroed_share", "error", "load")}), flush=True)
+                results.append(r)
+    rs = rows(results, a.slow_stage)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps({"runs": results, "rows": rs}, indent=1))
+    print(table(rs))
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
