@@ -1,6 +1,6 @@
 """Annotations for the ``PP:{stage}{ACTION}{microbatch}`` contract (docs/architecture.md).
 
-Names come from ``traceana.names`` only; collectors spell no annotation themselves. Each helper returns a
+Names come from ``traceana.core.names`` only; collectors spell no annotation themselves. Each helper returns a
 ``torch.profiler.record_function`` context manager, which costs next to nothing when no profiler is running.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
-from traceana import names
+from traceana.core import names
 
 
 def annotate(stage: int, action: str, microbatch: int | None = None) -> record_function:

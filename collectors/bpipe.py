@@ -15,9 +15,10 @@ How it works here (docs/field-notes.md, "Activation eviction"):
 - Saved-tensor hooks switch off autograd's in-place version check, so the version is recorded at pack time and
   checked before eviction and at unpack.
 - The schedule of evictions and loads is a pure function of (schedule, p, m, stage, keep) that both partners
-  compute (``traceana.pipeline_rules.bpipe_plan``): nothing is negotiated at run time. The storage sizes of one micro-batch are measured
-  once at start-up (``Evictor.measure_layout``) and sent to the acceptor, which can then post its receives early.
-- When the acceptor posts its receives and returns is the plan's (``traceana.pipeline_rules.bpipe_plan``): right
+  compute (``traceana.core.pipeline_rules.bpipe_plan``): nothing is negotiated at run time. The storage sizes of one
+  micro-batch are measured once at start-up (``Evictor.measure_layout``) and sent to the acceptor, which can then post
+  its receives early.
+- When the acceptor posts its receives and returns is the plan's (``traceana.core.pipeline_rules.bpipe_plan``): right
   after its own backward of the last micro-batch the evictor ran backward before evicting (so the evictor's blocking
   eviction always finds the receive posted: that gradient passed through the acceptor first), and it returns e right
   after its own backward of e, which the evictor's backward of e waits for anyway (the gradient flows q → s): no
@@ -38,8 +39,8 @@ import torch.distributed as dist
 
 from collectors.annotations import annotate
 from collectors.trainer.comm import Transport, Waiter
-from traceana import names
-from traceana.pipeline_rules import BPipePlan
+from traceana.core import names
+from traceana.core.pipeline_rules import BPipePlan
 
 MIN_EVICT_BYTES = 256  # smaller storages are not worth a message
 TAG_SHIFT = 12  # tag = (microbatch << TAG_SHIFT) | storage index

@@ -74,10 +74,10 @@ WORKS = ("compute", "sleep")
 
 
 def workload_from_args(args: argparse.Namespace):
-    """The known workload the flags describe (traceana.manifest.Workload), None for ``--work compute``; a flag that
+    """The known workload the flags describe (traceana.core.manifest.Workload), None for ``--work compute``; a flag that
     makes no sense is one ConfigError line (exit 2)."""
-    from traceana.errors import ConfigError
-    from traceana.manifest import Workload
+    from traceana.core.errors import ConfigError
+    from traceana.core.manifest import Workload
 
     given = [flag for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms),
                                   ("--weight-ms", args.weight_ms), ("--slow-stage", args.slow_stage),
@@ -136,7 +136,7 @@ def config_from_args(args: argparse.Namespace):
 
 def run_pipelining(args: argparse.Namespace) -> int:
     """A multi-stage schedule: torch.distributed.pipelining's own class, two stages per rank."""
-    from traceana.errors import ConfigError
+    from traceana.core.errors import ConfigError
 
     # torch.distributed.pipelining has no BPipe, and collectors.pipelining_example no recompute or data parallelism:
     # a flag it would ignore is refused, not dropped silently
@@ -149,9 +149,9 @@ def run_pipelining(args: argparse.Namespace) -> int:
         raise ConfigError(f"schedule {args.schedule!r} puts two stages on each rank: --pp must be even, got {args.pp}",
                           fix="give an even --pp, e.g. 4")
     # the trainer's own checks of the flags both paths share (positive counts, a preset whose layers fill --pp
-    # stages), then the schedule's rules (traceana.pipeline_rules: torch's constraints on the micro-batches), so an
+    # stages), then the schedule's rules (traceana.core.pipeline_rules: torch's constraints on the micro-batches), so an
     # impossible configuration is refused here and not as a traceback from inside the spawned ranks
-    from traceana.pipeline_rules import device_order
+    from traceana.core.pipeline_rules import device_order
 
     from traceana.commands.options import microbatch_count
 
@@ -197,7 +197,7 @@ def collect_run(out: Path, *, progress=None, log: Path | None = None, **config) 
     "collect_run")``): reports never imports the trainer or torch itself. ``progress``: called with one line of
     text per event of the trainer (e.g. a rank finished a step); ``log``: where the trainer's processes write their
     stderr (default: ours). Without torch: one BadInputError line saying how to get it."""
-    from traceana.errors import BadInputError
+    from traceana.core.errors import BadInputError
 
     try:
         from collectors.launch import collect, workers_output_to
@@ -223,7 +223,7 @@ def refuse_used_output(out: Path) -> None:
     existing run would replace some of its traces and leave the others — a mixed run. Under torchrun every rank
     runs this command on the same directory: the first rank marks it with the launch's id (``OWNER``) and the others
     accept a directory holding nothing but that mark (its own unfinished output)."""
-    from traceana.errors import ConfigError
+    from traceana.core.errors import ConfigError
 
     launch_id = _launch_id()
     try:

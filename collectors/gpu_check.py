@@ -192,7 +192,7 @@ def _pipelining_worker(rank: int, world: int, init_method: str, out_dir: Path, t
     from collectors.trainer import data
     from collectors.trainer.config import PRESETS
     from collectors.trainer.model import GPT
-    from traceana import names
+    from traceana.core import names
 
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
     if cuda:
@@ -291,7 +291,7 @@ def compare(run_dir: Path, truth_dir: Path, *, profiled: int) -> tuple[list[dict
     import polars as pl
 
     import traceana
-    from traceana.analysis import analyze
+    from traceana.measure.analysis import analyze
 
     a = analyze(traceana.load_run(run_dir, cache=False))
     measured = list(a.summary.steps)

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from collectors.manifest import finalize_manifest
 from collectors.trainer.config import CollectConfig
-from traceana.errors import ConfigError
+from traceana.core.errors import ConfigError
 
 Progress = Callable[[str], None]
 

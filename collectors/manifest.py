@@ -1,4 +1,4 @@
-"""Writing ``run.json`` (``traceana.manifest.Manifest``) and finding out which ranks really wrote their trace.
+"""Writing ``run.json`` (``traceana.core.manifest.Manifest``) and finding out which ranks really wrote their trace.
 
 Traces are written atomically (temporary name, then ``os.replace``), so a ``rank{R}.pt.trace.json.gz`` that exists is
 complete. Stale files from an earlier run in the same directory are told apart by their modification time.
@@ -13,7 +13,7 @@ import re
 import time
 from pathlib import Path
 
-from traceana.manifest import MANIFEST_NAME, Manifest
+from traceana.core.manifest import MANIFEST_NAME, Manifest
 
 log = logging.getLogger("traceana.collectors")
 
@@ -65,8 +65,8 @@ def wait_for_ranks(out_dir: Path, world_size: int, *, since: float, timeout_s: f
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path | None:
     """Atomically write run.json; a failure is a warning, never an exception (profiling must not break training)."""
-    from traceana.errors import BadInputError
-    from traceana.files import write_text
+    from traceana.core.errors import BadInputError
+    from traceana.core.files import write_text
 
     path = Path(out_dir) / MANIFEST_NAME
     try:  # traceana's one writer: a temporary renamed into place, through a symlink to its target, never a device

@@ -21,7 +21,7 @@ import functools
 from typing import Any
 
 from collectors.annotations import annotate as pp_span
-from traceana import names
+from traceana.core import names
 
 _MARK = "_traceana_annotated"
 

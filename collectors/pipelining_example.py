@@ -46,12 +46,12 @@ from collectors.trainer import data
 from collectors.trainer.config import PRESETS
 from collectors.trainer.model import GPT
 from collectors.trainer.workload import Clock, make_sleeping, run_delay_ns
-from traceana.pipeline_rules import placement_of, stage_layer_ranges
-from traceana.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
-from traceana.manifest import Manifest, Workload
+from traceana.core.manifest import Manifest, Workload
+from traceana.core.pipeline_rules import placement_of, stage_layer_ranges
+from traceana.core.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
 
 # name (as in run.json) -> (torch class, virtual stages per rank this example runs); which rank holds which stage is
-# traceana.pipeline_rules' placement rule
+# traceana.core.pipeline_rules' placement rule
 SCHEDULE_CLASSES = {
     "1f1b": ("Schedule1F1B", 1),
     "gpipe": ("ScheduleGPipe", 1),
@@ -65,7 +65,7 @@ SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 def stages_of_ranks(schedule: str, world: int) -> list[list[int]]:
-    """The stages each rank holds (traceana.pipeline_rules.stages_of_ranks: looped or V)."""
+    """The stages each rank holds (traceana.core.pipeline_rules.stages_of_ranks: looped or V)."""
     return rules_stages_of_ranks(placement_of(schedule), world, SCHEDULE_CLASSES[schedule][1])
 
 

@@ -12,7 +12,7 @@
   (docs/field-notes.md), memory per stage needs the allocator instants.
 - The trace carries a top-level ``"traceana"`` object (rank, stage, pp, world size, schedule, BPipe pairs, …) so a
   loose file describes itself; rank 0 writes ``run.json`` with ``ranks_written`` listing the ranks whose trace is on disk.
-- Writing is atomic (``traceana.files.atomic_path``: a temporary, gzip, renamed into place): a trace that exists is
+- Writing is atomic (``traceana.core.files.atomic_path``: a temporary, gzip, renamed into place): a trace that exists is
   complete. Any failure — unwritable directory, full disk, a profiler error — is logged as a warning and training
   goes on.
 """
@@ -33,8 +33,8 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from collectors.attach import ENV as ATTACH_ENV
 from collectors.manifest import finalize_manifest, trace_path, wait_for_ranks
-from traceana.files import atomic_path
-from traceana.manifest import Manifest
+from traceana.core.files import atomic_path
+from traceana.core.manifest import Manifest
 
 log = logging.getLogger("traceana.collectors")
 

@@ -2,8 +2,8 @@
 
     html_text = build_report([analysis_a, analysis_b], names=["baseline", "bpipe"])
 
-Reads only ``traceana.analysis.Analysis`` tables (and the run's manifest); calls ``traceana.validation`` when it exists.
-The bokeh JavaScript and CSS are inlined, so the file opens with no network.
+Reads only ``traceana.measure.analysis.Analysis`` tables (and the run's manifest); calls ``traceana.validation`` when it
+exists. The bokeh JavaScript and CSS are inlined, so the file opens with no network.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from reports import html as H
 from reports import sections
 from reports.validation import Validated, default_cross_run, default_validation
-from traceana.analysis import Analysis
-from traceana.errors import AnalysisError, BadInputError
+from traceana.core.errors import AnalysisError, BadInputError
+from traceana.measure.analysis import Analysis
 
 Validation = Callable[[Analysis], Validated]
 
@@ -123,7 +123,7 @@ def build_report(
 
 def write_report(path: str | Path, analyses: Sequence[Analysis], **kwargs) -> Path:
     """Build the report and write it to ``path`` (parent folders created). Returns the path."""
-    from traceana.files import write_text
+    from traceana.core.files import write_text
 
     path = Path(path)
     text = build_report(analyses, **kwargs)

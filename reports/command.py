@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from traceana.errors import BadInputError
-from traceana.units import MIB
+from traceana.core.errors import BadInputError
+from traceana.core.units import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,19 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None, progress: bool = True,
                  cache: bool = True, workers: int | None = None, names: str | None = None) -> list:
-    """Load and analyse each run, with a progress display. Returns ``traceana.analysis.Analysis`` objects.
-    ``cache``/``workers``: as ``traceana.analysis_cache.load_and_analyze``."""
+    """Load and analyse each run, with a progress display. Returns ``traceana.measure.analysis.Analysis`` objects.
+    ``cache``/``workers``: as ``traceana.measure.analysis_cache.load_and_analyze``."""
     from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from traceana.analysis_cache import load_and_analyze
+    from traceana.measure.analysis_cache import load_and_analyze
 
     for p in paths:
         if not Path(p).exists():
             raise BadInputError("no such run directory or trace file", path=p, fix="check the path")
     rules = None
     if names is not None:  # one rules file for every run, refused before any trace is read
-        from traceana.names import load_rules
+        from traceana.core.names import load_rules
 
         rules = load_rules(names)
     out = []
@@ -93,8 +93,8 @@ def _repeat_groups(repeat: list[list[str]], runs: list[str]) -> dict[int, list[s
 
 def _not_twice(first, more: list) -> list:
     """``more`` unless a run of the side (``first`` and ``more``) is a copy of another (the same measured steps,
-    traceana.noise.twice): refused in one line, as the same folder given twice is."""
-    from traceana.noise import twice
+    traceana.measure.noise.twice): refused in one line, as the same folder given twice is."""
+    from traceana.measure.noise import twice
 
     side = [first, *more]
     hit = twice([(str(Path(a.run.path).resolve()), a.summary.step_times_ms) for a in side])
@@ -108,7 +108,7 @@ def _not_twice(first, more: list) -> list:
 def _same_configuration(first, more: list) -> list:
     """``more`` if every run is ``first``'s configuration (run.json as the traces show it), else a one-line error:
     the difference between two configurations is not noise."""
-    from traceana.errors import AnalysisError, TraceanaError
+    from traceana.core.errors import AnalysisError, TraceanaError
 
     try:
         want = first.config.training_config(path=first.run.path)
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
         twice = sorted({n for n in args.name if args.name.count(n) > 1})
         raise BadInputError(f"--name {', '.join(map(repr, twice))} labels more than one run",
                             fix="give each run its own --name")
-    from traceana.analysis_cache import input_files
-    from traceana.files import refuse_inputs
+    from traceana.measure.analysis_cache import input_files
+    from traceana.core.files import refuse_inputs
 
     for r in args.runs:  # before any work: never write the report over a trace or run.json
         refuse_inputs(args.output, input_files(r))

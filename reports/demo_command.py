@@ -2,10 +2,10 @@
 
 Trains a tiny GPT split into 4 pipeline stages (4 processes, gloo) under the profiler, with plain 1F1B and with
 BPipe's activation eviction, each ``ROUNDS`` times interleaved with the order alternating per round (baseline BPipe,
-BPipe baseline, …: traceana.noise.round_order, so a machine that slows down or speeds up meets both alike), then
+BPipe baseline, …: traceana.measure.noise.round_order, so a machine that slows down or speeds up meets both alike), then
 writes one HTML report comparing the two. The results go to stdout, what holds first (``results``): BPipe's memory
-result, the bubbles, then the step time with its between-run interval (traceana.noise: beyond the noise, within it,
-or too few runs to tell) and the model's prediction against it (traceana.validation.prediction.repeated_comparison);
+result, the bubbles, then the step time with its between-run interval (traceana.measure.noise: beyond the noise, within
+it, or too few runs to tell) and the model's prediction against it (traceana.validation.prediction.repeated_comparison);
 the last line is ``report: PATH``. Progress goes to the terminal (stderr). Needs torch; about 1–2 minutes on 2 cores.
 Open the printed report in a browser.
 """
@@ -34,7 +34,7 @@ ROUNDS = 3
 def results(both: dict, *, rounds: int) -> list[str]:
     """The demo's result lines, what holds first: the activation peaks (memory does not feel the machine's load), the
     bubbles, each side's runs, then the step time with its between-run interval and the model against it (one
-    statistic, traceana.noise's, and one interval: the report's A/B table says the same)."""
+    statistic, traceana.measure.noise's, and one interval: the report's A/B table says the same)."""
     base, bp = both["baseline"], both["target"]
     lines = []
     headline = bpipe_headline(base["median_activation_peak_mib"], bp["median_activation_peak_mib"])
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     dirs: dict[str, list[Path]] = {name: [] for name, _ in RUNS}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   disable=args.quiet) as progress:
-        from traceana.noise import round_order
+        from traceana.measure.noise import round_order
 
         bpipe_of = dict(RUNS)
         for k0, name in round_order(ROUNDS, [n for n, _ in RUNS]):

@@ -11,8 +11,8 @@ import polars as pl
 
 from reports import frames as F
 from reports import palette
-from traceana import names
-from traceana.units import MIB
+from traceana.core import names
+from traceana.core.units import MIB
 
 hv.extension("bokeh", logo=False)
 

@@ -1,18 +1,18 @@
 """Shape traceana's analysis tables into the small frames the figures draw. Polars in, polars out; no plotting.
 
-Everything here reads the tables of ``traceana.analysis.Analysis`` (schemas in ``traceana/schema.py``) and never the
-trace events, so a report's cost does not grow with the number of kernels: the timeline is drawn from the schedule
-table (one row per rank, step, phase and micro-batch) plus the gaps between its spans.
+Everything here reads the tables of ``traceana.measure.analysis.Analysis`` (schemas in ``traceana/core/schema.py``) and
+never the trace events, so a report's cost does not grow with the number of kernels: the timeline is drawn from the
+schedule table (one row per rank, step, phase and micro-batch) plus the gaps between its spans.
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from traceana import schema
-from traceana.analysis import Analysis
-from traceana.timeline import shift
-from traceana.units import MIB, NS_PER_MS
+from traceana.core import schema
+from traceana.core.units import MIB, NS_PER_MS
+from traceana.measure.analysis import Analysis
+from traceana.measure.timeline import shift
 
 BUBBLE_KINDS = schema.BUBBLE_CATEGORIES
 
@@ -139,8 +139,8 @@ def attribution_strip(a: Analysis, *, bins: int = 3000) -> pl.DataFrame:
 
 
 def critical_path(a: Analysis) -> pl.DataFrame:
-    """The replayed steps' critical path (traceana.summary's ``path``, from traceana.graph): rank, kind, start_ms,
-    end_ms, dur_ms; empty where the what-if could not run."""
+    """The replayed steps' critical path (traceana.measure.summary's ``path``, from traceana.causal.graph): rank, kind,
+    start_ms, end_ms, dur_ms; empty where the what-if could not run."""
     path = a.summary.path
     if path is None or path.height == 0:
         return pl.DataFrame(schema={"rank": pl.Int32, "kind": pl.String, "start_ms": pl.Float64,
@@ -195,7 +195,7 @@ def memory_curves(a: Analysis, *, bins: int = 400) -> pl.DataFrame:
     Taking the bin's maximum keeps every peak visible, which is what a memory plot is for. For each rank the
     accelerator (highest device id) is shown when the trace has one, otherwise the CPU allocator (device -1).
     """
-    # on the analysis' corrected clock, as its steps and schedule (traceana.timeline.shift)
+    # on the analysis' corrected clock, as its steps and schedule (traceana.measure.timeline.shift)
     mem = shift(a.run.memory, a.clock_offsets, ["ts_ns"]).filter(pl.col("allocated_bytes").is_not_null())
     if mem.height == 0:
         return pl.DataFrame(schema={"rank": pl.Int32, "stage": pl.Int32, "t_ms": pl.Float64, "mib": pl.Float64})

@@ -4,13 +4,13 @@ Based on the Okabe–Ito palette (Okabe & Ito 2008, "Color Universal Design"; al
 which stays distinguishable under the common forms of colour-vision deficiency. It has eight colours; the three
 bubble categories use greys, since bubbles are "absence of work" and should recede, told apart by lightness alone
 (which every form of colour-vision deficiency keeps): CIE L* about 85, 62 and 35, at least 20 apart from each other
-and from the host's beige (tests/test_palette.py). The three greys of 87/70/50 L* were hard to tell apart in a
+and from the host's beige (tests/reports/test_palette.py). The three greys of 87/70/50 L* were hard to tell apart in a
 stacked bar (issue 36); warm-up also takes a slight blue tint so it does not read as the host's beige.
 """
 
 from __future__ import annotations
 
-from traceana import schema
+from traceana.core import schema
 
 BLACK = "#000000"
 ORANGE = "#E69F00"
@@ -21,7 +21,7 @@ BLUE = "#0072B2"
 VERMILLION = "#D55E00"
 REDDISH_PURPLE = "#CC79A7"
 
-# One colour per attribution category (traceana.schema.CATEGORIES) and per timeline kind.
+# One colour per attribution category (traceana.core.schema.CATEGORIES) and per timeline kind.
 CATEGORY_COLOURS = {
     "forward": BLUE,
     "backward": ORANGE,
@@ -39,7 +39,7 @@ CATEGORY_COLOURS = {
     "host": "#E5D8BD",
 }
 
-# Human labels for categories, used in legends, hovers and tables: traceana.schema's, the CLI's too.
+# Human labels for categories, used in legends, hovers and tables: traceana.core.schema's, the CLI's too.
 CATEGORY_LABELS = schema.CATEGORY_LABELS
 
 # Runs in an A/B comparison: first run (usually the baseline) blue, second (e.g. BPipe) orange, then the rest.

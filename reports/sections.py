@@ -14,10 +14,10 @@ from reports import html as H
 from reports import palette
 from reports.summary import inferred_notes, kpis, summary_facts
 from reports.validation import Validated
-from traceana.analysis import Analysis
-from traceana.gpu import NO_PIPELINE
-from traceana.noise import STATISTIC
-from traceana.summary import compare_runs
+from traceana.measure.analysis import Analysis
+from traceana.measure.gpu import NO_PIPELINE
+from traceana.measure.noise import STATISTIC
+from traceana.measure.summary import compare_runs
 
 Runs = list[tuple[str, Analysis]]
 
@@ -37,7 +37,8 @@ STAGE_COLUMNS = [
 
 def summary(page, runs: Runs, *, repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
     """Per run: headline numbers, the facts run.json recorded, and what had to be inferred. A run with --repeat
-    collections leads with its side's step time (the A/B table's: traceana.noise's statistic), its own labelled so."""
+    collections leads with its side's step time (the A/B table's: traceana.measure.noise's statistic), its own labelled
+    so."""
     page.add('<section id="summary"><h2>Run summary</h2>')
     page.add('<div class="cards">')
     repeats = repeats or {}
@@ -107,9 +108,9 @@ PHASE_COLUMNS = [
 
 
 def overlapped_phases(page, name: str, a: Analysis) -> None:
-    """Where phases ran at once on a GPU (traceana.gpu): each phase's own GPU time beside what the bars (the
+    """Where phases ran at once on a GPU (traceana.measure.gpu): each phase's own GPU time beside what the bars (the
     per-instant partition) gave it."""
-    from traceana.gpu import OVERLAP_SHOWN_ABOVE, phase_means
+    from traceana.measure.gpu import OVERLAP_SHOWN_ABOVE, phase_means
 
     if a.phase_time is None or not a.phase_time.height:
         return
@@ -141,7 +142,7 @@ STREAM_COLUMNS = [
 def not_a_pipeline(page, name: str, a: Analysis) -> None:
     """A run that is no pipeline (its summary's ``pipeline_found``): a sentence instead of per-stage bars, and what
     still helps: the time per rank by category, and per GPU stream."""
-    from traceana.gpu import stream_means
+    from traceana.measure.gpu import stream_means
 
     page.add(H.para(f"{name}: {NO_PIPELINE}. Time per rank (mean per measured step) and per GPU stream:",
                     css_class="lead"))
@@ -181,7 +182,7 @@ REPLICA_COLUMNS = [
 
 def replicas(page, name: str, a: Analysis) -> None:
     """Data-parallel pipelines: each stage across its replicas, and every replica's exposed collective time
-    (traceana.summary's own time), and the straggler the what-if names (traceana.whatif)."""
+    (traceana.measure.summary's own time), and the straggler the what-if names (traceana.causal.whatif)."""
     ps = a.summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
@@ -285,8 +286,8 @@ def validation(page, runs: Runs, G, validate: Callable[[Analysis], Validated] | 
 
 def comparison(page, runs: Runs, G, cross_run: Callable[..., dict | str] | None, *,
                repeats: dict[str, Sequence[Analysis]] | None = None) -> None:
-    """Every run against the first: one step time per side (the geometric mean of its runs, traceana.noise) with one
-    between-run interval, the model's cross-run prediction against that same measurement, per-stage deltas."""
+    """Every run against the first: one step time per side (the geometric mean of its runs, traceana.measure.noise) with
+    one between-run interval, the model's cross-run prediction against that same measurement, per-stage deltas."""
     page.add('<section id="comparison"><h2>A/B comparison</h2>')
     names = [n for n, _ in runs]
     analyses = [a for _, a in runs]

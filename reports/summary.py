@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 from reports import html as H
-from traceana.analysis import Analysis
-from traceana.manifest import LIFTED
-from traceana.run_config import TRACE
-from traceana.summary import STEP_TIME_LABEL
-from traceana.units import NS_PER_MS
+from traceana.core.manifest import LIFTED
+from traceana.core.run_config import TRACE
+from traceana.core.units import NS_PER_MS
+from traceana.measure.analysis import Analysis
+from traceana.measure.summary import STEP_TIME_LABEL
 
 
 def summary_facts(a: Analysis) -> list[tuple[str, object]]:
@@ -81,8 +81,8 @@ def inferred_notes(a: Analysis) -> list[str]:
 
 def kpis(a: Analysis, *, side: tuple[float, int] | None = None) -> str:
     """The card's headline figures. ``side``: (its side's step time, runs) when the run was repeated: the card then
-    leads with that (traceana.noise's statistic, the A/B table's figure) and labels this run's own as such."""
-    from traceana.noise import STATISTIC
+    leads with that (traceana.measure.noise's statistic, the A/B table's figure) and labels this run's own as such."""
+    from traceana.measure.noise import STATISTIC
 
     s = a.summary
     act = (f"{H.num(s.largest_activation_peak_mib)} MiB (stage {s.largest_activation_stage})"
@@ -108,7 +108,7 @@ def kpis(a: Analysis, *, side: tuple[float, int] | None = None) -> str:
         items.insert(1, (H.num(s.step_ms) + " ms" if s.step_ms is not None else "–",
                          f"{STEP_TIME_LABEL}: this run alone (the first)"))
     cells = "".join(f'<div class="kpi"><b>{H.esc(v)}</b><span>{H.esc(label)}</span></div>' for v, label in items)
-    # who holds the step back, and what it costs: the what-if's line (traceana.whatif), never raw step times
+    # who holds the step back, and what it costs: the what-if's line (traceana.causal.whatif), never raw step times
     verdict = (H.para(f"Bottleneck (what-if: the measured step replayed with work made ideal): {s.diagnosis}",
                       css_class="lead") if s.diagnosis else "")
     return f'<div class="kpis">{cells}</div>{verdict}'

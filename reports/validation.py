@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from reports import frames as F
-from traceana.analysis import Analysis
-from traceana.errors import TraceanaError
-from traceana.pipeline_rules import bpipe_applies
+from traceana.core.errors import TraceanaError
+from traceana.core.pipeline_rules import bpipe_applies
+from traceana.measure.analysis import Analysis
 
 
 @dataclass

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import polars as pl
 
+from traceana.core.manifest import Manifest
+from traceana.core.schema import EVENTS, MEMORY, TRACES, conform
 from traceana.ingest import Run
-from traceana.manifest import Manifest
-from traceana.schema import EVENTS, MEMORY, TRACES, conform
 
 US = 1000  # ns per µs
 

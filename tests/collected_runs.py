@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from collectors.trainer.config import SCHEDULES  # no torch import
-from traceana.manifest import MULTI_STAGE_SCHEDULES, Workload
+from traceana.core.manifest import MULTI_STAGE_SCHEDULES, Workload
 
 RUNS = {
     # name: CollectConfig keyword arguments
@@ -25,7 +25,7 @@ RUNS = {
     "gpipe": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="gpipe"),
     # m = p: 1F1B never reaches a steady state, so each stage's peak comes at its first backward, before any of this
     # step's gradients exist; two profiled steps: the second starts holding the first's gradients
-    # (tests/test_memory_truth_runs.py)
+    # (tests/measure/test_memory_truth_runs.py)
     "1f1b_pp3_m3": dict(preset="tiny-gpt", pp=3, microbatches=3, microbatch_size=1, schedule="1f1b", steps=2),
     "gpipe_llama_recompute": dict(preset="tiny-llama", pp=2, microbatches=2, microbatch_size=1, schedule="gpipe",
                                   recompute="selective", attention="sdpa"),
@@ -37,7 +37,7 @@ RUNS = {
                           steps=2),
     # data-parallel pipelines: pp=2 × dp=2 (rank = stage · dp + replica), six profiled steps (a straggler is slow
     # in every one of the 5 measured), on the known workload (F 20, B 40 ms); "_slow" holds every pass of rank 1
-    # (stage 0 of replica 1) three times as long: tests/test_replicas.py
+    # (stage 0 of replica 1) three times as long: tests/measure/test_replicas.py
     "1f1b_pp2dp2": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b", steps=6,
                         workload=Workload("sleep", 20.0, 40.0)),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
@@ -45,9 +45,9 @@ RUNS = {
     # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
     # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
     # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after
-    # (tests/test_known_workload.py); 1F1B pp=2 plain, stage 1 slowed ×3, plain again (A B A,
-    # tests/test_whatif_runs.py)
-    # 1F1B pp=4, 4 micro-batches, F = 20 ms, B = 40 ms: the stages' bubbles (tests/test_schedule_real.py)
+    # (tests/collectors/test_known_workload.py); 1F1B pp=2 plain, stage 1 slowed ×3, plain again (A B A,
+    # tests/causal/test_whatif_runs.py)
+    # 1F1B pp=4, 4 micro-batches, F = 20 ms, B = 40 ms: the stages' bubbles (tests/measure/test_schedule_real.py)
     "sleep_1f1b": dict(preset="tiny-gpt", pp=4, microbatches=4, microbatch_size=1, schedule="1f1b",
                        workload=Workload("sleep", 20.0, 40.0)),
     "sleep_gpipe_pp2": dict(preset="tiny-gpt", pp=2, microbatches=4, microbatch_size=1, schedule="gpipe", steps=2,
@@ -70,7 +70,7 @@ PIPELINING_RUNS = {
        for s in PIPELINING_SCHEDULES},
     **{f"pipelining-{s}@3": dict(schedule=s, microbatches=3, microbatch_size=1, steps=1, ranks=3)
        for s in ("interleaved-1f1b", "zbv")},
-    # the known workload on a split-backward schedule: F 10, I 20, W 10 ms (tests/test_known_workload.py)
+    # the known workload on a split-backward schedule: F 10, I 20, W 10 ms (tests/collectors/test_known_workload.py)
     "pipelining-zbv-sleep": dict(schedule="zbv", microbatches=4, microbatch_size=1, steps=1,
                                  workload=Workload("sleep", 10.0, 20.0, 10.0)),
 }

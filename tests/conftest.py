@@ -10,6 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 THIRD_PARTY = ROOT / "tests" / "data" / "third_party"  # in the repository (see its README: source, MIT licence)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the test folders mirror traceana's layers; a test may import a helper another folder's test defines
+sys.path[1:1] = [str(d) for d in sorted(Path(__file__).resolve().parent.iterdir())
+                 if d.is_dir() and d.name not in ("data", "benchmarks", "__pycache__")]
 
 
 def _read_only_copy(src: Path, dst: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Simulated pairs of configurations for the comparison rule's calibration (traceana.noise.log_intervals): each
+"""Simulated pairs of configurations for the comparison rule's calibration (traceana.measure.noise.log_intervals): each
 comparison is ``rounds`` interleaved rounds of two configurations, A and B, collected one after the other on a
 machine whose speed drifts and whose runs carry heavy-tailed noise. Vectorised: thousands of comparisons at once.
 
@@ -7,7 +7,7 @@ A run's log step time = log 500 ms + drift + noise + deschedule (+ log ``effect`
 - noise: ``sigma`` × Student-t with ``df`` degrees of freedom, scaled to unit variance (heavy tails);
 - deschedule: with probability ``outlier_p`` a run is slowed by a factor uniform in ``outlier`` (one-sided).
 The defaults are the field notes' shared 2-core machine (docs/field-notes.md "Noise floor": run-to-run CV 30–40 %,
-now and then one run 2–3× the others). Rounds alternate their order (traceana.noise.round_order) unless
+now and then one run 2–3× the others). Rounds alternate their order (traceana.measure.noise.round_order) unless
 ``alternate`` is False (A B, A B, …).
 """
 
@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from traceana.noise import log_intervals
+from traceana.measure.noise import log_intervals
 
 NOISE = {"sigma": 0.25, "df": 3, "outlier_p": 0.1, "outlier": (1.5, 3.0), "walk": 0.05, "trend": 0.02}
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import polars as pl
 
-from traceana import schema
-from traceana.analysis import Analysis
+from traceana.core import schema
+from traceana.core.manifest import Manifest, ModelShape
 from traceana.ingest import Run
-from traceana.manifest import Manifest, ModelShape
+from traceana.measure.analysis import Analysis
 
 MS = 1_000_000  # ns
 T0 = 1_700_000_000_000_000_000  # an absolute wall clock in ns

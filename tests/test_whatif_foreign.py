@@ -18,9 +18,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceana import graph
-from traceana.analysis_cache import load_and_analyze
-from traceana.whatif import _ideals, changed, parse_set, whatif
+from traceana.causal import graph
+from traceana.causal.whatif import _ideals, changed, parse_set, whatif
+from traceana.measure.analysis_cache import load_and_analyze
 
 DATA = Path(__file__).parent / "data" / "whatif_foreign"
 RUNS = sorted(p.parent.name for p in DATA.glob("*/slow.json"))

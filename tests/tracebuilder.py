@@ -90,7 +90,7 @@ class TraceBuilder:
     def memory(self, ts: float, total_allocated: int, delta: int, *, device: int = -1,
                addr: int | None = None) -> dict[str, Any]:
         """An allocator instant; ``addr``: the block's address (Kineto's "Addr"), left out when None (as a trace
-        without addresses: the activation peak then falls back to peak − step start, traceana.memory)."""
+        without addresses: the activation peak then falls back to peak − step start, traceana.measure.memory)."""
         return self.event(
             ph="i", s="t", cat="cpu_instant_event", name="[memory]", pid=self.pid, tid=self.tid,
             ts=self.base_us + ts,

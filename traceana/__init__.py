@@ -5,7 +5,7 @@ The public API for notebooks::
     import traceana
     run = traceana.load_run("runs/demo")       # events, memory, traces frames (+ run.json when present)
     result = traceana.analyze(run)              # steps, p2p, schedule, attribution, stage memory frames
-    result.summary                              # the headline figures (traceana.summary)
+    result.summary                              # the headline figures (traceana.measure.summary)
     traceana.load_and_analyze("runs/demo")      # both, cached under the run folder, with the per-rank counts
     traceana.what_if(result, set=["stage=1:forward*0.5"])  # traceana whatif (docs/python.md)
 """
@@ -39,19 +39,21 @@ from traceana.version import __version__  # noqa: E402
 # variable, no thread, no exit handler. The ``traceana`` program's own performance settings (the allocator's decay,
 # one polars thread for a small run, the deferred standard library, the quick exit) are made by its entry point,
 # traceana.cli.main, in traceana's own process only.
-from traceana.errors import TraceanaError  # noqa: E402
+from traceana.core.errors import TraceanaError  # noqa: E402
 
 
 # The public names, each imported on first use (``import traceana`` stays cheap: no polars until one is read;
-# tests/test_import_hygiene.py). name -> module that defines it.
+# tests/package/test_import_hygiene.py). name -> module that defines it.
 _PUBLIC = {
     "load_run": "traceana.ingest.run_dir",  # a run directory (or one trace) -> Run: events, memory, traces, run.json
-    "analyze": "traceana.analysis",  # Run -> Analysis
-    "load_and_analyze": "traceana.analysis_cache",  # both, cached under the run folder, as traceana analyze does
-    "Analysis": "traceana.analysis",
+    "analyze": "traceana.measure.analysis",  # Run -> Analysis
+    # both, cached under the run folder, as traceana analyze does
+    "load_and_analyze": "traceana.measure.analysis_cache",
+    "Analysis": "traceana.measure.analysis",
     "Run": "traceana.ingest",
-    "RunSummary": "traceana.summary",  # Analysis.summary: the headline figures and the per-stage table
-    "RunConfig": "traceana.run_config",  # Analysis.config: the run's configuration, each fact with where it came from
+    "RunSummary": "traceana.measure.summary",  # Analysis.summary: the headline figures and the per-stage table
+    # Analysis.config: the run's configuration, each fact with where it came from
+    "RunConfig": "traceana.core.run_config",
     # several runs side by side (traceana report's comparison): a Comparison, which unpacks as (overview, per_stage)
     "compare_runs": "traceana.results",
     "validate": "traceana.results",  # the model replayed with a run's own durations, against the run
@@ -59,8 +61,9 @@ _PUBLIC = {
     "WhatIfResult": "traceana.results",
     "Comparison": "traceana.results",
     "ValidationResult": "traceana.results",
-    "gpu_views": "traceana.gpu",  # HTA's GPU views of an Analysis: kernel types, overlap, idle split, top kernels
-    "load_rules": "traceana.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
+    # HTA's GPU views of an Analysis: kernel types, overlap, idle split, top kernels
+    "gpu_views": "traceana.measure.gpu",
+    "load_rules": "traceana.core.names",  # a name rules file (docs/naming.md) -> NameRules, for names=
 }
 
 __all__ = ["TraceanaError", "__version__", *_PUBLIC]

@@ -18,9 +18,9 @@ import signal
 import sys
 import warnings
 
-from traceana.commands.registry import BY_NAME, COMMANDS, load
 from traceana import _early_signals
-from traceana.errors import TraceanaError, printable
+from traceana.commands.registry import BY_NAME, COMMANDS, load
+from traceana.core.errors import TraceanaError, printable
 
 class _Parser(argparse.ArgumentParser):
     """Errors about a command's arguments print that command's usage (``traceana analyze …``), not the top level's:
@@ -87,7 +87,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread like KeyboardInterrupt: files being written are cleaned up on the way out
-    (``traceana.files.atomic_path``, the caches), then the command exits 143 with one line."""
+    (``traceana.core.files.atomic_path``, the caches), then the command exits 143 with one line."""
 
 
 class StdoutClosed(OSError):
@@ -107,7 +107,7 @@ def _on_signal(signum, frame) -> None:
     """The first SIGINT or SIGTERM; both are ignored from then on (a second Ctrl-C must not land in the clean-up).
 
     Run as the program, a command without children ends here and now: the temporaries being written are removed
-    (``traceana.files.remove_in_flight``), one line is printed, and the process exits with the signal's code. No
+    (``traceana.core.files.remove_in_flight``), one line is printed, and the process exits with the signal's code. No
     exception is raised into whatever was running — raised inside a polars call it came back twice or as polars'
     own TypeError, and raised inside an extension module's import it once left msgspec half-initialised (a
     segfault). Otherwise (``main`` called in-process, a command with children) it is raised in the main thread and
@@ -118,7 +118,7 @@ def _on_signal(signum, frame) -> None:
     _signalled = signum
     _quiet_signals()
     if _at_once:
-        from traceana.files import remove_in_flight
+        from traceana.core.files import remove_in_flight
 
         remove_in_flight()
         try:

@@ -2,8 +2,9 @@
 the measured step replayed with ``--set`` changes, and the run's durations under another ``--schedule``,
 ``--microbatches`` or ``--bpipe``), ``compare`` (``compare_runs``: the report's side-by-side comparison of runs) and
 ``validate`` (``traceana validate``'s model replay). Each result keeps the tables and dicts the library computes
-(traceana.whatif, traceana.summary.compare_runs, traceana.validation.replay), adds nothing to them, and shows itself
-in a few lines (``repr``) or as HTML in Jupyter (``_repr_html_``); ``as_dict()`` is the command's ``--json``.
+(traceana.causal.whatif, traceana.measure.summary.compare_runs, traceana.validation.replay), adds nothing to them, and
+shows itself in a few lines (``repr``) or as HTML in Jupyter (``_repr_html_``); ``as_dict()`` is the command's
+``--json``.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def _ms(x: float | None) -> str:
 
 @dataclass(frozen=True)
 class WhatIfResult:
-    """``traceana whatif``'s answer: ``replay`` (traceana.whatif.WhatIf: the replayed step, every group made ideal,
-    the critical path, the diagnosis) and ``plan`` (traceana.whatif.plan_whatif's dict, or None when no schedule,
-    micro-batch count or BPipe was asked for)."""
+    """``traceana whatif``'s answer: ``replay`` (traceana.causal.whatif.WhatIf: the replayed step, every group made
+    ideal, the critical path, the diagnosis) and ``plan`` (traceana.causal.whatif.plan_whatif's dict, or None when no
+    schedule, micro-batch count or BPipe was asked for)."""
 
     replay: Any
     plan: dict | None = None
@@ -58,7 +59,7 @@ class WhatIfResult:
         return {**self.replay.as_dict(), "plan": self.plan}
 
     def lines(self) -> list[str]:
-        from traceana.summary import steps_label
+        from traceana.measure.summary import steps_label
 
         s = self.summary
         out = [f"measured step {_ms(s['measured_step_ms'])} ms over {steps_label(s['measured_steps'])}; replayed "
@@ -89,8 +90,8 @@ def what_if(analysis, set: str | Iterable[str] = (), *, schedule: str | None = N
     """``traceana whatif`` from Python: ``set`` the ``--set`` changes (``"stage=1:forward*0.5"``, ``"p2p=0"``, …;
     one text or several), ``schedule``, ``microbatches``, ``bpipe`` (True/False) and ``virtual_stages`` the plan
     what-if (needs run.json's model and pipeline, as the command does). A bad change raises the command's one-line
-    error (traceana.whatif.SetError) before any replay."""
-    from traceana.whatif import parse_set, plan_whatif, whatif
+    error (traceana.causal.whatif.SetError) before any replay."""
+    from traceana.causal.whatif import parse_set, plan_whatif, whatif
 
     texts = [set] if isinstance(set, str) else list(set)
     changes = [parse_set(t) for t in texts]
@@ -104,7 +105,7 @@ def what_if(analysis, set: str | Iterable[str] = (), *, schedule: str | None = N
 
 @dataclass(frozen=True)
 class Comparison:
-    """Runs side by side (traceana.summary.compare_runs): ``overview`` (one row per run: its step, the change
+    """Runs side by side (traceana.measure.summary.compare_runs): ``overview`` (one row per run: its step, the change
     against the first with its noise interval) and ``per_stage``. Unpacks as the old ``(overview, per_stage)``."""
 
     overview: pl.DataFrame
@@ -129,7 +130,7 @@ class Comparison:
 def compare(runs, *, repeats: dict[str, list] | None = None) -> Comparison:
     """Every run against the first: ``runs`` is ``[(name, analysis or summary), …]`` or ``{name: …}``;
     ``repeats``: more runs of a named run's configuration (their analyses or summaries), as ``compare_runs``."""
-    from traceana.summary import compare_runs
+    from traceana.measure.summary import compare_runs
 
     def summary(x):
         return getattr(x, "summary", x)

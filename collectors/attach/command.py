@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from traceana.errors import ConfigError
+from traceana.core.errors import ConfigError
 
 POLL_S = 0.5
 GRACE_S = 10.0  # --kill-after's default: time a job gets to stop after a forwarded signal before SIGKILL

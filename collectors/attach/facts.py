@@ -12,7 +12,7 @@ from typing import Any
 
 from collectors.attach import FACTS_DIR
 from collectors.manifest import ranks_written, write_manifest
-from traceana.manifest import Manifest
+from traceana.core.manifest import Manifest
 
 # Facts a process cannot see from the outside, with what needs them (listed in run.json under attach).
 _NEVER_DETECTED = {

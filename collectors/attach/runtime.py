@@ -623,7 +623,7 @@ def _microbatch_size(schedule: Any, args: tuple) -> int | None:
     return size // n if size % n == 0 else None
 
 
-# torch.distributed.pipelining schedule class → run.json's schedule name (traceana.manifest.SCHEDULES)
+# torch.distributed.pipelining schedule class → run.json's schedule name (traceana.core.manifest.SCHEDULES)
 _SCHEDULE_NAMES = {
     "ScheduleGPipe": "gpipe",
     "Schedule1F1B": "1f1b",

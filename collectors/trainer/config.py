@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from traceana.errors import ConfigError
-from traceana.manifest import ModelShape, Workload
-from traceana.model.config import TrainingConfig
+from traceana.core.errors import ConfigError
+from traceana.core.manifest import ModelShape, Workload
+from traceana.core.pipeline_rules import bpipe_pairs as all_bpipe_pairs
+from traceana.core.pipeline_rules import bpipe_plan, plan_refusal
+from traceana.core.training_config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
-from traceana.pipeline_rules import bpipe_pairs as all_bpipe_pairs
-from traceana.pipeline_rules import bpipe_plan, plan_refusal
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
@@ -71,7 +71,7 @@ class CollectConfig:
             raise ConfigError(refused[0], fix=refused[1])
 
     def training_config(self) -> TrainingConfig:
-        """The model's description of this run (traceana.model.config), which also validates it."""
+        """The model's description of this run (traceana.core.training_config), which also validates it."""
         return TrainingConfig(model=self.shape, pp=self.pp, microbatch_size=self.microbatch_size,
                               num_microbatches=self.microbatches, schedule=self.schedule, attention=self.attention,
                               recompute=self.recompute, eager=True, dropout=False)

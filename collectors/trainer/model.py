@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from traceana.manifest import ModelShape
-from traceana.pipeline_rules import stage_layer_ranges
+from traceana.core.manifest import ModelShape
+from traceana.core.pipeline_rules import stage_layer_ranges
 
 
 class RMSNorm(nn.Module):

@@ -16,8 +16,8 @@ from collectors.bpipe import Acceptor, Evictor
 from collectors.trainer.comm import Transport, Waiter
 from collectors.trainer.model import Recompute, Stage
 from collectors.trainer.workload import Clock
-from traceana import names
-from traceana.pipeline_rules import FORWARD, Op
+from traceana.core import names
+from traceana.core.pipeline_rules import FORWARD, Op
 
 
 @dataclass

@@ -24,8 +24,8 @@ from collectors.trainer.config import CollectConfig
 from collectors.trainer.model import GPT, Stage
 from collectors.trainer.pipeline import StageRunner
 from collectors.trainer.workload import Clock, make_sleeping
-from traceana.manifest import Manifest
-from traceana.pipeline_rules import bpipe_plan, device_order
+from traceana.core.manifest import Manifest
+from traceana.core.pipeline_rules import bpipe_plan, device_order
 
 
 @dataclass

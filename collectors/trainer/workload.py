@@ -22,7 +22,7 @@ A stage module's ``forward`` is replaced, on the instance, by two autograd funct
   for a CPU inside it (schedstat): ``RUN/workload/rank{R}.json`` (``write_spans``), the test's independent truth.
 
 Everything else stays real: processes, P2P of activation-sized tensors, BPipe's transfers, the optimizer, the
-profiler and the annotations. The durations and factors are ``traceana.manifest.Workload`` (run.json's
+profiler and the annotations. The durations and factors are ``traceana.core.manifest.Workload`` (run.json's
 ``workload``); a pass outside a labelled step (start-up measurements, torch's shape inference) does not hold.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from traceana.manifest import Workload
+from traceana.core.manifest import Workload
 
 MIN_SAVED_BYTES = 256  # (collectors.bpipe.MIN_EVICT_BYTES: smaller storages are not activations worth sending)
 

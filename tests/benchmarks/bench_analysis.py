@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_trace import write_trace  # noqa: E402
 
-from traceana.analysis import analyze  # noqa: E402
 from traceana.ingest.run_dir import load_run  # noqa: E402
+from traceana.measure.analysis import analyze  # noqa: E402
 
 
 def main() -> None:

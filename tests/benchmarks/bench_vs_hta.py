@@ -172,7 +172,7 @@ def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: 
         _finish_ahead()
 
     if cache and analyze:
-        from traceana.analysis_cache import load_and_analyze
+        from traceana.measure.analysis_cache import load_and_analyze
 
         t1 = time.perf_counter()
         result = load_and_analyze(path, workers=workers, cache=True, progress=progress)
@@ -186,7 +186,7 @@ def job_traceana(path: str, workers: int, cache: bool, analyze: bool, progress: 
     out = {"import_s": t1 - t0, "ingest_s": t2 - t1, "ingest_cpu_s": c2 - c1, "events": run.events.height,
            "memory_rows": run.memory.height, "ranks": run.traces.height}
     if analyze:
-        from traceana.analysis import analyze as analyze_run
+        from traceana.measure.analysis import analyze as analyze_run
 
         t3 = time.perf_counter()
         result = analyze_run(run)

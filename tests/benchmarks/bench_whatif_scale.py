@@ -1,8 +1,8 @@
 """The what-if at scale: a synthetic measured step of pp × dp ranks (default pp=8 × dp=128 = 1,024 ranks, 1F1B,
-m=32) as traceana.graph's frames, replayed on the scheduler's engine, its critical path, and the summary's what-if
-(everything ideal, the 8 candidate ranks and replicas and every stage made ideal). Prints wall time and peak memory
-of each part; the what-if both batched (graph.replay_variants) and, as the baseline measured in the same run, with
-one engine replay per variant (as before it), each in a child process (its own peak RSS), with their ratios and
+m=32) as traceana.causal.graph's frames, replayed on the scheduler's engine, its critical path, and the summary's
+what-if (everything ideal, the 8 candidate ranks and replicas and every stage made ideal). Prints wall time and peak
+memory of each part; the what-if both batched (graph.replay_variants) and, as the baseline measured in the same run,
+with one engine replay per variant (as before it), each in a child process (its own peak RSS), with their ratios and
 whether their results are identical. Asserts nothing (benchmarks are not tests).
 
     .venv/bin/python tests/benchmarks/bench_whatif_scale.py
@@ -28,9 +28,9 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from traceana import graph  # noqa: E402
-from traceana.pipeline_rules import device_order  # noqa: E402
-from traceana.whatif import whatif  # noqa: E402
+from traceana.causal import graph  # noqa: E402
+from traceana.causal.whatif import whatif  # noqa: E402
+from traceana.core.pipeline_rules import device_order  # noqa: E402
 
 MS = 1_000_000
 
@@ -79,7 +79,7 @@ def with_windows(g: graph.StepGraph) -> graph.StepGraph:
 def _engine_per_variant(g, ops, edges, variants, **_):
     """The baseline: every variant on the engine itself, one replay each (what the what-if did before
     graph.replay_variants)."""
-    from traceana.whatif import materialize
+    from traceana.causal.whatif import materialize
 
     return [graph.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
 
@@ -91,7 +91,7 @@ def part(args) -> None:
     """One what-if in this process (started by main as a child, so that its peak RSS is its own): prints a JSON line."""
     import json
 
-    import traceana.whatif as wi
+    import traceana.causal.whatif as wi
 
     g = with_windows(synthetic(args.pp, args.dp, args.microbatches))
     run = SimpleNamespace(run=SimpleNamespace(path="synthetic"))

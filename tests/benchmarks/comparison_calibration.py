@@ -1,4 +1,4 @@
-"""The comparison rule's calibration (traceana.noise; docs/comparisons.md): simulated, and on real collections.
+"""The comparison rule's calibration (traceana.measure.noise; docs/comparisons.md): simulated, and on real collections.
 
     .venv/bin/python tests/benchmarks/comparison_calibration.py simulate [--comparisons 4000]
     .venv/bin/python tests/benchmarks/comparison_calibration.py collect --out /tmp/traceana-calib [--pairs 10]
@@ -11,10 +11,10 @@ docs/comparisons.md).
 ``collect`` runs the known workload (``traceana collect --work sleep --forward-ms F --backward-ms B``: each pass holds
 a stated time, so two collections of one configuration differ only by the machine): ``--pairs`` comparisons of two
 identical configurations A and B, each collected ``--rounds`` times interleaved (A B, B A, …:
-traceana.noise.round_order), then the rule on each comparison — how many were called different (the false-positive
-rate, with its 95 % upper bound from the binomial). ``--effect K`` adds as many comparisons in which B's passes hold
-K times as long (the detection rate). Runs already in --out are reused; the load (``os.getloadavg``) is printed
-beside each figure, because the load, not the collector, sets the noise. Needs the ``--work sleep`` flag (branch
+traceana.measure.noise.round_order), then the rule on each comparison — how many were called different (the
+false-positive rate, with its 95 % upper bound from the binomial). ``--effect K`` adds as many comparisons in which B's
+passes hold K times as long (the detection rate). Runs already in --out are reused; the load (``os.getloadavg``) is
+printed beside each figure, because the load, not the collector, sets the noise. Needs the ``--work sleep`` flag (branch
 ``workload``); without it this says so in one line and exits 2.
 """
 
@@ -83,8 +83,8 @@ def collect(a: argparse.Namespace) -> int:
         print("traceana collect has no --work sleep here (the known workload, branch workload): merge it first",
               file=sys.stderr)
         return 2
-    from traceana.analysis_cache import load_and_analyze
-    from traceana.noise import between_runs, round_order
+    from traceana.measure.analysis_cache import load_and_analyze
+    from traceana.measure.noise import between_runs, round_order
 
     out: Path = a.out
     kinds = [("same", 1.0)] + ([("effect", a.effect)] if a.effect else [])

@@ -50,7 +50,7 @@ def main() -> None:
     collect_all(args.out)
     if args.collect_only:
         return
-    from traceana.analysis_cache import load_and_analyze
+    from traceana.measure.analysis_cache import load_and_analyze
     from traceana.validation import cross_run
 
     a = {name: load_and_analyze(args.out / name) for name in RUNS}

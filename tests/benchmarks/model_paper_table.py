@@ -6,7 +6,7 @@
 Paper-like settings (Kim et al. 2023, BPipe; Huang et al. 2024, arXiv 2401.02088): A100 80 GB, tp 8, pp 4–8,
 sequence length 2048, 64 sequences per pipeline per step, bf16 mixed-precision Adam, 1F1B. Every figure is what
 ``traceana estimate … --json`` prints for the command line shown with the row, at the CLI's defaults (the reserve
-included) unless the row says otherwise; nothing here is measured. tests/test_model_paper.py asserts the findings
+included) unless the row says otherwise; nothing here is measured. tests/model/test_model_paper.py asserts the findings
 the table shows, with their conditions.
 """
 

@@ -1,7 +1,7 @@
 """The OSDI 2025 what-if study's three jobs through traceana's what-if: its artifact's op tables
 (github.com/ByteDance-Seed/StragglerAnalysis, ``data/trace-{AR,SE,ST}.parquet``, Apache-2.0; not copied here) read
-into traceana's step graph (traceana.graph.StepGraph), and the study's figures (``data/result-*.json``, ``ms-*.json``,
-``mw-*.json``) printed beside traceana's.
+into traceana's step graph (traceana.causal.graph.StepGraph), and the study's figures (``data/result-*.json``,
+``ms-*.json``, ``mw-*.json``) printed beside traceana's.
 
     python tests/benchmarks/osdi_artifact.py ARTIFACT_DIR [AR ST SE]   (ARTIFACT_DIR: a checkout of the artifact)
 
@@ -27,8 +27,8 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from traceana import graph  # noqa: E402
-from traceana.whatif import whatif  # noqa: E402
+from traceana.causal import graph  # noqa: E402
+from traceana.causal.whatif import whatif  # noqa: E402
 
 NS = 1e9
 COMPUTE = {"forward-compute": "F", "backward-compute": "B", "optimizer": "O"}

@@ -3,7 +3,8 @@ what changed on disk, peak RSS and time (``os.wait4`` of the child). Run it agai
 
     .venv/bin/python tests/benchmarks/reliability_probe.py --root /path/to/old --root . > table.md
 
-Scenarios that need torch (collect) are left to tests/test_reliability_round3.py. Prints markdown; asserts nothing.
+Scenarios that need torch (collect) are left to tests/commands/test_reliability_round3.py. Prints markdown; asserts
+nothing.
 """
 
 from __future__ import annotations

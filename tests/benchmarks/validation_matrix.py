@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from traceana.analysis import analyze
 from traceana.ingest.run_dir import load_run
+from traceana.measure.analysis import analyze
 from traceana.validation import cross_run, validate
 
 # name: (preset, pp, microbatches, schedule, attention, recompute, bpipe)

@@ -104,7 +104,7 @@ def simulated(name: str, forward_ms: float, backward_ms: float) -> tuple[float, 
     """The simulator fed the stated durations (nothing measured): step ms and mean bubble share. A slowed stage
     holds FACTOR × F and B; a slowed rank slows its stage in its replica, and the slowest replica sets the step
     (the data-parallel all-reduce waits for it), so its stage is simulated at that factor."""
-    from traceana.model.scheduler import StageTimes
+    from traceana.causal.scheduler import StageTimes
     from traceana.model.simulate import bubble_fraction, simulate
 
     flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))

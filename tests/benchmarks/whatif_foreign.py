@@ -155,8 +155,8 @@ def rows(results: list[dict], stage: int) -> list[dict]:
                                "noise": noise, "peers_min": min(t["peers_ms"] for t in twins),
                                "peers_max": max(t["peers_ms"] for t in twins)}
                 row["within"] = all(lo - noise <= p <= hi + noise for p in row["peers_ms"])
-                # within the run (no machine change between the figures, as tests/test_whatif_runs.py): every slowed
-                # forward is on the path, so the step at the other stage's speed is the measured step less the
+                # within the run (no machine change between the figures, as tests/causal/test_whatif_runs.py): every
+                # slowed forward is on the path, so the step at the other stage's speed is the measured step less the
                 # injected MICROBATCHES x X ms, within the run's noise and the stages' own imbalance (the twins' gain)
                 natural = max(t["measured_ms"] - t["peers_ms"] for t in twins)
                 ms = next((r["slow"][1] for r in ok if r.get("slow")), None)

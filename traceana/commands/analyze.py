@@ -12,9 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from traceana.errors import BadInputError
-from traceana.errors import shown as printable_path
-from traceana.files import TABLE_FORMATS  # not traceana.export: building the parser imports no polars (cli.py)
+from traceana.core.errors import BadInputError
+from traceana.core.errors import shown as printable_path
+# not traceana.commands.export: building the parser imports no polars (cli.py)
+from traceana.core.files import TABLE_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,19 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool,
                      dask: str | None = None, names: str | None = None):
-    """The command's checks, then ``traceana.analysis_cache.load_and_analyze`` (cached unless ``cache`` is False),
-    or with ``dask`` (a scheduler address) ``traceana.partitioned.analyze_partitioned`` on that cluster."""
+    """The command's checks, then ``traceana.measure.analysis_cache.load_and_analyze`` (cached unless ``cache`` is
+    False), or with ``dask`` (a scheduler address) ``traceana.measure.partitioned.analyze_partitioned`` on that
+    cluster."""
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
     _finish_ahead()
-    from traceana.manifest import check_peak_flops
+    from traceana.core.manifest import check_peak_flops
 
     check_peak_flops(peak_flops)
-    from traceana.analysis_cache import run_name_rules
+    from traceana.measure.analysis_cache import run_name_rules
 
     rules = run_name_rules(path, names)  # a bad rules file is refused before any trace is read
     if dask is not None:
-        from traceana import partitioned
+        from traceana.measure import partitioned
         from traceana.ingest.cache import CACHE_DIR
 
         if not Path(path).is_dir():
@@ -58,7 +60,7 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
             return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
                                                    map=partitioned.dask_map(client), peak_flops=peak_flops,
                                                    names=rules)
-    from traceana.analysis_cache import load_and_analyze as cached
+    from traceana.measure.analysis_cache import load_and_analyze as cached
 
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules)
 
@@ -75,12 +77,12 @@ def _finish_ahead() -> None:
 
 
 def print_tables(analysis, *, per_step: bool) -> None:
-    from traceana.classify import rank_summary
-    from traceana.schema import CATEGORIES, CATEGORY_LABELS
-    from traceana.tables import UNKNOWN, print_line, print_table
-    from traceana.tables import console as output_console
-    from traceana.tables import cell as _num
-    from traceana.tables import mib
+    from traceana.measure.classify import rank_summary
+    from traceana.core.schema import CATEGORIES, CATEGORY_LABELS
+    from traceana.core.tables import UNKNOWN, print_line, print_table
+    from traceana.core.tables import console as output_console
+    from traceana.core.tables import cell as _num
+    from traceana.core.tables import mib
 
     def _ms_pct(ms, pct, step_ms) -> str:
         if ms is None:
@@ -111,7 +113,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     st = analysis.stages
     shown = [c for c in CATEGORIES if st.height and (st[f"{c}_ms"].fill_null(0) > 0).any()]
     stages = st.to_dicts()  # one dict per rank: display only
-    from traceana.tables import stage_label
+    from traceana.core.tables import stage_label
 
     headers = ["", *(f"{stage_label(r['stage'], r.get('stages'))}\nrank {r['rank']}" for r in stages)]
     rows = [["steps", *(str(r["steps"] or 0) for r in stages)],
@@ -128,12 +130,12 @@ def print_tables(analysis, *, per_step: bool) -> None:
     print_table(console, "Where each stage's step time goes (mean per step: ms and % of the step)", headers, rows,
                 keys=1, sections=[1])
     if any(r["mfu"] is not None for r in stages):
-        from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
+        from traceana.core.flops import HFU_COUNTS, MFU_COUNTS
 
         hfu = any(r["hfu"] is not None and r["hfu"] != r["mfu"] for r in stages)
         print_line(console, f"MFU: {MFU_COUNTS}" + (f"; HFU: {HFU_COUNTS}" if hfu else ""))
-    from traceana import gpu
-    from traceana.summary import headline
+    from traceana.measure import gpu
+    from traceana.measure.summary import headline
 
     is_pipeline = analysis.summary.pipeline_found
     if not is_pipeline:
@@ -146,7 +148,7 @@ def print_tables(analysis, *, per_step: bool) -> None:
     path_table(console, analysis.summary)
 
     if per_step:
-        from traceana.export import per_step_table  # (only here: a plain analysis imports no export)
+        from traceana.commands.export import per_step_table  # (only here: a plain analysis imports no export)
 
         ps = per_step_table(analysis)
         cols = [c for c in ps.columns if c.endswith("_ms") and c != "step_ms" and (ps[c].fill_null(0) > 0).any()]
@@ -164,14 +166,14 @@ def print_tables(analysis, *, per_step: bool) -> None:
 
 
 def gpu_tables(console, analysis, *, pipeline: bool) -> None:
-    """GPU ranks: each phase's own GPU time beside the partition where phases ran at once (traceana.gpu), and, for
-    a trace that is not a pipeline, the time per stream."""
+    """GPU ranks: each phase's own GPU time beside the partition where phases ran at once (traceana.measure.gpu), and,
+    for a trace that is not a pipeline, the time per stream."""
     import polars as pl
 
-    from traceana import gpu
-    from traceana.schema import CATEGORY_LABELS
-    from traceana.tables import print_line, print_table
-    from traceana.tables import cell as _num
+    from traceana.measure import gpu
+    from traceana.core.schema import CATEGORY_LABELS
+    from traceana.core.tables import print_line, print_table
+    from traceana.core.tables import cell as _num
 
     steps = analysis.summary.steps
     if analysis.phase_time is not None:
@@ -199,14 +201,14 @@ def gpu_tables(console, analysis, *, pipeline: bool) -> None:
 
 
 def replicas_table(console, summary) -> None:
-    """Data-parallel pipelines: per stage across its replicas (traceana.summary: own time) and the straggler the
-    what-if names (traceana.whatif)."""
+    """Data-parallel pipelines: per stage across its replicas (traceana.measure.summary: own time) and the straggler the
+    what-if names (traceana.causal.whatif)."""
     import polars as pl
 
-    from traceana.tables import print_line, print_table
-    from traceana.summary import NO_WHATIF
-    from traceana.tables import cell as _num
-    from traceana.whatif import ms
+    from traceana.core.tables import print_line, print_table
+    from traceana.measure.summary import NO_WHATIF
+    from traceana.core.tables import cell as _num
+    from traceana.causal.whatif import ms
 
     ps = summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
@@ -244,10 +246,11 @@ def replicas_table(console, summary) -> None:
 
 
 def path_table(console, summary) -> None:
-    """Time on the replayed step's critical path by kind and stage (traceana.graph.critical_path; whatif has more)."""
+    """Time on the replayed step's critical path by kind and stage (traceana.causal.graph.critical_path; whatif has
+    more)."""
     import polars as pl
 
-    from traceana.tables import print_table
+    from traceana.core.tables import print_table
 
     pt = summary.critical_path
     if pt is None or not pt.height:
@@ -263,8 +266,8 @@ def path_table(console, summary) -> None:
 def run(args: argparse.Namespace) -> int:
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     if args.export:  # before any work: never export over a trace or run.json
-        from traceana.export import export_paths
-        from traceana.files import refuse_inputs
+        from traceana.commands.export import export_paths
+        from traceana.core.files import refuse_inputs
         from traceana.ingest.run_dir import input_files
 
         inputs = input_files(args.run_dir)
@@ -273,14 +276,14 @@ def run(args: argparse.Namespace) -> int:
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
                                 cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names)
     if args.export:
-        from traceana.export import write_tables
-        from traceana.tables import plural
+        from traceana.commands.export import write_tables
+        from traceana.core.tables import plural
 
         written = write_tables(analysis, args.export, fmt=args.format)
         if not args.json:
             print(f"wrote {plural(len(written), 'file')} to {args.export}", file=sys.stderr)
     if args.json:  # (export only for --json, --export and --per-step: a plain analysis does not import it)
-        from traceana.export import summary
+        from traceana.commands.export import summary
 
         json.dump(summary(analysis, per_step=args.per_step), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

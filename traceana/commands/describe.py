@@ -38,9 +38,9 @@ def describe(analysis) -> dict[str, Any]:
     ``notes`` (what could not be told and why)."""
     import polars as pl
 
-    from traceana import names
-    from traceana.manifest import KEY_MEANINGS
-    from traceana.schedule import PIPELINE_GROUP_DESCS
+    from traceana.core import names
+    from traceana.core.manifest import KEY_MEANINGS
+    from traceana.measure.schedule import PIPELINE_GROUP_DESCS
 
     run, manifest = analysis.run, analysis.run.manifest
     traces = run.traces
@@ -70,7 +70,7 @@ def describe(analysis) -> dict[str, Any]:
         else set()
     p2p_calls = int(analysis.rank_summary["p2p_ops"].sum()) if analysis.rank_summary is not None else None
     if p2p_calls is None:
-        from traceana.classify import rank_summary
+        from traceana.measure.classify import rank_summary
         p2p_calls = int(rank_summary(run)["p2p_ops"].sum())
     paired = analysis.p2p.filter(pl.col("channel") == "p2p").height
     seen["profiler"] = ", ".join([
@@ -228,7 +228,7 @@ def text(d: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.files import STDOUT, refuse_inputs, write_text
+    from traceana.core.files import STDOUT, refuse_inputs, write_text
     from traceana.ingest.run_dir import input_files
 
     if args.output is not None and args.output != STDOUT:  # before any work: never over a trace or run.json

@@ -16,16 +16,16 @@ import json
 import math
 import sys
 
-from traceana.errors import ConfigError
-from traceana.manifest import FAMILIES, ModelShape, check_peak_flops
+from traceana.core.errors import ConfigError
+from traceana.core.flops import HFU_COUNTS, MFU_COUNTS
+from traceana.core.manifest import FAMILIES, ModelShape, check_peak_flops
+from traceana.core.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
+from traceana.core.training_config import PRECISIONS, TrainingConfig
+from traceana.core.units import GIB as GiB
+from traceana.core.units import GB, MS_PER_S, bytes_text
 from traceana.model.bpipe import EfficiencyCurve, Network, bpipe_verdict, estimate_step
-from traceana.model.flops import HFU_COUNTS, MFU_COUNTS
-from traceana.model.config import PRECISIONS, TrainingConfig
-from traceana.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
 from traceana.model.memory import estimate_stage_memory, reserve_bytes
 from traceana.model.presets import DEVICES, MODELS, TINY_MODELS, Device, device_preset, model_preset
-from traceana.units import GIB as GiB
-from traceana.units import GB, MS_PER_S, bytes_text
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -115,9 +115,9 @@ def _from_run(args: argparse.Namespace) -> TrainingConfig:
     traces: their analysis is validate's)."""
     from pathlib import Path
 
-    from traceana.errors import BadInputError
-    from traceana.manifest import MANIFEST_NAME, Manifest
-    from traceana.run_config import RunConfig
+    from traceana.core.errors import BadInputError
+    from traceana.core.manifest import MANIFEST_NAME, Manifest
+    from traceana.core.run_config import RunConfig
 
     path = Path(args.from_run)
     path = path / MANIFEST_NAME if path.is_dir() else path
@@ -165,7 +165,7 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
 
 def _measured_curve(run_dirs: list[str], peak_flops: float) -> EfficiencyCurve:
     """E(b) measured on each run (validation.measured_efficiency) at the device's peak FLOP/s."""
-    from traceana.analysis_cache import load_and_analyze
+    from traceana.measure.analysis_cache import load_and_analyze
     from traceana.validation import measured_efficiency
 
     points = [measured_efficiency(load_and_analyze(d, progress=False), peak_flops=peak_flops) for d in run_dirs]
@@ -279,7 +279,7 @@ def _no_verdict(cfg: TrainingConfig, *, verdict: bool, step) -> str | None:
 def render(out: dict, *, console) -> None:
     """Print the estimate on ``console``: the configuration, one row per stage (memory in MiB), the step time (in one
     unit), and the BPipe verdict."""
-    from traceana.tables import mib, plural, print_line, print_table
+    from traceana.core.tables import mib, plural, print_line, print_table
 
     m, c = out["model"], out["config"]
     kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] else ""
@@ -350,7 +350,7 @@ def _verdict_progress(enabled: bool):
     if not enabled:
         yield None
         return
-    from traceana.tables import progress_bar
+    from traceana.core.tables import progress_bar
 
     with progress_bar("BPipe verdict: simulating configurations") as bar:
         task = bar.add_task("", total=None)
@@ -363,11 +363,11 @@ def run(args: argparse.Namespace) -> int:
         out = report(cfg, dev, curve, net, verdict=not args.no_verdict, baseline=args.bpipe_baseline,
                      reserve=reserve_of(args, _device_total(args)[1]), on_progress=on_progress)
     if args.json:
-        from traceana.export import json_fractions
+        from traceana.commands.export import json_fractions
 
         print(json.dumps(json_fractions(out), indent=2, default=str))
     else:
-        from traceana.tables import console
+        from traceana.core.tables import console
 
         render(out, console=console())
     return 0

@@ -24,10 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.export import write_merged_trace
-    from traceana.files import descriptor_of, refuse_inputs
+    from traceana.commands.export import write_merged_trace
+    from traceana.core.files import descriptor_of, refuse_inputs
     from traceana.ingest.run_dir import input_files
-    from traceana.tables import plural
+    from traceana.core.tables import plural
 
     if descriptor_of(args.output) is None:  # before any work: never write over a trace, run.json or a device/FIFO
         refuse_inputs(args.output, input_files(args.run_dir))

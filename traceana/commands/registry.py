@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from traceana.errors import BadInputError
+from traceana.core.errors import BadInputError
 
 
 @dataclass(frozen=True)

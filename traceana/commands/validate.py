@@ -1,8 +1,9 @@
 """Compare the model with what a run measured: the model's in-sample prediction of step time and blocked time per stage
 (the simulator fed with the run's own durations), activation memory per stage from the memory model, and (with
 --baseline) the cross-run prediction of this run from another run's measurements (e.g. a BPipe run predicted from its
-plain 1F1B baseline) against the measured change, whose interval comes from repeated runs (--repeat; traceana.noise).
-"Replay" is only the what-if's replay of the measured step's graph (traceana whatif), never the simulator here."""
+plain 1F1B baseline) against the measured change, whose interval comes from repeated runs (--repeat;
+traceana.measure.noise). "Replay" is only the what-if's replay of the measured step's graph (traceana whatif), never the
+simulator here."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def render(v, cross: dict | None, *, console) -> None:
     """Print the validation of one run (and the cross-run prediction) on ``console``: sentences, then the table."""
-    from traceana.tables import cell as _fmt
-    from traceana.tables import mib, plural, print_line, print_table
+    from traceana.core.tables import cell as _fmt
+    from traceana.core.tables import mib, plural, print_line, print_table
 
     s = v.summary
     mbs = plural(s["microbatches"], "micro-batch", "micro-batches")
@@ -71,12 +72,12 @@ def render(v, cross: dict | None, *, console) -> None:
 def render_cross(cross: dict, *, console) -> None:
     """The cross-run prediction: one statistic (each side's geometric mean of runs), one measured change with its
     between-run interval, the predicted change beside it; speed-ups are 1/(1 + change) of the same numbers."""
-    from traceana.tables import cell as _fmt
-    from traceana.tables import print_line
+    from traceana.core.tables import cell as _fmt
+    from traceana.core.tables import print_line
 
     how = "the baseline's measured what-if" if cross.get("measured_whatif") else "the model"
     runs = cross["noise_runs"]
-    stat = (lambda n: "one run" if n == 1 else f"geometric mean of {n} runs")  # noqa: E731  (traceana.noise)
+    stat = (lambda n: "one run" if n == 1 else f"geometric mean of {n} runs")  # noqa: E731  (traceana.measure.noise)
     print_line(console, f"cross-run prediction by {how}, from the baseline's durations alone (none of this run's): "
                f"baseline {cross['baseline']} step {cross['baseline_step_ms']:.1f} ms "
                f"({stat(runs[0])}); predicted {cross['predicted_step_ms']:.1f} ms, measured "
@@ -91,14 +92,14 @@ def render_cross(cross: dict, *, console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.errors import AnalysisError
+    from traceana.core.errors import AnalysisError
     from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
                 names=args.names)
     if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
-        from traceana.errors import ConfigError
+        from traceana.core.errors import ConfigError
 
         raise ConfigError("--repeat gives the between-run noise of a cross-run prediction, and there is none "
                           "without --baseline",
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     except AnalysisError as e:  # not a plain 1F1B run: a line says why there is no verdict, never silence
         verdict, why_none = None, e.what.removeprefix("no BPipe verdict for this run: ")
     if args.json:
-        from traceana.export import json_fractions
+        from traceana.commands.export import json_fractions
 
         print(json.dumps(json_fractions({
             "summary": v.summary, "per_stage": v.per_stage.to_dicts(), "notes": list(v.notes), "cross_run": cross,
@@ -126,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 "flips": verdict.flips, "flip_notes": verdict.flip_notes,
                 "sentence": verdict.sentence}}), indent=2, default=str))
     else:
-        from traceana.tables import console as output_console
-        from traceana.tables import print_line
+        from traceana.core.tables import console as output_console
+        from traceana.core.tables import print_line
 
         console = output_console()
         render(v, cross, console=console)

@@ -6,9 +6,9 @@
 For every window: step time, compute, exposed P2P and BPipe transfers, collectives, bubbles by kind (warm-up,
 cool-down, stall) and host time per stage (the same attribution as traceana analyze), then the step time of every window
 so far against the first, and the latest window's pipeline step against the first's with its noise interval
-(traceana/noise.py: "within noise" where the windows cannot be told apart; JSON ``vs_first_step``). A window is taken
-once its files have stopped changing (--settle) and, for a run directory with run.json, once every rank's trace is there
-(or its job has ended). Stop with Ctrl-C, --count or --timeout.
+(traceana/measure/noise.py: "within noise" where the windows cannot be told apart; JSON ``vs_first_step``). A window is
+taken once its files have stopped changing (--settle) and, for a run directory with run.json, once every rank's trace is
+there (or its job has ended). Stop with Ctrl-C, --count or --timeout.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from traceana.errors import BadInputError, TraceanaError
-from traceana.units import NS_PER_S
+from traceana.core.errors import BadInputError, TraceanaError
+from traceana.core.units import NS_PER_S
 
 # tensorboard_trace_handler names files "{worker_name}.{time_ns}.pt.trace.json[.gz]" (torch.profiler.profiler).
 TB_NAME = re.compile(r"^(?P<worker>.+)\.(?P<ts>\d+)\.pt\.trace\.json(\.gz)?$")
@@ -34,7 +34,7 @@ PARTIAL = ".partial"  # collectors write "….partial" temporaries, then rename
 def _rows() -> tuple[tuple[str, str], ...]:
     """The rows of a window's table: (label, column of ``window_table``); the categories' labels are schema's
     (imported here: building the parser imports no polars)."""
-    from traceana.schema import CATEGORY_LABELS
+    from traceana.core.schema import CATEGORY_LABELS
 
     cats = ("p2p", "bpipe", "collective", "bubble_warmup", "bubble_cooldown", "bubble_stall", "host")
     return (("step ms", "step_ms"), ("compute", "compute_ms"), *((CATEGORY_LABELS[c], f"{c}_ms") for c in cats))
@@ -71,7 +71,7 @@ class Window:
 def ready_windows(root: Path, *, settle_s: float, now: float | None = None) -> list[Window]:
     """The windows under ``root`` whose traces are complete, in the order they were taken."""
     from traceana.ingest.run_dir import find_traces
-    from traceana.manifest import MANIFEST_NAME
+    from traceana.core.manifest import MANIFEST_NAME
 
     now = time.time() if now is None else now
     found: list[Window] = []
@@ -112,7 +112,7 @@ def _settled(files, *, settle_s: float, now: float) -> float | None:
 
 def _run_dir_window(d: Path, files: list[Path], *, settle_s: float, now: float) -> Window | None:
     from traceana.ingest.kineto import rank_from_filename
-    from traceana.manifest import MANIFEST_NAME, Manifest
+    from traceana.core.manifest import MANIFEST_NAME, Manifest
 
     if not files or any(p.name.endswith(PARTIAL) for p in d.iterdir()):
         return None
@@ -166,7 +166,7 @@ def window_table(stages):
     compute categories, bubbles = the sum of the bubble kinds)."""
     import polars as pl
 
-    from traceana.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
+    from traceana.core.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
 
     cats = [c for _, c in _rows() if c not in ("step_ms", "compute_ms")]
     return stages.select(
@@ -199,10 +199,10 @@ def running_comparison(history):
 
 
 def _against_first(steps_of: list[tuple[float, ...]]):
-    """The latest window's pipeline step against the first window's, with its noise (traceana.noise); None for the
-    first window or without measured steps. Within one job the windows' steps are the samples
-    (traceana.noise.compare_steps); across runs the unit is the run (traceana.noise.between_runs)."""
-    from traceana.noise import compare_steps
+    """The latest window's pipeline step against the first window's, with its noise (traceana.measure.noise); None for
+    the first window or without measured steps. Within one job the windows' steps are the samples
+    (traceana.measure.noise.compare_steps); across runs the unit is the run (traceana.measure.noise.between_runs)."""
+    from traceana.measure.noise import compare_steps
 
     if len(steps_of) < 2 or not steps_of[0] or not steps_of[-1]:
         return None
@@ -213,7 +213,7 @@ def _against_first(steps_of: list[tuple[float, ...]]):
 def analyse_window(window: Window, names=None):
     """(the window's ``Analysis``, its notes): traceana analyze's attribution; no cache is written next to a live
     job's files, and a folder's other cycles are not read with this one."""
-    from traceana.analysis_cache import load_and_analyze
+    from traceana.measure.analysis_cache import load_and_analyze
     from traceana.ingest.run_dir import IngestWarning
 
     with warnings.catch_warnings():
@@ -239,7 +239,7 @@ def _ms(ms: float | None, step: float | None) -> str:
 
 def print_window(console, n: int, window: Window, table, comparison, notes: list[str]) -> None:
     """One window: its mean step per rank, the step against window 1 once there are several, and its new notes."""
-    from traceana.tables import print_line, print_table, stage_label
+    from traceana.core.tables import print_line, print_table, stage_label
 
     rows = table.to_dicts()  # one dict per rank: display only
     print_line(console, f"{window.label} — {window.run_dir or Path(window.files[0]).parent}",
@@ -283,10 +283,10 @@ def watch(root: Path, *, once: bool = False, count: int | None = None, timeout_s
           stop: threading.Event | None = None, console=None, names=None) -> int:
     """Poll ``root`` and print every new window; returns how many were printed. ``stop``: end once it is set (after
     a last look: ``traceana attach --live`` sets it when its job has ended). ``names``: the name rules
-    (``traceana.names.NameRules``; default: each window's run.json, else the built-ins)."""
+    (``traceana.core.names.NameRules``; default: each window's run.json, else the built-ins)."""
     import polars as pl
 
-    from traceana.tables import console as tables_console, print_line
+    from traceana.core.tables import console as tables_console, print_line
 
     console = console or tables_console()
     seen: set[str] = set()
@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
             raise BadInputError(f"{name} must be positive, got {value}", fix=f"give a positive {name}")
     names = None
     if args.names is not None:  # a bad rules file is refused now, not once per window
-        from traceana.names import load_rules
+        from traceana.core.names import load_rules
 
         names = load_rules(args.names)
     try:
@@ -374,8 +374,8 @@ def _what_blocks(root: Path, *, settle_s: float | None) -> str | None:
     import stat
     import time
 
-    from traceana.errors import shown
-    from traceana.files import file_kind
+    from traceana.core.errors import shown
+    from traceana.core.files import file_kind
     from traceana.ingest.reading import is_trace_name
 
     settle = 2.0 if settle_s is None else settle_s

@@ -61,10 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def render(w, *, console) -> None:
-    from traceana.tables import cell as _fmt
-    from traceana.tables import print_line, print_table
-    from traceana.summary import steps_label
-    from traceana.whatif import ms
+    from traceana.core.tables import cell as _fmt
+    from traceana.core.tables import print_line, print_table
+    from traceana.measure.summary import steps_label
+    from traceana.causal.whatif import ms
 
     s = w.summary
 
@@ -119,8 +119,8 @@ def _share(x) -> str:
 
 def render_plan(plan: dict, *, console) -> None:
     """The plan what-if's lines: what it predicts and what it is."""
-    from traceana.tables import print_line
-    from traceana.whatif import ms
+    from traceana.core.tables import print_line
+    from traceana.causal.whatif import ms
 
     a, b = plan["as_run"], plan["plan"]
     on = {True: "on", False: "off"}
@@ -155,7 +155,7 @@ def render_plan(plan: dict, *, console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.whatif import parse_layers, parse_set, whatif
+    from traceana.causal.whatif import parse_layers, parse_set, whatif
 
     changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
     layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     w = whatif(analysis, changes)
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
-        from traceana.whatif import plan_whatif
+        from traceana.causal.whatif import plan_whatif
 
         plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
                            bpipe=None if args.bpipe is None else args.bpipe == "on",
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**w.as_dict(), "plan": plan}, indent=2, default=str))
     else:
-        from traceana.tables import console as output_console
+        from traceana.core.tables import console as output_console
 
         console = output_console()
         render(w, console=console)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceana.manifest import Manifest
+from traceana.core.manifest import Manifest
 
 if TYPE_CHECKING:
     import polars as pl

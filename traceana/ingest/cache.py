@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceana import version
-from traceana.files import (STALE_AFTER_S, failure_reason, os_error_of, release, short_name, sweep_temporaries,
-                            temporary_name, write_failure_fix)
+from traceana.core.files import (STALE_AFTER_S, failure_reason, os_error_of, release, short_name, sweep_temporaries,
+                                 temporary_name, write_failure_fix)
 
 if TYPE_CHECKING:
     import polars as pl
@@ -38,7 +38,7 @@ BATCH_ROWS = 500_000  # events in one batch file at most
 
 @functools.lru_cache(maxsize=1)
 def _schema_text() -> str:
-    from traceana import schema
+    from traceana.core import schema
 
     return repr([sorted((k, str(v)) for k, v in s.items()) for s in (schema.EVENTS, schema.MEMORY, schema.TRACES)])
 
@@ -251,7 +251,7 @@ class TraceCache:
                 sweep_temporaries(self.dir)
         import polars as pl
 
-        from traceana import schema
+        from traceana.core import schema
 
         try:
             key = cache_key(trace, rank)
@@ -328,7 +328,7 @@ class TraceCache:
             return None
         import polars as pl
 
-        from traceana import schema
+        from traceana.core import schema
 
         try:
             listed = self._listed()

@@ -53,16 +53,16 @@ from typing import Any, Callable
 import msgspec
 import polars as pl
 
-from traceana import limits, names, schema
-from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
+from traceana.core import limits, names, schema
+from traceana.core.errors import BadInputError, TraceanaError, TraceFormatError, shown
+from traceana.core.intervals import ENGINE
+from traceana.core.units import MIB, NS_PER_US
 from traceana.ingest import reading
 from traceana.ingest.reading import (GPU_CAT_NAMES as _GPU_CAT_NAMES, GPU_CATS, GZ_RATIO, GZIP_MAGIC,  # noqa: F401
                                      META_KEYS as _META_KEYS, MMAP_WINDOW_BYTES, SHAPES_NAMES as _SHAPES_NAMES,
                                      TRACE_SUFFIXES, ZLIB_ERRORS as _ZLIB_ERRORS, Budget as _Budget,
                                      NotNative as _NotNative, is_trace_name, open_trace as _open,
                                      oversized as _oversized)
-from traceana.intervals import ENGINE
-from traceana.units import MIB, NS_PER_US
 
 # The native scanner (traceana/ingest/_scan.c), or None where it was not built: then (or with this set to None) the
 # general decoder does everything.

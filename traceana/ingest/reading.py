@@ -25,11 +25,11 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from traceana import limits, names
-from traceana.errors import BadInputError, TraceanaError, TraceFormatError, shown
-from traceana.files import open_regular
-from traceana.manifest import MANIFEST_NAME
-from traceana.units import MIB
+from traceana.core import limits, names
+from traceana.core.errors import BadInputError, TraceanaError, TraceFormatError, shown
+from traceana.core.files import open_regular
+from traceana.core.manifest import MANIFEST_NAME
+from traceana.core.units import MIB
 
 try:  # the optional native scanner (traceana/ingest/_scan.c); without it the general decoder does everything
     from traceana.ingest import _scan
@@ -150,7 +150,7 @@ def oversized(path: Path, offset: int) -> TraceFormatError:
 
 
 class Budget:
-    """The bounded-memory rule (``traceana.limits``): after each batch, the memory still free must be at least
+    """The bounded-memory rule (``traceana.core.limits``): after each batch, the memory still free must be at least
     twice what reading this trace has taken so far (building its tables takes about as much again). ``batches``
     is anything counting its X events (``rows``) and memory instants (``n_mem``)."""
 

@@ -21,18 +21,18 @@ from typing import Any, Callable
 
 import polars as pl
 
-from traceana import names, schema
-from traceana.errors import BadInputError, RunDirError, TraceanaError
+from traceana.core import names, schema
+from traceana.core.errors import BadInputError, RunDirError, TraceanaError
+from traceana.core.intervals import ENGINE
+from traceana.core.limits import check_ranks
+from traceana.core.manifest import MANIFEST_NAME, Manifest
+from traceana.core.units import NS_PER_MS, NS_PER_S
 from traceana.ingest import Run
-from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest import kineto, reading
+from traceana.ingest.cache import CACHE_DIR, TraceCache
 from traceana.ingest.kineto import NotATraceError, rank_from_filename, read_trace, shown
 from traceana.ingest.reading import (MERGED_PRODUCER, find_traces, is_merged_trace,  # noqa: F401 (polars-free: the CLI)
                                      trace_subfolders, SCANNER_STALE)
-from traceana.intervals import ENGINE
-from traceana.limits import check_ranks
-from traceana.manifest import MANIFEST_NAME, Manifest
-from traceana.units import NS_PER_MS, NS_PER_S
 
 Parsed = tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]
 
@@ -61,7 +61,7 @@ def category_of(message: str) -> type[IngestWarning]:
 
 def input_files(path: str | Path) -> list[Path]:
     """The files an analysis of ``path`` reads (its traces and run.json, or the one trace file): outputs are
-    checked against these (``traceana.files.refuse_inputs``) so that none is ever written over."""
+    checked against these (``traceana.core.files.refuse_inputs``) so that none is ever written over."""
     path = Path(path)
     try:
         if not path.is_dir():
@@ -368,7 +368,7 @@ def _users_file(f: Path, error: type) -> bool:
     """A file found in a run folder that is not a trace and is not named like one (a config, notes, an empty
     ``analysis.json`` the shell created for ``analyze --json > RUN/analysis.json``): skipped with a warning. A file
     named like a trace that cannot be read stays an error."""
-    from traceana.errors import TraceFormatError
+    from traceana.core.errors import TraceFormatError
 
     return isinstance(error, type) and issubclass(error, TraceFormatError) and not _named_like_a_trace(f)
 
@@ -388,7 +388,7 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from traceana.tables import progress_bar
+            from traceana.core.tables import progress_bar
 
             self.bar = progress_bar()
             self.bar.start()

@@ -29,17 +29,17 @@ from typing import Callable
 
 import polars as pl
 
-from traceana import schema
-from traceana.errors import ConfigError
-from traceana.limits import schedule_slots_error
-from traceana.model import flops
-from traceana.model.config import TrainingConfig
+from traceana.core import schema
+from traceana.core import flops
+from traceana.core.errors import ConfigError
+from traceana.core.limits import schedule_slots_error
+from traceana.core.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
+from traceana.core.training_config import TrainingConfig
+from traceana.core.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
 from traceana.model.memory import reserve_bytes as default_reserve
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, engine_inputs, simulate
-from traceana.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
-from traceana.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
 
 HELPS_ABOVE = 1.005  # a predicted speed-up above this (0.5 %, within the model's resolution) counts as helping
 

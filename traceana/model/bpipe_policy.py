@@ -10,8 +10,8 @@ eviction / per accept or return is ``Costs.evict_block_ns`` / ``accept_block_ns`
 
 from __future__ import annotations
 
-from traceana.model.scheduler import Costs, Policy, Recorder
-from traceana.pipeline_rules import FORWARD, Op, bpipe_plan
+from traceana.causal.scheduler import Costs, Policy, Recorder
+from traceana.core.pipeline_rules import FORWARD, Op, bpipe_plan
 
 
 class BPipePolicy(Policy):

@@ -20,7 +20,7 @@ What this module adds, each derived term by term in :func:`layer_activation_term
 - the element size (2 bytes for bf16/fp16, 4 for the fp32 CPU trainer).
 Recompute: full keeps only each layer's input (Korthikanti Table 2, "2sbh"); selective drops the s×s core (§5).
 
-Micro-batches in flight and BPipe's holding per stage are the pipeline rules' (traceana/pipeline_rules.py:
+Micro-batches in flight and BPipe's holding per stage are the pipeline rules' (traceana/core/pipeline_rules.py:
 ``microbatches_in_flight``, ``bpipe_holding``), the same ones the trainer runs and the simulator schedules.
 """
 
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from traceana.manifest import ModelShape
-from traceana.model.config import TrainingConfig
-from traceana.pipeline_rules import bpipe_holding, bpipe_pairs, microbatches_in_flight
+from traceana.core.manifest import ModelShape
+from traceana.core.pipeline_rules import bpipe_holding, bpipe_pairs, microbatches_in_flight
+from traceana.core.training_config import TrainingConfig
 
 LSE_BYTES = 4  # flash attention saves one fp32 log-sum-exp per (head, query token)
 LOGIT_BYTES = 4  # cross-entropy keeps fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
@@ -94,7 +94,7 @@ def layer_activation_terms(
     x · rsqrt is saved beside x; grouped-query K and V are repeated to all heads before the attention core, which then
     saves them at full width; with as many K/V heads as query heads the core saves the rotated K and V, a view that
     keeps the whole fused K/V projection output alive; SDPA's output and the projection input are separate tensors
-    when Q was rotated. tests/test_model_autograd.py checks these terms against what autograd really saves.
+    when Q was rotated. tests/model/test_model_autograd.py checks these terms against what autograd really saves.
     """
     b, s, h, a, f = microbatch_size, model.seq, model.hidden, model.heads, model.ffn_dim
     e = activation_bytes
@@ -301,7 +301,7 @@ def backward_working_bytes(cfg: TrainingConfig) -> float:
 
 def activation_peak_estimate(cfg: TrainingConfig, *, grads_in_step: bool = False) -> list[float]:
     """The memory model's prediction of the measured activation peak (memory allocated and freed within the step,
-    traceana.memory) per stage: ``StageMemory.activation_peak_bytes``, the figure ``estimate`` prints, plus the
+    traceana.measure.memory) per stage: ``StageMemory.activation_peak_bytes``, the figure ``estimate`` prints, plus the
     gradients when they too are allocated and freed inside the measured step window.
 
     In flight: own micro-batches and, with BPipe, accepted ones (``pipeline_rules.bpipe_holding``, which the reference
@@ -324,8 +324,8 @@ def reserve_bytes(device_bytes: float, reserve: float | None = None) -> float:
 
 
 # How far the memory model's activation peak has been off on measured runs (docs/model.md, "Memory: model against
-# measurement", tests/test_memory_model_runs.py): within 4.2 % on every stage of every collected run without full
-# recompute; with full recompute up to +34.3 % (it adds a whole re-materialised layer that the measurement frees as
+# measurement", tests/validation/test_memory_model_runs.py): within 4.2 % on every stage of every collected run without
+# full recompute; with full recompute up to +34.3 % (it adds a whole re-materialised layer that the measurement frees as
 # its backward proceeds). The weights, gradients and optimizer state are exact arithmetic and carry no such error. A
 # verdict whose deciding configuration is closer to the fit line than this says so (model.bpipe).
 ACTIVATION_MODEL_ERROR = {"none": 0.042, "selective": 0.042, "full": 0.343}

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from traceana.errors import ConfigError
-from traceana.manifest import ModelShape
-from traceana.units import GIB
+from traceana.core.errors import ConfigError
+from traceana.core.manifest import ModelShape
+from traceana.core.units import GIB
 
 GiB = GIB
 

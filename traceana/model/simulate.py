@@ -12,7 +12,7 @@ a backward starts by re-running ``recompute_ns`` of forward work (as torch.utils
 arrived). Every device then runs its optimizer step.
 
 Orders are the pipeline rules' (pipeline_rules.device_order: GPipe, 1F1B, interleaved 1F1B, …). The scheduler is
-model.scheduler (``run_schedule``), which asks a ``Policy`` at each operation what a variant adds: BPipe (Kim et al.
+causal.scheduler (``run_schedule``), which asks a ``Policy`` at each operation what a variant adds: BPipe (Kim et al.
 2023) is one, model.bpipe_policy, following the rules' eviction plan.
 
 The output has the measured tables' schemas (schema.SCHEDULE with source "simulated", schema.ATTRIBUTION with the same
@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import intervals as iv
-from traceana import schema
-from traceana.errors import ConfigError
+from traceana.causal.scheduler import Costs, Policy, Recorder, StageTimes, run_schedule
+from traceana.core import intervals as iv
+from traceana.core import schema
+from traceana.core.errors import ConfigError
+from traceana.core.pipeline_rules import SCHEDULES as SIM_SCHEDULES
+from traceana.core.pipeline_rules import bpipe_pairs, bubble_windows, check_bpipe, device_of_stage, device_order
+from traceana.core.units import NS_PER_S
 from traceana.model.bpipe_policy import BPipePolicy
-from traceana.model.scheduler import Costs, Policy, Recorder, StageTimes, run_schedule
-from traceana.pipeline_rules import SCHEDULES as SIM_SCHEDULES
-from traceana.pipeline_rules import bpipe_pairs, bubble_windows, check_bpipe, device_of_stage, device_order
-from traceana.units import NS_PER_S
 
 MAX_STEP_NS = 2**62  # a simulated step longer than this (~146 years) cannot be held as Int64 nanoseconds
 

@@ -1,5 +1,5 @@
 """What validation measures on a run: per-stage durations per micro-batch and communication costs, over the
-measured steps of the run's summary (traceana.summary), to feed the simulator."""
+measured steps of the run's summary (traceana.measure.summary), to feed the simulator."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana import names, schema
-from traceana.analysis import Analysis
-from traceana.errors import AnalysisError
-from traceana.graph import pass_durations  # (each operation's own time: the graph's too)
-from traceana.model.config import TrainingConfig
+from traceana.causal.graph import pass_durations  # (each operation's own time: the graph's too)
+from traceana.core import names, schema
+from traceana.core.errors import AnalysisError
+from traceana.core.flops import stage_flops
+from traceana.core.pipeline_rules import bpipe_applies, bpipe_plan
+from traceana.core.run_config import RUN_JSON
+from traceana.core.training_config import TrainingConfig
+from traceana.core.units import MS_PER_S
+from traceana.measure.analysis import Analysis
 from traceana.model.simulate import Costs, StageTimes
-from traceana.model.flops import stage_flops
-from traceana.pipeline_rules import bpipe_applies, bpipe_plan
-from traceana.run_config import RUN_JSON
-from traceana.units import MS_PER_S
 
 
 __all__ = ["Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from traceana.analysis import Analysis
-from traceana.errors import AnalysisError
-from traceana.model.config import TrainingConfig
+from traceana.causal.whatif import LOCAL_COPY_BYTES_PER_NS  # (the one assumption, also verdict's: imported from here)
+from traceana.core.errors import AnalysisError
+from traceana.core.training_config import TrainingConfig
+from traceana.measure.analysis import Analysis
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation, StageTimes, simulate
 from traceana.validation.measurement import measure, shared_cpus
-from traceana.whatif import LOCAL_COPY_BYTES_PER_NS  # (the one assumption, also verdict's: imported from here)
 
 
 def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingConfig | None = None,
@@ -49,7 +49,7 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
     Refused (AnalysisError) unless they are two runs (not one folder twice, which would read as no noise at all)
     of one configuration as their run.json describe it (the traces' schedule and micro-batches): the difference
     between two configurations is not noise."""
-    from traceana.noise import twice
+    from traceana.measure.noise import twice
 
     if twice([(str(Path(a.run.path).resolve()), a.summary.step_times_ms) for a in (first, second)]):
         raise AnalysisError("--repeat names the same run twice (one folder, or a copy with the same measured steps): "
@@ -71,9 +71,9 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
 
 
 def distinct(runs: list[Analysis]) -> tuple[list[Analysis], list[str]]:
-    """``runs`` with each run once (traceana.noise.twice: the same folder, or a copy with the same measured steps),
-    and one sentence per run dropped: a run given twice adds no spread between runs, so it counts once."""
-    from traceana.noise import twice
+    """``runs`` with each run once (traceana.measure.noise.twice: the same folder, or a copy with the same measured
+    steps), and one sentence per run dropped: a run given twice adds no spread between runs, so it counts once."""
+    from traceana.measure.noise import twice
 
     kept: list[Analysis] = []
     said: list[str] = []
@@ -122,14 +122,14 @@ def cross_run(baseline: Analysis, target: Analysis, *,
               repeat: tuple[Analysis, ...] | None = None) -> dict[str, float | str | None]:
     """A PREDICTION: measure the baseline, predict the target from it (no duration of the target is used), compare
     with the target's measured step time; ``repeat``: more collections of either configuration (each side's runs
-    then give the between-run noise, traceana.noise).
+    then give the between-run noise, traceana.measure.noise).
 
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
     simulations (target over baseline, both fed only with the baseline run's measurements), so a bias the simulator
     has on this machine cancels. Where the runs differ only in their plan (schedule, micro-batches, BPipe:
     whatif.plan_of) that is the baseline's measured what-if (whatif.plan_whatif; ``measured_whatif`` true), else the
     model with the target's whole configuration. One statistic throughout: each side's step time is the geometric
-    mean of its runs' (traceana.noise: ``baseline_step_ms``, ``measured_step_ms``; ``predicted_step_ms`` is the
+    mean of its runs' (traceana.measure.noise: ``baseline_step_ms``, ``measured_step_ms``; ``predicted_step_ms`` is the
     baseline side's times the predicted ratio), the measured change and its interval come from the runs, and the
     speed-ups are 1/(1 + change) of the same numbers. ``prediction_within_noise``: whether the predicted change lies
     inside the measured interval (None: one run on a side, the noise unknown)."""
@@ -139,8 +139,8 @@ def cross_run(baseline: Analysis, target: Analysis, *,
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = baseline.config.training_config(path=baseline.run.path)
     tgt_cfg = target.config.training_config(path=target.run.path)
-    from traceana.noise import between_runs
-    from traceana.whatif import plan_of, plan_whatif
+    from traceana.measure.noise import between_runs
+    from traceana.causal.whatif import plan_of, plan_whatif
 
     base_runs, tgt_runs, counted_once = _sides(baseline, target, base_cfg, tgt_cfg, repeat)
     meas_t = measure(target, tgt_cfg)
@@ -183,7 +183,7 @@ def cross_run(baseline: Analysis, target: Analysis, *,
         # change (e.g. recompute) alters the work; anything else is the machine running at another speed
         "compute_ratio": compute,
         "machine_note": shared_cpus(target) or shared_cpus(baseline),
-        # the measured change with its between-run interval (traceana.noise's names), and whether the predicted
+        # the measured change with its between-run interval (traceana.measure.noise's names), and whether the predicted
         # change lies inside it (None: the noise unknown)
         **measured_change.as_dict(),
         "measured_change_words": measured_change.words(what="measured step time"),
@@ -196,15 +196,15 @@ def cross_run(baseline: Analysis, target: Analysis, *,
 
 
 # A measured and a modelled change agree when the measured one is beyond the noise and the model's lies inside its
-# interval (traceana.noise). When they do not, the runs' forward+backward time per micro-batch says whether the
+# interval (traceana.measure.noise). When they do not, the runs' forward+backward time per micro-batch says whether the
 # machine changed speed between them: outside 1 ± MACHINE_DRIFT it did (no configuration change of the kind compared
 # alters a kernel's work), inside it the model missed something.
 MACHINE_DRIFT = 0.10
 
 
 def judged(measured, predicted: float, compute: float) -> tuple[bool | None, str]:
-    """(agree, sentence) for a measured change (traceana.noise.Change) against the model's predicted change: agree is
-    None where the runs cannot judge the model (within noise, or one run on a side)."""
+    """(agree, sentence) for a measured change (traceana.measure.noise.Change) against the model's predicted change:
+    agree is None where the runs cannot judge the model (within noise, or one run on a side)."""
     said = f"the model predicts {predicted:+.1%} (speed-up {1 / (1 + predicted):.3f}×)"
     if measured.within_noise is None:
         return None, f"{said}; the runs cannot judge it until each side is repeated"
@@ -225,14 +225,14 @@ def judged(measured, predicted: float, compute: float) -> tuple[bool | None, str
 def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> dict:
     """Two configurations, each collected several times (interleaved, in the order collected: round k's runs are the
     k-th of each list): the measured change of step time over their runs with its between-run interval
-    (traceana.noise), the model's predicted change (``cross_run`` of each pair, the median), the median
+    (traceana.measure.noise), the model's predicted change (``cross_run`` of each pair, the median), the median
     forward+backward ratio, and one ``headline`` that says the measured change with its interval first and then
     whether the model's agrees, or why it cannot be judged. Each side's step time (``base_step_ms``,
-    ``other_step_ms``) is traceana.noise's statistic; per side also its runs' step times, activation peaks and bubble
-    fractions (with their medians: memory and bubbles, not the step-time comparison)."""
+    ``other_step_ms``) is traceana.measure.noise's statistic; per side also its runs' step times, activation peaks and
+    bubble fractions (with their medians: memory and bubbles, not the step-time comparison)."""
     import statistics
 
-    from traceana.noise import between_runs
+    from traceana.measure.noise import between_runs
 
     if not baselines or not targets:
         raise AnalysisError("a repeated comparison needs runs on both sides", path=None,

@@ -1,6 +1,6 @@
 """The model's in-sample prediction: the simulator fed with a run's own measured durations, against the run's
 measurement (``validate``; JSON ``kind`` "in_sample_prediction"). "Replay" is a word of the what-if only (the measured
-step's graph replayed, traceana.whatif); here the simulator predicts.
+step's graph replayed, traceana.causal.whatif); here the simulator predicts.
 
 It checks the schedule logic, not the model's power to predict another run (that is ``prediction.cross_run``).
 Also the memory model's per-stage activation peak against the measured one. Errors are (estimate − measured) / measured.
@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana.analysis import Analysis
-from traceana.errors import AnalysisError
-from traceana.model.config import TrainingConfig
+from traceana.core.errors import AnalysisError
+from traceana.core.pipeline_rules import device_of_stage
+from traceana.core.run_config import TRACE
+from traceana.core.schema import BLOCKED_CATEGORIES
+from traceana.core.training_config import TrainingConfig
+from traceana.core.units import NS_PER_MS
+from traceana.measure.analysis import Analysis
 from traceana.model.memory import activation_peak_estimate
 from traceana.model.simulate import Costs, Simulation, StageTimes, simulate
-from traceana.pipeline_rules import device_of_stage
-from traceana.run_config import TRACE
-from traceana.schema import BLOCKED_CATEGORIES
-from traceana.units import NS_PER_MS
 from traceana.validation.measurement import Measured, measure, pass_durations, shared_cpus
 
 # The waits compared are "blocked" time, the bubble plus exposed P2P (schema.BLOCKED_CATEGORIES): measured

@@ -3,15 +3,15 @@ policy (traceana.model.bpipe.BASELINES)."""
 
 from __future__ import annotations
 
-from traceana.analysis import Analysis
-from traceana.errors import AnalysisError
+from traceana.core.errors import AnalysisError
+from traceana.core.pipeline_rules import why_no_bpipe
+from traceana.core.training_config import TrainingConfig
+from traceana.core.units import NS_PER_MS, NS_PER_S, bytes_text
+from traceana.measure.analysis import Analysis
 from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict, check_baseline, deciding_term,
                                   decompose, describe_deltas, evictions, terms_of)
-from traceana.model.config import TrainingConfig
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
-from traceana.pipeline_rules import why_no_bpipe
-from traceana.units import NS_PER_MS, NS_PER_S, bytes_text
 from traceana.validation.prediction import predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
