@@ -52,7 +52,8 @@ def test_plain_analyze_imports_no_export(run_dir):
     # Export's tables, JSON summary and merged trace are for --export, --json and --per-step (~2 ms and ~1 MB of
     # imports where the plain command needs none of them); the cluster tasks (partitioned, scale) for --dask.
     code = RUN.replace('m.split(".")[0] in',
-                       'm in ("traceana.commands.export", "traceana.measure.partitioned", "traceana.ingest.scale") or m.split(".")[0] in')
+                       'm in ("traceana.commands.export", "traceana.measure.partitioned", "traceana.ingest.scale")'
+                       ' or m.split(".")[0] in')
     out = subprocess.run([sys.executable, "-c", code.format(argv=["analyze", "--quiet", "--no-cache", str(run_dir)])],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
