@@ -46,6 +46,7 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
     from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from traceana.causal.diagnosis import diagnose
     from traceana.measure.analysis_cache import load_and_analyze
 
     for p in paths:
@@ -62,7 +63,8 @@ def analyse_runs(paths: Sequence[str | Path], *, peak_flops: float | None = None
         for p in paths:
             task = bar.add_task(escape(f"reading {p}"), total=None)
             # cached under p/.traceana/analysis unless cache is False
-            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names=rules))
+            out.append(load_and_analyze(p, peak_flops=peak_flops, cache=cache, workers=workers, names=rules,
+                                        diagnose=diagnose))  # (the report shows the straggler and critical path)
             bar.remove_task(task)
     return out
 

@@ -6,6 +6,7 @@ The public API for notebooks::
     run = traceana.load_run("runs/demo")       # events, memory, traces frames (+ run.json when present)
     result = traceana.analyze(run)              # steps, p2p, schedule, attribution, stage memory frames
     result.summary                              # the headline figures (traceana.measure.summary)
+    traceana.diagnose(result)                   # the summary with the what-if's straggler, bottleneck, critical path
     traceana.load_and_analyze("runs/demo")      # both, cached under the run folder, with the per-rank counts
     traceana.what_if(result, set=["stage=1:forward*0.5"])  # traceana whatif (docs/python.md)
 """
@@ -52,6 +53,7 @@ _PUBLIC = {
     "Analysis": "traceana.measure.analysis",
     "Run": "traceana.ingest",
     "RunSummary": "traceana.measure.summary",  # Analysis.summary: the headline figures and the per-stage table
+    "diagnose": "traceana.causal.diagnosis",  # Analysis -> its summary with the what-if's straggler and bottleneck
     # Analysis.config: the run's configuration, each fact with where it came from
     "RunConfig": "traceana.core.run_config",
     # several runs side by side (traceana report's comparison): a Comparison, which unpacks as (overview, per_stage)

@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 
 from traceana.causal import graph
+from traceana.causal.diagnosis import diagnose
 from traceana.causal.whatif import SetError, apply, materialize, parse_set, whatif
 from traceana.measure.analysis_cache import load_and_analyze
 
@@ -147,7 +148,7 @@ def test_the_critical_path_is_a_chain_to_the_step_end_with_no_slack(run):
 
 @pytest.mark.parametrize("run", ["megatron_pipe/1f1b/run", "deepspeed_pipe/1f1b/run"])
 def test_other_frameworks_runs_name_no_straggler(run):
-    s = load_and_analyze(str(DATA / run), cache=False).summary
+    s = diagnose(load_and_analyze(str(DATA / run), cache=False))
     assert s.stragglers.height == 0, s.per_stage
     assert s.bottleneck is None or s.bottleneck["group"] == "stage", s.diagnosis
 
@@ -158,7 +159,7 @@ def test_unknown_stages_invent_no_replicas_and_no_straggler():
     a = load_and_analyze(str(DATA / "megatron_pipe/1f1b/run"), cache=False)
     blind = dataclasses.replace(a, schedule=a.schedule.with_columns(pl.lit(None, pl.Int32).alias("stage")),
                                 stages=a.stages.with_columns(pl.lit(None, pl.Int32).alias("stage")))
-    s = blind.summary
+    s = diagnose(blind)
     # (stages now told from megatron's pipeline group or the P2P call order: one pipeline, one replica a stage)
     assert s.per_stage["replicas"].fill_null(1).to_list() == [1] * s.per_stage.height, s.per_stage
     assert s.stragglers.height == 0 and s.bottleneck is None, s.diagnosis
@@ -248,7 +249,7 @@ def test_a_small_runs_whatif_replays_on_the_engine_without_numpy():
     """A tiny run's what-if (every analyze runs it) replays each variant on the engine: importing numpy for the batched
     evaluation would cost more than the replays (docs/performance.md "Fixed cost")."""
     code = ("import sys, warnings; warnings.simplefilter('ignore'); import traceana; "
-            f"a = traceana.load_and_analyze({str(DATA / 'megatron_pipe/1f1b/run')!r}, cache=False); a.summary; "
+            f"a = traceana.load_and_analyze({str(DATA / 'megatron_pipe/1f1b/run')!r}, cache=False); traceana.diagnose(a); "
             "print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -277,14 +278,14 @@ def _as_profiled_with_defaults(src: Path, dst: Path) -> Path:
 def test_other_frameworks_runs_profiled_with_the_defaults_name_no_straggler_and_invent_no_replicas(tmp_path, run):
     # (issue 25: such a megatron job was shown as "4 data-parallel replicas of stage –" with "straggler: replica 0")
     a = load_and_analyze(str(_as_profiled_with_defaults(DATA / run, tmp_path / "run")), cache=False)
-    s = a.summary
+    s = diagnose(a)
     assert s.stragglers.height == 0, s.diagnosis
     # (stages now told from megatron's pipeline group or the P2P call order: one pipeline, one replica a stage)
     assert s.per_stage["replicas"].fill_null(1).to_list() == [1] * s.per_stage.height, s.per_stage
     # (issues 32 and 36: the passes told from autograd's ops, the peerless messages paired from the schedule's
     # adjacent stages: the what-if answers, and says how its edges were made)
     assert any("name no peer" in n and "paired in order" in n for n in whatif(a).notes), whatif(a).notes
-    full = load_and_analyze(str(DATA / run), cache=False).summary  # the same run with its Python frames and shapes
+    full = diagnose(load_and_analyze(str(DATA / run), cache=False))  # the same run with its Python frames and shapes
     if full.bottleneck is not None:  # what the full trace names, the defaults name too (megatron 1F1B: stage 1)
         assert s.bottleneck is not None and (s.bottleneck["group"], s.bottleneck["id"]) == (
             full.bottleneck["group"], full.bottleneck["id"]), (s.diagnosis, full.diagnosis)

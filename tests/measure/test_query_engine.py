@@ -7,6 +7,7 @@ from __future__ import annotations
 import polars as pl
 
 from tracebuilder import write_two_stage_run
+from traceana.causal.diagnosis import diagnose
 from traceana.core import intervals as iv
 
 
@@ -29,7 +30,7 @@ def test_analyze_runs_every_lazy_query_in_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(pl, "collect_all", many)
     (tmp_path / "run").mkdir()
     a = analyze(traceana.load_run(write_two_stage_run(tmp_path / "run")))
-    s = a.summary
+    s = diagnose(a)
     assert s.diagnosis is not None  # the what-if ran (its queries are among those counted)
     assert seen, "no lazy query counted: the check no longer sees them"
     assert set(seen) == {iv.ENGINE}, f"{sum(e != iv.ENGINE for e in seen)} of {len(seen)} queries on {set(seen)}"

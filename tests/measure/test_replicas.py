@@ -21,6 +21,7 @@ import polars as pl
 import pytest
 
 from collected_runs import RUNS
+from traceana.causal.diagnosis import diagnose
 from traceana.causal.whatif import whatif
 from traceana.ingest.run_dir import load_run
 from traceana.measure.analysis import analyze
@@ -59,7 +60,7 @@ def test_replicas_are_the_pipelines(analysed):
 
 
 def test_equal_replicas_name_no_straggler(analysed):
-    s = analysed("1f1b_pp2dp2").summary
+    s = diagnose(analysed("1f1b_pp2dp2"))
     assert s.per_stage["straggler"].null_count() == s.per_stage.height, s.per_stage
     assert s.stragglers.height == 0
     assert s.bottleneck is None or s.bottleneck["group"] == "stage", s.diagnosis
@@ -67,7 +68,7 @@ def test_equal_replicas_name_no_straggler(analysed):
 
 def test_the_slowed_replica_is_named_the_straggler(analysed):
     a = analysed("1f1b_pp2dp2_slow")
-    s = a.summary
+    s = diagnose(a)
     stage0 = s.per_stage.filter(pl.col("stage") == 0).row(0, named=True)
     assert stage0["straggler"] == 1 and stage0["straggler_rank"] == SLOW_RANK, s.per_stage
     # never a rank that only waits on it: its replica partner (rank 3, stage 1) nor the other replica's ranks

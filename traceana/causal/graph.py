@@ -49,6 +49,7 @@ from traceana.core import names, schema
 from traceana.core.errors import AnalysisError
 from traceana.core.units import NS_PER_MS
 from traceana.measure import p2p
+from traceana.measure.summary import data_parallel_only
 
 ACTION_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "optimizer": "O"}
 # What each action is, for what-ifs and the critical path: the kinds of time on a step.
@@ -102,24 +103,6 @@ def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -
         .drop("_op", "_wait")
     )
     return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
-
-
-
-P2P_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer")
-
-
-def data_parallel_only(analysis) -> bool:
-    """Whether the run holds no point-to-point communication at all (pure data parallelism): then ranks whose stage
-    is unknown all hold the one model and are each other's peers. Any P2P operation (its peer known or not: without
-    record_shapes a pipeline's peers are not) makes it a pipeline, whose ranks of unknown stage are peers of none.
-    Unknown (a result kept without its events): False."""
-    if analysis.p2p.height:
-        return False
-    ev = analysis.events
-    if ev is None:
-        return False
-    return (ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len())
-            .collect(**iv.COLLECT).item() == 0)
 
 
 class GraphError(AnalysisError):

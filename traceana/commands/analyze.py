@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.peak_flops(parser)
     options.names(parser)
     options.reading(parser)
+    parser.add_argument("--no-whatif", action="store_true",
+                        help="skip the what-if replays behind the straggler, bottleneck and critical-path lines "
+                             "(traceana whatif runs them on their own) (default: run them)")
     parser.add_argument("--dask", metavar="ADDRESS",
                         help="analyse on a dask.distributed cluster (e.g. tcp://host:8786): one task per rank, then "
                              "one per pipeline; workers must see RUN_DIR at the same path (docs/performance.md) "
@@ -36,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None, cache: bool, progress: bool,
-                     dask: str | None = None, names: str | None = None):
+                     dask: str | None = None, names: str | None = None, diagnose: bool = True):
     """The command's checks, then ``traceana.measure.analysis_cache.load_and_analyze`` (cached unless ``cache`` is
     False), or with ``dask`` (a scheduler address) ``traceana.measure.partitioned.analyze_partitioned`` on that
-    cluster."""
+    cluster; with ``diagnose``, the causal layer's diagnosis in its summary (``traceana.causal.diagnosis``: the
+    straggler, the bottleneck, the critical path; a cached entry holds it)."""
+    from traceana.causal import diagnosis
+
     if not Path(path).exists():
         raise BadInputError("no such run directory or trace file", path=path, fix="check the path")
     _finish_ahead()
@@ -57,12 +63,16 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
             raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
                                 fix="pass the folder of the run's traces, or drop --dask")
         with partitioned.connect(dask) as client:
-            return partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
-                                                   map=partitioned.dask_map(client), peak_flops=peak_flops,
-                                                   names=rules)
+            result = partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
+                                                     map=partitioned.dask_map(client), peak_flops=peak_flops,
+                                                     names=rules)
+        if diagnose:
+            diagnosis.diagnose(result)
+        return result
     from traceana.measure.analysis_cache import load_and_analyze as cached
 
-    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules)
+    return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules,
+                  diagnose=diagnosis.diagnose if diagnose else None)
 
 
 def _finish_ahead() -> None:
@@ -206,7 +216,7 @@ def replicas_table(console, summary) -> None:
     import polars as pl
 
     from traceana.core.tables import print_line, print_table
-    from traceana.measure.summary import NO_WHATIF
+    from traceana.causal.diagnosis import NO_WHATIF
     from traceana.core.tables import cell as _num
     from traceana.causal.whatif import ms
 
@@ -239,7 +249,8 @@ def replicas_table(console, summary) -> None:
                             f"noise in every measured step; traceana whatif)"
                    if r["if_ideal_step_ms"] is not None else f"straggler: rank {r['straggler_rank']}")
     if not known:
-        print_line(console, "straggler: not known — " + (summary.diagnosis or "the what-if did not run"))
+        print_line(console, "straggler: not known — " + (summary.diagnosis or (
+            "the what-if did not run" if summary.diagnosed else "not looked for (--no-whatif)")))
     elif not len(summary.stragglers):
         print_line(console, "no straggler: no rank or replica made ideal shortens the step by more than "
                             "the noise in every measured step (traceana whatif)")
@@ -274,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
         for target in export_paths(args.export, ["notes"], args.format):  # the names checked again when written
             refuse_inputs(target, inputs, flag="--export")
     analysis = load_and_analyze(args.run_dir, peak_flops=args.peak_flops, workers=args.workers,
-                                cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names)
+                                cache=not args.no_cache, progress=progress, dask=args.dask, names=args.names,
+                                diagnose=not args.no_whatif)
     if args.export:
         from traceana.commands.export import write_tables
         from traceana.core.tables import plural

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
-                names=args.names)
+                names=args.names, diagnose=False)  # (validate shows no straggler: it does not pay for the what-if)
     if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
         from traceana.core.errors import ConfigError
 

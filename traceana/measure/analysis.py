@@ -82,8 +82,16 @@ class Analysis:
 
     @functools.cached_property
     def summary(self) -> RunSummary:
-        """The run's headline figures (traceana.measure.summary): what analyze, validate, report and demo all show."""
+        """The run's headline figures (traceana.measure.summary): what analyze, validate, report and demo all show.
+        Figures only: who holds the step back is the causal layer's (traceana.causal.diagnosis.diagnose)."""
         return summarize(self)
+
+    def keep_summary(self, summary: RunSummary) -> RunSummary:
+        """``summary`` as this analysis' summary from now on: its own figures completed by a layer above (the
+        causal layer's diagnosis), so that every later reader — the report, export, the analysis cache — reads the
+        same. Returns it."""
+        self.__dict__["summary"] = summary  # (functools.cached_property's own slot)
+        return summary
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """Every table by name (for export)."""

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import warnings as pywarnings
+from collections.abc import Callable
 from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -46,10 +47,11 @@ from traceana.measure.analysis import Analysis, analyze
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
-ANALYSIS_FORMAT = 7  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
+ANALYSIS_FORMAT = 8  # bump when what an entry holds changes (2: the summary; 3: memory.addr, the transient peak;
 #                     4: the what-if's straggler, diagnosis and bottleneck; 5: phase and stream time,
 #                     traceana.measure.gpu; 6: the summary's step_times_ms, the noise interval's samples; 7: the P2P
-#                     waiting note per rank and step)
+#                     waiting note per rank and step;
+#                     8: the summary's ``diagnosed``, the diagnosis only where asked)
 _TABLES = ("steps", "p2p", "schedule", "attribution", "stage_memory", "stages", "clock_offsets", "segments",
            "rank_summary", "phase_time", "stream_time")
 _RUN_TABLES = ("traces", "memory")
@@ -294,11 +296,15 @@ def run_name_rules(path: str | Path, given: str | Path | names.NameRules | None 
 
 def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache: bool = True,
                      workers: int | None = None, progress: bool = False,
-                     names: str | Path | NameRules | None = None, **old_keywords) -> Analysis:
+                     names: str | Path | NameRules | None = None,
+                     diagnose: Callable[[Analysis], object] | None = None, **old_keywords) -> Analysis:
     """``analyze(load_run(path), peak_flops=..., names=...)`` with ``Analysis.rank_summary`` filled, read from /
     written to the analysis cache unless ``cache`` is False (which also turns off the ingest cache, as ``load_run``
     does). ``names``, as the command line's ``--names``: a name rules file (docs/naming.md), ``"none"``, or
-    NameRules; default: run.json's ``"names"``, else the built-ins (``names_from=`` is an old spelling)."""
+    NameRules; default: run.json's ``"names"``, else the built-ins (``names_from=`` is an old spelling).
+    ``diagnose``: a layer above's completion of the summary, run on a fresh analysis before it is stored (the CLI
+    passes traceana.causal.diagnosis.diagnose where it shows the diagnosis), so that a hit holds it too; entries
+    with and without it are kept apart."""
     path = Path(path)
     peak_flops = check_peak_flops(peak_flops)  # NaN, inf or 1e-300 would make MFU meaningless (and not JSON)
     rules = run_name_rules(path, _names.names_keyword(names, old_keywords, "load_and_analyze"))
@@ -306,7 +312,7 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
     if cache:
         try:
             run_dir, files, prefix = _target(path)
-            key = entry_key(path, files, run_dir, peak_flops, rules.key())
+            key = entry_key(path, files, run_dir, peak_flops, rules.key() + ("|diagnosed" if diagnose else ""))
             store = AnalysisCache(run_dir)
         except Exception:  # unreadable path etc.: load_run below reports it properly
             store = None
@@ -330,6 +336,8 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
     else:
         result = analyze(run, peak_flops=peak_flops, names=rules, by_name=by_name)
     result = replace(result, rank_summary=ranks)
+    if diagnose is not None:
+        diagnose(result)
     if store is not None:
         store.store(prefix, key, result)
     return result

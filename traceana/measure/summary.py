@@ -44,6 +44,8 @@ Definitions (each figure is one of these, and is labelled so wherever it is show
   when making it ideal (its work at its peers' median) shortens the replayed step by more than the noise in every
   measured step (``noise.NOISE_FLOOR``); a rank that only waits gains nothing, so it is never named.
   ``diagnosis`` is the what-if's one line, ``bottleneck`` what it names and what the step would be without it.
+  These are the causal layer's (traceana.causal.diagnosis.diagnose), not this module's: the summary holds figures
+  only, its what-if fields empty (``diagnosed`` False) until a surface that shows them asks for the diagnosis.
 """
 
 from __future__ import annotations
@@ -57,15 +59,9 @@ from traceana.core.schema import BLOCKED_CATEGORIES, BUBBLE_CATEGORIES, CATEGORI
 from traceana.core.units import MIB, NS_PER_MS
 from traceana.measure.p2p import pipeline_replicas, replica_of  # noqa: F401  (summary's names: the pipeline groups)
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
-# ranks and replicas the what-if in the summary makes ideal (those whose work exceeds their peers' the most;
-# traceana whatif makes every one ideal)
-WHATIF_CANDIDATES = 8
-# ... and not at all beyond this many operations in the measured steps: the measured replay and its critical path are
-# Python over every operation, the what-ifs one batched evaluation (graph.replay_variants); a 1,024-rank step of
-# 67,584 operations took 4.4 s on the 2-core machine (tests/benchmarks/bench_whatif_scale.py); traceana whatif runs
-# it at any size
-WHATIF_MAX_OPERATIONS = 150_000
-NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
+# The what-if's columns of ``per_stage``: null until the causal layer is asked (traceana.causal.diagnosis)
+WHATIF_COLUMNS = {"straggler": pl.Int32, "straggler_rank": pl.Int32, "if_ideal_step_ms": pl.Float64}
+P2P_KINDS = ("p2p_send", "p2p_recv", "p2p_call", "bpipe_transfer")
 
 
 def rank_steps(attribution: pl.DataFrame) -> pl.DataFrame:
@@ -130,6 +126,7 @@ class RunSummary:
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
     path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
     #                                   stage, seq, kind, start_ns, end_ns, ms, step — what the report draws
+    diagnosed: bool = False  # whether the causal layer's diagnosis is in (traceana.causal.diagnosis.diagnose)
 
     @property
     def stragglers(self) -> pl.DataFrame:
@@ -267,7 +264,7 @@ def across_replicas(per_step: pl.DataFrame, *, unknown_are_replicas: bool = Fals
     """Per stage across its replicas (``replica_steps``): replicas, own_ms (the mean of the replicas' median own
     times), the slowest replica (largest median own time) and its rank and own time. Ranks of unknown stage are
     replicas of stage '–' only when ``unknown_are_replicas`` (the run holds no P2P at all: pure data parallelism,
-    graph.data_parallel_only); in a pipeline they are no stage's replicas. Descriptive: who holds the step back is
+    data_parallel_only); in a pipeline they are no stage's replicas. Descriptive: who holds the step back is
     the what-if's to say (traceana.causal.whatif)."""
     # One query (docs/performance.md "Fixed cost").
     r = (per_step.lazy().filter(pl.col("stage").is_not_null() | pl.lit(unknown_are_replicas))
@@ -284,35 +281,18 @@ def across_replicas(per_step: pl.DataFrame, *, unknown_are_replicas: bool = Fals
     )
 
 
-def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
-                                                        pl.DataFrame | None, pl.DataFrame | None]:
-    """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
-    the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
-    can run."""
-    from traceana.core.errors import TraceanaError
-    from traceana.causal.graph import build
-    from traceana.causal.whatif import whatif
-
-    empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
-                                 "if_ideal_step_ms": pl.Float64})
-    if analysis.events is None:
-        return empty, None, None, None, None  # (assembled without its events: the collectives are not known)
-    try:
-        g = build(analysis, steps)
-        if g.ops.height > WHATIF_MAX_OPERATIONS:
-            return empty, (f"{NO_WHATIF}not run here for {g.ops.height:,} operations (more than "
-                           f"{WHATIF_MAX_OPERATIONS:,}): traceana whatif RUN_DIR runs it"), None, None, None
-        w = whatif(analysis, graph=g, full=False, candidates=WHATIF_CANDIDATES)
-    except TraceanaError as e:
-        return empty, f"{NO_WHATIF}{e.what}", None, None, None
-    ranks = w.per_rank.select(pl.col("rank").cast(pl.String).alias("id"), "stage", "replica")
-    named = w.groups.filter(pl.col("named"))
-    by_rank = named.filter(pl.col("group") == "rank").join(ranks, on="id").select(
-        "stage", pl.col("replica").alias("straggler"), pl.col("id").cast(pl.Int32).alias("straggler_rank"),
-        pl.col("if_peers_step_ms").alias("if_ideal_step_ms"), "peers_gain_ms")  # the straggler at its peers' speed
-    table = (by_rank.sort("peers_gain_ms", descending=True).unique("stage", keep="first", maintain_order=True)
-             .drop("peers_gain_ms").cast(empty.schema).select(list(empty.schema)))
-    return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
+def data_parallel_only(analysis) -> bool:
+    """Whether the run holds no point-to-point communication at all (pure data parallelism): then ranks whose stage
+    is unknown all hold the one model and are each other's peers. Any P2P operation (its peer known or not: without
+    record_shapes a pipeline's peers are not) makes it a pipeline, whose ranks of unknown stage are peers of none.
+    Unknown (a result kept without its events): False."""
+    if analysis.p2p.height:
+        return False
+    ev = analysis.events
+    if ev is None:
+        return False
+    return (ev.lazy().filter(pl.col("kind").cast(pl.String).is_in(P2P_KINDS)).select(pl.len())
+            .collect(**COLLECT).item() == 0)
 
 
 def without_bubble(frame: pl.DataFrame) -> pl.DataFrame:
@@ -323,7 +303,6 @@ def without_bubble(frame: pl.DataFrame) -> pl.DataFrame:
 def summarize(analysis) -> RunSummary:
     """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
     from traceana.measure.gpu import pipeline_found
-    from traceana.causal.graph import data_parallel_only
 
     att = analysis.attribution
     steps = measured_steps(att, analysis.schedule)
@@ -331,7 +310,7 @@ def summarize(analysis) -> RunSummary:
     per_replica_step = replica_steps(att, analysis.stages, analysis.p2p, steps)
     # no pipeline: no replicas (module docstring); its ranks are the per-rank table's
     replicas = replica_table(per_replica_step) if pipeline else None
-    named, diagnosis, bottleneck, path_time, path = named_by_whatif(analysis, steps)
+    named = pl.DataFrame(schema={"stage": pl.Int32, **WHATIF_COLUMNS})  # (the causal layer's, when asked)
     replicas_of = across_replicas(per_replica_step, unknown_are_replicas=pipeline and data_parallel_only(analysis))
     per_stage = (_per_stage(analysis.per_rank_step, analysis.stages, analysis.stage_memory, steps)
                  .join(replicas_of, on="stage", how="left", nulls_equal=True)
@@ -367,10 +346,6 @@ def summarize(analysis) -> RunSummary:
         replicas=replicas,
         step_times_ms=step_times_ms,
         pipeline_found=pipeline,
-        diagnosis=diagnosis,
-        bottleneck=bottleneck,
-        critical_path=path_time,
-        path=path,
     )
 
 
