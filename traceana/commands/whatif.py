@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
-                                progress=progress, names=args.names)
+                                progress=progress, names=args.names, diagnose=False)  # (it runs the what-ifs itself)
     w = whatif(analysis, changes)
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
