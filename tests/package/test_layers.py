@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("traceana.model",)),
     ("validation", ("traceana.validation",)),
     ("commands", ("traceana.commands",)),
-    ("program", ("traceana.cli", "traceana.__main__", "traceana.reference")),
+    ("program", ("traceana.cli", "traceana.__main__", "traceana.reference", "traceana.results")),
     ("collectors", ("collectors",)),
     ("reports", ("reports",)),
 )
