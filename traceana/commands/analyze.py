@@ -215,14 +215,14 @@ def replicas_table(console, summary) -> None:
     what-if names (traceana.causal.whatif)."""
     import polars as pl
 
-    from traceana.core.tables import print_line, print_table
-    from traceana.causal.diagnosis import NO_WHATIF
-    from traceana.core.tables import cell as _num
-    from traceana.causal.whatif import ms
-
     ps = summary.per_stage
     if "replicas" not in ps.columns or not (ps["replicas"].fill_null(1) > 1).any():
         return
+    from traceana.causal.diagnosis import NO_WHATIF
+    from traceana.causal.whatif import ms
+    from traceana.core.tables import cell as _num
+    from traceana.core.tables import print_line, print_table
+
     ps = ps.filter(pl.col("replicas") > 1)
     reps = summary.replicas
     # eq_missing: ranks of unknown stage of a pure data-parallel run are replicas of stage '–'; == null matches nothing
