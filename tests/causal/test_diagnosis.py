@@ -1,6 +1,6 @@
 """The diagnosis is asked for, not paid for by every summary (issue 34, Build 1): ``traceana.diagnose`` fills the
-measured summary's what-if fields and keeps the result as the analysis' summary; ``analyze --no-whatif``, validate
-and watch never import the what-if; the analysis cache holds the diagnosis where it was asked for.
+measured summary's what-if fields and keeps the result as the analysis' summary; ``analyze --no-whatif`` imports
+none of the what-if; the analysis cache holds the diagnosis where it was asked for.
 
 The run is tests/tracebuilder.py's two-stage step (by hand: rank 0 F0 0–20 µs, send, waits, B0 70–90 µs; rank 1
 receives at 26 µs, F0, B0, sends the gradient at 60 µs): its critical path exists, its figures are the same with
