@@ -1,7 +1,7 @@
 """A DeepSpeed pipeline job as its user writes it, with nothing of traceana in it: DeepSpeed's own PipelineEngine
 (``deepspeed.pipe.PipelineModule``, ``train_batch``: its 1F1B TrainSchedule), an 8-layer Linear/ReLU MLP cut into
-one stage a rank, 4 micro-batches of 8 × 64, SGD, on the CPU over gloo. Used by tests/test_attach_frameworks.py under
-``traceana attach`` (needs deepspeed):
+one stage a rank, 4 micro-batches of 8 × 64, SGD, on the CPU over gloo. Used by
+tests/collectors/test_attach_frameworks.py under ``traceana attach`` (needs deepspeed):
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 tests/attach_deepspeed_script.py [--steps N]
 """

@@ -1,7 +1,7 @@
 """A megatron-core pipeline job as its user writes it, with nothing of traceana in it: megatron-core's own 1F1B (or,
 with ``--interleaved``, interleaved 1F1B with 2 model chunks a rank) from ``get_forward_backward_func``, 4
 micro-batches of (seq 16, batch 2, hidden 64), a 2-Linear MLP per stage, SGD, on the CPU over gloo, one rank per
-pipeline stage. Used by tests/test_attach_frameworks.py under ``traceana attach`` (needs megatron-core):
+pipeline stage. Used by tests/collectors/test_attach_frameworks.py under ``traceana attach`` (needs megatron-core):
 
     torchrun --standalone --nproc-per-node 2 tests/attach_megatron_script.py [--interleaved] [--steps N]
 

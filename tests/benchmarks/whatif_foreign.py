@@ -242,7 +242,8 @@ def main() -> None:
                     if not a.analyze_only:
                         port += 1
                         wall = collect(fw, run, a.python, mode == "defaults", slow, port)
-                    # what was done to the run, beside it (tests/test_whatif_foreign.py reads it: the expectation)
+                    # what was done to the run, beside it (tests/causal/test_whatif_foreign.py reads it: the
+                    # expectation)
                     run.parent.joinpath("slow.json").write_text(json.dumps(
                         {"framework": fw, "profile": mode, "slow": list(slow) if slow else None,
                          "microbatches": MICROBATCHES}))

@@ -22,7 +22,7 @@ from traceana.causal import graph
 from traceana.causal.whatif import _ideals, changed, parse_set, whatif
 from traceana.measure.analysis_cache import load_and_analyze
 
-DATA = Path(__file__).parent / "data" / "whatif_foreign"
+DATA = Path(__file__).parents[1] / "data" / "whatif_foreign"
 RUNS = sorted(p.parent.name for p in DATA.glob("*/slow.json"))
 ZERO = [parse_set(s) for s in ("forward=0", "backward=0", "optimizer=0", "collective=0", "p2p=0", "host=0")]
 

@@ -22,7 +22,7 @@ import pytest
 from collectors.attach import runtime
 from collectors.attach.facts import window_manifest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("TRACEANA_FRAMEWORKS_PYTHON", sys.executable)
 
 
