@@ -36,7 +36,7 @@ def _ms(x: float | None) -> str:
 @dataclass(frozen=True)
 class WhatIfResult:
     """``traceana whatif``'s answer: ``replay`` (traceana.causal.whatif.WhatIf: the replayed step, every group made
-    ideal, the critical path, the diagnosis) and ``plan`` (traceana.causal.whatif.plan_whatif's dict, or None when no
+    ideal, the critical path, the diagnosis) and ``plan`` (traceana.validation.plan.plan_whatif's dict, or None when no
     schedule, micro-batch count or BPipe was asked for)."""
 
     replay: Any
@@ -91,7 +91,8 @@ def what_if(analysis, set: str | Iterable[str] = (), *, schedule: str | None = N
     one text or several), ``schedule``, ``microbatches``, ``bpipe`` (True/False) and ``virtual_stages`` the plan
     what-if (needs run.json's model and pipeline, as the command does). A bad change raises the command's one-line
     error (traceana.causal.whatif.SetError) before any replay."""
-    from traceana.causal.whatif import parse_set, plan_whatif, whatif
+    from traceana.causal.whatif import parse_set, whatif
+    from traceana.validation.plan import plan_whatif
 
     texts = [set] if isinstance(set, str) else list(set)
     changes = [parse_set(t) for t in texts]

@@ -172,7 +172,7 @@ def test_plan_whatifs_re_sequence_the_measured_work(tmp_path):
 
     from traceana.core.errors import AnalysisError
     from traceana.model.simulate import StageTimes
-    from traceana.causal.whatif import plan_whatif
+    from traceana.validation.plan import plan_whatif
 
     a = fake_analysis(tmp_path, schedule="1f1b", pp=2, m=4, times=StageTimes.uniform(2, forward=100e3, backward=200e3))
     same = plan_whatif(a)
@@ -226,7 +226,7 @@ def test_a_bpipe_runs_plans(tmp_path):
     from traceana.core.errors import AnalysisError
     from traceana.model.simulate import StageTimes
     from traceana.core.pipeline_rules import bpipe_pairs
-    from traceana.causal.whatif import plan_whatif
+    from traceana.validation.plan import plan_whatif
 
     a = fake_analysis(tmp_path, schedule="1f1b", pp=4, m=8, times=StageTimes.uniform(4, forward=100e3, backward=200e3))
     a = dataclasses.replace(a, run=dataclasses.replace(a.run, manifest=dataclasses.replace(

@@ -14,7 +14,8 @@ import polars as pl
 import pytest
 
 from collected_runs import RUNS
-from traceana.causal.whatif import plan_whatif, whatif
+from traceana.causal.whatif import whatif
+from traceana.validation.plan import plan_whatif
 from traceana.ingest.run_dir import load_run
 from traceana.measure.analysis import analyze
 

@@ -252,8 +252,8 @@ def test_repeated_comparison_headline_agrees_or_says_the_machine_changed(tmp_pat
 
 def test_cross_run_between_plans_is_the_baselines_measured_whatif(tmp_path):
     # two runs that differ only in their micro-batch count: the prediction is the baseline's measured what-if
-    # (whatif.plan_whatif). By hand, uniform 1F1B takes (m + p − 1)(f + b): 5 × 300 µs at m=4, 9 × 300 µs at m=8
-    from traceana.causal.whatif import plan_whatif
+    # (plan.plan_whatif). By hand, uniform 1F1B takes (m + p − 1)(f + b): 5 × 300 µs at m=4, 9 × 300 µs at m=8
+    from traceana.validation.plan import plan_whatif
 
     times = StageTimes.uniform(2, forward=100e3, backward=200e3)
     a = fake_analysis(tmp_path / "a", schedule="1f1b", pp=2, m=4, times=times, steps=3)

@@ -1,4 +1,4 @@
-"""Plan what-ifs (traceana.causal.whatif.plan_whatif) that move layers between stages (--layers-per-stage), and the one
+"""Plan what-ifs (traceana.validation.plan.plan_whatif) that move layers between stages (--layers-per-stage), and the one
 path from per-operation durations to the schedule engine (model.simulate.engine_inputs) that the plans' measured work
 and estimate's modelled work both take. Expected values are worked out by hand in each docstring."""
 
@@ -82,7 +82,7 @@ def test_layers_moved_between_stages_by_hand(tmp_path):
     counts that do not sum to the model's 4 are refused, as collect refuses a model it cannot split."""
     from test_validate import fake_analysis
 
-    from traceana.causal.whatif import plan_whatif
+    from traceana.validation.plan import plan_whatif
 
     times = StageTimes(forward_ns=(100 * US, 300 * US), backward_ns=(200 * US, 600 * US))
     act = [4_000_000, 4_000_000]
@@ -117,7 +117,7 @@ def test_layers_moved_on_a_real_run():
     import polars as pl
 
     from traceana.measure.analysis_cache import load_and_analyze
-    from traceana.causal.whatif import plan_whatif
+    from traceana.validation.plan import plan_whatif
 
     a = load_and_analyze(str(GPIPE_M2), progress=False, cache=False)
     same = plan_whatif(a, layers_per_stage=(3, 3, 2))

@@ -155,7 +155,8 @@ def render_plan(plan: dict, *, console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze import load_and_analyze
-    from traceana.causal.whatif import parse_layers, parse_set, whatif
+    from traceana.causal.whatif import parse_set, whatif
+    from traceana.validation.plan import parse_layers
 
     changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
     layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     w = whatif(analysis, changes)
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
-        from traceana.causal.whatif import plan_whatif
+        from traceana.validation.plan import plan_whatif
 
         plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
                            bpipe=None if args.bpipe is None else args.bpipe == "on",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from traceana.causal.whatif import LOCAL_COPY_BYTES_PER_NS  # (the one assumption, also verdict's: imported from here)
+from traceana.validation.plan import LOCAL_COPY_BYTES_PER_NS  # (the one assumption, also verdict's: imported from here)
 from traceana.core.errors import AnalysisError
 from traceana.core.training_config import TrainingConfig
 from traceana.measure.analysis import Analysis
@@ -127,7 +127,7 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     The model predicts the *change*: the target's step is the baseline's measured step times the ratio of the two
     simulations (target over baseline, both fed only with the baseline run's measurements), so a bias the simulator
     has on this machine cancels. Where the runs differ only in their plan (schedule, micro-batches, BPipe:
-    whatif.plan_of) that is the baseline's measured what-if (whatif.plan_whatif; ``measured_whatif`` true), else the
+    plan.plan_of) that is the baseline's measured what-if (plan.plan_whatif; ``measured_whatif`` true), else the
     model with the target's whole configuration. One statistic throughout: each side's step time is the geometric
     mean of its runs' (traceana.measure.noise: ``baseline_step_ms``, ``measured_step_ms``; ``predicted_step_ms`` is the
     baseline side's times the predicted ratio), the measured change and its interval come from the runs, and the
@@ -140,7 +140,7 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     base_cfg = baseline.config.training_config(path=baseline.run.path)
     tgt_cfg = target.config.training_config(path=target.run.path)
     from traceana.measure.noise import between_runs
-    from traceana.causal.whatif import plan_of, plan_whatif
+    from traceana.validation.plan import plan_of, plan_whatif
 
     base_runs, tgt_runs, counted_once = _sides(baseline, target, base_cfg, tgt_cfg, repeat)
     meas_t = measure(target, tgt_cfg)
