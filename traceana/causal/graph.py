@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana.causal.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, product, run_schedule
 from traceana.core import intervals as iv
 from traceana.core import names, schema
 from traceana.core.errors import AnalysisError
@@ -562,8 +563,6 @@ _PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure p
 def _plan(g: StepGraph, step: int) -> dict:
     """What does not change between replays of one step: the ranks, each one's order, what each operation makes,
     the collectives, and each message's consumer, producer, anchor and lags (in _EDGE_ORDER)."""
-    from traceana.causal.scheduler import product
-
     entry = _PLANS.get(id(g))
     if entry is None or entry[0] is not g:
         if len(_PLANS) >= 8:
@@ -653,8 +652,6 @@ def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[f
 
 def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
-    from traceana.causal.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, run_schedule
-
     plan = _plan(g, step)
     w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
     host, rho = _scales(plan, w_list, g_list, t_list)
@@ -774,8 +771,6 @@ def _levels(g: StepGraph, step: int):
     """The fixed graph the engine replays for ``step`` (``_plan``'s orders, inputs and groups) as arrays for
     ``_evaluate``, grouped by level; None when its dependencies form a cycle."""
     import numpy as np
-
-    from traceana.causal.scheduler import product
 
     plan = _plan(g, step)
     if "levels" in plan:

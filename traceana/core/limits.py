@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 
+from traceana.core.errors import BadInputError
 from traceana.core.units import GIB, KIB, MIB, TIB, bytes_text
 
 MAX_VALUE_BYTES = 64 * MIB
@@ -157,8 +158,6 @@ MAX_SCHEDULE_SLOTS = 1 << 16  # pp × virtual stages × micro-batches of one sim
 def check_ranks(world_size: int, field: str, path: str | None = None) -> None:
     """BadInputError when a declared world size is beyond MAX_RANKS."""
     if world_size > MAX_RANKS:
-        from traceana.core.errors import BadInputError
-
         raise BadInputError(f"{field} is {world_size:,}: more ranks than any job has (traceana reads at most "
                             f"{MAX_RANKS:,})", path=path, fix=f"fix {field}")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from traceana.core.errors import BadInputError
 from traceana.core.files import open_regular
+from traceana.core.limits import check_ranks
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "run.json"
@@ -275,7 +276,6 @@ class Manifest:
             v = getattr(self, f)
             if v is not None and not isinstance(v, str):
                 raise BadInputError(f"{f} must be text, got {v!r}", fix="fix run.json")
-        from traceana.core.limits import check_ranks
 
         check_ranks(self.world_size, "run.json's world_size")
         object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops, source="peak_flops"))

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import polars as pl
 
 from traceana.core import names, schema
-from traceana.core.errors import BadInputError, RunDirError, TraceanaError
+from traceana.core.errors import BadInputError, RunDirError, TraceFormatError, TraceanaError
 from traceana.core.intervals import ENGINE
 from traceana.core.limits import check_ranks
 from traceana.core.manifest import MANIFEST_NAME, Manifest
@@ -368,8 +368,6 @@ def _users_file(f: Path, error: type) -> bool:
     """A file found in a run folder that is not a trace and is not named like one (a config, notes, an empty
     ``analysis.json`` the shell created for ``analyze --json > RUN/analysis.json``): skipped with a warning. A file
     named like a trace that cannot be read stays an error."""
-    from traceana.core.errors import TraceFormatError
-
     return isinstance(error, type) and issubclass(error, TraceFormatError) and not _named_like_a_trace(f)
 
 

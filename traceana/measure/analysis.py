@@ -35,7 +35,7 @@ from traceana.measure.reconcile import annotated_facts, missing_notes, run_confi
 from traceana.measure.schedule import (annotated_schedule, autograd_schedule, dropped_annotation_notes, infer_schedule,
                                        overlap_notes, pipeline_group_stages,
                                        overlap_rows, overlap_spans)
-from traceana.measure.summary import RunSummary, measured_steps, rank_steps, summarize
+from traceana.measure.summary import RunSummary, headline, measured_steps, rank_steps, summarize
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,6 @@ class Analysis:
     def __repr__(self) -> str:
         """A few lines (not the events' rows): ranks, stages, schedule, steps, the headline figures
         (``summary.headline``) and where the rest is."""
-        from traceana.measure.summary import headline
-
         f = self._facts()
         lines = [f"<traceana.Analysis of {f['path']}: {f['ranks']}, {f['stages']}, {f['schedule']}, {f['steps']}>",
                  *(f"  {line}" for line in headline(self.summary)),
@@ -138,8 +136,6 @@ class Analysis:
     def _repr_html_(self) -> str:
         """The headline figures and the per-stage table (``RunSummary.table_html``), for Jupyter."""
         from html import escape
-
-        from traceana.measure.summary import headline
 
         f = self._facts()
         head = "".join(f"<li>{escape(line)}</li>" for line in headline(self.summary))

@@ -44,6 +44,8 @@ from traceana.core.names import NameRules
 from traceana.ingest import Run
 from traceana.ingest.cache import CACHE_DIR, cache_dir, cache_key, fingerprint, make_cache_dir, regular_file
 from traceana.measure.analysis import Analysis, analyze
+from traceana.measure.classify import name_table, rank_summary
+from traceana.measure.summary import RunSummary
 
 SUBDIR = "analysis"
 _KEY = re.compile(r"[0-9a-f]{20}")  # entry folders are named "<target>.<key>"
@@ -253,8 +255,6 @@ def _write_summary(entry: Path, summary) -> dict:
 
 
 def _read_summary(entry: Path, meta: dict):
-    from traceana.measure.summary import RunSummary
-
     values = {k: v for k, v in meta.items() if k != "none"} | {"steps": tuple(meta["steps"]),
                                                                "step_times_ms": tuple(meta.get("step_times_ms", ()))}
     for name in _SUMMARY_TABLES:
@@ -320,7 +320,6 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             hit = store.load(prefix, key, path, peak_flops=peak_flops, workers=workers)
             if hit is not None:
                 return hit
-    from traceana.measure.classify import name_table, rank_summary
     from traceana.ingest.run_dir import load_run
 
     run = load_run(path, workers=workers, cache=cache, progress=progress)

@@ -24,6 +24,7 @@ import polars as pl
 
 from traceana.core import intervals as iv
 from traceana.core import names
+from traceana.core.names import PASS_PHASES
 from traceana.core.units import NS_PER_MS
 
 # (``shared_ns``: the step's time during which two or more phases ran, the same on every row of a (rank, step).)
@@ -153,8 +154,6 @@ NO_PIPELINE = ("no pipeline found: no rank has a stage (no run.json, no PP:/fram
 def pipeline_found(stages: pl.DataFrame, schedule: pl.DataFrame, p2p: pl.DataFrame) -> bool:
     """Is this a pipeline at all: a rank with a known stage, a forward/backward in the schedule, or a matched P2P
     message? (Else no bubble, stage or schedule figure means anything: the summary gives none (``NO_PIPELINE``).)"""
-    from traceana.core.names import PASS_PHASES
-
     staged = "stage" in stages.columns and stages["stage"].drop_nulls().len() > 0
     passes = schedule.filter(pl.col("phase").is_in(list(PASS_PHASES))).height if schedule.height else 0
     return bool(staged or passes or p2p.height)

@@ -36,6 +36,7 @@ from traceana.core.manifest import MANIFEST_NAME, Manifest
 from traceana.core.names import NameRules
 from traceana.ingest import scale
 from traceana.ingest import Run
+from traceana.measure.classify import rank_summary
 from traceana.measure.p2p import pipeline_groups
 from traceana.measure.reconcile import run_config
 
@@ -87,7 +88,6 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
     """Round 2 in a worker: the Analysis tables of one pipeline group (its classified events stay in the worker;
     the segments, a few rows per step, come back: ``traceana merge`` and the report draw them)."""
     from traceana.measure.analysis import analyze
-    from traceana.measure.classify import rank_summary
 
     run = scale.load_parquet(task.out_dir, ranks=task.ranks)
     result = analyze(run, peak_flops=task.peak_flops, names=task.name_rules)

@@ -8,6 +8,7 @@ import polars as pl
 
 from traceana.core import intervals as iv
 from traceana.core import names
+from traceana.core.errors import printable
 from traceana.core.schema import SCHEDULE, conform
 from traceana.measure.classify import inside
 from traceana.measure.timeline import training_tracks
@@ -256,8 +257,6 @@ def infer_schedule(
 def dropped_annotation_notes(events: pl.DataFrame) -> list[str]:
     """A ``PP:`` name of the annotation form whose stage or micro-batch does not fit a number (``PP:1F9999…``)
     is not taken as an annotation: say so, naming the first (a few rows: only names of that form are looked at)."""
-    from traceana.core.errors import printable
-
     # The regular expression runs only on names with the contract's prefix (a cheap test on every event).
     bad = (events.filter(~pl.col("is_gpu") & pl.col("pp_action").is_null()
                          & names.name_test(pl.col("name"), lambda t: t.str.starts_with(names.PP_PREFIX)))

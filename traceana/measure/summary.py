@@ -57,7 +57,9 @@ import polars as pl
 from traceana.core.intervals import COLLECT
 from traceana.core.schema import BLOCKED_CATEGORIES, BUBBLE_CATEGORIES, CATEGORIES, COMPUTE_CATEGORIES
 from traceana.core.units import MIB, NS_PER_MS
+from traceana.measure.gpu import NO_PIPELINE, pipeline_found
 from traceana.measure.p2p import pipeline_replicas, replica_of  # noqa: F401  (summary's names: the pipeline groups)
+from traceana.measure.timeline import WHOLE_TRACE_STEP
 STEP_TIME_LABEL = "step time (slowest rank, mean over measured steps)"
 # The what-if's columns of ``per_stage``: null until the causal layer is asked (traceana.causal.diagnosis)
 WHATIF_COLUMNS = {"straggler": pl.Int32, "straggler_rank": pl.Int32, "if_ideal_step_ms": pl.Float64}
@@ -136,8 +138,6 @@ class RunSummary:
     def as_dict(self) -> dict:
         """JSON-ready: the headline figures and the per-stage rows; for a run that is no pipeline, why it has no
         bubble or replica figure (``no_pipeline``)."""
-        from traceana.measure.gpu import NO_PIPELINE
-
         return {
             "pipeline_found": self.pipeline_found,
             "no_pipeline": None if self.pipeline_found else NO_PIPELINE,
@@ -302,8 +302,6 @@ def without_bubble(frame: pl.DataFrame) -> pl.DataFrame:
 
 def summarize(analysis) -> RunSummary:
     """The run's summary from an ``Analysis`` (its attribution, schedule, stages and stage_memory tables)."""
-    from traceana.measure.gpu import pipeline_found
-
     att = analysis.attribution
     steps = measured_steps(att, analysis.schedule)
     pipeline = pipeline_found(analysis.stages, analysis.schedule, analysis.p2p)
@@ -423,8 +421,6 @@ def steps_label(steps) -> str:
 def headline(summary) -> list[str]:
     """The run's headline figures, one per line, in the words every surface uses (traceana analyze, an Analysis's
     repr in a notebook); no bubble line for a run that is no pipeline (``summary.pipeline_found``: it has none)."""
-    from traceana.measure.timeline import WHOLE_TRACE_STEP
-
     def num(x, fmt):
         return "–" if x is None else format(x, fmt)
 

@@ -36,7 +36,7 @@ from traceana.core.limits import schedule_slots_error
 from traceana.core.pipeline_rules import bpipe_pairs, bpipe_plan, check_bpipe
 from traceana.core.training_config import TrainingConfig
 from traceana.core.units import GB, MS_PER_S, NS_PER_S, bytes_text, seconds_text
-from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes
+from traceana.model.memory import StageMemory, estimate_stage_memory, fit_uncertainty_bytes, layer_activation_bytes
 from traceana.model.memory import reserve_bytes as default_reserve
 from traceana.model.presets import Device
 from traceana.model.simulate import Costs, StageTimes, engine_inputs, simulate
@@ -336,8 +336,6 @@ def evictions(cfg: TrainingConfig) -> int:
 def memory_why(cfg: TrainingConfig, *, device_bytes: float | None) -> str:
     """Plain words and numbers: how much of a layer's saved activations are the s×s attention terms, what stage 0
     holds at the configured micro-batch size without recompute, with and without BPipe, and against the device."""
-    from traceana.model.memory import layer_activation_bytes
-
     m = cfg.model
     kw = dict(microbatch_size=cfg.microbatch_size, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
               activation_bytes=cfg.precision.activation_bytes, dropout=cfg.has_dropout, eager=cfg.eager)

@@ -8,11 +8,15 @@ from __future__ import annotations
 import polars as pl
 import re
 
-from traceana.causal.graph import GraphError, StepGraph, build
+from traceana.causal.graph import GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
+from traceana.core.manifest import MULTI_STAGE_SCHEDULES
+from traceana.core.pipeline_rules import bpipe_applies, check_virtual_stages, device_of_stage, plan_refusal
 from traceana.core.units import NS_PER_MS
 from traceana.measure.noise import noise_ms
+from traceana.model.memory import estimate_stage_memory
+from traceana.model.simulate import bubble_fraction, engine_inputs, simulate
 
 
 # What a plan what-if can change of the run's configuration (everything else is the run's own).
@@ -43,9 +47,6 @@ def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
     micro-batch) (graph.pass_durations, the graph's work: the mean over the stage's replicas), optimizer and
     collectives per device; from the graph where it builds: the median host gap per device, each P2P message's
     time in flight (send lag + transfer) per (F / B, producing stage, micro-batch), the BPipe transfers' median."""
-    from traceana.causal.graph import pass_durations
-    from traceana.core.pipeline_rules import device_of_stage
-
     p = base.pp
     steps = list(g.steps) if g is not None else list(analysis.summary.steps)
     step_f = pl.DataFrame({"step": steps}, schema={"step": pl.Int32})
@@ -104,9 +105,6 @@ _PHASE_ACTION = {"forward": "F", "backward": "B", "backward_input": "I", "backwa
 def _times(m: dict, base, target, pp: int):
     """StageTimes and Costs of one measured step for the target plan (the run's measured work; see plan_whatif),
     through model.simulate.engine_inputs, the path ``estimate``'s modelled durations take too."""
-    from traceana.model.simulate import engine_inputs
-    from traceana.core.pipeline_rules import device_of_stage
-
     nv_base = pp * base.virtual_stages
     device_of_work = tuple(device_of_stage(base.schedule, s, pp=pp) % pp for s in range(nv_base))
     scale = _layer_scale(base, target)  # layers moved between stages: each device's work by its layer count
@@ -169,11 +167,6 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     through the same engine: ``simulated_as_run_ms`` against the measured step says how far the engine is from
     this run). Refused exactly where ``traceana collect`` refuses the plan (pipeline_rules.plan_refusal). Needs
     run.json's model and pipeline (AnalysisError, ConfigError otherwise)."""
-    from traceana.core.manifest import MULTI_STAGE_SCHEDULES
-    from traceana.model.memory import estimate_stage_memory
-    from traceana.model.simulate import bubble_fraction, simulate
-    from traceana.core.pipeline_rules import bpipe_applies, check_virtual_stages, plan_refusal
-
     base = analysis.config.training_config(path=analysis.run.path)
     notes: list[str] = []
     changes: dict = {k: v for k, v in (("schedule", schedule), ("num_microbatches", microbatches)) if v is not None}
@@ -289,8 +282,6 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
 def _activation_per_microbatch(analysis, base) -> dict[int, float]:
     """Per device: the measured peak of saved activations (stage_memory's activation_peak_bytes, the median over
     ranks and measured steps) over the micro-batches the memory model holds at that peak."""
-    from traceana.model.memory import estimate_stage_memory
-
     sm = analysis.stage_memory
     if sm is None or sm.height == 0 or "activation_peak_bytes" not in sm.columns:
         return {}
@@ -307,8 +298,6 @@ def _activation_per_microbatch(analysis, base) -> dict[int, float]:
 def _activation_scale(base, target) -> dict[int, float]:
     """Per device: the memory model's activations per micro-batch under the plan over the run's (recompute, the
     layers a stage holds)."""
-    from traceana.model.memory import estimate_stage_memory
-
     was = {m.stage: m.activation_per_microbatch for m in estimate_stage_memory(base)}
     return {m.stage: m.activation_per_microbatch / was[m.stage] if was.get(m.stage) else 1.0
             for m in estimate_stage_memory(target)}

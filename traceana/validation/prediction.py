@@ -10,9 +10,11 @@ from traceana.validation.plan import LOCAL_COPY_BYTES_PER_NS  # (the one assumpt
 from traceana.core.errors import AnalysisError
 from traceana.core.training_config import TrainingConfig
 from traceana.measure.analysis import Analysis
+from traceana.measure.noise import between_runs, twice
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation, StageTimes, simulate
 from traceana.validation.measurement import measure, shared_cpus
+from traceana.validation.plan import plan_of, plan_whatif
 
 
 def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingConfig | None = None,
@@ -49,8 +51,6 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
     Refused (AnalysisError) unless they are two runs (not one folder twice, which would read as no noise at all)
     of one configuration as their run.json describe it (the traces' schedule and micro-batches): the difference
     between two configurations is not noise."""
-    from traceana.measure.noise import twice
-
     if twice([(str(Path(a.run.path).resolve()), a.summary.step_times_ms) for a in (first, second)]):
         raise AnalysisError("--repeat names the same run twice (one folder, or a copy with the same measured steps): "
                             "its noise floor would be 0", path=second.run.path,
@@ -73,8 +73,6 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
 def distinct(runs: list[Analysis]) -> tuple[list[Analysis], list[str]]:
     """``runs`` with each run once (traceana.measure.noise.twice: the same folder, or a copy with the same measured
     steps), and one sentence per run dropped: a run given twice adds no spread between runs, so it counts once."""
-    from traceana.measure.noise import twice
-
     kept: list[Analysis] = []
     said: list[str] = []
     for a in runs:
@@ -139,8 +137,6 @@ def cross_run(baseline: Analysis, target: Analysis, *,
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = baseline.config.training_config(path=baseline.run.path)
     tgt_cfg = target.config.training_config(path=target.run.path)
-    from traceana.measure.noise import between_runs
-    from traceana.validation.plan import plan_of, plan_whatif
 
     base_runs, tgt_runs, counted_once = _sides(baseline, target, base_cfg, tgt_cfg, repeat)
     meas_t = measure(target, tgt_cfg)
@@ -231,8 +227,6 @@ def repeated_comparison(baselines: list[Analysis], targets: list[Analysis]) -> d
     ``other_step_ms``) is traceana.measure.noise's statistic; per side also its runs' step times, activation peaks and
     bubble fractions (with their medians: memory and bubbles, not the step-time comparison)."""
     import statistics
-
-    from traceana.measure.noise import between_runs
 
     if not baselines or not targets:
         raise AnalysisError("a repeated comparison needs runs on both sides", path=None,

@@ -8,11 +8,12 @@ from traceana.core.pipeline_rules import why_no_bpipe
 from traceana.core.training_config import TrainingConfig
 from traceana.core.units import NS_PER_MS, NS_PER_S, bytes_text
 from traceana.measure.analysis import Analysis
-from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict, check_baseline, deciding_term,
+from traceana.model.bpipe import (BASELINES, HELPS_ABOVE, StepEstimate, Verdict, _bisect, check_baseline, deciding_term,
                                   decompose, describe_deltas, evictions, terms_of)
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import Simulation
-from traceana.validation.prediction import predict
+from traceana.validation.measurement import measure
+from traceana.validation.prediction import LOCAL_COPY_BYTES_PER_NS, predict
 
 RUN_RECOMPUTE = {"as-configured": None, "best-without-bpipe": "none", "full-recompute": "full"}
 
@@ -84,13 +85,8 @@ def _transfer_flip(run: Analysis, target: TrainingConfig, cfg: TrainingConfig, r
     """The BPipe transfer time per eviction at which this run's verdict flips (a bisection on a few replays of the
     run's own durations), against the one assumed; no memory limit is known for a measured run, so no reserve
     flips it."""
-    from traceana.model.bpipe import _bisect
-
     assumed = sim_bpipe_ns
     if assumed is None:  # predict's default, computed the same way: one P2P message + the bytes at copy speed
-        from traceana.validation.measurement import measure
-        from traceana.validation.prediction import LOCAL_COPY_BYTES_PER_NS
-
         assumed = (measure(run, cfg).costs.p2p_ns
                    + estimate_stage_memory(target)[0].activation_per_microbatch / LOCAL_COPY_BYTES_PER_NS)
 
