@@ -9,6 +9,7 @@ import polars as pl
 from traceana.core import intervals as iv
 from traceana.core import names
 from traceana.core.errors import printable
+from traceana.core.pipeline_rules import device_order
 from traceana.core.schema import SCHEDULE, conform
 from traceana.measure.classify import inside
 from traceana.measure.timeline import training_tracks
@@ -332,8 +333,6 @@ def _numbered_by_plan(rows: pl.DataFrame, plan: tuple[str, int, int, int]) -> pl
     """``rows`` (passes with ``rank, step, phase, start, stage`` = the rank's first stage) with ``stage`` and
     ``microbatch`` from the schedule's device order (``pipeline_rules.device_order``), or None where a rank's
     passes of a step are not as many as that order has, or a rank's first stage is no device of it."""
-    from traceana.core.pipeline_rules import device_order
-
     schedule, devices, virtual, microbatches = plan
     ranks = rows.select("rank", "stage").unique()
     if ranks["stage"].null_count() or not devices or not ((ranks["stage"] >= 0) & (ranks["stage"] < devices)).all():
