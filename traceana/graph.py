@@ -73,6 +73,10 @@ BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int3
 # lag in the replay), and the post came ``lag_ns`` after the awaited message's arrival (host work, scaled as lags are).
 AFTER_RECEIVE = {"step": pl.Int32, "edge": pl.Int32, "side": pl.String, "via": pl.Int32, "lag_ns": pl.Int64,
                  "blocked_ns": pl.Int64}
+# The part of a message's lag (``side`` as above; after the awaited message's arrival where it waited on one) that
+# its rank's CPU spent inside a P2P call or a collective no edge explains (gloo's send blocking past its message's
+# arrival): a wait, scaled with the step's work (rho) like the other waits, not with the rank's host time.
+LAG_WAIT = {"step": pl.Int32, "edge": pl.Int32, "side": pl.String, "wait_ns": pl.Int64}
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
@@ -149,6 +153,8 @@ class StepGraph:
     # AFTER_RECEIVE: message posts that waited on an earlier receive of their rank (DeepSpeed posts a send only after
     # its blocking receive returned); None: none
     after_receive: pl.DataFrame | None = None
+    # LAG_WAIT: waits inside message lags; None: none
+    lag_wait: pl.DataFrame | None = None
 
     @property
     def consistent(self) -> tuple[int, int]:
@@ -289,6 +295,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
     blocking = _blocking(edges, sent, ops, win)
     after_receive = _after_receives(edges, sent, ops, win)
+    lag_wait = _lag_waits(analysis, edges, sent, ops, win, after_receive)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
@@ -308,7 +315,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                      "started before an input the graph gives them could have arrived, or before the pass they "
                      "depend on (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking,
-                     after_receive=after_receive,
+                     after_receive=after_receive, lag_wait=lag_wait,
                      ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
@@ -569,6 +576,44 @@ def _after_receives(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, 
     return got.select(list(AFTER_RECEIVE)).cast(AFTER_RECEIVE).sort("step", "edge", "side")
 
 
+def _lag_waits(analysis, edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame,
+               after_receive: pl.DataFrame | None) -> pl.DataFrame | None:
+    """LAG_WAIT: each message side's time inside P2P calls and collectives (WAIT_KINDS) in its lag — from its
+    producer's end (send) or anchor's end (post), or from the awaited message's arrival where the post waited on a
+    receive (``_after_receives``), to the post. None where there is none."""
+    ev = analysis.events
+    if ev is None or ev.height == 0 or edges.height == 0 or sent.height != edges.height:
+        return None
+    arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal")
+    sides = pl.concat([
+        arr.select("step", pl.col("src").alias("rank"), "edge", pl.lit("send").alias("side"),
+                   pl.col("_pe").alias("start"), pl.col("send_start_ns").alias("end")),
+        arr.select("step", pl.col("dst").alias("rank"), "edge", pl.lit("post").alias("side"),
+                   pl.coalesce("_ae", "_w").alias("start"), pl.col("recv_post_ns").alias("end")),
+    ])
+    if after_receive is not None:
+        sides = (sides.join(after_receive.select("step", "edge", "side", "lag_ns"), on=["step", "edge", "side"],
+                            how="left")
+                 .with_columns(pl.when(pl.col("lag_ns").is_not_null()).then(pl.col("end") - pl.col("lag_ns"))
+                               .otherwise("start").alias("start")).drop("lag_ns"))
+    sides = sides.filter(pl.col("end") > pl.col("start")).with_row_index("_k")
+    if sides.height == 0:
+        return None
+    calls = (ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0)
+                              & pl.col("kind").cast(pl.String).is_in(WAIT_KINDS[:-1]))
+             .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
+                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")).collect(**iv.COLLECT))
+    if calls.height == 0:
+        return None
+    inside = (iv.clip(iv.merge(calls, "rank"), sides.select("rank", "_k", "start", "end"), on="rank",
+                      window_keys="_k", keep_order=False)
+              .group_by("_k").agg((pl.col("end") - pl.col("start")).sum().alias("wait_ns")))
+    got = sides.join(inside, on="_k").filter(pl.col("wait_ns") > ARRIVAL_SLACK_NS)
+    if got.height == 0:
+        return None
+    return got.select(list(LAG_WAIT)).cast(LAG_WAIT).sort("step", "edge", "side")
+
+
 def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None
           ) -> pl.DataFrame:
     """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
@@ -666,6 +711,24 @@ def _plan(g: StepGraph, step: int) -> dict:
             messages[j] = ((c, made, max(0.0, send_lag - blocked), anchor, post_lag) if side == "send"
                            else (c, made, send_lag, anchor, max(0.0, post_lag - blocked)))
             chains.setdefault(j, []).append((side, via, float(lag)))
+    # a lag's time inside P2P calls no edge explains is a wait (scaled with rho): out of the host lag, {message:
+    # (send side's, post side's)}; where the side waited on a receive, the wait lies after the awaited arrival
+    lag_wait: dict[int, list[float]] = {}
+    if g.lag_wait is not None:
+        for j, side, w in g.lag_wait.filter(pl.col("step") == step).select("edge", "side", "wait_ns").iter_rows():
+            c, made, send_lag, anchor, post_lag = messages[j]
+            w = float(w)
+            at = lag_wait.setdefault(j, [0.0, 0.0])
+            if side == "send":
+                w = min(w, send_lag)
+                messages[j] = (c, made, send_lag - w, anchor, post_lag)
+                at[0] = w
+            else:
+                w = min(w, post_lag)
+                messages[j] = (c, made, send_lag, anchor, post_lag - w)
+                at[1] = w
+            chains[j] = [(sd_, via, max(0.0, lag - w) if sd_ == side else lag) for sd_, via, lag in chains.get(j, [])]
+    lag_wait = {j: tuple(w) for j, w in lag_wait.items()}
     # a blocking send's message is also an input of its sender's next operation: (that operation, the message)
     blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
                  .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
@@ -677,7 +740,8 @@ def _plan(g: StepGraph, step: int) -> dict:
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "chains": chains,
+            "messages": messages, "msg_dev": msg_dev, "blocking": blocking,
+            "chains": {j: c for j, c in chains.items() if c}, "lag_wait": lag_wait,
             "origin": origin, "host0": host0,
             "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
@@ -726,19 +790,36 @@ def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[f
     return host, rho
 
 
+def _own_pieces(plan: dict, j: int) -> list[tuple[tuple, list[tuple]]]:
+    """Message ``j``'s own two terms unevaluated (``_chained_terms``): its producer + send lag, its anchor + post lag,
+    each lag its host part ("h") and, where part of it was a wait inside a P2P call (``plan["lag_wait"]``), that
+    wait ("r": × rho)."""
+    _, made, send_lag, anchor, post_lag = plan["messages"][j]
+    sd, dd = plan["msg_dev"][j]
+    w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+    return [(made, [("h", send_lag, sd)] + ([("r", w_s)] if w_s else [])),
+            (anchor, [("h", post_lag, dd)] + ([("r", w_p)] if w_p else []))]
+
+
+def _folded(plan: dict) -> list[int]:
+    """The messages whose terms are not the plain two (a post that waited on a receive, a wait inside a lag)."""
+    return sorted(set(plan["chains"]) | set(plan["lag_wait"]))
+
+
 def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[tuple]]]] | None:
-    """``_message_terms`` unevaluated, for the messages of ``plan["chains"]``: per message its terms as (product,
-    pieces), a term's lag being the left fold of its pieces — ("h", lag, device): lag × that device's host ratio,
-    ("t", message): that message's transfer — in the engine's order of additions. Duplicates are kept (the engine's
-    latest-per-product is the same maximum: rounding is monotone). None past ``limit`` terms in all."""
-    msgs, dev_of, chains = plan["messages"], plan["msg_dev"], plan["chains"]
+    """``_message_terms`` unevaluated, for the ``_folded`` messages: per message its terms as (product, pieces), a
+    term's lag being the left fold of its pieces — ("h", lag, device): lag × that device's host ratio, ("t",
+    message): that message's transfer, ("r", ns): ns × the step's rho — in the engine's order of additions.
+    Duplicates are kept (the engine's latest-per-product is the same maximum: rounding is monotone). None past
+    ``limit`` terms in all."""
+    chains = plan["chains"]
     out: dict[int, list[tuple[tuple, list[tuple]]]] = {}
     total = 0
-    for j0 in chains:
+    for j0 in _folded(plan):
         stack, on = [j0], {j0}
         while stack:
             j = stack[-1]
-            todo = [v for _, v, _ in chains.get(j, ()) if v in chains and v not in out and v not in on]
+            todo = [v for _, v, _ in chains.get(j, ()) if v not in out and v not in on]
             if todo:
                 stack += todo
                 on.update(todo)
@@ -747,17 +828,15 @@ def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[t
             on.discard(j)
             if j in out:
                 continue
-            _, made, send_lag, anchor, post_lag = msgs[j]
-            sd, dd = dev_of[j]
-            terms = [(made, [("h", send_lag, sd)]), (anchor, [("h", post_lag, dd)])]
-            for side, via, lag in chains[j]:
-                if via in chains and via not in out:  # (a loop: cut, as the engine cuts it)
+            sd, dd = plan["msg_dev"][j]
+            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+            terms = _own_pieces(plan, j)
+            for side, via, lag in chains.get(j, ()):
+                if via not in out:  # (a loop: cut, as the engine cuts it)
                     continue
-                scale = sd if side == "send" else dd
-                _, v_made, v_sl, v_anchor, v_pl = msgs[via]
-                v_sd, v_dd = dev_of[via]
-                base = out[via] if via in chains else [(v_made, [("h", v_sl, v_sd)]), (v_anchor, [("h", v_pl, v_dd)])]
-                terms += [(k, [*pieces, ("t", via), ("h", lag, scale)]) for k, pieces in base]
+                scale, w = (sd, w_s) if side == "send" else (dd, w_p)
+                tail = [("t", via), ("h", lag, scale)] + ([("r", w)] if w else [])
+                terms += [(k, [*pieces, *tail]) for k, pieces in out[via]]
             total += len(terms)
             if total > limit:
                 return None
@@ -765,22 +844,33 @@ def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[t
     return out
 
 
-def _message_terms(plan: dict, host: list[float], t_list: list[float]) -> list[tuple]:
+def _fold(pieces: list[tuple], host: list[float], t_list: list[float], rho: float) -> float:
+    """A term's lag: its pieces added left to right (``_chained_terms``)."""
+    v = 0.0
+    for i, p in enumerate(pieces):
+        x = p[1] * host[p[2]] if p[0] == "h" else t_list[p[1]] if p[0] == "t" else p[1] * rho
+        v = x if i == 0 else v + x
+    return v
+
+
+def _message_terms(plan: dict, host: list[float], t_list: list[float], rho: float = 1.0) -> list[tuple]:
     """Each message's terms for the engine (``Input``): (product, lag) pairs whose latest end + lag is when both sides
     had posted it — its producer's end + send lag, its anchor's end + post lag, and for a post that waited on a
-    receive of its rank (``plan["chains"]``) the awaited message's own terms + its transfer + the lag after it
-    (recursively, the latest lag per product kept; an awaited message is always earlier, a loop is cut)."""
-    msgs, dev_of, chains = plan["messages"], plan["msg_dev"], plan.get("chains") or {}
+    receive of its rank (``plan["chains"]``) the awaited message's terms + its transfer + the lag after it
+    (recursively, the latest lag per product kept; an awaited message is always earlier, a loop is cut); a lag's wait
+    inside a P2P call (``plan["lag_wait"]``) scales with ``rho``."""
+    msgs, dev_of, chains = plan["messages"], plan["msg_dev"], plan["chains"]
+    folded = set(_folded(plan))
     out: list[tuple | None] = [None] * len(msgs)
     for j, (_, made, send_lag, anchor, post_lag) in enumerate(msgs):
-        if j not in chains:
+        if j not in folded:
             sd, dd = dev_of[j]
             out[j] = ((made, send_lag * host[sd]), (anchor, post_lag * host[dd]))
-    for j0 in chains:
+    for j0 in sorted(folded):
         stack, on = [j0], {j0}
         while stack:
             j = stack[-1]
-            todo = [v for _, v, _ in chains[j] if out[v] is None and v not in on]
+            todo = [v for _, v, _ in chains.get(j, ()) if out[v] is None and v not in on]
             if todo:
                 stack += todo
                 on.update(todo)
@@ -789,17 +879,20 @@ def _message_terms(plan: dict, host: list[float], t_list: list[float]) -> list[t
             on.discard(j)
             if out[j] is not None:
                 continue
-            _, made, send_lag, anchor, post_lag = msgs[j]
             sd, dd = dev_of[j]
+            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
             best: dict[tuple, float] = {}
-            for k, lag in ((made, send_lag * host[sd]), (anchor, post_lag * host[dd])):
+            for k, pieces in _own_pieces(plan, j):
+                lag = _fold(pieces, host, t_list, rho)
                 best[k] = max(best.get(k, lag), lag)
-            for side, via, lag in chains[j]:
+            for side, via, lag in chains.get(j, ()):
                 if out[via] is None:  # (a loop: the timeline contradicts the pairing there; the link is cut)
                     continue
-                scale = host[sd] if side == "send" else host[dd]
+                scale, w = (host[sd], w_s) if side == "send" else (host[dd], w_p)
                 for k, t in out[via]:
                     x = t + t_list[via] + lag * scale
+                    if w:
+                        x = x + w * rho
                     best[k] = max(best.get(k, x), x)
             out[j] = tuple(best.items())
     return out  # type: ignore[return-value]
@@ -815,7 +908,7 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
     work = dict(zip(plan["keys"], w_list))
     gaps = {k: (x + w * rho, x + w * rho) for k, x, w in zip(plan["keys"], g_list, plan["wait"])}
     inputs: dict[tuple, list] = {}
-    terms = _message_terms(plan, host, t_list)
+    terms = _message_terms(plan, host, t_list, rho)
     for j, ((consumer, *_), transfer) in enumerate(zip(plan["messages"], t_list)):
         inputs.setdefault(consumer, []).append((terms[j], transfer))
     for consumer, j in plan["blocking"]:
@@ -930,7 +1023,7 @@ def _levels(g: StepGraph, step: int):
     plan = _plan(g, step)
     if "levels" in plan:
         return plan["levels"]
-    chained = _chained_terms(plan, 64 * len(plan["messages"]) + 1_000) if plan["chains"] else {}
+    chained = _chained_terms(plan, 64 * len(plan["messages"]) + 1_000) if _folded(plan) else {}
     if chained is None:  # (posts waiting on receives in chains too long to unfold: the engine replays them)
         plan["levels"] = None
         return None
@@ -958,7 +1051,10 @@ def _levels(g: StepGraph, step: int):
     folds: list[list[tuple]] = [[] for _ in plan["messages"]]
     x_dst, x_node, x_col = [], [], []
     for j, terms in chained.items():
-        for k, pieces in terms[2:]:
+        # (its first term in the message's own row, both sides that product; the others rows of their own)
+        folds[j] = terms[0][1]
+        m_anc[j] = m_src[j]
+        for k, pieces in terms[1:]:
             x_dst.append(m_dst[j])
             x_node.append(node_of[k])
             x_col.append(j)
@@ -985,11 +1081,13 @@ def _levels(g: StepGraph, step: int):
     fold_cols = []
     for p in range(width):
         rows_p = [i for i, f in enumerate(folds) if len(f) > p]
+        kinds = [folds[i][p][0] for i in rows_p]
         fold_cols.append((np.array(rows_p, dtype=np.int64),
-                          np.array([folds[i][p][0] == "t" for i in rows_p], dtype=bool),
-                          np.array([folds[i][p][1] if folds[i][p][0] == "t" else 0 for i in rows_p], dtype=np.int64),
-                          np.array([folds[i][p][1] if folds[i][p][0] == "h" else 0.0 for i in rows_p]),
-                          np.array([folds[i][p][2] if folds[i][p][0] == "h" else 0 for i in rows_p], dtype=np.int64)))
+                          np.array([{"h": 0, "t": 1, "r": 2}[k] for k in kinds], dtype=np.int64),
+                          np.array([folds[i][p][1] if k == "t" else 0 for i, k in zip(rows_p, kinds)], dtype=np.int64),
+                          np.array([folds[i][p][1] if k != "t" else 0.0 for i, k in zip(rows_p, kinds)]),
+                          np.array([folds[i][p][2] if k == "h" else 0 for i, k in zip(rows_p, kinds)],
+                                   dtype=np.int64)))
     has_fold = np.array([bool(f) for f in folds], dtype=bool)
     gid = {}
     grp = np.full(n, -1, dtype=np.int64)
@@ -1075,8 +1173,9 @@ def _evaluate(levels, work, gap, transfer):
     end[:, n:] = starts
     # the lags that are folds (a post that waited on a receive: _chained_terms), left to right as the engine adds
     fold = np.zeros((v, n_rows)) if fold_cols else None
-    for p, (rows_p, is_t, col, lag, dev) in enumerate(fold_cols):
-        piece = np.where(is_t[None, :], transfer[:, col], lag[None, :] * host[:, dev])
+    for p, (rows_p, kind, col, lag, dev) in enumerate(fold_cols):
+        piece = np.where(kind[None, :] == 1, transfer[:, col],
+                         np.where(kind[None, :] == 2, lag[None, :] * rho[:, None], lag[None, :] * host[:, dev]))
         fold[:, rows_p] = piece if p == 0 else fold[:, rows_p] + piece
     for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts, (fp, fi) in by_level:
         t = end[:, prev]
