@@ -114,6 +114,35 @@ def test_a_blocking_send_holds_its_sender_until_the_message_is_through():
     assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
 
 
+def test_a_send_posted_after_a_blocking_receive_waits_on_that_receives_message():
+    """DeepSpeed's 1F1B, by hand (pp 2; stage 1's forwards slowed to 30 ms). Rank 0: F0 0-10, F1 10-20, then its
+    blocking receive of gradient 0 (posted at 20), then the send of activation 1, then B0 (10 ms). Rank 1: F0 10-40
+    (activation 0 at once), B0 40-50, gradient 0 takes 1 ms: rank 0's receive returns at 51; 1 ms of host work later
+    (52) it posts activation 1 (1 ms: arrives 53): rank 1's F1 53-83; rank 0's B0 after that host work, 52-62. Step:
+    83 ms. The send's measured lag after F1 is 32 ms, 31 of them the receive's wait (from its post at 20 to gradient
+    0's arrival at 51): that part waits on gradient 0's message, the 1 ms after it is host work.
+    Stage 1's forwards at 10 ms: F0 10-20, B0 20-30, gradient 0 at 31, activation 1 posted 32 (max(F1's end 20 + the
+    1 ms of host work, 31 + 1)), arrives 33, F1 33-43; B0 on rank 0 32-42: 43 ms. Were the 32 ms the sender's host
+    work (frozen), activation 1 would leave at 52 and the step be 63 ms. With every kind at 0 nothing is left."""
+    g = hand([(0, 0, "F", 10, 0, 0), (0, 1, "F", 10, 0, 0), (0, 2, "B", 10, 1, 0),
+              (1, 0, "F", 30, 0, 0), (1, 1, "B", 10, 0, 0), (1, 2, "F", 30, 0, 0)],
+             [(0, 0, 1, 0, None, 0, 0, 0),   # activation 0
+              (1, 1, 0, 2, 1, 0, 0, 1),      # gradient 0: the receive posted after F1 (anchor seq 1)
+              (0, 1, 1, 2, 1, 32, 0, 1)])    # activation 1: 32 ms after F1, posted by rank 1 after its B0
+    # in the replay's order (dst, dst_seq, …): gradient 0 is edge 0, activation 0 edge 1, activation 1 edge 2
+    after = pl.DataFrame([(0, 2, "send", 0, 1 * MS, 31 * MS)], schema=graph.AFTER_RECEIVE, orient="row")
+    g = graph.StepGraph(ops=g.ops, edges=g.edges, ranks=g.ranks, steps=g.steps, after_receive=after)
+    assert replayed_ms(g, []) == [83]
+    assert replayed_ms(g, ["stage=1:forward=10"]) == [43]
+    assert replayed_ms(g, [c.text for c in ZERO]) == [0]
+    r = graph.replay(g, 0)
+    got = {(a, b): (s / MS, e / MS) for a, b, s, e in r.ops.select("rank", "seq", "start_ns", "end_ns").iter_rows()}
+    assert got[(1, 2)] == (53, 83) and got[(0, 2)] == (52, 62)
+    path, slack = graph.critical_path(g, r)
+    assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
+    assert slack["slack_ns"].min() >= 0
+
+
 def _zeroed_share(a) -> float:
     g = graph.build(a)
     ops, edges = _ideals(g)

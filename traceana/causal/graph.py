@@ -70,6 +70,16 @@ WAIT = {"wait_ns": pl.Int64}
 # A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then _EDGE_ORDER) is
 # also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
 BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
+# A message posted after a receive that blocked its rank (``_after_receives``): the step's ``edge``-th message's
+# ``side`` ("send": its sender's send; "post": its receiver's post of the receive) waited on the ``via``-th message,
+# whose receive returned in the lag before it; ``blocked_ns`` of that lag was the wait (taken out of the message's own
+# lag in the replay), and the post came ``lag_ns`` after the awaited message's arrival (host work, scaled as lags are).
+AFTER_RECEIVE = {"step": pl.Int32, "edge": pl.Int32, "side": pl.String, "via": pl.Int32, "lag_ns": pl.Int64,
+                 "blocked_ns": pl.Int64}
+# The part of a message's lag (``side`` as above; after the awaited message's arrival where it waited on one) that
+# its rank's CPU spent inside a P2P call or a collective no edge explains (gloo's send blocking past its message's
+# arrival): a wait, scaled with the step's work (rho) like the other waits, not with the rank's host time.
+LAG_WAIT = {"step": pl.Int32, "edge": pl.Int32, "side": pl.String, "wait_ns": pl.Int64}
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
@@ -125,6 +135,11 @@ class StepGraph:
     # BLOCKING: sends that blocked their sender until the message was through (gloo's send waits for its receiver):
     # the message is an input of the sender's next operation too; None: none
     blocking: pl.DataFrame | None = None
+    # AFTER_RECEIVE: message posts that waited on an earlier receive of their rank (DeepSpeed posts a send only after
+    # its blocking receive returned); None: none
+    after_receive: pl.DataFrame | None = None
+    # LAG_WAIT: waits inside message lags; None: none
+    lag_wait: pl.DataFrame | None = None
 
     @property
     def consistent(self) -> tuple[int, int]:
@@ -264,6 +279,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     )
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
     blocking = _blocking(edges, sent, ops, win)
+    after_receive = _after_receives(edges, sent, ops, win)
+    lag_wait = _lag_waits(analysis, edges, sent, ops, win, after_receive)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
@@ -283,6 +300,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                      "started before an input the graph gives them could have arrived, or before the pass they "
                      "depend on (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking,
+                     after_receive=after_receive, lag_wait=lag_wait,
                      ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
@@ -379,7 +397,8 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
     """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
     order (step, _EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
     if pairs.height == 0:
-        return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64})
+        return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64,
+                                                                   "recv_post_ns": pl.Int64, "recv_end_ns": pl.Int64})
     by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
     # an operation's work starts at end − work (a collective's at its span's start)
     by_work = ops.select("rank", "step", "seq", pl.when(pl.col("action") == "C").then("start_ns")
@@ -414,7 +433,8 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
     )
     e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
-    return e.select(list(EDGES)).cast(EDGES), unpaired, e.select("send_start_ns", "send_end_ns")
+    return (e.select(list(EDGES)).cast(EDGES), unpaired,
+            e.select("send_start_ns", "send_end_ns", "recv_post_ns", "recv_end_ns"))
 
 
 # Events in which a CPU thread waits rather than works (a P2P call, a collective: what it waits for is a message or
@@ -506,6 +526,79 @@ def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: p
         "step", "edge")
 
 
+def _after_receives(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame
+                    ) -> pl.DataFrame | None:
+    """Message posts that waited on a receive of their rank (AFTER_RECEIVE): a send whose lag after its producer
+    (or a receive's post whose lag after its anchor) holds the return of a receive of the same rank that blocked it
+    — the receive waited more than ARRIVAL_SLACK_NS after it was posted (or after the lag began) for its message,
+    which arrived (modelled) no later than the post. DeepSpeed's schedule runs its P2P as instructions of their own
+    between the passes, and its 1F1B posts a send only after the blocking receive before it returned: that part of
+    the lag is the awaited message's time, not the rank's host work (docs/whatif.md "No frozen time"). The latest
+    such receive in the lag is taken. None where there is none."""
+    if edges.height == 0 or sent.height != edges.height:
+        return None
+    arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal")
+    recvs = arr.select("step", pl.col("dst").alias("rank"), pl.col("edge").alias("via"),
+                       pl.col("recv_post_ns").alias("_rp"), pl.col("recv_end_ns").alias("_re"),
+                       pl.col("_arrive").alias("_ra")).sort("_re")
+    posts = pl.concat([
+        arr.select("step", pl.col("src").alias("rank"), "edge", pl.lit("send").alias("side"),
+                   pl.col("_pe").alias("_ref"), pl.col("send_start_ns").alias("_t")),
+        arr.select("step", pl.col("dst").alias("rank"), "edge", pl.lit("post").alias("side"),
+                   pl.coalesce("_ae", "_w").alias("_ref"), pl.col("recv_post_ns").alias("_t")),
+    ])
+    got = (
+        posts.sort("_t").join_asof(recvs, left_on="_t", right_on="_re", by=["rank", "step"], strategy="backward",
+                                   check_sortedness=False)
+        .filter(pl.col("via").is_not_null() & (pl.col("via") != pl.col("edge")) & (pl.col("_re") > pl.col("_ref"))
+                & (pl.col("_ra") <= pl.col("_t")))
+        .with_columns((pl.col("_ra") - pl.max_horizontal("_rp", "_ref")).alias("blocked_ns"),
+                      (pl.col("_t") - pl.col("_ra")).alias("lag_ns"))
+        .filter(pl.col("blocked_ns") > ARRIVAL_SLACK_NS)
+    )
+    if got.height == 0:
+        return None
+    return got.select(list(AFTER_RECEIVE)).cast(AFTER_RECEIVE).sort("step", "edge", "side")
+
+
+def _lag_waits(analysis, edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame,
+               after_receive: pl.DataFrame | None) -> pl.DataFrame | None:
+    """LAG_WAIT: each message side's time inside P2P calls and collectives (WAIT_KINDS) in its lag — from its
+    producer's end (send) or anchor's end (post), or from the awaited message's arrival where the post waited on a
+    receive (``_after_receives``), to the post. None where there is none."""
+    ev = analysis.events
+    if ev is None or ev.height == 0 or edges.height == 0 or sent.height != edges.height:
+        return None
+    arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal")
+    sides = pl.concat([
+        arr.select("step", pl.col("src").alias("rank"), "edge", pl.lit("send").alias("side"),
+                   pl.col("_pe").alias("start"), pl.col("send_start_ns").alias("end")),
+        arr.select("step", pl.col("dst").alias("rank"), "edge", pl.lit("post").alias("side"),
+                   pl.coalesce("_ae", "_w").alias("start"), pl.col("recv_post_ns").alias("end")),
+    ])
+    if after_receive is not None:
+        sides = (sides.join(after_receive.select("step", "edge", "side", "lag_ns"), on=["step", "edge", "side"],
+                            how="left")
+                 .with_columns(pl.when(pl.col("lag_ns").is_not_null()).then(pl.col("end") - pl.col("lag_ns"))
+                               .otherwise("start").alias("start")).drop("lag_ns"))
+    sides = sides.filter(pl.col("end") > pl.col("start")).with_row_index("_k")
+    if sides.height == 0:
+        return None
+    calls = (ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0)
+                              & pl.col("kind").cast(pl.String).is_in(WAIT_KINDS[:-1]))
+             .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
+                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")).collect(**iv.COLLECT))
+    if calls.height == 0:
+        return None
+    inside = (iv.clip(iv.merge(calls, "rank"), sides.select("rank", "_k", "start", "end"), on="rank",
+                      window_keys="_k", keep_order=False)
+              .group_by("_k").agg((pl.col("end") - pl.col("start")).sum().alias("wait_ns")))
+    got = sides.join(inside, on="_k").filter(pl.col("wait_ns") > ARRIVAL_SLACK_NS)
+    if got.height == 0:
+        return None
+    return got.select(list(LAG_WAIT)).cast(LAG_WAIT).sort("step", "edge", "side")
+
+
 def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None
           ) -> pl.DataFrame:
     """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
@@ -591,6 +684,34 @@ def _plan(g: StepGraph, step: int) -> dict:
                 for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag in edges.select(
                     "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns").iter_rows()]
     msg_dev = [(dev[src], dev[dst]) for src, dst in edges.select("src", "dst").iter_rows()]
+    # a post after a receive that blocked its rank: the wait leaves the message's own lag and the message waits on
+    # the awaited one (its arrival + the host work after it): {message: [(side, awaited message, lag)]}
+    chains: dict[int, list[tuple[str, int, float]]] = {}
+    if g.after_receive is not None:
+        for j, side, via, lag, blocked in g.after_receive.filter(pl.col("step") == step).select(
+                "edge", "side", "via", "lag_ns", "blocked_ns").iter_rows():
+            c, made, send_lag, anchor, post_lag = messages[j]
+            messages[j] = ((c, made, max(0.0, send_lag - blocked), anchor, post_lag) if side == "send"
+                           else (c, made, send_lag, anchor, max(0.0, post_lag - blocked)))
+            chains.setdefault(j, []).append((side, via, float(lag)))
+    # a lag's time inside P2P calls no edge explains is a wait (scaled with rho): out of the host lag, {message:
+    # (send side's, post side's)}; where the side waited on a receive, the wait lies after the awaited arrival
+    lag_wait: dict[int, list[float]] = {}
+    if g.lag_wait is not None:
+        for j, side, w in g.lag_wait.filter(pl.col("step") == step).select("edge", "side", "wait_ns").iter_rows():
+            c, made, send_lag, anchor, post_lag = messages[j]
+            w = float(w)
+            at = lag_wait.setdefault(j, [0.0, 0.0])
+            if side == "send":
+                w = min(w, send_lag)
+                messages[j] = (c, made, send_lag - w, anchor, post_lag)
+                at[0] = w
+            else:
+                w = min(w, post_lag)
+                messages[j] = (c, made, send_lag, anchor, post_lag - w)
+                at[1] = w
+            chains[j] = [(sd_, via, max(0.0, lag - w) if sd_ == side else lag) for sd_, via, lag in chains.get(j, [])]
+    lag_wait = {j: tuple(w) for j, w in lag_wait.items()}
     # a blocking send's message is also an input of its sender's next operation: (that operation, the message)
     blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
                  .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
@@ -602,7 +723,9 @@ def _plan(g: StepGraph, step: int) -> dict:
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
-            "messages": messages, "msg_dev": msg_dev, "blocking": blocking, "origin": origin, "host0": host0,
+            "messages": messages, "msg_dev": msg_dev, "blocking": blocking,
+            "chains": {j: c for j, c in chains.items() if c}, "lag_wait": lag_wait,
+            "origin": origin, "host0": host0,
             "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
@@ -650,6 +773,114 @@ def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[f
     return host, rho
 
 
+def _own_pieces(plan: dict, j: int) -> list[tuple[tuple, list[tuple]]]:
+    """Message ``j``'s own two terms unevaluated (``_chained_terms``): its producer + send lag, its anchor + post lag,
+    each lag its host part ("h") and, where part of it was a wait inside a P2P call (``plan["lag_wait"]``), that
+    wait ("r": × rho)."""
+    _, made, send_lag, anchor, post_lag = plan["messages"][j]
+    sd, dd = plan["msg_dev"][j]
+    w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+    return [(made, [("h", send_lag, sd)] + ([("r", w_s)] if w_s else [])),
+            (anchor, [("h", post_lag, dd)] + ([("r", w_p)] if w_p else []))]
+
+
+def _folded(plan: dict) -> list[int]:
+    """The messages whose terms are not the plain two (a post that waited on a receive, a wait inside a lag)."""
+    return sorted(set(plan["chains"]) | set(plan["lag_wait"]))
+
+
+def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[tuple]]]] | None:
+    """``_message_terms`` unevaluated, for the ``_folded`` messages: per message its terms as (product, pieces), a
+    term's lag being the left fold of its pieces — ("h", lag, device): lag × that device's host ratio, ("t",
+    message): that message's transfer, ("r", ns): ns × the step's rho — in the engine's order of additions.
+    Duplicates are kept (the engine's latest-per-product is the same maximum: rounding is monotone). None past
+    ``limit`` terms in all."""
+    chains = plan["chains"]
+    out: dict[int, list[tuple[tuple, list[tuple]]]] = {}
+    total = 0
+    for j0 in _folded(plan):
+        stack, on = [j0], {j0}
+        while stack:
+            j = stack[-1]
+            todo = [v for _, v, _ in chains.get(j, ()) if v not in out and v not in on]
+            if todo:
+                stack += todo
+                on.update(todo)
+                continue
+            stack.pop()
+            on.discard(j)
+            if j in out:
+                continue
+            sd, dd = plan["msg_dev"][j]
+            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+            terms = _own_pieces(plan, j)
+            for side, via, lag in chains.get(j, ()):
+                if via not in out:  # (a loop: cut, as the engine cuts it)
+                    continue
+                scale, w = (sd, w_s) if side == "send" else (dd, w_p)
+                tail = [("t", via), ("h", lag, scale)] + ([("r", w)] if w else [])
+                terms += [(k, [*pieces, *tail]) for k, pieces in out[via]]
+            total += len(terms)
+            if total > limit:
+                return None
+            out[j] = terms
+    return out
+
+
+def _fold(pieces: list[tuple], host: list[float], t_list: list[float], rho: float) -> float:
+    """A term's lag: its pieces added left to right (``_chained_terms``)."""
+    v = 0.0
+    for i, p in enumerate(pieces):
+        x = p[1] * host[p[2]] if p[0] == "h" else t_list[p[1]] if p[0] == "t" else p[1] * rho
+        v = x if i == 0 else v + x
+    return v
+
+
+def _message_terms(plan: dict, host: list[float], t_list: list[float], rho: float = 1.0) -> list[tuple]:
+    """Each message's terms for the engine (``Input``): (product, lag) pairs whose latest end + lag is when both sides
+    had posted it — its producer's end + send lag, its anchor's end + post lag, and for a post that waited on a
+    receive of its rank (``plan["chains"]``) the awaited message's terms + its transfer + the lag after it
+    (recursively, the latest lag per product kept; an awaited message is always earlier, a loop is cut); a lag's wait
+    inside a P2P call (``plan["lag_wait"]``) scales with ``rho``."""
+    msgs, dev_of, chains = plan["messages"], plan["msg_dev"], plan["chains"]
+    folded = set(_folded(plan))
+    out: list[tuple | None] = [None] * len(msgs)
+    for j, (_, made, send_lag, anchor, post_lag) in enumerate(msgs):
+        if j not in folded:
+            sd, dd = dev_of[j]
+            out[j] = ((made, send_lag * host[sd]), (anchor, post_lag * host[dd]))
+    for j0 in sorted(folded):
+        stack, on = [j0], {j0}
+        while stack:
+            j = stack[-1]
+            todo = [v for _, v, _ in chains.get(j, ()) if out[v] is None and v not in on]
+            if todo:
+                stack += todo
+                on.update(todo)
+                continue
+            stack.pop()
+            on.discard(j)
+            if out[j] is not None:
+                continue
+            sd, dd = dev_of[j]
+            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+            best: dict[tuple, float] = {}
+            for k, pieces in _own_pieces(plan, j):
+                lag = _fold(pieces, host, t_list, rho)
+                best[k] = max(best.get(k, lag), lag)
+            for side, via, lag in chains.get(j, ()):
+                if out[via] is None:  # (a loop: the timeline contradicts the pairing there; the link is cut)
+                    continue
+                scale, w = (host[sd], w_s) if side == "send" else (host[dd], w_p)
+                for k, t in out[via]:
+                    x = t + t_list[via] + lag * scale
+                    if w:
+                        x = x + w * rho
+                    best[k] = max(best.get(k, x), x)
+            out[j] = tuple(best.items())
+    return out  # type: ignore[return-value]
+
+
 def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
     plan = _plan(g, step)
@@ -658,15 +889,11 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
     work = dict(zip(plan["keys"], w_list))
     gaps = {k: (x + w * rho, x + w * rho) for k, x, w in zip(plan["keys"], g_list, plan["wait"])}
     inputs: dict[tuple, list] = {}
-    for (consumer, made, send_lag, anchor, post_lag), (sd, dd), transfer in zip(plan["messages"], plan["msg_dev"],
-                                                                              t_list):
-        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
-                                                transfer))
+    terms = _message_terms(plan, host, t_list, rho)
+    for j, ((consumer, *_), transfer) in enumerate(zip(plan["messages"], t_list)):
+        inputs.setdefault(consumer, []).append((terms[j], transfer))
     for consumer, j in plan["blocking"]:
-        _, made, send_lag, anchor, post_lag = plan["messages"][j]
-        sd, dd = plan["msg_dev"][j]
-        inputs.setdefault(consumer, []).append((((made, send_lag * host[sd]), (anchor, post_lag * host[dd])),
-                                                t_list[j]))
+        inputs.setdefault(consumer, []).append((terms[j], t_list[j]))
     trace = Trace()
     starts = [float(round(o * rho)) for o in plan["offset"]]
     tails = [round(t * h) for t, h in zip(plan["tail"], host)]
@@ -717,9 +944,9 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     post lag) + transfer) + gap (a collective: the latest of its members'), ends at start + work. numpy evaluates it
     level by level (an operation's level: one more than its inputs'), one column per variant, with the engine's own
     float additions in the engine's order, so the result is the engine's to the nanosecond
-    (tests/causal/test_whatif.py checks every variant of the runs in tests/data). A graph whose dependencies form a
-    cycle goes to the engine, which says so, and so does a small graph (under ``BATCH_FROM_OPS`` operations: the
-    engine's few milliseconds a replay cost less than importing numpy, docs/performance.md "Fixed cost")."""
+    (tests/causal/test_whatif.py checks every variant of the runs in tests/data). A graph whose dependencies form a cycle, or whose message posts waited on receives (``_after_receives``),
+    goes to the engine, which says so, and so does a small graph (under ``BATCH_FROM_OPS`` operations: the engine's
+    few milliseconds a replay cost less than importing numpy, docs/performance.md "Fixed cost")."""
     if not variants:
         return []
     levels = {step: _levels(g, step) for step in g.steps} if ops.height >= BATCH_FROM_OPS else {None: None}
@@ -775,6 +1002,10 @@ def _levels(g: StepGraph, step: int):
     plan = _plan(g, step)
     if "levels" in plan:
         return plan["levels"]
+    chained = _chained_terms(plan, 64 * len(plan["messages"]) + 1_000) if _folded(plan) else {}
+    if chained is None:  # (posts waiting on receives in chains too long to unfold: the engine replays them)
+        plan["levels"] = None
+        return None
     keys, dev, n = plan["keys"], plan["dev"], len(plan["keys"])
     r_of = np.array([dev[r] for r, _ in keys], dtype=np.int64)
     # node n + d: device d's start (its free0); a rank's first operation follows it, a receive posted before the
@@ -794,12 +1025,49 @@ def _levels(g: StepGraph, step: int):
     m_sd = np.array([sd for sd, _ in plan["msg_dev"]], dtype=np.int64)
     m_dd = np.array([dd for _, dd in plan["msg_dev"]], dtype=np.int64)
     t_col = np.arange(len(plan["messages"]), dtype=np.int64)  # each input's transfer: its message's column
+    # a post that waited on a receive: one more input row per term of the awaited messages (both sides its
+    # product, its lag the fold of its pieces, evaluated per variant in _evaluate), with the message's transfer
+    folds: list[list[tuple]] = [[] for _ in plan["messages"]]
+    x_dst, x_node, x_col = [], [], []
+    for j, terms in chained.items():
+        # (its first term in the message's own row, both sides that product; the others rows of their own)
+        folds[j] = terms[0][1]
+        m_anc[j] = m_src[j]
+        for k, pieces in terms[1:]:
+            x_dst.append(m_dst[j])
+            x_node.append(node_of[k])
+            x_col.append(j)
+            folds.append(pieces)
+    if x_dst:
+        nx = np.array(x_node, dtype=np.int64)
+        m_dst, m_src, m_anc = np.r_[m_dst, x_dst], np.r_[m_src, nx], np.r_[m_anc, nx]
+        m_sl, m_pl = np.r_[m_sl, np.zeros(nx.size)], np.r_[m_pl, np.zeros(nx.size)]
+        m_sd, m_dd, t_col = np.r_[m_sd, np.zeros(nx.size, np.int64)], np.r_[m_dd, np.zeros(nx.size, np.int64)], np.r_[
+            t_col, np.array(x_col, dtype=np.int64)]
+    msg_rows: dict[int, list[int]] = {}
+    for i, j in enumerate(t_col.tolist()):
+        msg_rows.setdefault(j, []).append(i)
     if plan["blocking"]:  # a blocking send's message, again, as an input of its sender's next operation
-        bj = np.array([j for _, j in plan["blocking"]], dtype=np.int64)
-        m_dst = np.r_[m_dst, np.array([pos[c] for c, _ in plan["blocking"]], dtype=np.int64)]
+        rows_b = [(c, i) for c, j in plan["blocking"] for i in msg_rows[j]]
+        bj = np.array([i for _, i in rows_b], dtype=np.int64)
+        folds += [folds[i] for i in bj.tolist()]
+        m_dst = np.r_[m_dst, np.array([pos[c] for c, _ in rows_b], dtype=np.int64)]
         m_src, m_anc, m_sl, m_pl = np.r_[m_src, m_src[bj]], np.r_[m_anc, m_anc[bj]], np.r_[m_sl, m_sl[bj]], np.r_[
             m_pl, m_pl[bj]]
-        m_sd, m_dd, t_col = np.r_[m_sd, m_sd[bj]], np.r_[m_dd, m_dd[bj]], np.r_[t_col, bj]
+        m_sd, m_dd, t_col = np.r_[m_sd, m_sd[bj]], np.r_[m_dd, m_dd[bj]], np.r_[t_col, t_col[bj]]
+    # the folds as padded columns: piece p of every row that has one (kind 0 host, 1 transfer), rows in m_dst's order
+    width = max((len(f) for f in folds), default=0)
+    fold_cols = []
+    for p in range(width):
+        rows_p = [i for i, f in enumerate(folds) if len(f) > p]
+        kinds = [folds[i][p][0] for i in rows_p]
+        fold_cols.append((np.array(rows_p, dtype=np.int64),
+                          np.array([{"h": 0, "t": 1, "r": 2}[k] for k in kinds], dtype=np.int64),
+                          np.array([folds[i][p][1] if k == "t" else 0 for i, k in zip(rows_p, kinds)], dtype=np.int64),
+                          np.array([folds[i][p][1] if k != "t" else 0.0 for i, k in zip(rows_p, kinds)]),
+                          np.array([folds[i][p][2] if k == "h" else 0 for i, k in zip(rows_p, kinds)],
+                                   dtype=np.int64)))
+    has_fold = np.array([bool(f) for f in folds], dtype=bool)
     gid = {}
     grp = np.full(n, -1, dtype=np.int64)
     for op, (name, _members) in plan["groups"].items():
@@ -849,8 +1117,9 @@ def _levels(g: StepGraph, step: int):
         gs = grp[gm]
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
+        fp = np.flatnonzero(has_fold[es]) if es.size else es  # (rows whose lag is a fold: their global index)
         by_level.append((nodes, prev[nodes], t_col[es], m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
-                         starts, at, np.searchsorted(nodes, gm), g_starts, g_counts))
+                         starts, at, np.searchsorted(nodes, gm), g_starts, g_counts, (fp, es[fp])))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
@@ -860,7 +1129,7 @@ def _levels(g: StepGraph, step: int):
     segments = (seg, r_of[seg] if n else seg)
     plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
                       np.array(plan["tail"], dtype=np.float64), segments, np.array(plan["host0"]), plan["total0"],
-                      np.array(plan["wait"], dtype=np.float64))
+                      np.array(plan["wait"], dtype=np.float64), (m_dst.size, fold_cols))
     return plan["levels"]
 
 
@@ -869,7 +1138,7 @@ def _evaluate(levels, work, gap, transfer):
     variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
     import numpy as np
 
-    n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait = levels
+    n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait, (n_rows, fold_cols) = levels
     v = work.shape[0]
     # _scales, per variant: the ranks' host ratios and the step's
     sums = np.zeros((v, host0.size))
@@ -881,11 +1150,20 @@ def _evaluate(levels, work, gap, transfer):
     starts = np.round(offset[None, :] * rho[:, None])
     end = np.empty((v, n + offset.size))
     end[:, n:] = starts
-    for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts in by_level:
+    # the lags that are folds (a post that waited on a receive: _chained_terms), left to right as the engine adds
+    fold = np.zeros((v, n_rows)) if fold_cols else None
+    for p, (rows_p, kind, col, lag, dev) in enumerate(fold_cols):
+        piece = np.where(kind[None, :] == 1, transfer[:, col],
+                         np.where(kind[None, :] == 2, lag[None, :] * rho[:, None], lag[None, :] * host[:, dev]))
+        fold[:, rows_p] = piece if p == 0 else fold[:, rows_p] + piece
+    for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts, (fp, fi) in by_level:
         t = end[:, prev]
         if es.size:
-            arrive = (np.maximum(end[:, src] + sl[None, :] * host[:, sd], end[:, anc] + pl_[None, :] * host[:, dd])
-                      + transfer[:, es])
+            lag_s, lag_p = sl[None, :] * host[:, sd], pl_[None, :] * host[:, dd]
+            if fp.size:
+                lag_s[:, fp] = fold[:, fi]
+                lag_p[:, fp] = fold[:, fi]
+            arrive = np.maximum(end[:, src] + lag_s, end[:, anc] + lag_p) + transfer[:, es]
             ready = np.maximum.reduceat(arrive, m_starts, axis=1)
             t[:, at] = np.maximum(t[:, at], ready)
         t += gap[:, nodes] + wait[None, nodes] * rho[:, None]
@@ -973,19 +1251,17 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     for rk, sq in info:
         if (rk, sq + 1) in info:
             after.setdefault((rk, sq), []).append(((rk, sq + 1), 0))
-    for src, s_seq, dst, d_seq, a_seq, send_lag, post_lag, transfer in edges.select(
-            "src", "src_seq", "dst", "dst_seq", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").iter_rows():
-        after.setdefault((src, s_seq), []).append(((dst, d_seq), send_lag + transfer))
-        if a_seq is not None:
-            after.setdefault((dst, a_seq), []).append(((dst, d_seq), post_lag + transfer))
-    if g.blocking is not None and g.blocking.height:  # a blocking send's message also holds its sender's next op
-        rows = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True).select(
-            "src", "src_seq", "dst", "anchor_seq", "send_lag_ns", "post_lag_ns", "transfer_ns").rows()
-        for j, rk, sq in g.blocking.filter(pl.col("step") == step).select("edge", "rank", "seq").iter_rows():
-            src, s_seq, dst, a_seq, send_lag, post_lag, transfer = rows[j]
-            after.setdefault((src, s_seq), []).append(((rk, sq), send_lag + transfer))
-            if a_seq is not None:
-                after.setdefault((dst, a_seq), []).append(((rk, sq), post_lag + transfer))
+    # each message's inputs as the replay has them (_message_terms on the measured durations: a post that waited on
+    # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
+    # next operation
+    plan = _plan(g, step)
+    t_meas = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)["transfer_ns"].cast(pl.Float64).to_list()
+    terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
+    held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])
+    for consumer, j in held:
+        for k, lag in terms[j]:
+            if k[2] >= 0:  # (not a rank's step start)
+                after.setdefault((k[1], k[2]), []).append((consumer, lag + t_meas[j]))
     post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
                    edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
     members: dict[str, list[tuple[int, int]]] = {}
