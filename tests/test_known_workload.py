@@ -125,8 +125,8 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
                 # it back (Python's switch interval)
                 assert ms <= took <= ms + s["run_delay_ns"] / 1e6 + slack + gil, (rank, s, slack)
         # the trace: each forward span holds its F, each backward span its I and W (one full backward); what the
-        # trace adds around them (the pass's own bookkeeping) is smaller than the gap between any two stated
-        # durations, so a trace's pass durations tell the stated ones apart
+        # trace adds around them (the pass's own bookkeeping) is, where the rank gets to run, smaller than the gap
+        # between any two stated durations, so a trace's pass durations tell the stated ones apart
         trace = _trace_passes(run, rank)
         by_mb = {}
         for s in sorted(spans, key=lambda s: s["start_ns"]):
