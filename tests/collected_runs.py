@@ -70,8 +70,9 @@ PIPELINING_RUNS = {
        for s in PIPELINING_SCHEDULES},
     **{f"pipelining-{s}@3": dict(schedule=s, microbatches=3, microbatch_size=1, steps=1, ranks=3)
        for s in ("interleaved-1f1b", "zbv")},
-    # the known workload on a split-backward schedule: F 10, I 20, W 10 ms (tests/collectors/test_known_workload.py)
-    "pipelining-zbv-sleep": dict(schedule="zbv", microbatches=4, microbatch_size=1, steps=1,
+    # the known workload on a split-backward schedule: F 10, I 20, W 10 ms (tests/collectors/test_known_workload.py), with the
+    # wall-clock truth beside it (the time each rank neither computed nor waited: tests/validation/test_schedules_truth.py)
+    "pipelining-zbv-sleep": dict(schedule="zbv", microbatches=4, microbatch_size=1, steps=1, truth=True,
                                  workload=Workload("sleep", 10.0, 20.0, 10.0)),
 }
 

@@ -131,3 +131,16 @@ def descheduled_disagreement(truth_dir: Path, rank: int, steps: list[int], trace
                 wrong = length - inside if truth_says == kind else inside
                 explained[kind] += min(max(delay, 0), wrong)
     return {kind: v / step_total for kind, v in explained.items()}
+
+
+def unaccounted_ns(truth_dir: Path, rank: int, step: int) -> int:
+    """What a replay fed with the step's own compute durations and transfers cannot know, on one rank: the time of
+    iteration ``step`` inside neither a compute call nor a P2P call (the Python between calls, the rank waiting for a
+    CPU there), and the run delay inside its P2P calls (a wait that returned late because the rank was descheduled,
+    not because its peer was late)."""
+    doc = json.loads((Path(truth_dir) / f"rank{rank}.json").read_text())
+    lo, hi, *_ = doc["steps"][step]
+    inside = [(k, s, e, d) for k, s, e, d in doc["spans"] if s < hi and e > lo]
+    covered = _union([(s, e) for _, s, e, _ in inside], lo, hi)
+    late = sum(max(d, 0) for k, _, _, d in inside if k == "blocked")
+    return (hi - lo) - _length(covered) + late

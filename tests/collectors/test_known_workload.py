@@ -125,8 +125,8 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
                 # it back (Python's switch interval)
                 assert ms <= took <= ms + s["run_delay_ns"] / 1e6 + slack + gil, (rank, s, slack)
         # the trace: each forward span holds its F, each backward span its I and W (one full backward); what the
-        # trace adds around them (the pass's own bookkeeping) is smaller than the gap between any two stated
-        # durations, so a trace's pass durations tell the stated ones apart
+        # trace adds around them (the pass's own bookkeeping) is, where the rank gets to run, smaller than the gap
+        # between any two stated durations, so a trace's pass durations tell the stated ones apart
         trace = _trace_passes(run, rank)
         by_mb = {}
         for s in sorted(spans, key=lambda s: s["start_ns"]):
@@ -140,8 +140,18 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
                 assert t >= h - 1e-3, (rank, action, t, h)  # the trace's span contains the hold (µs rounding)
             target = stated["F"] if action == "F" else stated["I"] + stated["W"]
             typical = statistics.median(trace[action])
+            # the trace tells the stated durations apart where the rank was let run: its holds' run-queue delay
+            # (schedstat, in the side spans) below half the smallest gap between two stated durations (7.5 ms);
+            # with longer waits for a CPU (seen: a 15 ms forward's spans 24 ms at load 12) the trace's spans carry
+            # them and it cannot, which the side spans record
+            waited = statistics.median(s["run_delay_ns"] / 1e6 for s in spans
+                                       if (s["action"] == "F") == (action == "F"))
+            half_gap = min(abs(x - y) for x in everything for y in everything if x != y) / 2
             nearest = min(everything, key=lambda x: abs(x - typical))
-            assert nearest == target, (rank, action, typical, target)
+            if waited < half_gap:
+                assert nearest == target, (rank, action, typical, target, waited)
+            else:
+                assert typical >= target, (rank, action, typical, target, waited)
 
 
 @pytest.mark.slow

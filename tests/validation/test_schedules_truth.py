@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from schedule_truth import descheduled_disagreement, shares
+from schedule_truth import descheduled_disagreement, shares, unaccounted_ns
 from traceana.core.schema import BUBBLE_CATEGORIES, COMPUTE_CATEGORIES
 from traceana.ingest.run_dir import load_run
 from traceana.measure.analysis import analyze
@@ -172,16 +172,17 @@ def test_each_rank_runs_the_order_of_the_pipeline_rules(collected, schedule):
 
 @pytest.mark.parametrize("schedule", ["zero-bubble", "zbv", "dualpipev"])
 def test_validate_replays_the_split_backward_schedules(collected, schedule):
-    # The replay (simulator fed with the run's own F, B, I and W durations) runs the same passes as the run did and
-    # lands within 35% of the measured step on this oversubscribed 2-core machine (docs/model.md gives the figures).
+    # The replay (simulator fed with the run's own F, B, I and W durations) runs the same passes as the run did, fed
+    # every message's own transfer. How close its step lands is not judged here: on real compute, 2-4 ranks on 2
+    # loaded cores wait for a CPU in ways no simulator input holds (errors of 0.36-0.50 at load 2-8); that is
+    # judged on the known workload below, against the time the run itself measured it could not know.
     from traceana.validation import validate
 
     run, a, _ = collected(schedule)
     v = validate(a)
     # the simulator fed with the last step's own durations: the model's in-sample prediction ("replay" is the
     # what-if's word only, issue 33)
-    assert v.summary["kind"] == "in_sample_prediction" and v.summary["last_step_predicted_ms"] is not None
-    assert abs(v.summary["last_step_error"]) < 0.35, v.summary
+    assert v.summary["kind"] == "in_sample_prediction" and v.summary["last_step_predicted_ms"] > 0, v.summary
     # every message of the replayed step is fed its own measured transfer, keyed by the pass that sent it; as many
     # as the step's P2P pairs, and as the rules count (2m per stage boundary crossing devices)
     from traceana.core.pipeline_rules import pipeline_messages
@@ -198,3 +199,29 @@ def test_validate_replays_the_split_backward_schedules(collected, schedule):
     sim = v.simulation.schedule.filter(pl.col("phase") != "optimizer").select(key).unique().sort(key)
     ran = a.schedule.filter((pl.col("step") == PROFILED_STEP) & (pl.col("phase") != "optimizer")).select(key)
     assert sim.equals(ran.unique().sort(key).cast(sim.schema))
+
+
+def test_validate_replays_a_split_backward_schedule_of_the_known_workload_within_what_the_run_could_not_know(
+        collected_run):
+    # ZB-V on the known workload (2 ranks × 2 stages, F 10, I 20, W 10 ms held, tests/collected_runs.py), with the
+    # wall-clock truth beside it. The replay is fed the step's own pass durations and transfers, so by construction
+    # what it can miss is only what no input holds: on each rank the time inside neither a compute nor a P2P call
+    # (the Python between them, or the rank waiting for a CPU there) and the run delay inside its P2P waits, all
+    # measured by the run itself (perf_counter and schedstat, outside the trace). Every such instant on the step's
+    # path is some rank's, so their sum over ranks bounds the replay's error either way; on a quiet machine it is a
+    # few ms of a ~300 ms step, and a loaded machine widens it by exactly what it took.
+    from collectors.pipelining_example import truth_path
+    from traceana.validation import validate
+
+    path = collected_run("pipelining-zbv-sleep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = analyze(load_run(path, cache=False))
+    v = validate(a)
+    assert a.run.manifest.workload is not None and v.summary["schedule"] == "zbv"
+    step_ms = v.summary["last_step_predicted_ms"] / (1 + v.summary["last_step_error"])  # the measured last step
+    truth = truth_path(Path(path))
+    unknown_ms = sum(unaccounted_ns(truth, rank, -1) for rank in range(a.run.manifest.world_size)) / 1e6
+    # the step holds at least each device's stated passes: 2 stages × 4 micro-batches × (F + I + W)
+    assert step_ms >= 2 * MICROBATCHES * (10 + 20 + 10) - 1e-3, v.summary
+    assert abs(v.summary["last_step_predicted_ms"] - step_ms) <= unknown_ms, (v.summary, unknown_ms)
