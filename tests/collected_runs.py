@@ -42,6 +42,9 @@ RUNS = {
                         workload=Workload("sleep", 20.0, 40.0)),
     "1f1b_pp2dp2_slow": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
                              steps=6, workload=Workload("sleep", 20.0, 40.0, slow_ranks=((1, 3.0),))),
+    # the plain configuration again, collected after the other two (A B A: the run-to-run change beside the noise)
+    "1f1b_pp2dp2_again": dict(preset="tiny-gpt", pp=2, dp=2, microbatches=4, microbatch_size=1, schedule="1f1b",
+                              steps=6, workload=Workload("sleep", 20.0, 40.0)),
     # The known workload (collect --work sleep, docs/known-workload.md): passes hold stated times instead of
     # computing. GPipe pp=2 with stage 1 slowed ×2 and a weight pass, and twice the same configuration holding 0 ms
     # (its step is the configuration's overhead: P2P, optimizer, host, profiler), before and after

@@ -91,10 +91,14 @@ def test_the_slowed_replica_is_named_the_straggler(analysed):
 def test_the_slowed_replica_at_its_peers_speed_is_the_unslowed_twin(analysed):
     # the truth: the same configuration collected without the slow-down (its step, measured with its own noise);
     # at its peers' speed rank 1 runs what rank 0 runs, so the whole step is the twin's, within both runs' noise
-    slow, plain = analysed("1f1b_pp2dp2_slow"), analysed("1f1b_pp2dp2")
+    # — and the twin collected again after both (A B A): on a loaded machine the same configuration moves from one
+    # collection to the next by more than either run's step-to-step noise, so that change is measured here too
+    slow, plain, again = analysed("1f1b_pp2dp2_slow"), analysed("1f1b_pp2dp2"), analysed("1f1b_pp2dp2_again")
     stage0 = slow.summary.per_stage.filter(pl.col("stage") == 0).row(0, named=True)
-    noise = whatif(slow, full=False).summary["noise_ms"] + whatif(plain, full=False).summary["noise_ms"]
-    assert abs(stage0["if_ideal_step_ms"] - plain.summary.step_ms) <= noise, (stage0, plain.summary.step_ms, noise)
+    twins = sorted([plain.summary.step_ms, again.summary.step_ms])
+    noise = whatif(slow, full=False).summary["noise_ms"] + max(
+        whatif(w, full=False).summary["noise_ms"] for w in (plain, again)) + (twins[1] - twins[0])
+    assert twins[0] - noise <= stage0["if_ideal_step_ms"] <= twins[1] + noise, (stage0, twins, noise)
 
 
 def test_analyze_prints_and_exports_the_replicas(collected_run):
