@@ -88,11 +88,13 @@ def attribution(page, runs: Runs, G) -> None:
     for name, a in runs:
         if not a.summary.pipeline_found:
             not_a_pipeline(page, name, a)
+            gpu_views(page, name, a)
             continue
         page.figure(G.stacked_by_stage(F.stage_attribution(a), title=f"{name}: time per step by category",
                                        ylabel="time per step (ms)"))
         page.add(H.table(a.summary.per_stage, STAGE_COLUMNS, formats={"stage": "int", "bubble_fraction": "fraction"}))
         overlapped_phases(page, name, a)
+        gpu_views(page, name, a)
         replicas(page, name, a)
     page.add("</section>")
 
@@ -156,6 +158,51 @@ def not_a_pipeline(page, name: str, a: Analysis) -> None:
         page.add(H.table(streams, STREAM_COLUMNS, formats={"rank": "int", "stream": "int"}))
     else:
         page.add(H.para("No GPU work in these traces: the table above is the CPU's time.", css_class="lead"))
+
+
+OVERLAP_COLUMNS = [
+    ("rank", "rank"),
+    ("stage_label", "stage"),
+    ("communication_ms", "communication kernels (ms)"),
+    ("overlapped_ms", "of it beside computation (ms)"),
+    ("overlap_fraction", "overlap"),
+]
+IDLE_COLUMNS = [
+    ("rank", "rank"),
+    ("stream", "stream"),
+    ("idle_ms", "idle (ms)"),
+    ("host_wait_ms", "waiting on the host (ms)"),
+    ("kernel_wait_ms", "between kernels (ms)"),
+    ("other_ms", "other (ms)"),
+]
+KERNEL_TYPE_COLUMNS = [("rank", "rank"), ("type", "kernel type"), ("fraction", "share of GPU time")]
+TOP_KERNEL_COLUMNS = [("rank", "rank"), ("phase", "phase"), ("name", "kernel"), ("count", "launches"),
+                      ("fraction", "share of the phase's GPU time")]
+TOP_KERNELS_SHOWN = 3  # per rank and phase
+
+
+def gpu_views(page, name: str, a: Analysis) -> None:
+    """HTA's GPU views made pipeline-aware (traceana.measure.gpu.gpu_views): communication/computation overlap per
+    rank with its stage, idle time split by what it waited on, the kernel types, the top kernels per phase."""
+    from traceana.measure.gpu import gpu_views as views
+
+    v = views(a)
+    if not v:
+        return
+    page.add(f"<h3>{H.esc(name)}: GPU views (as Holistic Trace Analysis defines them, per rank and stage)</h3>")
+    page.add(H.para("Mean per measured step. Overlap: the communication kernels' time during which a computation "
+                    "kernel ran on the same GPU. Idle: a stream's time with no kernel, split into waiting on the "
+                    "host (no kernel launched yet), between kernels already launched, and the rest.",
+                    css_class="lead"))
+    ov = pl.DataFrame(v["overlap"]).with_columns(
+        pl.col("stages").cast(pl.String).fill_null(pl.col("stage").cast(pl.String)).alias("stage_label"))
+    page.add(H.table(ov, OVERLAP_COLUMNS, formats={"rank": "int", "overlap_fraction": "fraction"}))
+    page.add(H.table(pl.DataFrame(v["idle"]), IDLE_COLUMNS, formats={"rank": "int", "stream": "int"}))
+    page.add(H.table(pl.DataFrame(v["kernel_types"]), KERNEL_TYPE_COLUMNS,
+                     formats={"rank": "int", "fraction": "fraction"}))
+    top = (pl.DataFrame(v["top_kernels"]).sort("rank", "phase", "fraction", descending=[False, False, True])
+           .group_by("rank", "phase", maintain_order=True).head(TOP_KERNELS_SHOWN))
+    page.add(H.table(top, TOP_KERNEL_COLUMNS, formats={"rank": "int", "count": "int", "fraction": "fraction"}))
 
 
 REPLICA_STAGE_COLUMNS = [
