@@ -245,14 +245,14 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
 
 
 def _train_step(schedule, optimizer, args, kwargs, clock: Clock | None, step: int) -> None:
-    begun = time.perf_counter_ns()
+    begun, delay = time.perf_counter_ns(), run_delay_ns()
     if clock is not None:
         clock.step = step
     optimizer.zero_grad(set_to_none=True)
     schedule.step(*args, **kwargs)
     optimizer.step()
     if clock is not None:
-        clock.steps.append((step, begun, time.perf_counter_ns()))
+        clock.steps.append((step, begun, time.perf_counter_ns(), run_delay_ns() - delay))
 
 
 def _label_microbatches(stage, clock: Clock) -> None:

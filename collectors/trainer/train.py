@@ -23,7 +23,7 @@ from collectors.trainer.comm import Transport
 from collectors.trainer.config import CollectConfig
 from collectors.trainer.model import GPT, Stage
 from collectors.trainer.pipeline import StageRunner
-from collectors.trainer.workload import Clock, make_sleeping
+from collectors.trainer.workload import Clock, make_sleeping, run_delay_ns
 from traceana.core.manifest import Manifest
 from traceana.core.pipeline_rules import bpipe_plan, device_order
 
@@ -241,7 +241,7 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
 
 def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int, result: RankResult,
                 dp_group=None) -> None:
-    begun = time.perf_counter_ns()
+    begun, delay = time.perf_counter_ns(), run_delay_ns()
     if runner.clock is not None:
         runner.clock.step = step
     optimizer.zero_grad(set_to_none=True)
@@ -258,7 +258,7 @@ def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int
     if loss is not None:
         result.losses.append(loss)
     if runner.clock is not None:
-        runner.clock.steps.append((step, begun, time.perf_counter_ns()))
+        runner.clock.steps.append((step, begun, time.perf_counter_ns(), run_delay_ns() - delay))
 
 
 def init_process_group(setup: DistSetup, init_method: str | None) -> None:

@@ -60,14 +60,15 @@ def hold_until(deadline: float) -> None:
 @dataclass
 class Clock:
     """One rank's record of its held passes: (action, stage, micro-batch, step, start ns, end ns, stated ms,
-    run-queue delay ns) and of its steps (step, start ns, end ns). ``step`` and ``microbatch`` are set by the
+    run-queue delay ns) and of its steps (step, start ns, end ns, the training thread's run-queue delay in the
+    step, ns: its waiting for a CPU outside the holds too). ``step`` and ``microbatch`` are set by the
     trainer before each step and forward; while ``step`` is None nothing holds."""
 
     rank: int
     step: int | None = None
     microbatch: int | None = None
     spans: list[tuple] = field(default_factory=list)
-    steps: list[tuple[int, int, int]] = field(default_factory=list)
+    steps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def hold(self, action: str, stage: int, at: tuple[int | None, int | None], ms: float, *,
              start: float | None = None, delay: int | None = None) -> None:
@@ -89,7 +90,7 @@ class Clock:
             "rank": self.rank, "clock": "time.perf_counter_ns",
             "span_fields": ["action", "stage", "microbatch", "step", "start_ns", "end_ns", "stated_ms",
                             "run_delay_ns"],
-            "spans": self.spans, "step_fields": ["step", "start_ns", "end_ns"], "steps": self.steps}))
+            "spans": self.spans, "step_fields": ["step", "start_ns", "end_ns", "run_delay_ns"], "steps": self.steps}))
         os.replace(tmp, path)
         return path
 
