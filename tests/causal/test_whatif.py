@@ -5,7 +5,6 @@ replay against the ProfilerStep spans each rank recorded; no straggler named), a
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 
+from stripped_runs import as_defaults
 from traceana.causal import graph
 from traceana.causal.diagnosis import diagnose
 from traceana.causal.whatif import SetError, apply, materialize, parse_set, whatif
@@ -255,29 +255,10 @@ def test_a_small_runs_whatif_replays_on_the_engine_without_numpy():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def _as_profiled_with_defaults(src: Path, dst: Path) -> Path:
-    """A copy of a run as torch.profiler's defaults would have written it: no Python frames (with_stack off), no
-    input shapes or concrete inputs (record_shapes off: the P2P calls lose their peer), no collector metadata, no
-    run.json."""
-    dst.mkdir(parents=True)
-    shape_keys = {"Input Dims", "Input type", "Concrete Inputs", "Input Strides"}
-    for trace in sorted(src.glob("rank*.pt.trace.json.gz")):
-        with gzip.open(trace, "rt") as f:
-            doc = json.load(f)
-        doc.pop("traceana", None)
-        doc["traceEvents"] = [
-            {**e, "args": {k: v for k, v in e["args"].items() if k not in shape_keys}}
-            if isinstance(e.get("args"), dict) else e
-            for e in doc["traceEvents"] if e.get("cat") != "python_function"]
-        with gzip.open(dst / trace.name, "wt") as f:
-            json.dump(doc, f)
-    return dst
-
-
 @pytest.mark.parametrize("run", ["megatron_pipe/1f1b/run", "megatron_pipe/interleaved/run", "deepspeed_pipe/1f1b/run"])
 def test_other_frameworks_runs_profiled_with_the_defaults_name_no_straggler_and_invent_no_replicas(tmp_path, run):
     # (issue 25: such a megatron job was shown as "4 data-parallel replicas of stage –" with "straggler: replica 0")
-    a = load_and_analyze(str(_as_profiled_with_defaults(DATA / run, tmp_path / "run")), cache=False)
+    a = load_and_analyze(str(as_defaults(DATA / run, tmp_path / "run")), cache=False)
     s = diagnose(a)
     assert s.stragglers.height == 0, s.diagnosis
     # (stages now told from megatron's pipeline group or the P2P call order: one pipeline, one replica a stage)

@@ -15,7 +15,7 @@ import traceana
 from traceana.cli import main
 from traceana.commands.describe import describe
 from traceana.core.manifest import Manifest
-from test_foreign_defaults import as_defaults
+from stripped_runs import as_defaults
 
 DATA = Path(__file__).parents[1] / "data"
 

@@ -17,10 +17,10 @@ import polars as pl
 import pytest
 
 import traceana
+from stripped_runs import SHAPE_KEYS, as_defaults
 from traceana.measure.analysis import analyze
 
 DATA = Path(__file__).parents[1] / "data"
-SHAPE_KEYS = {"Input Dims", "Input type", "Concrete Inputs", "Input Strides"}
 # Every share within 0.05 of the step (the issue's target). The P2P helpers' own Python (Megatron's send_forward…,
 # DeepSpeed's SendActivation…: truth "p2p" − "p2p_torch") has no event of its own without Python frames: the idle
 # time touching a P2P call is taken for it (attribution._helpers_python; without that, blocked read 0.08–0.10 low).
@@ -29,23 +29,6 @@ SHAPE_KEYS = {"Input Dims", "Input type", "Concrete Inputs", "Input Strides"}
 # as forward (measured: 0.061 of the step over the timer's ForwardPass).
 TOL, BLOCKED_TOL, DS_LAST_FORWARD_TOL = 0.05, 0.05, 0.07
 BLOCKED = ("p2p", "bubble_warmup", "bubble_stall", "bubble_cooldown")
-
-
-def as_defaults(src: Path, dst: Path) -> Path:
-    """The run as torch.profiler's defaults would have written it: no Python frames, no input shapes or concrete
-    inputs, no collector metadata, no run.json."""
-    dst.mkdir(parents=True)
-    for trace in sorted(src.glob("rank*.pt.trace.json.gz")):
-        with gzip.open(trace, "rt") as f:
-            doc = json.load(f)
-        doc.pop("traceana", None)
-        doc["traceEvents"] = [
-            {**e, "args": {k: v for k, v in e["args"].items() if k not in SHAPE_KEYS}}
-            if isinstance(e.get("args"), dict) else e
-            for e in doc["traceEvents"] if e.get("cat") != "python_function"]
-        with gzip.open(dst / trace.name, "wt") as f:
-            json.dump(doc, f)
-    return dst
 
 
 @pytest.fixture(scope="module")
