@@ -125,7 +125,7 @@ def launch(config: CollectConfig, out_dir: Path | None, *, progress: Progress | 
     events = ctx.SimpleQueue() if progress else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
     args = (configs, config.world_size, init_method, out_dir, results_dir, events,
-            cores_to_pin(config.world_size))
+            cores_to_pin(config.world_size), os.getpid())
     try:
         pc = mp.start_processes(_worker, args=args, nprocs=config.world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
@@ -196,8 +196,11 @@ def _start_method() -> str:
 
 
 def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_method: str, out_dir: Path | None,
-            results_dir: Path | None, events, cores: list[int] | None = None) -> None:
+            results_dir: Path | None, events, cores: list[int] | None = None, launcher: int | None = None) -> None:
     import torch.distributed as dist
+
+    if launcher is not None:
+        end_with_launcher(launcher)
 
     from collectors.trainer.train import choose_device, init_process_group, train
 
@@ -215,6 +218,49 @@ def _worker(rank: int, configs: list[CollectConfig], world_size: int, init_metho
                 torch.save(dataclasses.asdict(result), Path(results_dir) / f"{index}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_launcher(launcher: int) -> None:
+    """This rank gets SIGTERM from the kernel when the process it was forked from ends (the forkserver, which then
+    ends with the launcher, or the launcher itself under spawn), and ends now if that already happened.
+
+    Why: a SIGTERM reaching collect while it was starting the ranks could leave one forked but not yet registered, so
+    collect's clean-up never stopped it; orphaned, it waited for its peers until the rendezvous timed out, holding
+    collect's stdout and stderr open (CI: the caller's read of collect's output hung 180 s; by hand 1 in 9 tries at
+    load 4). Each forkserver child inherits the pipe whose end tells the forkserver that the launcher has gone, so the
+    forkserver outlived collect as long as such a rank lived; the rank closes it (it starts no processes of its own).
+    Linux only; elsewhere the launcher's own clean-up is all there is."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)  # (CPython's: the fd is set in forkserver children only)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    parent = os.getppid()
+    if parent != launcher and _parent_of(parent) != launcher:  # the forkserver (or launcher) is gone already
+        os._exit(128 + int(signal.SIGTERM))
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def cores_to_pin(world_size: int) -> list[int] | None:

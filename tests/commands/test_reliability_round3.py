@@ -7,6 +7,7 @@ conventional exit codes (130 SIGINT, 143 SIGTERM, 141 a closed pipe), one line o
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -517,6 +518,33 @@ def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143 and "Traceback" not in err and left == []
+
+
+def test_sigkill_to_collect_leaves_no_rank_waiting_for_its_peers(tmp_path):
+    # SIGKILL runs no clean-up of collect's: the ranks must end by themselves once their launcher has gone (an orphan
+    # rank held collect's stdout open and waited for its rendezvous: the caller's read of the output hung)
+    pytest.importorskip("torch")
+    proc = subprocess.Popen([sys.executable, "-m", "traceana", "collect", "--pp", "2", "--microbatches", "2",
+                             "--model", "tiny-gpt", "--work", "sleep", "--forward-ms", "500", "--backward-ms", "500",
+                             "--warmup-steps", "30", "--profile-steps", "1",  # about a minute of holds
+                             "-o", str(tmp_path / "run")], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group_running(proc.pid)) < 5 and time.monotonic() < deadline:  # + the resource tracker
+            time.sleep(0.2)
+        assert len(_group_running(proc.pid)) >= 5
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # returns once no process holds collect's output
+            proc.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while _group_running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _group_running(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert left == []
 
 
 # --- 7. files the user adds to a run folder -------------------------------------------------------------------------
