@@ -88,3 +88,22 @@ def test_the_invariant_catches_an_evaluator_that_is_not_the_engine(big, monkeypa
     with pytest.raises(graph.EngineMismatch) as e:
         graph.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
     assert "batched" in str(e.value) and "engine" in str(e.value) and "rank" in str(e.value)
+
+
+def test_the_invariant_catches_a_scale_the_measured_durations_cannot_show(big, monkeypatch):
+    # a bug in how a variant scales what the graph holds no operation for (here: each rank's tail kept as measured,
+    # frozen) leaves the measured durations' replay right (ratios of 1) and is caught by the doubled probe
+    g = big
+    ops, edges = _ideals(g)
+    real = graph._evaluate
+
+    def frozen_tail(levels, work, gap, transfer, **kw):
+        n, by_level, offset, last, origin, tail, *rest = levels
+        host_free = real(levels, work, gap, transfer, **kw)
+        total0 = levels[8]  # (the measured work, gaps and transfers: rho's denominator)
+        ratio = (work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0
+        return host_free - (tail[None, :] * (ratio[:, None] - 1)).round().astype(host_free.dtype)
+
+    monkeypatch.setattr(graph, "_evaluate", frozen_tail)
+    with pytest.raises(graph.EngineMismatch, match="doubled"):
+        graph.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])

@@ -976,9 +976,10 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     o = ops.sort("step", "rank", "seq")
     e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
-    # The run-time invariant (one semantics), on every call: the first chunk also evaluates the graph's own durations,
-    # which must give the engine's replay of them (replay_steps_ns), every rank to the nanosecond; else a bug, said as
-    # one. The variants' frames must be the graph's rows (the levels index them): said as a bug too.
+    # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
+    # durations, which must give the engine's replay of them (replay_steps_ns), every rank to the nanosecond, and
+    # those durations all doubled, which must give twice that (_check_measured); else a bug, said as one. The
+    # variants' frames must be the graph's rows (the levels index them): said as a bug too.
     g_o = g.ops.sort("step", "rank", "seq")
     g_e = g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
@@ -993,7 +994,8 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
         m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
         return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
 
-    own = [matrix(g_o, [pl.col("work_ns")]), matrix(g_o, [pl.col("gap_ns")]), matrix(g_e, [pl.col("transfer_ns")])]
+    own = [matrix(frame, [pl.col(c), pl.col(c) * 2])
+           for frame, c in ((g_o, "work_ns"), (g_o, "gap_ns"), (g_e, "transfer_ns"))]
     o_idx = [np.flatnonzero(o_steps == step) for step in g.steps]
     e_idx = [np.flatnonzero(e_steps == step) for step in g.steps]
     out: list[list[int]] = []
@@ -1007,8 +1009,8 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
         per_step = [_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei])
                     for step, oi, ei in zip(g.steps, o_idx, e_idx)]
         if c0 == 0:
-            _check_measured(g, [s[0] for s in per_step])
-            per_step = [s[1:] for s in per_step]
+            _check_measured(g, [s[0] for s in per_step], [s[1] for s in per_step])
+            per_step = [s[2:] for s in per_step]
         out += [[int(s[v].max()) for s in per_step] for v in range(len(part))]
     return out
 
@@ -1152,22 +1154,29 @@ def _levels(g: StepGraph, step: int):
     return plan["levels"]
 
 
-def _check_measured(g: StepGraph, batched: list) -> None:
-    """``replay_variants``' run-time invariant: the batched evaluator's replay of the graph's own durations (per step,
-    each rank's step in ns) is the engine's (``_engine_measured``), every rank; EngineMismatch naming the first
-    rank that differs and both figures."""
+def _check_measured(g: StepGraph, batched: list, doubled: list) -> None:
+    """``replay_variants``' run-time invariants, per step on each rank's step (ns): the batched evaluator's replay of
+    the graph's own durations is the engine's (``_engine_measured``, which a what-if has made anyway: ``replay``),
+    and its replay of them all doubled is twice that. The second holds because nothing in a replay is frozen
+    (docs/whatif.md "No frozen time": lags, tails, late starts and waits scale with the host ratio and rho, both then
+    exactly 2), and exactly, every figure being a whole number of ns far below 2**53; it checks the scaling the
+    measured durations (ratios of 1) cannot, at the cost of one more variant row. EngineMismatch naming the step,
+    the first rank that differs and both figures."""
     engine = _engine_measured(g)
-    for step, b, e in zip(g.steps, batched, engine):
-        b = [int(x) for x in b]
-        if b != e:
-            ranks = _plan(g, step)["ranks"]
-            bad = [i for i, (x, y) in enumerate(zip(b, e)) if x != y]
-            i = bad[0]
-            raise EngineMismatch(
-                f"the batched replay and the engine disagree on the measured durations: step {step}, rank "
-                f"{ranks[i]}: batched {b[i]:,} ns, engine {e[i]:,} ns ({len(bad)} of {len(e)} ranks differ; the "
-                f"step: batched {max(b):,} ns, engine {max(e):,} ns): one semantics is broken (graph._evaluate "
-                "against causal.scheduler.run_schedule) — a bug, report it")
+    for what, got, want in (("the measured durations", batched, engine),
+                            ("the measured durations all doubled (twice the engine's replay of them)", doubled,
+                             [[2 * x for x in e] for e in engine])):
+        for step, b, e in zip(g.steps, got, want):
+            b = [int(x) for x in b]
+            if b != e:
+                ranks = _plan(g, step)["ranks"]
+                bad = [i for i, (x, y) in enumerate(zip(b, e)) if x != y]
+                i = bad[0]
+                raise EngineMismatch(
+                    f"the batched replay and the engine disagree on {what}: step {step}, rank {ranks[i]}: batched "
+                    f"{b[i]:,} ns, engine {e[i]:,} ns ({len(bad)} of {len(e)} ranks differ; the step: batched "
+                    f"{max(b):,} ns, engine {max(e):,} ns): one semantics is broken (graph._evaluate against "
+                    "causal.scheduler.run_schedule) — a bug, report it")
 
 
 def _evaluate(levels, work, gap, transfer):
