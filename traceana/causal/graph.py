@@ -655,6 +655,15 @@ class Replay:
 
 
 _EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+
+
+def _in_plan_order(ops: pl.DataFrame, edges: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``ops`` and ``edges`` in the order ``_plan`` numbers them (operations by step, rank, seq; messages by step,
+    _EDGE_ORDER): the one order in which the engine (``_values``) and the batched evaluator (``replay_variants``)
+    read a variant's durations, and the critical path the measured transfers."""
+    return (ops.sort("step", "rank", "seq"),
+            edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True))
+
 _PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure per step (what-ifs replay it often)
 
 
@@ -668,8 +677,7 @@ def _plan(g: StepGraph, step: int) -> dict:
         entry = _PLANS[id(g)] = (g, {})
     if step in entry[1]:
         return entry[1][step]
-    ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
-    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)
+    ops, edges = _in_plan_order(g.ops.filter(pl.col("step") == step), g.edges.filter(pl.col("step") == step))
     win = g.ranks.filter(pl.col("step") == step).sort("rank")
     ranks = win["rank"].to_list()
     dev = {r: i for i, r in enumerate(ranks)}
@@ -742,10 +750,9 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
             ) -> dict[int, tuple[list[float], list[float], list[float]]]:
     """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in _EDGE_ORDER): one
     sort of each frame for all the steps."""
-    o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
-        "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
-    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True).select(
-        "step", pl.col("transfer_ns").cast(pl.Float64))
+    o, e = _in_plan_order(g.ops if ops is None else ops, g.edges if edges is None else edges)
+    o = o.select("step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
+    e = e.select("step", pl.col("transfer_ns").cast(pl.Float64))
     steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
     e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
     out: dict[int, tuple[list[float], list[float], list[float]]] = {}
@@ -973,15 +980,13 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
                                 edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     import numpy as np
 
-    o = ops.sort("step", "rank", "seq")
-    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    o, e = _in_plan_order(ops, edges)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
     # durations, which must give the engine's replay of them (replay_steps_ns), every rank to the nanosecond, and
     # those durations all doubled, which must give twice that (_check_measured); else a bug, said as one. The
     # variants' frames must be the graph's rows (the levels index them): said as a bug too.
-    g_o = g.ops.sort("step", "rank", "seq")
-    g_e = g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    g_o, g_e = _in_plan_order(g.ops, g.edges)
     o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
     if not (o.select(o_keys).equals(g_o.select(o_keys)) and e.select(e_keys).equals(g_e.select(e_keys))):
         raise EngineMismatch(f"replay_variants was given {ops.height:,} operations and {edges.height:,} messages that "
@@ -994,18 +999,19 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
         m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
         return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
 
-    own = [matrix(frame, [pl.col(c), pl.col(c) * 2])
-           for frame, c in ((g_o, "work_ns"), (g_o, "gap_ns"), (g_e, "transfer_ns"))]
+    # (the graph's own durations beside the variants' frames, row for row: the keys are the same, in the same order)
+    o = o.with_columns(g_o["work_ns"].alias("_own_work"), g_o["gap_ns"].alias("_own_gap"))
+    e = e.with_columns(g_e["transfer_ns"].alias("_own_transfer"))
+    probes = [(pl.col("_own_work") * k, pl.col("_own_gap") * k, pl.col("_own_transfer") * k) for k in (1, 2)]
     o_idx = [np.flatnonzero(o_steps == step) for step in g.steps]
     e_idx = [np.flatnonzero(e_steps == step) for step in g.steps]
     out: list[list[int]] = []
     for c0 in range(0, len(variants), chunk):
         part = variants[c0:c0 + chunk]
-        work = matrix(o, [w for w, _, _ in part])
-        gap = matrix(o, [gp for _, gp, _ in part])
-        transfer = matrix(e, [t for _, _, t in part])
-        if c0 == 0:
-            work, gap, transfer = (np.vstack([x, m]) for x, m in zip(own, (work, gap, transfer)))
+        rows = [*probes, *part] if c0 == 0 else part
+        work = matrix(o, [w for w, _, _ in rows])
+        gap = matrix(o, [gp for _, gp, _ in rows])
+        transfer = matrix(e, [t for _, _, t in rows])
         per_step = [_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei])
                     for step, oi, ei in zip(g.steps, o_idx, e_idx)]
         if c0 == 0:
@@ -1302,7 +1308,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
     # next operation
     plan = _plan(g, step)
-    t_meas = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)["transfer_ns"].cast(pl.Float64).to_list()
+    t_meas = _in_plan_order(own, edges)[1]["transfer_ns"].cast(pl.Float64).to_list()
     terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
     held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])
     for consumer, j in held:
