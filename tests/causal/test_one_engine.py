@@ -107,3 +107,18 @@ def test_the_invariant_catches_a_scale_the_measured_durations_cannot_show(big, m
     monkeypatch.setattr(graph, "_evaluate", frozen_tail)
     with pytest.raises(graph.EngineMismatch, match="doubled"):
         graph.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
+
+
+def test_a_step_of_nothing_but_waits_is_no_mismatch(monkeypatch):
+    # two ranks, one op each, no work, gaps or transfers, a wait of 1 ms before rank 1's op and a message of no lag:
+    # by _scales' rule the ratios of a step with nothing to scale are 1, so doubling its (zero) durations leaves its
+    # replay (1 ms) as it is; the doubled probe must not call that a mismatch
+    ms = 1_000_000
+    o = pl.DataFrame([(r, 0, 0, "F", "forward", r, 0, 0, 0, 0, 0, None, None, "hand", False, ms * r) for r in (0, 1)],
+                     schema={**graph.OPS, **graph.WAIT}, orient="row")
+    e = pl.DataFrame([(0, "p2p", 0, 0, 1, 0, None, 0, 0, 0)], schema=graph.EDGES, orient="row")
+    rk = pl.DataFrame([(r, 0, 0, 0, 0, r, 0) for r in (0, 1)], schema=graph.RANK_STEPS, orient="row")
+    g = graph.StepGraph(ops=o, edges=e, ranks=rk, steps=(0,))
+    monkeypatch.setattr(graph, "BATCH_FROM_OPS", 0)
+    same = (pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))
+    assert graph.replay_variants(g, o, e, [same]) == [[ms]] == [graph.replay_steps_ns(g)]
