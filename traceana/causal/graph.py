@@ -120,6 +120,11 @@ class GraphError(AnalysisError):
     """The run holds no graph to replay (no schedule on some ranks, no measured step)."""
 
 
+class EngineMismatch(RuntimeError):
+    """The batched evaluator (``replay_variants``) and the engine (``causal.scheduler.run_schedule``) disagree on the
+    graph's own durations: one semantics is broken — a bug in traceana, not in the run."""
+
+
 @dataclass(frozen=True)
 class StepGraph:
     """The measured steps as dependency graphs (see the module docstring). ``ops``: OPS, ``edges``: EDGES,
@@ -650,6 +655,15 @@ class Replay:
 
 
 _EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+
+
+def _in_plan_order(ops: pl.DataFrame, edges: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``ops`` and ``edges`` in the order ``_plan`` numbers them (operations by step, rank, seq; messages by step,
+    _EDGE_ORDER): the one order in which the engine (``_values``) and the batched evaluator (``replay_variants``)
+    read a variant's durations, and the critical path the measured transfers."""
+    return (ops.sort("step", "rank", "seq"),
+            edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True))
+
 _PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure per step (what-ifs replay it often)
 
 
@@ -663,8 +677,7 @@ def _plan(g: StepGraph, step: int) -> dict:
         entry = _PLANS[id(g)] = (g, {})
     if step in entry[1]:
         return entry[1][step]
-    ops = g.ops.filter(pl.col("step") == step).sort("rank", "seq")
-    edges = g.edges.filter(pl.col("step") == step).sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)
+    ops, edges = _in_plan_order(g.ops.filter(pl.col("step") == step), g.edges.filter(pl.col("step") == step))
     win = g.ranks.filter(pl.col("step") == step).sort("rank")
     ranks = win["rank"].to_list()
     dev = {r: i for i, r in enumerate(ranks)}
@@ -737,10 +750,9 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
             ) -> dict[int, tuple[list[float], list[float], list[float]]]:
     """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in _EDGE_ORDER): one
     sort of each frame for all the steps."""
-    o = (g.ops if ops is None else ops).sort("step", "rank", "seq").select(
-        "step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
-    e = (g.edges if edges is None else edges).sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True).select(
-        "step", pl.col("transfer_ns").cast(pl.Float64))
+    o, e = _in_plan_order(g.ops if ops is None else ops, g.edges if edges is None else edges)
+    o = o.select("step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
+    e = e.select("step", pl.col("transfer_ns").cast(pl.Float64))
     steps, work, gap = o["step"].to_list(), o["work_ns"].to_list(), o["gap_ns"].to_list()
     e_steps, transfer = e["step"].to_list(), e["transfer_ns"].to_list()
     out: dict[int, tuple[list[float], list[float], list[float]]] = {}
@@ -914,16 +926,26 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
     out = []
     for step in g.steps:
         plan, _, free, starts, tails = _run(g, step, None, None, values)
-        out.append(max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts)))
+        per_rank = _rank_steps_ns(free, tails, starts)
+        out.append(max(per_rank))
         if ops is None and edges is None:
-            plan["engine_ns"] = out[-1]  # the measured durations' replay, for replay_variants' invariant
+            plan["engine_ns"] = per_rank  # the measured durations' replay, for replay_variants' invariant
     return out
 
 
-def _engine_measured(g: StepGraph) -> list[int]:
-    """The engine's replay of the graph's own durations, every step (kept in the plans once computed)."""
+def _rank_steps_ns(free: list[float], tails: list[int], starts: list[float]) -> list[int]:
+    """Each rank's replayed step (ns) from the engine's end state: its end rounded, plus its tail, less its start."""
+    return [round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts)]
+
+
+def _engine_measured(g: StepGraph) -> list[list[int]]:
+    """The engine's replay of the graph's own durations, every step's every rank (in ``_plan``'s order of ranks),
+    kept in the plans once computed (a what-if replays them anyway: ``replay``)."""
     have = [_plan(g, step).get("engine_ns") for step in g.steps]
-    return have if None not in have else replay_steps_ns(g)
+    if None in have:
+        replay_steps_ns(g)
+        have = [_plan(g, step)["engine_ns"] for step in g.steps]
+    return have
 
 
 # Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
@@ -943,9 +965,12 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     operation starts at max(its previous operation's end, each input's max(producer's end + send lag, anchor's end +
     post lag) + transfer) + gap (a collective: the latest of its members'), ends at start + work. numpy evaluates it
     level by level (an operation's level: one more than its inputs'), one column per variant, with the engine's own
-    float additions in the engine's order, so the result is the engine's to the nanosecond
-    (tests/causal/test_whatif.py checks every variant of the runs in tests/data). A graph whose dependencies form a cycle, or whose message posts waited on receives (``_after_receives``),
-    goes to the engine, which says so, and so does a small graph (under ``BATCH_FROM_OPS`` operations: the engine's
+    float additions in the engine's order, so the result is the engine's to the nanosecond (tests/causal/test_whatif.py
+    checks every variant of the runs in tests/data, test_one_engine.py graphs of over 10^4 operations from traces). At
+    run time every call also evaluates the graph's own durations, which must give the engine's replay of them rank by
+    rank (``_check_measured``; EngineMismatch, a bug, if not). A graph whose dependencies form a cycle, or whose chains
+    of posts that waited on receives are too long to unfold (``_chained_terms``), goes to the engine, which says so, and
+    so does a small graph (under ``BATCH_FROM_OPS`` operations: the engine's
     few milliseconds a replay cost less than importing numpy, docs/performance.md "Fixed cost")."""
     if not variants:
         return []
@@ -955,42 +980,44 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
                                 edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     import numpy as np
 
-    o = ops.sort("step", "rank", "seq")
-    e = edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    o, e = _in_plan_order(ops, edges)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
-    # The run-time invariant (one semantics): the first chunk also evaluates the frames' own durations, which where
-    # they are the graph's must give the engine's replay of them to the nanosecond (else a bug, said as one)
-    own = (pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))
-    g_o = g.ops.sort("step", "rank", "seq")
-    g_e = g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
-    check = (o["work_ns"].equals(g_o["work_ns"]) and o["gap_ns"].equals(g_o["gap_ns"])
-             and e["transfer_ns"].equals(g_e["transfer_ns"]))
-    todo = [own, *variants] if check else list(variants)
+    # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
+    # durations, which must give the engine's replay of them (replay_steps_ns), every rank to the nanosecond, and
+    # those durations all doubled, which must give twice that (_check_measured); else a bug, said as one. The
+    # variants' frames must be the graph's rows (the levels index them): said as a bug too.
+    g_o, g_e = _in_plan_order(g.ops, g.edges)
+    o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
+    if not (o.select(o_keys).equals(g_o.select(o_keys)) and e.select(e_keys).equals(g_e.select(e_keys))):
+        raise EngineMismatch(f"replay_variants was given {ops.height:,} operations and {edges.height:,} messages that "
+                             f"are not the graph's ({g.ops.height:,}, {g.edges.height:,}): the variants' frames must "
+                             "be the graph's own rows, columns added — a bug, report it")
+
+    def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
+        if frame.height == 0:
+            return np.zeros((len(exprs), 0))
+        m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
+        return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
+
+    # (the graph's own durations beside the variants' frames, row for row: the keys are the same, in the same order)
+    o = o.with_columns(g_o["work_ns"].alias("_own_work"), g_o["gap_ns"].alias("_own_gap"))
+    e = e.with_columns(g_e["transfer_ns"].alias("_own_transfer"))
+    probes = [(pl.col("_own_work") * k, pl.col("_own_gap") * k, pl.col("_own_transfer") * k) for k in (1, 2)]
+    o_idx = [np.flatnonzero(o_steps == step) for step in g.steps]
+    e_idx = [np.flatnonzero(e_steps == step) for step in g.steps]
     out: list[list[int]] = []
-    for c0 in range(0, len(todo), chunk):
-        part = todo[c0:c0 + chunk]
-
-        def matrix(frame: pl.DataFrame, exprs: list[pl.Expr]) -> np.ndarray:
-            if frame.height == 0:
-                return np.zeros((len(exprs), 0))
-            m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
-            return np.ascontiguousarray(m.T, dtype=np.float64)  # variants × rows (polars gives columns whole)
-
-        work = matrix(o, [w for w, _, _ in part])
-        gap = matrix(o, [gp for _, gp, _ in part])
-        transfer = matrix(e, [t for _, _, t in part])
-        per_step = []
-        for step in g.steps:
-            oi = np.flatnonzero(o_steps == step)
-            ei = np.flatnonzero(e_steps == step)
-            per_step.append(_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei]))
-        out += [[int(s[v]) for s in per_step] for v in range(len(part))]
-    if check:
-        batched, engine = out.pop(0), _engine_measured(g)
-        if batched != engine:
-            raise RuntimeError(f"the batched replay and the engine disagree on the measured durations ({batched} vs "
-                               f"{engine} ns a step): one semantics is broken (graph._evaluate against "
-                               "causal.scheduler.run_schedule) — a bug, report it")
+    for c0 in range(0, len(variants), chunk):
+        part = variants[c0:c0 + chunk]
+        rows = [*probes, *part] if c0 == 0 else part
+        work = matrix(o, [w for w, _, _ in rows])
+        gap = matrix(o, [gp for _, gp, _ in rows])
+        transfer = matrix(e, [t for _, _, t in rows])
+        per_step = [_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei])
+                    for step, oi, ei in zip(g.steps, o_idx, e_idx)]
+        if c0 == 0:
+            _check_measured(g, [s[0] for s in per_step], [s[1] for s in per_step])
+            per_step = [s[2:] for s in per_step]
+        out += [[int(s[v].max()) for s in per_step] for v in range(len(part))]
     return out
 
 
@@ -1133,9 +1160,37 @@ def _levels(g: StepGraph, step: int):
     return plan["levels"]
 
 
+def _check_measured(g: StepGraph, batched: list, doubled: list) -> None:
+    """``replay_variants``' run-time invariants, per step on each rank's step (ns): the batched evaluator's replay of
+    the graph's own durations is the engine's (``_engine_measured``, which a what-if has made anyway: ``replay``),
+    and its replay of them all doubled is twice that. The second holds because nothing in a replay is frozen
+    (docs/whatif.md "No frozen time": lags, tails, late starts and waits scale with the host ratio and rho, both then
+    exactly 2), and exactly, every figure being a whole number of ns far below 2**53; it checks the scaling the
+    measured durations (ratios of 1) cannot, at the cost of one more variant row. EngineMismatch naming the step,
+    the first rank that differs and both figures."""
+    engine = _engine_measured(g)
+    for what, got, want in (("the measured durations", batched, engine),
+                            ("the measured durations all doubled (twice the engine's replay of them)", doubled,
+                             [[2 * x for x in e] for e in engine])):
+        for step, b, e in zip(g.steps, got, want):
+            b = [int(x) for x in b]
+            if got is doubled and not _plan(g, step)["total0"] > 0:
+                continue  # (a step of no work, gaps or transfers at all: its ratios are 1, not 2, by _scales' rule)
+            if b != e:
+                ranks = _plan(g, step)["ranks"]
+                bad = [i for i, (x, y) in enumerate(zip(b, e)) if x != y]
+                i = bad[0]
+                raise EngineMismatch(
+                    f"the batched replay and the engine disagree on {what}: step {step}, rank {ranks[i]}: batched "
+                    f"{b[i]:,} ns, engine {e[i]:,} ns ({len(bad)} of {len(e)} ranks differ; the step: batched "
+                    f"{max(b):,} ns, engine {max(e):,} ns): one semantics is broken (graph._evaluate against "
+                    "causal.scheduler.run_schedule) — a bug, report it")
+
+
 def _evaluate(levels, work, gap, transfer):
     """_levels' graph with ``work``/``gap`` (variants × operations) and ``transfer`` (variants × messages): each
-    variant's step (ns), as ``replay_steps_ns`` computes it (``replay_variants``)."""
+    variant's every rank's step (ns; variants × ranks, in ``_plan``'s order), as ``replay_steps_ns`` computes it
+    (``replay_variants``; the step is the slowest rank's)."""
     import numpy as np
 
     n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait, (n_rows, fold_cols) = levels
@@ -1173,7 +1228,7 @@ def _evaluate(levels, work, gap, transfer):
         end[:, nodes] = t
     steps = (np.round(end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
              - starts.astype(np.int64))
-    return steps.max(axis=1)
+    return steps
 
 
 def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: pl.DataFrame | None = None) -> Replay:
@@ -1183,7 +1238,7 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     plan, trace, free, starts, tails = _run(g, step, ops, edges)
     ranks, origin, member_seq = plan["ranks"], plan["origin"], plan["member_seq"]
     if ops is None and edges is None:
-        plan["engine_ns"] = max(round(f) + t - int(s0) for f, t, s0 in zip(free, tails, starts))
+        plan["engine_ns"] = _rank_steps_ns(free, tails, starts)
 
     def source(bound) -> tuple[str, int | None, int | None]:
         if bound == "device":
@@ -1255,7 +1310,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
     # next operation
     plan = _plan(g, step)
-    t_meas = edges.sort(_EDGE_ORDER, nulls_last=True, maintain_order=True)["transfer_ns"].cast(pl.Float64).to_list()
+    t_meas = _in_plan_order(own, edges)[1]["transfer_ns"].cast(pl.Float64).to_list()
     terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
     held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])
     for consumer, j in held:
