@@ -140,6 +140,7 @@ def _rank(rank: int, out: str, crash: bool) -> None:
             prof.step()
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_crashes_mid_profile_is_left_out_of_ranks_written(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path), r == 1)) for r in (0, 1)]
