@@ -77,3 +77,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(multiprocess)
         elif item.get_closest_marker("multiprocess") is not None:
             item.add_marker(slow)  # starting training processes is slow by itself
+
+
+_UNMARKED_SLOW_S = 5.0  # what "slow" means here (pyproject.toml's markers)
+_unmarked_slow: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and report.duration > _UNMARKED_SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append((report.duration, f"{report.nodeid} ({report.when})"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the tests outside ``slow`` that took longer than it allows (a note, not a failure: a loaded machine
+    stretches every test; look at those named on an idle one)."""
+    if _unmarked_slow:
+        terminalreporter.write_sep("-", f"not marked slow, yet over {_UNMARKED_SLOW_S:g} s (this machine, this load)")
+        for seconds, name in sorted(_unmarked_slow, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {name}")

@@ -65,6 +65,7 @@ def test_with_repeat_the_directory_keeps_the_last_cycle(tmp_path):
         ["ProfilerStep#2"]
 
 
+@pytest.mark.slow
 def test_an_unwritable_directory_leaves_training_intact_with_a_warning(tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
