@@ -1,5 +1,5 @@
-"""Write every golden case's expected output again: ``python tests/golden/regenerate.py`` (from the repository root,
-traceana importable: ``PYTHONPATH=. python tests/golden/regenerate.py``). ``--case NAME`` (repeatable) writes only
+"""Write every golden case's expected output again: ``python tests/golden/regenerate.py`` (from anywhere: the
+repository's traceana is put on the path). ``--case NAME`` (repeatable) writes only
 those. Review the diff (``git diff tests/golden/expected``) before committing it: tests/golden/README.md."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 
-from cases import CASES, ROOT  # noqa: E402
+from golden_cases import CASES, ROOT  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.case) - {c.name for c in CASES}
     if unknown:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; known: {', '.join(c.name for c in CASES)}")
-    from cases import write
+    from golden_cases import write
 
     for case in CASES:
         if not args.case or case.name in args.case:

@@ -1,12 +1,12 @@
-"""The golden cases of tests/golden/cases.py: each command's output on its checked-in trace against the expected file
-(numbers to cases.REL / cases.ABS, everything else exactly). A failure lists every difference; if the change is
+"""The golden cases of tests/golden/golden_cases.py: each command's output on its checked-in trace against the expected
+file (numbers to golden_cases.REL / ABS, everything else exactly). A failure lists every difference; if the change is
 meant, regenerate (``python tests/golden/regenerate.py --case NAME``) and review the diff (tests/golden/README.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cases import CASES, differences, output, read
+from golden_cases import CASES, differences, output, read
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}/{c.name}" for c in CASES])
