@@ -147,6 +147,7 @@ def test_a_bomb_handed_back_to_the_general_decoder_is_refused_not_aborted(tmp_pa
     assert 0 < rss < AS_CAP
 
 
+@pytest.mark.slow
 def test_the_general_decoder_holds_a_window_not_the_json(tmp_path):
     d = tmp_path / "run"
     d.mkdir()

@@ -286,6 +286,7 @@ def test_semantic_mutations_are_named_or_refused_never_silent(tmp_path_factory, 
     assert (steps["ns"] == steps["dur_ns"]).all()
 
 
+@pytest.mark.slow
 def test_semantic_mutation_counts():
     """Runs after the fuzz test above (file order): every kind was tried, and the totals agree."""
     if not SEMANTIC_COUNTS["analysed"] + SEMANTIC_COUNTS["refused"]:
