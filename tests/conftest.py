@@ -61,3 +61,37 @@ def decoder(request, monkeypatch) -> str:
     if request.param == "general":
         monkeypatch.setattr(kineto, "_scan", None)
     return request.param
+
+
+# Slow and multi-process tests are marked so that they run apart (README "Tests"): `pytest -m "not slow"` is the fast
+# rest (no process of training is started), `pytest -m slow` the others; plain `pytest` (CI) runs everything.
+# A test that collects a run through the fixture above starts training processes (one per rank): it is marked here,
+# by its use of the fixture, rather than in each file; a test that starts them another way (collect, torchrun,
+# attach's launched job) or takes more than ~5 s carries the marks itself (at module level where all of a file does).
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    slow, multiprocess = pytest.mark.slow, pytest.mark.multiprocess
+    for item in items:
+        if "collected_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(slow)
+            item.add_marker(multiprocess)
+        elif item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(slow)  # starting training processes is slow by itself
+
+
+_UNMARKED_SLOW_S = 5.0  # what "slow" means here (pyproject.toml's markers)
+_unmarked_slow: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and report.duration > _UNMARKED_SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append((report.duration, f"{report.nodeid} ({report.when})"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the tests outside ``slow`` that took longer than it allows (a note, not a failure: a loaded machine
+    stretches every test; look at those named on an idle one)."""
+    if _unmarked_slow:
+        terminalreporter.write_sep("-", f"not marked slow, yet over {_UNMARKED_SLOW_S:g} s (this machine, this load)")
+        for seconds, name in sorted(_unmarked_slow, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {name}")

@@ -196,6 +196,7 @@ def test_plan_whatifs_re_sequence_the_measured_work(tmp_path):
         plan_whatif(a, schedule="gpipe", bpipe=True)
 
 
+@pytest.mark.slow
 def test_the_command_says_what_is_replay_and_what_is_prediction():
     import os
     import subprocess
@@ -249,6 +250,7 @@ OSDI = Path(__file__).parents[1] / "data" / "osdi25"
 
 
 @pytest.mark.parametrize("job", ["ST", "AR"])
+@pytest.mark.slow
 def test_the_studys_jobs_give_the_studys_figures(job):
     """The OSDI 2025 study's own jobs (its artifact's op tables, read into the step graph as its dependency model
     has it, with its convention: launch delays 0) against the study's own results (its artifact's result, ms and mw

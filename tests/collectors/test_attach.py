@@ -111,6 +111,7 @@ def dp_runs(tmp_path_factory):
     return base, plain, attached, failing
 
 
+@pytest.mark.multiprocess
 def test_dp_job_under_torchrun(dp_runs):
     import torch
 
@@ -134,6 +135,7 @@ def test_dp_job_under_torchrun(dp_runs):
     assert m["pp"] is None and "schedule" in a["not_detected"] and a["job"]["exit_code"] == 0
 
 
+@pytest.mark.multiprocess
 def test_profiler_failure_leaves_training_output_identical(dp_runs):
     base, plain, _, failing = dp_runs
     assert failing.returncode == 0, failing.stderr[-3000:]
@@ -146,6 +148,7 @@ def test_profiler_failure_leaves_training_output_identical(dp_runs):
     assert "injected" in failing.stderr
 
 
+@pytest.mark.multiprocess
 def test_pipelining_example_unmodified(tmp_path):
     pytest.importorskip("torch")
     import polars as pl
@@ -182,6 +185,7 @@ def test_pipelining_example_unmodified(tmp_path):
     assert {(r, s) for r, s in per.select("rank", "stage").unique().rows()} == {(0, 0), (0, 2), (1, 1), (1, 3)}
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_dies_leaves_the_finished_window_intact(tmp_path):
     """Rank 1 crashes at the start of step 4: window 2 (done by then) keeps both traces; window 5 (its warm-up had
     begun at step 4's boundary) has none, and its run.json says which ranks left no trace and how the job ended.
@@ -208,6 +212,7 @@ def test_a_rank_that_dies_leaves_the_finished_window_intact(tmp_path):
     assert "no trace from ranks [0, 1]" in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_step_fn_names_the_step(tmp_path):
     """Each train_step call holds two optimizer steps: with --step-fn, steps 2 and 3 hold four of them."""
     pytest.importorskip("torch")
@@ -235,6 +240,7 @@ def test_a_failing_hook_stops_profiling_never_training(monkeypatch, capsys):
     assert capsys.readouterr().err.count("profiling stops, training goes on") == 1
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_while_polling_still_waits_for_the_job(tmp_path, monkeypatch, capfd):
     """A Ctrl-C that lands while attach is writing a window's run.json (not while it waits) is the same Ctrl-C: attach
     passes it on to the job's process group, lets the job end, finishes the run directory and exits 130, instead of

@@ -84,6 +84,7 @@ def _attach(tmp_path: Path, script: str, *extra: str) -> dict:
 
 
 @pytest.mark.skipif(not _has("megatron.core"), reason="megatron-core is not installed (TRACEANA_FRAMEWORKS_PYTHON)")
+@pytest.mark.multiprocess
 def test_attach_on_an_unmodified_megatron_core_job(tmp_path):
     m = _attach(tmp_path, "attach_megatron_script.py", "--interleaved")
     assert {k: m[k] for k in ("world_size", "pp", "tp", "dp", "stage_of_rank", "stages_of_rank", "schedule",
@@ -93,6 +94,7 @@ def test_attach_on_an_unmodified_megatron_core_job(tmp_path):
 
 
 @pytest.mark.skipif(not _has("deepspeed"), reason="deepspeed is not installed (TRACEANA_FRAMEWORKS_PYTHON)")
+@pytest.mark.multiprocess
 def test_attach_on_an_unmodified_deepspeed_job(tmp_path):
     m = _attach(tmp_path, "attach_deepspeed_script.py")
     assert {k: m[k] for k in ("world_size", "pp", "dp", "stage_of_rank", "schedule", "num_microbatches",

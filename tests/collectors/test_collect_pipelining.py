@@ -61,6 +61,7 @@ def test_runtime_schedules_are_left_alone_because_they_annotate_themselves():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_real_schedule_1f1b_run_gets_forward_and_backward_spans_per_microbatch(tmp_path):
     from collectors.pipelining_example import collect
 
@@ -76,6 +77,7 @@ def test_a_real_schedule_1f1b_run_gets_forward_and_backward_spans_per_microbatch
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_collect_command_runs_a_zero_bubble_schedule_through_torch_pipelining(tmp_path):
     from traceana.cli import main
 
@@ -91,6 +93,7 @@ def test_collect_command_runs_a_zero_bubble_schedule_through_torch_pipelining(tm
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_collect_passes_attention_seed_and_warmup_to_a_pipelining_schedule(tmp_path):
     """--attention, --seed and --warmup-steps were refused for the torch.distributed.pipelining schedules; they now
     mean what they mean for the reference trainer. The trace itself shows the attention kernel that ran."""

@@ -65,6 +65,7 @@ def test_with_repeat_the_directory_keeps_the_last_cycle(tmp_path):
         ["ProfilerStep#2"]
 
 
+@pytest.mark.slow
 def test_an_unwritable_directory_leaves_training_intact_with_a_warning(tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -140,6 +141,7 @@ def _rank(rank: int, out: str, crash: bool) -> None:
             prof.step()
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_crashes_mid_profile_is_left_out_of_ranks_written(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path), r == 1)) for r in (0, 1)]

@@ -15,7 +15,7 @@ from collectors.launch import launch  # noqa: E402
 from collectors.trainer.config import CollectConfig  # noqa: E402
 from collectors.trainer.reference import train_reference  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 ATOL = 1e-5
 
 BASE4 = CollectConfig(pp=4, microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)

@@ -134,6 +134,7 @@ def test_a_real_small_trace_is_unaffected_by_a_tight_limit(tmp_path):
 HANDED_BACK = b'{"ph": "X", "cat": "cpu_op", "name": "a\xff", "pid": 1, "tid": 1, "ts": 1, "dur": 1},\n'
 
 
+@pytest.mark.slow
 def test_a_bomb_handed_back_to_the_general_decoder_is_refused_not_aborted(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
@@ -146,6 +147,7 @@ def test_a_bomb_handed_back_to_the_general_decoder_is_refused_not_aborted(tmp_pa
     assert 0 < rss < AS_CAP
 
 
+@pytest.mark.slow
 def test_the_general_decoder_holds_a_window_not_the_json(tmp_path):
     d = tmp_path / "run"
     d.mkdir()

@@ -499,6 +499,7 @@ def _group_running(pgid: int) -> list[int]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
     pytest.importorskip("torch")
     proc = subprocess.Popen([sys.executable, "-m", "traceana", "collect", "--pp", "2", "--microbatches", "2",
@@ -520,6 +521,7 @@ def test_sigterm_to_collect_leaves_nothing_of_its_group_running(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in err and left == []
 
 
+@pytest.mark.multiprocess
 def test_sigkill_to_collect_leaves_no_rank_waiting_for_its_peers(tmp_path):
     # SIGKILL runs no clean-up of collect's: the ranks must end by themselves once their launcher has gone (an orphan
     # rank held collect's stdout open and waited for its rendezvous: the caller's read of the output hung)

@@ -64,6 +64,7 @@ def test_merge_through_a_symlink_writes_its_target_and_keeps_the_link(run2, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json.gz", "run", "tgt.json.gz"]  # no temporary left
 
 
+@pytest.mark.slow
 def test_a_chain_of_links_and_a_new_target_are_written_at_the_end_of_the_chain(run2, tmp_path, capsys):
     (tmp_path / "a").symlink_to("b")
     (tmp_path / "b").symlink_to("report.html")  # dangling: created, as the shell's `>` would
@@ -91,6 +92,7 @@ def test_export_through_a_symlinked_table_writes_its_target(run2, tmp_path, caps
     assert (d / "steps.csv").is_symlink() and "step" in kept.read_text().splitlines()[0]
 
 
+@pytest.mark.slow
 def test_a_link_to_standard_output_is_standard_output(run2, tmp_path):
     """`ln -s /proc/self/fd/1 D/stdout; report -o D/stdout > F`: the report is in F, D/stdout still the link."""
     d = tmp_path / "D"
@@ -128,6 +130,7 @@ def test_the_names_of_descriptors_are_told_by_name(tmp_path):
     assert descriptor_of(tmp_path / "dev" / "fd" / "4") == 4 and descriptor_of(tmp_path / "nothing") is None
 
 
+@pytest.mark.slow
 def test_a_descriptor_other_than_stdout_is_written_or_refused(run2, tmp_path):
     out = tmp_path / "three.json"
     r = _sh(f'$TRACEANA merge "{run2}" -o /dev/fd/3 --no-cache --quiet 3> "{out}"')

@@ -208,6 +208,7 @@ json.dump(ends, open(truth, "w"))
 """
 
 
+@pytest.mark.multiprocess
 def test_a_real_tensorboard_trace_handler_job(tmp_path):
     """torch.profiler's own tensorboard_trace_handler, two cycles of two active steps: watch shows both cycles, and
     each one's step time is the one measured outside the trace (perf_counter between the prof.step() calls that

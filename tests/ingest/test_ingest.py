@@ -323,6 +323,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_real_torch_gloo_trace(tmp_path):
     """A 2-rank gloo send/recv collected here with torch.profiler: peers, tags and sizes come out right."""
     pytest.importorskip("torch")

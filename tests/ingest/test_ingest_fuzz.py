@@ -254,6 +254,7 @@ def _two_ranks(kind: str, shift_us: float) -> tuple[list[dict], dict | None]:
 @settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(SEMANTIC)), shift_us=st.floats(1, 90), gz=st.booleans())
+@pytest.mark.slow
 def test_semantic_mutations_are_named_or_refused_never_silent(tmp_path_factory, kind, shift_us, gz):
     import warnings
 
@@ -285,6 +286,7 @@ def test_semantic_mutations_are_named_or_refused_never_silent(tmp_path_factory, 
     assert (steps["ns"] == steps["dur_ns"]).all()
 
 
+@pytest.mark.slow
 def test_semantic_mutation_counts():
     """Runs after the fuzz test above (file order): every kind was tried, and the totals agree."""
     if not SEMANTIC_COUNTS["analysed"] + SEMANTIC_COUNTS["refused"]:

@@ -137,6 +137,7 @@ def test_estimate_cli_bad_input_is_one_line_exit_2(argv, capsys):
     assert err.startswith("traceana: error:") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_the_verdict_reports_progress_over_every_simulation_and_keeps_none(monkeypatch):
     """on_progress counts every simulated configuration (counted here by wrapping the simulator itself) up to the
     total it announced (which grows only by the flip search's few), and the verdict is the one given without a

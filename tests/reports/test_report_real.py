@@ -23,6 +23,7 @@ def runs(collected_run) -> dict[str, Path]:
     return {"baseline": collected_run("1f1b"), "bpipe": collected_run("1f1b_bpipe")}
 
 
+@pytest.mark.multiprocess
 def test_demo_collects_through_the_collectors_api(tmp_path):
     """The demo's own collection call, on the smallest pipeline the trainer accepts."""
     from reports.demo_command import collect_run

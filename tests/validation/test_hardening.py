@@ -203,7 +203,7 @@ def test_watch_says_why_a_run_with_a_broken_run_json_never_shows(tmp_path, capsy
     (run / "run.json").write_text('{"pp": 2, ')
     assert main(["watch", str(run), "--once", "--settle", "0"]) == 0
     out = capsys.readouterr()
-    assert "not valid JSON" in out.out + out.err, out
+    assert "not valid JSON" in " ".join((out.out + out.err).split()), out  # wrapped where the (tmp) path ends
 
 
 def test_the_noise_floor_is_only_taken_from_two_runs_of_one_configuration(tmp_path, capsys):
