@@ -100,7 +100,7 @@ def test_the_invariant_catches_a_scale_the_measured_durations_cannot_show(big, m
     def frozen_tail(levels, work, gap, transfer, **kw):
         n, by_level, offset, last, origin, tail, *rest = levels
         host_free = real(levels, work, gap, transfer, **kw)
-        total0 = levels[8]  # (the measured work, gaps and transfers: rho's denominator)
+        total0 = levels[6]  # (the measured work, gaps and transfers: rho's denominator)
         ratio = (work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0
         return host_free - (tail[None, :] * (ratio[:, None] - 1)).round().astype(host_free.dtype)
 

@@ -729,16 +729,13 @@ def _plan(g: StepGraph, step: int) -> dict:
     blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
                  .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
     origin = int(win["start_ns"].min())
-    host0 = [0.0] * len(ranks)  # each rank's measured host gaps: what its lags and tail scale with
-    for r, gp in ops.group_by("rank").agg(pl.col("gap_ns").sum()).iter_rows():
-        host0[dev[r]] = float(gp)
     # waits no edge explains, in keys' order
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
             "messages": messages, "msg_dev": msg_dev, "blocking": blocking,
             "chains": {j: c for j, c in chains.items() if c}, "lag_wait": lag_wait,
-            "origin": origin, "host0": host0,
+            "origin": origin,
             "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
@@ -768,21 +765,37 @@ def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
     return out
 
 
-def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[float]
-            ) -> tuple[list[float], float]:
+def _scales(plan: dict, w_list: list[float], g_list: list[float], t_list: list[float],
+            run_host: dict[int, tuple[float, float]]) -> tuple[list[float], float]:
     """What the time the graph holds no operation for scales with in a variant (docs/whatif.md "No frozen time"):
-    per rank its host ratio (its host gaps in the variant over the measured ones; the step's where it measured
-    none) — the
-    rank's lags before a send or a receive's post and its tail after its last operation are its CPU's host work —
-    and the step's ratio ``rho`` (all its work, gaps and transfers in the variant over the measured ones): a rank
-    that started the step late waited on the previous step, taken to shrink as this one does."""
-    sums = [0.0] * len(plan["ranks"])
-    for (r, _), x in zip(plan["keys"], g_list):
-        sums[plan["dev"][r]] += x
+    per rank its host ratio (its host gaps in the variant over the measured ones, summed over all the graph's steps:
+    ``run_host``, from ``_run_host``; the step's ratio where it measured none) — the rank's lags before a send or a
+    receive's post and its tail after its last operation are its CPU's host work — and the step's ratio ``rho`` (all
+    its work, gaps and transfers in the variant over the measured ones): a rank that started the step late waited on
+    the previous step, taken to shrink as this one does.
+
+    Why over all steps: one step's host gaps can be a few hundred µs beside tens of ms of lags; a variant that gives
+    that rank its typical gaps (the ideal: medians over steps) then multiplied the lags by 35 (a 1F1B step replayed at
+    2,429 ms instead of 1,056 from one 5 ms gap, at load 10). Over the run the ratio is what the variant does to the
+    rank's host work, not one step's noise; a single step, doubled durations or ``host*k`` are unchanged by it."""
     total0 = plan["total0"]
     rho = (sum(w_list) + sum(g_list) + sum(t_list)) / total0 if total0 > 0 else 1.0
-    host = [x / h if h > 0 else rho for x, h in zip(sums, plan["host0"])]
+    ratios = [run_host.get(r, (0.0, 0.0)) for r in plan["ranks"]]
+    host = [x / h if h > 0 else rho for x, h in ratios]
     return host, rho
+
+
+def _run_host(g: StepGraph, ops: pl.DataFrame | None, gaps: list[pl.Expr] | None = None
+              ) -> dict[int, tuple[list[float], float]]:
+    """Per rank its host gaps summed over the graph's steps: (in each variant: the expressions ``gaps`` over ``ops``,
+    or ``ops``' gap_ns; the graph's measured), what ``_scales``' host ratio divides."""
+    gaps = [pl.col("gap_ns")] if gaps is None else gaps
+    frame = g.ops if ops is None else ops
+    var = frame.group_by("rank").agg([x.cast(pl.Float64).sum().alias(f"_{i}") for i, x in enumerate(gaps)])
+    meas = g.ops.group_by("rank").agg(pl.col("gap_ns").cast(pl.Float64).sum().alias("_m"))
+    both = var.join(meas, on="rank", how="left")
+    cols = [f"_{i}" for i in range(len(gaps))]
+    return {r: (list(v), float(m or 0.0)) for r, *v, m in both.select("rank", *cols, "_m").iter_rows()}
 
 
 def _own_pieces(plan: dict, j: int) -> list[tuple[tuple, list[tuple]]]:
@@ -893,11 +906,14 @@ def _message_terms(plan: dict, host: list[float], t_list: list[float], rho: floa
     return out  # type: ignore[return-value]
 
 
-def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None):
+def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame | None, values=None,
+         run_host=None):
     """The engine on one step: (plan, the engine's Trace, when each device is free at the end)."""
     plan = _plan(g, step)
     w_list, g_list, t_list = (values or _values(g, ops, edges)).get(step, ([], [], []))
-    host, rho = _scales(plan, w_list, g_list, t_list)
+    if run_host is None:
+        run_host = _run_host(g, ops)
+    host, rho = _scales(plan, w_list, g_list, t_list, {r: (v[0], m) for r, (v, m) in run_host.items()})
     work = dict(zip(plan["keys"], w_list))
     gaps = {k: (x + w * rho, x + w * rho) for k, x, w in zip(plan["keys"], g_list, plan["wait"])}
     inputs: dict[tuple, list] = {}
@@ -923,9 +939,10 @@ def replay_steps_ns(g: StepGraph, *, ops: pl.DataFrame | None = None, edges: pl.
                     ) -> list[int]:
     """``replay(...).step_ns`` of every step of the graph, without the per-operation tables (what a what-if needs)."""
     values = _values(g, ops, edges)
+    run_host = _run_host(g, ops)
     out = []
     for step in g.steps:
-        plan, _, free, starts, tails = _run(g, step, None, None, values)
+        plan, _, free, starts, tails = _run(g, step, None, None, values, run_host)
         per_rank = _rank_steps_ns(free, tails, starts)
         out.append(max(per_rank))
         if ops is None and edges is None:
@@ -1012,7 +1029,9 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
         work = matrix(o, [w for w, _, _ in rows])
         gap = matrix(o, [gp for _, gp, _ in rows])
         transfer = matrix(e, [t for _, _, t in rows])
-        per_step = [_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei])
+        run_host = _run_host(g, o, [gp for _, gp, _ in rows])
+        per_step = [_evaluate(levels[step], work[:, oi], gap[:, oi], transfer[:, ei],
+                              run_host=_host_columns(run_host, _plan(g, step)["ranks"], len(rows)))
                     for step, oi, ei in zip(g.steps, o_idx, e_idx)]
         if c0 == 0:
             _check_measured(g, [s[0] for s in per_step], [s[1] for s in per_step])
@@ -1151,13 +1170,20 @@ def _levels(g: StepGraph, step: int):
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
     last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
-    # each device's operations are contiguous (keys in rank, seq order): its host sum is one reduceat segment
-    seg = np.flatnonzero(np.r_[True, r_of[1:] != r_of[:-1]]) if n else np.zeros(0, dtype=np.int64)
-    segments = (seg, r_of[seg] if n else seg)
     plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
-                      np.array(plan["tail"], dtype=np.float64), segments, np.array(plan["host0"]), plan["total0"],
+                      np.array(plan["tail"], dtype=np.float64), plan["total0"],
                       np.array(plan["wait"], dtype=np.float64), (m_dst.size, fold_cols))
     return plan["levels"]
+
+
+def _host_columns(run_host: dict, ranks: list[int], v: int):
+    """``_run_host``'s sums as _evaluate reads them: (variants × this step's ranks, the measured per rank)."""
+    import numpy as np
+
+    none = ([0.0] * v, 0.0)
+    var = np.array([run_host.get(r, none)[0] for r in ranks], dtype=np.float64).reshape(len(ranks), v).T
+    meas = np.array([run_host.get(r, none)[1] for r in ranks], dtype=np.float64)
+    return var, meas
 
 
 def _check_measured(g: StepGraph, batched: list, doubled: list) -> None:
@@ -1187,21 +1213,20 @@ def _check_measured(g: StepGraph, batched: list, doubled: list) -> None:
                     "causal.scheduler.run_schedule) — a bug, report it")
 
 
-def _evaluate(levels, work, gap, transfer):
+def _evaluate(levels, work, gap, transfer, *, run_host):
     """_levels' graph with ``work``/``gap`` (variants × operations) and ``transfer`` (variants × messages): each
     variant's every rank's step (ns; variants × ranks, in ``_plan``'s order), as ``replay_steps_ns`` computes it
     (``replay_variants``; the step is the slowest rank's)."""
     import numpy as np
 
-    n, by_level, offset, last, origin, tail, (seg, seg_dev), host0, total0, wait, (n_rows, fold_cols) = levels
+    n, by_level, offset, last, origin, tail, total0, wait, (n_rows, fold_cols) = levels
     v = work.shape[0]
-    # _scales, per variant: the ranks' host ratios and the step's
-    sums = np.zeros((v, host0.size))
-    if n:  # (sums of whole nanoseconds: exact in any order, as _scales' are)
-        sums[:, seg_dev] = np.add.reduceat(gap, seg, axis=1)
+    # _scales, per variant: the ranks' host ratios (over the run's steps: _run_host, as _host_columns lays it out)
+    # and the step's
+    sums, h0 = run_host
     rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
            else np.ones(v))
-    host = np.where(host0[None, :] > 0, sums / np.where(host0 > 0, host0, 1.0)[None, :], rho[:, None])
+    host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[:, None])
     starts = np.round(offset[None, :] * rho[:, None])
     end = np.empty((v, n + offset.size))
     end[:, n:] = starts
