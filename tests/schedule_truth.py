@@ -1,6 +1,8 @@
 """The independent wall-clock truth of a torch.distributed.pipelining run (collectors.pipelining_example --truth):
 per rank, the share of each profiled step spent in compute calls and in blocking P2P waits, from
-``time.perf_counter_ns()`` spans recorded outside the profiler. Nothing here reads a trace or calls traceana.
+``time.perf_counter_ns()`` spans recorded outside the profiler; and, for the reference trainer's known workload
+(``collect --work sleep``), what its side files say a replay cannot know. Nothing here reads a trace or calls
+traceana.
 """
 
 from __future__ import annotations
@@ -144,3 +146,29 @@ def unaccounted_ns(truth_dir: Path, rank: int, step: int) -> int:
     covered = _union([(s, e) for _, s, e, _ in inside], lo, hi)
     late = sum(max(d, 0) for k, _, _, d in inside if k == "blocked")
     return (hi - lo) - _length(covered) + late
+
+
+def waited_between_holds_ms(run_dir: Path) -> float:
+    """What a replay of a known-workload run of the reference trainer (``collect --work sleep``) fed with its own
+    pass durations cannot know: the most, in one profiled step, that the ranks' training threads waited for a CPU
+    outside their held passes, all ranks together, in ms. From the side files the trainer writes outside the
+    profiler (``RUN/<run.json workload.spans>/rank{R}.json``, docs/known-workload.md): a step's run-queue delay
+    (schedstat) less its holds'. The holds' own delay is inside the passes' measured durations, which the replay
+    has; this one lands in the P2P waits, the optimizer and the Python between passes, where the replay puts their
+    typical (median) time — each instant of it on the step's path at most once, so it bounds the replay's error
+    either way. A few ms on a quiet machine; a loaded one widens it by what it took."""
+    manifest = json.loads((Path(run_dir) / "run.json").read_text())
+    folder = Path(run_dir) / manifest["workload"]["spans"]
+    active = manifest["profiler"]["active"]
+    waited: dict[int, int] = {}
+    for f in sorted(folder.glob("rank*.json")):
+        doc = json.loads(f.read_text())
+        at = {name: i for i, name in enumerate(doc["span_fields"])}
+        held: dict[int, int] = {}
+        for s in doc["spans"]:
+            held[s[at["step"]]] = held.get(s[at["step"]], 0) + s[at["run_delay_ns"]]
+        fields = {name: i for i, name in enumerate(doc["step_fields"])}
+        for st in doc["steps"][-active:]:
+            step = st[fields["step"]]
+            waited[step] = waited.get(step, 0) + max(0, st[fields["run_delay_ns"]] - held.get(step, 0))
+    return max(waited.values(), default=0) / 1e6

@@ -14,6 +14,7 @@ import polars as pl
 import pytest
 
 from collected_runs import RUNS
+from schedule_truth import waited_between_holds_ms
 from traceana.causal.whatif import whatif
 from traceana.validation.plan import plan_whatif
 from traceana.ingest.run_dir import load_run
@@ -35,7 +36,8 @@ def _analysed(path):
 def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_run):
     # A B A: the undelayed configuration, the delayed one, the undelayed one again (interleaved, so a change of the
     # machine's speed during the test shows as the two undelayed runs' difference)
-    plain_run = _analysed(collected_run("sleep_1f1b_pp2"))
+    plain_path = collected_run("sleep_1f1b_pp2")
+    plain_run = _analysed(plain_path)
     slow = whatif(_analysed(collected_run("sleep_1f1b_pp2_slow")))
     again = whatif(_analysed(collected_run("sleep_1f1b_pp2_again")))
     plain = whatif(plain_run)
@@ -74,8 +76,12 @@ def test_a_delayed_stage_is_named_and_its_ideal_is_the_undelayed_step(collected_
 
     # another plan from the run's own durations: the plan it ran is its own step; GPipe instead of 1F1B, by hand the
     # same (m + p − 1)(F + B) of passes with equal stages (Huang et al. 2019, Narayanan et al. 2021), within the
-    # run's noise and the run-to-run change measured above
+    # run's noise, the run-to-run change measured above and what the plan, fed the run's pass durations and typical
+    # gaps, cannot know: the ranks' waiting for a CPU between their holds (the side files' schedstat, outside the
+    # trace; 7-12 ms a step quiet, 95-210 ms under 8 CPU-bound processes, where the prediction was seen 44-78 ms off)
     same = plan_whatif(plain_run)
     assert same["simulated_plan_ms"] == pytest.approx(same["simulated_as_run_ms"]) and same["speedup"] == 1
     gpipe = plan_whatif(plain_run, schedule="gpipe")
-    assert abs(gpipe["predicted_step_ms"] - same["measured_step_ms"]) <= p["noise_ms"] + drift, (gpipe, p, drift)
+    unknown = waited_between_holds_ms(plain_path)
+    assert abs(gpipe["predicted_step_ms"] - same["measured_step_ms"]) <= p["noise_ms"] + drift + unknown, (
+        gpipe, p, drift, unknown)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from collected_runs import RUNS
+from schedule_truth import waited_between_holds_ms
 from traceana.cli import main
 from traceana.core.errors import BadInputError
 from traceana.core.manifest import Manifest, Workload
@@ -192,23 +193,8 @@ def test_the_step_is_the_analytic_gpipe_step_plus_the_overhead_a_zero_hold_twin_
                     0.0, (sp["end_ns"] - sp["start_ns"]) / 1e6 - sp["stated_ms"])
         return max(v for k, v in late.items() if k >= max(late) - steps + 1)
 
-    def waited(path) -> float:
-        """The most the ranks' training threads waited for a CPU in one profiled step outside their holds, all ranks
-        together (the side file's per-step run-queue delay less its holds'): what a loaded machine adds between the
-        passes (the P2P calls, the optimizer, the Python), on the path at most once, measured outside the trace."""
-        mf = Manifest.read(path / "run.json")
-        out: dict[int, float] = {}
-        for rank in range(mf.world_size):
-            held = _held(path, mf, rank)
-            holds: dict[int, int] = {}
-            for sp in held["spans"]:
-                holds[sp["step"]] = holds.get(sp["step"], 0) + sp["run_delay_ns"]
-            for st in held["steps"][-steps:]:
-                out[st["step"]] = out.get(st["step"], 0.0) + max(
-                    0, st.get("run_delay_ns", 0) - holds.get(st["step"], 0)) / 1e6
-        return max(out.values(), default=0.0)
-
     measured = step_spans(run)
+    waited = waited_between_holds_ms(run)  # the ranks' waiting for a CPU between the holds (measured, side files)
     overhead = [statistics.median(step_spans(zero)), statistics.median(step_spans(again))]
     noise = max(overhead) - min(overhead)
     # never below the analytic step (holds never end early, every dependency is real); above it by no more than
@@ -216,8 +202,8 @@ def test_the_step_is_the_analytic_gpipe_step_plus_the_overhead_a_zero_hold_twin_
     # waiting for a CPU between them (measured, side spans)
     for step in measured:
         assert analytic - 1e-3 <= step, (step, analytic)
-    assert statistics.median(measured) <= analytic + max(overhead) + noise + overrun(run) + waited(run), (
-        measured, analytic, overhead, overrun(run), waited(run))
+    assert statistics.median(measured) <= analytic + max(overhead) + noise + overrun(run) + waited, (
+        measured, analytic, overhead, overrun(run), waited)
     assert manifest.workload.held_ms("B", stage=1, rank=1) == b[1]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from child_wait import wait_unless_hung
 from tracebuilder import TraceBuilder
 from traceana.core.manifest import Manifest
 
@@ -144,7 +145,9 @@ def test_windows_fed_live_then_ctrl_c(tmp_path):
         wait_for("2: steps 20–21")  # the comparison row comes last
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        # it ends by itself: a hang guard in the child's own CPU and blocked time, not the wall clock, which a loaded
+        # machine stretches (tests/child_wait.py)
+        code = wait_unless_hung(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
