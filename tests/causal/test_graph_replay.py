@@ -87,6 +87,30 @@ def test_a_senders_lag_is_its_host_work():
     assert replayed_ms(g, ["host*2"]) == [29]
 
 
+def test_a_ranks_host_ratio_is_over_the_run_not_one_step():
+    # the senders-lag step twice: rank 0's 2 ms send lag in both, its host gap before B 2 ms in step 0 and 0.1 ms in
+    # step 1 (2.1 ms of host work over the run); both steps 27 ms (C ends at 10 + 2 + 5 + 10). The variant gives that
+    # gap 1 ms in both steps (what the ideal does: the rank's typical gap): its host work over the run 2 ms, so its
+    # lags scale by 2 / 2.1, C ends at 25 + 2 × 2 / 2.1 = 26.904762 ms in both steps. Per step, step 1's ratio would
+    # be 1 / 0.1 = 10: a 20 ms lag, a 45 ms step.
+    one = hand([(0, 0, "F", 10, 0, 0), (0, 1, "F", 10, 2, 0), (1, 0, "F", 10, 0, 0)], [(0, 0, 1, 0, None, 2, 0, 5)])
+    o = pl.concat([one.ops, one.ops.with_columns(step=pl.lit(1, dtype=one.ops["step"].dtype),
+                                                 gap_ns=pl.when((pl.col("rank") == 0) & (pl.col("seq") == 1))
+                                                 .then(round(0.1 * MS)).otherwise(pl.col("gap_ns")))])
+    e = pl.concat([one.edges, one.edges.with_columns(step=pl.lit(1, dtype=one.edges["step"].dtype))])
+    rk = pl.concat([one.ranks, one.ranks.with_columns(step=pl.lit(1, dtype=one.ranks["step"].dtype))])
+    g = graph.StepGraph(ops=o, edges=e, ranks=rk, steps=(0, 1))
+    assert graph.replay_steps_ns(g) == [27 * MS, 27 * MS]
+    gap = pl.when((pl.col("rank") == 0) & (pl.col("seq") == 1)).then(MS).otherwise(pl.col("gap_ns"))
+    want = round(25 * MS + 2 * MS * 2 / 2.1)
+    assert graph.replay_steps_ns(g, ops=o.with_columns(gap_ns=gap)) == [want, want]
+    old, graph.BATCH_FROM_OPS = graph.BATCH_FROM_OPS, 0
+    try:
+        assert graph.replay_variants(g, o, e, [(pl.col("work_ns"), gap, pl.col("transfer_ns"))]) == [[want, want]]
+    finally:
+        graph.BATCH_FROM_OPS = old
+
+
 def test_a_late_start_shrinks_with_the_step():
     # rank 1 starts its step 4 ms after rank 0 (the previous step ended late there); A (10 ms) on rank 0 feeds C
     # (10 ms) on rank 1 at once: C 10-20, rank 1's step 16 ms. Forwards at half: the step's work halves, so does the
