@@ -40,6 +40,7 @@ the trace, collective membership is the rule above.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -814,6 +815,26 @@ def _folded(plan: dict) -> list[int]:
     return sorted(set(plan["chains"]) | set(plan["lag_wait"]))
 
 
+def _awaited_first(plan: dict, done) -> Iterator[int]:
+    """The folded messages (``_folded``), each after the messages its posts waited on (depth first; a loop is cut):
+    ``done(j)`` says whether j has its terms already — the caller fills them in as each is yielded. The one order
+    the engine's terms (``_message_terms``) and the batched evaluator's (``_chained_terms``) are built in."""
+    chains = plan["chains"]
+    for j0 in _folded(plan):
+        stack, on = [j0], {j0}
+        while stack:
+            j = stack[-1]
+            todo = [v for _, v, _ in chains.get(j, ()) if not done(v) and v not in on]
+            if todo:
+                stack += todo
+                on.update(todo)
+                continue
+            stack.pop()
+            on.discard(j)
+            if not done(j):
+                yield j
+
+
 def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[tuple]]]] | None:
     """``_message_terms`` unevaluated, for the ``_folded`` messages: per message its terms as (product, pieces), a
     term's lag being the left fold of its pieces — ("h", lag, device): lag × that device's host ratio, ("t",
@@ -823,32 +844,20 @@ def _chained_terms(plan: dict, limit: int) -> dict[int, list[tuple[tuple, list[t
     chains = plan["chains"]
     out: dict[int, list[tuple[tuple, list[tuple]]]] = {}
     total = 0
-    for j0 in _folded(plan):
-        stack, on = [j0], {j0}
-        while stack:
-            j = stack[-1]
-            todo = [v for _, v, _ in chains.get(j, ()) if v not in out and v not in on]
-            if todo:
-                stack += todo
-                on.update(todo)
+    for j in _awaited_first(plan, out.__contains__):
+        sd, dd = plan["msg_dev"][j]
+        w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+        terms = _own_pieces(plan, j)
+        for side, via, lag in chains.get(j, ()):
+            if via not in out:  # (a loop: cut, as the engine cuts it)
                 continue
-            stack.pop()
-            on.discard(j)
-            if j in out:
-                continue
-            sd, dd = plan["msg_dev"][j]
-            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
-            terms = _own_pieces(plan, j)
-            for side, via, lag in chains.get(j, ()):
-                if via not in out:  # (a loop: cut, as the engine cuts it)
-                    continue
-                scale, w = (sd, w_s) if side == "send" else (dd, w_p)
-                tail = [("t", via), ("h", lag, scale)] + ([("r", w)] if w else [])
-                terms += [(k, [*pieces, *tail]) for k, pieces in out[via]]
-            total += len(terms)
-            if total > limit:
-                return None
-            out[j] = terms
+            scale, w = (sd, w_s) if side == "send" else (dd, w_p)
+            tail = [("t", via), ("h", lag, scale)] + ([("r", w)] if w else [])
+            terms += [(k, [*pieces, *tail]) for k, pieces in out[via]]
+        total += len(terms)
+        if total > limit:
+            return None
+        out[j] = terms
     return out
 
 
@@ -874,35 +883,23 @@ def _message_terms(plan: dict, host: list[float], t_list: list[float], rho: floa
         if j not in folded:
             sd, dd = dev_of[j]
             out[j] = ((made, send_lag * host[sd]), (anchor, post_lag * host[dd]))
-    for j0 in sorted(folded):
-        stack, on = [j0], {j0}
-        while stack:
-            j = stack[-1]
-            todo = [v for _, v, _ in chains.get(j, ()) if out[v] is None and v not in on]
-            if todo:
-                stack += todo
-                on.update(todo)
+    for j in _awaited_first(plan, lambda v: out[v] is not None):
+        sd, dd = dev_of[j]
+        w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
+        best: dict[tuple, float] = {}
+        for k, pieces in _own_pieces(plan, j):
+            lag = _fold(pieces, host, t_list, rho)
+            best[k] = max(best.get(k, lag), lag)
+        for side, via, lag in chains.get(j, ()):
+            if out[via] is None:  # (a loop: the timeline contradicts the pairing there; the link is cut)
                 continue
-            stack.pop()
-            on.discard(j)
-            if out[j] is not None:
-                continue
-            sd, dd = dev_of[j]
-            w_s, w_p = plan["lag_wait"].get(j, (0.0, 0.0))
-            best: dict[tuple, float] = {}
-            for k, pieces in _own_pieces(plan, j):
-                lag = _fold(pieces, host, t_list, rho)
-                best[k] = max(best.get(k, lag), lag)
-            for side, via, lag in chains.get(j, ()):
-                if out[via] is None:  # (a loop: the timeline contradicts the pairing there; the link is cut)
-                    continue
-                scale, w = (host[sd], w_s) if side == "send" else (host[dd], w_p)
-                for k, t in out[via]:
-                    x = t + t_list[via] + lag * scale
-                    if w:
-                        x = x + w * rho
-                    best[k] = max(best.get(k, x), x)
-            out[j] = tuple(best.items())
+            scale, w = (host[sd], w_s) if side == "send" else (host[dd], w_p)
+            for k, t in out[via]:
+                x = t + t_list[via] + lag * scale
+                if w:
+                    x = x + w * rho
+                best[k] = max(best.get(k, x), x)
+        out[j] = tuple(best.items())
     return out  # type: ignore[return-value]
 
 
