@@ -21,7 +21,10 @@ every P2P call (torch's ``_batch_p2p`` / ``_sorted_batch_p2p`` posts and ``_wait
 is blocked, not compute, even inside an action), per step, into ``<out>.truth/rank{R}.json``: an independent
 measurement to check traceana's compute and blocked shares against. Each span and step also carries how long the
 thread was runnable but waiting for a CPU inside it (Linux's schedstat run delay): on a machine with fewer cores than
-ranks a descheduled thread records nothing in the trace, and that is where a trace and a timer can disagree.
+ranks a descheduled thread records nothing in the trace, and that is where a trace and a timer can disagree. Each
+step also carries the run delay of the process's other threads in it: gloo moves a message's bytes on its own socket
+threads, so a receive can return late because the peer's (or its own) socket thread waited for a CPU, which neither
+the trace nor the training thread's own delay shows.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from collectors.profiler import PipelineProfiler
 from collectors.trainer import data
 from collectors.trainer.config import PRESETS
 from collectors.trainer.model import GPT
-from collectors.trainer.workload import Clock, make_sleeping, run_delay_ns
+from collectors.trainer.workload import Clock, make_sleeping, other_threads_run_delay_ns, run_delay_ns
 from traceana.core.manifest import Manifest, Workload
 from traceana.core.pipeline_rules import placement_of, stage_layer_ranges
 from traceana.core.pipeline_rules import stages_of_ranks as rules_stages_of_ranks
@@ -80,7 +83,8 @@ class Truth:
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, int, int, int]] = []  # kind, start, end, run-queue delay inside
-        self.steps: list[tuple[int, int, int]] = []  # start, end, run-queue delay inside
+        # start, end, run-queue delay inside, and that of the process's other threads (gloo's) in the step
+        self.steps: list[tuple[int, int, int, int]] = []
 
     def wrap(self, kind: str, fn):
         def timed(*args, **kwargs):
@@ -229,14 +233,14 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
                                             attention=attention, warmup_steps=warmup_steps, workload=workload)
                           if rank == 0 else None,
                           metadata={"stages": my_stages, "collector": "torch.distributed.pipelining"}) as prof:
-        delay, begun = run_delay_ns(), time.perf_counter_ns()
+        delay, others, begun = run_delay_ns(), other_threads_run_delay_ns(), time.perf_counter_ns()
         for step, (args, kwargs) in enumerate(batches[unprofiled:], start=unprofiled):
             _train_step(schedule, optimizer, args, kwargs, clock, step)
             if truth:
                 now = time.perf_counter_ns()
-                truth.steps.append((begun, now, run_delay_ns() - delay))
+                truth.steps.append((begun, now, run_delay_ns() - delay, other_threads_run_delay_ns() - others))
             prof.step()
-            delay, begun = run_delay_ns(), time.perf_counter_ns()
+            delay, others, begun = run_delay_ns(), other_threads_run_delay_ns(), time.perf_counter_ns()
     dist.destroy_process_group()
     if truth:
         truth.write(truth_dir / f"rank{rank}.json")

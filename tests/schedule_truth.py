@@ -104,7 +104,7 @@ def descheduled_disagreement(truth_dir: Path, rank: int, steps: list[int], trace
     explained = {"compute": 0, "blocked": 0}
     step_total = 0
     for step in steps:
-        lo, hi, step_delay = doc["steps"][step]
+        lo, hi, step_delay, *_ = doc["steps"][step]
         step_total += hi - lo
         spans = sorted(((k, max(s, lo), min(e, hi), d) for k, s, e, d in doc["spans"] if s < hi and e > lo),
                        key=lambda x: (x[1], -x[2]))
@@ -138,14 +138,17 @@ def descheduled_disagreement(truth_dir: Path, rank: int, steps: list[int], trace
 def unaccounted_ns(truth_dir: Path, rank: int, step: int) -> int:
     """What a replay fed with the step's own compute durations and transfers cannot know, on one rank: the time of
     iteration ``step`` inside neither a compute call nor a P2P call (the Python between calls, the rank waiting for a
-    CPU there), and the run delay inside its P2P calls (a wait that returned late because the rank was descheduled,
-    not because its peer was late)."""
+    CPU there), the run delay inside its P2P calls (a wait that returned late because the rank was descheduled,
+    not because its peer was late), and the run delay of the rank's other threads in the step: gloo moves a
+    message's bytes on its socket threads, so a receive returns late when the sender's or the receiver's socket
+    thread waited for a CPU, though both training threads ran (seen on CI: a 5.6 ms wait for a message posted
+    before the receive, with 0.04 ms of the receiver's own delay)."""
     doc = json.loads((Path(truth_dir) / f"rank{rank}.json").read_text())
-    lo, hi, *_ = doc["steps"][step]
+    lo, hi, _, others = doc["steps"][step]
     inside = [(k, s, e, d) for k, s, e, d in doc["spans"] if s < hi and e > lo]
     covered = _union([(s, e) for _, s, e, _ in inside], lo, hi)
     late = sum(max(d, 0) for k, _, _, d in inside if k == "blocked")
-    return (hi - lo) - _length(covered) + late
+    return (hi - lo) - _length(covered) + late + max(others, 0)
 
 
 def waited_between_holds_ms(run_dir: Path) -> float:

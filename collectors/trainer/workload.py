@@ -51,6 +51,25 @@ def run_delay_ns() -> int:
         return 0
 
 
+def other_threads_run_delay_ns() -> int:
+    """How long this process's other threads (gloo's socket loops and workers, torch's pools) have been runnable but
+    waiting for a CPU, in all: the sum of /proc/self/task/*/schedstat's second field less this thread's; 0 where the
+    kernel does not tell. A message between two ranks moves on those threads, so their waiting can delay a receive
+    that the training thread's own run delay does not show."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return max(0, total - run_delay_ns())
+
+
 def hold_until(deadline: float) -> None:
     """Sleep until ``time.perf_counter()`` reaches ``deadline`` (re-sleeping what an early wake-up left)."""
     while (left := deadline - time.perf_counter()) > 0:

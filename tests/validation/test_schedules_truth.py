@@ -206,10 +206,11 @@ def test_validate_replays_a_split_backward_schedule_of_the_known_workload_within
     # ZB-V on the known workload (2 ranks × 2 stages, F 10, I 20, W 10 ms held, tests/collected_runs.py), with the
     # wall-clock truth beside it. The replay is fed the step's own pass durations and transfers, so by construction
     # what it can miss is only what no input holds: on each rank the time inside neither a compute nor a P2P call
-    # (the Python between them, or the rank waiting for a CPU there) and the run delay inside its P2P waits, all
-    # measured by the run itself (perf_counter and schedstat, outside the trace). Every such instant on the step's
-    # path is some rank's, so their sum over ranks bounds the replay's error either way; on a quiet machine it is a
-    # few ms of a ~300 ms step, and a loaded machine widens it by exactly what it took.
+    # (the Python between them, or the rank waiting for a CPU there), the run delay inside its P2P waits and that
+    # of its other threads (gloo's socket threads move the bytes), all measured by the run itself (perf_counter and
+    # schedstat, outside the trace). Every such instant on the step's path is some rank's, so their sum over ranks
+    # bounds the replay's error either way; on a quiet machine it is ~14 ms of a ~365 ms step (the replay was 4.5 ms
+    # off), and a loaded machine widens it by exactly what it took (8 busy loops: 69-158 ms, errors 14-49 ms).
     from collectors.pipelining_example import truth_path
     from traceana.validation import validate
 
