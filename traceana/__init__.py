@@ -18,9 +18,13 @@ import sys as _sys
 
 def _located_as_program() -> bool:
     """Whether Python is locating ``python -m traceana`` right now (``sys.argv[0]`` is "-m" only until the module
-    runs) — not another ``python -m`` program whose package imports traceana, which keeps its own signal handlers."""
+    runs) — not another ``python -m`` program whose package imports traceana, which keeps its own signal handlers —
+    or running the ``traceana`` console script pip writes (``from traceana.cli import main``: the script is
+    ``__main__`` and ``sys.argv[0]``, and its imports took ~0.3 s before cli.main took the signals over)."""
     if _sys.argv[:1] != ["-m"]:
-        return False
+        script = getattr(_sys.modules.get("__main__"), "__file__", None)
+        return bool(script) and script == _sys.argv[0] and script.replace("\\", "/").rsplit("/", 1)[-1] in (
+            "traceana", "traceana-script.py")
     args = list(getattr(_sys, "orig_argv", ()))
     at = next((i for i, a in enumerate(args) if a.startswith("-m")), None)
     if at is None:

@@ -270,6 +270,20 @@ def test_a_signal_during_the_imports_is_one_line(run2, tmp_path, module, sig, co
     assert r.returncode == code and _one_line(r.stderr) in ("traceana: interrupted", "traceana: terminated (SIGTERM)")
 
 
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_during_the_console_scripts_imports_is_one_line(run2, tmp_path, sig, code):
+    # `traceana` as pip installs it (a script doing `from traceana.cli import main`), not `python -m traceana`: the
+    # signal lands while traceana imports, before cli.main takes the signals over (a traceback and death by the signal,
+    # before the script was counted as the program).
+    script = tmp_path / "bin" / "traceana"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom traceana.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n")
+    env = {**_with_site(tmp_path, _AT_IMPORT), "TRIP_MODULE": "traceana.core.errors", "TRIP_SIGNAL": sig}
+    r = subprocess.run([sys.executable, str(script), "analyze", str(run2), "--no-cache"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == code and _one_line(r.stderr) in ("traceana: interrupted", "traceana: terminated (SIGTERM)")
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_during_a_cache_write_end_at_once_with_no_temporary(run2, tmp_path, sig, code):
     flag = tmp_path / "flag"
