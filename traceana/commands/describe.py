@@ -227,7 +227,7 @@ def text(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.core.files import STDOUT, refuse_inputs, write_text
     from traceana.ingest.run_dir import input_files
 

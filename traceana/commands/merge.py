@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.commands.export import write_merged_trace
     from traceana.core.files import descriptor_of, refuse_inputs
     from traceana.ingest.run_dir import input_files

@@ -91,7 +91,7 @@ def render_cross(cross: dict, *, console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.core.errors import AnalysisError
     from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 

@@ -154,7 +154,7 @@ def render_plan(plan: dict, *, console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.causal.whatif import parse_set, whatif
     from traceana.validation.plan import parse_layers
 
