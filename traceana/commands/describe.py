@@ -16,10 +16,11 @@ import json
 import sys
 from typing import Any
 
+from traceana.commands import options
+from traceana.core.files import STDOUT, refuse_inputs, write_text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, help="write a run.json template there (- for standard output); never over an input "
                                 "(the run's own run.json included) (default: none, only the description)")
@@ -228,7 +229,6 @@ def text(d: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze_run import load_and_analyze
-    from traceana.core.files import STDOUT, refuse_inputs, write_text
     from traceana.ingest.run_dir import input_files
 
     if args.output is not None and args.output != STDOUT:  # before any work: never over a trace or run.json

@@ -16,7 +16,8 @@ import json
 import math
 import sys
 
-from traceana.core.errors import ConfigError
+from traceana.commands import options
+from traceana.core.errors import BadInputError, ConfigError
 from traceana.core.flops import HFU_COUNTS, MFU_COUNTS
 from traceana.core.manifest import FAMILIES, ModelShape, check_peak_flops
 from traceana.core.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
@@ -31,8 +32,6 @@ DEFAULT_DEVICE = "a100-80gb"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     m = p.add_argument_group("model")
     options.model(m, default=None, presets=MODELS, help="a model preset")
     m.add_argument("--family", choices=FAMILIES, help="model family, for an explicit shape (default: the preset's)")
@@ -115,7 +114,6 @@ def _from_run(args: argparse.Namespace) -> TrainingConfig:
     traces: their analysis is validate's)."""
     from pathlib import Path
 
-    from traceana.core.errors import BadInputError
     from traceana.core.manifest import MANIFEST_NAME, Manifest
     from traceana.core.run_config import RunConfig
 

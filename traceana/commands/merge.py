@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from traceana.commands import options
+from traceana.core.files import descriptor_of, refuse_inputs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, default="merged.json.gz",
                    help="where to write the merged trace (.json.gz compressed, .json plain text; - for standard "
@@ -25,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze_run import load_and_analyze
     from traceana.commands.export import write_merged_trace
-    from traceana.core.files import descriptor_of, refuse_inputs
     from traceana.ingest.run_dir import input_files
     from traceana.core.tables import plural
 

@@ -12,10 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from traceana.commands import options
+from traceana.core.errors import AnalysisError, ConfigError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                    help="the run to validate (a directory with run.json and rank traces)")
     p.add_argument("--baseline", type=Path, metavar="RUN_DIR",
@@ -92,15 +93,12 @@ def render_cross(cross: dict, *, console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze_run import load_and_analyze
-    from traceana.core.errors import AnalysisError
     from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
                 names=args.names, diagnose=False)  # (validate shows no straggler: it does not pay for the what-if)
     if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
-        from traceana.core.errors import ConfigError
-
         raise ConfigError("--repeat gives the between-run noise of a cross-run prediction, and there is none "
                           "without --baseline",
                           fix="add --baseline OTHER_RUN, or drop --repeat")

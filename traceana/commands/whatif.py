@@ -28,6 +28,8 @@ import json
 import sys
 from pathlib import Path
 
+from traceana.commands import options
+
 SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal (the study's: the mean of "
             "each kind across stages), peers (ours: its peers' speed), KIND:ideal, KIND:peers, KIND*FACTOR (≤ "
             "1,000,000) or KIND=MS (≤ 1,000,000,000) and KIND one of forward, backward, optimizer, collective, p2p, "
@@ -36,8 +38,6 @@ SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     p.add_argument("--set", action="append", default=[], metavar="CHANGE", dest="changes", help=SET_HELP)
     p.add_argument("--schedule", metavar="NAME",
