@@ -16,7 +16,7 @@ from traceana.core.errors import BadInputError
 from traceana.core.files import refuse_inputs
 from traceana.core.manifest import check_peak_flops
 from traceana.ingest import reading
-from traceana.ingest.run_dir import input_files
+from traceana.measure.analysis_cache import input_files  # (run_dir's, loaded only when called: a cache hit reads no trace)
 from traceana.measure.analysis_cache import load_and_analyze as cached
 from traceana.measure.analysis_cache import run_name_rules
 
