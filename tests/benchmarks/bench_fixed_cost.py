@@ -80,6 +80,12 @@ def main() -> None:
                                                 env | {"PYTHONPATH": str(HERE)})
         if a.baseline:
             jobs[f"{tag}baseline: analyze"] = (analyze, env | {"PYTHONPATH": str(a.baseline.resolve())})
+            if a.cached:  # its own copy: an entry of one checkout is not the other's (the tool version is in its key)
+                copy = scratch / f"cached{i}-baseline"
+                shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".traceana"))
+                jobs[f"{tag}baseline: cache hit"] = (
+                    [sys.executable, "-m", "traceana", "analyze", str(copy), "--quiet"],
+                    env | {"PYTHONPATH": str(a.baseline.resolve())})
     for name, (cmd, e) in jobs.items():  # compile bytecode into the scratch prefix, and check that every job runs
         if measure(cmd, e)[3]:
             sys.exit(f"{name}: {' '.join(cmd)} failed (PYTHONPATH={e.get('PYTHONPATH')})")
