@@ -7,7 +7,7 @@ Counts every ``import traceana...`` / ``from traceana... import`` (relative ones
 a function (``def`` or ``async def``, at any depth) of traceana/, collectors/ or reports/, against those at module
 top (``if TYPE_CHECKING:`` blocks at module top count as top). ``--list`` prints each function-local one with its
 reason: the comment on its line, or on the comment lines right above it (or above the first of a run of imports),
-``(no reason given)`` where there is none. ``--by-file`` prints the counts per file. Prints counts; asserts nothing.
+else the file's ``# Function-local imports here:`` comment, ``(no reason given)`` where there is none. ``--by-file`` prints the counts per file. Prints counts; asserts nothing.
 """
 
 from __future__ import annotations
@@ -53,7 +53,17 @@ def reason(node: ast.AST, lines: list[str]) -> str:
     while i >= 0 and lines[i].strip().startswith("#"):
         above.insert(0, lines[i].strip().lstrip("#").strip())
         i -= 1
-    return " ".join(above) if above else "(no reason given)"
+    if above:
+        return " ".join(above)
+    for j, line in enumerate(lines):  # the file's own word for all of them
+        if line.startswith("# Function-local imports here:"):
+            text = [line.removeprefix("# Function-local imports here:").strip()]
+            k = j + 1
+            while k < len(lines) and lines[k].startswith("# "):
+                text.append(lines[k][2:].strip())
+                k += 1
+            return "(the module's) " + " ".join(text)
+    return "(no reason given)"
 
 
 def main() -> None:

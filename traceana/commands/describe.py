@@ -9,6 +9,10 @@ the file in the run folder (as run.json) for analyze, validate and whatif to rea
 run folder itself: the file is written only where -o says, and never over an input.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,10 @@ phases (forward/backward per micro-batch), one lane per micro-batch, and the att
 P2P, BPipe, collectives, host). Open the result in https://ui.perfetto.dev.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse

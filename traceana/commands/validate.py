@@ -5,6 +5,10 @@ plain 1F1B baseline) against the measured change, whose interval comes from repe
 traceana.measure.noise). "Replay" is only the what-if's replay of the measured step's graph (traceana whatif), never the
 simulator here."""
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,10 @@ taken once its files have stopped changing (--settle) and, for a run directory w
 there (or its job has ended). Stop with Ctrl-C, --count or --timeout.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse

@@ -21,6 +21,10 @@ per operation re-sequenced in that plan's order on the same engine, with its int
 stage (a prediction, not a replay); a plan `traceana collect` refuses is refused.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
