@@ -89,7 +89,7 @@ class _Lazy:
 
 
 def _load_events(run: "CachedRun") -> pl.DataFrame:
-    from traceana.ingest.run_dir import load_run
+    from traceana.ingest.run_dir import load_run  # (cost: a hit's events are read again only when asked for)
 
     with pywarnings.catch_warnings():  # the warnings were already given with the cached result
         pywarnings.simplefilter("ignore")
@@ -266,7 +266,7 @@ def _read_summary(entry: Path, meta: dict):
 
 
 def _ingest_warning(message: str):
-    from traceana.ingest.run_dir import category_of
+    from traceana.ingest.run_dir import category_of  # (cost: run_dir only when a hit replays a warning)
 
     return category_of(message)
 
@@ -278,7 +278,7 @@ def _glob_escape(name: str) -> str:
 def input_files(path: str | Path) -> list[Path]:
     """The files an analysis of ``path`` reads (``traceana.ingest.run_dir.input_files``), for commands above ingest
     that check their outputs against them."""
-    from traceana.ingest.run_dir import input_files as of_path
+    from traceana.ingest.run_dir import input_files as of_path  # (cost: run_dir, the decoder, only when called)
 
     return of_path(path)
 
