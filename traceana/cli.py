@@ -18,9 +18,12 @@ import signal
 import sys
 import warnings
 
+import traceana
 from traceana import _early_signals
+from traceana.commands.options import HelpFormatter
 from traceana.commands.registry import BY_NAME, COMMANDS, load
 from traceana.core.errors import TraceanaError, printable
+from traceana.core.files import remove_in_flight
 
 class _Parser(argparse.ArgumentParser):
     """Errors about a command's arguments print that command's usage (``traceana analyze …``), not the top level's:
@@ -35,8 +38,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given ``argv``, only the command it names is loaded (none for the top-level help)."""
-    from traceana.commands.options import HelpFormatter
-
     wanted = set(BY_NAME) if argv is None else {_command_in(argv)}
     parser = _Parser(
         prog="traceana",
@@ -68,7 +69,7 @@ class _Version(argparse.Action):
     """``--version``: importing ingest (polars) to say which decoder is built only when asked."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        import traceana
+        # (cost: the trace decoder, and polars, only for --version)
         from traceana.ingest.kineto import native_available
         from traceana.ingest.reading import SCANNER_STALE
 
@@ -118,8 +119,6 @@ def _on_signal(signum, frame) -> None:
     _signalled = signum
     _quiet_signals()
     if _at_once:
-        from traceana.core.files import remove_in_flight
-
         remove_in_flight()
         try:
             # (a progress bar hid the cursor)
@@ -290,11 +289,11 @@ def program_settings(run: str | os.PathLike | None = None) -> None:
         return
     if run is None:
         os.environ.setdefault("_RJEM_MALLOC_CONF", ALLOCATOR)
-        from traceana import _deferred
+        from traceana import _deferred  # (only as the program: a notebook calling main keeps its standard library)
 
         _deferred.defer(*_deferred.FOR_PROGRAM)
         return
-    from traceana.ingest import reading
+    from traceana.ingest import reading  # (cost: isal and the reader only for a command that reads a run)
 
     if reading.is_small_run(run):
         os.environ.setdefault("POLARS_MAX_THREADS", "1")
@@ -362,7 +361,7 @@ def _read_ahead(args: argparse.Namespace, *, program: bool = False) -> bool:
         return False
     if program:
         program_settings(path)
-    from traceana.ingest import reading
+    from traceana.ingest import reading  # (cost: as in program_settings)
 
     return reading.read_ahead(path, cache=not args.no_cache) is not None
 
@@ -397,7 +396,7 @@ def _main(argv: list[str] | None, *, program: bool = False) -> int:
         return 1
     finally:
         if ahead:  # not taken (a cache hit, an error before reading): stopped, its memory freed
-            from traceana.ingest import reading
+            from traceana.ingest import reading  # (loaded by then: it was read ahead)
 
             kineto = sys.modules.get("traceana.ingest.kineto")
             if kineto is not None:

@@ -10,6 +10,9 @@ import argparse
 import functools
 import sys
 
+from traceana.cli import build_parser
+from traceana.commands.registry import COMMANDS
+
 WIDTH = 100  # the help's line width in the file (a terminal of this many columns)
 
 PYTHON = "3.11"  # argparse lays the help out differently from one Python to the next; the file is written with this
@@ -25,9 +28,6 @@ when it is out of date.
 
 def reference() -> str:
     """The whole page: the top-level help, then each command's."""
-    from traceana.cli import build_parser
-    from traceana.commands.registry import COMMANDS
-
     parser = build_parser(None)
     parser.prog = "traceana"
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

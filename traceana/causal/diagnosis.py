@@ -33,6 +33,7 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
     the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
     can run."""
+    # (cost: the graph, the engine and the what-if only where a diagnosis runs: --no-whatif, validate, watch load none)
     from traceana.causal.graph import build
     from traceana.causal.whatif import whatif
 

@@ -9,6 +9,10 @@ the file in the run folder (as run.json) for analyze, validate and whatif to rea
 run folder itself: the file is written only where -o says, and never over an input.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +20,11 @@ import json
 import sys
 from typing import Any
 
+from traceana.commands import options
+from traceana.core.files import STDOUT, refuse_inputs, write_text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, help="write a run.json template there (- for standard output); never over an input "
                                 "(the run's own run.json included) (default: none, only the description)")
@@ -227,8 +232,7 @@ def text(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
-    from traceana.core.files import STDOUT, refuse_inputs, write_text
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.ingest.run_dir import input_files
 
     if args.output is not None and args.output != STDOUT:  # before any work: never over a trace or run.json

@@ -7,6 +7,10 @@ points (--efficiency 1:0.45,2:0.50) or an assumed saturating curve, which the ou
 # The modelled durations reach the engine through model.simulate.engine_inputs (model.bpipe.estimate_step), the path
 # whatif's plans feed a run's measured durations through.
 
+# Function-local imports here: cost. The model (and polars) is imported with the parser (estimate reads no run's
+# traces, so no small-run setting waits for it); the measured analysis and validation (--efficiency-from), the
+# tables' module (not for --json) and export only on the paths that use them.
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +20,11 @@ import json
 import math
 import sys
 
-from traceana.core.errors import ConfigError
+from traceana.commands import options
+from traceana.commands.options import microbatch_count
+from traceana.core.errors import BadInputError, ConfigError
 from traceana.core.flops import HFU_COUNTS, MFU_COUNTS
-from traceana.core.manifest import FAMILIES, ModelShape, check_peak_flops
+from traceana.core.manifest import FAMILIES, MANIFEST_NAME, Manifest, ModelShape, check_peak_flops
 from traceana.core.pipeline_rules import default_virtual_stages, stages_of_device, why_no_bpipe
 from traceana.core.training_config import PRECISIONS, TrainingConfig
 from traceana.core.units import GIB as GiB
@@ -31,8 +37,6 @@ DEFAULT_DEVICE = "a100-80gb"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     m = p.add_argument_group("model")
     options.model(m, default=None, presets=MODELS, help="a model preset")
     m.add_argument("--family", choices=FAMILIES, help="model family, for an explicit shape (default: the preset's)")
@@ -115,9 +119,7 @@ def _from_run(args: argparse.Namespace) -> TrainingConfig:
     traces: their analysis is validate's)."""
     from pathlib import Path
 
-    from traceana.core.errors import BadInputError
-    from traceana.core.manifest import MANIFEST_NAME, Manifest
-    from traceana.core.run_config import RunConfig
+    from traceana.core.run_config import RunConfig  # (cost: the reconciled facts only for --from-run)
 
     path = Path(args.from_run)
     path = path / MANIFEST_NAME if path.is_dir() else path
@@ -130,8 +132,6 @@ def build(args: argparse.Namespace) -> tuple[TrainingConfig, Device, EfficiencyC
     if args.from_run:
         cfg = _from_run(args)
         return cfg, _device(args), _curve(args.efficiency), _network(args)
-    from traceana.commands.options import microbatch_count
-
     model = _shape(args)
     if args.microbatches is None:
         if args.global_batch is None:

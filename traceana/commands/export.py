@@ -22,7 +22,8 @@ from traceana.core.files import (TABLE_FORMATS, atomic_path, descriptor_of, os_e
                                  write_bytes, write_failure_fix)
 from traceana.core.schema import CATEGORIES
 from traceana.core.units import NS_PER_MS, NS_PER_US
-from traceana.ingest.run_dir import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
+from traceana.ingest.reading import MERGED_PRODUCER  # ingest recognises (and skips) the merged trace by it
+from traceana.measure import gpu
 from traceana.measure.summary import without_bubble
 
 FORMATS = TABLE_FORMATS
@@ -30,7 +31,7 @@ FORMATS = TABLE_FORMATS
 
 def input_files(analysis) -> list[Path]:
     """The files the analysis read (traces and run.json): no output may be written over one of them."""
-    from traceana.ingest.run_dir import input_files as of_path
+    from traceana.ingest.run_dir import input_files as of_path  # (cost: the decoder only when called: a cache hit loads none)
 
     return of_path(analysis.run.path)
 
@@ -132,8 +133,6 @@ def summary(analysis, *, per_step: bool = False) -> dict[str, Any]:
 def gpu_summary(analysis) -> dict[str, Any]:
     """``pipeline_found`` (the summary's), and on GPU ranks, means per measured step: each phase's
     own GPU time beside what the partition gave it (``phases``) and the time per stream (``streams``)."""
-    from traceana.measure import gpu
-
     steps = analysis.summary.steps
     out: dict[str, Any] = {"pipeline_found": analysis.summary.pipeline_found}
     if analysis.phase_time is not None:

@@ -5,15 +5,20 @@ phases (forward/backward per micro-batch), one lane per micro-batch, and the att
 P2P, BPipe, collectives, host). Open the result in https://ui.perfetto.dev.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
 import sys
 
+from traceana.commands import options
+from traceana.core.files import descriptor_of, refuse_inputs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     options.output(parser, default="merged.json.gz",
                    help="where to write the merged trace (.json.gz compressed, .json plain text; - for standard "
@@ -23,9 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.commands.export import write_merged_trace
-    from traceana.core.files import descriptor_of, refuse_inputs
     from traceana.ingest.run_dir import input_files
     from traceana.core.tables import plural
 

@@ -183,7 +183,7 @@ def microbatch_size(parser) -> None:
 
 def schedule(parser) -> None:
     """``--schedule NAME``: every schedule run.json names (docs/schedules.md)."""
-    from traceana.core.manifest import SCHEDULES
+    from traceana.core.manifest import SCHEDULES  # (cost: run.json's schema only for the parsers that offer it)
 
     parser.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if s != "unknown"],  # (run.json's
                         # word for a schedule it does not know)
@@ -193,7 +193,7 @@ def schedule(parser) -> None:
 
 def attention(parser) -> None:
     """``--attention``: naive or sdpa."""
-    from traceana.core.manifest import ATTENTIONS
+    from traceana.core.manifest import ATTENTIONS  # (cost: run.json's schema only for the parsers that offer it)
 
     parser.add_argument("--attention", default=ATTENTION, choices=ATTENTIONS,
                         help="naive keeps the s×s attention scores for the backward, sdpa (flash-style) does not "
@@ -202,7 +202,7 @@ def attention(parser) -> None:
 
 def recompute(parser) -> None:
     """``--recompute``: activation recomputation."""
-    from traceana.core.manifest import RECOMPUTES
+    from traceana.core.manifest import RECOMPUTES  # (cost: run.json's schema only for the parsers that offer it)
 
     parser.add_argument("--recompute", default="none", choices=RECOMPUTES, help="activation recomputation")
 

@@ -5,6 +5,10 @@ plain 1F1B baseline) against the measured change, whose interval comes from repe
 traceana.measure.noise). "Replay" is only the what-if's replay of the measured step's graph (traceana whatif), never the
 simulator here."""
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
@@ -12,10 +16,11 @@ import json
 import sys
 from pathlib import Path
 
+from traceana.commands import options
+from traceana.core.errors import AnalysisError, ConfigError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                    help="the run to validate (a directory with run.json and rank traces)")
     p.add_argument("--baseline", type=Path, metavar="RUN_DIR",
@@ -91,16 +96,13 @@ def render_cross(cross: dict, *, console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
-    from traceana.core.errors import AnalysisError
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.validation import bpipe_verdict_from_run, cross_run, validate
 
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     read = dict(peak_flops=args.peak_flops, workers=args.workers, cache=not args.no_cache, progress=progress,
                 names=args.names, diagnose=False)  # (validate shows no straggler: it does not pay for the what-if)
     if args.repeat and not args.baseline:  # the noise floor is printed next to a prediction's error
-        from traceana.core.errors import ConfigError
-
         raise ConfigError("--repeat gives the between-run noise of a cross-run prediction, and there is none "
                           "without --baseline",
                           fix="add --baseline OTHER_RUN, or drop --repeat")

@@ -11,6 +11,10 @@ taken once its files have stopped changing (--settle) and, for a run directory w
 there (or its job has ended). Stop with Ctrl-C, --count or --timeout.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +28,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from traceana.core.errors import BadInputError, TraceanaError
+from traceana.commands import options
+from traceana.core.errors import BadInputError, TraceanaError, shown
+from traceana.core.files import file_kind
 from traceana.core.units import NS_PER_S
 
 # tensorboard_trace_handler names files "{worker_name}.{time_ns}.pt.trace.json[.gz]" (torch.profiler.profiler).
@@ -41,8 +47,6 @@ def _rows() -> tuple[tuple[str, str], ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     parser.add_argument("path", metavar="RUN_DIR", help="a run directory, a folder of window run directories, or "
                                                          "a folder tensorboard_trace_handler writes into")
     parser.add_argument("--once", action="store_true", help="print the windows there now and exit")
@@ -374,8 +378,6 @@ def _what_blocks(root: Path, *, settle_s: float | None) -> str | None:
     import stat
     import time
 
-    from traceana.core.errors import shown
-    from traceana.core.files import file_kind
     from traceana.ingest.reading import is_trace_name
 
     settle = 2.0 if settle_s is None else settle_s

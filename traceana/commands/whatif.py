@@ -21,12 +21,18 @@ per operation re-sequenced in that plan's order on the same engine, with its int
 stage (a prediction, not a replay); a plan `traceana collect` refuses is refused.
 """
 
+# Function-local imports here: order and cost. This module is imported to build the parser, before polars;
+# polars, and what imports it, must come after the program's settings for a small run (traceana.cli), so
+# they are imported in ``run`` and the functions it calls (docs/architecture.md "Function-local imports").
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+
+from traceana.commands import options
 
 SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is ideal (the study's: the mean of "
             "each kind across stages), peers (ours: its peers' speed), KIND:ideal, KIND:peers, KIND*FACTOR (≤ "
@@ -36,8 +42,6 @@ SET_HELP = ("change the replay: [stage=S:|rank=R:|replica=K:]WHAT where WHAT is 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from traceana.commands import options
-
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (or a single Kineto trace file)")
     p.add_argument("--set", action="append", default=[], metavar="CHANGE", dest="changes", help=SET_HELP)
     p.add_argument("--schedule", metavar="NAME",
@@ -154,7 +158,7 @@ def render_plan(plan: dict, *, console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traceana.commands.analyze import load_and_analyze
+    from traceana.commands.analyze_run import load_and_analyze
     from traceana.causal.whatif import parse_set, whatif
     from traceana.validation.plan import parse_layers
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from traceana.core.errors import BadInputError
+from traceana.core.files import open_regular
 from traceana.core.units import MIB
 
 if TYPE_CHECKING:
@@ -383,8 +384,6 @@ def load_rules(path: str | Path) -> NameRules:
     default. One BadInputError line for a missing, unreadable or malformed file."""
     if str(path) in ("none", "builtin"):
         return NO_RULES if str(path) == "none" else DEFAULT_RULES
-    from traceana.core.files import open_regular
-
     p = Path(path)
     try:
         with open_regular(p) as f:

@@ -89,7 +89,7 @@ class _Lazy:
 
 
 def _load_events(run: "CachedRun") -> pl.DataFrame:
-    from traceana.ingest.run_dir import load_run
+    from traceana.ingest.run_dir import load_run  # (cost: a hit's events are read again only when asked for)
 
     with pywarnings.catch_warnings():  # the warnings were already given with the cached result
         pywarnings.simplefilter("ignore")
@@ -141,7 +141,7 @@ def code_hash() -> str:
 def _target(path: Path) -> tuple[Path, list[Path], str]:
     """(run directory, trace files load_run would read, entry name prefix)."""
     if path.is_dir():
-        from traceana.ingest.run_dir import find_traces
+        from traceana.ingest.reading import find_traces  # (run_dir's, from its polars-free home: a hit loads no decoder)
 
         return path, find_traces(path), "run"
     return path.parent, [path], short_name(path.name)  # (cut and hashed when long: the entry stays within NAME_MAX)
@@ -266,7 +266,7 @@ def _read_summary(entry: Path, meta: dict):
 
 
 def _ingest_warning(message: str):
-    from traceana.ingest.run_dir import category_of
+    from traceana.ingest.run_dir import category_of  # (cost: run_dir only when a hit replays a warning)
 
     return category_of(message)
 
@@ -278,7 +278,7 @@ def _glob_escape(name: str) -> str:
 def input_files(path: str | Path) -> list[Path]:
     """The files an analysis of ``path`` reads (``traceana.ingest.run_dir.input_files``), for commands above ingest
     that check their outputs against them."""
-    from traceana.ingest.run_dir import input_files as of_path
+    from traceana.ingest.run_dir import input_files as of_path  # (cost: run_dir, the decoder, only when called)
 
     return of_path(path)
 
@@ -320,7 +320,7 @@ def load_and_analyze(path: str | Path, *, peak_flops: float | None = None, cache
             hit = store.load(prefix, key, path, peak_flops=peak_flops, workers=workers)
             if hit is not None:
                 return hit
-    from traceana.ingest.run_dir import load_run
+    from traceana.ingest.run_dir import load_run  # (cost: the run's reader and decoder only on a miss)
 
     run = load_run(path, workers=workers, cache=cache, progress=progress)
     # (The per-rank counts before the analysis: their few frames then come on top of the ingested events alone,

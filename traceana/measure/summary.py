@@ -357,7 +357,7 @@ def compare_runs(runs: list[tuple[str, RunSummary]], *,
     step_change_words (the rule's sentence), largest_activation_peak_mib, peak_mib (largest stage), memory_balance.
     Per stage: stage, run, step_ms, bubble_ms, bpipe_ms, peak_mib, activation_peak_mib (this run's own) and each
     one's change against the first run (null for a run whose stages are not the first run's)."""
-    from traceana.measure.noise import between_runs
+    from traceana.measure.noise import between_runs  # (cost: noise, and statistics, only to compare runs)
 
     repeats = repeats or {}
 
