@@ -12,13 +12,14 @@ from traceana.core.errors import ConfigError
 from traceana.core.manifest import ModelShape, Workload
 from traceana.core.pipeline_rules import bpipe_pairs as all_bpipe_pairs
 from traceana.core.pipeline_rules import bpipe_plan, plan_refusal
+from traceana.core.schedule_names import TRAINER_SCHEDULES
 from traceana.core.training_config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
 PRESETS: dict[str, ModelShape] = TINY_MODELS
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = TRAINER_SCHEDULES  # the one-stage schedules (traceana.core.schedule_names); collect runs the rest elsewhere
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from traceana.core import limits, names
 from traceana.core import names as _names  # (analyze's keyword ``names`` hides the module there)
 from traceana.core.errors import BadInputError, shown
 from traceana.core.intervals import COLLECT
-from traceana.core.manifest import MULTI_STAGE_SCHEDULES
+from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES, WHOLE_BACKWARD_MULTI_STAGE
 from traceana.ingest import Run
 from traceana.measure import attribution as attr
 from traceana.measure import classify as cls
@@ -24,7 +24,6 @@ from traceana.measure import memory as mem
 from traceana.measure import gpu, timeline
 
 # Multi-stage schedules whose backward is one pass (no input/weight split): autograd's ops tell their phases.
-WHOLE_BACKWARD_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
 from traceana.core.names import NameRules
 from traceana.core.run_config import RunConfig
 from traceana.core.schema import CATEGORIES, SCHEDULE, conform

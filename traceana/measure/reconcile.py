@@ -11,7 +11,8 @@ import polars as pl
 from traceana.core import intervals as iv
 from traceana.core import names
 from traceana.core.manifest import Manifest
-from traceana.core.pipeline_rules import SCHEDULES, placement_of
+from traceana.core.pipeline_rules import placement_of
+from traceana.core.schedule_names import ONE_STAGE_SCHEDULES, SCHEDULES
 from traceana.core.run_config import INFERRED, RUN_JSON, TRACE, RunConfig
 
 
@@ -133,7 +134,7 @@ def placement_contradiction(facts: AnnotatedFacts, manifest: Manifest | None) ->
 def observed_schedule(facts: AnnotatedFacts, manifest: Manifest | None) -> str | None:
     """``1f1b`` or ``gpipe`` as the annotations show it when run.json names one of those two (the only pair the
     order of forwards and backwards tells apart, one stage per rank); None when they cannot tell."""
-    if manifest is None or manifest.schedule not in ("gpipe", "1f1b") or facts.interleaved is None:
+    if manifest is None or manifest.schedule not in ONE_STAGE_SCHEDULES or facts.interleaved is None:
         return None
     if facts.interleaved:
         return "1f1b"
