@@ -137,7 +137,7 @@ def config_from_args(args: argparse.Namespace):
     from traceana.commands.options import microbatch_count
 
     given = {f.name: getattr(args, flag.dest or f.name) for f, flag in config_flags()}
-    return CollectConfig(**{**given, "microbatches": microbatch_count(args)}, workload=workload_from_args(args))
+    return CollectConfig(**{**given, "num_microbatches": microbatch_count(args)}, workload=workload_from_args(args))
 
 
 def run_pipelining(args: argparse.Namespace) -> int:
@@ -171,7 +171,7 @@ def run_pipelining(args: argparse.Namespace) -> int:
     from collectors.pipelining_example import collect
 
     with ranks_output(args.output):
-        out = collect(args.schedule, args.output, preset=args.model, microbatches=microbatch_count(args),
+        out = collect(args.schedule, args.output, preset=args.model, num_microbatches=microbatch_count(args),
                       microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
                       attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps,
                       workload=workload)

@@ -59,8 +59,9 @@ class CollectConfig:
     pp: int = field(default=4, metadata=_flag(shared="pp"))  # pipeline stages = processes (one stage per rank)
     # data-parallel replicas of the pipeline (global rank = stage · dp + replica, as Megatron-LM orders)
     dp: int = field(default=1, metadata=_flag(shared="dp"))
-    # micro-batches per step (run.json's num_microbatches)
-    microbatches: int = field(default=8, metadata=_flag(shared="microbatches"))
+    # micro-batches per step (run.json's name; the flag --microbatches, --num-microbatches accepted)
+    num_microbatches: int = field(default=8, metadata=_flag(shared="microbatches", dest="microbatches",
+                                                               spellings=("--microbatches", "--num-microbatches")))
     microbatch_size: int = field(default=2, metadata=_flag(shared="microbatch_size"))  # sequences per micro-batch
     schedule: str = field(default="1f1b", metadata=_flag(shared="schedule"))  # TRAINER_SCHEDULES here
     # evict activations from stage s to stage p-1-s (Kim et al. 2023, BPipe)
@@ -91,7 +92,7 @@ class CollectConfig:
             raise ConfigError(f"unknown preset {self.preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
-        for name in ("pp", "dp", "microbatches", "microbatch_size", "steps"):
+        for name in ("pp", "dp", "num_microbatches", "microbatch_size", "steps"):
             if getattr(self, name) < 1:
                 flag = flag_of(name)
                 raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}", fix=f"pass a positive {flag}")
@@ -103,7 +104,7 @@ class CollectConfig:
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
-        refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.microbatches, bpipe=self.bpipe,
+        refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, bpipe=self.bpipe,
                                bpipe_keep=self.bpipe_inflight)
         if refused is not None:
             raise ConfigError(refused[0], fix=refused[1])
@@ -111,7 +112,7 @@ class CollectConfig:
     def training_config(self) -> TrainingConfig:
         """The model's description of this run (traceana.core.training_config), which also validates it."""
         return TrainingConfig(model=self.shape, pp=self.pp, microbatch_size=self.microbatch_size,
-                              num_microbatches=self.microbatches, schedule=self.schedule, attention=self.attention,
+                              num_microbatches=self.num_microbatches, schedule=self.schedule, attention=self.attention,
                               recompute=self.recompute, eager=True, dropout=False)
 
     @property
@@ -139,7 +140,7 @@ class CollectConfig:
         if not self.bpipe:
             return ()
         return tuple((e, a) for e, a in all_bpipe_pairs(self.pp)
-                     if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.microbatches, evictor=e,
+                     if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, evictor=e,
                                    keep=self.bpipe_inflight).evicted)
 
     def replace(self, **changes: object) -> CollectConfig:

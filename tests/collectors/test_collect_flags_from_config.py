@@ -30,7 +30,7 @@ def test_the_flags_in_the_help_are_the_fields_in_order():
     assert shown[1:14] == ["--model", "--pp", "--dp", "--microbatches", "--microbatch-size", "--schedule", "--bpipe",
                            "--bpipe-inflight", "--attention", "--recompute", "--profile-steps", "--warmup-steps",
                            "--seed"]
-    assert [f.name for f, _ in config_flags()] == ["preset", "pp", "dp", "microbatches", "microbatch_size",
+    assert [f.name for f, _ in config_flags()] == ["preset", "pp", "dp", "num_microbatches", "microbatch_size",
                                                    "schedule", "bpipe", "bpipe_inflight", "attention", "recompute",
                                                    "steps", "warmup_steps", "seed"]
 
@@ -42,8 +42,8 @@ def test_the_flags_in_the_help_are_the_fields_in_order():
     (("--profile-steps", "3"), "steps", 3),
     (("--warmup-steps", "0"), "warmup_steps", 0),
     (("--seed", "7"), "seed", 7),
-    (("--pp", "2", "--microbatches", "3"), "microbatches", 3),
-    (("--pp", "2", "--num-microbatches", "3"), "microbatches", 3),  # run.json's name, an old spelling
+    (("--pp", "2", "--microbatches", "3"), "num_microbatches", 3),
+    (("--pp", "2", "--num-microbatches", "3"), "num_microbatches", 3),  # run.json's name, an old spelling
     (("--microbatch-size", "3"), "microbatch_size", 3),
     (("--schedule", "gpipe"), "schedule", "gpipe"),
     (("--attention", "naive"), "attention", "naive"),
@@ -67,7 +67,7 @@ def test_every_flag_field_has_a_flag_named_after_it_and_words():
 def test_at_the_command_lines_defaults():
     # the shared defaults (options.py: micro-batch size 1, sdpa, 2 × --pp micro-batches) and the fields' own
     c = _config()
-    assert (c.preset, c.pp, c.dp, c.microbatches, c.microbatch_size, c.schedule, c.bpipe, c.bpipe_inflight,
+    assert (c.preset, c.pp, c.dp, c.num_microbatches, c.microbatch_size, c.schedule, c.bpipe, c.bpipe_inflight,
             c.attention, c.recompute, c.steps, c.warmup_steps, c.seed) == (
         "tiny-gpt", 4, 1, 8, 1, "1f1b", False, None, "sdpa", "none", 2, 1, 1234)
     assert {f.name for f in dataclasses.fields(CollectConfig)} - {f.name for f, _ in config_flags()} == {
