@@ -16,37 +16,45 @@ own schedule classes instead (collectors.pipelining_example): --pp stages on --p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collectors.trainer.config import Flag
+
 LOG = "collect.log"  # in the run directory: the spawned ranks' stderr
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def config_flags() -> list[tuple[dataclasses.Field, Flag]]:
+    """``CollectConfig``'s fields that are flags, in their order, each with its ``Flag``."""
+    from collectors.trainer.config import CollectConfig
+
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(CollectConfig) if "flag" in f.metadata]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from collectors.trainer.config import PRESETS  # cheap: no torch import
     from traceana.commands import options
 
-    # The training configuration estimate shares: options.py defines each flag and its default once.
-    options.model(parser, default="tiny-gpt", presets=PRESETS)
-    options.pp(parser)
-    options.dp(parser)
-    options.microbatches(parser)
-    options.microbatch_size(parser)
-    options.schedule(parser)
-    options.bpipe(parser)
-    parser.add_argument("--bpipe-inflight", type=int, default=None, metavar="N",
-                        help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)")
-    options.attention(parser)
-    options.recompute(parser)
-    # A count of steps (attach's --window is a range of step numbers); --steps is the old spelling, kept hidden.
-    parser.add_argument("--profile-steps", "--steps", dest="steps", type=int, default=2, metavar="N",
-                        help="how many training steps are profiled, after the --warmup-steps")
-    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N",
-                        help="steps run before them, the profiler warming up (nothing kept)")
-    parser.add_argument("--seed", type=int, default=1234, help="random seed of the weights and the data")
+    # The training configuration, generated from CollectConfig's fields (a flag is its field's name); the flags
+    # estimate shares keep their one definition and default in options.py.
+    for f, flag in config_flags():
+        if flag.shared == "model":
+            options.model(parser, default=f.default, presets=PRESETS)
+        elif flag.shared:
+            getattr(options, flag.shared)(parser)
+        else:  # (the field's type, from its annotation: "int | None" is an int)
+            parser.add_argument(*flag.names(f.name), dest=f.name, type=_TYPES[str(f.type).split("|")[0].strip()],
+                                default=f.default, metavar=flag.metavar, help=flag.help)
     work = parser.add_argument_group(
         "known workload", "--work sleep: every pass holds for a stated time instead of computing, everything else "
         "stays real (docs/known-workload.md)")
@@ -123,15 +131,13 @@ def workload_from_args(args: argparse.Namespace):
 
 
 def config_from_args(args: argparse.Namespace):
+    """The ``CollectConfig`` the flags describe: each flag's field (``config_flags``), the micro-batches' shared
+    default (2 × --pp) and the known workload (``workload_from_args``)."""
     from collectors.trainer.config import CollectConfig
     from traceana.commands.options import microbatch_count
 
-    return CollectConfig(
-        preset=args.model, pp=args.pp, microbatches=microbatch_count(args), microbatch_size=args.microbatch_size,
-        schedule=args.schedule, bpipe=args.bpipe, bpipe_inflight=args.bpipe_inflight, attention=args.attention,
-        recompute=args.recompute, steps=args.steps, warmup_steps=args.warmup_steps, seed=args.seed, dp=args.dp,
-        workload=workload_from_args(args),
-    )
+    given = {f.name: getattr(args, flag.dest or f.name) for f, flag in config_flags()}
+    return CollectConfig(**{**given, "num_microbatches": microbatch_count(args)}, workload=workload_from_args(args))
 
 
 def run_pipelining(args: argparse.Namespace) -> int:
@@ -165,7 +171,7 @@ def run_pipelining(args: argparse.Namespace) -> int:
     from collectors.pipelining_example import collect
 
     with ranks_output(args.output):
-        out = collect(args.schedule, args.output, preset=args.model, microbatches=microbatch_count(args),
+        out = collect(args.schedule, args.output, preset=args.model, num_microbatches=microbatch_count(args),
                       microbatch_size=args.microbatch_size, steps=args.steps, ranks=args.pp // 2,
                       attention=args.attention, seed=args.seed, warmup_steps=args.warmup_steps,
                       workload=workload)

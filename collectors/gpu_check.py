@@ -168,7 +168,7 @@ def collect_trainer(out_dir: Path, *, bpipe: bool, cuda: bool, steps: int,
     from collectors.trainer.config import CollectConfig
     from collectors.trainer.train import choose_device, manifest_for
 
-    config = CollectConfig(preset="tiny-gpt", pp=4, microbatches=8, microbatch_size=2, schedule="1f1b", bpipe=bpipe,
+    config = CollectConfig(preset="tiny-gpt", pp=4, num_microbatches=8, microbatch_size=2, schedule="1f1b", bpipe=bpipe,
                            steps=steps, warmup_steps=1)
     truth_dir = out_dir.with_name(out_dir.name + ".truth")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,15 +227,15 @@ def _pipelining_worker(rank: int, world: int, init_method: str, out_dir: Path, t
     pipe = [pipelining.PipelineStage(Part(model, stage=s, stages=stages), s, stages, device) for s in mine]
     optimizer = torch.optim.AdamW([p for st in pipe for p in st.submod.parameters()], lr=1e-3)
     cls = getattr(pipelining.schedules, cls_name)
-    microbatches = 4
-    schedule = cls(pipe if len(pipe) > 1 or virtual > 1 else pipe[0], n_microbatches=microbatches,
+    num_microbatches = 4
+    schedule = cls(pipe if len(pipe) > 1 or virtual > 1 else pipe[0], n_microbatches=num_microbatches,
                    loss_fn=example.loss_fn)
     collector_pipelining.annotate(schedule)
-    batches = [data.batch(seed=1234, step=i, microbatches=1, microbatch_size=2 * microbatches, seq=shape.seq,
+    batches = [data.batch(seed=1234, step=i, num_microbatches=1, microbatch_size=2 * num_microbatches, seq=shape.seq,
                           vocab=shape.vocab) for i in range(1 + steps)]
     with PipelineProfiler(out_dir, rank=rank, stage=mine[0], world_size=world, pp=stages, schedule=schedule_name,
                           warmup=1, active=steps,
-                          manifest=example.manifest(schedule_name, world, stages, microbatches, 2, "tiny-gpt", steps)
+                          manifest=example.manifest(schedule_name, world, stages, num_microbatches, 2, "tiny-gpt", steps)
                           if rank == 0 else None,
                           metadata={"stages": mine, "collector": "torch.distributed.pipelining"}) as prof:
         for inputs, targets in batches:

@@ -4,7 +4,7 @@ Python API (``traceana demo`` uses it)::
 
     from collectors.launch import collect
     from collectors.trainer.config import CollectConfig
-    run_dir = collect(CollectConfig(preset="tiny-gpt", pp=4, microbatches=8, schedule="1f1b", bpipe=True),
+    run_dir = collect(CollectConfig(preset="tiny-gpt", pp=4, num_microbatches=8, schedule="1f1b", bpipe=True),
                       "runs/bpipe", progress=print)
 
 ``collect`` validates the configuration (``ConfigError`` before any process starts), spawns ``pp`` processes
@@ -103,7 +103,7 @@ def describe(config: CollectConfig) -> str:
                                  + (f" W={w.weight_ms:g}" if w.weight_ms else "") + " ms"
                                  + "".join(f" stage {i}×{f:g}" for i, f in w.slow_stages)
                                  + "".join(f" rank {i}×{f:g}" for i, f in w.slow_ranks))
-    return (f"{config.preset} pp={config.pp}{dp} {config.schedule}{bp}, {config.microbatches}×{config.microbatch_size} "
+    return (f"{config.preset} pp={config.pp}{dp} {config.schedule}{bp}, {config.num_microbatches}×{config.microbatch_size} "
             f"micro-batches, attention={config.attention}, recompute={config.recompute}, "
             f"{config.steps} profiled step(s){work}")
 

@@ -166,13 +166,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def manifest(schedule: str, world: int, stages: int, microbatches: int, microbatch_size: int, preset: str,
+def manifest(schedule: str, world: int, stages: int, num_microbatches: int, microbatch_size: int, preset: str,
              steps: int, *, attention: str = "naive", warmup_steps: int = 1,
              workload: Workload | None = None) -> Manifest:
     per_rank = stages_of_ranks(schedule, world)
     return Manifest(
         world_size=world, pp=stages, stage_of_rank=tuple(p[0] for p in per_rank), schedule=schedule,
-        microbatch_size=microbatch_size, num_microbatches=microbatches, global_batch=microbatch_size * microbatches,
+        microbatch_size=microbatch_size, num_microbatches=num_microbatches, global_batch=microbatch_size * num_microbatches,
         model=PRESETS[preset], dtype="float32", attention=attention, recompute="none", device="cpu",
         profiler={"wait": 0, "warmup": min(warmup_steps, 1), "active": steps, "repeat": 1},
         torch_version=torch.__version__,
@@ -183,7 +183,7 @@ def manifest(schedule: str, world: int, stages: int, microbatches: int, microbat
 
 
 def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_dir: Path, preset: str,
-             microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None,
+             num_microbatches: int, microbatch_size: int, steps: int, truth_dir: Path | None = None,
              attention: str = "naive", seed: int = 1234, warmup_steps: int = 1,
              workload: Workload | None = None) -> None:
     from torch.distributed import pipelining
@@ -212,10 +212,10 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
     truth = Truth() if truth_dir is not None else None
     cls = getattr(pipelining.schedules, cls_name)
     timed_loss = truth.wrap("compute", loss_fn) if truth else loss_fn
-    schedule = cls(pipe[0] if placement_of(schedule_name) == "single" else pipe, n_microbatches=microbatches, loss_fn=timed_loss)
+    schedule = cls(pipe[0] if placement_of(schedule_name) == "single" else pipe, n_microbatches=num_microbatches, loss_fn=timed_loss)
     annotate(schedule)  # <- traceana: per-micro-batch PP:{stage}F{mb} / B spans
     # The batches are made before the loop: a step is the schedule and the optimizer, no data loading.
-    batches = [data.batch(seed=seed, step=step, microbatches=1, microbatch_size=microbatch_size * microbatches,
+    batches = [data.batch(seed=seed, step=step, num_microbatches=1, microbatch_size=microbatch_size * num_microbatches,
                           seq=shape.seq, vocab=shape.vocab) for step in range(warmup_steps + steps)]
     # the whole batch of each step (the schedule splits it), as the first and last stage take it
     batches = [((inputs[0],) if 0 in my_stages else (),
@@ -229,7 +229,7 @@ def run_rank(rank: int, world: int, init_method: str, schedule_name: str, out_di
         truth.install(pipe, optimizer)
     with PipelineProfiler(out_dir, rank=rank, stage=my_stages[0], world_size=world, pp=stages,
                           schedule=schedule_name, warmup=min(warmup_steps, 1), active=steps,
-                          manifest=manifest(schedule_name, world, stages, microbatches, microbatch_size, preset, steps,
+                          manifest=manifest(schedule_name, world, stages, num_microbatches, microbatch_size, preset, steps,
                                             attention=attention, warmup_steps=warmup_steps, workload=workload)
                           if rank == 0 else None,
                           metadata={"stages": my_stages, "collector": "torch.distributed.pipelining"}) as prof:
@@ -270,7 +270,7 @@ def _label_microbatches(stage, clock: Clock) -> None:
     stage.forward_one_chunk = forward_one_chunk
 
 
-def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", microbatches: int = 8,
+def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", num_microbatches: int = 8,
             microbatch_size: int = 2, steps: int = 2, ranks: int | None = None, truth: bool = False,
             attention: str = "naive", seed: int = 1234, warmup_steps: int = 1,
             workload: Workload | None = None) -> Path:
@@ -287,10 +287,10 @@ def collect(schedule: str, out_dir: str | Path, *, preset: str = "tiny-gpt", mic
     started = time.time()
     method = _start_method()
     mp.start_processes(run_rank, args=(world, f"tcp://127.0.0.1:{free_port()}", schedule, out_dir, preset,
-                                       microbatches, microbatch_size, steps, truth_dir, attention, seed,
+                                       num_microbatches, microbatch_size, steps, truth_dir, attention, seed,
                                        warmup_steps, workload),
                        nprocs=world, join=True, start_method=method)
-    finalize_manifest(out_dir, manifest(schedule, world, world * virtual, microbatches, microbatch_size, preset, steps,
+    finalize_manifest(out_dir, manifest(schedule, world, world * virtual, num_microbatches, microbatch_size, preset, steps,
                                         attention=attention, warmup_steps=warmup_steps, workload=workload),
                       since=started)
     return out_dir
@@ -306,14 +306,15 @@ def main() -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("-o", "--out", type=Path, required=True)
     parser.add_argument("--preset", default="tiny-gpt", choices=sorted(PRESETS))
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", "--num-microbatches", dest="num_microbatches", type=int, default=8,
+                        metavar="MICROBATCHES")
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--truth", action="store_true",
                         help="also record perf_counter spans of compute and P2P waits beside the run folder")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(collect(args.schedule, args.out, preset=args.preset, microbatches=args.microbatches,
+    print(collect(args.schedule, args.out, preset=args.preset, num_microbatches=args.num_microbatches,
                   microbatch_size=args.microbatch_size, steps=args.steps, truth=args.truth))
 
 

@@ -22,7 +22,7 @@ DEFAULT_OUT = Path("traceana-demo")
 # Small enough for a 2-core laptop in seconds, big enough that the pipeline has a steady state to look at:
 # 4 stages, 8 micro-batches (1F1B needs at least as many micro-batches as stages), 2 profiled steps.
 # 3 profiled steps: the first is dropped (summary.measured_steps), two are measured — a spread for the noise rule.
-DEMO = {"preset": "tiny-gpt", "pp": 4, "microbatches": 8, "microbatch_size": 2, "schedule": "1f1b", "steps": 3,
+DEMO = {"preset": "tiny-gpt", "pp": 4, "num_microbatches": 8, "microbatch_size": 2, "schedule": "1f1b", "steps": 3,
         "warmup_steps": 1, "attention": "naive", "recompute": "none"}
 RUNS = (("baseline", False), ("bpipe", True))
 # Each configuration collected this many times, interleaved. On this project's 2-core machine one configuration
@@ -108,7 +108,7 @@ def _run(args: argparse.Namespace, console, *, out: Path, log: Path) -> int:
     report = out / "report.html"
     runs_dir = out / "runs"
     t0 = time.perf_counter()
-    console.print(f"[bold]traceana demo[/]: tiny GPT, {DEMO['pp']} pipeline stages × {DEMO['microbatches']} "
+    console.print(f"[bold]traceana demo[/]: tiny GPT, {DEMO['pp']} pipeline stages × {DEMO['num_microbatches']} "
                   f"micro-batches, 1F1B with and without BPipe, {ROUNDS} runs each interleaved, on the CPU")
     dirs: dict[str, list[Path]] = {name: [] for name, _ in RUNS}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,

@@ -1,46 +1,85 @@
 """What to train and how: presets and one validated, frozen configuration.
 
 Impossible configurations raise ``ConfigError`` here, in the launching process, before any worker starts.
+``traceana collect``'s flags are generated from ``CollectConfig``'s fields (collectors.command.add_arguments): a
+field with a ``Flag`` in its metadata is a flag named after it, its help the field's own description; the flags
+collect shares with ``estimate`` (``Flag.shared``) keep their one definition in traceana/commands/options.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from traceana.core.errors import ConfigError
 from traceana.core.manifest import ModelShape, Workload
 from traceana.core.pipeline_rules import bpipe_pairs as all_bpipe_pairs
 from traceana.core.pipeline_rules import bpipe_plan, plan_refusal
+from traceana.core.schedule_names import TRAINER_SCHEDULES
 from traceana.core.training_config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
 
 # Tiny shapes for CPU runs and tests (seconds per step under the profiler on 2 cores), plus a small one for
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
 PRESETS: dict[str, ModelShape] = TINY_MODELS
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = TRAINER_SCHEDULES  # the one-stage schedules (traceana.core.schedule_names); collect runs the rest elsewhere
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a ``CollectConfig`` field is a flag of ``traceana collect`` (in the field's metadata, ``"flag"``).
+
+    The flag is ``--<field name>`` (underscores as dashes) unless ``spellings`` says otherwise (the first is the one
+    the help shows; the field's own name stays accepted, hidden, where it is not the first). ``shared``: the name of
+    the traceana/commands/options.py function defining the flag collect and estimate share (its help and its
+    command-line default are that function's, estimate's too); else ``help`` is the flag's help and the field's
+    default its default. ``dest``: the parsed argument, where a shared flag names it otherwise than the field."""
+
+    help: str = ""
+    shared: str | None = None
+    spellings: tuple[str, ...] = ()
+    metavar: str | None = "N"
+    dest: str | None = None
+
+    def names(self, field_name: str) -> tuple[str, ...]:
+        """Every spelling of the flag, the shown one first."""
+        own = "--" + field_name.replace("_", "-")
+        return self.spellings + ((own,) if own not in self.spellings else ()) if self.spellings else (own,)
+
+
+def _flag(**kw) -> dict:
+    return {"flag": Flag(**kw)}
 
 
 @dataclass(frozen=True)
 class CollectConfig:
-    """One reference-trainer run. Every field is a command-line flag of ``traceana collect``."""
+    """One reference-trainer run. The fields with a ``Flag`` are ``traceana collect``'s flags, in this order."""
 
-    preset: str = "tiny-gpt"  # a key of PRESETS
-    pp: int = 4  # pipeline stages = processes (one stage per rank)
-    microbatches: int = 8  # micro-batches per step
-    microbatch_size: int = 2  # sequences per micro-batch
-    schedule: str = "1f1b"  # gpipe | 1f1b
-    bpipe: bool = False  # evict activations from stage s to stage p-1-s (Kim et al. 2023, BPipe)
-    bpipe_inflight: int | None = None  # micro-batches an evictor keeps; None = the pair's balanced level
-    attention: str = "naive"  # naive (keeps s×s scores) | sdpa
-    recompute: str = "none"  # none | selective | full
-    steps: int = 2  # profiled training steps
-    warmup_steps: int = 1  # unprofiled steps before them (profiler warm-up)
+    preset: str = field(default="tiny-gpt", metadata=_flag(shared="model", dest="model", spellings=("--model",)))
+    pp: int = field(default=4, metadata=_flag(shared="pp"))  # pipeline stages = processes (one stage per rank)
+    # data-parallel replicas of the pipeline (global rank = stage · dp + replica, as Megatron-LM orders)
+    dp: int = field(default=1, metadata=_flag(shared="dp"))
+    # micro-batches per step (run.json's name; the flag --microbatches, --num-microbatches accepted)
+    num_microbatches: int = field(default=8, metadata=_flag(shared="microbatches", dest="microbatches",
+                                                               spellings=("--microbatches", "--num-microbatches")))
+    microbatch_size: int = field(default=2, metadata=_flag(shared="microbatch_size"))  # sequences per micro-batch
+    schedule: str = field(default="1f1b", metadata=_flag(shared="schedule"))  # TRAINER_SCHEDULES here
+    # evict activations from stage s to stage p-1-s (Kim et al. 2023, BPipe)
+    bpipe: bool = field(default=False, metadata=_flag(shared="bpipe"))
+    bpipe_inflight: int | None = field(default=None, metadata=_flag(
+        help="micro-batches a BPipe evictor keeps (default: the pair's balanced level)"))
+    attention: str = field(default="naive", metadata=_flag(shared="attention"))  # naive (keeps s×s scores) | sdpa
+    recompute: str = field(default="none", metadata=_flag(shared="recompute"))  # none | selective | full
+    # A count of steps (attach's --window is a range of step numbers): --profile-steps; --steps, the field's name,
+    # is the old spelling, kept hidden.
+    steps: int = field(default=2, metadata=_flag(spellings=("--profile-steps", "--steps"),
+                                                 help="how many training steps are profiled, after the --warmup-steps"))
+    warmup_steps: int = field(default=1, metadata=_flag(
+        help="steps run before them, the profiler warming up (nothing kept)"))
     lr: float = 1e-3  # AdamW learning rate
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=_flag(help="random seed of the weights and the data", metavar="SEED"))
     profile: bool = True  # False: train without the profiler (tests, overhead benchmark)
     batch_p2p: bool | None = None  # post each send with the next receive (batch_isend_irecv); None = on NCCL only
-    dp: int = 1  # data-parallel replicas of the pipeline (global rank = stage · dp + replica, as Megatron-LM orders)
     # A straggler for tests: (rank, ms) sleeps that long inside each of that rank's forward passes. Not in run.json
     # or the trace: the test that sets it holds the truth.
     slow_rank: tuple[int, float] | None = None
@@ -53,9 +92,9 @@ class CollectConfig:
             raise ConfigError(f"unknown preset {self.preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}", fix=f"use one of {', '.join(SCHEDULES)}")
-        for name in ("pp", "dp", "microbatches", "microbatch_size", "steps"):
+        for name in ("pp", "dp", "num_microbatches", "microbatch_size", "steps"):
             if getattr(self, name) < 1:
-                flag = "--profile-steps" if name == "steps" else f"--{name.replace('_', '-')}"
+                flag = flag_of(name)
                 raise ConfigError(f"{flag} must be at least 1, got {getattr(self, name)}", fix=f"pass a positive {flag}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
@@ -65,7 +104,7 @@ class CollectConfig:
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
-        refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.microbatches, bpipe=self.bpipe,
+        refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, bpipe=self.bpipe,
                                bpipe_keep=self.bpipe_inflight)
         if refused is not None:
             raise ConfigError(refused[0], fix=refused[1])
@@ -73,7 +112,7 @@ class CollectConfig:
     def training_config(self) -> TrainingConfig:
         """The model's description of this run (traceana.core.training_config), which also validates it."""
         return TrainingConfig(model=self.shape, pp=self.pp, microbatch_size=self.microbatch_size,
-                              num_microbatches=self.microbatches, schedule=self.schedule, attention=self.attention,
+                              num_microbatches=self.num_microbatches, schedule=self.schedule, attention=self.attention,
                               recompute=self.recompute, eager=True, dropout=False)
 
     @property
@@ -101,11 +140,17 @@ class CollectConfig:
         if not self.bpipe:
             return ()
         return tuple((e, a) for e, a in all_bpipe_pairs(self.pp)
-                     if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.microbatches, evictor=e,
+                     if bpipe_plan(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, evictor=e,
                                    keep=self.bpipe_inflight).evicted)
 
     def replace(self, **changes: object) -> CollectConfig:
         return dataclasses.replace(self, **changes)
+
+
+def flag_of(name: str) -> str:
+    """The flag of ``CollectConfig`` field ``name`` as the help shows it (``--profile-steps`` for ``steps``)."""
+    meta = next(f.metadata for f in dataclasses.fields(CollectConfig) if f.name == name)
+    return meta["flag"].names(name)[0]
 
 
 def check_workload_layout(workload: Workload, *, stages: int, ranks: int) -> None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 
 
-def batch(*, seed: int, step: int, microbatches: int, microbatch_size: int, seq: int, vocab: int
+def batch(*, seed: int, step: int, num_microbatches: int, microbatch_size: int, seq: int, vocab: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of shape (microbatches, microbatch_size, seq), int64 token ids."""
+    """(inputs, targets) of shape (num_microbatches, microbatch_size, seq), int64 token ids."""
     g = torch.Generator().manual_seed(seed * 100_003 + step)
-    n = microbatches * microbatch_size
+    n = num_microbatches * microbatch_size
     tokens = torch.empty(n, seq + 1, dtype=torch.int64)
     tokens[:, 0] = torch.randint(vocab, (n,), generator=g)
     noise = torch.randint(4, (n, seq), generator=g)
     for t in range(seq):  # next = 3·current + 7 (+ small noise) mod vocab
         tokens[:, t + 1] = (3 * tokens[:, t] + 7 + noise[:, t]) % vocab
-    shape = (microbatches, microbatch_size, seq)
+    shape = (num_microbatches, microbatch_size, seq)
     return tokens[:, :-1].reshape(shape), tokens[:, 1:].reshape(shape)

@@ -26,7 +26,7 @@ class StageRunner:
     stage: int
     stages: int
     actions: list[Op]
-    microbatches: int
+    num_microbatches: int
     activation_shape: tuple[int, ...]  # (microbatch_size, seq, hidden): what flows between stages
     transport: Transport
     rank_of_stage: list[int]
@@ -130,7 +130,7 @@ class StageRunner:
         try:
             with ann.backward(s, mb):
                 if self.last:
-                    (y / self.microbatches).backward()  # mean over micro-batches = the full batch's mean loss
+                    (y / self.num_microbatches).backward()  # mean over micro-batches = the full batch's mean loss
                 else:
                     torch.autograd.backward(y, grad)
         finally:

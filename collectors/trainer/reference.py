@@ -22,13 +22,13 @@ def train_reference(config: CollectConfig) -> RankResult:
     result = RankResult(rank=0, stage=0)
     for step in range(config.total_steps):
         optimizer.zero_grad(set_to_none=True)
-        inputs, targets = data.batch(seed=config.seed, step=step, microbatches=config.microbatches,
+        inputs, targets = data.batch(seed=config.seed, step=step, num_microbatches=config.num_microbatches,
                                      microbatch_size=config.microbatch_size, seq=config.shape.seq,
                                      vocab=config.shape.vocab)
         losses = []
-        for mb in range(config.microbatches):
+        for mb in range(config.num_microbatches):
             loss = whole(inputs[mb], targets[mb])
-            (loss / config.microbatches).backward()
+            (loss / config.num_microbatches).backward()
             losses.append(float(loss.detach()))
         optimizer.step()
         result.losses.append(sum(losses) / len(losses))

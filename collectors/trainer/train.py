@@ -72,8 +72,8 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         stage_of_rank=tuple(config.stage_of(r) for r in range(config.world_size)),
         schedule=config.schedule,
         microbatch_size=config.microbatch_size,
-        num_microbatches=config.microbatches,
-        global_batch=config.microbatch_size * config.microbatches * config.dp,
+        num_microbatches=config.num_microbatches,
+        global_batch=config.microbatch_size * config.num_microbatches * config.dp,
         model=config.shape,
         dtype="float32",
         attention=config.attention,
@@ -101,16 +101,16 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     if config.slow_rank is not None and config.slow_rank[0] == setup.rank:
         module.forward = _slowed(module.forward, config.slow_rank[1] / 1e3)
     rank_of_stage = [config.rank_of(s, setup.rank % config.dp) for s in range(stages)]
-    actions = device_order(config.schedule, pp=stages, num_microbatches=config.microbatches, device=stage)
+    actions = device_order(config.schedule, pp=stages, num_microbatches=config.num_microbatches, device=stage)
     batch = setup.backend == "nccl" if config.batch_p2p is None else config.batch_p2p
     transport = Transport(setup.device, setup.host_staged, batch_sends=batch)
     act_shape = (config.microbatch_size, shape.seq, shape.hidden)
-    runner = StageRunner(module, stage, stages, actions, config.microbatches, act_shape, transport, rank_of_stage,
+    runner = StageRunner(module, stage, stages, actions, config.num_microbatches, act_shape, transport, rank_of_stage,
                          clock=clock)
     pair = next((pair for pair in config.bpipe_pairs if stage in pair), None)
     if pair is not None:
         evictor, acceptor = pair
-        plan = bpipe_plan(config.schedule, pp=stages, num_microbatches=config.microbatches, evictor=evictor,
+        plan = bpipe_plan(config.schedule, pp=stages, num_microbatches=config.num_microbatches, evictor=evictor,
                           keep=config.bpipe_inflight)
         # On NCCL the BPipe group is gloo through host memory (see new_groups): staged like several-stages-per-GPU.
         bp = Transport(setup.device, setup.host_staged or setup.backend == "nccl", group=groups[pair])
@@ -218,7 +218,7 @@ def train(config: CollectConfig, setup: DistSetup, out_dir: Path | None, *, prog
         schedule=config.schedule, bpipe=config.bpipe_pairs,
         manifest=manifest_for(config, setup) if setup.rank == 0 else None,
         wait=0, warmup=min(config.warmup_steps, 1), active=config.steps, repeat=1,
-        metadata={"microbatches": config.microbatches, "microbatch_size": config.microbatch_size,
+        metadata={"microbatches": config.num_microbatches, "microbatch_size": config.microbatch_size,
                   "preset": config.preset, "attention": config.attention, "recompute": config.recompute},
         enabled=config.profile and out_dir is not None,
     )
@@ -247,7 +247,7 @@ def _train_step(config: CollectConfig, runner: StageRunner, optimizer, step: int
     optimizer.zero_grad(set_to_none=True)
     replica = runner.rank_of_stage[0] % config.dp
     # each replica trains on its own share of the batch (replica 0's is the single-pipeline run's)
-    inputs, targets = data.batch(seed=config.seed + 1000 * replica, step=step, microbatches=config.microbatches,
+    inputs, targets = data.batch(seed=config.seed + 1000 * replica, step=step, num_microbatches=config.num_microbatches,
                                  microbatch_size=config.microbatch_size, seq=config.shape.seq,
                                  vocab=config.shape.vocab)
     loss = runner.step(inputs, targets)

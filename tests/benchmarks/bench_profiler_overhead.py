@@ -29,7 +29,7 @@ from collectors.trainer.train import build_runner, choose_device, init_process_g
 def _step(config, runner, optimizer, step) -> float:
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    inputs, targets = data.batch(seed=config.seed, step=step, microbatches=config.microbatches,
+    inputs, targets = data.batch(seed=config.seed, step=step, num_microbatches=config.num_microbatches,
                                  microbatch_size=config.microbatch_size, seq=config.shape.seq, vocab=config.shape.vocab)
     runner.step(inputs, targets)
     optimizer.step()
@@ -80,11 +80,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny-gpt")
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", dest="num_microbatches", type=int, default=8,
+                        metavar="MICROBATCHES")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bpipe", action="store_true")
     args = parser.parse_args()
-    config = CollectConfig(preset=args.preset, pp=args.pp, microbatches=args.microbatches, steps=args.steps,
+    config = CollectConfig(preset=args.preset, pp=args.pp, num_microbatches=args.num_microbatches, steps=args.steps,
                            bpipe=args.bpipe)
     method = _start_method()
     ctx = mp.get_context(method)
@@ -94,7 +95,7 @@ def main() -> None:
                            start_method=method)
         rows = sorted(results.get() for _ in range(config.pp))
         sizes = {p.name: p.stat().st_size for p in Path(out).glob("rank*.pt.trace.json.gz")}
-    print(f"profiler overhead, {config.preset} pp={config.pp} {config.schedule} m={config.microbatches}, "
+    print(f"profiler overhead, {config.preset} pp={config.pp} {config.schedule} m={config.num_microbatches}, "
           f"median of {config.steps} steps (record_shapes + profile_memory)")
     print(f"{'rank':>4} {'unprofiled':>11} {'profiled':>10} {'overhead':>9} {'export+gzip':>12} {'trace':>9}")
     for rank, plain, profiled, export in rows:

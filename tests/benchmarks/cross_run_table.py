@@ -13,15 +13,15 @@ import argparse
 from pathlib import Path
 
 RUNS = {
-    "p2_1f1b_m4": dict(pp=2, microbatches=4, schedule="1f1b"),
-    "p2_1f1b_m4_again": dict(pp=2, microbatches=4, schedule="1f1b"),
-    "p2_gpipe_m4": dict(pp=2, microbatches=4, schedule="gpipe"),
-    "p2_1f1b_m8": dict(pp=2, microbatches=8, schedule="1f1b"),
-    "p2_1f1b_m4_full": dict(pp=2, microbatches=4, schedule="1f1b", recompute="full"),
-    "p4_1f1b_m8": dict(pp=4, microbatches=8, schedule="1f1b"),
-    "p4_1f1b_m8_again": dict(pp=4, microbatches=8, schedule="1f1b"),
-    "p4_1f1b_m8_bpipe": dict(pp=4, microbatches=8, schedule="1f1b", bpipe=True),
-    "p4_gpipe_m8": dict(pp=4, microbatches=8, schedule="gpipe"),
+    "p2_1f1b_m4": dict(pp=2, num_microbatches=4, schedule="1f1b"),
+    "p2_1f1b_m4_again": dict(pp=2, num_microbatches=4, schedule="1f1b"),
+    "p2_gpipe_m4": dict(pp=2, num_microbatches=4, schedule="gpipe"),
+    "p2_1f1b_m8": dict(pp=2, num_microbatches=8, schedule="1f1b"),
+    "p2_1f1b_m4_full": dict(pp=2, num_microbatches=4, schedule="1f1b", recompute="full"),
+    "p4_1f1b_m8": dict(pp=4, num_microbatches=8, schedule="1f1b"),
+    "p4_1f1b_m8_again": dict(pp=4, num_microbatches=8, schedule="1f1b"),
+    "p4_1f1b_m8_bpipe": dict(pp=4, num_microbatches=8, schedule="1f1b", bpipe=True),
+    "p4_gpipe_m8": dict(pp=4, num_microbatches=8, schedule="gpipe"),
 }
 PAIRS = [  # (baseline, target, noise pair)
     ("p2_1f1b_m4", "p2_gpipe_m4", ("p2_1f1b_m4", "p2_1f1b_m4_again")),

@@ -20,7 +20,7 @@ from traceana.ingest.run_dir import load_run
 from traceana.measure.analysis import analyze
 from traceana.validation import cross_run, validate
 
-# name: (preset, pp, microbatches, schedule, attention, recompute, bpipe)
+# name: (preset, pp, num_microbatches, schedule, attention, recompute, bpipe)
 MATRIX = {
     "gpipe_pp2_m4": ("tiny-gpt", 2, 4, "gpipe", "naive", "none", False),
     "1f1b_pp2_m4": ("tiny-gpt", 2, 4, "1f1b", "naive", "none", False),
@@ -52,7 +52,7 @@ def collect_all(out: Path, *, recollect: bool, steps: int) -> None:
         if (run_dir / "run.json").exists() and not recollect:
             continue
         t0 = time.time()
-        cfg = CollectConfig(preset=preset, pp=pp, microbatches=m, schedule=schedule, attention=attention,
+        cfg = CollectConfig(preset=preset, pp=pp, num_microbatches=m, schedule=schedule, attention=attention,
                             recompute=recompute, bpipe=bpipe, steps=steps)
         collect(cfg, run_dir)
         print(f"collected {name} in {time.time() - t0:.0f} s", file=sys.stderr)

@@ -65,7 +65,7 @@ def test_runtime_schedules_are_left_alone_because_they_annotate_themselves():
 def test_a_real_schedule_1f1b_run_gets_forward_and_backward_spans_per_microbatch(tmp_path):
     from collectors.pipelining_example import collect
 
-    run_dir = collect("1f1b", tmp_path / "run", microbatches=2, microbatch_size=1, steps=1, ranks=2)
+    run_dir = collect("1f1b", tmp_path / "run", num_microbatches=2, microbatch_size=1, steps=1, ranks=2)
     for rank in (0, 1):
         with gzip.open(run_dir / f"rank{rank}.pt.trace.json.gz") as f:
             trace = json.load(f)

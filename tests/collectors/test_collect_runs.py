@@ -33,7 +33,7 @@ def _expected(config: CollectConfig, stage: int) -> Counter:
     """Every label a stage must emit in one step, with its count."""
     p, last = config.pp, config.pp - 1
     want: Counter = Counter({names.pp_label(stage, names.OPTIMIZER): 1})
-    for mb in range(config.microbatches):
+    for mb in range(config.num_microbatches):
         actions = [names.FORWARD, names.BACKWARD]
         if stage > 0:
             actions += [names.RECV_F, names.WAIT_F, names.SEND_B]
@@ -43,7 +43,7 @@ def _expected(config: CollectConfig, stage: int) -> Counter:
             want[names.pp_label(stage, action, mb)] += 1
     pair = next((pair for pair in config.bpipe_pairs if stage in pair), None)
     if pair is not None:
-        plan = bpipe_plan(config.schedule, pp=p, num_microbatches=config.microbatches, evictor=pair[0],
+        plan = bpipe_plan(config.schedule, pp=p, num_microbatches=config.num_microbatches, evictor=pair[0],
                           keep=config.bpipe_inflight)
         out, back = (names.EVICT, names.LOAD) if stage == pair[0] else (names.ACCEPT, names.RETURN)
         for mb in plan.order:
@@ -66,7 +66,7 @@ def test_every_stage_microbatch_and_phase_is_annotated(collected_run, name):
             continue
         backward = {names.parse_pp_label(e["name"])[2]: e for e in spans
                     if names.parse_pp_label(e["name"])[1] == names.BACKWARD}
-        assert {names.parse_pp_label(e["name"])[2] for e in recomputes} == set(range(config.microbatches))
+        assert {names.parse_pp_label(e["name"])[2] for e in recomputes} == set(range(config.num_microbatches))
         for r in recomputes:  # RECOMPUTE nests inside the B of the same micro-batch
             b = backward[names.parse_pp_label(r["name"])[2]]
             assert b["ts"] <= r["ts"] and r["ts"] + r["dur"] <= b["ts"] + b["dur"] + 1
@@ -80,7 +80,7 @@ def test_run_json_and_each_trace_describe_the_run(collected_run, name):
     assert manifest.world_size == config.pp and manifest.pp == config.pp
     assert manifest.ranks_written == tuple(range(config.pp))
     assert manifest.stage_of_rank == tuple(range(config.pp))
-    assert manifest.schedule == config.schedule and manifest.num_microbatches == config.microbatches
+    assert manifest.schedule == config.schedule and manifest.num_microbatches == config.num_microbatches
     assert manifest.model.name == config.preset
     # pair (1, 2) holds 3 + 2 micro-batches, already balanced: only (0, 3) moves anything
     assert manifest.bpipe == (((0, 3),) if config.bpipe else None)
@@ -169,13 +169,13 @@ def test_the_bpipe_inflight_suggestion_is_made_only_with_a_value_that_works(pp):
     from traceana.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="can balance nothing") as e:
-        CollectConfig(pp=pp, microbatches=8, bpipe=True)
+        CollectConfig(pp=pp, num_microbatches=8, bpipe=True)
     fix = e.value.fix
     if pp == 2:
         assert "--bpipe-inflight" not in fix
         for keep in (1, 2, 3):
             with pytest.raises(ConfigError, match="can balance nothing"):
-                CollectConfig(pp=2, microbatches=8, bpipe=True, bpipe_inflight=keep)
+                CollectConfig(pp=2, num_microbatches=8, bpipe=True, bpipe_inflight=keep)
     else:
         keep = int(fix.rsplit("--bpipe-inflight ", 1)[1])
-        assert keep == 2 and CollectConfig(pp=pp, microbatches=8, bpipe=True, bpipe_inflight=keep).bpipe_pairs
+        assert keep == 2 and CollectConfig(pp=pp, num_microbatches=8, bpipe=True, bpipe_inflight=keep).bpipe_pairs

@@ -105,7 +105,7 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
     manifest = Manifest.read(run / "run.json")
     w = RUNS["sleep_gpipe_pp2"]["workload"]
     assert manifest.workload == w and manifest.schedule == "gpipe"
-    m, steps = RUNS["sleep_gpipe_pp2"]["microbatches"], RUNS["sleep_gpipe_pp2"]["steps"]
+    m, steps = RUNS["sleep_gpipe_pp2"]["num_microbatches"], RUNS["sleep_gpipe_pp2"]["steps"]
     slack, gil = 10 * _calibrated_slack_ms(), sys.getswitchinterval() * 1e3
     for rank in range(2):
         stage = rank  # pp=2, dp=1
@@ -164,7 +164,7 @@ def test_the_step_is_the_analytic_gpipe_step_plus_the_overhead_a_zero_hold_twin_
     again = collected_run("sleep0_gpipe_pp2_again")
     manifest = Manifest.read(run / "run.json")
     cfg = RUNS["sleep_gpipe_pp2"]
-    m, steps = cfg["microbatches"], cfg["steps"]
+    m, steps = cfg["num_microbatches"], cfg["steps"]
     # by hand (GPipe, Huang et al. 2019): the forwards fill the pipe behind the slowest stage, the backwards drain
     # it: (m − 1)·max F + ΣF + (m − 1)·max B + ΣB, B a full backward (I + W); stage 1 holds twice as long
     f = [15.0, 30.0]

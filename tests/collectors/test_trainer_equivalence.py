@@ -18,7 +18,7 @@ from collectors.trainer.reference import train_reference  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 ATOL = 1e-5
 
-BASE4 = CollectConfig(pp=4, microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
+BASE4 = CollectConfig(pp=4, num_microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
 CONFIGS4 = [
     BASE4,
     BASE4.replace(schedule="gpipe", recompute="full"),
@@ -29,7 +29,7 @@ CONFIGS4 = [
     BASE4.replace(preset="tiny-llama", schedule="gpipe"),
     BASE4.replace(bpipe=True, batch_p2p=True),  # the NCCL path's send/receive batching, exercised on gloo
 ]
-BASE2 = CollectConfig(pp=2, microbatches=3, microbatch_size=2, steps=1, warmup_steps=0, profile=False)
+BASE2 = CollectConfig(pp=2, num_microbatches=3, microbatch_size=2, steps=1, warmup_steps=0, profile=False)
 CONFIGS2 = [
     # (BPipe at pp = 2 is refused: stage 0's only other resident micro-batch is always the one needed next)
     BASE2.replace(preset="tiny-llama", recompute="selective"),
@@ -68,7 +68,7 @@ def test_bpipe_on_data_parallel_replicas_changes_no_gradient(tmp_path):
     """pp 4 × dp 2 with BPipe: each replica's stage 0 evicts to its own replica's stage 3, and every rank ends the
     step with the gradients and parameters of the same run without BPipe (whose replicas see different data, so a
     transfer to the other replica's partner would show)."""
-    plain = CollectConfig(pp=4, dp=2, microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
+    plain = CollectConfig(pp=4, dp=2, num_microbatches=4, microbatch_size=1, steps=1, warmup_steps=0, profile=False)
     configs = [plain, plain.replace(bpipe=True)]
     launch(configs[0], None, results_dir=tmp_path, configs=configs, timeout_s=900)
     for rank in range(8):

@@ -38,9 +38,9 @@ def test_the_default_microbatch_count_is_twice_the_stages_in_both():
 
     collect = config_from_args(_parse("collect", "--pp", "2", "-o", "x"))
     estimate = build(_parse("estimate", "--model", "tiny-gpt", "--pp", "2"))[0]
-    assert collect.microbatches == estimate.num_microbatches == 4  # 2 × --pp
+    assert collect.num_microbatches == estimate.num_microbatches == 4  # 2 × --pp
     at_default = config_from_args(_parse("collect", "-o", "x"))
-    assert (at_default.pp, at_default.microbatches) == (4, 8)  # collect's run at its defaults is as before
+    assert (at_default.pp, at_default.num_microbatches) == (4, 8)  # collect's run at its defaults is as before
 
 
 @pytest.mark.parametrize("flag", ["--profile-steps", "--steps"])

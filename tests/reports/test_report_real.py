@@ -28,7 +28,7 @@ def test_demo_collects_through_the_collectors_api(tmp_path):
     """The demo's own collection call, on the smallest pipeline the trainer accepts."""
     from reports.demo_command import collect_run
 
-    run_dir = collect_run(tmp_path / "run", bpipe=False, pp=2, microbatches=2, steps=1, warmup_steps=1,
+    run_dir = collect_run(tmp_path / "run", bpipe=False, pp=2, num_microbatches=2, steps=1, warmup_steps=1,
                           microbatch_size=1)
     assert (run_dir / "run.json").is_file()
     assert sorted(p.name for p in run_dir.glob("rank*.pt.trace.json.gz")) == ["rank0.pt.trace.json.gz",

@@ -183,10 +183,9 @@ def microbatch_size(parser) -> None:
 
 def schedule(parser) -> None:
     """``--schedule NAME``: every schedule run.json names (docs/schedules.md)."""
-    from traceana.core.manifest import SCHEDULES  # (cost: run.json's schema only for the parsers that offer it)
+    from traceana.core.schedule_names import SCHEDULES  # (not run.json's "unknown")
 
-    parser.add_argument("--schedule", default="1f1b", choices=[s for s in SCHEDULES if s != "unknown"],  # (run.json's
-                        # word for a schedule it does not know)
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                         help="pipeline schedule (docs/schedules.md); collect runs the multi-stage ones with "
                              "torch.distributed.pipelining")
 

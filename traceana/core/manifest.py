@@ -16,6 +16,7 @@ from typing import Any
 from traceana.core.errors import BadInputError
 from traceana.core.files import open_regular
 from traceana.core.limits import check_ranks
+from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, RUN_JSON_SCHEDULES  # noqa: F401
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "run.json"
@@ -24,8 +25,8 @@ ATTENTIONS = ("naive", "sdpa")  # sdpa = flash-style: does not keep the s×s sco
 RECOMPUTES = ("none", "selective", "full")
 # zero-bubble: ZB-1P with I/W split on a looped placement (torch's ScheduleInterleavedZeroBubble); zbv and dualpipev
 # put each rank's two stages in a V (rank r holds r and 2p−1−r); looped-bfs runs every forward of a stage first.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev", "unknown")
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")  # several stages a rank
+# The names are listed once, in traceana.core.schedule_names; SCHEDULES here is what run.json may say (with "unknown").
+SCHEDULES = RUN_JSON_SCHEDULES
 MAX_MANIFEST_BYTES = 16 << 20  # run.json is a few KB; a bigger one is not a manifest (and is not read whole)
 MAX_NESTING = 32  # levels of JSON nesting in run.json (``extra`` included): the collector writes at most 3
 # A device's peak FLOP/s: finite, and between 1 MFLOP/s and 1 EFLOP/s (1e6..1e18) — outside that it is a unit
@@ -282,11 +283,11 @@ class Manifest:
         if not isinstance(self.profiler, dict) or not all(isinstance(k, str) and is_int(v)
                                                           for k, v in self.profiler.items()):
             raise BadInputError(f"profiler must map names to integers, got {self.profiler!r}"[:200], fix="fix run.json")
-        if self.pp is not None and self.pp > self.world_size and self.schedule in ("gpipe", "1f1b"):
+        if self.pp is not None and self.pp > self.world_size and self.schedule in ONE_STAGE_SCHEDULES:
             # (interleaved schedules place several virtual stages on a rank: there pp may exceed the ranks)
             raise BadInputError(f"pp {self.pp} is larger than world_size {self.world_size} for schedule "
                                 f"{self.schedule} (one stage per rank)", fix="fix run.json")
-        if (self.pp is not None and self.schedule in ("gpipe", "1f1b") and is_int(self.tp) and is_int(self.dp)
+        if (self.pp is not None and self.schedule in ONE_STAGE_SCHEDULES and is_int(self.tp) and is_int(self.dp)
                 and self.pp * self.tp * self.dp > self.world_size):
             # every (stage, tensor-parallel rank, replica) is a rank of its own
             raise BadInputError(f"pp {self.pp} × tp {self.tp} × dp {self.dp} = {self.pp * self.tp * self.dp} ranks, "

@@ -37,13 +37,13 @@ import polars as pl
 from traceana.core import names, schema
 from traceana.core.errors import ConfigError
 from traceana.core.intervals import ENGINE
-from traceana.core.manifest import MULTI_STAGE_SCHEDULES  # several virtual stages on a device
+from traceana.core.schedule_names import (  # the names, listed once (several virtual stages on a device, V, I/W)
+    MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES)
 
 FORWARD, BACKWARD = names.FORWARD, names.BACKWARD  # the actions of an order
 BACKWARD_INPUT, BACKWARD_WEIGHT = names.BACKWARD_INPUT, names.BACKWARD_WEIGHT  # a backward split in two (I, W)
-SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE_SCHEDULES)  # every schedule run.json names (but "unknown")
-V_SCHEDULES = ("zbv", "dualpipev")  # V placement: device d holds stages d and 2p−1−d
-SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")  # backwards split into I and W
+# SCHEDULES: every schedule run.json names (but "unknown"); V_SCHEDULES: device d holds stages d and 2p−1−d;
+# SPLIT_BACKWARD_SCHEDULES: backwards split into I and W (traceana.core.schedule_names, imported above)
 BPIPE_SCHEDULES = ("1f1b",)  # where BPipe applies (``bpipe_applies``): one stage a device
 
 
@@ -175,7 +175,7 @@ def _device_order(schedule: str, pp: int, num_microbatches: int, device: int, vi
 def _build_order(schedule: str, *, pp: int, num_microbatches: int, device: int, virtual_stages: int) -> list[Op]:
     _check(schedule, pp, num_microbatches, device, virtual_stages)
     p, m, d, v = pp, num_microbatches, device, virtual_stages
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in ONE_STAGE_SCHEDULES:
         warm = m if schedule == "gpipe" else min(p - d - 1, m)
         fwd = [Op(FORWARD, d, j) for j in range(m)]
         bwd = [Op(BACKWARD, d, j) for j in range(m)]

@@ -1,9 +1,13 @@
 """The run's configuration, reconciled once: what run.json says and what the traces show, each fact with where it
 came from (``RUN_JSON``, ``TRACE``, ``INFERRED``, ``DEFAULT``, ``OPTION``) and the conflicts between the two noted.
 
-``Analysis.config`` is one (built by ``reconcile.run_config``); ``RunConfig.from_manifest`` is run.json alone (what
-``estimate --from-run`` reads). Everything downstream reads it: MFU, the summary, validation, the verdict, the
-reports. ``training_config`` is the model's view of it (``traceana.core.training_config.TrainingConfig``).
+``Analysis.config`` is one (built by ``reconcile.run_config``, in two steps: ``reconcile.run_facts`` before the
+schedule is known — run.json's facts and what the traces' metadata says of the hosts, which the P2P pairing, the clock
+alignment and the stage map read — then the schedule's facts on top of that same configuration);
+``RunConfig.from_manifest`` is run.json alone (what ``estimate --from-run`` reads). Everything downstream reads it,
+not run.json (``Manifest``): the stage map, MFU, the summary, validation, the verdict, the reports.
+``training_config`` is the model's view of it (``traceana.core.training_config.TrainingConfig``). Each fact has the
+name of its run.json key (docs/architecture.md, "One configuration").
 
 No polars here: ``estimate`` imports this module without analysing anything.
 """
@@ -27,7 +31,8 @@ RUN_JSON_KEYS = KEY_MEANINGS  # (manifest.KEY_MEANINGS: what each run.json key m
 SOURCES = (RUN_JSON, TRACE, INFERRED, DEFAULT, OPTION)
 
 # run.json's facts the configuration carries as they are (their source is run.json when given, else default).
-_FROM_MANIFEST = ("world_size", "pp", "tp", "dp", "schedule", "microbatch_size", "num_microbatches", "model", "dtype",
+_FROM_MANIFEST = ("world_size", "pp", "tp", "dp", "stage_of_rank", "schedule", "microbatch_size", "num_microbatches",
+                  "model", "dtype",
                   "attention", "recompute", "device", "peak_flops", "bpipe", "bpipe_inflight", "layers_per_stage",
                   "host_cpus", "ranks_per_host", "hosts", "nnodes", "trainer", "dropout", "eager", "grads_in_step",
                   "link_bytes_per_s", "p2p_latency_ns")
@@ -55,6 +60,8 @@ class RunConfig:
     bpipe: tuple[tuple[int, int], ...] | None = None  #: (evictor, acceptor) stage pairs; None = off
     bpipe_inflight: int | None = None
     layers_per_stage: tuple[int, ...] | None = None  #: per device, as run.json gives it
+    #: the (first) stage of each rank, index = rank: run.json's stage_of_rank (None: it gives none)
+    stage_of_rank: tuple[int, ...] | None = None
     #: rank -> every stage it holds (run.json's stages_of_rank, else stage_of_rank, else the stage map)
     stages_of_rank: Mapping[int, tuple[int, ...]] | None = None
     virtual_stages: int | None = None
@@ -68,10 +75,28 @@ class RunConfig:
     grads_in_step: bool = False
     link_bytes_per_s: float | None = None  #: the P2P link's bandwidth; None: traceana.measure.p2p's assumed one
     p2p_latency_ns: float | None = None  #: a CPU-rank P2P message's latency; None: traceana.measure.p2p's assumed one
+    #: every rank on one host (run.json's hosts or nnodes, else the traces' host metadata: reconcile.run_facts);
+    #: None = not told. The clock alignment trusts one host's clock (traceana.measure.timeline.clock_offsets).
+    same_host: bool | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     refusal: str | None = None
+    #: run.json's value of each fact the traces' value replaced (source trace where run.json said otherwise)
+    overruled: Mapping[str, object] = field(default_factory=dict)
     manifest: Manifest | None = field(default=None, compare=False, repr=False)  #: run.json as written
+
+    @property
+    def has_run_json(self) -> bool:
+        """Whether the run has a run.json (the facts sourced ``run.json`` came from it)."""
+        return self.manifest is not None
+
+    def run_json_lists_stages(self) -> bool:
+        """Whether run.json's ``stages_of_rank`` lists every stage of each rank (not only ``stage_of_rank``'s first
+        one, which ``stages_of_rank`` holds alone when that is all run.json gives)."""
+        if not self.stages_of_rank or self.source("stages_of_rank") != RUN_JSON:
+            return False
+        return self.stage_of_rank is None or any(st != (s,) for (_, st), s in
+                                                 zip(sorted(self.stages_of_rank.items()), self.stage_of_rank))
 
     def source(self, name: str) -> str:
         """Where fact ``name`` came from (one of SOURCES)."""
@@ -192,7 +217,7 @@ class RunConfig:
         """JSON-ready: every fact with its source, and the conflicts."""
         facts = {}
         for f in dataclasses.fields(self):
-            if f.name in ("sources", "conflicts", "refusal", "manifest"):
+            if f.name in ("sources", "conflicts", "refusal", "overruled", "manifest"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, ModelShape):

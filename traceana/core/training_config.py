@@ -13,8 +13,7 @@ from traceana.core.limits import schedule_slots_error
 from traceana.core.manifest import ATTENTIONS, RECOMPUTES, ModelShape
 from traceana.core.pipeline_rules import SCHEDULES, check_bpipe, check_virtual_stages, device_of_stage, stage_layers
 
-# Schedules the model knows (names as in manifest.SCHEDULES).
-MODEL_SCHEDULES = SCHEDULES  # every schedule the pipeline rules know
+MODEL_SCHEDULES = SCHEDULES  # the model knows every schedule the pipeline rules know (core.schedule_names)
 
 
 @dataclass(frozen=True)

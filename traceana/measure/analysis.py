@@ -16,7 +16,7 @@ from traceana.core import limits, names
 from traceana.core import names as _names  # (analyze's keyword ``names`` hides the module there)
 from traceana.core.errors import BadInputError, shown
 from traceana.core.intervals import COLLECT
-from traceana.core.manifest import MULTI_STAGE_SCHEDULES
+from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES, WHOLE_BACKWARD_MULTI_STAGE
 from traceana.ingest import Run
 from traceana.measure import attribution as attr
 from traceana.measure import classify as cls
@@ -24,14 +24,13 @@ from traceana.measure import memory as mem
 from traceana.measure import gpu, timeline
 
 # Multi-stage schedules whose backward is one pass (no input/weight split): autograd's ops tell their phases.
-WHOLE_BACKWARD_MULTI_STAGE = ("interleaved-1f1b", "looped-bfs")
 from traceana.core.names import NameRules
 from traceana.core.run_config import RunConfig
 from traceana.core.schema import CATEGORIES, SCHEDULE, conform
 from traceana.core.units import NS_PER_MS, NS_PER_S
 from traceana.measure.p2p import bpipe_groups, link_bandwidth, messages, pair, transfer_ceiling
 from traceana.measure.placement import several_stages, stage_map, virtual_stage_ranks
-from traceana.measure.reconcile import annotated_facts, missing_notes, run_config
+from traceana.measure.reconcile import annotated_facts, missing_notes, run_config, run_facts
 from traceana.measure.schedule import (annotated_schedule, autograd_schedule, dropped_annotation_notes, infer_schedule,
                                        overlap_notes, pipeline_group_stages,
                                        overlap_rows, overlap_spans)
@@ -71,7 +70,8 @@ class Analysis:
     def config(self) -> RunConfig:
         """The run's configuration, reconciled once from run.json and the traces (``reconcile.run_config``): every
         fact with its source, and the conflicts. MFU, the summary, validation, the verdict and the reports read it."""
-        return run_config(self.run.manifest, self.schedule, self.stages, peak_flops=self.peak_flops)
+        return run_config(run_facts(self.run.manifest, self.run.traces, peak_flops=self.peak_flops), self.schedule,
+                          self.stages)
 
     @functools.cached_property
     def per_rank_step(self) -> pl.DataFrame:
@@ -148,16 +148,6 @@ class Analysis:
                    if self.notes else "") + "</div>")
 
 
-def _same_host(run: Run, config: RunConfig) -> bool | None:
-    if config.hosts and len(set(config.hosts)) == 1 or config.nnodes == 1:
-        return True
-    if "host" in run.traces.columns:
-        hosts = run.traces["host"].drop_nulls()
-        if len(hosts) == run.traces.height and hosts.n_unique() == 1:
-            return True
-    return None
-
-
 def analyze(run: Run, *, peak_flops: float | None = None, names: str | Path | NameRules | None = None,
             by_name: cls.NameTable | None = None, **old_keywords) -> Analysis:
     """Analyse a loaded run (``traceana.load_run``): classify its events, find steps and P2P pairs, align clocks,
@@ -190,7 +180,9 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     steps, n = timeline.steps(events)
     notes += n
     events = timeline.assign_steps(events, steps)
-    config = RunConfig.from_manifest(run.manifest)  # (run.json's; reconciled with the traces below)
+    # The one configuration (reconcile): run.json's facts and the hosts now, what the schedule shows added below; the
+    # P2P pairing, the clock alignment and the stage map read it, not run.json.
+    config = run_facts(run.manifest, run.traces, peak_flops=peak_flops)
     interleaved = (config.schedule in MULTI_STAGE_SCHEDULES
                    or any(len(held) > 1 for held in (config.stages_of_rank or {}).values()))
     # Without run.json, a trace's own metadata (our profiler writes the stages each rank holds) says the same.
@@ -204,7 +196,7 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     link, ceiling = link_bandwidth(config), transfer_ceiling(config)
     pairs, unmatched, msgs, pair_notes = pair(msgs, link_bytes_per_s=link, ceiling=ceiling)
     ranks = sorted(set(run.traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
-    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=_same_host(run, config))
+    offsets, n = timeline.clock_offsets(pairs, ranks, same_host=config.same_host)
     copies = msgs.height - msgs.unique(["rank", "dir", "channel", "peer", "tag", "post_ns"]).height
     if copies:  # duplicated events: the pairing (and any clock "cycle" it shows) is not the run's
         n = [f"{copies} P2P operations are exact copies of another (same rank, peer, tag and start: duplicated "
@@ -222,7 +214,7 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     # order below changes neither).
     spans = overlap_spans(events)
     overlapped = overlap_rows(events, spans=spans)
-    stages, n = stage_map(events, run.traces, run.manifest, pairs, msgs, overlapped=overlapped)
+    stages, n = stage_map(events, run.traces, config, pairs, msgs, overlapped=overlapped)
     notes += n
     # Micro-batches a name rule numbers in order: not on ranks holding several stages (by run.json, the traces'
     # metadata or the P2P pattern), whose spans of one phase alternate between stages the names do not give.
@@ -283,7 +275,7 @@ def _analyze(run: Run, *, peak_flops: float | None, name_rules: names.NameRules,
     schedule = pl.concat([annotated, inferred]).sort("rank", "step", "start_ns")
     notes += dropped_annotation_notes(events)
     facts = annotated_facts(annotated)
-    config = run_config(run.manifest, annotated, stages, peak_flops=peak_flops, facts=facts)
+    config = run_config(config, annotated, stages, facts=facts)
     notes += missing_notes(facts) + list(config.conflicts)
 
     busy = timeline.busy_events(events)
@@ -380,7 +372,7 @@ def _mfu(m: RunConfig, stages: pl.DataFrame, steps: pl.DataFrame) -> tuple[pl.Da
         ("num_microbatches", bool(m.num_microbatches)), ("peak_flops", bool(peak)),
     ) if not ok]
     if missing:  # (each by its run.json key: what to write, not only what is lacking)
-        where = "run.json lacks" if m.manifest is not None else "there is no run.json to give"
+        where = "run.json lacks" if m.has_run_json else "there is no run.json to give"
         return empty, [f"MFU not computed: {where} {', '.join(missing)} (--peak-flops gives peak_flops; "
                        "`traceana describe RUN -o run.json` writes a template for the run folder)"]
     layers_of = m.stage_layers()

@@ -38,7 +38,7 @@ from traceana.ingest import scale
 from traceana.ingest import Run
 from traceana.measure.classify import rank_summary
 from traceana.measure.p2p import pipeline_groups
-from traceana.measure.reconcile import run_config
+from traceana.measure.reconcile import run_config, run_facts
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
 # where it does; by their keys otherwise).
@@ -151,7 +151,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     measured = measured_steps(att, tables["schedule"])
     # the stage map's columns (placement.stage_map: rank, stage, …) are those stage_table puts before its means
     stage_map = tables["stages"].select(tables["stages"].columns[: tables["stages"].columns.index("steps")])
-    config = run_config(manifest, tables["schedule"], stage_map, peak_flops=peak_flops)
+    config = run_config(run_facts(manifest, traces, peak_flops=peak_flops), tables["schedule"], stage_map)
     mfu, _ = _mfu(config, stage_map, tables["steps"].filter(pl.col("step").is_in(measured)))
     per_rank_step = rank_steps(att)
     stages = stage_table(per_rank_step.filter(pl.col("step").is_in(measured)), stage_map,

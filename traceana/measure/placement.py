@@ -10,13 +10,13 @@ import polars as pl
 
 from traceana.core import intervals as iv
 from traceana.core import names
-from traceana.core.manifest import Manifest
+from traceana.core.run_config import RunConfig
 from traceana.core.pipeline_rules import stages_of_ranks
 from traceana.measure.schedule import overlap_rows
 
 
 def stage_map(
-    events: pl.DataFrame, traces: pl.DataFrame, manifest: Manifest | None, pairs: pl.DataFrame,
+    events: pl.DataFrame, traces: pl.DataFrame, config: RunConfig | None, pairs: pl.DataFrame,
     msgs: pl.DataFrame | None = None, *, overlapped: pl.DataFrame | None = None,
 ) -> tuple[pl.DataFrame, list[str]]:
     """``rank, stage, stage_source, stages`` for every rank: run.json, else the trace's own metadata, else the stage
@@ -25,13 +25,17 @@ def stage_map(
     ``stage`` is the rank's first stage; ``stages`` lists every (virtual) stage it holds, e.g. ``"0,3"`` on rank 0
     of a V schedule: from run.json's ``stages_of_rank``, else the PP: annotations, else the trace metadata's
     ``stages``, else ``stage`` alone.
-    ``overlapped``: ``overlap_rows(events)``, if the caller has it already."""
+    ``config``: the run's configuration (``reconcile.run_facts``: run.json's ``stage_of_rank`` and ``stages_of_rank``;
+    None: no run.json); ``overlapped``: ``overlap_rows(events)``, if the caller has it already."""
     ranks = sorted(set(traces["rank"].to_list()) | set(events["rank"].unique().to_list()))
     known: dict[int, tuple[int, str]] = {}
-    if manifest is not None:
+    # every stage of each rank where run.json's stages_of_rank lists them (not stage_of_rank's first stage alone)
+    held = dict(config.stages_of_rank) if config is not None and config.run_json_lists_stages() else {}
+    if config is not None and config.has_run_json:
         # run.json's stage_of_rank, else the first of the stages its stages_of_rank lists: either way run.json's,
         # ahead of anything the traces suggest (the P2P pattern included)
-        listed = manifest.stage_of_rank or tuple(st[0] if st else None for st in manifest.stages_of_rank or ())
+        listed = config.stage_of_rank or tuple(held[r][0] if held.get(r) else None
+                                               for r in range(max(held, default=-1) + 1))
         for r in ranks:
             if r < len(listed) and listed[r] is not None:
                 known[r] = (listed[r], "run.json")
@@ -50,7 +54,7 @@ def stage_map(
     # the stages in the PP: annotations, else those the trace's metadata lists (names without a stage number,
     # e.g. Megatron-LM's, leave only the metadata to tell), overridden by run.json's stages_of_rank
     virtual: dict[int, list[int]] = {**metadata_stages(traces), **{r: list(all_) for r, _, all_ in annotated.rows()}}
-    for r, st in enumerate((manifest.stages_of_rank or ()) if manifest is not None else ()):
+    for r, st in held.items():
         virtual[r] = list(st)
     for r, s, _ in annotated.rows():
         known.setdefault(r, (s, "annotations"))
@@ -85,7 +89,7 @@ def stage_map(
     unknown = [r for r in ranks if r not in known and not any(r in x.order for x in cut)]
     if unknown:
         which, they = ("rank", "it gets") if len(unknown) == 1 else ("ranks", "they get")
-        facts = "no run.json" if manifest is None else "run.json gives no stage_of_rank"
+        facts = "no run.json" if config is None or not config.has_run_json else "run.json gives no stage_of_rank"
         notes.append(f"stage of {which} {', '.join(map(str, unknown))} could not be determined ({facts}, no "
                      f"annotations, not on a P2P chain): {they} no schedule")
     first = [known.get(r, (None, None))[0] for r in ranks]

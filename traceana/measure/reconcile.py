@@ -1,6 +1,9 @@
 """run.json against the traces, once: what the annotated schedule shows (micro-batches, 1F1B or GPipe order, stages
-per rank: ``annotated_facts``), the conflicts with run.json, and the reconciled configuration (``run_config``:
-``Analysis.config``), each fact with its source (traceana.core.run_config)."""
+per rank: ``annotated_facts``), the conflicts with run.json, and the reconciled configuration (``Analysis.config``),
+each fact with its source (traceana.core.run_config). The analysis builds that one configuration in two steps:
+``run_facts`` before the schedule is known (run.json's facts, and whether every rank ran on one host, from run.json or
+the traces' metadata: what the P2P pairing, the clock alignment and the stage map read), then ``run_config`` adds what
+the schedule shows to it."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import polars as pl
 from traceana.core import intervals as iv
 from traceana.core import names
 from traceana.core.manifest import Manifest
-from traceana.core.pipeline_rules import SCHEDULES, placement_of
-from traceana.core.run_config import INFERRED, RUN_JSON, TRACE, RunConfig
+from traceana.core.pipeline_rules import placement_of
+from traceana.core.schedule_names import ONE_STAGE_SCHEDULES, SCHEDULES
+from traceana.core.run_config import DEFAULT, INFERRED, RUN_JSON, TRACE, RunConfig
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def placement_contradiction(facts: AnnotatedFacts, manifest: Manifest | None) ->
 def observed_schedule(facts: AnnotatedFacts, manifest: Manifest | None) -> str | None:
     """``1f1b`` or ``gpipe`` as the annotations show it when run.json names one of those two (the only pair the
     order of forwards and backwards tells apart, one stage per rank); None when they cannot tell."""
-    if manifest is None or manifest.schedule not in ("gpipe", "1f1b") or facts.interleaved is None:
+    if manifest is None or manifest.schedule not in ONE_STAGE_SCHEDULES or facts.interleaved is None:
         return None
     if facts.interleaved:
         return "1f1b"
@@ -143,24 +147,56 @@ def observed_schedule(facts: AnnotatedFacts, manifest: Manifest | None) -> str |
     return "gpipe" if m >= 2 and pp >= 2 and (pp - 1) in facts.stages else None
 
 
-def run_config(manifest: Manifest | None, schedule: pl.DataFrame, stages: pl.DataFrame | None = None, *,
+def same_host(config: RunConfig, traces: pl.DataFrame | None) -> tuple[bool | None, str]:
+    """Whether every rank ran on one host, and where that is told: run.json's ``hosts`` (one name) or ``nnodes``
+    (1), else the traces' own metadata (a ``host`` on every trace, one name); (None, default) when neither says."""
+    if config.hosts and len(set(config.hosts)) == 1 or config.nnodes == 1:
+        return True, RUN_JSON
+    if traces is not None and "host" in traces.columns:
+        hosts = traces["host"].drop_nulls()
+        if len(hosts) == traces.height and hosts.n_unique() == 1:
+            return True, TRACE
+    return None, DEFAULT
+
+
+def run_facts(manifest: Manifest | None, traces: pl.DataFrame | None = None, *,
+              peak_flops: float | None = None) -> RunConfig:
+    """The configuration before the schedule is known: run.json's facts (``RunConfig.from_manifest``; ``peak_flops``
+    the option over its own) and ``same_host`` (``same_host``: run.json's, else the traces' metadata). The analysis
+    pairs the P2P messages (``link_bytes_per_s``, ``p2p_latency_ns``), aligns the clocks (``same_host``) and maps the
+    stages (``stage_of_rank``, ``stages_of_rank``) with it, then ``run_config`` reconciles the schedule into it."""
+    cfg = RunConfig.from_manifest(manifest, peak_flops=peak_flops)
+    one_host, source = same_host(cfg, traces)
+    if one_host is None:
+        return cfg
+    return cfg.replace(same_host=one_host, sources={**cfg.sources, "same_host": source})
+
+
+def run_config(start: RunConfig | Manifest | None, schedule: pl.DataFrame, stages: pl.DataFrame | None = None, *,
                peak_flops: float | None = None, facts: AnnotatedFacts | None = None) -> RunConfig:
-    """The run's configuration reconciled once (``Analysis.config``): run.json's facts (``RunConfig.from_manifest``),
+    """The run's configuration reconciled once (``Analysis.config``): ``start`` — ``run_facts``' configuration, or
+    run.json (its facts, ``RunConfig.from_manifest``, with ``peak_flops`` the option over its own) —
     with the micro-batch count and the schedule the annotated ``schedule`` shows where run.json contradicts or lacks
     them (source trace; the contradiction among ``conflicts``), every rank's stages from the stage map ``stages``
     where run.json lists none (source trace when the traces name them, else inferred; and ``pp`` from them when
     run.json gives none and they hold every stage up to the last, one a rank), and ``refusal`` where
     run.json's schedule places another number of stages on each rank than the traces hold. ``peak_flops``: the
-    option overriding run.json's; ``facts``: ``annotated_facts(schedule)``, if the caller has them."""
+    option overriding run.json's (with ``start`` a Manifest); ``facts``: ``annotated_facts(schedule)``, if the caller
+    has them. ``overruled`` keeps run.json's value of each fact the traces' replaced."""
     facts = annotated_facts(schedule) if facts is None else facts
-    cfg = RunConfig.from_manifest(manifest, peak_flops=peak_flops)
+    cfg = start if isinstance(start, RunConfig) else RunConfig.from_manifest(start, peak_flops=peak_flops)
+    manifest = cfg.manifest
     sources = dict(cfg.sources)
     changes: dict = {}
+    overruled = dict(cfg.overruled)
     m = facts.num_microbatches
     if m and m != cfg.num_microbatches and (manifest is not None or cfg.num_microbatches is None):
+        if cfg.source("num_microbatches") == RUN_JSON:
+            overruled["num_microbatches"] = cfg.num_microbatches
         changes["num_microbatches"], sources["num_microbatches"] = m, TRACE
     kind = observed_schedule(facts, manifest)
     if kind is not None and kind != cfg.schedule:
+        overruled["schedule"] = cfg.schedule
         changes["schedule"], sources["schedule"] = kind, TRACE
     if cfg.stages_of_rank is None and stages is not None and stages.height and "stages" in stages.columns:
         listed = {r: tuple(int(x) for x in st.split(",")) for r, st in stages.select("rank", "stages").rows() if st}
@@ -173,5 +209,5 @@ def run_config(manifest: Manifest | None, schedule: pl.DataFrame, stages: pl.Dat
             # and stages run.json would mean is not told, so pp stays unknown)
             if cfg.pp is None and all(len(st) == 1 for st in listed.values()) and held == set(range(max(held) + 1)):
                 changes["pp"], sources["pp"] = len(held), sources["stages_of_rank"]
-    return cfg.replace(**changes, sources=sources, conflicts=tuple(conflicts(facts, manifest)),
+    return cfg.replace(**changes, sources=sources, overruled=overruled, conflicts=tuple(conflicts(facts, manifest)),
                        refusal=placement_contradiction(facts, manifest))

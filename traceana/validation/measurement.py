@@ -207,7 +207,7 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
     over stages. Returns (micro-batch size, attention, E). ``peak_flops`` defaults to run.json's."""
     m = analysis.config  # the traces' micro-batches and schedule where run.json contradicts them
     peak = peak_flops or m.peak_flops
-    if m.manifest is None or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
+    if not m.has_run_json or m.model is None or not m.pp or not m.microbatch_size or not m.num_microbatches:
         raise AnalysisError("measuring compute efficiency needs run.json with the model, pp and micro-batching",
                             path=analysis.run.path, fix="collect the run with `traceana collect`")
     if not peak:

@@ -11,7 +11,7 @@ import re
 from traceana.causal.graph import GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
-from traceana.core.manifest import MULTI_STAGE_SCHEDULES
+from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES
 from traceana.core.pipeline_rules import bpipe_applies, check_virtual_stages, device_of_stage, plan_refusal
 from traceana.core.units import NS_PER_MS
 from traceana.measure.noise import noise_ms

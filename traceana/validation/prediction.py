@@ -57,7 +57,7 @@ def noise_floor(first: Analysis, second: Analysis) -> float:
                             fix="give two separate collections of one configuration")
     cfgs = []
     for a in (first, second):
-        if a.run.manifest is None:
+        if not a.config.has_run_json:
             raise AnalysisError("the noise floor needs run.json (to tell that both runs are one configuration)",
                                 path=a.run.path, fix="collect both runs with `traceana collect`")
         cfgs.append(a.config.training_config(path=a.run.path))
@@ -101,7 +101,7 @@ def _sides(baseline: Analysis, target: Analysis, base_cfg: TrainingConfig, tgt_c
     configuration), each run once; a repeat of neither configuration is refused (its difference is not noise)."""
     base, other = [baseline], [target]
     for r in repeat or ():
-        cfg = r.config.training_config(path=r.run.path) if r.run.manifest is not None else None
+        cfg = r.config.training_config(path=r.run.path) if r.config.has_run_json else None
         if cfg == base_cfg:
             base.append(r)
         elif cfg == tgt_cfg:
@@ -132,7 +132,7 @@ def cross_run(baseline: Analysis, target: Analysis, *,
     speed-ups are 1/(1 + change) of the same numbers. ``prediction_within_noise``: whether the predicted change lies
     inside the measured interval (None: one run on a side, the noise unknown)."""
     for a in (baseline, target):
-        if a.run.manifest is None:  # the run that lacks it is the one named
+        if not a.config.has_run_json:  # the run that lacks it is the one named
             raise AnalysisError("cross-run validation needs run.json in both runs: this one has none",
                                 path=a.run.path, fix="collect both with `traceana collect`, or write its run.json")
     base_cfg = baseline.config.training_config(path=baseline.run.path)

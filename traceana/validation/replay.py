@@ -16,7 +16,7 @@ import polars as pl
 
 from traceana.core.errors import AnalysisError
 from traceana.core.pipeline_rules import device_of_stage
-from traceana.core.run_config import TRACE
+from traceana.core.run_config import RUN_JSON
 from traceana.core.schema import BLOCKED_CATEGORIES
 from traceana.core.training_config import TrainingConfig
 from traceana.core.units import NS_PER_MS
@@ -160,7 +160,7 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     """Simulate the run from its own measured durations and compare step time, bubble and activation memory."""
     run = analysis.run
     if cfg is None:
-        if run.manifest is None:
+        if not analysis.config.has_run_json:
             raise AnalysisError("validation needs run.json (model, pp, micro-batches)", path=run.path,
                                 fix="collect with `traceana collect`, or write run.json")
         cfg = analysis.config.training_config(path=run.path)
@@ -256,9 +256,11 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
         + (" + gradients allocated and freed in the step" if grads_in_step else "")
         + " + one layer's backward working memory",
     ) + tuple(n for n in (shared_cpus(analysis),) if n)
-    c = analysis.config
-    if run.manifest is not None and run.manifest.num_microbatches and TRACE in (c.source("schedule"),
-                                                                                 c.source("num_microbatches")):
+    c = analysis.config  # (the reconciled facts; ``overruled``: what run.json said of those the traces replaced)
+    said = {k: c.overruled[k] for k in ("schedule", "num_microbatches") if k in c.overruled}
+    # (run.json gave the micro-batches: they are its, or the traces' overruled them)
+    if said and (c.source("num_microbatches") == RUN_JSON or "num_microbatches" in said):
         notes += (f"simulated as the traces show it: schedule {c.schedule}, {c.num_microbatches} micro-batches "
-                  f"(run.json says {run.manifest.schedule}, {run.manifest.num_microbatches}) — fix run.json",)
+                  f"(run.json says {said.get('schedule', c.schedule)}, "
+                  f"{said.get('num_microbatches', c.num_microbatches)}) — fix run.json",)
     return Validation(per_stage=per_stage, summary=summary, simulation=sim, notes=notes)
