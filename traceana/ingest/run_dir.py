@@ -171,12 +171,9 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     del found
     marks.clear()
     results.sort(key=lambda r: r[2]["rank"])
-    memory = pl.concat([r[1] for r in results], how="vertical") if results else schema.empty(schema.MEMORY)
-    traces = schema.conform(
-        pl.DataFrame([{k: v for k, v in r[2].items() if k in schema.TRACES} for r in results],
-                     schema=schema.TRACES),
-        schema.TRACES,
-    )
+    # (only the ranks with memory instants: concatenating thousands of empty frames took ~1 s at 4,096 ranks)
+    memory = pl.concat([r[1] for r in results if r[1].height] or [schema.empty(schema.MEMORY)], how="vertical")
+    traces = _traces_table([r[2] for r in results])
     frames = [r[0] for r in results]
     del results, hit, result  # from here ``frames`` holds the only reference to each rank's table
     parsed.clear()
@@ -186,6 +183,26 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
                memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
                warnings=tuple(warnings))
+
+
+def _traces_table(rows: list[dict]) -> pl.DataFrame:
+    """The TRACES table of the ranks' rows. Their process groups (at 4,096 ranks each rank's default group lists
+    4,096 ranks) are converted once per distinct list object (the ranks of a job share one: kineto._pg_facts) and
+    gathered, not once per rank."""
+    lists: dict[int, int] = {}
+    distinct: list[list] = []
+    index = []
+    for r in rows:  # one per rank
+        groups = r.get("process_groups")
+        i = lists.get(id(groups))
+        if i is None:
+            i = lists[id(groups)] = len(distinct)
+            distinct.append(groups)
+        index.append(i)
+    plain = pl.DataFrame([{k: v for k, v in r.items() if k in schema.TRACES and k != "process_groups"} for r in rows],
+                         schema={c: t for c, t in schema.TRACES.items() if c != "process_groups"})
+    column = pl.Series("process_groups", distinct, dtype=schema.TRACES["process_groups"])
+    return schema.conform(plain.with_columns(column.gather(pl.Series(index, dtype=pl.UInt32))), schema.TRACES)
 
 
 def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
@@ -200,6 +217,10 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
     # polars copies without the GIL: a few columns at a time in threads (on 2 cores the end of a parallel ingest
     # took half as long), each round's copies dropped before the next.
     k = min(len(names), os.cpu_count() or 1) if sum(f.height for f in frames) >= kineto.FINISH_ALONE_ROWS else 1
+    if len(frames) > JOIN_FRAMES:  # thousands of small ranks: first side by side in a few frames (no copy: their
+        # chunks are only listed together), so that each round below is a few dozen calls, not thousands
+        n = -(-len(frames) // JOIN_FRAMES)
+        frames[:] = [pl.concat(frames[i:i + n], how="vertical", rechunk=False) for i in range(0, len(frames), n)]
     columns: list[pl.Series] = []
     with cf.ThreadPoolExecutor(max_workers=k) as pool:
         for i in range(0, len(names), k):
@@ -208,6 +229,9 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
             frames[:] = [f.drop(group) for f in frames]
     frames.clear()
     return pl.DataFrame(columns)
+
+
+JOIN_FRAMES = 64
 
 
 def _joined(parts: list[pl.Series]) -> pl.Series:
