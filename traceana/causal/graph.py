@@ -1375,11 +1375,17 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         if v[4] is not None:
             members.setdefault(v[4], []).append(key)
     latest_finish: dict[tuple[int, int], float] = {}
+    group_start: dict[str, float] = {}  # a collective's, once every member has its latest finish (set once each)
 
     def latest_start(key: tuple[int, int]) -> float:
         grp = info[key][4]
-        keys = members[grp] if grp is not None else [key]  # a collective starts when its last member joins
-        return min(latest_finish[k] - info[k][2] for k in keys)
+        if grp is None:
+            return latest_finish[key] - info[key][2]
+        # a collective starts when its last member joins: the same for every member (asked by each member's
+        # predecessors: at 512 members, 512 x 512 terms a collective when made each time)
+        if grp not in group_start:  # (a member without its latest finish yet raises KeyError: not kept)
+            group_start[grp] = min(latest_finish[k] - info[k][2] for k in members[grp])
+        return group_start[grp]
 
     for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
         rk, sq = key
