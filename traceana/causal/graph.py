@@ -994,6 +994,9 @@ def _engine_measured(g: StepGraph) -> list[list[int]]:
 # Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
 # few ms, without importing numpy); above it, all variants at once.
 BATCH_FROM_OPS = 2_000
+# replay_variants' durations held at once per kind (variants × operations): 64 variants of a 4,096-rank step (270,336
+# operations) held ~1.3 GB of matrices and their frames; at this many, 29 variants (the diagnosis' 26 in one chunk)
+VARIANT_CELLS = 8_000_000
 
 
 def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
@@ -1023,6 +1026,9 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
                                 edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     import numpy as np
 
+    # (variants a chunk: at most VARIANT_CELLS durations of each kind at once, the matrices' memory bounded on big
+    # graphs; each variant's column is evaluated alone, so the chunks do not change a result)
+    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
     o, e = _in_plan_order(ops, edges)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
