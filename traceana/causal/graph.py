@@ -105,16 +105,46 @@ def pass_durations(analysis, steps: pl.DataFrame, *, unnumbered: bool = False) -
     waits = analysis.segments.filter(pl.col("category").cast(pl.String).is_in(schema.BLOCKED_CATEGORIES)).select(
         "rank", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
     windows = passes.select("rank", "_op", pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"))
-    waited = (
-        iv.clip(waits, windows, on="rank", window_keys="_op", keep_order=False)
-        .group_by("_op").agg((pl.col("end") - pl.col("start")).sum().alias("_wait"))
-    )
+    waited = _time_inside(waits, windows, "_op").rename({"_inside": "_wait"})
     passes = (
         passes.join(waited, on="_op", how="left")
         .with_columns((pl.col("d") - pl.col("_wait").fill_null(0)).alias("d"))
         .drop("_op", "_wait")
     )
     return pl.concat([passes, sched.filter(~pl.col("phase").is_in(names.PASS_PHASES))])
+
+
+def _time_inside(intervals: pl.DataFrame, windows: pl.DataFrame, key: str) -> pl.DataFrame:
+    """Per window (``key``), the summed time of its rank's ``intervals`` (rank, start, end) inside it (``windows``:
+    rank, key, start, end): what clipping the intervals to the windows and summing the pieces gives (windows
+    without any: 0 or no row).
+
+    Where a rank's intervals do not overlap (each ends by the next one's start), the time they cover before t is
+    the full length of those before the last one starting at or before t, plus that one's part before t: one
+    as-of join per window end, cover(end) - cover(start). Clipping joined every interval with every window of its
+    rank wherever the windows overlap one another (a pass's waits, a message's lag): 2.4 GB at 4,096 ranks.
+    Overlapping intervals are clipped as before."""
+    spans = (intervals.lazy().filter(pl.col("end") > pl.col("start"))
+             .select(pl.col("rank").cast(pl.Int32), "start", "end").sort("rank", "start")
+             .with_columns(((pl.col("end") - pl.col("start")).cum_sum() - (pl.col("end") - pl.col("start")))
+                           .over("rank").alias("_before"),
+                           (pl.col("end") <= pl.col("start").shift(-1).over("rank")).fill_null(True).alias("_apart"))
+             .collect(**iv.COLLECT))
+    if not bool(spans["_apart"].all()):
+        return (iv.clip(intervals, windows, on="rank", window_keys=key, keep_order=False)
+                .group_by(key).agg((pl.col("end") - pl.col("start")).sum().alias("_inside")))
+    spans = spans.lazy().select("rank", pl.col("start").alias("_ms"), pl.col("end").alias("_me"), "_before") \
+        .sort("_ms")
+    lags = windows.lazy().select(key, pl.col("rank").cast(pl.Int32), "start", "end")
+
+    def cover(at: str) -> pl.LazyFrame:
+        return (lags.select(key, "rank", at).sort(at)
+                .join_asof(spans, left_on=at, right_on="_ms", by="rank", strategy="backward", check_sortedness=False)
+                .select(key, (pl.col("_before") + pl.min_horizontal(at, "_me") - pl.col("_ms")).fill_null(0)
+                        .alias(f"_c_{at}")))
+
+    return cover("end").join(cover("start"), on=key).select(
+        key, (pl.col("_c_end") - pl.col("_c_start")).clip(lower_bound=0).alias("_inside")).collect(**iv.COLLECT)
 
 
 class GraphError(AnalysisError):
@@ -596,9 +626,8 @@ def _lag_waits(analysis, edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFr
                      (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")).collect(**iv.COLLECT))
     if calls.height == 0:
         return None
-    inside = (iv.clip(iv.merge(calls, "rank"), sides.select("rank", "_k", "start", "end"), on="rank",
-                      window_keys="_k", keep_order=False)
-              .group_by("_k").agg((pl.col("end") - pl.col("start")).sum().alias("wait_ns")))
+    inside = _time_inside(iv.merge(calls, "rank"), sides.select("rank", "_k", "start", "end"), "_k") \
+        .rename({"_inside": "wait_ns"})
     got = sides.join(inside, on="_k").filter(pl.col("wait_ns") > ARRIVAL_SLACK_NS)
     if got.height == 0:
         return None
@@ -965,6 +994,9 @@ def _engine_measured(g: StepGraph) -> list[list[int]]:
 # Below this many operations ``replay_variants`` replays each variant on the engine itself (a tiny run's what-if in a
 # few ms, without importing numpy); above it, all variants at once.
 BATCH_FROM_OPS = 2_000
+# replay_variants' durations held at once per kind (variants × operations): 64 variants of a 4,096-rank step (270,336
+# operations) held ~1.3 GB of matrices and their frames; at this many, 29 variants (the diagnosis' 26 in one chunk)
+VARIANT_CELLS = 8_000_000
 
 
 def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
@@ -994,6 +1026,9 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
                                 edges=edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     import numpy as np
 
+    # (variants a chunk: at most VARIANT_CELLS durations of each kind at once, the matrices' memory bounded on big
+    # graphs; each variant's column is evaluated alone, so the chunks do not change a result)
+    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
     o, e = _in_plan_order(ops, edges)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
@@ -1346,11 +1381,17 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
         if v[4] is not None:
             members.setdefault(v[4], []).append(key)
     latest_finish: dict[tuple[int, int], float] = {}
+    group_start: dict[str, float] = {}  # a collective's, once every member has its latest finish (set once each)
 
     def latest_start(key: tuple[int, int]) -> float:
         grp = info[key][4]
-        keys = members[grp] if grp is not None else [key]  # a collective starts when its last member joins
-        return min(latest_finish[k] - info[k][2] for k in keys)
+        if grp is None:
+            return latest_finish[key] - info[key][2]
+        # a collective starts when its last member joins: the same for every member (asked by each member's
+        # predecessors: at 512 members, 512 x 512 terms a collective when made each time)
+        if grp not in group_start:  # (a member without its latest finish yet raises KeyError: not kept)
+            group_start[grp] = min(latest_finish[k] - info[k][2] for k in members[grp])
+        return group_start[grp]
 
     for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
         rk, sq = key

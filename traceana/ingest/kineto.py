@@ -45,6 +45,7 @@ import math
 import re
 import threading
 import zlib
+from functools import partial
 from itertools import compress
 from operator import attrgetter
 from pathlib import Path
@@ -975,7 +976,7 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
     top, batches, problems, truncated, n_bytes = _decode(path, on_progress)
     warnings: list[str] = []
 
-    dist, _ = _meta_json(top.get("distributedInfo"))
+    dist = _loads(top.get("distributedInfo"))  # (its JSON text is not kept: only pg_config's, below)
     dist = dist if isinstance(dist, dict) else {}
     devices_obj, devices_json = _meta_json(top.get("deviceProperties"))
     meta, meta_json = _meta_json(top.get("traceana"))
@@ -983,7 +984,7 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
     base = _loads(top.get("baseTimeNanoseconds"))
     base_ns = base if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < 2**62 else None
     pg_config = dist.get("pg_config")
-    pg_json = None if pg_config is None else json.dumps(pg_config, sort_keys=True)
+    pg_json, groups = _pg_facts(pg_config)
 
     # Rank: an explicit override, distributedInfo, our collector's metadata, the file name, else unknown.
     if rank is not None:
@@ -1007,31 +1008,42 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
         warnings.append(f"{shown(path)}: skipped {len(problems)} malformed trace events (first: {problems[0]}) — "
                         "the rest of the trace is used")
 
-    def finish() -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
-        nonlocal batches
-        held, batches = batches, None  # finishing frees the scanned columns as it goes: no second reference here
+    return _Scan(path, batches, rank, base_ns, pg_config, warnings, {
+        "rank": rank, "path": shown(path), "world_size": world_size,
+        "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
+        "base_time_ns": base_ns, "n_events": None, "n_bytes": n_bytes, "truncated": truncated,
+        "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
+        "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
+        "process_groups": groups, "warnings": None,
+    })
+
+
+class _Scan:
+    """A scanned file waiting to be finished: call it for read_trace's result, or finish many small ones at once
+    (``finish_together``)."""
+
+    def __init__(self, path: Path, batches: _Batches, rank: int, base_ns: int | None, pg_config: Any,
+                 warnings: list[str], row: dict[str, Any]) -> None:
+        self.path, self.batches, self.rank, self.base_ns, self.pg_config = path, batches, rank, base_ns, pg_config
+        self.warnings, self.row = warnings, row
+
+    def __call__(self) -> tuple[pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+        held, self.batches = self.batches, None  # finishing frees the scanned columns as it goes: no second reference
         if held.rows >= FINISH_ALONE_ROWS:  # two threads finishing two large ranks at once hold both peaks at once
             with _FINISH_LOCK:
-                events, memory, dropped = _finish(held, rank=rank, base_ns=base_ns, pg_config=pg_config)
+                events, memory, dropped = _finish(held, rank=self.rank, base_ns=self.base_ns, pg_config=self.pg_config)
         else:
-            events, memory, dropped = _finish(held, rank=rank, base_ns=base_ns, pg_config=pg_config)
+            events, memory, dropped = _finish(held, rank=self.rank, base_ns=self.base_ns, pg_config=self.pg_config)
         del held
-        if dropped:
-            ns = ns_epoch_hint(path)
-            warnings.append(f"{shown(path)}: dropped {dropped} events with a missing, negative, non-numeric or "
-                            "out-of-range ts/dur — the rest of the trace is used" + (f" ({ns})" if ns else ""))
-        row = {
-            "rank": rank, "path": shown(path), "world_size": world_size,
-            "backend": dist.get("backend") if isinstance(dist.get("backend"), str) else None,
-            "base_time_ns": base_ns, "n_events": events.height, "n_bytes": n_bytes, "truncated": truncated,
-            "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
-            "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
-            "process_groups": _process_groups(pg_config),
-            "warnings": warnings,
-        }
-        return events, memory, row
+        return self.complete(events, memory, dropped)
 
-    return finish
+    def complete(self, events: pl.DataFrame, memory: pl.DataFrame, dropped: int) -> tuple:
+        """The file's (events, memory, row), its tables finished."""
+        if dropped:
+            ns = ns_epoch_hint(self.path)
+            self.warnings.append(f"{shown(self.path)}: dropped {dropped} events with a missing, negative, non-numeric "
+                                 "or out-of-range ts/dur — the rest of the trace is used" + (f" ({ns})" if ns else ""))
+        return events, memory, {**self.row, "n_events": events.height, "warnings": self.warnings}
 
 
 
@@ -1108,6 +1120,27 @@ def drop_finished() -> None:
     the traceana program ends without waiting for it)."""
     with _FINISHED_LOCK:
         _FINISHED.clear()
+
+
+_PG_FACTS: dict[bytes, tuple[str, list[dict]]] = {}  # pg_config (as msgspec writes it) → _pg_facts, for the next rank
+
+
+def _pg_facts(pg_config: Any) -> tuple[str | None, list[dict]]:
+    """pg_config as JSON text (keys sorted) and its process groups (_process_groups). Every rank of a job writes
+    the same pg_config, whose default group lists every rank: made once, not once per rank (at 4,096 ranks the
+    per-rank loops over 4,096 ranks took ~2 ms a file). The groups' list is shared by the ranks: read only."""
+    if pg_config is None:
+        return None, []
+    try:
+        key = msgspec.json.encode(pg_config, order="sorted")
+    except (TypeError, ValueError, OverflowError):  # not msgspec's to write: made each time
+        return json.dumps(pg_config, sort_keys=True), _process_groups(pg_config)
+    facts = _PG_FACTS.get(key)
+    if facts is None:
+        if len(_PG_FACTS) >= 16:
+            _PG_FACTS.clear()
+        facts = _PG_FACTS[key] = (json.dumps(pg_config, sort_keys=True), _process_groups(pg_config))
+    return facts
 
 
 def _process_groups(pg_config: Any) -> list[dict]:
@@ -1246,6 +1279,189 @@ def _finish(batches: _Batches, *, rank: int, base_ns: int | None, pg_config: Any
     return schema.check(events, schema.EVENTS, "events"), schema.check(memory, schema.MEMORY, "memory"), dropped
 
 
+# Small files finished together (finish_together): at most this many X events in one set of queries. Each query
+# on a small file costs about as much as its work (4,096 files of ~700 events: ~6 ms of polars each), so files that
+# _small_events would finish one by one are joined into one frame, a file index beside each row, and split after.
+TOGETHER_ROWS = 50_000
+
+
+def can_finish_together(scan: Any) -> bool:
+    """Whether a scanned file can be finished with others (_finish_many): the native scanner's one frame of codes and
+    tracks, small enough for _small_events, no record_shapes facts (gloo's op ↔ annotation pairing is per file)."""
+    b = getattr(scan, "batches", None)
+    return (isinstance(scan, _Scan) and b is not None and b.dicts is not None and b.tracks is not None
+            and len(b.x) == 1 and 0 < b.x[0].height < SORT_WHOLE_ROWS and "track" in b.x[0].columns
+            and not b.shapes)
+
+
+def finish_together(scans: list) -> list[tuple]:
+    """read_trace's result for each of ``scans`` (scan_trace's), in order: the small native-scanned ones in one set
+    of queries per TOGETHER_ROWS events (_finish_many: the same tables, rows and order as one by one), the others
+    one by one. A file whose finishing raises a TraceanaError has that error in its place (the others are kept)."""
+    out: list[tuple | TraceanaError | None] = [None] * len(scans)
+
+    def alone(scan: _Scan) -> tuple | TraceanaError:
+        try:
+            return scan()
+        except TraceanaError as e:
+            return e
+
+    group: list[int] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            out[group[0]] = alone(scans[group[0]])
+        elif group:
+            try:
+                finished = _finish_many([scans[i] for i in group])
+            except (pl.exceptions.PolarsError, schema.SchemaError):  # e.g. columns of other types: one by one
+                finished = None
+            for i, one in zip(group, finished or [None] * len(group)):
+                if one is None:
+                    out[i] = alone(scans[i])
+                    continue
+                events, memory, dropped = one
+                scans[i].batches = None
+                out[i] = scans[i].complete(events, memory, dropped)
+        group.clear()
+
+    rows = 0
+    for i, scan in enumerate(scans):
+        if not can_finish_together(scan) or (group and _key(scan) != _key(scans[group[0]])):
+            flush()
+            rows = 0
+        if not can_finish_together(scan):
+            out[i] = alone(scan)
+            continue
+        if rows + scan.batches.rows > TOGETHER_ROWS:
+            flush()
+            rows = 0
+        group.append(i)
+        rows += scan.batches.rows
+    flush()
+    return out  # type: ignore[return-value]
+
+
+def _key(scan: _Scan) -> tuple:
+    """Files whose frames can be joined as they are: the same column types."""
+    b = scan.batches
+    return tuple(b.x[0].schema.items()), tuple(b.tracks.schema.items()), tuple(d.dtype for d in b.dicts)
+
+
+def _file_index(counts: list[int]) -> pl.Series:
+    """0 repeated counts[0] times, 1 counts[1] times, ...: each joined row's file."""
+    return pl.DataFrame({"f": list(range(len(counts))), "k": counts}, schema={"f": pl.Int32, "k": pl.Int64}) \
+        .filter(pl.col("k") > 0).select(pl.col("f").repeat_by("k").explode()).to_series()
+
+
+def _starts(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:  # one per file
+        out.append(total)
+        total += c
+    return out
+
+
+def _finish_many(scans: list[_Scan]) -> list[tuple[pl.DataFrame, pl.DataFrame, int]]:
+    """_finish of several small native-scanned files (can_finish_together) in one set of queries: their frames joined with a
+    file index ``f`` beside each row, codes shifted into the joined dictionaries (a file's null pid/tid code is its
+    own "", as in _finish), each file's time base its own, a stable sort by (file, ts_ns, dur_ns descending), and the
+    result cut back into each file's rows. The scans' columns are left in place (the caller drops them)."""
+    bs = [s.batches for s in scans]
+    xs = [b.x[0] for b in bs]
+    heights = [x.height for x in xs]
+    n_dicts = [[len(d) for d in b.dicts] for b in bs]
+    f_x = _file_index(heights)
+    per_file = lambda values, dtype=pl.Int64: pl.lit(pl.Series(values, dtype=dtype))  # noqa: E731
+    name_d = pl.concat([b.dicts[0] for b in bs])
+    cat_d = pl.concat([b.dicts[1] for b in bs]).cast(pl.String).str.to_lowercase()
+    empty = pl.Series("value", [""])
+    pid_text = pl.concat([s for b in bs for s in (b.dicts[2], empty)])
+    tid_text = pl.concat([s for b in bs for s in (b.dicts[3], empty)])
+    off = {c: _starts([n[i] + (1 if c in ("pid", "tid") else 0) for n in n_dicts]) for i, c in enumerate(_TEXT)}
+    null = {c: [n[i] for n in n_dicts] for i, c in enumerate(_TEXT) if c in ("pid", "tid")}
+
+    def shifted(c: str, f: pl.Expr) -> pl.Expr:
+        code = pl.col(c).cast(pl.Int64)
+        if c in null:
+            code = code.fill_null(per_file(null[c]).gather(f))
+        return code + per_file(off[c]).gather(f)
+
+    # Each file's time base, as _absolute decides it (the median of its ts_rel: one query for all files).
+    bases = [s.base_ns for s in scans]
+    shift = [0] * len(scans)
+    if any(b is not None for b in bases):
+        medians = pl.DataFrame([f_x, pl.concat([x["ts_rel"] for x in xs])]).group_by("f").agg(
+            pl.col("ts_rel").median())
+        median = dict(zip(medians["f"].to_list(), medians["ts_rel"].to_list()))
+        shift = [b if b is not None and median.get(i) is not None and median[i] < EPOCH_US * NS_PER_US else 0
+                 for i, b in enumerate(bases)]
+    f = pl.col("f")
+    absolute = lambda: pl.when((pl.col("ts_rel") + per_file(shift).gather(f)).is_between(0, 2**62)) \
+        .then(pl.col("ts_rel") + per_file(shift).gather(f))  # noqa: E731
+    ranks = per_file([s.rank for s in scans], pl.Int32)
+
+    mems = [pl.concat(b.mem, how="vertical") if b.mem else pl.DataFrame(schema=_MEM_SCHEMA) for b in bs]
+    mem_n = [m.height for m in mems]
+    memory = schema.conform(
+        pl.concat([m for m in mems if m.height] or mems[:1], how="vertical").with_columns(_file_index(mem_n)).lazy()
+        .with_columns(ts_ns=absolute(), rank=ranks.gather(f))
+        .filter(pl.col("ts_ns").is_not_null() & pl.col("allocated_bytes").is_not_null())
+        .with_columns(pl.when(pl.col("device").is_between(-(2**31), 2**31 - 1)).then(pl.col("device")).alias("device"))
+        .sort("f", "ts_ns", maintain_order=True).collect(engine=ENGINE),
+        {**schema.MEMORY, "f": pl.Int32},
+    )
+
+    track_n = [b.tracks.height for b in bs]
+    tracks = pl.concat([b.tracks for b in bs], how="vertical").with_columns(_file_index(track_n))
+    per_track = _derived(tracks.lazy().select(is_gpu=pl.col("is_gpu").cast(pl.Boolean), pid=shifted("pid", f),
+                                              tid=shifted("tid", f), arg_device="arg_device",
+                                              arg_stream="arg_stream"),
+                         pid_text, tid_text).collect(engine=ENGINE)
+    track_off = per_file(_starts(track_n))
+    keep = pl.col("ts_ns").is_not_null() & pl.col("dur_ns").is_not_null() \
+        & ((pl.col("ts_ns") + pl.col("dur_ns")) < 2**62)
+    x = pl.concat(xs, how="vertical").with_columns(f_x).lazy().with_columns(
+        ts_ns=absolute(), dur_ns=pl.when(pl.col("dur_ns").is_between(0, 2**62 - 1)).then(pl.col("dur_ns")),
+        **{c: shifted(c, f) for c in _TEXT}, track=pl.col("track").cast(pl.Int64) + track_off.gather(f),
+    ).with_columns(keep=keep).collect(engine=ENGINE)
+
+    row_off = _starts(heights)
+    comm_n = [sum(c.height for c in b.comm) for b in bs]
+    comm = pl.concat([c for b in bs for c in b.comm], how="vertical") if any(comm_n) else \
+        pl.DataFrame(schema=_COMM_SCHEMA)
+    pg_keys: dict[str, int] = {}
+    pgk = [pg_keys.setdefault(s.row["pg_config"], len(pg_keys)) for s in scans]  # (pg_config's JSON text)
+    f_c = _file_index(comm_n)
+    comm = comm.with_columns(f_c).with_columns(
+        row=(pl.col("row").cast(pl.Int64) + per_file(row_off).gather(f)).cast(pl.UInt32),
+        pgk=per_file(pgk).gather(f)).drop("f")
+    tables = []
+    for config, k in pg_keys.items():  # one per distinct pg_config among the files: few
+        table = None if config is None else _pg_table(json.loads(config))
+        if table is not None:
+            tables.append(table.with_columns(pgk=pl.lit(k, dtype=pl.Int64)))
+    to_global = None if not tables else partial(_to_global, table=pl.concat(tables), on=["pgk", "pg_name", "peer"])
+    facts = _comms(x, None, None, name_d, per_track, comm=comm, to_global=to_global)
+
+    text = {"name": name_d.cast(schema.EVENTS["name"]), "cat": cat_d.cast(schema.EVENTS["cat"]),
+            "pid": pid_text.cast(schema.EVENTS["pid"]), "tid": tid_text.cast(schema.EVENTS["tid"])}
+    derived = [pl.lit(per_track[c]).gather(pl.col("track")).alias(c) for c in ("is_gpu", "device", "stream", "track")]
+    kept = x.group_by("f").agg(pl.col("keep").sum())
+    kept = dict(zip(kept["f"].to_list(), kept["keep"].to_list()))
+    events = _small_events(x, facts, text, ranks.gather(f), derived, by_file=True)
+    del x
+    n_events = [kept.get(i, 0) for i in range(len(scans))]
+    counts = memory["f"].value_counts()
+    counts = dict(zip(counts["f"].to_list(), counts["count"].to_list()))
+    mem_kept = [counts.get(i, 0) for i in range(len(scans))]
+    ev_off, mem_off = _starts(n_events), _starts(mem_kept)
+    memory = memory.drop("f")
+    return [(schema.check(events.slice(ev_off[i], n_events[i]), schema.EVENTS, "events"),
+             schema.check(memory.slice(mem_off[i], mem_kept[i]), schema.MEMORY, "memory"), heights[i] - n_events[i])
+            for i in range(len(scans))]
+
+
 def _derived(x: pl.LazyFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.LazyFrame:
     """is_gpu, arg_device, arg_stream, pid and tid (codes into pid_text and tid_text) → device, stream (in their
     schema type's range) and the track: per event, or once per distinct track (_finish).
@@ -1264,21 +1480,24 @@ def _derived(x: pl.LazyFrame, pid_text: pl.Series, tid_text: pl.Series) -> pl.La
                                    for c in ("device", "stream")), track=_tracks(x, pid_text, tid_text))
 
 
-def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int,
-                  derived: list[pl.Expr]) -> pl.DataFrame:
+def _small_events(x: pl.DataFrame, facts: pl.DataFrame, text: dict[str, pl.Series], rank: int | pl.Expr,
+                  derived: list[pl.Expr], *, by_file: bool = False) -> pl.DataFrame:
     """The events table of a table under SORT_WHOLE_ROWS rows, in one query: the same rows and order as the
     column-at-a-time path below it in _finish (a stable sort by ts_ns, then dur_ns descending, of the kept events in
     file order; the facts joined by file position; text gathered from the distinct values; ``derived``: columns
-    gathered by track code, put in first)."""
+    gathered by track code, put in first). ``by_file``: x holds several files (_finish_many), each file's rows
+    sorted apart, in file order (``rank`` an expression of the file index ``f``)."""
     have = [*x.columns, *(e.meta.output_name() for e in derived)]
     body = [(pl.col(c).cast(t) if c in have else pl.lit(None, dtype=t)).alias(c)
             for c, t in schema.EVENTS.items() if c not in (*_TEXT, *_FACTS, "rank")]
     return (
         x.lazy().with_columns(derived).with_row_index("row").filter("keep")
         .join(facts.lazy(), on="row", how="left", maintain_order="left")
-        .sort(["ts_ns", "dur_ns"], descending=[False, True], maintain_order=True)
+        .sort(["f", "ts_ns", "dur_ns"] if by_file else ["ts_ns", "dur_ns"],
+              descending=[False, False, True] if by_file else [False, True], maintain_order=True)
         .select(*(pl.lit(d).gather(pl.col(c)).alias(c) for c, d in text.items()), *body,
-                *(pl.col(c) for c in _FACTS), rank=pl.lit(rank, dtype=pl.Int32))
+                *(pl.col(c) for c in _FACTS),
+                rank=rank if isinstance(rank, pl.Expr) else pl.lit(rank, dtype=pl.Int32))
         .select(list(schema.EVENTS))
         .collect(engine=ENGINE)
     )
@@ -1367,7 +1586,8 @@ def _in_range(value: pl.Expr, column: str) -> pl.Expr:
 
 
 def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series,
-           per_track: pl.DataFrame | None) -> pl.DataFrame:
+           per_track: pl.DataFrame | None, *, comm: pl.DataFrame | None = None,
+           to_global: Callable[[pl.LazyFrame], pl.LazyFrame] | None = None) -> pl.DataFrame:
     """``row`` and its peer, tag, nbytes, coll and pg, for communication events (from the sparse per-batch facts).
     ``row`` is the event's position in ``x`` (in file order), whose name is a code into name_d and whose track is
     the track's text, or a code into per_track's tracks (_finish).
@@ -1378,16 +1598,21 @@ def _comms(x: pl.DataFrame, batches: _Batches, pg_config: Any, name_d: pl.Series
     gloo: ``c10d::send``/``c10d::recv_`` carry peer and tag; the ``gloo:send``/``gloo:recv`` annotation that starts
     inside them on the same thread carries the element type. Each side gets the other's facts, so both the op and
     the annotation (which spans post → wait return) have peer, tag and nbytes.
+
+    Several files finished together (``_finish_many``) give their ``comm`` rows (rows into their joined ``x``, a
+    ``pgk`` column naming each file's pg_config) and ``to_global``, the group → global mapping of those configs.
     """
-    comm = pl.concat(batches.comm) if batches.comm else pl.DataFrame(schema=_COMM_SCHEMA)
+    if comm is None:
+        comm = pl.concat(batches.comm) if batches.comm else pl.DataFrame(schema=_COMM_SCHEMA)
+        to_global = partial(_group_to_global, pg_config=pg_config)
     elem = pl.col("dtype").replace_strict(SCALAR_TYPE_BYTES, default=None, return_dtype=pl.Int64)
-    comm = _group_to_global(  # one lazy query from here to the end (a few eager operations each cost as much here)
-        comm.lazy().select("row", "coll", "pg_name", nbytes=pl.col("in_nelems") * elem,
-                           peer=pl.coalesce(pl.col("dst_rank"), pl.col("src_rank")),
-                           pg=pl.coalesce(pl.col("pg_desc"), pl.col("pg_name"))),
-        pg_config if comm.height else None,
-    ).drop("pg_name")
-    shapes = pl.concat(batches.shapes) if batches.shapes else None
+    # one lazy query from here to the end (a few eager operations each cost as much here)
+    facts = comm.lazy().select("row", "coll", "pg_name", *(["pgk"] if "pgk" in comm.columns else []),
+                               nbytes=pl.col("in_nelems") * elem,
+                               peer=pl.coalesce(pl.col("dst_rank"), pl.col("src_rank")),
+                               pg=pl.coalesce(pl.col("pg_desc"), pl.col("pg_name")))
+    comm = (to_global(facts) if comm.height and to_global is not None else facts).drop("pg_name", "pgk", strict=False)
+    shapes = pl.concat(batches.shapes) if batches is not None and batches.shapes else None
     if shapes is not None and shapes.height:
         track = pl.col("track") if per_track is None else pl.lit(per_track["track"]).gather(pl.col("track"))
         ev = x[shapes["row"]].select(pl.lit(shapes["row"]).alias("row"), "ts_ns", "dur_ns",
@@ -1452,8 +1677,17 @@ def _gloo_pairs(shaped: pl.DataFrame) -> pl.DataFrame:
 
 def _group_to_global(comm: pl.LazyFrame, pg_config: Any) -> pl.LazyFrame:
     """Map record_param_comms P2P peers from group ranks to global ranks using distributedInfo.pg_config."""
+    table = _pg_table(pg_config)
+    return comm if table is None else _to_global(comm, table, ["pg_name", "peer"])
+
+
+_PG_SCHEMA = {"pg_name": pl.String, "peer": pl.Int64, "global_peer": pl.Int64}
+
+
+def _pg_table(pg_config: Any) -> pl.LazyFrame | None:
+    """pg_config's (pg_name, group rank → global rank), the first entry of a repeated pair; None if it has none."""
     if not isinstance(pg_config, list):
-        return comm
+        return None
     rows = []
     for pg in pg_config:  # one entry per process group: tiny
         if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
@@ -1461,11 +1695,14 @@ def _group_to_global(comm: pl.LazyFrame, pg_config: Any) -> pl.LazyFrame:
                 if isinstance(global_rank, int) and not isinstance(global_rank, bool):
                     rows.append((str(pg.get("pg_name")), group_rank, global_rank))
     if not rows:
-        return comm
-    table = pl.LazyFrame(rows, schema={"pg_name": pl.String, "peer": pl.Int64, "global_peer": pl.Int64},
-                         orient="row").unique(["pg_name", "peer"], keep="first", maintain_order=True)
+        return None
+    return pl.LazyFrame(rows, schema=_PG_SCHEMA, orient="row").unique(["pg_name", "peer"], keep="first",
+                                                                       maintain_order=True)
+
+
+def _to_global(comm: pl.LazyFrame, table: pl.LazyFrame, on: list[str]) -> pl.LazyFrame:
     return (
-        comm.join(table, on=["pg_name", "peer"], how="left")
+        comm.join(table, on=on, how="left")
         .with_columns(peer=pl.coalesce("global_peer", "peer"))
         .drop("global_peer")
     )

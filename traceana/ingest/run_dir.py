@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 import warnings as pywarnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,12 +171,9 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     del found
     marks.clear()
     results.sort(key=lambda r: r[2]["rank"])
-    memory = pl.concat([r[1] for r in results], how="vertical") if results else schema.empty(schema.MEMORY)
-    traces = schema.conform(
-        pl.DataFrame([{k: v for k, v in r[2].items() if k in schema.TRACES} for r in results],
-                     schema=schema.TRACES),
-        schema.TRACES,
-    )
+    # (only the ranks with memory instants: concatenating thousands of empty frames took ~1 s at 4,096 ranks)
+    memory = pl.concat([r[1] for r in results if r[1].height] or [schema.empty(schema.MEMORY)], how="vertical")
+    traces = _traces_table([r[2] for r in results])
     frames = [r[0] for r in results]
     del results, hit, result  # from here ``frames`` holds the only reference to each rank's table
     parsed.clear()
@@ -185,6 +183,26 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
     return Run(path=path, events=schema.check(events, schema.EVENTS, "events"),
                memory=schema.check(memory, schema.MEMORY, "memory"), traces=traces, manifest=manifest,
                warnings=tuple(warnings))
+
+
+def _traces_table(rows: list[dict]) -> pl.DataFrame:
+    """The TRACES table of the ranks' rows. Their process groups (at 4,096 ranks each rank's default group lists
+    4,096 ranks) are converted once per distinct list object (the ranks of a job share one: kineto._pg_facts) and
+    gathered, not once per rank."""
+    lists: dict[int, int] = {}
+    distinct: list[list] = []
+    index = []
+    for r in rows:  # one per rank
+        groups = r.get("process_groups")
+        i = lists.get(id(groups))
+        if i is None:
+            i = lists[id(groups)] = len(distinct)
+            distinct.append(groups)
+        index.append(i)
+    plain = pl.DataFrame([{k: v for k, v in r.items() if k in schema.TRACES and k != "process_groups"} for r in rows],
+                         schema={c: t for c, t in schema.TRACES.items() if c != "process_groups"})
+    column = pl.Series("process_groups", distinct, dtype=schema.TRACES["process_groups"])
+    return schema.conform(plain.with_columns(column.gather(pl.Series(index, dtype=pl.UInt32))), schema.TRACES)
 
 
 def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
@@ -199,6 +217,10 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
     # polars copies without the GIL: a few columns at a time in threads (on 2 cores the end of a parallel ingest
     # took half as long), each round's copies dropped before the next.
     k = min(len(names), os.cpu_count() or 1) if sum(f.height for f in frames) >= kineto.FINISH_ALONE_ROWS else 1
+    if len(frames) > JOIN_FRAMES:  # thousands of small ranks: first side by side in a few frames (no copy: their
+        # chunks are only listed together), so that each round below is a few dozen calls, not thousands
+        n = -(-len(frames) // JOIN_FRAMES)
+        frames[:] = [pl.concat(frames[i:i + n], how="vertical", rechunk=False) for i in range(0, len(frames), n)]
     columns: list[pl.Series] = []
     with cf.ThreadPoolExecutor(max_workers=k) as pool:
         for i in range(0, len(names), k):
@@ -207,6 +229,9 @@ def _one_table(frames: list[pl.DataFrame]) -> pl.DataFrame:
             frames[:] = [f.drop(group) for f in frames]
     frames.clear()
     return pl.DataFrame(columns)
+
+
+JOIN_FRAMES = 64
 
 
 def _joined(parts: list[pl.Series]) -> pl.Series:
@@ -268,11 +293,13 @@ def _parse_all(files: list[Path], *, workers: int | None, progress: bool) -> lis
         if threads:
             # The native scanner, gunzip and polars run without the GIL: threads use every core with no worker to
             # start and no tables to send between processes.
+            # Small files go to a thread a chunk at a time, their tables finished together (_parse_chunk).
             with cf.ThreadPoolExecutor(max_workers=n_workers) as pool:
-                futures = {pool.submit(_parse_inline, f): f for f in files}
+                futures = {pool.submit(_parse_chunk, chunk): chunk for chunk in _chunks(files)}
                 for fut in cf.as_completed(futures):
-                    results[futures[fut]] = fut.result()
-                    bar.file_done()
+                    for f, result in zip(futures[fut], fut.result()):
+                        results[f] = result
+                        bar.file_done()
         elif _can_start_workers():
             try:
                 # forkserver, not fork: polars' thread pool does not survive a fork of a process that used it.
@@ -317,12 +344,57 @@ def _parse_serial(path: Path, on_progress: Callable[[int, int], None] | None) ->
     return _caught(_marked, read_trace, path, on_progress=on_progress)
 
 
-def _parse_inline(path: Path) -> tuple[str, Any]:
-    """A worker thread's rank, gunzipped in the thread itself: with every core scanning a rank, gunzipping ahead in
-    one more thread per rank only adds switches and a second window (on 8 x 100 MB with two workers, best of 4
-    under load: 1.79 against 2.00 CPU-s, peak 291 against 319 MiB)."""
+CHUNK_BYTES = 32_000_000  # raw JSON bytes (estimated) of the small files one thread reads as one task
+CHUNK_FILES = 256
+
+
+def _chunks(files: list[Path]) -> list[list[Path]]:
+    """The files in consecutive chunks of about CHUNK_BYTES (raw, estimated) or CHUNK_FILES: a big file is a chunk of
+    its own (threads share big files one by one, as before), thousands of small ones come in a few dozen tasks."""
+    out: list[list[Path]] = []
+    size = 0
+    for f in files:
+        one = _raw_size_estimate([f])
+        if not out or size + one > CHUNK_BYTES or len(out[-1]) >= CHUNK_FILES:
+            out.append([])
+            size = 0
+        out[-1].append(f)
+        size += one
+    return out
+
+
+def _parse_chunk(files: list[Path]) -> list[tuple[str, Any]]:
+    """A thread's files, read one after another, the small ones' tables finished together (kineto.finish_together,
+    up to kineto.TOGETHER_ROWS events at once): one result per file, in order. Each file is gunzipped in the thread
+    itself: with every core scanning a rank, gunzipping ahead in one more thread per rank only adds switches and a
+    second window (on 8 x 100 MB with two workers, best of 4 under load: 1.79 against 2.00 CPU-s, peak 291 against
+    319 MiB)."""
+    out: list[tuple[str, Any]] = []
+    group: list[Any] = []
+    rows = 0
+
+    def hand_over() -> None:
+        nonlocal rows
+        if group:
+            out.extend(_finish_group(group[:]))
+            group.clear()
+            rows = 0
+
     with reading.gunzip_inline():
-        return _parse_serial(path, None)
+        for f in files:
+            scanned = _caught(kineto.scan_trace, f)
+            if scanned[0] == "ok" and kineto.can_finish_together(scanned[1]):
+                group.append(scanned[1])
+                rows += scanned[1].batches.rows
+                del scanned
+                if rows >= kineto.TOGETHER_ROWS:
+                    hand_over()
+                continue
+            hand_over()
+            out.append(scanned if scanned[0] == "error" else _caught(_marked, scanned[1]))
+            del scanned
+    hand_over()
+    return out
 
 
 def _caught(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[str, Any]:
@@ -347,20 +419,56 @@ def _parse_pipelined(files: list[Path], bar: _Progress) -> list[tuple[str, Any]]
         out.append(result)
         bar.file_done()
 
+    # Small ranks wait to be finished together (kineto.finish_together: one set of queries for up to
+    # kineto.TOGETHER_ROWS events, where one rank's queries cost more than its work): a group is handed to the
+    # finisher when it is full, or before a rank that is finished alone.
+    group: list[tuple[Any, Path]] = []
+    rows = 0
     with cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="traceana-finish") as finisher:
-        pending: tuple[cf.Future, Path] | None = None
+        pending: tuple[cf.Future, list[Path]] | None = None
+
+        def submit(job: Callable[[], list[tuple[str, Any]]], paths: list[Path]) -> None:
+            nonlocal pending
+            if pending is not None:
+                for result, p in zip(pending[0].result(), pending[1]):
+                    take(result, p)
+            pending = (finisher.submit(job), paths) if paths else None
+
+        def hand_over() -> None:
+            nonlocal rows
+            if group:
+                scans, paths = [s for s, _ in group], [p for _, p in group]
+                group.clear()
+                rows = 0
+                submit(partial(_finish_group, scans), paths)
+
         for f in files:
             scanned = _caught(kineto.scan_trace, f, on_progress=bar.per_event(f))
-            if pending is not None:
-                take(pending[0].result(), pending[1])
-                pending = None
+            if scanned[0] == "ok" and kineto.can_finish_together(scanned[1]):
+                group.append((scanned[1], f))
+                rows += scanned[1].batches.rows
+                del scanned
+                if rows >= kineto.TOGETHER_ROWS:
+                    hand_over()
+                continue
+            hand_over()
             if scanned[0] == "error":
+                submit(list, [])
                 take(scanned, f)
             else:
-                pending = finisher.submit(_caught, _marked, scanned[1]), f
+                submit(partial(lambda s: [_caught(_marked, s)], scanned[1]), [f])
                 del scanned
-        if pending is not None:
-            take(pending[0].result(), pending[1])
+        hand_over()
+        submit(list, [])
+    return out
+
+
+def _finish_group(scans: list) -> list[tuple[str, Any]]:
+    """_caught(_marked, scan) of each of ``scans``, finished together (kineto.finish_together)."""
+    out = []
+    for r in kineto.finish_together(scans):
+        out.append(("error", (type(r), r.what, r.path, r.fix)) if isinstance(r, TraceanaError)
+                   else ("ok", (*r, _rank_marks(r[0]))))
     return out
 
 

@@ -285,11 +285,14 @@ def pipeline_group_stages(traces: pl.DataFrame) -> dict[int, tuple[int, int]]:
     out: dict[int, tuple[int, int]] = {}
     if "process_groups" not in traces.columns:
         return out
-    for groups in traces["process_groups"].drop_nulls().to_list():
-        for g in groups or ():
-            if g.get("desc") in PIPELINE_GROUP_DESCS and g.get("ranks"):
-                for i, r in enumerate(g["ranks"]):
-                    out.setdefault(int(r), (i, len(g["ranks"])))
+    # Only the pipeline groups leave polars (in the ranks' order, as they are read): each rank's default group lists
+    # every rank, 16 M Python ints at 4,096 ranks (240 MB, ~1 s).
+    groups = (traces.select(pl.col("process_groups").drop_nulls().explode()).filter(pl.col("process_groups").is_not_null())
+              .select(pl.col("process_groups").struct.field("desc"), pl.col("process_groups").struct.field("ranks"))
+              .filter(pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0)))
+    for ranks in groups["ranks"].to_list():
+        for i, r in enumerate(ranks):
+            out.setdefault(int(r), (i, len(ranks)))
     return out
 
 
