@@ -132,27 +132,35 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
         by_mb = {}
         for s in sorted(spans, key=lambda s: s["start_ns"]):
             by_mb.setdefault((s["step"], s["microbatch"], "F" if s["action"] == "F" else "B"), []).append(s)
-        side = {a: [sum((s["end_ns"] - s["start_ns"]) / 1e6 for s in v) for k, v in
-                    sorted(by_mb.items(), key=lambda kv: kv[1][0]["start_ns"]) if k[2] == a] for a in "FB"}
+        # per pass (a backward is two holds, its I and its W): the holds' duration and the time the kernel kept the
+        # rank waiting for a CPU inside them (the side spans' schedstat)
+        passes = [v for _, v in sorted(by_mb.items(), key=lambda kv: kv[1][0]["start_ns"])]
+        side = {a: [sum((s["end_ns"] - s["start_ns"]) / 1e6 for s in v) for v in passes
+                    if (v[0]["action"] == "F") == (a == "F")] for a in "FB"}
+        delay = {a: [sum(s["run_delay_ns"] for s in v) / 1e6 for v in passes
+                     if (v[0]["action"] == "F") == (a == "F")] for a in "FB"}
         everything = {15.0, 30.0, 25.0 + 5.0, 50.0 + 10.0}  # every pass's stated time in this run (F0, F1, B0, B1)
+        half_gap = min(abs(x - y) for x in everything for y in everything if x != y) / 2
         for action in "FB":
             assert len(trace[action]) == len(side[action]) == m * steps, (rank, action)
             for t, h in zip(trace[action], side[action]):
                 assert t >= h - 1e-3, (rank, action, t, h)  # the trace's span contains the hold (µs rounding)
             target = stated["F"] if action == "F" else stated["I"] + stated["W"]
-            typical = statistics.median(trace[action])
-            # the trace tells the stated durations apart where the rank was let run: its holds' run-queue delay
-            # (schedstat, in the side spans) below half the smallest gap between two stated durations (7.5 ms);
-            # with longer waits for a CPU (seen: a 15 ms forward's spans 24 ms at load 12) the trace's spans carry
-            # them and it cannot, which the side spans record
-            waited = statistics.median(s["run_delay_ns"] / 1e6 for s in spans
-                                       if (s["action"] == "F") == (action == "F"))
-            half_gap = min(abs(x - y) for x in everything for y in everything if x != y) / 2
+            # the trace's pass less the waiting for a CPU the side spans measured inside its holds: the stated
+            # duration, plus the wake-up slack and what the trace adds around the holds (the pass's own bookkeeping,
+            # and any wait for a CPU there, which no side span measures). The trace tells the stated durations apart
+            # where that addition is below half the smallest gap between two stated durations (7.5 ms); where the
+            # rank waited longer there (seen: a 15 ms forward's spans 24 ms at load 12) it cannot, which the side
+            # spans record. (Judged per pass: a backward's two holds together, not the median single hold, which
+            # for a backward is half the time a 5 ms W: seen at load 21, rank 0's backwards 47.6 ms in the trace
+            # with 14 ms of waiting inside their holds, 4 ms per single hold.)
+            typical = statistics.median(t - d for t, d in zip(trace[action], delay[action]))
+            around = statistics.median(t - h for t, h in zip(trace[action], side[action]))
             nearest = min(everything, key=lambda x: abs(x - typical))
-            if waited < half_gap:
-                assert nearest == target, (rank, action, typical, target, waited)
+            if around < half_gap:
+                assert nearest == target, (rank, action, typical, target, around, delay[action])
             else:
-                assert typical >= target, (rank, action, typical, target, waited)
+                assert statistics.median(trace[action]) >= target, (rank, action, trace[action], target, around)
 
 
 @pytest.mark.slow
