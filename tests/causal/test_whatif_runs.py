@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 SLOW = RUNS["sleep_1f1b_pp2_slow"]["workload"]
 (SLOW_STAGE, FACTOR), = SLOW.slow_stages
-MICROBATCHES = RUNS["sleep_1f1b_pp2_slow"]["microbatches"]
+MICROBATCHES = RUNS["sleep_1f1b_pp2_slow"]["num_microbatches"]
 
 
 def _analysed(path):

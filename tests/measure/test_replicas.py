@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 WORKLOAD = RUNS["1f1b_pp2dp2_slow"]["workload"]
 (SLOW_RANK, FACTOR), = WORKLOAD.slow_ranks
-MICROBATCHES = RUNS["1f1b_pp2dp2_slow"]["microbatches"]
+MICROBATCHES = RUNS["1f1b_pp2dp2_slow"]["num_microbatches"]
 
 
 @pytest.fixture(scope="module")
