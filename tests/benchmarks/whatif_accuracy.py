@@ -18,7 +18,8 @@ against each schedule's measured step and bubble share, and the analytic step of
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --noise-floor --repeats 5
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --repeats 3 --root DIR --reuse  # re-predict
 
-``--noise-floor``: only GPipe and 1F1B (pp 4, m 8), REPEATS times interleaved: the spread of the step, the load, and
+``--noise-floor``: only GPipe and 1F1B (pp 4, m 8; ``--configs`` names others, e.g. ``gpipe_pp2 1f1b_pp2``: one
+rank a CPU), REPEATS times interleaved: the spread of the step, the load, and
 the analytic step. Prints markdown; ``--json FILE`` also writes every figure. Asserts nothing (a benchmark).
 """
 
@@ -49,6 +50,9 @@ CONFIGS = {
     "dp_slow3": ["--schedule", "1f1b", "--pp", "2", "--dp", "2", "--microbatches", "8", "--slow-rank", "3:2"],
     "interleaved": ["--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "8"],
     "looped": ["--schedule", "looped-bfs", "--pp", "4", "--microbatches", "8"],
+    # one rank a core: the noise floor without ranks competing for the 2 CPUs (--noise-floor --configs ...)
+    "gpipe_pp2": ["--schedule", "gpipe", "--pp", "2", "--microbatches", "8"],
+    "1f1b_pp2": ["--schedule", "1f1b", "--pp", "2", "--microbatches", "8"],
 }
 # (case, source, target, whatif flags, JSON path of the prediction)
 CASES = [
@@ -68,7 +72,7 @@ CASES = [
     ("interleaved-1F1B → looped-BFS (2 ranks × 2 stages, m 8)", "interleaved", "looped",
      ["--schedule", "looped-bfs"], "plan"),
 ]
-ANALYTIC = {"gpipe", "1f1b", "1f1b_m16", "1f1b_m4"}  # one stage a rank, no slow-down: (m + p − 1)(F + B)
+ANALYTIC = {"gpipe", "1f1b", "1f1b_m16", "1f1b_m4", "gpipe_pp2", "1f1b_pp2"}  # one stage a rank, no slow-down: (m + p − 1)(F + B)
 
 
 def traceana(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -148,6 +152,8 @@ def main() -> None:
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--noise-floor", action="store_true", help="only GPipe and 1F1B: the spread of the step")
+    ap.add_argument("--configs", nargs="*", default=["gpipe", "1f1b"], choices=list(CONFIGS),
+                    help="with --noise-floor: the configurations (default: gpipe 1f1b, pp 4 m 8)")
     ap.add_argument("--cases", nargs="*", default=None, help="case numbers to run (1-based; default: all)")
     ap.add_argument("--root", type=Path, default=None, help="scratch folder (default: a new one under /tmp)")
     ap.add_argument("--json", type=Path, default=None)
@@ -156,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     F, B = args.forward_ms, args.backward_ms
     cases = [c for i, c in enumerate(CASES, 1) if args.cases is None or str(i) in args.cases]
-    names = ["gpipe", "1f1b"] if args.noise_floor else list(dict.fromkeys(n for c in cases for n in c[1:3]))
+    names = list(args.configs) if args.noise_floor else list(dict.fromkeys(n for c in cases for n in c[1:3]))
     root = args.root or Path(tempfile.mkdtemp(prefix="whatif_accuracy."))
     began, load_before = time.monotonic(), load()
     print(f"collecting {', '.join(names)} × {args.repeats} into {root} (load {load_before})", file=sys.stderr)
