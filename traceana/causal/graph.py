@@ -461,12 +461,20 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
     unpaired = e.filter(~keep).height
     # The message's time from both sides posted to its consumer starting work is the edge's (its transfer): where
     # the receive returned later than its bytes take (gloo waiting on its peer's progress: p2p.pair's split), the
-    # wait is this message's, not the consumer's host time, and it goes with the message (docs/whatif.md)
-    posted = pl.max_horizontal("send_start_ns", "recv_post_ns")
-    e = e.filter(keep).with_columns(
+    # wait is this message's, not the consumer's host time, and it goes with the message (docs/whatif.md) — but
+    # not while the receiver ran operations of its own: a receive posted ahead of them (an irecv before the passes
+    # that precede its consumer) returns only when its rank waits on it, so the transfer starts no earlier than the
+    # end of the receiver's last operation before the return (``_own_end``)
+    got = pl.min_horizontal("recv_end_ns", "_ws")
+    own = ops.select(pl.col("rank").alias("dst"), "step", pl.col("end_ns").alias("_own_end")).sort("_own_end")
+    e = (e.filter(keep).with_row_index("_o").with_columns(got.alias("_got")).sort("_got")
+         .join_asof(own, left_on="_got", right_on="_own_end", by=["dst", "step"], strategy="backward",
+                    allow_exact_matches=False, check_sortedness=False).sort("_o"))
+    posted = pl.max_horizontal("send_start_ns", "recv_post_ns", "_own_end")
+    e = e.with_columns(
         (pl.col("send_start_ns") - pl.col("_pe")).alias("send_lag_ns"),
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
-        pl.max_horizontal("transfer_ns", pl.min_horizontal("recv_end_ns", "_ws") - posted).alias("transfer_ns"),
+        pl.max_horizontal("transfer_ns", got - posted).alias("transfer_ns"),
     )
     e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
     return (e.select(list(EDGES)).cast(EDGES), unpaired,
