@@ -8,7 +8,7 @@ from __future__ import annotations
 import polars as pl
 import re
 
-from traceana.causal.graph import GraphError, StepGraph, build, pass_durations
+from traceana.causal.graph import _EDGE_ORDER, GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
 from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES
@@ -45,8 +45,9 @@ def _plan_dict(cfg) -> dict:
 def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
     """The measured work the plan engine is fed, per measured step: passes per (action, virtual stage,
     micro-batch) (graph.pass_durations, the graph's work: the mean over the stage's replicas), optimizer and
-    collectives per device; from the graph where it builds: the median host gap per device, each P2P message's
-    time in flight (send lag + transfer) per (F / B, producing stage, micro-batch), the BPipe transfers' median."""
+    collectives per device; from the graph where it builds: each device's mean host time before an operation
+    (host_before), each P2P message's time in flight (send lag + transfer) per (F / B, producing stage,
+    micro-batch), the BPipe transfers' median."""
     p = base.pp
     steps = list(g.steps) if g is not None else list(analysis.summary.steps)
     step_f = pl.DataFrame({"step": steps}, schema={"step": pl.Int32})
@@ -71,8 +72,8 @@ def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
              .group_by("step", "device").agg(pl.col("work_ns").mean()))
     host = p2p = bpipe = None
     if g is not None:
-        host = (g.ops.filter(pl.col("seq") > 0).join(rk, on="rank").group_by("step", "rank", "device")
-                .agg(pl.col("gap_ns").median()).group_by("step", "device").agg(pl.col("gap_ns").mean()))
+        host = (host_before(g).join(rk, on="rank").group_by("step", "rank", "device")
+                .agg(pl.col("host_ns").mean()).group_by("step", "device").agg(pl.col("host_ns").mean()))
         made = g.ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("src_seq"), "action", "stage",
                             "microbatch")
         msgs = (g.edges.join(made, on=["src", "step", "src_seq"])
@@ -100,6 +101,37 @@ def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
 
 
 _PHASE_ACTION = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+
+
+def host_before(g: StepGraph) -> pl.DataFrame:
+    """rank, step, seq, ``host_ns``: each operation's host time before it (after the rank's first) — what its rank's
+    CPU did between the previous operation's end and this one's start, other than waiting for an input: posting the
+    previous operation's sends and the receives posted after it (the latest such post's lag from that end: the
+    messages' send and post lags — their time inside the posting calls included, ``StepGraph.lag_wait``: the engine's
+    planned sends do not block, so a post's own time is the rank's — less the part of a lag that waited for an
+    earlier receive of the rank, ``StepGraph.after_receive``: that message is an input of its own in the plan), then
+    its host gap after its inputs arrived (``gap_ns``). The plan engine's host time before each operation
+    (``StageTimes.host_ns``) is its device's mean of these: an operation that receives posts a receive first and one
+    that does not, does not, so the typical operation's (the median) would drop the posts of a device whose every
+    other operation receives."""
+    # (after_receive numbers a step's messages in the replay's order, as build sorts them)
+    e = (g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+         .with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("edge")))
+    sides = pl.concat([
+        e.select("step", "edge", pl.lit("send").alias("side"), pl.col("src").alias("rank"),
+                 pl.col("src_seq").alias("after"), pl.col("send_lag_ns").alias("lag")),
+        e.filter(pl.col("anchor_seq").is_not_null()).select(
+            "step", "edge", pl.lit("post").alias("side"), pl.col("dst").alias("rank"),
+            pl.col("anchor_seq").alias("after"), pl.col("post_lag_ns").alias("lag")),
+    ])
+    if g.after_receive is not None and g.after_receive.height:
+        w = g.after_receive.group_by("step", "edge", "side").agg(pl.col("blocked_ns").max().alias("_w"))
+        sides = (sides.join(w, on=["step", "edge", "side"], how="left")
+                 .with_columns((pl.col("lag") - pl.col("_w").fill_null(0)).alias("lag")).drop("_w"))
+    lags = (sides.group_by("step", "rank", (pl.col("after") + 1).cast(pl.Int32).alias("seq"))
+            .agg(pl.col("lag").max().clip(lower_bound=0).alias("_lag")))
+    return (g.ops.filter(pl.col("seq") > 0).join(lags, on=["step", "rank", "seq"], how="left")
+            .select("rank", "step", "seq", (pl.col("gap_ns") + pl.col("_lag").fill_null(0)).alias("host_ns")))
 
 
 def _times(m: dict, base, target, pp: int):
@@ -157,12 +189,12 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     recompute on or off — re-sequenced in the rules' planned order (pipeline_rules.device_order) on the one engine
     (causal.scheduler.run_schedule through model.simulate): each pass's measured work per (action, virtual stage,
     micro-batch) (a micro-batch the run did not have: its stage's mean), each P2P message's measured time in flight,
-    each device's median host gap, its optimizer and collectives; recompute from the measured forwards; BPipe's
-    evictions and loads priced at the run's own BPipe transfers, else the stage's measured activations per
-    micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said); ``layers_per_stage`` (one block count a
-    device) moves layers between stages, each device's measured work scaled by its layer count (_layer_scale, the
-    assumption said in a note). Every measured step is simulated on its
-    own: the step, its interval (the steps' spread, at least noise.NOISE_FLOOR), the bubble share and memory per stage
+    each device's mean host time before an operation (host_before), its optimizer and collectives; recompute from
+    the measured forwards; BPipe's evictions and loads priced at the run's own BPipe transfers, else the stage's
+    measured activations per micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said);
+    ``layers_per_stage`` (one block count a device) moves layers between stages, each device's measured work scaled
+    by its layer count (_layer_scale, the assumption said in a note). Every measured step is simulated on its own:
+    the step, its interval (the steps' spread, at least noise.NOISE_FLOOR), the bubble share and memory per stage
     (the memory model's in-flight counts on the measured activations). A **prediction** (the run as it ran goes
     through the same engine: ``simulated_as_run_ms`` against the measured step says how far the engine is from
     this run). Refused exactly where ``traceana collect`` refuses the plan (pipeline_rules.plan_refusal). Needs
