@@ -1,0 +1,244 @@
+"""GPU ranks in the step graph (issue 32, Build 1: launch → kernel and stream order; traceana/causal/gpu_edges.py).
+
+Hand-built GPU steps, written here as Kineto writes them (tests/tracebuilder.py: annotations, cudaLaunchKernel ↔
+kernel by correlation id, NCCL record_param_comms with their kernels), read, analysed and made a graph by the same
+code as a real run's. Each docstring works the timeline and the counterfactual out by hand (µs): a kernel waits for
+its launch, for the kernel before it on its stream and for its inputs (a receive kernel, a collective's last
+member); the CPU waiting in cudaDeviceSynchronize is held by the kernels it waits on, and what it does after it
+returns is host work before the next kernel it launches.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from traceana.causal import graph
+from traceana.causal.whatif import _ideals, changed, parse_set
+from traceana.measure.analysis_cache import load_and_analyze
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from tracebuilder import TraceBuilder  # noqa: E402
+from gen_big_trace import write_run  # noqa: E402
+
+US = 1_000
+ZERO = ("forward=0", "backward=0", "optimizer=0", "collective=0", "p2p=0", "host=0")
+GEMM = "void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4>(Params)"
+ALLREDUCE = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+
+
+class Gpu:
+    """One GPU rank's trace: launches and kernels with running correlation ids."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.tb = TraceBuilder(rank=rank, world_size=world, backend="nccl", pid=100 + rank, tid=100 + rank)
+        self.corr = 0
+
+    def kernel(self, launch_at: float, start: float, dur: float, *, name: str = GEMM, stream: int = 7,
+               ext: int = 0) -> None:
+        """cudaLaunchKernel at ``launch_at`` (4 µs, or up to the kernel's start) and its kernel."""
+        self.corr += 1
+        self.tb.launch(launch_at, min(4.0, max(start - launch_at, 0.5)), correlation=self.corr, ext_id=ext)
+        self.tb.kernel(name, start, dur, stream=stream, correlation=self.corr, ext_id=ext)
+
+    def p2p(self, op: str, peer: int, at: float, start: float, dur: float) -> None:
+        """record_param_comms (``op``: send or recv) at ``at`` launching its SendRecv kernel on stream 20."""
+        self.corr += 1
+        ext = self.tb._ext + 1
+        self.tb.nccl_p2p(op, peer=peer, ts=at, dur=3, kernel_ts=start, kernel_dur=dur, correlation=self.corr)
+        self.tb.launch(at + 1, 1, correlation=self.corr, ext_id=ext)
+
+    def allreduce(self, at: float, start: float, dur: float) -> None:
+        self.tb.cpu_op("record_param_comms", at, 3, args={
+            "Collective name": "allreduce", "In msg nelems": 1024, "Out msg nelems": 1024, "dtype": "Float",
+            "Group size": 2, "Process Group Name": "0", "Rank": self.tb.rank})
+        self.kernel(at + 1, start, dur, name=ALLREDUCE, stream=20, ext=self.tb._ext)
+
+    def sync(self, at: float, end: float) -> None:
+        self.tb._x("cuda_runtime", "cudaDeviceSynchronize", at, end - at, args={"correlation": 0})
+
+
+def _write(tmp_path: Path, ranks: list[Gpu]) -> str:
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    for g in ranks:
+        g.tb.write(run / f"rank{g.tb.rank}.pt.trace.json.gz")
+    return str(run)
+
+
+def replayed_us(g: graph.StepGraph, sets: list[str]) -> float:
+    """The step replayed with ``sets`` (µs), on the engine and on the batched evaluator (which must agree)."""
+    ops, edges = _ideals(g)
+    v = changed(ops, [parse_set(s) for s in sets])
+    engine = graph.replay_steps_ns(g, ops=ops.with_columns(v[0].alias("work_ns"), v[1].alias("gap_ns")),
+                                   edges=edges.with_columns(v[2].alias("transfer_ns")))
+    old, graph.BATCH_FROM_OPS = graph.BATCH_FROM_OPS, 0
+    try:
+        assert graph.replay_variants(g, ops, edges, [v])[0] == engine
+    finally:
+        graph.BATCH_FROM_OPS = old
+    (step,) = engine
+    return step / US
+
+
+def _waits(g: graph.StepGraph) -> int:
+    return int(g.ops["wait_ns"].sum())
+
+
+def test_a_kernel_made_shorter_frees_the_cpu_waiting_for_it_in_cuda_device_synchronize(tmp_path):
+    """One GPU rank, the CPU ahead of its GPU. F0's kernel (launched at 12) runs 20-220, B0's (launched at 32,
+    enqueued behind it) 220-620; the CPU waits in cudaDeviceSynchronize 50-622, runs Python until the optimizer's
+    annotation at 650, launches its kernel at 660: it runs 670-770 (the GPU idle 620-670: launched late, host work);
+    a last synchronize returns at 772. Step as replayed: 772 (the first 20 µs: the launch of F0's kernel, host).
+    B0's kernel at 0 (backward=0): the synchronize returns at 222 instead of 622 and everything after it moves with
+    it: the optimizer's kernel runs 270-370, the step is 372. F0's at 0: 572. Host work at 0 (the launches and the
+    Python between the synchronize and the next launch, the 2 µs after the last kernel): 700. Nothing is a wait
+    (each idle stretch of the GPU came before the launch of the kernel after it)."""
+    r = Gpu(0, 1)
+    r.tb.step(0, 0, 800)
+    r.tb.annotation("PP:0F0", 10, 20)
+    r.kernel(12, 20, 200)
+    r.tb.annotation("PP:0B0", 30, 20)
+    r.kernel(32, 220, 400)
+    r.sync(50, 622)
+    r.tb.annotation("Optimizer.step#SGD.step", 650, 50)
+    r.kernel(660, 670, 100)
+    r.sync(700, 772)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r]), cache=False))
+    got = {a: (s / US, e / US, w / US, h / US) for a, s, e, w, h in
+           g.ops.select("action", "start_ns", "end_ns", "work_ns", "gap_ns").with_columns(
+               pl.col("start_ns", "end_ns") - g.ranks["start_ns"][0]).iter_rows()}
+    assert got == {"F": (20, 220, 200, 20), "B": (220, 620, 400, 0), "O": (670, 770, 100, 50)}
+    assert _waits(g) == 0 and g.consistent == (3, 3)
+    assert replayed_us(g, []) == 772
+    assert replayed_us(g, ["backward=0"]) == 372
+    assert replayed_us(g, ["forward=0"]) == 572
+    assert replayed_us(g, ["host=0"]) == 700
+    assert replayed_us(g, list(ZERO)) == 0
+
+
+def test_nccl_send_and_receive_kernels_are_the_messages_between_gpu_ranks(tmp_path):
+    """pp 2 on two GPUs. Rank 0: F0's kernel 10-210 (launched at 2: the 10 µs before it are host work), its send
+    kernel (stream 20) 210-231; the receive of the gradient, launched at 31, runs after it on stream 20, 231-552;
+    B0's kernel, launched at 37, is enqueued behind the receive (its input): 552-952; the CPU's synchronize returns
+    at 953. Rank 1: its receive (posted at 6) returns at 231, 21 µs after rank 0's send began; F0 231-331 and B0
+    331-531 (launched at 7 and 17: they waited for the receive, not for the CPU); the gradient's send 531-551, the
+    receive on rank 0 returning at 552. Step: 953.
+    Rank 1's backward at half: the gradient leaves at 431 and arrives at 452, rank 0's B0 452-852: 853. Both
+    forwards at 0: the activation arrives at 31, rank 1's B0 31-231, the gradient at 252, rank 0's B0 252-652: 653.
+    Rank 0's F0 at twice: F0 10-410, its activation at 431, rank 1's F0 431-531 and B0 531-731, the gradient at
+    752, rank 0's B0 752-1152: 1153."""
+    r0, r1 = Gpu(0, 2), Gpu(1, 2)
+    for r in (r0, r1):
+        r.tb.step(0, 0, 1000)
+    r0.tb.annotation("PP:0F0", 0, 20)
+    r0.kernel(2, 10, 200)
+    r0.p2p("send", 1, 20, 210, 21)
+    r0.p2p("recv", 1, 30, 231, 321)
+    r0.tb.annotation("PP:0B0", 35, 10)
+    r0.kernel(37, 552, 400)
+    r0.sync(45, 953)
+    r1.p2p("recv", 0, 0, 6, 225)
+    r1.tb.annotation("PP:1F0", 5, 10)
+    r1.kernel(7, 231, 100)
+    r1.tb.annotation("PP:1B0", 15, 10)
+    r1.kernel(17, 331, 200)
+    r1.p2p("send", 0, 25, 531, 20)
+    r1.sync(30, 552)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r0, r1]), cache=False))
+    assert g.edges.height == 2 and g.consistent == (4, 4)
+    assert _waits(g) == 0
+    assert replayed_us(g, []) == 953
+    assert replayed_us(g, ["stage=1:backward*0.5"]) == 853
+    assert replayed_us(g, ["forward=0"]) == 653
+    assert replayed_us(g, ["stage=0:forward*2"]) == 1153
+    assert replayed_us(g, list(ZERO)) == 0
+
+
+def test_a_collective_kernel_waits_on_the_gpu_for_its_last_member(tmp_path):
+    """Data parallel on two GPUs (both stage 0). Rank 0: F0 10-110, B0 110-310, its all-reduce kernel starts at 310
+    and waits on the GPU for rank 1's, which starts at 500 (rank 1: F0 10-210, B0 210-500); both end at 520; each
+    optimizer kernel (launched at 42, enqueued) 520-570; the synchronizes return at 571. Step: 571. Rank 1's backward
+    at half (145 µs): it joins at 355, both all-reduces end at 375, the optimizers 375-425: 426. Rank 0's backward at
+    0 changes nothing (rank 0 waits for rank 1 either way): 571."""
+    ranks = [Gpu(0, 2), Gpu(1, 2)]
+    for r, (f, b) in zip(ranks, [(100, 200), (200, 290)]):
+        r.tb.step(0, 0, 600)
+        r.tb.annotation("PP:0F0", 0, 10)
+        r.kernel(2, 10, f)
+        r.tb.annotation("PP:0B0", 10, 10)
+        r.kernel(12, 10 + f, b)
+        r.allreduce(30, 10 + f + b, 520 - (10 + f + b))
+        r.tb.annotation("Optimizer.step#SGD.step", 40, 10)
+        r.kernel(42, 520, 50)
+        r.sync(50, 571)
+    g = graph.build(load_and_analyze(_write(tmp_path, ranks), cache=False))
+    coll = g.ops.filter(pl.col("action") == "C")
+    assert coll.height == 2 and coll["members"].to_list() == [2, 2] and coll["work_ns"].to_list() == [20 * US] * 2
+    assert _waits(g) == 0
+    assert replayed_us(g, []) == 571
+    assert replayed_us(g, ["rank=1:backward*0.5"]) == 426
+    assert replayed_us(g, ["rank=0:backward=0"]) == 571
+    assert replayed_us(g, list(ZERO)) == 0
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> graph.StepGraph:
+    out = tmp_path_factory.mktemp("gpu") / "run"
+    write_run(out, ranks=2, dp=2, mb=0.3, gz=False, microbatches=4, kernels=2)
+    return graph.build(load_and_analyze(str(out), cache=False))
+
+
+def test_the_synthetic_gpu_pipeline_has_no_wait_that_no_edge_explains(synthetic):
+    """tests/benchmarks/gen_big_trace.py launches every kernel 5 µs before it starts and runs a block's kernels 1 µs
+    apart: every idle stretch of a GPU is either before a kernel launched after it began (host) or the GPU's own
+    1 µs between enqueued kernels (the operation's work). Before the GPU edges, every operation of those runs had a
+    wait no edge explains (5.4–9.0 ms a rank over 5 steps of 4.4 ms): the graph took each operation's GPU span
+    against its CPU's events. With every kind at 0 the replay is 0."""
+    g = synthetic
+    assert _waits(g) == 0
+    assert not [n for n in g.notes if n.startswith("waits no edge explains")]
+    assert g.consistent[0] == g.consistent[1]
+    ops, edges = _ideals(g)
+    zeroed = graph.replay_variants(g, ops, edges, [changed(ops, [parse_set(s) for s in ZERO])])[0]
+    assert zeroed == [0] * len(g.steps)
+
+
+def _one_rank(tmp_path: Path, b0_start: float, *, other: bool) -> graph.StepGraph:
+    r = Gpu(0, 1)
+    r.tb.step(0, 0, 500)
+    r.tb.annotation("PP:0F0", 10, 10)
+    r.kernel(12, 20, 100)
+    if other:  # launched between the two passes' annotations: the work of no operation
+        r.kernel(22, 120, 40)
+    r.tb.annotation("PP:0B0", 30, 10)
+    r.kernel(32, b0_start, 200)
+    r.sync(40, b0_start + 201)
+    return graph.build(load_and_analyze(_write(tmp_path, [r]), cache=False))
+
+
+def test_gpu_work_of_no_operation_is_host_work_and_an_idle_gpu_with_the_kernel_launched_is_a_wait(tmp_path):
+    """One GPU rank. F0's kernel 20-120 (launched at 12). A kernel launched at 22 outside both passes runs 120-160;
+    B0's kernel, launched at 32, is enqueued behind it: 160-360; the synchronize returns at 361. B0's 40 µs before
+    its work were the GPU running the work of no operation: host work, no wait; with host time at 0 the step is
+    F0 0-100, B0 100-300: 300; with B0 at 0, 161.
+    Without that kernel, B0's kernel (launched at 32) starting at 200 instead: the GPU sat idle 120-200 with it
+    launched already (waiting on another stream's event, say, which the trace does not show): an 80 µs wait no edge
+    explains, said in a note, and not work: it scales with the step's ratio (docs/whatif.md "No frozen time":
+    measured work 300 + host gaps 20 = 320; with F0 at 0, 220, so ρ = 0.6875 and the wait 55): F0 at 20, B0
+    75-275, the synchronize's 1 µs: 276."""
+    g = _one_rank(tmp_path / "a", 160, other=True)
+    assert _waits(g) == 0 and g.ops.filter(pl.col("action") == "B")["gap_ns"].to_list() == [40 * US]
+    assert replayed_us(g, []) == 361
+    assert replayed_us(g, ["host=0"]) == 300
+    assert replayed_us(g, ["backward=0"]) == 161
+    g = _one_rank(tmp_path / "b", 200, other=False)
+    assert _waits(g) == 80 * US and g.ops.filter(pl.col("action") == "B")["gap_ns"].to_list() == [0]
+    (note,) = [n for n in g.notes if n.startswith("waits no edge explains")]
+    assert "rank 0 0.080 ms" in note and "GPU sat idle" in note
+    assert replayed_us(g, []) == 401
+    assert replayed_us(g, ["forward=0"]) == 276
