@@ -58,8 +58,8 @@ class Gpu:
             "Group size": 2, "Process Group Name": "0", "Rank": self.tb.rank})
         self.kernel(at + 1, start, dur, name=ALLREDUCE, stream=20, ext=self.tb._ext)
 
-    def sync(self, at: float, end: float) -> None:
-        self.tb._x("cuda_runtime", "cudaDeviceSynchronize", at, end - at, args={"correlation": 0})
+    def sync(self, at: float, end: float, name: str = "cudaDeviceSynchronize") -> None:
+        self.tb._x("cuda_runtime", name, at, end - at, args={"correlation": 0})
 
 
 def _write(tmp_path: Path, ranks: list[Gpu]) -> str:
@@ -242,3 +242,40 @@ def test_gpu_work_of_no_operation_is_host_work_and_an_idle_gpu_with_the_kernel_l
     assert "rank 0 0.080 ms" in note and "GPU sat idle" in note
     assert replayed_us(g, []) == 401
     assert replayed_us(g, ["forward=0"]) == 276
+
+
+def test_a_send_kernel_queued_behind_another_on_its_stream_waits_for_that_ones_message(tmp_path):
+    """pp 2 on two GPUs, forwards only. Rank 0: F0's kernel 10-110; activation 0's send kernel (stream 20) 110-340:
+    rank 1's CPU was busy until 305 (host work) and its receive kernel started at 310, the transfer took 30; F1's
+    kernel (launched at 111) 112-212; activation 1's send, launched at 116, enqueued behind the first on stream 20,
+    340-370; rank 0's CPU waits for its compute stream only (cudaStreamSynchronize until 213). Rank 1: both receive
+    kernels launched at 305 and 307, the second after the first on its stream, 340-370; F0's kernel (launched at
+    341) 342-442, F1's 442-542, synchronize until 543. Step: 543.
+    Rank 1's host time at 0: its receives are posted at once, activation 0 is through at 140, activation 1's send
+    starts when its input is there (212: its send kernel no longer queued behind a slow one) and is through at 242:
+    rank 1's F0 140-240, F1 242-342: 342. Were the 128 µs activation 1's send kernel sat behind the first one rank
+    0's host work (its lag after F1), it would still leave at 340: F1 370-470, 470."""
+    r0, r1 = Gpu(0, 2), Gpu(1, 2)
+    for r in (r0, r1):
+        r.tb.step(0, 0, 800)
+    r0.tb.annotation("PP:0F0", 0, 20)
+    r0.kernel(2, 10, 100)
+    r0.p2p("send", 1, 20, 110, 230)
+    r0.tb.annotation("PP:0F1", 110, 5)
+    r0.kernel(111, 112, 100)
+    r0.p2p("send", 1, 115, 340, 30)
+    r0.sync(120, 213, "cudaStreamSynchronize")
+    r1.tb.cpu_op("aten::copy_", 0, 300)  # (loading data: host work)
+    r1.p2p("recv", 0, 304, 310, 30)
+    r1.p2p("recv", 0, 306, 340, 30)
+    r1.tb.annotation("PP:1F0", 340, 4)
+    r1.kernel(341, 342, 100)
+    r1.tb.annotation("PP:1F1", 344, 6)
+    r1.kernel(345, 442, 100)
+    r1.sync(350, 543)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r0, r1]), cache=False))
+    assert g.edges.height == 2 and g.consistent == (4, 4) and _waits(g) == 0
+    assert g.after_receive is not None and g.after_receive.height == 2  # both sides of activation 1
+    assert replayed_us(g, []) == 543
+    assert replayed_us(g, ["rank=1:host=0"]) == 342
+    assert replayed_us(g, list(ZERO)) == 0

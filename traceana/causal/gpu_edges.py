@@ -23,6 +23,13 @@ What this module adds to the graph, all on the GPU's clock:
   (another stream's work, an event): a wait no edge explains, said in the build's note — except the part of it when
   the rank's GPU ran work of no operation (a kernel launched outside every pass: host work too).
 
+- **stream order between communication kernels** (``stream_order``): a send or receive kernel runs after the one
+  before it on its stream (NCCL's: one per communicator); where that one ended inside the message side's lag (its
+  producer's end, or its anchor's, to the kernel's start) and this kernel had been launched by then, the side waited
+  on that kernel's message: a chain as ``graph._after_receives`` makes for a CPU rank's post after a blocking receive,
+  so the side is posted no earlier than that message's arrival and moves with it. The rest of a lag is host work
+  where the kernel was launched after the lag began, else a wait no edge explains (LAG_WAIT).
+
 A CPU rank's wait in ``cudaDeviceSynchronize`` (or any call that waits for the GPU) is not in the graph at all on
 this clock: it overlaps the kernels it waits for, which are the operations' work; what the CPU did after it returned
 is the host time before the next kernel it launched. Making a kernel shorter ends such a wait sooner by as much.
@@ -178,3 +185,67 @@ def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]
             .with_columns(pl.when(pl.col("_host").is_not_null()).then(total - pl.col("_h")).otherwise("wait_ns")
                           .alias("wait_ns"), pl.col("_h").alias("gap_ns"))
             .drop("_host", "_h"))
+
+
+def stream_order(analysis, arr: pl.DataFrame, ranks: list[int], after_receive: pl.DataFrame | None,
+                 lag_wait: pl.DataFrame | None, *, after_schema: dict, wait_schema: dict, slack_ns: int
+                 ) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
+    """A GPU rank's message sides in the order of their stream (``graph._after_receives``' AFTER_RECEIVE rows and
+    ``graph._lag_waits``' LAG_WAIT rows, the GPU ranks' sides made again by the GPU's rules; the CPU ranks' are kept).
+
+    ``arr``: the step's messages with their index (``edge``), modelled arrival (``_arrive``), producer's end (``_pe``),
+    anchor's end (``_ae``, else the step's start ``_w``) and their kernels' spans (send_start_ns …, recv_end_ns). A
+    send or receive kernel runs after the one before it on its stream (NCCL's: one per communicator): where that one
+    ended inside this side's lag and this kernel had been launched by then, the side waited on that kernel's message
+    (posted no earlier than its arrival: the chain ``_after_receives`` makes for a post after a receive that blocked
+    a CPU rank; a send kernel is through when its message arrived). The rest of the lag, from its start (or the
+    awaited arrival) to the kernel's start, is host work where the kernel was launched after it began (the CPU enqueued
+    it late), else a wait no edge explains (enqueued, the stream idle: launch → kernel, as ``split_gaps``).
+    ``slack_ns``: graph.ARRIVAL_SLACK_NS."""
+    ev = analysis.events
+    if not ranks or ev is None or arr.height == 0:
+        return after_receive, lag_wait
+    comm = (ev.lazy().filter(pl.col("is_gpu") & pl.col("comm_dir").is_not_null() & pl.col("rank").is_in(ranks))
+            .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("_t"), pl.col("stream").alias("_stream"),
+                    _launch()).collect(**iv.COLLECT).unique(["rank", "_t"], keep="first"))
+    if comm.height == 0:
+        return after_receive, lag_wait
+    sides = pl.concat([
+        arr.select("step", pl.col("src").alias("rank"), "edge", pl.lit("send").alias("side"),
+                   pl.col("_pe").alias("_ref"), pl.col("send_start_ns").alias("_t"),
+                   pl.coalesce("send_end_ns", "_arrive").alias("_end"), "_arrive"),
+        arr.select("step", pl.col("dst").alias("rank"), "edge", pl.lit("post").alias("side"),
+                   pl.coalesce("_ae", "_w").alias("_ref"), pl.col("recv_post_ns").alias("_t"),
+                   pl.col("recv_end_ns").alias("_end"), "_arrive"),
+    ]).join(comm, on=["rank", "_t"])
+    if sides.height == 0:
+        return after_receive, lag_wait
+    by = ["rank", "step", "_stream"]
+    sides = (sides.sort(*by, "_t")
+             .with_columns(pl.col(c).shift(1).over(by).alias(f"_p{c}") for c in ("edge", "_t", "_end", "_arrive")))
+    # the kernel before it on its stream ended inside the lag, with this one launched already: it waited on it
+    queued = (pl.col("_pedge").is_not_null() & (pl.col("_p_end") > pl.col("_ref"))
+              & pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") <= pl.col("_p_end"))
+              & (pl.col("_p_arrive") <= pl.col("_t") + slack_ns))
+    sides = sides.with_columns(
+        pl.when(queued).then(pl.col("_p_arrive") - pl.max_horizontal("_p_t", "_ref")).alias("blocked_ns"),
+        pl.when(queued).then((pl.col("_t") - pl.col("_p_arrive")).clip(lower_bound=0)).alias("lag_ns"))
+    chained = sides.filter(pl.col("blocked_ns") > slack_ns)
+    # the rest of the lag: from its start (or the awaited arrival) to the kernel's start
+    sides = (sides.join(chained.select("step", "edge", "side", pl.lit(True).alias("_chained")),
+                        on=["step", "edge", "side"], how="left")
+             .with_columns(pl.when(pl.col("_chained").fill_null(False)).then(pl.col("_t") - pl.col("lag_ns"))
+                           .otherwise("_ref").alias("_from"))
+             .with_columns(pl.when(pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") <= pl.col("_from")))
+                           .then((pl.col("_t") - pl.col("_from")).clip(lower_bound=0)).otherwise(0)
+                           .alias("wait_ns")))
+    mine = sides.select("step", "edge", "side")
+
+    def replaced(frame: pl.DataFrame | None, new: pl.DataFrame, schema: dict) -> pl.DataFrame | None:
+        kept = (frame.join(mine, on=["step", "edge", "side"], how="anti") if frame is not None
+                else pl.DataFrame(schema=schema))
+        out = pl.concat([kept, new.select(list(schema)).cast(schema)]).sort("step", "edge", "side")
+        return out if out.height else None
+
+    return (replaced(after_receive, chained.rename({"_pedge": "via"}), after_schema),
+            replaced(lag_wait, sides.filter(pl.col("wait_ns") > 0), wait_schema))

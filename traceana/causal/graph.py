@@ -322,6 +322,10 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     blocking = _blocking(edges, sent, ops, win)
     after_receive = _after_receives(edges, sent, ops, win)
     lag_wait = _lag_waits(analysis, edges, sent, ops, win, after_receive)
+    if gpu and edges.height and sent.height == edges.height:  # a GPU rank's send and receive kernels: their streams
+        after_receive, lag_wait = gpu_edges.stream_order(
+            analysis, pl.concat([_arrivals(edges, ops, win), sent], how="horizontal"), gpu, after_receive, lag_wait,
+            after_schema=AFTER_RECEIVE, wait_schema=LAG_WAIT, slack_ns=ARRIVAL_SLACK_NS)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
