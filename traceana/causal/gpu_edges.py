@@ -44,7 +44,7 @@ import polars as pl
 
 from traceana.core import intervals as iv
 from traceana.core import names
-from traceana.measure import gpu
+from traceana.measure import gpu, timeline
 
 # GPU work that is an operation's own time (timeline._GPU_BUSY: what the schedule's GPU extents are made of).
 WORK_KINDS = ("compute", "memcpy", "memset")
@@ -61,12 +61,12 @@ KERNEL_WAIT_NS = gpu.KERNEL_WAIT_BELOW_NS
 
 
 def gpu_ranks(analysis) -> list[int]:
-    """The ranks whose traces hold GPU work: their operations are on the GPU's clock."""
+    """The ranks whose traces hold GPU work (``timeline.gpu_ranks``: their busy timeline is the GPU's): their
+    operations are on the GPU's clock."""
     ev = analysis.events
     if ev is None or ev.height == 0:
         return []
-    return sorted(ev.lazy().filter(pl.col("is_gpu") & pl.col("kind").cast(pl.String).is_in(WORK_KINDS))
-                  .select(pl.col("rank").unique()).collect(**iv.COLLECT)["rank"].to_list())
+    return timeline.gpu_ranks(ev)["rank"].to_list()
 
 
 def _launch() -> pl.Expr:
@@ -85,7 +85,7 @@ def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame,
     if not ranks or ev is None:
         return ops, pl.DataFrame(schema=KERNELS)
     work = (ev.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0)
-                             & pl.col("kind").cast(pl.String).is_in(WORK_KINDS) & pl.col("rank").is_in(ranks))
+                             & pl.col("kind").is_in(WORK_KINDS) & pl.col("rank").is_in(ranks))
             .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
                     (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch())
             .sort("start").collect(**iv.COLLECT))
