@@ -279,3 +279,39 @@ def test_a_send_kernel_queued_behind_another_on_its_stream_waits_for_that_ones_m
     assert replayed_us(g, []) == 543
     assert replayed_us(g, ["rank=1:host=0"]) == 342
     assert replayed_us(g, list(ZERO)) == 0
+
+
+def test_a_gpu_ranks_send_kernel_does_not_hold_the_compute_after_it(tmp_path):
+    """pp 2 on two GPUs. Rank 0: F0 10-110, activation 0's send kernel 110-340 (rank 1's CPU busy until 305 posts
+    its receive at 310; 30 µs through), the CPU busy until 344 too, F1's kernel (launched at 345) 350-450,
+    activation 1's send 450-480. Rank 1: the receives (launched at 305, 307; the second queued behind the first on
+    stream 20) 310-340 and 340-480, F0 342-442 (launched at 341), F1 480-580; synchronize until 581. Step: 581.
+    Rank 1's host time doubled: its receive is posted at 620, activation 0 through at 650; rank 0's F1 does not
+    wait for that send (it runs on the compute stream: 350-450, the send of activation 1 queued behind the first
+    and through at 680); rank 1's F0 654-754 (its 2 µs of host doubled), F1 754-854, its 1 µs tail doubled: 856.
+    Were a GPU send taken to block its sender as gloo's does (graph._blocking), rank 0's F1 would start after
+    activation 0 arrived (660-760) and the step read 892."""
+    r0, r1 = Gpu(0, 2), Gpu(1, 2)
+    for r in (r0, r1):
+        r.tb.step(0, 0, 800)
+    r0.tb.annotation("PP:0F0", 0, 20)
+    r0.kernel(2, 10, 100)
+    r0.p2p("send", 1, 20, 110, 230)
+    r0.tb.cpu_op("aten::copy_", 30, 314)  # (host work)
+    r0.tb.annotation("PP:0F1", 344, 6)
+    r0.kernel(345, 350, 100)
+    r0.p2p("send", 1, 350, 450, 30)
+    r0.sync(355, 451, "cudaStreamSynchronize")
+    r1.tb.cpu_op("aten::copy_", 0, 300)
+    r1.p2p("recv", 0, 304, 310, 30)
+    r1.p2p("recv", 0, 306, 340, 140)
+    r1.tb.annotation("PP:1F0", 340, 4)
+    r1.kernel(341, 342, 100)
+    r1.tb.annotation("PP:1F1", 344, 6)
+    r1.kernel(345, 480, 100)
+    r1.sync(350, 581)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r0, r1]), cache=False))
+    assert g.edges.height == 2 and g.consistent == (4, 4) and _waits(g) == 0
+    assert g.blocking is None or g.blocking.height == 0
+    assert replayed_us(g, []) == 581
+    assert replayed_us(g, ["rank=1:host*2"]) == 856
