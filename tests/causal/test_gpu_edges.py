@@ -315,3 +315,38 @@ def test_a_gpu_ranks_send_kernel_does_not_hold_the_compute_after_it(tmp_path):
     assert g.blocking is None or g.blocking.height == 0
     assert replayed_us(g, []) == 581
     assert replayed_us(g, ["rank=1:host*2"]) == 856
+
+
+def test_a_gpu_rank_sending_with_gloo_from_its_cpu_is_held_by_its_blocking_send(tmp_path):
+    """pp 2: rank 0 on a GPU sends with gloo from its CPU (host staging), rank 1 on a CPU. Rank 0: F0's kernel
+    5-105, the CPU copies the activation out (a stream synchronize until 106) and sends it: gloo's send blocks it
+    until rank 1, busy with an earlier backward until 295, has received it (295-305); only then does it launch F1's
+    kernel (307): 310-410, synchronize until 411. Rank 1: F0 305-405. Step: 411. Rank 1's backward at 0: the
+    receive is posted at once, the message through at 116, rank 0's F1 121-221 (the 5 µs from its send's return to
+    its kernel, host work, kept), its synchronize until 222; rank 1's F0 116-216: 222. Without the blocking send's
+    edge (as an NCCL send kernel has none: the test above) rank 0's F1 would stay at 310-410: 411."""
+    r0 = Gpu(0, 2)
+    r0.tb.backend = "gloo"
+    r0.tb.step(0, 0, 500)
+    r0.tb.annotation("PP:0F0", 0, 10)
+    r0.kernel(2, 5, 100)
+    r0.sync(10, 106, "cudaStreamSynchronize")
+    r0.tb.send(peer=1, ts=106, dur=200)
+    r0.tb.annotation("PP:0F1", 306, 4)
+    r0.kernel(307, 310, 100)
+    r0.sync(311, 411, "cudaStreamSynchronize")
+    r1 = TraceBuilder(rank=1, world_size=2, pid=201, tid=201)
+    r1.step(0, 0, 500)
+    r1.annotation("PP:1B5", 0, 295)
+    r1.cpu_op("autograd::engine::evaluate_function: MmBackward0", 1, 293)
+    r1.recv(peer=0, ts=295, dur=10)
+    r1.annotation("PP:1F0", 305, 100)
+    r1.cpu_op("aten::mm", 306, 98)
+    run = tmp_path / "run"
+    run.mkdir()
+    r0.tb.write(run / "rank0.pt.trace.json.gz")
+    r1.write(run / "rank1.pt.trace.json.gz")
+    g = graph.build(load_and_analyze(str(run), cache=False))
+    assert g.edges.height == 1 and g.blocking is not None and g.blocking.height == 1
+    assert replayed_us(g, []) == 411
+    assert replayed_us(g, ["backward=0"]) == 222

@@ -69,6 +69,16 @@ def gpu_ranks(analysis) -> list[int]:
     return timeline.gpu_ranks(ev)["rank"].to_list()
 
 
+def kernel_message_ranks(analysis, ranks: list[int]) -> list[int]:
+    """The GPU ranks whose P2P messages are kernels (NCCL's send and receive kernels, with a direction): a rank
+    sending with gloo from its CPU (host staging) has CPU posts and waits as messages, a CPU rank's."""
+    ev = analysis.events
+    if not ranks or ev is None:
+        return []
+    return sorted(ev.lazy().filter(pl.col("is_gpu") & pl.col("comm_dir").is_not_null() & pl.col("rank").is_in(ranks))
+                  .select(pl.col("rank").unique()).collect(**iv.COLLECT)["rank"].to_list())
+
+
 def _launch() -> pl.Expr:
     """A GPU event's launch (its runtime call's start; null where none launched it: ``launch_ns`` is then its own
     start)."""

@@ -319,8 +319,9 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
-    # (a GPU rank's send kernel blocks its communication stream, not the compute after it: gpu_edges.stream_order)
-    blocking = _blocking(edges, sent, ops, win).filter(~pl.col("rank").is_in(gpu))
+    # (an NCCL send kernel blocks its communication stream, not the compute after it: gpu_edges.stream_order)
+    nccl = gpu_edges.kernel_message_ranks(analysis, gpu)
+    blocking = _blocking(edges, sent, ops, win).filter(~pl.col("rank").is_in(nccl))
     after_receive = _after_receives(edges, sent, ops, win)
     lag_wait = _lag_waits(analysis, edges, sent, ops, win, after_receive)
     if gpu and edges.height and sent.height == edges.height:  # a GPU rank's send and receive kernels: their streams
