@@ -5,11 +5,12 @@ start to the last one's end, ``attribution.gpu_schedule_extents``: the kernels w
 correlation id, lies in the row's CPU range), and its P2P messages are its NCCL send/receive kernels (``p2p.messages``).
 What this module adds to the graph, all on the GPU's clock:
 
-- **kernel time** (``kernels``, ``on_gpu``): an operation's work is the union of its kernels (compute, copies,
-  memsets: the rank's GPU work that is not communication), the kernels being those running inside its extent (the
-  latest operation starting at or before a kernel's start, if the kernel starts before its end). The idle time inside
-  the extent is not work: it is part of the gap before the operation's work, split below.
-- **collectives** (``collective_kernels``): a GPU rank's collectives are its NCCL collective kernels (all-reduce,
+- **kernel time** (``on_gpu``): an operation's work is the union of its kernels (compute, copies, memsets: the
+  rank's GPU work that is not communication), the kernels being those running inside its extent (the latest
+  operation starting at or before a kernel's start, if the kernel starts before its end), plus the GPU's own idle
+  time between kernels it had enqueued already (under ``KERNEL_WAIT_NS``). The rest of the idle time inside the
+  extent is not work: it is part of the gap before the operation's work, split below.
+- **collectives** (``collective_filter``): a GPU rank's collectives are its NCCL collective kernels (all-reduce,
   all-gather, …: the kind collective, the launching op's process group), not the CPU call that enqueued them: the
   kernel waits on the GPU for every member's kernel, so the members join at the last one's start and each takes what
   it took after that. (NCCL's batched send/receive kernels, ``SendRecv`` with no direction, join no group: which
@@ -22,20 +23,22 @@ What this module adds to the graph, all on the GPU's clock:
   time moves. Where the kernel had been enqueued already, the stream waited for something the graph holds no edge for
   (another stream's work, an event): a wait no edge explains, said in the build's note — except the part of it when
   the rank's GPU ran work of no operation (a kernel launched outside every pass: host work too).
-
 - **stream order between communication kernels** (``stream_order``): a send or receive kernel runs after the one
   before it on its stream (NCCL's: one per communicator); where that one ended inside the message side's lag (its
   producer's end, or its anchor's, to the kernel's start) and this kernel had been launched by then, the side waited
   on that kernel's message: a chain as ``graph._after_receives`` makes for a CPU rank's post after a blocking receive,
   so the side is posted no earlier than that message's arrival and moves with it. The rest of a lag is host work
-  where the kernel was launched after the lag began, else a wait no edge explains (LAG_WAIT).
+  where the kernel was launched after the lag began, else a wait no edge explains (LAG_WAIT). An NCCL send kernel
+  blocks its stream, not the compute after it: no blocking-send edge (``kernel_message_ranks``; gloo's, sent from
+  a GPU rank's CPU, keeps it).
 
 A CPU rank's wait in ``cudaDeviceSynchronize`` (or any call that waits for the GPU) is not in the graph at all on
 this clock: it overlaps the kernels it waits for, which are the operations' work; what the CPU did after it returned
 is the host time before the next kernel it launched. Making a kernel shorter ends such a wait sooner by as much.
 
 Not modelled: operations of one rank running at once on two streams (DualPipe's overlapped chunks): the graph runs a
-rank's operations one after another, so such an operation's start is contradicted (counted, said).
+rank's operations one after another, so such an operation's start is contradicted (counted, said); a communication
+kernel queued behind a collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
 """
 
 from __future__ import annotations
