@@ -350,3 +350,31 @@ def test_a_gpu_rank_sending_with_gloo_from_its_cpu_is_held_by_its_blocking_send(
     assert g.edges.height == 1 and g.blocking is not None and g.blocking.height == 1
     assert replayed_us(g, []) == 411
     assert replayed_us(g, ["backward=0"]) == 222
+
+
+def test_the_previous_steps_kernels_still_running_are_a_wait_not_host_work(tmp_path):
+    """One GPU rank, the CPU ahead across the step boundary. Step 0's optimizer kernel runs 820-1100, 100 µs into
+    step 1 (ProfilerStep 1000-2000), whose F0 kernel, launched at 1012, sits enqueued behind it: 1100-1400; B0
+    1400-1700, the optimizer 1700-1900. The 100 µs before F0's work the GPU ran step 0's kernel: not host work of
+    step 1 (its CPU had enqueued F0 by 1012) but a wait, the previous step's late end, scaled with the step's ratio as
+    a late start is; step 1 as replayed: 900 (1000-1900). With host work at 0 it stays 900 (were those 100 µs host
+    work: 800)."""
+    r = Gpu(0, 1)
+    gpu = {0: [(20, 300), (320, 500), (820, 280)], 1: [(1100, 300), (1400, 300), (1700, 200)],
+           2: [(2020, 300), (2320, 300), (2620, 200)]}
+    for step, kernels in gpu.items():
+        o = 1000 * step
+        r.tb.step(step, o, o + 1000)
+        for (name, at), (start, dur) in zip([("PP:0F0", 10), ("PP:0B0", 30), ("Optimizer.step#SGD.step", 50)], kernels):
+            r.tb.annotation(name, o + at, 10)
+            r.kernel(o + at + 2, start, dur)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r]), cache=False))
+    assert 1 in g.steps
+    f = g.ops.filter((pl.col("step") == 1) & (pl.col("action") == "F"))
+    assert (f["gap_ns"].item(), f["wait_ns"].item()) == (0, 100 * US)
+    (note,) = [n for n in g.notes if n.startswith("waits no edge explains")]
+    assert "rank 0 0.100 ms" in note
+    ops, edges = _ideals(g)
+    steps = dict(zip(g.steps, graph.replay_steps_ns(g)))
+    zero_host = dict(zip(g.steps, graph.replay_steps_ns(g, ops=ops.with_columns(pl.lit(0, pl.Int64).alias("gap_ns")))))
+    assert steps[1] == zero_host[1] == 900 * US

@@ -54,8 +54,9 @@ WORK_KINDS = ("compute", "memcpy", "memset")
 # Per GPU kernel of an operation (``on_gpu``): its operation (rank, step, and the operation's start ``_os`` on the
 # GPU's clock, which names it until the graph numbers the operations), its span and its launch.
 # ``_kw``: the idle time before the kernel that is its operation's own (a kernel wait: below).
+# ``_ks``: the step the kernel was launched in (the events' step; null outside every step).
 KERNELS = {"rank": pl.Int32, "step": pl.Int32, "_os": pl.Int64, "start": pl.Int64, "end": pl.Int64,
-           "launch_ns": pl.Int64, "_kw": pl.Int64}
+           "launch_ns": pl.Int64, "_kw": pl.Int64, "_ks": pl.Int32}
 # Idle time shorter than gpu.KERNEL_WAIT_BELOW_NS before a kernel that was enqueued when its predecessor in the same
 # operation ended is the GPU's own time between kernels (HolisticTraceAnalysis' "kernel wait", gpu.idle_breakdown's
 # rule): part of the operation's work, not a wait; longer, or before a kernel launched late, it is split as the gap
@@ -100,7 +101,7 @@ def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame,
     work = (ev.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0)
                              & pl.col("kind").is_in(WORK_KINDS) & pl.col("rank").is_in(ranks))
             .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
-                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch())
+                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch(), pl.col("step").alias("_ks"))
             .sort("start").collect(**iv.COLLECT))
     if work.height == 0:
         return ops, pl.DataFrame(schema=KERNELS)
@@ -145,11 +146,12 @@ def collective_filter(ranks: list[int]) -> pl.Expr:
         .otherwise(~pl.col("is_gpu"))
 
 
-def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
+def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int], *, time_inside) -> pl.DataFrame:
     """The GPU ranks' operations' gaps split into host work (``gap_ns``) and a wait no edge explains (``wait_ns``)
     by launch → kernel (module docstring): ``ops``, the graph's operations numbered (``seq``) with their whole gap
     in ``gap_ns`` + ``wait_ns`` (``graph._gaps``, ``graph._busy_in_gaps``); ``work``, ``on_gpu``'s kernels. A GPU
-    rank's operation whose kernels are unknown (it launched none: on the CPU's clock) keeps its split."""
+    rank's operation whose kernels are unknown (it launched none: on the CPU's clock) keeps its split.
+    ``time_inside``: graph._time_inside (the time of non-overlapping intervals inside windows, by as-of joins)."""
     keys = ["rank", "step", "seq"]
     total = pl.col("gap_ns") + pl.col("wait_ns")
     mine = ops.filter(pl.col("rank").is_in(ranks) & (total > 0))
@@ -177,21 +179,44 @@ def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]
          .with_columns(pl.col("end").cum_max().shift(1).over(keys).alias("_before"))
          .with_columns(pl.max_horizontal("_w0", "_before").alias("_a"))
          .with_columns((pl.col("start") - pl.col("_a") - pl.col("_kw")).clip(lower_bound=0).alias("_idle")))
-    # launched after the GPU fell idle: it waited for its CPU (host); else it had been enqueued and waited for what
-    # the graph holds no edge for — unless the rank's GPU ran work of no operation meanwhile (host work too)
-    late = pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") > pl.col("_a"))
-    stuck = (k.filter(~late & (pl.col("_idle") > 0))
-             .select(*keys, pl.col("_a").alias("start"), pl.col("start").alias("end")).with_row_index("_w"))
-    other = work.filter(pl.col("_os").is_null()).select("rank", "start", "end")
-    busy = pl.DataFrame(schema={**{c: ops.schema[c] for c in keys}, "_other": pl.Int64})
-    if stuck.height and other.height:
-        busy = (iv.clip(iv.merge(other, "rank"), stuck.select("rank", "_w", "start", "end"), on="rank",
-                        window_keys="_w", keep_order=False)
-                .group_by("_w").agg((pl.col("end") - pl.col("start")).sum().alias("_other"))
-                .join(stuck.select("_w", *keys), on="_w").group_by(keys).agg(pl.col("_other").sum()))
-    host = (k.group_by(keys).agg(pl.col("_idle").filter(late).sum().alias("_host"))
-            .join(busy, on=keys, how="left")
-            .select(*keys, (pl.col("_host") + pl.col("_other").fill_null(0)).alias("_host")))
+    # Each stretch before a kernel: the time in it the rank's GPU ran other work — work of no operation (a kernel
+    # launched outside every pass: host work), or another operation's (the previous step's still running when this
+    # step began, the CPU ahead across the step's start; an operation on another stream): a wait, as a late start
+    # is —, and the time it ran nothing: host work where the kernel was launched after the GPU fell idle (it waited
+    # for its CPU), else a wait no edge explains (enqueued: it waited for what the graph holds no edge for)
+    stretches = (k.filter((pl.col("_kw") == 0) & (pl.col("start") > pl.col("_a")))
+                 .select(*keys, "launch_ns", pl.col("_a").alias("start"), pl.col("start").alias("end"))
+                 .with_row_index("_k"))
+    if stretches.height == 0:
+        host = k.group_by(keys).agg(pl.lit(0, pl.Int64).alias("_host"))
+    else:
+        spans = work.select("rank", "start", "end")
+        busy_all = iv.merge(spans, "rank")
+        # (work of no operation launched in a step not in the graph — the warm-up step before it — is that step's)
+        steps = ops["step"].unique().implode()
+        busy_free = iv.merge(work.filter(pl.col("_os").is_null() & (pl.col("_ks").is_null()
+                                                                    | pl.col("_ks").is_in(steps)))
+                             .select("rank", "start", "end"), "rank")
+        windows = stretches.select("rank", "_k", "start", "end")
+        covered = time_inside(busy_all, windows, "_k").rename({"_inside": "_all"})
+        free = (time_inside(busy_free, windows, "_k").rename({"_inside": "_free"}) if busy_free.height
+                else pl.DataFrame(schema={"_k": pl.UInt32, "_free": pl.Int64}))
+        # when the GPU last fell idle in the stretch: the end of the last work that began before the kernel
+        last = (stretches.select("_k", "rank", pl.col("end").alias("_t")).sort("_t")
+                .join_asof(busy_all.select("rank", pl.col("start").alias("_bs"), pl.col("end").alias("_be"))
+                           .sort("_bs"), left_on="_t", right_on="_bs", by="rank", strategy="backward",
+                           allow_exact_matches=False, check_sortedness=False)
+                .select("_k", pl.when(pl.col("_be").is_not_null()).then(pl.min_horizontal("_be", "_t"))
+                        .alias("_last")))
+        st = (stretches.join(covered, on="_k", how="left").join(free, on="_k", how="left").join(last, on="_k",
+                                                                                                 how="left")
+              .with_columns(pl.col("_all", "_free").fill_null(0))
+              .with_columns((pl.col("end") - pl.col("start") - pl.col("_all")).clip(lower_bound=0).alias("_idle"),
+                            pl.max_horizontal("start", pl.col("_last").fill_null(pl.col("start"))).alias("_fell")))
+        late = pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") > pl.col("_fell"))
+        host = st.group_by(keys).agg((pl.col("_free") + pl.when(late).then("_idle").otherwise(0)).sum()
+                                     .alias("_host"))
+    host = k.select(keys).unique().join(host, on=keys, how="left").with_columns(pl.col("_host").fill_null(0))
     return (ops.join(host, on=keys, how="left", maintain_order="left")
             .with_columns(pl.when(pl.col("_host").is_not_null()).then(pl.min_horizontal("_host", total))
                           .otherwise("gap_ns").alias("_h"))

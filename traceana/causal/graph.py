@@ -332,7 +332,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
     ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking))
-    ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu)  # launch → kernel on the GPU ranks
+    ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
     if waits.height:
         per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
