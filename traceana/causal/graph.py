@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from traceana.causal import gpu_edges
 from traceana.causal.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, product, run_schedule
 from traceana.core import intervals as iv
 from traceana.core import names, schema
@@ -197,14 +198,15 @@ def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> p
     )
 
 
-def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dict[int, int]
-                 ) -> tuple[pl.DataFrame, list[str]]:
-    """Top-level collectives of the training threads outside the ranks' operations, with their group id and size."""
+def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dict[int, int],
+                 gpu: list[int] = ()) -> tuple[pl.DataFrame, list[str]]:
+    """Top-level collectives of the training threads outside the ranks' operations, with their group id and size
+    (on the GPU ranks ``gpu``, their collective kernels: ``gpu_edges.collective_filter``)."""
     ev = analysis.events
     if ev is None or ev.height == 0:
         return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
     coll = (
-        ev.lazy().filter((pl.col("kind") == "collective") & ~pl.col("is_gpu") & pl.col("step").is_not_null())
+        ev.lazy().filter(gpu_edges.collective_filter(list(gpu)) & pl.col("step").is_not_null())
         .join(steps.lazy(), on="step")
         .select("rank", "step", pl.col("track").cast(pl.String), pl.col("name").cast(pl.String),
                 pl.col("pg").cast(pl.String),
@@ -282,8 +284,11 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                 "microbatch", "start_ns", "end_ns", pl.col("d").clip(lower_bound=0).alias("work_ns"),
                 pl.lit(None, pl.String).alias("group"), pl.lit(None, pl.Int32).alias("members"), "source")
     )
+    # GPU ranks: an operation's work is its kernels' time (gpu_edges)
+    gpu = gpu_edges.gpu_ranks(analysis)
+    ops, kernels = gpu_edges.on_gpu(analysis, ops, gpu)
     stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
-    coll, n = _collectives(analysis, step_f, ops, stage_of)
+    coll, n = _collectives(analysis, step_f, ops, stage_of, gpu)
     notes += n
     ops = (
         pl.concat([ops, coll.select(ops.columns)], how="vertical_relaxed")
@@ -314,19 +319,28 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
-    blocking = _blocking(edges, sent, ops, win)
+    # (an NCCL send kernel blocks its communication stream, not the compute after it: gpu_edges.stream_order)
+    nccl = gpu_edges.kernel_message_ranks(analysis, gpu)
+    blocking = _blocking(edges, sent, ops, win).filter(~pl.col("rank").is_in(nccl))
     after_receive = _after_receives(edges, sent, ops, win)
     lag_wait = _lag_waits(analysis, edges, sent, ops, win, after_receive)
+    if gpu and edges.height and sent.height == edges.height:  # a GPU rank's send and receive kernels: their streams
+        after_receive, lag_wait = gpu_edges.stream_order(
+            analysis, pl.concat([_arrivals(edges, ops, win), sent], how="horizontal"), gpu, after_receive, lag_wait,
+            after_schema=AFTER_RECEIVE, wait_schema=LAG_WAIT, slack_ns=ARRIVAL_SLACK_NS)
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
     ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking))
+    ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
     if waits.height:
         per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
-        notes.append(f"waits no edge explains (the rank ran nothing on its CPU and no message, collective or earlier "
-                     f"operation of the graph held it): {per_rank} over the steps replayed; they are not work — the "
-                     "replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
+        on_gpu = (" (on a GPU rank: its GPU sat idle with the next kernel launched already)"
+                  if set(waits["rank"].to_list()) & set(gpu) else "")
+        notes.append(f"waits no edge explains (the rank ran nothing on its CPU{on_gpu} and no message, collective or "
+                     f"earlier operation of the graph held it): {per_rank} over the steps replayed; they are not work "
+                     "— the replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
     ops, cyc = _order_cycles(ops)
     if cyc:
         notes.append(cyc)
@@ -499,8 +513,8 @@ def _busy_in_gaps(analysis, ops: pl.DataFrame) -> pl.DataFrame:
         return ops.with_columns(pl.lit(0, pl.Int64).alias("wait_ns"))
     cpu = ev.lazy().filter(~pl.col("is_gpu") & (pl.col("dur_ns") > 0))
     spans = [pl.col("rank"), pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end")]
-    # a GPU rank's CPU waiting for its GPU (cudaStreamSynchronize, cudaDeviceSynchronize, …) waits too: the graph
-    # holds no launch → kernel edge yet, so such a wait is one no edge explains
+    # a GPU rank's CPU waiting for its GPU (cudaStreamSynchronize, cudaDeviceSynchronize, …) waits too (an operation
+    # on the GPU's clock has its gap split again by launch → kernel: gpu_edges.split_gaps)
     syncing = names.name_test(pl.col("name"), lambda t: t.str.contains("Synchronize")).fill_null(False)
     # (and a schedule's own wait actions: the reference trainer's WAIT_F / WAIT_B spans)
     waits = (pl.col("kind").is_in(WAIT_KINDS[:-1]) | ((pl.col("kind") == "runtime") & syncing)

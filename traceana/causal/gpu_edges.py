@@ -1,0 +1,289 @@
+"""GPU ranks in the step graph (causal.graph.build): kernel time, launch → kernel and stream order (issue 32).
+
+On a GPU rank the analysis' schedule rows already span the GPU work their CPU range launched (first compute kernel's
+start to the last one's end, ``attribution.gpu_schedule_extents``: the kernels whose runtime launch, found by
+correlation id, lies in the row's CPU range), and its P2P messages are its NCCL send/receive kernels (``p2p.messages``).
+What this module adds to the graph, all on the GPU's clock:
+
+- **kernel time** (``on_gpu``): an operation's work is the union of its kernels (compute, copies, memsets: the
+  rank's GPU work that is not communication), the kernels being those running inside its extent (the latest
+  operation starting at or before a kernel's start, if the kernel starts before its end), plus the GPU's own idle
+  time between kernels it had enqueued already (under ``KERNEL_WAIT_NS``). The rest of the idle time inside the
+  extent is not work: it is part of the gap before the operation's work, split below.
+- **collectives** (``collective_filter``): a GPU rank's collectives are its NCCL collective kernels (all-reduce,
+  all-gather, …: the kind collective, the launching op's process group), not the CPU call that enqueued them: the
+  kernel waits on the GPU for every member's kernel, so the members join at the last one's start and each takes what
+  it took after that. (NCCL's batched send/receive kernels, ``SendRecv`` with no direction, join no group: which
+  peer they talk to is not in the trace, gpu.batched_p2p_notes.)
+- **launch → kernel and stream order** (``split_gaps``): the time before an operation's work on a GPU rank, from the
+  later of its previous operation's end (the stream's order: one operation at a time, in the order they ran) and its
+  inputs' arrival (a message's receive kernel, a collective's last member), is the GPU's idle time before each of
+  its kernels. Where a kernel's launch (the runtime call's start) came after the idle time began, the GPU waited
+  for its CPU to enqueue it: host work (the CPU's Python, its launches, the launch latency), which a what-if of host
+  time moves. Where the kernel had been enqueued already, the stream waited for something the graph holds no edge for
+  (another stream's work, an event): a wait no edge explains, said in the build's note — except the part of it when
+  the rank's GPU ran work of no operation (a kernel launched outside every pass: host work too).
+- **stream order between communication kernels** (``stream_order``): a send or receive kernel runs after the one
+  before it on its stream (NCCL's: one per communicator); where that one ended inside the message side's lag (its
+  producer's end, or its anchor's, to the kernel's start) and this kernel had been launched by then, the side waited
+  on that kernel's message: a chain as ``graph._after_receives`` makes for a CPU rank's post after a blocking receive,
+  so the side is posted no earlier than that message's arrival and moves with it. The rest of a lag is host work
+  where the kernel was launched after the lag began, else a wait no edge explains (LAG_WAIT). An NCCL send kernel
+  blocks its stream, not the compute after it: no blocking-send edge (``kernel_message_ranks``; gloo's, sent from
+  a GPU rank's CPU, keeps it).
+
+A CPU rank's wait in ``cudaDeviceSynchronize`` (or any call that waits for the GPU) is not in the graph at all on
+this clock: it overlaps the kernels it waits for, which are the operations' work; what the CPU did after it returned
+is the host time before the next kernel it launched. Making a kernel shorter ends such a wait sooner by as much.
+
+Not modelled: operations of one rank running at once on two streams (DualPipe's overlapped chunks): the graph runs a
+rank's operations one after another, so such an operation's start is contradicted (counted, said); a communication
+kernel queued behind a collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceana.core import intervals as iv
+from traceana.core import names
+from traceana.measure import gpu, timeline
+
+# GPU work that is an operation's own time (timeline._GPU_BUSY: what the schedule's GPU extents are made of).
+WORK_KINDS = ("compute", "memcpy", "memset")
+# Per GPU kernel of an operation (``on_gpu``): its operation (rank, step, and the operation's start ``_os`` on the
+# GPU's clock, which names it until the graph numbers the operations), its span and its launch.
+# ``_kw``: the idle time before the kernel that is its operation's own (a kernel wait: below).
+# ``_ks``: the step the kernel was launched in (the events' step; null outside every step).
+KERNELS = {"rank": pl.Int32, "step": pl.Int32, "_os": pl.Int64, "start": pl.Int64, "end": pl.Int64,
+           "launch_ns": pl.Int64, "_kw": pl.Int64, "_ks": pl.Int32}
+# Idle time shorter than gpu.KERNEL_WAIT_BELOW_NS before a kernel that was enqueued when its predecessor in the same
+# operation ended is the GPU's own time between kernels (HolisticTraceAnalysis' "kernel wait", gpu.idle_breakdown's
+# rule): part of the operation's work, not a wait; longer, or before a kernel launched late, it is split as the gap
+# is (split_gaps: the same rule as idle_breakdown's "host wait").
+KERNEL_WAIT_NS = gpu.KERNEL_WAIT_BELOW_NS
+
+
+def gpu_ranks(analysis) -> list[int]:
+    """The ranks whose traces hold GPU work (``timeline.gpu_ranks``: their busy timeline is the GPU's): their
+    operations are on the GPU's clock."""
+    ev = analysis.events
+    if ev is None or ev.height == 0:
+        return []
+    return timeline.gpu_ranks(ev)["rank"].to_list()
+
+
+def kernel_message_ranks(analysis, ranks: list[int]) -> list[int]:
+    """The GPU ranks whose P2P messages are kernels (NCCL's send and receive kernels, with a direction): a rank
+    sending with gloo from its CPU (host staging) has CPU posts and waits as messages, a CPU rank's."""
+    ev = analysis.events
+    if not ranks or ev is None:
+        return []
+    return sorted(ev.lazy().filter(pl.col("is_gpu") & pl.col("comm_dir").is_not_null() & pl.col("rank").is_in(ranks))
+                  .select(pl.col("rank").unique()).collect(**iv.COLLECT)["rank"].to_list())
+
+
+def _launch() -> pl.Expr:
+    """A GPU event's launch (its runtime call's start; null where none launched it: ``launch_ns`` is then its own
+    start)."""
+    return pl.when(pl.col("launch_ns") != pl.col("ts_ns")).then(pl.col("launch_ns")).alias("launch_ns")
+
+
+def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``ops`` (rank, step, start_ns, end_ns, work_ns, …: the schedule's rows, a GPU rank's spanning its kernels)
+    with each GPU rank's operation's work the union of the kernels that run in it — the rank's GPU work that is not
+    communication, each kernel the latest operation's starting at or before it, if it starts before that one's end
+    —, and those kernels (KERNELS; the GPU work of no operation, e.g. launched outside every pass, with ``_os``
+    null)."""
+    ev = analysis.events
+    if not ranks or ev is None:
+        return ops, pl.DataFrame(schema=KERNELS)
+    work = (ev.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0)
+                             & pl.col("kind").is_in(WORK_KINDS) & pl.col("rank").is_in(ranks))
+            .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
+                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch(), pl.col("step").alias("_ks"))
+            .sort("start").collect(**iv.COLLECT))
+    if work.height == 0:
+        return ops, pl.DataFrame(schema=KERNELS)
+    # the operations on the GPU's clock: those whose span begins with a kernel's start and ends with one's end (an
+    # operation that launched no kernel keeps its CPU span, and claims none)
+    kstart = work.select("rank", pl.col("start").alias("start_ns")).unique()
+    kend = work.select("rank", pl.col("end").alias("end_ns")).unique()
+    starts = (ops.filter(pl.col("rank").is_in(ranks)).join(kstart, on=["rank", "start_ns"], how="semi")
+              .join(kend, on=["rank", "end_ns"], how="semi")
+              .select("rank", "step", pl.col("start_ns").alias("_os"), pl.col("end_ns").alias("_oe")).sort("_os"))
+    work = (work.join_asof(starts, left_on="start", right_on="_os", by="rank", strategy="backward",
+                           check_sortedness=False)
+            .with_columns(pl.when(pl.col("start") < pl.col("_oe")).then(pl.col(c)).alias(c) for c in ("step", "_os"))
+            .with_columns(pl.when(pl.col("_os").is_not_null()).then(pl.min_horizontal("end", "_oe"))
+                          .otherwise("end").alias("end"))  # (a kernel running past its operation's end: its part)
+            .sort("rank", "step", "_os", "start")
+            .with_columns(pl.col("end").cum_max().shift(1).over("rank", "step", "_os").alias("_prev"))
+            .with_columns(pl.when(pl.col("_os").is_not_null() & (pl.col("start") > pl.col("_prev"))
+                                  & (pl.col("start") - pl.col("_prev") < KERNEL_WAIT_NS)
+                                  & (pl.col("launch_ns").is_null() | (pl.col("launch_ns") <= pl.col("_prev"))))
+                          .then(pl.col("start") - pl.col("_prev")).otherwise(0).alias("_kw"))
+            .select(list(KERNELS)).cast(KERNELS))
+    own = work.filter(pl.col("_os").is_not_null())
+    union = (iv.merge(own.select("rank", "step", "_os", "start", "end"), ["rank", "step", "_os"])
+             .group_by("rank", "step", "_os").agg((pl.col("end") - pl.col("start")).sum().alias("_u"))
+             .join(own.group_by("rank", "step", "_os").agg(pl.col("_kw").sum()), on=["rank", "step", "_os"])
+             .with_columns(pl.col("_u") + pl.col("_kw")))
+    ops = (ops.join(union, left_on=["rank", "step", "start_ns"], right_on=["rank", "step", "_os"], how="left",
+                    maintain_order="left")
+           .with_columns(pl.coalesce("_u", "work_ns").alias("work_ns")).drop("_u", "_kw"))
+    return ops, work.sort("rank", "start")
+
+
+def collective_filter(ranks: list[int]) -> pl.Expr:
+    """Which collective events are a rank's collectives (``graph._collectives``' filter): a CPU rank's calls, a GPU
+    rank's collective kernels — the kernel waits on the GPU for every member's, so the members join at the last
+    one's start — but not NCCL's batched send/receive kernels (``SendRecv`` without a direction: which peer they
+    talk to is not in the trace, ``gpu.batched_p2p_notes``), which join no group."""
+    on_gpu_rank = pl.col("rank").is_in(ranks)
+    batched = names.name_test(pl.col("name"), lambda t: t.str.contains("(?i)sendrecv")).fill_null(False)
+    return (pl.col("kind") == "collective") & pl.when(on_gpu_rank).then(pl.col("is_gpu") & ~batched) \
+        .otherwise(~pl.col("is_gpu"))
+
+
+def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int], *, time_inside) -> pl.DataFrame:
+    """The GPU ranks' operations' gaps split into host work (``gap_ns``) and a wait no edge explains (``wait_ns``)
+    by launch → kernel (module docstring): ``ops``, the graph's operations numbered (``seq``) with their whole gap
+    in ``gap_ns`` + ``wait_ns`` (``graph._gaps``, ``graph._busy_in_gaps``); ``work``, ``on_gpu``'s kernels. A GPU
+    rank's operation whose kernels are unknown (it launched none: on the CPU's clock) keeps its split.
+    ``time_inside``: graph._time_inside (the time of non-overlapping intervals inside windows, by as-of joins)."""
+    keys = ["rank", "step", "seq"]
+    total = pl.col("gap_ns") + pl.col("wait_ns")
+    mine = ops.filter(pl.col("rank").is_in(ranks) & (total > 0))
+    if mine.height == 0 or not ranks:
+        return ops
+    # each operation's kernels: a pass's (``work``), a collective's own kernel (its span, its launch)
+    passes = (work.filter(pl.col("_os").is_not_null())
+              .join(mine.filter(pl.col("group").is_null()).select("rank", "step", pl.col("start_ns").alias("_os"),
+                                                                   "seq"), on=["rank", "step", "_os"])
+              .select(*keys, "start", "end", "launch_ns", "_kw"))
+    launches = (analysis.events.lazy().filter(pl.col("is_gpu") & (pl.col("kind") == "collective")
+                                              & pl.col("rank").is_in(ranks))
+                .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start_ns"), _launch())
+                .collect(**iv.COLLECT).unique(["rank", "start_ns"]))
+    colls = (mine.filter(pl.col("group").is_not_null())
+             .join(launches, on=["rank", "start_ns"], how="left")
+             .select(*keys, pl.col("start_ns").alias("start"), pl.col("end_ns").alias("end"), "launch_ns",
+                     pl.lit(0, pl.Int64).alias("_kw")))
+    # the gap lies before the operation's work: from (its working start − the gap) — the later of its previous
+    # operation's end and its inputs' arrival —, then between its kernels (idle inside its extent)
+    w0 = (pl.when(pl.col("group").is_not_null()).then("start_ns")
+          .otherwise(pl.col("end_ns") - pl.col("work_ns")) - total).alias("_w0")
+    k = (pl.concat([passes, colls]).join(mine.select(*keys, w0), on=keys)
+         .sort(*keys, "start")
+         .with_columns(pl.col("end").cum_max().shift(1).over(keys).alias("_before"))
+         .with_columns(pl.max_horizontal("_w0", "_before").alias("_a"))
+         .with_columns((pl.col("start") - pl.col("_a") - pl.col("_kw")).clip(lower_bound=0).alias("_idle")))
+    # Each stretch before a kernel: the time in it the rank's GPU ran other work — work of no operation (a kernel
+    # launched outside every pass: host work), or another operation's (the previous step's still running when this
+    # step began, the CPU ahead across the step's start; an operation on another stream): a wait, as a late start
+    # is —, and the time it ran nothing: host work where the kernel was launched after the GPU fell idle (it waited
+    # for its CPU), else a wait no edge explains (enqueued: it waited for what the graph holds no edge for)
+    stretches = (k.filter((pl.col("_kw") == 0) & (pl.col("start") > pl.col("_a")))
+                 .select(*keys, "launch_ns", pl.col("_a").alias("start"), pl.col("start").alias("end"))
+                 .with_row_index("_k"))
+    if stretches.height == 0:
+        host = k.group_by(keys).agg(pl.lit(0, pl.Int64).alias("_host"))
+    else:
+        spans = work.select("rank", "start", "end")
+        busy_all = iv.merge(spans, "rank")
+        # (work of no operation launched in a step not in the graph — the warm-up step before it — is that step's)
+        steps = ops["step"].unique().implode()
+        busy_free = iv.merge(work.filter(pl.col("_os").is_null() & (pl.col("_ks").is_null()
+                                                                    | pl.col("_ks").is_in(steps)))
+                             .select("rank", "start", "end"), "rank")
+        windows = stretches.select("rank", "_k", "start", "end")
+        covered = time_inside(busy_all, windows, "_k").rename({"_inside": "_all"})
+        free = (time_inside(busy_free, windows, "_k").rename({"_inside": "_free"}) if busy_free.height
+                else pl.DataFrame(schema={"_k": pl.UInt32, "_free": pl.Int64}))
+        # when the GPU last fell idle in the stretch: the end of the last work that began before the kernel
+        last = (stretches.select("_k", "rank", pl.col("end").alias("_t")).sort("_t")
+                .join_asof(busy_all.select("rank", pl.col("start").alias("_bs"), pl.col("end").alias("_be"))
+                           .sort("_bs"), left_on="_t", right_on="_bs", by="rank", strategy="backward",
+                           allow_exact_matches=False, check_sortedness=False)
+                .select("_k", pl.when(pl.col("_be").is_not_null()).then(pl.min_horizontal("_be", "_t"))
+                        .alias("_last")))
+        st = (stretches.join(covered, on="_k", how="left").join(free, on="_k", how="left").join(last, on="_k",
+                                                                                                 how="left")
+              .with_columns(pl.col("_all", "_free").fill_null(0))
+              .with_columns((pl.col("end") - pl.col("start") - pl.col("_all")).clip(lower_bound=0).alias("_idle"),
+                            pl.max_horizontal("start", pl.col("_last").fill_null(pl.col("start"))).alias("_fell")))
+        late = pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") > pl.col("_fell"))
+        host = st.group_by(keys).agg((pl.col("_free") + pl.when(late).then("_idle").otherwise(0)).sum()
+                                     .alias("_host"))
+    host = k.select(keys).unique().join(host, on=keys, how="left").with_columns(pl.col("_host").fill_null(0))
+    return (ops.join(host, on=keys, how="left", maintain_order="left")
+            .with_columns(pl.when(pl.col("_host").is_not_null()).then(pl.min_horizontal("_host", total))
+                          .otherwise("gap_ns").alias("_h"))
+            .with_columns(pl.when(pl.col("_host").is_not_null()).then(total - pl.col("_h")).otherwise("wait_ns")
+                          .alias("wait_ns"), pl.col("_h").alias("gap_ns"))
+            .drop("_host", "_h"))
+
+
+def stream_order(analysis, arr: pl.DataFrame, ranks: list[int], after_receive: pl.DataFrame | None,
+                 lag_wait: pl.DataFrame | None, *, after_schema: dict, wait_schema: dict, slack_ns: int
+                 ) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
+    """A GPU rank's message sides in the order of their stream (``graph._after_receives``' AFTER_RECEIVE rows and
+    ``graph._lag_waits``' LAG_WAIT rows, the GPU ranks' sides made again by the GPU's rules; the CPU ranks' are kept).
+
+    ``arr``: the step's messages with their index (``edge``), modelled arrival (``_arrive``), producer's end (``_pe``),
+    anchor's end (``_ae``, else the step's start ``_w``) and their kernels' spans (send_start_ns …, recv_end_ns). A
+    send or receive kernel runs after the one before it on its stream (NCCL's: one per communicator): where that one
+    ended inside this side's lag and this kernel had been launched by then, the side waited on that kernel's message
+    (posted no earlier than its arrival: the chain ``_after_receives`` makes for a post after a receive that blocked
+    a CPU rank; a send kernel is through when its message arrived). The rest of the lag, from its start (or the
+    awaited arrival) to the kernel's start, is host work where the kernel was launched after it began (the CPU enqueued
+    it late), else a wait no edge explains (enqueued, the stream idle: launch → kernel, as ``split_gaps``).
+    ``slack_ns``: graph.ARRIVAL_SLACK_NS."""
+    ev = analysis.events
+    if not ranks or ev is None or arr.height == 0:
+        return after_receive, lag_wait
+    comm = (ev.lazy().filter(pl.col("is_gpu") & pl.col("comm_dir").is_not_null() & pl.col("rank").is_in(ranks))
+            .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("_t"), pl.col("stream").alias("_stream"),
+                    _launch()).collect(**iv.COLLECT).unique(["rank", "_t"], keep="first"))
+    if comm.height == 0:
+        return after_receive, lag_wait
+    sides = pl.concat([
+        arr.select("step", pl.col("src").alias("rank"), "edge", pl.lit("send").alias("side"),
+                   pl.col("_pe").alias("_ref"), pl.col("send_start_ns").alias("_t"),
+                   pl.coalesce("send_end_ns", "_arrive").alias("_end"), "_arrive"),
+        arr.select("step", pl.col("dst").alias("rank"), "edge", pl.lit("post").alias("side"),
+                   pl.coalesce("_ae", "_w").alias("_ref"), pl.col("recv_post_ns").alias("_t"),
+                   pl.col("recv_end_ns").alias("_end"), "_arrive"),
+    ]).join(comm, on=["rank", "_t"])
+    if sides.height == 0:
+        return after_receive, lag_wait
+    by = ["rank", "step", "_stream"]
+    sides = (sides.sort(*by, "_t")
+             .with_columns(pl.col(c).shift(1).over(by).alias(f"_p{c}") for c in ("edge", "_t", "_end", "_arrive")))
+    # the kernel before it on its stream ended inside the lag, with this one launched already: it waited on it
+    queued = (pl.col("_pedge").is_not_null() & (pl.col("_p_end") > pl.col("_ref"))
+              & pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") <= pl.col("_p_end"))
+              & (pl.col("_p_arrive") <= pl.col("_t") + slack_ns))
+    sides = sides.with_columns(
+        pl.when(queued).then(pl.col("_p_arrive") - pl.max_horizontal("_p_t", "_ref")).alias("blocked_ns"),
+        pl.when(queued).then((pl.col("_t") - pl.col("_p_arrive")).clip(lower_bound=0)).alias("lag_ns"))
+    chained = sides.filter(pl.col("blocked_ns") > slack_ns)
+    # the rest of the lag: from its start (or the awaited arrival) to the kernel's start
+    sides = (sides.join(chained.select("step", "edge", "side", pl.lit(True).alias("_chained")),
+                        on=["step", "edge", "side"], how="left")
+             .with_columns(pl.when(pl.col("_chained").fill_null(False)).then(pl.col("_t") - pl.col("lag_ns"))
+                           .otherwise("_ref").alias("_from"))
+             .with_columns(pl.when(pl.col("launch_ns").is_not_null() & (pl.col("launch_ns") <= pl.col("_from")))
+                           .then((pl.col("_t") - pl.col("_from")).clip(lower_bound=0)).otherwise(0)
+                           .alias("wait_ns")))
+    mine = sides.select("step", "edge", "side")
+
+    def replaced(frame: pl.DataFrame | None, new: pl.DataFrame, schema: dict) -> pl.DataFrame | None:
+        kept = (frame.join(mine, on=["step", "edge", "side"], how="anti") if frame is not None
+                else pl.DataFrame(schema=schema))
+        out = pl.concat([kept, new.select(list(schema)).cast(schema)]).sort("step", "edge", "side")
+        return out if out.height else None
+
+    return (replaced(after_receive, chained.rename({"_pedge": "via"}), after_schema),
+            replaced(lag_wait, sides.filter(pl.col("wait_ns") > 0), wait_schema))
