@@ -1017,8 +1017,9 @@ def _engine_measured(g: StepGraph) -> list[list[int]]:
 # few ms, without importing numpy); above it, all variants at once.
 BATCH_FROM_OPS = 2_000
 # replay_variants' durations held at once per kind (variants × operations): 64 variants of a 4,096-rank step (270,336
-# operations) held ~1.3 GB of matrices and their frames; at this many, 29 variants (the diagnosis' 26 in one chunk)
-VARIANT_CELLS = 8_000_000
+# operations) held ~1.3 GB of matrices and their frames; at 8 M (29 variants) the diagnosis' what-if peaked there
+# at ~600 MB over the graph; at this many, 7 variants a chunk (docs/performance.md "Thousands of small ranks")
+VARIANT_CELLS = 2_000_000
 
 
 def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
@@ -1051,14 +1052,21 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     # (variants a chunk: at most VARIANT_CELLS durations of each kind at once, the matrices' memory bounded on big
     # graphs; each variant's column is evaluated alone, so the chunks do not change a result)
     chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
-    o, e = _in_plan_order(ops, edges)
+    o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
+
+    def used(frame: pl.DataFrame, exprs: list[pl.Expr], keys: list[str]) -> pl.DataFrame:
+        """(only the columns the variants read are sorted and held: a 4,096-rank what-if's ops carry ~40)"""
+        need = set(keys).union(*(x.meta.root_names() for x in exprs))
+        return frame.select([c for c in frame.columns if c in need])
+
+    o, e = _in_plan_order(used(ops, [x for w, gp, _ in variants for x in (w, gp)], o_keys),
+                          used(edges, [t for _, _, t in variants], e_keys))
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     # The run-time invariants (one semantics), on every call: the first chunk also evaluates the graph's own
     # durations, which must give the engine's replay of them (replay_steps_ns), every rank to the nanosecond, and
     # those durations all doubled, which must give twice that (_check_measured); else a bug, said as one. The
     # variants' frames must be the graph's rows (the levels index them): said as a bug too.
-    g_o, g_e = _in_plan_order(g.ops, g.edges)
-    o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
+    g_o, g_e = _in_plan_order(g.ops.select(*o_keys, "work_ns", "gap_ns"), g.edges.select(*e_keys, "transfer_ns"))
     if not (o.select(o_keys).equals(g_o.select(o_keys)) and e.select(e_keys).equals(g_e.select(e_keys))):
         raise EngineMismatch(f"replay_variants was given {ops.height:,} operations and {edges.height:,} messages that "
                              f"are not the graph's ({g.ops.height:,}, {g.edges.height:,}): the variants' frames must "
@@ -1389,7 +1397,8 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
     # next operation
     plan = _plan(g, step)
-    t_meas = _in_plan_order(own, edges)[1]["transfer_ns"].cast(pl.Float64).to_list()
+    t_meas = (_in_plan_order(own.select("step", "rank", "seq"), edges.select("step", *_EDGE_ORDER, "transfer_ns"))[1]  # (edges only)
+              ["transfer_ns"].cast(pl.Float64).to_list())
     terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
     held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])
     for consumer, j in held:

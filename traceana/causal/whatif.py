@@ -123,6 +123,37 @@ def parse_set(text: str) -> Change:
     return Change(who, who_id, m.group(1), "scale" if scale else "set", value, text)
 
 
+def median_of_others(frame: pl.LazyFrame, key: list[str], who: str, col: str, out: str) -> pl.LazyFrame:
+    """Per row of ``frame`` (one a (key, who)): the median of ``col`` over the other rows of its key (``out``), beside
+    ``col``; null where no other row has a value. Without the self-join (n² rows a key, 512² at 4,096 ranks): with a
+    key's n values sorted, removing the one at position p leaves a median that depends only on where p lies against
+    the middle (before it, in it, after it), so each key's three medians of n - 1 values are taken by polars' own
+    median (the same arithmetic as over the others' rows) and each row reads the one of its position. A row whose
+    value is null removes nothing (the median of all n)."""
+    frame = frame.collect(**iv.COLLECT).lazy()  # read twice (common-subplan elimination is off: iv.COLLECT)
+    ranked = frame.with_columns((pl.col(col).rank("ordinal").over(key) - 1)
+                                .cast(pl.Int64).alias("_p"))
+    v = pl.col("_v")
+    n = v.list.len().cast(pl.Int64)
+    k = n - 1  # the others' count of a row with a value; lo, hi: their middle positions
+    lo, hi = (k - 1) // 2, k // 2
+    per_key = (frame.group_by(key).agg(pl.col(col).drop_nulls().sort().alias("_v"))
+               .with_columns(v.list.median().alias("_all"),                          # nothing removed
+                             v.list.slice(1).list.median().alias("_before"),          # p <= lo: the first removed
+                             pl.concat_list(v.list.slice(0, hi), v.list.slice(hi + 1))  # lo < p <= hi
+                             .list.median().alias("_in"),
+                             v.list.slice(0, k.clip(0)).list.median().alias("_after"),       # p > hi: the last removed
+                             lo.alias("_lo"), hi.alias("_hi"))
+               .drop("_v"))
+    p = pl.col("_p")
+    return (ranked.join(per_key, on=key, how="left", nulls_equal=True, maintain_order="left")
+            .with_columns(pl.when(p.is_null()).then(pl.col("_all"))
+                          .when(p <= pl.col("_lo")).then(pl.col("_before"))
+                          .when(p <= pl.col("_hi")).then(pl.col("_in"))
+                          .otherwise(pl.col("_after")).alias(out))
+            .drop("_p", "_all", "_before", "_in", "_after", "_lo", "_hi"))
+
+
 def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The graph's ops and edges with the ideal columns (module docstring): the study's pub_work / pub_gap; ours
     ideal_work / ideal_gap (all peers of the stage), peer_work / peer_gap (peers without the op's rank), stage_work
@@ -154,16 +185,13 @@ def _ideals(g: StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
     # peers without the op's rank: per (key, rank) the others' values; a rank alone is its own peer
     for col, key, out in (("work_ns", work_key, "peer_work"), ("gap_ns", gap_key, "peer_gap")):
         own = ops.group_by(*key, "rank").agg(pl.col(col).median().alias("_own"))
-        others = (own.join(own, on=key, suffix="_o", nulls_equal=True).filter(pl.col("rank") != pl.col("rank_o"))
-                  .group_by(*key, "rank").agg(pl.col("_own_o").median().alias(out)))
-        ops = (ops.join(others, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
-               .join(own, on=[*key, "rank"], how="left", nulls_equal=True, maintain_order="left")
+        ops = (ops.join(median_of_others(own, key, "rank", "_own", out), on=[*key, "rank"], how="left",
+                        nulls_equal=True, maintain_order="left")
                .with_columns(pl.coalesce(out, "_own").alias(out)).drop("_own")).collect(**iv.COLLECT).lazy()
     # a stage at the other stages' speed: the median of the other stages' medians of the same pass
     med = (ops.filter(pl.col("action").is_in(PASS_ACTIONS) & pl.col("stage").is_not_null())
-           .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m"))).collect(**iv.COLLECT).lazy()
-    other = (med.join(med, on="action", suffix="_o").filter(pl.col("stage") != pl.col("stage_o"))
-             .group_by("action", "stage").agg(pl.col("_m_o").median().alias("stage_work")))
+           .group_by("action", "stage").agg(pl.col("work_ns").median().alias("_m")))
+    other = median_of_others(med, ["action"], "stage", "_m", "stage_work").select("action", "stage", "stage_work")
     ops = ops.join(other, on=["action", "stage"], how="left", nulls_equal=True, maintain_order="left").with_columns(
         pl.coalesce("stage_work", "peer_work").alias("stage_work")).collect(**iv.COLLECT)
     edges = g.edges.with_columns(pl.col("transfer_ns").median().over("channel").alias("ideal_transfer"))
