@@ -1,7 +1,7 @@
 """The what-if at scale: a synthetic measured step of pp × dp ranks (default pp=8 × dp=128 = 1,024 ranks, 1F1B,
 m=32) as traceana.causal.graph's frames, replayed on the scheduler's engine, its critical path, and the summary's
 what-if (everything ideal, the 8 candidate ranks and replicas and every stage made ideal). Prints wall time and peak
-memory of each part; the what-if both batched (graph.replay_variants) and, as the baseline measured in the same run,
+memory of each part; the what-if both batched (replay.replay_variants) and, as the baseline measured in the same run,
 with one engine replay per variant (as before it), each in a child process (its own peak RSS), with their ratios and
 whether their results are identical. Asserts nothing (benchmarks are not tests).
 
@@ -28,7 +28,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from traceana.causal import graph  # noqa: E402
+from traceana.causal import critical_path, graph, replay  # noqa: E402
 from traceana.causal.whatif import whatif  # noqa: E402
 from traceana.core.pipeline_rules import device_order  # noqa: E402
 
@@ -71,17 +71,17 @@ def synthetic(pp: int, dp: int, m: int, seed: int = 0) -> graph.StepGraph:
 
 def with_windows(g: graph.StepGraph) -> graph.StepGraph:
     """The "measured" step windows: where the replay ends each rank (a measured graph has them from the trace)."""
-    ends = graph.replay(g, 0).ranks.select("rank", pl.col("end_ns").alias("_e"))
+    ends = replay.replay(g, 0).ranks.select("rank", pl.col("end_ns").alias("_e"))
     ranks = g.ranks.join(ends, on="rank").with_columns(pl.col("_e").alias("end_ns")).drop("_e")
     return graph.StepGraph(ops=g.ops, edges=g.edges, ranks=ranks, steps=(0,))
 
 
 def _engine_per_variant(g, ops, edges, variants, **_):
     """The baseline: every variant on the engine itself, one replay each (what the what-if did before
-    graph.replay_variants)."""
+    replay.replay_variants)."""
     from traceana.causal.whatif import materialize
 
-    return [graph.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
+    return [replay.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
 
 
 PARTS = ("batched", "baseline", "full")
@@ -136,12 +136,12 @@ def main() -> None:
     print(f"graph: {args.pp * args.dp:,} ranks, {g.ops.height:,} operations, {g.edges.height:,} messages, built in "
           f"{t_build:.2f} s; peak RSS {peak_mib():,.0f} MiB")
     t = time.perf_counter()
-    r = graph.replay(g, 0)
+    r = replay.replay(g, 0)
     t_replay = time.perf_counter() - t
     g = with_windows(g)
     print(f"replay: step {r.step_ns / MS:,.1f} ms in {t_replay:.2f} s wall; peak RSS {peak_mib():,.0f} MiB")
     t = time.perf_counter()
-    path, slack = graph.critical_path(g, r)
+    path, slack = critical_path.critical_path(g, r)
     print(f"critical path: {path.height} pieces, {path['ms'].sum():,.1f} ms, in {time.perf_counter() - t:.2f} s; "
           f"peak RSS {peak_mib():,.0f} MiB")
     print("what-ifs, each in a child process (peak RSS: the child's, its graph built before the what-if included):")

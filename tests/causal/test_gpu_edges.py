@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceana.causal import graph
+from traceana.causal import graph, replay
 from traceana.causal.whatif import _ideals, changed, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
@@ -74,13 +74,13 @@ def replayed_us(g: graph.StepGraph, sets: list[str]) -> float:
     """The step replayed with ``sets`` (µs), on the engine and on the batched evaluator (which must agree)."""
     ops, edges = _ideals(g)
     v = changed(ops, [parse_set(s) for s in sets])
-    engine = graph.replay_steps_ns(g, ops=ops.with_columns(v[0].alias("work_ns"), v[1].alias("gap_ns")),
+    engine = replay.replay_steps_ns(g, ops=ops.with_columns(v[0].alias("work_ns"), v[1].alias("gap_ns")),
                                    edges=edges.with_columns(v[2].alias("transfer_ns")))
-    old, graph.BATCH_FROM_OPS = graph.BATCH_FROM_OPS, 0
+    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
     try:
-        assert graph.replay_variants(g, ops, edges, [v])[0] == engine
+        assert replay.replay_variants(g, ops, edges, [v])[0] == engine
     finally:
-        graph.BATCH_FROM_OPS = old
+        replay.BATCH_FROM_OPS = old
     (step,) = engine
     return step / US
 
@@ -204,7 +204,7 @@ def test_the_synthetic_gpu_pipeline_has_no_wait_that_no_edge_explains(synthetic)
     assert not [n for n in g.notes if n.startswith("waits no edge explains")]
     assert g.consistent[0] == g.consistent[1]
     ops, edges = _ideals(g)
-    zeroed = graph.replay_variants(g, ops, edges, [changed(ops, [parse_set(s) for s in ZERO])])[0]
+    zeroed = replay.replay_variants(g, ops, edges, [changed(ops, [parse_set(s) for s in ZERO])])[0]
     assert zeroed == [0] * len(g.steps)
 
 
@@ -375,6 +375,6 @@ def test_the_previous_steps_kernels_still_running_are_a_wait_not_host_work(tmp_p
     (note,) = [n for n in g.notes if n.startswith("waits no edge explains")]
     assert "rank 0 0.100 ms" in note
     ops, edges = _ideals(g)
-    steps = dict(zip(g.steps, graph.replay_steps_ns(g)))
-    zero_host = dict(zip(g.steps, graph.replay_steps_ns(g, ops=ops.with_columns(pl.lit(0, pl.Int64).alias("gap_ns")))))
+    steps = dict(zip(g.steps, replay.replay_steps_ns(g)))
+    zero_host = dict(zip(g.steps, replay.replay_steps_ns(g, ops=ops.with_columns(pl.lit(0, pl.Int64).alias("gap_ns")))))
     assert steps[1] == zero_host[1] == 900 * US

@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceana.causal import graph
+from traceana.causal import critical_path, graph, replay
 from traceana.causal.whatif import _ideals, changed, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
@@ -56,13 +56,13 @@ def replayed_ms(g: graph.StepGraph, changes: list[str]) -> list[float]:
     """The step replayed with ``changes``, on the engine and on the batched evaluator (which must agree)."""
     ops, edges = with_ideals(g)
     variant = changed(ops, [parse_set(c) for c in changes])
-    engine = graph.replay_steps_ns(g, ops=ops.with_columns(variant[0].alias("work_ns"), variant[1].alias("gap_ns")),
+    engine = replay.replay_steps_ns(g, ops=ops.with_columns(variant[0].alias("work_ns"), variant[1].alias("gap_ns")),
                                    edges=edges.with_columns(variant[2].alias("transfer_ns")))
-    old, graph.BATCH_FROM_OPS = graph.BATCH_FROM_OPS, 0
+    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
     try:
-        batched = graph.replay_variants(g, ops, edges, [variant])[0]
+        batched = replay.replay_variants(g, ops, edges, [variant])[0]
     finally:
-        graph.BATCH_FROM_OPS = old
+        replay.BATCH_FROM_OPS = old
     assert batched == engine
     return [x / MS for x in engine]
 
@@ -100,15 +100,15 @@ def test_a_ranks_host_ratio_is_over_the_run_not_one_step():
     e = pl.concat([one.edges, one.edges.with_columns(step=pl.lit(1, dtype=one.edges["step"].dtype))])
     rk = pl.concat([one.ranks, one.ranks.with_columns(step=pl.lit(1, dtype=one.ranks["step"].dtype))])
     g = graph.StepGraph(ops=o, edges=e, ranks=rk, steps=(0, 1))
-    assert graph.replay_steps_ns(g) == [27 * MS, 27 * MS]
+    assert replay.replay_steps_ns(g) == [27 * MS, 27 * MS]
     gap = pl.when((pl.col("rank") == 0) & (pl.col("seq") == 1)).then(MS).otherwise(pl.col("gap_ns"))
     want = round(25 * MS + 2 * MS * 2 / 2.1)
-    assert graph.replay_steps_ns(g, ops=o.with_columns(gap_ns=gap)) == [want, want]
-    old, graph.BATCH_FROM_OPS = graph.BATCH_FROM_OPS, 0
+    assert replay.replay_steps_ns(g, ops=o.with_columns(gap_ns=gap)) == [want, want]
+    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
     try:
-        assert graph.replay_variants(g, o, e, [(pl.col("work_ns"), gap, pl.col("transfer_ns"))]) == [[want, want]]
+        assert replay.replay_variants(g, o, e, [(pl.col("work_ns"), gap, pl.col("transfer_ns"))]) == [[want, want]]
     finally:
-        graph.BATCH_FROM_OPS = old
+        replay.BATCH_FROM_OPS = old
 
 
 def test_a_late_start_shrinks_with_the_step():
@@ -129,12 +129,12 @@ def test_a_blocking_send_holds_its_sender_until_the_message_is_through():
              [(0, 0, 1, 1, 0, 0, 0, 1)])
     g = graph.StepGraph(ops=g.ops, edges=g.edges, ranks=g.ranks, steps=g.steps,
                         blocking=pl.DataFrame([(0, 0, 0, 1)], schema=graph.BLOCKING, orient="row"))
-    r = graph.replay(g, 0)
+    r = replay.replay(g, 0)
     got = {(a, b): (s / MS, e / MS) for a, b, s, e in r.ops.select("rank", "seq", "start_ns", "end_ns").iter_rows()}
     assert got[(0, 1)] == (21, 31) and got[(1, 1)] == (21, 31)
     assert replayed_ms(g, []) == [31]
     assert replayed_ms(g, ["backward*0.5"]) == [21]
-    path, _ = graph.critical_path(g, r)
+    path, _ = critical_path.critical_path(g, r)
     assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
 
 
@@ -159,10 +159,10 @@ def test_a_send_posted_after_a_blocking_receive_waits_on_that_receives_message()
     assert replayed_ms(g, []) == [83]
     assert replayed_ms(g, ["stage=1:forward=10"]) == [43]
     assert replayed_ms(g, [c.text for c in ZERO]) == [0]
-    r = graph.replay(g, 0)
+    r = replay.replay(g, 0)
     got = {(a, b): (s / MS, e / MS) for a, b, s, e in r.ops.select("rank", "seq", "start_ns", "end_ns").iter_rows()}
     assert got[(1, 2)] == (53, 83) and got[(0, 2)] == (52, 62)
-    path, slack = graph.critical_path(g, r)
+    path, slack = critical_path.critical_path(g, r)
     assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
     assert slack["slack_ns"].min() >= 0
 
@@ -170,7 +170,7 @@ def test_a_send_posted_after_a_blocking_receive_waits_on_that_receives_message()
 def _zeroed_share(a) -> float:
     g = graph.build(a)
     ops, edges = _ideals(g)
-    zeroed = graph.replay_variants(g, ops, edges, [changed(ops, ZERO)])[0]
+    zeroed = replay.replay_variants(g, ops, edges, [changed(ops, ZERO)])[0]
     measured = (g.ranks.group_by("step").agg((pl.col("end_ns") - pl.col("start_ns")).max()).sort("step")
                 ["end_ns"].to_list())
     return max(z / m for z, m in zip(zeroed, measured))
@@ -199,7 +199,7 @@ def _copy(src: Path, dst: Path, edit) -> Path:
 
 
 def _replayed(run: Path) -> list[int]:
-    return graph.replay_steps_ns(graph.build(load_and_analyze(str(run), cache=False)))
+    return replay.replay_steps_ns(graph.build(load_and_analyze(str(run), cache=False)))
 
 
 @pytest.mark.filterwarnings("ignore:.*ProfilerStep spans overlap")
@@ -218,8 +218,8 @@ def test_the_replay_does_not_read_the_profilerstep_end(tmp_path):
 def test_the_critical_path_spans_the_step_printed_beside_it(run):
     g = graph.build(load_and_analyze(str(DATA / run), cache=False))
     for step in g.steps:
-        r = graph.replay(g, step)
-        path, _ = graph.critical_path(g, r)
+        r = replay.replay(g, step)
+        path, _ = critical_path.critical_path(g, r)
         assert int((path["end_ns"] - path["start_ns"]).sum()) == r.step_ns
 
 
@@ -243,7 +243,7 @@ def test_messages_without_peers_pair_as_the_peers_traces_say(tmp_path, run):
     assert gb.edges.height == ga.edges.height > 0
     assert gb.edges.select(cols).sort(cols).equals(ga.edges.select(cols).sort(cols))
     assert any("name no peer" in n for n in gb.notes) and not any("no counterpart" in n for n in gb.notes)
-    assert graph.replay_steps_ns(gb) == graph.replay_steps_ns(ga)
+    assert replay.replay_steps_ns(gb) == replay.replay_steps_ns(ga)
 
 
 def test_messages_without_a_counterpart_are_said(tmp_path):
@@ -295,11 +295,11 @@ def test_the_batched_replay_is_the_engines_on_a_graph_of_ten_thousand_operations
         (pl.col("work_ns"), pl.when(pl.col("rank") == 5).then(pl.col("gap_ns") * 2).otherwise("gap_ns"),
          pl.col("transfer_ns")),
     ]
-    batched = graph.replay_variants(g, ops, g.edges, variants)
-    engine = [graph.replay_steps_ns(g, ops=ops.with_columns(w.alias("work_ns"), gp.alias("gap_ns")),
+    batched = replay.replay_variants(g, ops, g.edges, variants)
+    engine = [replay.replay_steps_ns(g, ops=ops.with_columns(w.alias("work_ns"), gp.alias("gap_ns")),
                                     edges=g.edges.with_columns(t.alias("transfer_ns"))) for w, gp, t in variants]
     assert batched == engine
-    assert batched[0][0] > graph.replay_steps_ns(g)[0] > batched[1][0]
+    assert batched[0][0] > replay.replay_steps_ns(g)[0] > batched[1][0]
 
 
 def test_a_single_pipeline_without_peers_gets_no_invented_replicas(tmp_path):

@@ -1,5 +1,5 @@
-"""One engine (issue 34, Build 2): the batched evaluator (graph.replay_variants) gives the engine's step
-(graph.replay_steps_ns: causal.scheduler.run_schedule) to the nanosecond on graphs of more than 10^4 operations built
+"""One engine (issue 34, Build 2): the batched evaluator (replay.replay_variants) gives the engine's step
+(replay.replay_steps_ns: causal.scheduler.run_schedule) to the nanosecond on graphs of more than 10^4 operations built
 from traces — a synthetic GPU pipeline written as Kineto writes it (tests/benchmarks/gen_big_trace.py: annotated
 passes, NCCL send/recv launches between neighbouring stages, a data-parallel all-reduce of every rank, the optimizer),
 read, analysed and made a graph by the same code as a real run's — on the variants a what-if replays: a stage slowed,
@@ -19,7 +19,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceana.causal import graph
+from traceana.causal import graph, replay
 from traceana.causal.whatif import _ideals, all_ideal_except, changed, materialize, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
@@ -61,12 +61,12 @@ def test_the_batched_evaluator_is_the_engine_on_traces_of_ten_thousand_operation
     ops, edges = _ideals(g)
     variants = [changed(ops, [parse_set(s) for s in sets]) for sets in SETS]
     variants += [all_ideal_except("stage", 1, None, peers=True), all_ideal_except(None, None, "p2p")]
-    assert ops.height >= graph.BATCH_FROM_OPS
-    batched = graph.replay_variants(g, ops, edges, variants, chunk=4)  # (several chunks)
-    assert all(graph._levels(g, step) is not None for step in g.steps)  # (batched: not the engine's fallback)
-    engine = [graph.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
+    assert ops.height >= replay.BATCH_FROM_OPS
+    batched = replay.replay_variants(g, ops, edges, variants, chunk=4)  # (several chunks)
+    assert all(replay._levels(g, step) is not None for step in g.steps)  # (batched: not the engine's fallback)
+    engine = [replay.replay_steps_ns(g, ops=o, edges=e) for o, e in (materialize(ops, edges, v) for v in variants)]
     assert batched == engine
-    measured = graph.replay_steps_ns(g)
+    measured = replay.replay_steps_ns(g)
     # the variants move the step the way they say (not a check of the two against each other, which is above)
     slowed, halved, no_p2p, *_, nothing, _, _ = batched
     assert all(s > m for s, m in zip(slowed, measured))
@@ -79,14 +79,14 @@ def test_the_invariant_catches_an_evaluator_that_is_not_the_engine(big, monkeypa
     # is not involved in the variants, so only the run-time check can see it
     g = big
     ops, edges = _ideals(g)
-    real = graph._evaluate
+    real = replay._evaluate
 
     def off_by_one(levels, work, gap, transfer, **kw):
         return real(levels, work, gap + 1.0, transfer, **kw)
 
-    monkeypatch.setattr(graph, "_evaluate", off_by_one)
-    with pytest.raises(graph.EngineMismatch) as e:
-        graph.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
+    monkeypatch.setattr(replay, "_evaluate", off_by_one)
+    with pytest.raises(replay.EngineMismatch) as e:
+        replay.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
     assert "batched" in str(e.value) and "engine" in str(e.value) and "rank" in str(e.value)
 
 
@@ -95,7 +95,7 @@ def test_the_invariant_catches_a_scale_the_measured_durations_cannot_show(big, m
     # frozen) leaves the measured durations' replay right (ratios of 1) and is caught by the doubled probe
     g = big
     ops, edges = _ideals(g)
-    real = graph._evaluate
+    real = replay._evaluate
 
     def frozen_tail(levels, work, gap, transfer, **kw):
         n, by_level, offset, last, origin, tail, *rest = levels
@@ -104,9 +104,9 @@ def test_the_invariant_catches_a_scale_the_measured_durations_cannot_show(big, m
         ratio = (work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0
         return host_free - (tail[None, :] * (ratio[:, None] - 1)).round().astype(host_free.dtype)
 
-    monkeypatch.setattr(graph, "_evaluate", frozen_tail)
-    with pytest.raises(graph.EngineMismatch, match="doubled"):
-        graph.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
+    monkeypatch.setattr(replay, "_evaluate", frozen_tail)
+    with pytest.raises(replay.EngineMismatch, match="doubled"):
+        replay.replay_variants(g, ops, edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))])
 
 
 def test_a_step_of_nothing_but_waits_is_no_mismatch(monkeypatch):
@@ -119,6 +119,6 @@ def test_a_step_of_nothing_but_waits_is_no_mismatch(monkeypatch):
     e = pl.DataFrame([(0, "p2p", 0, 0, 1, 0, None, 0, 0, 0)], schema=graph.EDGES, orient="row")
     rk = pl.DataFrame([(r, 0, 0, 0, 0, r, 0) for r in (0, 1)], schema=graph.RANK_STEPS, orient="row")
     g = graph.StepGraph(ops=o, edges=e, ranks=rk, steps=(0,))
-    monkeypatch.setattr(graph, "BATCH_FROM_OPS", 0)
+    monkeypatch.setattr(replay, "BATCH_FROM_OPS", 0)
     same = (pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))
-    assert graph.replay_variants(g, o, e, [same]) == [[ms]] == [graph.replay_steps_ns(g)]
+    assert replay.replay_variants(g, o, e, [same]) == [[ms]] == [replay.replay_steps_ns(g)]

@@ -28,7 +28,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from traceana.causal import graph
+from traceana.causal import graph, replay
 from traceana.causal.whatif import parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
@@ -86,11 +86,11 @@ def test_a_receive_posted_ahead_does_not_hold_the_receivers_own_work(tmp_path):
     e = g.edges.sort("src", "src_seq")
     got = {(s, q): t / US for s, q, t in e.select("src", "src_seq", "transfer_ns").iter_rows()}
     assert got == {(0, 0): 200, (0, 1): 300, (1, 1): 200, (1, 3): 200}
-    assert graph.replay_steps_ns(g) == [180_610 * US]
+    assert replay.replay_steps_ns(g) == [180_610 * US]
     rho = (200_000 + 900) / (240_000 + 900)
     ops = g.ops.with_columns(pl.when((pl.col("rank") == 1) & (pl.col("action") == "B")).then(20 * MS)
                              .otherwise(pl.col("work_ns")).alias("work_ns"))
-    assert graph.replay_steps_ns(g, ops=ops)[0] == pytest.approx((140_600 + 10 * rho) * US, abs=2)
+    assert replay.replay_steps_ns(g, ops=ops)[0] == pytest.approx((140_600 + 10 * rho) * US, abs=2)
     # the what-if's own --set path gives the same
     from traceana.causal.whatif import whatif
 

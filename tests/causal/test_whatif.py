@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from stripped_runs import as_defaults
-from traceana.causal import graph
+from traceana.causal import critical_path, graph, replay
 from traceana.causal.diagnosis import diagnose
 from traceana.causal.whatif import SetError, apply, materialize, parse_set, whatif
 from traceana.measure.analysis_cache import load_and_analyze
@@ -51,14 +51,14 @@ def two_ranks() -> graph.StepGraph:
                       [(0, 0, 1, 0, None, 0, 0, 5), (0, 1, 1, 1, 0, 0, 0, 5)], tails={0: 3})
 
 
-def ends(r: graph.Replay) -> dict[tuple[int, int], tuple[float, float]]:
+def ends(r: replay.Replay) -> dict[tuple[int, int], tuple[float, float]]:
     return {(a, b): (s / MS, e / MS) for a, b, s, e in r.ops.select("rank", "seq", "start_ns", "end_ns").iter_rows()}
 
 
 def test_replay_of_a_hand_built_step():
     # By hand: A 0-10, B 10-20 (rank 0 ends at 20 + 3); C's input arrives at 10 + 5 and its host time follows: 16-26;
     # D's receive is posted when C ends, so B's gradient is in flight from 26: arrives 31, D 31-51.
-    r = graph.replay(two_ranks(), 0)
+    r = replay.replay(two_ranks(), 0)
     assert ends(r) == {(0, 0): (0, 10), (0, 1): (10, 20), (1, 0): (16, 26), (1, 1): (31, 51)}
     assert dict(r.ranks.select("rank", "step_ns").iter_rows()) == {0: 23 * MS, 1: 51 * MS}
     assert r.step_ns == 51 * MS
@@ -71,8 +71,8 @@ def test_critical_path_and_slack_of_a_hand_built_step():
     # C 16-26, B's gradient in flight from when D's receive was posted 26-31, D 31-51. B (ends 20) could end as late
     # as 26 (D's receive is posted then): slack 6; everything on the path has none.
     g = two_ranks()
-    r = graph.replay(g, 0)
-    path, slack = graph.critical_path(g, r)
+    r = replay.replay(g, 0)
+    path, slack = critical_path.critical_path(g, r)
     got = [(rk, sq, kind, s / MS, e / MS) for rk, sq, kind, s, e in
            path.select("rank", "seq", "kind", "start_ns", "end_ns").iter_rows()]
     assert got == [(0, 0, "forward", 0, 10), (1, None, "p2p", 10, 15), (1, None, "host", 15, 16),
@@ -90,23 +90,23 @@ def test_changes_on_a_hand_built_step():
     edges = g.edges.with_columns(pl.col("transfer_ns").alias("ideal_transfer"))
     # no transfer time: C at 10 + 1 = 11-21, D when C ends: 21-41
     o, e = apply(ops, edges, [parse_set("p2p=0")])
-    assert graph.replay(g, 0, ops=o, edges=e).step_ns == 41 * MS
+    assert replay.replay(g, 0, ops=o, edges=e).step_ns == 41 * MS
     # rank 1's backward at half its time: D 31-41
     o, e = apply(ops, edges, [parse_set("rank=1:backward*0.5")])
-    assert graph.replay(g, 0, ops=o, edges=e).step_ns == 41 * MS
+    assert replay.replay(g, 0, ops=o, edges=e).step_ns == 41 * MS
     # every forward of stage 0 (rank 0) takes 2 ms: A 0-2, B 2-4; C at 7 + 1 = 8-18; D at max(4, 18) + 5 = 23-43
     o, e = apply(ops, edges, [parse_set("stage=0:forward=2")])
-    assert graph.replay(g, 0, ops=o, edges=e).step_ns == 43 * MS
+    assert replay.replay(g, 0, ops=o, edges=e).step_ns == 43 * MS
     # host gaps gone: C 15-25, D 30-50
     o, e = apply(ops, edges, [parse_set("host=0")])
-    assert graph.replay(g, 0, ops=o, edges=e).step_ns == 50 * MS
+    assert replay.replay(g, 0, ops=o, edges=e).step_ns == 50 * MS
 
 
 def test_a_collective_starts_when_its_last_member_joins():
     # rank 0 joins after 10 ms, rank 1 after 30 ms; each takes 2 ms once both are in: both end at 32
     g = hand_graph([(0, 0, "F", 10, 0, None, None), (0, 1, "C", 2, 0, "g", 2),
                     (1, 0, "F", 30, 0, None, None), (1, 1, "C", 2, 0, "g", 2)])
-    r = graph.replay(g, 0)
+    r = replay.replay(g, 0)
     assert ends(r)[(0, 1)] == (30, 32) and ends(r)[(1, 1)] == (30, 32)
     assert dict(r.ops.select("rank", "seq", "bound").rows(named=False)[i][::2] for i in (1, 3)) == {0: "group",
                                                                                                       1: "device"}
@@ -120,7 +120,7 @@ def test_replay_matches_every_rank_of_the_runs_in_tests_data(run):
     a = load_and_analyze(str(DATA / run), cache=False)
     g = graph.build(a)
     for step in g.steps:
-        r = graph.replay(g, step)
+        r = replay.replay(g, step)
         measured = dict(a.steps.filter(pl.col("step") == step).select("rank", "dur_ns").iter_rows())
         for rank, got in r.ranks.select("rank", "step_ns").iter_rows():
             assert abs(got - measured[rank]) <= 0.02 * measured[rank], (run, step, rank, got, measured[rank])
@@ -135,8 +135,8 @@ def test_the_critical_path_is_a_chain_to_the_step_end_with_no_slack(run):
     a = load_and_analyze(str(DATA / run), cache=False)
     g = graph.build(a)
     for step in g.steps:
-        r = graph.replay(g, step)
-        path, slack = graph.critical_path(g, r)
+        r = replay.replay(g, step)
+        path, slack = critical_path.critical_path(g, r)
         starts, ends = path["start_ns"].to_list(), path["end_ns"].to_list()
         assert all(abs(s - e) <= 1 for s, e in zip(starts[1:], ends[:-1])), path
         slowest = a.steps.filter(pl.col("step") == step).sort("dur_ns", descending=True).row(0, named=True)
@@ -200,26 +200,26 @@ def test_whatif_command_json_and_errors(tmp_path):
 
 def engine_and_batch_agree(monkeypatch, analysis, graph_=None, changes=()):
     """Every variant the what-if replays (every group made ideal and kept as measured, the changes), evaluated by
-    graph.replay_variants, against the engine itself (graph.replay_steps_ns: causal.scheduler.run_schedule) on the
+    replay.replay_variants, against the engine itself (replay.replay_steps_ns: causal.scheduler.run_schedule) on the
     variant's frames: to the nanosecond."""
     import traceana.causal.whatif as wi
 
     seen = []
 
     def recording(g, ops, edges, variants, **kw):
-        got = graph.replay_variants(g, ops, edges, variants, chunk=3)  # (several chunks)
+        got = replay.replay_variants(g, ops, edges, variants, chunk=3)  # (several chunks)
         seen.append((g, ops, edges, variants, got))
         return got
 
     monkeypatch.setattr(wi, "replay_variants", recording)
-    monkeypatch.setattr(graph, "BATCH_FROM_OPS", 0)  # these graphs are small: batch them anyway
+    monkeypatch.setattr(replay, "BATCH_FROM_OPS", 0)  # these graphs are small: batch them anyway
     w = whatif(analysis, [parse_set(c) for c in changes], graph=graph_)
     n = 0
     for g, ops, edges, variants, got in seen:
-        assert all(graph._levels(g, step) is not None for step in g.steps)  # (batched, not the engine's fallback)
+        assert all(replay._levels(g, step) is not None for step in g.steps)  # (batched, not the engine's fallback)
         for v, batch in zip(variants, got):
             o, e = materialize(ops, edges, v)
-            assert batch == graph.replay_steps_ns(g, ops=o, edges=e)
+            assert batch == replay.replay_steps_ns(g, ops=o, edges=e)
             n += 1
     return w, n
 

@@ -21,7 +21,7 @@ from traceana.measure.summary import WHATIF_COLUMNS, RunSummary
 # every one ideal)
 WHATIF_CANDIDATES = 8
 # ... and not at all beyond this many operations in the measured steps: the measured replay and its critical path are
-# Python over every operation, the what-ifs one batched evaluation (graph.replay_variants); a 1,024-rank step of
+# Python over every operation, the what-ifs one batched evaluation (replay.replay_variants); a 1,024-rank step of
 # 67,584 operations took 4.4 s on the 2-core machine (tests/benchmarks/bench_whatif_scale.py), a 4,096-rank one of
 # 270,336 operations ~12 CPU-s (tests/benchmarks/bench_analyze_scale.py); traceana whatif runs it at any size
 WHATIF_MAX_OPERATIONS = 300_000

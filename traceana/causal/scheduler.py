@@ -204,7 +204,7 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
     (device, virtual stage, micro-batch, phase, start, end) and when each device is free at the end.
 
     One engine for the plan and the measurement. Planned (the default): the orders are the rules', their inputs
-    ``rule_inputs``, each device's host time ``times.host_ns`` before every operation. Measured (traceana.causal.graph):
+    ``rule_inputs``, each device's host time ``times.host_ns`` before every operation. Measured (causal.replay):
     ``inputs(device, op)`` gives each operation's inputs (``Input``: the paired messages' producers and the
     receiver's own post), ``gap(device, index, op)`` its (pre, post): the operation starts at max(free + pre,
     inputs ready + post); ``groups[op] = (id, members)``: a collective, which starts when its last member joins;

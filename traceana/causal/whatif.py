@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from traceana.causal.graph import (KIND_OF_ACTION, GraphError, StepGraph, build, critical_path, on_path, replay,
-                                   replay_variants)
+from traceana.causal.critical_path import critical_path, on_path
+from traceana.causal.graph import KIND_OF_ACTION, GraphError, StepGraph, build
+from traceana.causal.replay import replay, replay_variants
 from traceana.core import intervals as iv
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
 from traceana.core.units import NS_PER_MS
@@ -303,8 +304,8 @@ class WhatIf:
 
     summary: dict
     per_rank: pl.DataFrame  # rank, stage, replica, measured_step_ms, replayed_step_ms, replay_error
-    path_time: pl.DataFrame  # time on the critical path (graph.on_path): group (kind/stage/rank), id, ms, fraction
-    path: pl.DataFrame  # the last measured step's critical path (graph.critical_path)
+    path_time: pl.DataFrame  # time on the critical path (on_path): group (kind/stage/rank), id, ms, fraction
+    path: pl.DataFrame  # the last measured step's critical path (causal.critical_path)
     paths: pl.DataFrame  # every measured step's
     slack: pl.DataFrame  # every operation of the last measured step: rank, seq, kind, stage, start/end, slack_ns
     groups: pl.DataFrame  # GROUP_SCHEMA: group (stage / rank / replica / kind), id; the study's if_ideal_step_ms,
@@ -366,7 +367,7 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
                          "across stages)")
 
     def steps_ms(variants: list[Variant], o: pl.DataFrame = ops, e: pl.DataFrame = edges) -> list[list[float]]:
-        """Every variant replayed (graph.replay_variants: the engine's replay, many variants at once)."""
+        """Every variant replayed (replay.replay_variants: the engine's replay, many variants at once)."""
         return [[x / NS_PER_MS for x in v] for v in replay_variants(g, o, e, variants)]
 
     replays = [replay(g, s) for s in steps]

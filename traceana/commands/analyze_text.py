@@ -166,7 +166,7 @@ def replicas_table(console, summary) -> None:
 
 
 def path_table(console, summary) -> None:
-    """Time on the replayed step's critical path by kind and stage (traceana.causal.graph.critical_path; whatif has
+    """Time on the replayed step's critical path by kind and stage (traceana.causal.critical_path; whatif has
     more)."""
     pt = summary.critical_path
     if pt is None or not pt.height:

@@ -270,7 +270,7 @@ PATH_TID = 9_999  # the merged trace's critical-path lane of each rank (after ev
 
 
 def critical_path_events(analysis, *, origin: int) -> pl.DataFrame:
-    """The replayed steps' critical paths (the summary's ``path``: traceana.causal.graph.critical_path of every measured
+    """The replayed steps' critical paths (the summary's ``path``: traceana.causal.critical_path of every measured
     step, as analyze and the report show it) in the merged trace: each piece of time on the path as a slice of its
     rank's "critical path" lane (name: its kind), and flow arrows from each piece to the next along the path, across
     ranks where the path goes through a message. Columns ph, id, name, cat, pid, tid, ts, dur, bp; empty where the

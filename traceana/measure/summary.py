@@ -124,9 +124,9 @@ class RunSummary:
     diagnosis: str | None = None
     bottleneck: dict | None = None  # what the what-if names: group, id, step_ms (if it were ideal), gain_ms
     pipeline_found: bool = True  # gpu.pipeline_found: False = no bubble or replica figure (module docstring)
-    critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (graph.on_path): group
+    critical_path: pl.DataFrame | None = None  # time on the replayed step's critical path (on_path): group
     #                                            (kind / stage / rank), id, ms (mean per step), fraction of the path
-    path: pl.DataFrame | None = None  # the critical path itself, every measured step (graph.critical_path): rank,
+    path: pl.DataFrame | None = None  # the critical path itself, every measured step (causal.critical_path): rank,
     #                                   stage, seq, kind, start_ns, end_ns, ms, step — what the report draws
     diagnosed: bool = False  # whether the causal layer's diagnosis is in (traceana.causal.diagnosis.diagnose)
 
