@@ -105,7 +105,7 @@ class CollectConfig:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
         refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, bpipe=self.bpipe,
-                               bpipe_keep=self.bpipe_inflight)
+                               bpipe_inflight=self.bpipe_inflight)
         if refused is not None:
             raise ConfigError(refused[0], fix=refused[1])
 
