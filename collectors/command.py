@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collectors.trainer.config import Flag
+    from traceana.core.flags import Flag
 
 LOG = "collect.log"  # in the run directory: the spawned ranks' stderr
 
@@ -41,9 +41,17 @@ def config_flags() -> list[tuple[dataclasses.Field, Flag]]:
     return [(f, f.metadata["flag"]) for f in dataclasses.fields(CollectConfig) if "flag" in f.metadata]
 
 
+def workload_flags() -> list[tuple[dataclasses.Field, Flag]]:
+    """The known workload's flags: ``traceana.core.manifest.Workload``'s fields that are flags, in their order."""
+    from traceana.core.manifest import Workload
+
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(Workload) if "flag" in f.metadata]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from collectors.trainer.config import PRESETS  # cheap: no torch import
     from traceana.commands import options
+    from traceana.core.flags import FIELD_DEFAULT
 
     # The training configuration, generated from CollectConfig's fields (a flag is its field's name); the flags
     # estimate shares keep their one definition and default in options.py.
@@ -58,27 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group(
         "known workload", "--work sleep: every pass holds for a stated time instead of computing, everything else "
         "stays real (docs/known-workload.md)")
-    work.add_argument("--work", choices=WORKS, default="compute",
-                      help="compute: train the model; sleep: hold each forward/backward for --forward-ms/--backward-ms")
-    work.add_argument("--forward-ms", type=float, default=None, metavar="F",
-                      help="with --work sleep: what each forward holds, in ms (required)")
-    work.add_argument("--backward-ms", type=float, default=None, metavar="B",
-                      help="with --work sleep: what each backward holds (the input-gradient pass I of zero-bubble "
-                           "schedules), in ms (required)")
-    work.add_argument("--weight-ms", type=float, default=None, metavar="W",
-                      help="with --work sleep: the weights' gradient pass (W of zero-bubble schedules); a full "
-                           "backward holds B + W (default: 0)")
-    work.add_argument("--slow-stage", action="append", default=None, metavar="S:FACTOR",
-                      help="with --work sleep: every pass of stage S holds FACTOR times as long (repeatable) "
-                           "(default: none)")
-    work.add_argument("--slow-rank", action="append", default=None, metavar="R:FACTOR",
-                      help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
-                           "(default: none)")
+    for f, flag in workload_flags():  # (generated from Workload's fields, as the training configuration's above)
+        kw = {"action": flag.action} if flag.action else {"type": _TYPES[str(f.type).split("|")[0].strip()]}
+        if flag.choices:
+            kw = {"choices": flag.choices}
+        default = f.default if flag.default is FIELD_DEFAULT else flag.default
+        work.add_argument(*flag.names(f.name), dest=flag.dest or f.name, default=default, metavar=flag.metavar,
+                          help=flag.help, **kw)
     options.output(parser, type=Path, required=True, metavar="DIR",
                    help="run directory to write (required)")
 
-
-WORKS = ("compute", "sleep")
 
 
 def workload_from_args(args: argparse.Namespace):

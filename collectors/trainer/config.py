@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from traceana.core.errors import ConfigError
+from traceana.core.flags import flag as _flag
 from traceana.core.manifest import ModelShape, Workload
 from traceana.core.pipeline_rules import bpipe_pairs as all_bpipe_pairs
 from traceana.core.pipeline_rules import bpipe_plan, plan_refusal
@@ -23,32 +24,6 @@ from traceana.model.presets import TINY_MODELS
 # benchmarks: the model's own table, so estimate and validate know exactly what was trained.
 PRESETS: dict[str, ModelShape] = TINY_MODELS
 SCHEDULES = TRAINER_SCHEDULES  # the one-stage schedules (traceana.core.schedule_names); collect runs the rest elsewhere
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a ``CollectConfig`` field is a flag of ``traceana collect`` (in the field's metadata, ``"flag"``).
-
-    The flag is ``--<field name>`` (underscores as dashes) unless ``spellings`` says otherwise (the first is the one
-    the help shows; the field's own name stays accepted, hidden, where it is not the first). ``shared``: the name of
-    the traceana/commands/options.py function defining the flag collect and estimate share (its help and its
-    command-line default are that function's, estimate's too); else ``help`` is the flag's help and the field's
-    default its default. ``dest``: the parsed argument, where a shared flag names it otherwise than the field."""
-
-    help: str = ""
-    shared: str | None = None
-    spellings: tuple[str, ...] = ()
-    metavar: str | None = "N"
-    dest: str | None = None
-
-    def names(self, field_name: str) -> tuple[str, ...]:
-        """Every spelling of the flag, the shown one first."""
-        own = "--" + field_name.replace("_", "-")
-        return self.spellings + ((own,) if own not in self.spellings else ()) if self.spellings else (own,)
-
-
-def _flag(**kw) -> dict:
-    return {"flag": Flag(**kw)}
 
 
 @dataclass(frozen=True)
@@ -105,7 +80,7 @@ class CollectConfig:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
         refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, bpipe=self.bpipe,
-                               bpipe_keep=self.bpipe_inflight)
+                               bpipe_inflight=self.bpipe_inflight)
         if refused is not None:
             raise ConfigError(refused[0], fix=refused[1])
 

@@ -1,5 +1,6 @@
-"""``traceana collect``'s flags are generated from CollectConfig's fields (issue 34, item 3): a flag is its field's
-name, its help the field's description; today's spellings keep working. Expected values written by hand."""
+"""``traceana collect``'s flags are generated from CollectConfig's fields, its known-workload group from run.json's
+Workload's (issue 34, item 3): a flag is its field's name, its help the field's description; today's spellings keep
+working. Expected values written by hand."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import dataclasses
 
 import pytest
 
-from collectors.command import config_flags, config_from_args
+from collectors.command import config_flags, config_from_args, workload_flags
 from collectors.trainer.config import CollectConfig, flag_of
 from traceana.cli import build_parser
 from traceana.core.errors import ConfigError
+from traceana.core.manifest import Workload
 
 
 def _collect_parser() -> argparse.ArgumentParser:
@@ -78,3 +80,22 @@ def test_a_refusal_names_the_flag_as_the_help_shows_it():
     assert flag_of("steps") == "--profile-steps" and flag_of("microbatch_size") == "--microbatch-size"
     with pytest.raises(ConfigError, match="--profile-steps must be at least 1"):
         CollectConfig(steps=0)
+
+
+def test_the_known_workload_group_is_workloads_fields():
+    # the group's flags, in the help's order, written by hand; each made from a field of run.json's Workload
+    group = next(g for g in _collect_parser()._action_groups if g.title == "known workload")
+    assert [a.option_strings for a in group._group_actions] == [
+        ["--work"], ["--forward-ms"], ["--backward-ms"], ["--weight-ms"], ["--slow-stage"], ["--slow-rank"]]
+    assert [f.name for f, _ in workload_flags()] == ["kind", "forward_ms", "backward_ms", "weight_ms", "slow_stages",
+                                                     "slow_ranks"]
+    c = _config("--pp", "2", "--work", "sleep", "--forward-ms", "2", "--backward-ms", "3", "--weight-ms", "1",
+                "--slow-stage", "1:2", "--slow-stage", "0:1.5", "--slow-rank", "0:3")
+    assert c.workload == Workload(kind="sleep", forward_ms=2.0, backward_ms=3.0, weight_ms=1.0,
+                                  slow_stages=((1, 2.0), (0, 1.5)), slow_ranks=((0, 3.0),))
+    assert _config().workload is None  # --work compute (the default): no workload
+    with pytest.raises(ConfigError, match="--forward-ms describes the known workload"):
+        _config("--forward-ms", "2")
+    for own in ("--kind", "--slow-stages", "--slow-ranks"):  # (the fields' own names are no flags here)
+        with pytest.raises(SystemExit):
+            build_parser(["collect"]).parse_args(["collect", own, "1:2", "-o", "x"])

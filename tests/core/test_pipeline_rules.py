@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from traceana.core.errors import ConfigError
 from traceana.core.pipeline_rules import (
-         BACKWARD, FORWARD, Op, bpipe_held, bpipe_holding, bpipe_keep, bpipe_pair_of, bpipe_plan, bubble_windows,
+         BACKWARD, FORWARD, Op, bpipe_held, bpipe_holding, bpipe_inflight, bpipe_pair_of, bpipe_plan, bubble_windows,
          device_order, microbatches_in_flight, peak_in_flight, stage_layer_ranges, stage_layers, warmup_forwards,
      )
 
@@ -96,7 +96,7 @@ def test_bpipe_acceptor_stays_at_the_balanced_level():
 def test_bpipe_balances_nothing_where_the_acceptor_would_take_the_next_before_returning_the_last(p, m):
     # p = 2: stage 0 holds 2, stage 1 holds 1, ⌈3/2⌉ = 2: nothing to move. p = 3: keeping 2 on stage 0 would have
     # stage 2 hold its own 1 plus 2 foreign (the next is sent before the last comes back) = 3, no better.
-    assert bpipe_keep("1f1b", pp=p, num_microbatches=m, evictor=0) == \
+    assert bpipe_inflight("1f1b", pp=p, num_microbatches=m, evictor=0) == \
         microbatches_in_flight("1f1b", pp=p, stage=0, num_microbatches=m)
     assert bpipe_plan("1f1b", pp=p, num_microbatches=m, evictor=0).evicted == 0
 

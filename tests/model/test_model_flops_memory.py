@@ -195,8 +195,8 @@ def test_a_runs_bpipe_keep_reaches_the_memory_model():
     m = Manifest(world_size=4, pp=4, model=GPT3, microbatch_size=1, num_microbatches=8, schedule="1f1b",
                  bpipe=((0, 3),), extra={"bpipe_inflight": 2})
     cfg = RunConfig.from_manifest(m).training_config()
-    assert cfg.bpipe_keep == 2
-    assert memory.estimate_stage_memory(cfg.replace(bpipe_keep=None))[0].in_flight == 3
+    assert cfg.bpipe_inflight == 2
+    assert memory.estimate_stage_memory(cfg.replace(bpipe_inflight=None))[0].in_flight == 3
     assert memory.estimate_stage_memory(cfg)[0].in_flight == 2
     with pytest.raises(ConfigError):
-        cfg.replace(bpipe_keep=0)
+        cfg.replace(bpipe_inflight=0)

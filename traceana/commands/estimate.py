@@ -218,8 +218,10 @@ def report(cfg: TrainingConfig, dev: Device, curve: EfficiencyCurve, net: Networ
     step = estimate_step(cfg, device=dev, curve=curve, network=net) if dev.peak_flops else None
     out = {
         "model": dataclasses.asdict(cfg.model),
+        # (the JSON keeps its released key for TrainingConfig.bpipe_inflight, bpipe_keep: a format others read)
         "config": {
-            k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "precision")
+            {"bpipe_inflight": "bpipe_keep"}.get(k, k): v for k, v in dataclasses.asdict(cfg).items()
+            if k not in ("model", "precision")
         } | {"precision": cfg.precision.name, "global_batch": cfg.global_batch},
         "device": {"name": dev.name, "memory_bytes": None if dev.memory_bytes == float("inf") else dev.memory_bytes,
                    "peak_flops": dev.peak_flops,

@@ -15,6 +15,7 @@ from typing import Any
 
 from traceana.core.errors import BadInputError
 from traceana.core.files import open_regular
+from traceana.core.flags import flag
 from traceana.core.limits import check_ranks
 from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES, ONE_STAGE_SCHEDULES, RUN_JSON_SCHEDULES  # noqa: F401
 
@@ -131,12 +132,26 @@ class Workload:
     its stage in ``slow_stages`` and of its rank in ``slow_ranks`` (1 where not named). The passes' own perf_counter
     spans are in ``spans``/rank{R}.json (``WORKLOAD_SPANS``), outside the trace."""
 
-    kind: str
-    forward_ms: float
-    backward_ms: float
-    weight_ms: float = 0.0
-    slow_stages: tuple[tuple[int, float], ...] = ()  # (stage, factor)
-    slow_ranks: tuple[tuple[int, float], ...] = ()  # (global rank, factor)
+    # The fields with a Flag are collect's known-workload flags, in this order (collectors.command.add_arguments):
+    # --work compute is no workload (None), whose flags given alone are refused (collectors.command.workload_from_args)
+    kind: str = field(metadata=flag(
+        spellings=("--work",), own=False, dest="work", default="compute", choices=("compute", *WORK_KINDS),
+        metavar=None, help="compute: train the model; sleep: hold each forward/backward for --forward-ms/--backward-ms"))
+    forward_ms: float = field(metadata=flag(default=None, metavar="F",
+                                            help="with --work sleep: what each forward holds, in ms (required)"))
+    backward_ms: float = field(metadata=flag(
+        default=None, metavar="B", help="with --work sleep: what each backward holds (the input-gradient pass I of "
+                                        "zero-bubble schedules), in ms (required)"))
+    weight_ms: float = field(default=0.0, metadata=flag(
+        default=None, metavar="W", help="with --work sleep: the weights' gradient pass (W of zero-bubble schedules); "
+                                        "a full backward holds B + W (default: 0)"))
+    slow_stages: tuple[tuple[int, float], ...] = field(default=(), metadata=flag(  # (stage, factor)
+        spellings=("--slow-stage",), own=False, dest="slow_stage", action="append", default=None, metavar="S:FACTOR",
+        help="with --work sleep: every pass of stage S holds FACTOR times as long (repeatable) (default: none)"))
+    slow_ranks: tuple[tuple[int, float], ...] = field(default=(), metadata=flag(  # (global rank, factor)
+        spellings=("--slow-rank",), own=False, dest="slow_rank", action="append", default=None, metavar="R:FACTOR",
+        help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
+             "(default: none)"))
     spans: str = WORKLOAD_SPANS
 
     def __post_init__(self) -> None:

@@ -443,7 +443,7 @@ def check_bpipe(schedule: str, *, pp: int | None = None, virtual_stages: int = 1
 
 
 def plan_refusal(schedule: str, *, pp: int, num_microbatches: int, bpipe: bool = False,
-                 bpipe_keep: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
+                 bpipe_inflight: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
                  layers: int | None = None, virtual_stages: int = 1) -> tuple[str, str] | None:
     """Why a pipeline plan cannot be run, as (why, fix), or None: the rules ``traceana collect`` refuses a plan by
     (collectors.trainer.config) and a plan what-if refuses the same one by (traceana.causal.whatif) — BPipe where it
@@ -461,7 +461,7 @@ def plan_refusal(schedule: str, *, pp: int, num_microbatches: int, bpipe: bool =
         return (f"1F1B with {num_microbatches} micro-batches for {pp} stages never reaches its steady state",
                 f"use --microbatches {pp} or more, or --schedule gpipe")
     if bpipe and not any(bpipe_plan(schedule, pp=pp, num_microbatches=num_microbatches, evictor=e,
-                                    keep=bpipe_keep).evicted for e, _ in bpipe_pairs(pp)):
+                                    keep=bpipe_inflight).evicted for e, _ in bpipe_pairs(pp)):
         held = [microbatches_in_flight(schedule, pp=pp, stage=s, num_microbatches=num_microbatches)
                 for s in range(pp)]
         if all(held[e] <= held[a] for e, a in bpipe_pairs(pp)):
@@ -473,7 +473,7 @@ def plan_refusal(schedule: str, *, pp: int, num_microbatches: int, bpipe: bool =
         # --bpipe-inflight is suggested only with a value under which the rules' plan does evict
         keeps = bpipe_keeps_that_evict(schedule, pp=pp, num_microbatches=num_microbatches)
         fix = "drop --bpipe" + (", or use --pp 4 or more" if pp < 4 else "") + (
-            f", or force evictions with --bpipe-inflight {keeps[-1]}" if keeps and bpipe_keep is None else "")
+            f", or force evictions with --bpipe-inflight {keeps[-1]}" if keeps and bpipe_inflight is None else "")
         return (f"BPipe can balance nothing at --pp {pp} with {num_microbatches} micro-batches ({schedule}): {why}",
                 fix)
     return None
@@ -503,8 +503,9 @@ def bpipe_pair_of(stage: int, pp: int) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of the configuration, asked for again by every plan
-def bpipe_keep(schedule: str, *, pp: int, num_microbatches: int, evictor: int) -> int:
-    """How many micro-batches the evictor keeps: the level that makes the pair's larger peak smallest.
+def bpipe_inflight(schedule: str, *, pp: int, num_microbatches: int, evictor: int) -> int:
+    """How many micro-batches the evictor keeps (the rules' bpipe_inflight, where run.json or --bpipe-inflight gives
+    none): the level that makes the pair's larger peak smallest.
 
     Half of what the pair holds, ⌈(n_e + n_a)/2⌉, is the aim (Kim et al. 2023: ⌈(p+1)/2⌉ for 1F1B with m ≥ p). The
     acceptor cannot return one micro-batch before it must take the next, so on some pairs (every pair of p = 3, the
@@ -549,9 +550,9 @@ class BPipePlan:
 
 
 def bpipe_plan(schedule: str, *, pp: int, num_microbatches: int, evictor: int, keep: int | None = None) -> BPipePlan:
-    """BPipe's plan for the pair of ``evictor`` (keep from ``bpipe_keep`` unless given); see ``_plan``."""
+    """BPipe's plan for the pair of ``evictor`` (keep from ``bpipe_inflight`` unless given); see ``_plan``."""
     if keep is None:
-        keep = bpipe_keep(schedule, pp=pp, num_microbatches=num_microbatches, evictor=evictor)
+        keep = bpipe_inflight(schedule, pp=pp, num_microbatches=num_microbatches, evictor=evictor)
     return _plan(schedule, pp=pp, num_microbatches=num_microbatches, evictor=evictor, keep=keep)
 
 
@@ -663,7 +664,7 @@ def bpipe_held(plan: BPipePlan, *, schedule: str, pp: int, num_microbatches: int
 def bpipe_holding(schedule: str, *, pp: int, num_microbatches: int, pairs: tuple[tuple[int, int], ...] | None = None,
                   keep: int | None = None) -> list[tuple[float, float]]:
     """(own, foreign) micro-batches every stage holds at its peak, with BPipe on ``pairs`` (default: every pair
-    whose plan evicts something, each evictor keeping ``keep``, default ``bpipe_keep``) and without it elsewhere:
+    whose plan evicts something, each evictor keeping ``keep``, default ``bpipe_inflight``) and without it elsewhere:
     the one accounting the memory model, the simulator's check and validation share."""
     p, m = pp, num_microbatches
     held = [(microbatches_in_flight(schedule, pp=p, stage=s, num_microbatches=m), 0.0) for s in range(p)]

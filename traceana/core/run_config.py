@@ -196,7 +196,7 @@ class RunConfig:
         return TrainingConfig(
             model=self.model, pp=self.pp // virtual, tp=self.tp, dp=self.dp, microbatch_size=self.microbatch_size,
             num_microbatches=self.num_microbatches, schedule=self.schedule, attention=self.attention or "sdpa",
-            recompute=self.recompute or "none", bpipe=bool(self.bpipe), bpipe_keep=self.bpipe_inflight,
+            recompute=self.recompute or "none", bpipe=bool(self.bpipe), bpipe_inflight=self.bpipe_inflight,
             virtual_stages=virtual, precision=precision, layers_per_stage=self.layers_per_stage,
             dropout=self.dropout if self.dropout is not None else (False if trainer else None),
             eager=self.eager if self.eager is not None else trainer,

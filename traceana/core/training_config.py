@@ -56,6 +56,8 @@ class TrainingConfig:
     """How a model is trained: parallel degrees, batching, attention kernel, recompute, schedule, BPipe."""
 
     model: ModelShape
+    # DEVICES in the pipeline, not stages: run.json's and RunConfig's pp count every stage, pp × virtual_stages of
+    # them here (RunConfig.training_config divides); estimate's --pp and its JSON's config.pp are this count too
     pp: int = 1
     tp: int = 1
     dp: int = 1
@@ -65,7 +67,8 @@ class TrainingConfig:
     attention: str = "sdpa"  # naive keeps the s×s scores for the backward; sdpa/flash does not
     recompute: str = "none"
     bpipe: bool = False  # pair stage s with p−1−s and balance their activations (Kim et al. 2023)
-    bpipe_keep: int | None = None  # micro-batches an evictor keeps; None = pipeline_rules.bpipe_keep
+    # micro-batches an evictor keeps (run.json's bpipe_inflight); None = the rules' (pipeline_rules.bpipe_inflight)
+    bpipe_inflight: int | None = None
     virtual_stages: int = 1  # model chunks per device (multi-stage schedules; exactly 2 for zbv and dualpipev)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # shard master weights + optimizer state over dp (ZeRO stage 1)
@@ -92,8 +95,9 @@ class TrainingConfig:
         if too_big:
             raise ConfigError(too_big, fix="estimate a smaller pipeline of the same shape (the bubble depends on "
                                            "(pp - 1) / micro-batches), or fewer --pp / --microbatches")
-        if self.bpipe_keep is not None and (not isinstance(self.bpipe_keep, int) or self.bpipe_keep < 1):
-            raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {self.bpipe_keep!r}",
+        keep = self.bpipe_inflight
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"the BPipe keep must be a positive number of micro-batches, got {keep!r}",
                               fix="check run.json's bpipe_inflight")
         if self.bpipe:
             check_bpipe(self.schedule, virtual_stages=self.virtual_stages)

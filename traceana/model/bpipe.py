@@ -181,7 +181,7 @@ def estimate_step(cfg: TrainingConfig, *, device: Device | None, curve: Efficien
     times, costs = stage_times(cfg, peak_flops=peak, efficiency=eff, costs=costs)
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
                    virtual_stages=cfg.virtual_stages, bpipe=bpipe_pairs(cfg.pp) if cfg.bpipe else False,
-                   bpipe_keep=cfg.bpipe_keep)
+                   bpipe_inflight=cfg.bpipe_inflight)
     step_s = sim.step_ns / NS_PER_S
     model_flops = flops.iteration_flops(cfg.model, global_batch=cfg.global_batch)
     devices = cfg.pp * cfg.tp * cfg.dp
@@ -329,7 +329,7 @@ def describe_deltas(deltas: dict[str, float], *, unit: float = MS_PER_S, suffix:
 def evictions(cfg: TrainingConfig) -> int:
     """Micro-batches BPipe evicts per step over all pairs (0: it balances nothing for this configuration)."""
     return sum(bpipe_plan(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, evictor=e,
-                          keep=cfg.bpipe_keep).evicted
+                          keep=cfg.bpipe_inflight).evicted
                for e, _ in bpipe_pairs(cfg.pp))
 
 

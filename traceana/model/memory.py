@@ -242,8 +242,8 @@ def estimate_stage_memory(cfg: TrainingConfig) -> tuple[StageMemory, ...]:
                                virtual_stages=cfg.virtual_stages)
         for s in range(p)
     ]
-    held = (bpipe_holding(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, keep=cfg.bpipe_keep) if cfg.bpipe
-            else [(n, 0.0) for n in in_flight])
+    held = (bpipe_holding(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, keep=cfg.bpipe_inflight)
+            if cfg.bpipe else [(n, 0.0) for n in in_flight])
     # The reference trainer's runner keeps each in-flight micro-batch's stage output (sent downstream, needed for
     # its backward); no layer saves it. BPipe cannot evict it (collectors/bpipe.py), so it stays on the evictor.
     pinned = [

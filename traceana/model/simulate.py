@@ -126,14 +126,14 @@ def simulate(
     costs: Costs = Costs(),
     virtual_stages: int = 1,
     bpipe: bool | tuple[tuple[int, int], ...] = False,
-    bpipe_keep: int | None = None,
+    bpipe_inflight: int | None = None,
     rank_of_device: tuple[int, ...] | None = None,
     step: int = 0,
     window: str = "rolling",
 ) -> Simulation:
     """Simulate one training step; see the module docstring for the rules.
 
-    ``bpipe``: True for every pair, or the pairs; each evictor keeps ``bpipe_keep`` (default: the rules' keep).
+    ``bpipe``: True for every pair, or the pairs; each evictor keeps ``bpipe_inflight`` (default: the rules' keep).
     ``window``: "rolling" gives each device the step window that ends when its optimizer ends (as ProfilerStep
     boundaries do: the previous step's idle tail becomes this step's warm-up); "synchronous" starts every window at 0.
     """
@@ -165,7 +165,7 @@ def simulate(
     if bpipe:
         check_bpipe(schedule, virtual_stages=v, fix="use schedule 1f1b without interleaving")
         policy: Policy = BPipePolicy(schedule=schedule, pairs=bpipe_pairs(p) if bpipe is True else tuple(bpipe), pp=p,
-                                     num_microbatches=m, costs=costs, keep=bpipe_keep)
+                                     num_microbatches=m, costs=costs, keep=bpipe_inflight)
     else:
         policy = Policy()
     rec = Recorder(p)

@@ -172,7 +172,7 @@ def measure(analysis: Analysis, cfg: TrainingConfig) -> Measured:
         ev_ns, acc_ns, n_ev = 0.0, 0.0, 0
         for e, q in pairs_of_run:
             n = bpipe_plan(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, evictor=e,
-                           keep=cfg.bpipe_keep).evicted
+                           keep=cfg.bpipe_inflight).evicted
             if n:
                 ev_ns += spent.get(rank_of_stage[e], 0.0) or 0.0
                 acc_ns += spent.get(rank_of_stage[q], 0.0) or 0.0

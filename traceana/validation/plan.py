@@ -228,7 +228,7 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
             changes["layers_per_stage"] = layers_per_stage
     refused = plan_refusal(sched, pp=base.pp, num_microbatches=changes.get("num_microbatches",
                                                                           base.num_microbatches),
-                           bpipe=bool(want), bpipe_keep=base.bpipe_keep, layers_per_stage=layers_per_stage,
+                           bpipe=bool(want), bpipe_inflight=base.bpipe_inflight, layers_per_stage=layers_per_stage,
                            layers=base.model.layers, virtual_stages=vs)
     if refused is not None:  # (collect's --bpipe-inflight is no option of the what-if's)
         fix = re.sub(r", or force evictions with --bpipe-inflight \d+", "", refused[1])
@@ -272,7 +272,7 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         if cfg.bpipe:
             costs = dataclasses.replace(costs, bpipe_ns=priced(m))
         return simulate(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
-                        virtual_stages=cfg.virtual_stages, bpipe=bool(cfg.bpipe), bpipe_keep=cfg.bpipe_keep)
+                        virtual_stages=cfg.virtual_stages, bpipe=bool(cfg.bpipe), bpipe_inflight=cfg.bpipe_inflight)
 
     as_run = [run(base, m) for m in measured_in.values()]
     plan = [run(target, m) for m in measured_in.values()]

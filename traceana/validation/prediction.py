@@ -42,7 +42,8 @@ def predict(baseline: Analysis, target: TrainingConfig, *, base_cfg: TrainingCon
             bpipe_ns = costs.p2p_ns + evict / LOCAL_COPY_BYTES_PER_NS
         costs = dataclasses.replace(costs, bpipe_ns=bpipe_ns)
     return simulate(target.schedule, pp=target.pp, num_microbatches=target.num_microbatches, times=t, costs=costs,
-                    virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe), bpipe_keep=target.bpipe_keep)
+                    virtual_stages=target.virtual_stages, bpipe=bool(target.bpipe),
+                    bpipe_inflight=target.bpipe_inflight)
 
 
 def noise_floor(first: Analysis, second: Analysis) -> float:

@@ -152,7 +152,7 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
         c = meas.costs
         costs = dataclasses.replace(c, per_message_ns=per_msg)
         total += simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
-                          virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep).step_ns
+                          virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_inflight=cfg.bpipe_inflight).step_ns
     return total / samples
 
 
@@ -167,11 +167,11 @@ def validate(analysis: Analysis, *, cfg: TrainingConfig | None = None, window: s
     meas = measure(analysis, cfg)
     bpipe = tuple(analysis.config.bpipe) if analysis.config.bpipe else False
     sim = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=meas.times,
-                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
+                   costs=meas.costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_inflight=cfg.bpipe_inflight,
                    window=window)
     r_times, r_costs = replay_inputs(analysis, cfg, meas)
     replay = simulate(cfg.schedule, pp=cfg.pp, num_microbatches=cfg.num_microbatches, times=r_times,
-                      costs=r_costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_keep=cfg.bpipe_keep,
+                      costs=r_costs, virtual_stages=cfg.virtual_stages, bpipe=bpipe, bpipe_inflight=cfg.bpipe_inflight,
                       window=window)
     sampled = sampled_step_ns(analysis, cfg, meas, bpipe=bpipe)
     sim_per = (
