@@ -4,6 +4,7 @@ torch.profiler's defaults (no stack, no shapes) and with stack and shapes; then 
 
     python tests/benchmarks/whatif_foreign.py OUT [--python VENV_PYTHON] [--frameworks megatron,deepspeed,pipelining]
         [--modes defaults,stack] [--kinds sleep,compute] [--slow-stage 1] [--slow-ms 20] [--repeats 2] [--analyze-only]
+        [--dp 2 [--slow-rank 1]]
 
 Runs (2 stages, 4 micro-batches, 1 warm-up and 2 profiled steps each), per framework and profile mode, interleaved:
 slowed (each kind), twin, slowed, twin, … (``--repeats`` of each). megatron-core and DeepSpeed run their generators
@@ -21,6 +22,12 @@ step. The table: framework, profile mode, slowdown, the groups named (stage/rank
 what-if lies within the twins' noise (their range widened by traceana's noise on each side, ``noise_ms``: the spread
 over a run's steps, at least 5 % of its step), and the largest zeroed replay share. ``OUT/results.json`` keeps every
 run's figures.
+
+``--dp 2``: pp 2 × dp 2 (4 processes; rank = stage · dp + replica) with rank ``--slow-rank`` alone slowed instead of a
+stage: megatron-core and DeepSpeed through the same generators' ``--dp/--slow-rank``, torch.distributed.pipelining in
+``_pipelining_dp_rank`` below (per-replica ``PipelineStage`` groups, the gradients all-reduced over each stage's
+replicas in the script); the what-if is ``rank=R:peers`` (rank R at its peers' speed: the same stage in the other
+replica), the study's ideal ``by_rank[R]``, the runs ``FW-dp2-PROFILE-KIND-I``.
 """
 
 from __future__ import annotations
@@ -254,7 +261,8 @@ def rows(results: list[dict], stage: int, group: str = "stage") -> list[dict]:
 
 
 def table(rs: list[dict]) -> str:
-    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed, ms (range); the "
+    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed (with --dp: rank R "
+             "at its peers'), ms (range); the "
              "study's ideal; measured | twin measured ms, median (range) ± noise | within it | the twin's own what-if "
              "(the same --set) | within it | what-if − (measured − injected), ms | within the run's noise + the twins' "
              "imbalance | zeroed replay, largest |",
