@@ -94,11 +94,20 @@ def test_every_kind_at_zero_leaves_no_frozen_time(analysed, name):
 DEEPSPEED_FROZEN = pytest.mark.xfail(strict=True, reason="DeepSpeed: 13.8 / 8.8 ms against the twins' 9.2-13.2 window")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=DEEPSPEED_FROZEN) if facts(n)["framework"] == "deepspeed"
+def kin(name: str) -> tuple:
+    """What makes runs twins: the framework, the profile, the steps run (3 unless slow.json says)."""
+    f = facts(name)
+    return f["framework"], f["profile"], f.get("steps", 3)
+
+
+# The deepspeed-steps6-* runs (6 steps: 5 measured, against 1 in the 3-step runs) land: with one measured step the
+# twins' noise is the 5 % floor of that step (0.7 ms), with five it is their spread (0.3 and 4.2 ms) — see
+# docs/whatif.md "Slowed foreign runs".
+@pytest.mark.parametrize("name", [pytest.param(n, marks=DEEPSPEED_FROZEN) if kin(n) == ("deepspeed", "defaults", 3)
                                   else n for n in SLOWED])
 def test_the_slowed_stage_at_its_peers_speed_lands_within_the_twins_noise(analysed, name):
     f = facts(name)
-    twins = [t for t in TWINS if facts(t)["framework"] == f["framework"] and facts(t)["profile"] == f["profile"]]
+    twins = [t for t in TWINS if kin(t) == kin(name)]
     assert len(twins) >= 2
     stage = f["slow"][0]
     tw = [_at_peers(analysed(t), stage) for t in twins]
@@ -140,7 +149,7 @@ def test_the_slowed_rank_is_named_and_nothing_else(analysed, name):
 @pytest.mark.parametrize("name", RANK_SLOWED)
 def test_the_slowed_rank_at_its_peers_speed_lands_within_the_twins_noise(analysed, name):
     f = facts(name)
-    twins = [t for t in RANK_TWINS if (facts(t)["framework"], facts(t)["profile"]) == (f["framework"], f["profile"])]
+    twins = [t for t in RANK_TWINS if kin(t) == kin(name)]
     assert len(twins) >= 2
     rank = f["slow"][0]
     tw = [_rank_at_peers(analysed(t), rank) for t in twins]
