@@ -146,7 +146,17 @@ def test_the_slowed_rank_is_named_and_nothing_else(analysed, name):
     assert w["diagnosis"].startswith(f"one rank: rank {rank} "), w["diagnosis"]
 
 
-@pytest.mark.parametrize("name", RANK_SLOWED)
+# megatron-dp2-steps6-*: rank 1 at its peers' speed reads 4.6 / 6.9 ms against the twins' 15.7-17.8 ms ± 7.8 (their
+# spread over 4 measured steps): below. Within the run it is exact (the measured 85.5 / 87.8 ms less the 80 ms slept):
+# while rank 1 sleeps, the other 3 processes have the 2 cores, and their P2P and all-reduce take 1.9 ms of the path a
+# step against the twins' 8.5 (4 processes contending). The replay keeps measured durations; what a faster rank 1 does
+# to the others' CPU share is not in any trace (docs/whatif.md "Slowed ranks").
+UNCONTENDED = pytest.mark.xfail(strict=True, reason="megatron dp2 steps6: 4.6 / 6.9 ms against the twins' 15.7-17.8 "
+                                "± 7.8: the slowed runs' others ran uncontended while rank 1 slept")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=UNCONTENDED) if kin(n) == ("megatron", "defaults", 6)
+                                  else n for n in RANK_SLOWED])
 def test_the_slowed_rank_at_its_peers_speed_lands_within_the_twins_noise(analysed, name):
     f = facts(name)
     twins = [t for t in RANK_TWINS if kin(t) == kin(name)]

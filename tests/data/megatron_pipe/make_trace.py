@@ -16,7 +16,7 @@ schedule call plus the optimizer step); ``truth.rank{R}.json`` next to OUT_DIR.
 
     python tests/data/megatron_pipe/make_trace.py OUT_DIR [--interleaved] [--defaults] [--port N]
                                                   [--slow-stage S --slow-ms X [--slow-kind sleep|compute]]
-                                                  [--dp D [--slow-rank R --slow-ms X]]
+                                                  [--dp D [--slow-rank R --slow-ms X]] [--steps N]
 
 ``--slow-stage S --slow-ms X``: stage S's module (``Stage.forward``, the job's own code) spends X ms more in each
 forward of a micro-batch: ``time.sleep`` (``--slow-kind sleep``, the default) or torch matmuls until X ms have passed
@@ -85,7 +85,8 @@ class Stage(torch.nn.Module):
 
 
 def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaults: bool = False,
-           slow: tuple[int, float, str] | None = None, dp: int = 1, slow_rank: int | None = None) -> None:
+           slow: tuple[int, float, str] | None = None, dp: int = 1, slow_rank: int | None = None,
+           n_steps: int = STEPS) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.manual_seed(rank)
     torch.set_num_threads(1)
@@ -183,12 +184,12 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaul
     stages = [stage + c * pp for c in range(chunks)]
     params = [p for m in models for p in m.parameters()]
     with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=pp * chunks,
-                          schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=STEPS - 1,
+                          schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=n_steps - 1,
                           with_stack=not defaults, record_shapes=not defaults, profile_memory=False,
                           metadata={"framework": f"megatron-core {megatron.core.__version__}", "stages": stages,
                                     "slow": list(slow) if slow else None, "slow_rank": slow_rank,
                                     "dp": dp}) as prof:
-        for s in range(STEPS):
+        for s in range(n_steps):
             current["step"] = s
             its = [data() for _ in range(chunks)]
             t0 = time.perf_counter_ns()
@@ -238,8 +239,9 @@ if __name__ == "__main__":
     parser.add_argument("--slow-kind", choices=("sleep", "compute"), default="sleep")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (2 stages each; 2 x DP processes)")
     parser.add_argument("--slow-rank", type=int, help="slow this rank (one replica of one stage) instead of a stage")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps run: 1 warm-up, the rest profiled")
     args = parser.parse_args()
     target = args.slow_stage if args.slow_rank is None else args.slow_rank
     slow = (target, args.slow_ms, args.slow_kind) if target is not None and args.slow_ms else None
     mp.spawn(worker, args=(2 * args.dp, args.out, args.port, args.interleaved, args.defaults, slow, args.dp,
-                           args.slow_rank), nprocs=2 * args.dp, join=True)
+                           args.slow_rank, args.steps), nprocs=2 * args.dp, join=True)
