@@ -100,8 +100,8 @@ def kin(name: str) -> tuple:
     return f["framework"], f["profile"], f.get("steps", 3)
 
 
-# The deepspeed-steps6-* runs (6 steps: 5 measured, against 1 in the 3-step runs) land: with one measured step the
-# twins' noise is the 5 % floor of that step (0.7 ms), with five it is their spread (0.3 and 4.2 ms) — see
+# The deepspeed-steps6-* runs (6 steps: 4 measured, against 1 in the 3-step runs) land: with one measured step the
+# twins' noise is the 5 % floor of that step (0.7 ms), with four it is their spread (0.3 and 4.2 ms) — see
 # docs/whatif.md "Slowed foreign runs".
 @pytest.mark.parametrize("name", [pytest.param(n, marks=DEEPSPEED_FROZEN) if kin(n) == ("deepspeed", "defaults", 3)
                                   else n for n in SLOWED])
