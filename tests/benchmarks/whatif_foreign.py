@@ -4,6 +4,7 @@ torch.profiler's defaults (no stack, no shapes) and with stack and shapes; then 
 
     python tests/benchmarks/whatif_foreign.py OUT [--python VENV_PYTHON] [--frameworks megatron,deepspeed,pipelining]
         [--modes defaults,stack] [--kinds sleep,compute] [--slow-stage 1] [--slow-ms 20] [--repeats 2] [--analyze-only]
+        [--dp 2 [--slow-rank 1]]
 
 Runs (2 stages, 4 micro-batches, 1 warm-up and 2 profiled steps each), per framework and profile mode, interleaved:
 slowed (each kind), twin, slowed, twin, … (``--repeats`` of each). megatron-core and DeepSpeed run their generators
@@ -21,6 +22,12 @@ step. The table: framework, profile mode, slowdown, the groups named (stage/rank
 what-if lies within the twins' noise (their range widened by traceana's noise on each side, ``noise_ms``: the spread
 over a run's steps, at least 5 % of its step), and the largest zeroed replay share. ``OUT/results.json`` keeps every
 run's figures.
+
+``--dp 2``: pp 2 × dp 2 (4 processes; rank = stage · dp + replica) with rank ``--slow-rank`` alone slowed instead of a
+stage: megatron-core and DeepSpeed through the same generators' ``--dp/--slow-rank``, torch.distributed.pipelining in
+``_pipelining_dp_rank`` below (per-replica ``PipelineStage`` groups, the gradients all-reduced over each stage's
+replicas in the script); the what-if is ``rank=R:peers`` (rank R at its peers' speed: the same stage in the other
+replica), the study's ideal ``by_rank[R]``, the runs ``FW-dp2-PROFILE-KIND-I``.
 """
 
 from __future__ import annotations
@@ -69,11 +76,76 @@ def _pipelining_rank(rank: int, world: int, init: str, out: str, defaults: bool,
             slow_down(slow[1], slow[2])
             return forward(self, x)
         ex.Part.forward = slowed
-    ex.PipelineProfiler = functools.partial(PipelineProfiler, record_shapes=not defaults, with_stack=not defaults)
+    ex.PipelineProfiler = functools.partial(PipelineProfiler, record_shapes=not defaults, with_stack=not defaults,
+                                            profile_memory=not defaults)  # torch.profiler's defaults: none of them
     ex.run_rank(rank, world, init, "1f1b", Path(out), "tiny-gpt", MICROBATCHES, 1, 2)
 
 
-def pipelining_child(out: str, defaults: bool, slow) -> None:
+def _pipelining_dp_rank(rank: int, world: int, init: str, out: str, defaults: bool, slow, dp: int) -> None:
+    """pp 2 × dp ``dp`` as a user writes it with torch.distributed.pipelining: rank = stage · dp + replica; each
+    replica's two stages talk over their own process group (``PipelineStage(group=…)``), and after each schedule step
+    the gradients of each stage are all-reduced over its replicas (one flat bucket, as DDP) before the optimizer.
+    ``slow``: (rank, ms, kind): that rank's ``Part.forward`` spends ms more in each forward."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    import collectors.pipelining_example as ex
+    from collectors.pipelining import annotate
+    from collectors.profiler import PipelineProfiler
+    from collectors.trainer import data
+    from collectors.trainer.config import PRESETS
+    from collectors.trainer.model import GPT
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    pp = world // dp
+    stage, replica = divmod(rank, dp)
+    pipes = [dist.new_group([s * dp + r for s in range(pp)]) for r in range(dp)]  # every rank makes every group
+    replicas = [dist.new_group([s * dp + r for r in range(dp)]) for s in range(pp)]
+    shape = PRESETS["tiny-gpt"]
+    torch.manual_seed(1234)
+    part = ex.Part(GPT(shape), stage=stage, stages=pp)
+    if slow is not None and slow[0] == rank:
+        forward = part.forward
+
+        def slowed(x):
+            slow_down(slow[1], slow[2])
+            return forward(x)
+        part.forward = slowed
+    st = pipelining.PipelineStage(part, stage, pp, torch.device("cpu"), group=pipes[replica])
+    params = list(part.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    schedule = pipelining.schedules.Schedule1F1B(st, n_microbatches=MICROBATCHES, loss_fn=ex.loss_fn)
+    annotate(schedule)
+    steps = 3  # 1 warm-up, 2 profiled
+    batches = [data.batch(seed=1234 + replica, step=s, num_microbatches=1, microbatch_size=MICROBATCHES,
+                          seq=shape.seq, vocab=shape.vocab) for s in range(steps)]
+    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=pp, schedule="1f1b", warmup=1,
+                          active=steps - 1, record_shapes=not defaults, with_stack=not defaults,
+                          profile_memory=not defaults,
+                          metadata={"stages": [stage], "collector": "torch.distributed.pipelining",
+                                    "slow_rank": slow[0] if slow else None}) as prof:
+        for inputs, targets in batches:
+            opt.zero_grad(set_to_none=True)
+            if stage == 0:
+                schedule.step(inputs[0])
+            else:
+                schedule.step(target=targets[0], losses=[])
+            grads = [q.grad for q in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=replicas[stage])
+            flat /= dp
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+            opt.step()
+            prof.step()
+    dist.destroy_process_group()
+
+
+def pipelining_child(out: str, defaults: bool, slow, dp: int = 1) -> None:
+    import dataclasses
+
     import torch.multiprocessing as mp
 
     from collectors.launch import free_port
@@ -83,14 +155,26 @@ def pipelining_child(out: str, defaults: bool, slow) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     Path(out).mkdir(parents=True, exist_ok=True)
     started = time.time()
-    mp.start_processes(_pipelining_rank, args=(2, f"tcp://127.0.0.1:{free_port()}", out, defaults, slow), nprocs=2,
-                       join=True, start_method="spawn")
-    finalize_manifest(Path(out), manifest("1f1b", 2, 2, MICROBATCHES, 1, "tiny-gpt", 2), since=started)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    if dp == 1:
+        mp.start_processes(_pipelining_rank, args=(2, init, out, defaults, slow), nprocs=2, join=True,
+                           start_method="spawn")
+        finalize_manifest(Path(out), manifest("1f1b", 2, 2, MICROBATCHES, 1, "tiny-gpt", 2), since=started)
+        return
+    world = 2 * dp
+    mp.start_processes(_pipelining_dp_rank, args=(world, init, out, defaults, slow, dp), nprocs=world, join=True,
+                       start_method="spawn")
+    m = manifest("1f1b", 2, 2, MICROBATCHES, 1, "tiny-gpt", 2)
+    finalize_manifest(Path(out), dataclasses.replace(
+        m, world_size=world, dp=dp, stage_of_rank=tuple(r // dp for r in range(world)),
+        stages_of_rank=tuple((r // dp,) for r in range(world)), global_batch=MICROBATCHES * dp, ranks_per_host=world,
+        extra={"slow_rank": slow[0] if slow else None}), since=started)
 
 
 # -- the parent: make the runs, read them --
 
-def collect(framework: str, out: Path, python: str, defaults: bool, slow, port: int) -> float:
+def collect(framework: str, out: Path, python: str, defaults: bool, slow, port: int, dp: int = 1) -> float:
+    """One run into ``out``. ``slow``: (stage, ms, kind), or with ``dp`` > 1 (rank, ms, kind): that rank alone."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     if framework == "pipelining":
         cmd = [python, __file__, "--pipelining-child", str(out)]
@@ -98,8 +182,11 @@ def collect(framework: str, out: Path, python: str, defaults: bool, slow, port: 
         cmd = [python, str(GENERATORS[framework]), str(out), "--port", str(port)]
     if defaults:
         cmd.append("--defaults")
+    if dp > 1:
+        cmd += ["--dp", str(dp)]
     if slow is not None:
-        cmd += ["--slow-stage", str(slow[0]), "--slow-ms", str(slow[1]), "--slow-kind", slow[2]]
+        cmd += ["--slow-rank" if dp > 1 else "--slow-stage", str(slow[0]), "--slow-ms", str(slow[1]),
+                "--slow-kind", slow[2]]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     if res.returncode != 0:
@@ -117,13 +204,15 @@ def whatif(run: Path, sets: list[str]) -> dict:
     return json.loads(res.stdout)
 
 
-def read(run: Path, stage: int) -> dict:
-    w = whatif(run, [f"stage={stage}:peers"])
+def read(run: Path, stage: int, group: str = "stage") -> dict:
+    """``group`` ``stage``: the what-if ``stage=S:peers`` and the study's ideal of that stage; ``rank``: the same of
+    rank S (at its peers' speed: the same stage in the other replicas)."""
+    w = whatif(run, [f"{group}={stage}:peers"])
     if "error" in w:
         return {"run": str(run), "error": w["error"]}
     z = whatif(run, ZEROED)
     named = [f"{g} {e['id']}" for g in ("stage", "rank", "replica") for e in w.get(f"by_{g}", []) if e.get("named")]
-    ideal = next((e["if_ideal_step_ms"] for e in w["by_stage"] if str(e["id"]) == str(stage)), None)
+    ideal = next((e["if_ideal_step_ms"] for e in w[f"by_{group}"] if str(e["id"]) == str(stage)), None)
     return {"run": str(run), "measured_ms": w["measured_step_ms"], "noise_ms": w["noise_ms"],
             "peers_ms": w["changed_step_ms"], "ideal_ms": ideal, "named": named, "diagnosis": w["diagnosis"],
             "consistent": [w["consistent_operations"], w["operations"]],
@@ -131,7 +220,7 @@ def read(run: Path, stage: int) -> dict:
             if "changed_step_ms" in z else None, "notes": w.get("notes", [])}
 
 
-def rows(results: list[dict], stage: int) -> list[dict]:
+def rows(results: list[dict], stage: int, group: str = "stage") -> list[dict]:
     out = []
     for fw, mode in dict.fromkeys((r["framework"], r["mode"]) for r in results):
         twins = [r for r in results if (r["framework"], r["mode"], r["kind"]) == (fw, mode, "none") and "error" not in r]
@@ -166,13 +255,14 @@ def rows(results: list[dict], stage: int) -> list[dict]:
                     if ms else None
                 row["within_twin_whatif"] = all(row["twin"]["peers_min"] - noise <= p <= row["twin"]["peers_max"] + noise
                                                 for p in row["peers_ms"])
-            row["expected"] = [] if kind == "none" else [f"stage {stage}"]
+            row["expected"] = [] if kind == "none" else [f"{group} {stage}"]
             out.append(row)
     return out
 
 
 def table(rs: list[dict]) -> str:
-    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed, ms (range); the "
+    lines = ["| framework | profile | slowdown | runs | named | what-if: stage S at the others' speed (with --dp: rank R "
+             "at its peers'), ms (range); the "
              "study's ideal; measured | twin measured ms, median (range) ± noise | within it | the twin's own what-if "
              "(the same --set) | within it | what-if − (measured − injected), ms | within the run's noise + the twins' "
              "imbalance | zeroed replay, largest |",
@@ -211,19 +301,27 @@ def main() -> None:
     p.add_argument("--slow-stage", type=int, default=1)
     p.add_argument("--slow-ms", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the 2 stages (2 x DP processes)")
+    p.add_argument("--slow-rank", type=int, default=1,
+                   help="with --dp > 1: the rank slowed (one replica of one stage; rank = stage * dp + replica)")
     p.add_argument("--analyze-only", action="store_true", help="read the runs already in OUT")
     p.add_argument("--table", nargs="+", type=Path, metavar="RESULTS_JSON",
                    help="only print the table of earlier runs' results.json files, together")
     p.add_argument("--pipelining-child", metavar="RUN", help=argparse.SUPPRESS)
     p.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--slow-kind", default="sleep", help=argparse.SUPPRESS)
+    # the child is slowed only when told how (--slow-kind): a twin's command names no slowdown (until 07:20 on
+    # 2026-12-07 the child fell back to --slow-ms's default, 20 ms, and every pipelining twin was slowed too)
+    p.add_argument("--slow-kind", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.pipelining_child:
-        pipelining_child(a.pipelining_child, a.defaults, (a.slow_stage, a.slow_ms, a.slow_kind) if a.slow_ms else None)
+        target = a.slow_rank if a.dp > 1 else a.slow_stage
+        pipelining_child(a.pipelining_child, a.defaults,
+                         (target, a.slow_ms, a.slow_kind) if a.slow_kind and a.slow_ms else None, a.dp)
         return
+    group, target = ("rank", a.slow_rank) if a.dp > 1 else ("stage", a.slow_stage)
     if a.table:
         runs = [r for f in a.table for r in json.loads(f.read_text())["runs"]]
-        print(table(rows(runs, a.slow_stage)))
+        print(table(rows(runs, target, group)))
         loads = [r["load"][0] for r in runs if r.get("load")]
         print(f"load average (1 min) over the runs: {min(loads):.1f}–{max(loads):.1f}")
         return
@@ -235,19 +333,19 @@ def main() -> None:
             seen: dict[str, int] = {}
             for kind in order:
                 i = seen[kind] = seen.get(kind, -1) + 1
-                run = a.out / f"{fw}-{mode}-{kind}-{i}" / "run"
-                slow = None if kind == "none" else (a.slow_stage, a.slow_ms, kind)
+                run = a.out / (f"{fw}-{mode}-{kind}-{i}" if a.dp == 1 else f"{fw}-dp{a.dp}-{mode}-{kind}-{i}") / "run"
+                slow = None if kind == "none" else (target, a.slow_ms, kind)
                 wall = None
                 try:
                     if not a.analyze_only:
                         port += 1
-                        wall = collect(fw, run, a.python, mode == "defaults", slow, port)
+                        wall = collect(fw, run, a.python, mode == "defaults", slow, port, a.dp)
                     # what was done to the run, beside it (tests/causal/test_whatif_foreign.py reads it: the
                     # expectation)
                     run.parent.joinpath("slow.json").write_text(json.dumps(
                         {"framework": fw, "profile": mode, "slow": list(slow) if slow else None,
-                         "microbatches": MICROBATCHES}))
-                    r = read(run, a.slow_stage)
+                         "microbatches": MICROBATCHES, "dp": a.dp, "group": group}))
+                    r = read(run, target, group)
                 except RuntimeError as e:
                     r = {"run": str(run), "error": [str(e)]}
                 r.update(framework=fw, mode=mode, kind=kind, repeat=i, wall_s=wall, load=os.getloadavg(),
@@ -255,7 +353,7 @@ def main() -> None:
                 print(json.dumps({k: r.get(k) for k in ("run", "named", "measured_ms", "peers_ms", "ideal_ms",
                                                        "zeroed_share", "error", "load")}), flush=True)
                 results.append(r)
-    rs = rows(results, a.slow_stage)
+    rs = rows(results, target, group)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps({"runs": results, "rows": rs}, indent=1))
     print(table(rs))

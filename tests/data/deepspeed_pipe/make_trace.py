@@ -9,12 +9,16 @@ The truth is recorded outside the trace: every pipe instruction the engine execu
 each instruction class (the trace's ProfilerStep#N spans the same call, from one ``prof.step()`` to the next).
 
     DS_ACCELERATOR=cpu python tests/data/deepspeed_pipe/make_trace.py OUT_DIR   # truth.rank{R}.json next to OUT_DIR
-        [--defaults] [--port N] [--slow-stage S --slow-ms X [--slow-kind sleep|compute]]
+        [--defaults] [--port N] [--slow-stage S --slow-ms X [--slow-kind sleep|compute]] [--dp D [--slow-rank R]]
+        [--steps N]
 
 ``--slow-stage S --slow-ms X``: stage S's module (the ``PipelineModule``'s forward, the job's own code) spends X ms
 more in each forward of a micro-batch: ``time.sleep`` (``--slow-kind sleep``, the default) or torch matmuls until X ms
 have passed (``compute``: CPU ops inside the forward). ``--defaults`` profiles with torch.profiler's defaults (no
-``with_stack``, no ``record_shapes``) instead of with both. (tests/benchmarks/whatif_foreign.py makes its runs so.)
+``with_stack``, no ``record_shapes``) instead of with both. ``--dp D``: D data-parallel replicas of the 2 stages (2·D
+processes, ``PipeDataParallelTopology``: the engine all-reduces each stage's gradients over its replicas);
+``--slow-rank R`` slows rank R alone (one replica of one stage) instead of a stage. (tests/benchmarks/whatif_foreign.py
+makes its runs so.)
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def slowed(forward, ms: float, kind: str):
 
 
 def worker(rank: int, world: int, out: str, port: int, defaults: bool = False,
-           slow: tuple[int, float, str] | None = None) -> None:
+           slow: tuple[int, float, str] | None = None, dp: int = 1, slow_rank: int | None = None,
+           n_steps: int = STEPS) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.manual_seed(0)
@@ -63,7 +68,11 @@ def worker(rank: int, world: int, out: str, port: int, defaults: bool = False,
 
     deepspeed.init_distributed(dist_backend="gloo")
     layers = [torch.nn.Linear(HIDDEN, HIDDEN) if i % 2 == 0 else torch.nn.ReLU() for i in range(8)]
-    net = PipelineModule(layers=layers, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    pp = world // dp  # DeepSpeed's topology: rank = stage * dp + replica; gradients all-reduced over each stage's dp
+    net = PipelineModule(layers=layers, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+                         loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": MB_SIZE, "gradient_accumulation_steps": MICROBATCHES,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -114,17 +123,19 @@ def worker(rank: int, world: int, out: str, port: int, defaults: bool = False,
             x = torch.randn(MB_SIZE, HIDDEN, generator=g)
             yield x, x.flip(-1)
 
-    if slow is not None and slow[0] == engine.stage_id:  # nn.Module.__call__ looks forward up on the instance
+    # (nn.Module.__call__ looks forward up on the instance)
+    if slow is not None and (slow[0] == engine.stage_id if slow_rank is None else slow_rank == rank):
         net.forward = slowed(net.forward, slow[1], slow[2])
     it = data()
     steps: list[tuple[int, int]] = []
     stage = engine.stage_id
-    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world, schedule="1f1b",
-                          warmup=1, active=STEPS - 1, with_stack=not defaults, record_shapes=not defaults,
+    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=pp, schedule="1f1b",
+                          warmup=1, active=n_steps - 1, with_stack=not defaults, record_shapes=not defaults,
                           profile_memory=False,
                           metadata={"framework": f"deepspeed {deepspeed.__version__}",
-                                    "slow": list(slow) if slow else None}) as prof:
-        for s in range(STEPS):
+                                    "slow": list(slow) if slow else None, "slow_rank": slow_rank,
+                                    "dp": dp}) as prof:
+        for s in range(n_steps):
             current["step"] = s
             t0 = time.perf_counter_ns()
             engine.train_batch(data_iter=it)
@@ -158,6 +169,11 @@ if __name__ == "__main__":
     parser.add_argument("--slow-stage", type=int)
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--slow-kind", choices=("sleep", "compute"), default="sleep")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (2 stages each; 2 x DP processes)")
+    parser.add_argument("--slow-rank", type=int, help="slow this rank (one replica of one stage) instead of a stage")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps run: 1 warm-up, the rest profiled")
     args = parser.parse_args()
-    slow = (args.slow_stage, args.slow_ms, args.slow_kind) if args.slow_stage is not None and args.slow_ms else None
-    mp.spawn(worker, args=(2, args.out, args.port, args.defaults, slow), nprocs=2, join=True)
+    target = args.slow_stage if args.slow_rank is None else args.slow_rank
+    slow = (target, args.slow_ms, args.slow_kind) if target is not None and args.slow_ms else None
+    mp.spawn(worker, args=(2 * args.dp, args.out, args.port, args.defaults, slow, args.dp, args.slow_rank, args.steps),
+             nprocs=2 * args.dp, join=True)

@@ -16,11 +16,15 @@ schedule call plus the optimizer step); ``truth.rank{R}.json`` next to OUT_DIR.
 
     python tests/data/megatron_pipe/make_trace.py OUT_DIR [--interleaved] [--defaults] [--port N]
                                                   [--slow-stage S --slow-ms X [--slow-kind sleep|compute]]
+                                                  [--dp D [--slow-rank R --slow-ms X]] [--steps N]
 
 ``--slow-stage S --slow-ms X``: stage S's module (``Stage.forward``, the job's own code) spends X ms more in each
 forward of a micro-batch: ``time.sleep`` (``--slow-kind sleep``, the default) or torch matmuls until X ms have passed
 (``compute``: CPU ops inside the forward). ``--defaults`` profiles with torch.profiler's defaults (no ``with_stack``,
-no ``record_shapes``) instead of with both. (tests/benchmarks/whatif_foreign.py makes its runs so.)
+no ``record_shapes``) instead of with both. ``--dp D``: D data-parallel replicas of the 2 stages (2·D processes,
+megatron-core's groups; the gradients all-reduced over its data-parallel group after the schedule, one flat bucket as
+DDP does; "dp_allreduce" in the truth); ``--slow-rank R`` slows rank R alone (one replica of one stage) instead of a
+stage. (tests/benchmarks/whatif_foreign.py makes its runs so.)
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ class Stage(torch.nn.Module):
 
 
 def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaults: bool = False,
-           slow: tuple[int, float, str] | None = None) -> None:
+           slow: tuple[int, float, str] | None = None, dp: int = 1, slow_rank: int | None = None,
+           n_steps: int = STEPS) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.manual_seed(rank)
     torch.set_num_threads(1)
@@ -95,16 +100,17 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaul
     from collectors.profiler import PipelineProfiler
 
     chunks = 2 if interleaved else 1
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world,
+    pp = world // dp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=chunks if interleaved else None)
-    config = TransformerConfig(num_layers=2 * world * chunks, hidden_size=HIDDEN, num_attention_heads=4,
-                               pipeline_model_parallel_size=world, pipeline_dtype=torch.float32,
+    config = TransformerConfig(num_layers=2 * pp * chunks, hidden_size=HIDDEN, num_attention_heads=4,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                                use_cpu_initialization=True, virtual_pipeline_model_parallel_size=chunks
                                if interleaved else None)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     models = [Stage(config, first=(stage == 0 and c == 0)) for c in range(chunks)]
     for c, m in enumerate(models):
-        if slow is not None and slow[0] == stage + c * world:
+        if slow is not None and (slow[0] == stage + c * pp if slow_rank is None else slow_rank == rank):
             m.slow = (slow[1], slow[2])
     opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=1e-3)
 
@@ -175,19 +181,29 @@ def worker(rank: int, world: int, out: str, port: int, interleaved: bool, defaul
     run = (schedules.forward_backward_pipelining_with_interleaving if interleaved
            else schedules.forward_backward_pipelining_without_interleaving)
     steps = []
-    stages = [stage + c * world for c in range(chunks)]
-    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=world * chunks,
-                          schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=STEPS - 1,
+    stages = [stage + c * pp for c in range(chunks)]
+    params = [p for m in models for p in m.parameters()]
+    with PipelineProfiler(out, rank=rank, stage=stage, world_size=world, pp=pp * chunks,
+                          schedule="interleaved-1f1b" if interleaved else "1f1b", warmup=1, active=n_steps - 1,
                           with_stack=not defaults, record_shapes=not defaults, profile_memory=False,
                           metadata={"framework": f"megatron-core {megatron.core.__version__}", "stages": stages,
-                                    "slow": list(slow) if slow else None}) as prof:
-        for s in range(STEPS):
+                                    "slow": list(slow) if slow else None, "slow_rank": slow_rank,
+                                    "dp": dp}) as prof:
+        for s in range(n_steps):
             current["step"] = s
             its = [data() for _ in range(chunks)]
             t0 = time.perf_counter_ns()
             run(forward_step_func=forward_step_func, data_iterator=its if interleaved else its[0],
                 model=models if interleaved else models[0], num_microbatches=MICROBATCHES, seq_length=SEQ,
                 micro_batch_size=MB_SIZE)
+            if dp > 1:  # the gradients' all-reduce over megatron-core's data-parallel group (one bucket, as DDP)
+                t_ar = time.perf_counter_ns()
+                flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+                torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+                flat /= dp
+                for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+                    p.grad.copy_(g)
+                calls.append((s, "dp_allreduce", time.perf_counter_ns() - t_ar))
             t1 = time.perf_counter_ns()
             with torch.profiler.record_function("Optimizer.step#SGD.step"):  # as torch.optim itself records it
                 opt.step()
@@ -221,6 +237,11 @@ if __name__ == "__main__":
     parser.add_argument("--slow-stage", type=int)
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--slow-kind", choices=("sleep", "compute"), default="sleep")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (2 stages each; 2 x DP processes)")
+    parser.add_argument("--slow-rank", type=int, help="slow this rank (one replica of one stage) instead of a stage")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps run: 1 warm-up, the rest profiled")
     args = parser.parse_args()
-    slow = (args.slow_stage, args.slow_ms, args.slow_kind) if args.slow_stage is not None and args.slow_ms else None
-    mp.spawn(worker, args=(2, args.out, args.port, args.interleaved, args.defaults, slow), nprocs=2, join=True)
+    target = args.slow_stage if args.slow_rank is None else args.slow_rank
+    slow = (target, args.slow_ms, args.slow_kind) if target is not None and args.slow_ms else None
+    mp.spawn(worker, args=(2 * args.dp, args.out, args.port, args.interleaved, args.defaults, slow, args.dp,
+                           args.slow_rank, args.steps), nprocs=2 * args.dp, join=True)
