@@ -21,6 +21,7 @@ import polars as pl
 import pytest
 
 from collected_runs import RUNS
+from schedule_truth import waited_between_holds_ms
 from traceana.causal.diagnosis import diagnose
 from traceana.causal.whatif import whatif
 from traceana.ingest.run_dir import load_run
@@ -88,17 +89,21 @@ def test_the_slowed_replica_is_named_the_straggler(analysed):
     assert s.step_ms - stage0["if_ideal_step_ms"] > noise, (noise, s.step_ms, stage0)
 
 
-def test_the_slowed_replica_at_its_peers_speed_is_the_unslowed_twin(analysed):
+def test_the_slowed_replica_at_its_peers_speed_is_the_unslowed_twin(analysed, collected_run):
     # the truth: the same configuration collected without the slow-down (its step, measured with its own noise);
     # at its peers' speed rank 1 runs what rank 0 runs, so the whole step is the twin's, within both runs' noise
     # — and the twin collected again after both (A B A): on a loaded machine the same configuration moves from one
-    # collection to the next by more than either run's step-to-step noise, so that change is measured here too
+    # collection to the next by more than either run's step-to-step noise, so that change is measured here too —
+    # plus what the what-if cannot know: the slowed run's ranks' waiting for a CPU outside their holds (side files'
+    # schedstat; a few ms quiet; under 8 CPU-bound loops 375 ms a step, when the fix read 561 ms against twins of
+    # 419-427 ms and a noise of 101 ms)
     slow, plain, again = analysed("1f1b_pp2dp2_slow"), analysed("1f1b_pp2dp2"), analysed("1f1b_pp2dp2_again")
     stage0 = diagnose(slow).per_stage.filter(pl.col("stage") == 0).row(0, named=True)  # (what-if columns: null
     # in the measured summary until the causal layer is asked)
     twins = sorted([plain.summary.step_ms, again.summary.step_ms])
     noise = whatif(slow, full=False).summary["noise_ms"] + max(
-        whatif(w, full=False).summary["noise_ms"] for w in (plain, again)) + (twins[1] - twins[0])
+        whatif(w, full=False).summary["noise_ms"] for w in (plain, again)) + (twins[1] - twins[0]) \
+        + waited_between_holds_ms(collected_run("1f1b_pp2dp2_slow"))
     assert twins[0] - noise <= stage0["if_ideal_step_ms"] <= twins[1] + noise, (stage0, twins, noise)
 
 
