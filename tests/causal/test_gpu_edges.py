@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from tracebuilder import TraceBuilder  # noqa: E402
 from gen_big_trace import write_run  # noqa: E402
+from engine_check import replayed_ns  # noqa: E402
 
 US = 1_000
 ZERO = ("forward=0", "backward=0", "optimizer=0", "collective=0", "p2p=0", "host=0")
@@ -73,14 +74,7 @@ def _write(tmp_path: Path, ranks: list[Gpu]) -> str:
 def replayed_us(g: graph.StepGraph, sets: list[str]) -> float:
     """The step replayed with ``sets`` (µs), on the engine and on the batched evaluator (which must agree)."""
     ops, edges = _ideals(g)
-    v = changed(ops, [parse_set(s) for s in sets])
-    engine = replay.replay_steps_ns(g, ops=ops.with_columns(v[0].alias("work_ns"), v[1].alias("gap_ns")),
-                                   edges=edges.with_columns(v[2].alias("transfer_ns")))
-    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
-    try:
-        assert replay.replay_variants(g, ops, edges, [v])[0] == engine
-    finally:
-        replay.BATCH_FROM_OPS = old
+    engine = replayed_ns(g, ops, edges, changed(ops, [parse_set(s) for s in sets]))
     (step,) = engine
     return step / US
 

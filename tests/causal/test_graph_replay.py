@@ -18,6 +18,8 @@ from traceana.causal import critical_path, graph, replay
 from traceana.causal.whatif import _ideals, changed, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
+from engine_check import replayed_ns
+
 DATA = Path(__file__).parents[1] / "data"
 MS = 1_000_000
 ZERO = [parse_set(s) for s in ("forward=0", "backward=0", "optimizer=0", "collective=0", "p2p=0", "host=0")]
@@ -55,15 +57,7 @@ def with_ideals(g: graph.StepGraph) -> tuple[pl.DataFrame, pl.DataFrame]:
 def replayed_ms(g: graph.StepGraph, changes: list[str]) -> list[float]:
     """The step replayed with ``changes``, on the engine and on the batched evaluator (which must agree)."""
     ops, edges = with_ideals(g)
-    variant = changed(ops, [parse_set(c) for c in changes])
-    engine = replay.replay_steps_ns(g, ops=ops.with_columns(variant[0].alias("work_ns"), variant[1].alias("gap_ns")),
-                                   edges=edges.with_columns(variant[2].alias("transfer_ns")))
-    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
-    try:
-        batched = replay.replay_variants(g, ops, edges, [variant])[0]
-    finally:
-        replay.BATCH_FROM_OPS = old
-    assert batched == engine
+    engine = replayed_ns(g, ops, edges, changed(ops, [parse_set(c) for c in changes]))
     return [x / MS for x in engine]
 
 
