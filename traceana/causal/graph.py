@@ -60,7 +60,7 @@ OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String,
 # Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
 # holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
 WAIT = {"wait_ns": pl.Int64}
-# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then _EDGE_ORDER) is
+# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then EDGE_ORDER) is
 # also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
 BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
 # A message posted after a receive that blocked its rank (``_after_receives``): the step's ``edge``-th message's
@@ -431,7 +431,7 @@ def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
 
 def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int, pl.DataFrame]:
     """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
-    order (step, _EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
+    order (step, EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
     if pairs.height == 0:
         return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64,
                                                                    "recv_post_ns": pl.Int64, "recv_end_ns": pl.Int64})
@@ -476,7 +476,7 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
         pl.max_horizontal("transfer_ns", got - posted).alias("transfer_ns"),
     )
-    e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    e = e.sort(["step", *EDGE_ORDER], nulls_last=True, maintain_order=True)
     return (e.select(list(EDGES)).cast(EDGES), unpaired,
             e.select("send_start_ns", "send_end_ns", "recv_post_ns", "recv_end_ns"))
 
@@ -683,5 +683,7 @@ def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: p
                             pl.col("_gap").clip(lower_bound=0).alias("gap_ns"))
 
 
-# The order of a step's messages (``edge`` numbers them in it), the one the replay's plan reads them in (causal.replay)
-_EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+# The order of a step's messages (``edge`` numbers them in it), the one the replay's plan reads them in (causal.replay,
+# causal.critical_path, validation.plan import it)
+EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+_EDGE_ORDER = EDGE_ORDER  # its former name, for code written against it (the same list)
