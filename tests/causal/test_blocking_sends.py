@@ -73,3 +73,20 @@ def test_an_isend_whose_wait_the_sender_reached_before_the_arrival_holds_it():
     # when the message is through (21, the span's end) and D runs after it, 21-26: D waits on the message, B not.
     ops, edges, sent, win, rk = _step(21, [("F", 0, 10), ("F", 10, 15), ("F", 21, 26)])
     assert graph._blocking(edges, sent, ops, win).rows() == [(0, 0, 0, 2)]
+
+
+def test_a_gain_beyond_the_time_removed_is_said():
+    # megatron-core 1F1B (tests/data): stage 1's forwards at half remove half their work (summed here from the
+    # graph's operations, per step); the replay gains more, because the waits no edge explains shrink with the step
+    # (rho): a max-plus replay with those waits fixed gains at most the time removed, so the what-if says it.
+    from traceana.causal.whatif import parse_set, whatif
+    from traceana.measure.analysis_cache import load_and_analyze
+    from pathlib import Path
+    a = load_and_analyze(str(Path(__file__).parents[1] / "data/megatron_pipe/1f1b/run"), cache=False)
+    w = whatif(a, [parse_set("stage=1:forward*0.5")])
+    g = graph.build(a)
+    fwd = g.ops.filter((pl.col("stage") == 1) & (pl.col("phase") == "forward"))
+    removed_ms = fwd["work_ns"].sum() / 2 / g.ops["step"].n_unique() / MS
+    gain = w.summary["replayed_step_ms"] - w.summary["changed_step_ms"]
+    said = [n for n in w.notes if "more than the" in n and "stage=1:forward*0.5" in n]
+    assert (gain > removed_ms + 0.01) == bool(said), (gain, removed_ms, said)
