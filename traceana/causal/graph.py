@@ -552,8 +552,8 @@ def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: p
     annotation, p2p.messages) lasted more than ARRIVAL_SLACK_NS and returned no earlier than its message's modelled
     arrival (less ARRIVAL_SLACK_NS), and the sender sat in it when the message arrived — its operation before the
     gated one ended by the arrival (plus ARRIVAL_SLACK_NS) and the gated one began its work after the span's return
-    (less ARRIVAL_SLACK_NS). The message is then an input of the sender's first operation that began its work after
-    the arrival. A blocking send (gloo's send, a wait() right after an isend) is one; an isend or
+    (less ARRIVAL_SLACK_NS). The message is then an input of that operation, the sender's first that began its work
+    after the span's return. A blocking send (gloo's send, a wait() right after an isend) is one; an isend or
     batch_isend_irecv whose wait comes later (torch.distributed.pipelining's 1F1B waits on its sends before the
     next send, after the next pass) is one only where the sender reached that wait before the message was through
     — its span stays open while it runs other operations, which then did not wait on it."""
@@ -568,10 +568,10 @@ def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: p
     by_work = ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("_seq"),
                          pl.when(pl.col("action") == "C").then("start_ns")
                          .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
-    got = (arr.sort("_arrive").join_asof(by_work, left_on="_arrive", right_on="_ws", by=["src", "step"],
-                                         strategy="forward", check_sortedness=False)
-           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq"))
-                   & (pl.col("_ws") >= pl.col("send_end_ns") - ARRIVAL_SLACK_NS))
+    got = (arr.with_columns((pl.col("send_end_ns") - ARRIVAL_SLACK_NS).alias("_ret")).sort("_ret")
+           .join_asof(by_work, left_on="_ret", right_on="_ws", by=["src", "step"], strategy="forward",
+                      check_sortedness=False)
+           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq")))
            .join(ops.select(pl.col("rank").alias("src"), "step", (pl.col("seq") + 1).alias("_seq"),
                             pl.col("end_ns").alias("_prev_end")), on=["src", "step", "_seq"], how="left")
            .filter(pl.col("_prev_end").is_null() | (pl.col("_prev_end") <= pl.col("_arrive") + ARRIVAL_SLACK_NS)))
