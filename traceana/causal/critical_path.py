@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceana.causal.graph import _EDGE_ORDER, KIND_OF_ACTION, StepGraph
+from traceana.causal.graph import EDGE_ORDER, KIND_OF_ACTION, StepGraph
 from traceana.causal.replay import Replay, _in_plan_order, _message_terms, _plan
 from traceana.core.units import NS_PER_MS
 
@@ -60,7 +60,7 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
     # next operation
     plan = _plan(g, step)
-    t_meas = (_in_plan_order(own.select("step", "rank", "seq"), edges.select("step", *_EDGE_ORDER, "transfer_ns"))[1]  # (edges only)
+    t_meas = (_in_plan_order(own.select("step", "rank", "seq"), edges.select("step", *EDGE_ORDER, "transfer_ns"))[1]  # (edges only)
               ["transfer_ns"].cast(pl.Float64).to_list())
     terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
     held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])

@@ -60,7 +60,7 @@ OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String,
 # Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
 # holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
 WAIT = {"wait_ns": pl.Int64}
-# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then _EDGE_ORDER) is
+# A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then EDGE_ORDER) is
 # also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
 BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
 # A message posted after a receive that blocked its rank (``_after_receives``): the step's ``edge``-th message's
@@ -431,7 +431,7 @@ def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
 
 def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int, pl.DataFrame]:
     """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
-    order (step, _EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
+    order (step, EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
     if pairs.height == 0:
         return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64,
                                                                    "recv_post_ns": pl.Int64, "recv_end_ns": pl.Int64})
@@ -476,7 +476,7 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         (pl.col("recv_post_ns") - pl.coalesce("_ae", "_w")).alias("post_lag_ns"),
         pl.max_horizontal("transfer_ns", got - posted).alias("transfer_ns"),
     )
-    e = e.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    e = e.sort(["step", *EDGE_ORDER], nulls_last=True, maintain_order=True)
     return (e.select(list(EDGES)).cast(EDGES), unpaired,
             e.select("send_start_ns", "send_end_ns", "recv_post_ns", "recv_end_ns"))
 
@@ -548,10 +548,15 @@ def _arrivals(edges: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.D
 
 
 def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> pl.DataFrame:
-    """Sends that blocked (BLOCKING): the send call lasted more than ARRIVAL_SLACK_NS and returned no earlier than
-    its message's modelled arrival (less ARRIVAL_SLACK_NS) — gloo's send waits for its receiver, so the sender's
-    next operation waited on the message, which is then its input too: the sender's first operation that began
-    its work after the arrival. (An asynchronous send, which returns at once, makes none.)"""
+    """Sends that blocked (BLOCKING): the send's span (the post to the return of its wait: gloo's ``gloo:send``
+    annotation, p2p.messages) lasted more than ARRIVAL_SLACK_NS and returned no earlier than its message's modelled
+    arrival (less ARRIVAL_SLACK_NS), and the sender sat in it when the message arrived — its operation before the
+    gated one ended by the arrival (plus ARRIVAL_SLACK_NS) and the gated one began its work after the span's return
+    (less ARRIVAL_SLACK_NS). The message is then an input of that operation, the sender's first that began its work
+    after the span's return. A blocking send (gloo's send, a wait() right after an isend) is one; an isend or
+    batch_isend_irecv whose wait comes later (torch.distributed.pipelining's 1F1B waits on its sends before the
+    next send, after the next pass) is one only where the sender reached that wait before the message was through
+    — its span stays open while it runs other operations, which then did not wait on it."""
     if edges.height == 0 or sent.height != edges.height:
         return pl.DataFrame(schema=BLOCKING)
     arr = pl.concat([_arrivals(edges, ops, win), sent], how="horizontal").filter(
@@ -563,9 +568,13 @@ def _blocking(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: p
     by_work = ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("_seq"),
                          pl.when(pl.col("action") == "C").then("start_ns")
                          .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws")
-    got = (arr.sort("_arrive").join_asof(by_work, left_on="_arrive", right_on="_ws", by=["src", "step"],
-                                         strategy="forward", check_sortedness=False)
-           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq"))))
+    got = (arr.with_columns((pl.col("send_end_ns") - ARRIVAL_SLACK_NS).alias("_ret")).sort("_ret")
+           .join_asof(by_work, left_on="_ret", right_on="_ws", by=["src", "step"], strategy="forward",
+                      check_sortedness=False)
+           .filter(pl.col("_seq").is_not_null() & (pl.col("_seq") > pl.col("src_seq")))
+           .join(ops.select(pl.col("rank").alias("src"), "step", (pl.col("seq") + 1).alias("_seq"),
+                            pl.col("end_ns").alias("_prev_end")), on=["src", "step", "_seq"], how="left")
+           .filter(pl.col("_prev_end").is_null() | (pl.col("_prev_end") <= pl.col("_arrive") + ARRIVAL_SLACK_NS)))
     return got.select("step", "edge", pl.col("src").alias("rank"), pl.col("_seq").alias("seq")).cast(BLOCKING).sort(
         "step", "edge")
 
@@ -674,5 +683,7 @@ def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: p
                             pl.col("_gap").clip(lower_bound=0).alias("gap_ns"))
 
 
-# The order of a step's messages (``edge`` numbers them in it), the one the replay's plan reads them in (causal.replay)
-_EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+# The order of a step's messages (``edge`` numbers them in it), the one the replay's plan reads them in (causal.replay,
+# causal.critical_path, validation.plan import it)
+EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
+_EDGE_ORDER = EDGE_ORDER  # its former name, for code written against it (the same list)

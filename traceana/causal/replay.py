@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceana.causal.graph import _EDGE_ORDER, StepGraph
+from traceana.causal.graph import EDGE_ORDER, StepGraph
 from traceana.causal.scheduler import Costs, NullRecorder, Policy, StageTimes, Trace, product, run_schedule
 
 
@@ -53,17 +53,17 @@ class Replay:
 
 def _in_plan_order(ops: pl.DataFrame, edges: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``ops`` and ``edges`` in the order ``_plan`` numbers them (operations by step, rank, seq; messages by step,
-    _EDGE_ORDER): the one order in which the engine (``_values``) and the batched evaluator (``replay_variants``)
+    EDGE_ORDER): the one order in which the engine (``_values``) and the batched evaluator (``replay_variants``)
     read a variant's durations, and the critical path the measured transfers."""
     return (ops.sort("step", "rank", "seq"),
-            edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True))
+            edges.sort(["step", *EDGE_ORDER], nulls_last=True, maintain_order=True))
 
 _PLANS: dict[int, tuple["StepGraph", dict]] = {}  # a graph's replay structure per step (what-ifs replay it often)
 
 
 def _plan(g: StepGraph, step: int) -> dict:
     """What does not change between replays of one step: the ranks, each one's order, what each operation makes,
-    the collectives, and each message's consumer, producer, anchor and lags (in _EDGE_ORDER)."""
+    the collectives, and each message's consumer, producer, anchor and lags (in EDGE_ORDER)."""
     entry = _PLANS.get(id(g))
     if entry is None or entry[0] is not g:
         if len(_PLANS) >= 8:
@@ -139,7 +139,7 @@ def _plan(g: StepGraph, step: int) -> dict:
 
 def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
             ) -> dict[int, tuple[list[float], list[float], list[float]]]:
-    """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in _EDGE_ORDER): one
+    """Per step the operations' work and gaps (in _plan's order) and the messages' transfers (in EDGE_ORDER): one
     sort of each frame for all the steps."""
     o, e = _in_plan_order(g.ops if ops is None else ops, g.edges if edges is None else edges)
     o = o.select("step", pl.col("work_ns", "gap_ns").cast(pl.Float64))
@@ -394,7 +394,7 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     # (variants a chunk: at most VARIANT_CELLS durations of each kind at once, the matrices' memory bounded on big
     # graphs; each variant's column is evaluated alone, so the chunks do not change a result)
     chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
-    o_keys, e_keys = ["step", "rank", "seq"], ["step", *_EDGE_ORDER]
+    o_keys, e_keys = ["step", "rank", "seq"], ["step", *EDGE_ORDER]
 
     def used(frame: pl.DataFrame, exprs: list[pl.Expr], keys: list[str]) -> pl.DataFrame:
         """(only the columns the variants read are sorted and held: a 4,096-rank what-if's ops carry ~40)"""

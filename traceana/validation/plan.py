@@ -8,7 +8,7 @@ from __future__ import annotations
 import polars as pl
 import re
 
-from traceana.causal.graph import _EDGE_ORDER, GraphError, StepGraph, build, pass_durations
+from traceana.causal.graph import EDGE_ORDER, GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
 from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES
@@ -115,7 +115,7 @@ def host_before(g: StepGraph) -> pl.DataFrame:
     that does not, does not, so the typical operation's (the median) would drop the posts of a device whose every
     other operation receives."""
     # (after_receive numbers a step's messages in the replay's order, as build sorts them)
-    e = (g.edges.sort(["step", *_EDGE_ORDER], nulls_last=True, maintain_order=True)
+    e = (g.edges.sort(["step", *EDGE_ORDER], nulls_last=True, maintain_order=True)
          .with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("edge")))
     sides = pl.concat([
         e.select("step", "edge", pl.lit("send").alias("side"), pl.col("src").alias("rank"),
