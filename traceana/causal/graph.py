@@ -686,4 +686,3 @@ def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: p
 # The order of a step's messages (``edge`` numbers them in it), the one the replay's plan reads them in (causal.replay,
 # causal.critical_path, validation.plan import it)
 EDGE_ORDER = ["dst", "dst_seq", "src", "src_seq", "anchor_seq", "send_lag_ns", "post_lag_ns"]
-_EDGE_ORDER = EDGE_ORDER  # its former name, for code written against it (the same list)
