@@ -477,12 +477,12 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     changed_step = _mean(next(out)) if changes else None
     if changes:  # a gain beyond the time the changes removed comes from the waits' and lags' scaling (a proxy)
         n_steps = max(ops["step"].n_unique(), 1)
-        removed_ms = ((ops["work_ns"] + ops["gap_ns"] - ops["_set_work"] - ops["_set_gap"]).sum()
-                      + (edges["transfer_ns"] - edges["_set_transfer"]).sum()) / n_steps / NS_PER_MS
-        beyond = replay_mean - changed_step - max(removed_ms, 0.0)
+        removed_ms = max(((ops["work_ns"] + ops["gap_ns"] - ops["_set_work"] - ops["_set_gap"]).sum()
+                          + (edges["transfer_ns"] - edges["_set_transfer"]).sum()) / n_steps / NS_PER_MS, 0.0)
+        beyond = replay_mean - changed_step - removed_ms
         if beyond > max(0.001 * replay_mean, 0.001):
             notes.append(f"with {', '.join(c.text for c in changes)} the step gains {ms(replay_mean - changed_step)} "
-                         f"ms, {ms(beyond)} ms more than the {ms(max(removed_ms, 0.0))} ms of time the changes remove "
+                         f"ms, {ms(beyond)} ms more than the {ms(removed_ms)} ms of time the changes remove "
                          "per step: the waits no edge explains and the late starts shrink with the step's work (rho), "
                          "the lags with their rank's host work — a proxy for what they waited on (docs/whatif.md \"No "
                          "frozen time\"); with them held fixed the gain would be at most the time removed")
