@@ -617,21 +617,30 @@ def _check_measured(g: StepGraph, batched: list, doubled: list) -> None:
                     "causal.scheduler.run_schedule) — a bug, report it")
 
 
-def _evaluate(levels, work, gap, transfer, *, run_host):
+def _evaluate(levels, work, gap, transfer, *, run_host, split=None):
     """_levels' graph with ``work``/``gap`` (variants × operations) and ``transfer`` (variants × messages): each
     variant's every rank's step (ns; variants × ranks, in ``_plan``'s order), as ``replay_steps_ns`` computes it
-    (``replay_variants``; the step is the slowest rank's)."""
+    (``replay_variants``; the step is the slowest rank's).
+
+    ``split`` (causal.group_replay: one pipeline group's part of a larger step, its columns max-plus terms):
+    (rho, host, starts, at_collective): the step's ratios computed on the whole job (per column; per column and
+    rank), the ranks' start nodes (columns × ranks), and ``at_collective(i, joined)``, called at level ``i`` with
+    each collective's latest member (columns × the level's collectives), which returns the collectives' starts;
+    the result is then each rank's last operation's end, unrounded (columns × ranks)."""
     import numpy as np
 
     n, by_level, offset, last, origin, tail, total0, wait, (n_rows, fold_cols) = levels
     v = work.shape[0]
-    # _scales, per variant: the ranks' host ratios (over the run's steps: _run_host, as _host_columns lays it out)
-    # and the step's
-    sums, h0 = run_host
-    rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
-           else np.ones(v))
-    host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[:, None])
-    starts = np.round(offset[None, :] * rho[:, None])
+    if split is not None:
+        rho, host, starts, at_collective = split
+    else:
+        # _scales, per variant: the ranks' host ratios (over the run's steps: _run_host, as _host_columns lays it
+        # out) and the step's
+        sums, h0 = run_host
+        rho = ((work.sum(axis=1) + gap.sum(axis=1) + transfer.sum(axis=1)) / total0 if total0 > 0
+               else np.ones(v))
+        host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[:, None])
+        starts = np.round(offset[None, :] * rho[:, None])
     end = np.empty((v, n + offset.size))
     end[:, n:] = starts
     # the lags that are folds (a post that waited on a receive: _chained_terms), left to right as the engine adds
@@ -640,7 +649,8 @@ def _evaluate(levels, work, gap, transfer, *, run_host):
         piece = np.where(kind[None, :] == 1, transfer[:, col],
                          np.where(kind[None, :] == 2, lag[None, :] * rho[:, None], lag[None, :] * host[:, dev]))
         fold[:, rows_p] = piece if p == 0 else fold[:, rows_p] + piece
-    for nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts, (fp, fi) in by_level:
+    for i, (nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts, (fp, fi)
+            ) in enumerate(by_level):
         t = end[:, prev]
         if es.size:
             lag_s, lag_p = sl[None, :] * host[:, sd], pl_[None, :] * host[:, dd]
@@ -652,9 +662,14 @@ def _evaluate(levels, work, gap, transfer, *, run_host):
             t[:, at] = np.maximum(t[:, at], ready)
         t += gap[:, nodes] + wait[None, nodes] * rho[:, None]
         if gpos.size:  # a collective starts when its last member joins
-            t[:, gpos] = np.repeat(np.maximum.reduceat(t[:, gpos], g_starts, axis=1), g_counts, axis=1)
+            joined = np.maximum.reduceat(t[:, gpos], g_starts, axis=1)
+            if split is not None:
+                joined = at_collective(i, joined)
+            t[:, gpos] = np.repeat(joined, g_counts, axis=1)
         t += work[:, nodes]
         end[:, nodes] = t
+    if split is not None:
+        return end[:, last]
     steps = (np.round(end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
              - starts.astype(np.int64))
     return steps

@@ -41,6 +41,7 @@ import polars as pl
 
 from traceana.causal.critical_path import critical_path, on_path
 from traceana.causal.graph import KIND_OF_ACTION, GraphError, StepGraph, build
+from traceana.causal import group_replay
 from traceana.causal.replay import replay, replay_variants
 from traceana.core import intervals as iv
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
@@ -336,14 +337,15 @@ def _mean(xs: list[float]) -> float:
 
 
 def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None, *, full: bool = True,
-           candidates: int | None = None) -> WhatIf:
+           candidates: int | None = None, per_group=None) -> WhatIf:
     """Replay the measured steps as measured, everything ideal (the study's and ours), every group made ideal (the
     study's: removal) and as the only one measured (addition: its slowdown), at its peers' speed (ours), and with
     ``changes``; the study's M_S and M_W; name the stragglers and the bottleneck (module docstring). ``full`` False:
     only what naming needs (each rank, replica and stage at its peers' speed, everything ideal; no per-kind figures,
     no slowdowns, no M_S / M_W). ``candidates``: take only that many ranks and replicas, those whose work and gaps
     exceed their peers' the most (a rank whose work is its peers' gains nothing when made ideal); the others' rows
-    are left empty."""
+    are left empty. ``per_group``: a ``map`` (builtin ``map``, ``measure.partitioned.dask_map(client)``) to replay
+    the variants one pipeline group a task with (causal.group_replay: the same figures); None: in one process."""
     g = graph or build(analysis)
     ops, edges = _ideals(g)
     have_ids = {who: set(ops[who].drop_nulls().to_list()) for who in ("stage", "rank", "replica")}
@@ -359,6 +361,12 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
     per_work = dict(ops.group_by("_work").agg(pl.col("rank").n_unique()).iter_rows())
     alone = {r: per_work[w] == 1 for r, w in ops.select("rank", "_work").unique().iter_rows()}
     notes: list[str] = list(g.notes)
+    if per_group is not None:  # (refused here, before any replay, where the run does not split)
+        groups = group_replay.pipeline_groups(g)
+        sizes = ", ".join(sorted({str(len(x)) for x in groups}, key=int))
+        notes.append(f"the variants replayed one pipeline group a task: {len(groups)} group"
+                     f"{'s' if len(groups) > 1 else ''} of {sizes} ranks" +
+                     (" (the job has one replica: one group, as in one process)" if len(groups) == 1 else ""))
     for c in changes:
         if c.how == "peers" and c.who in ("rank", "replica") and all(
                 alone[r] for r in _members(ops, c)):
@@ -367,8 +375,12 @@ def whatif(analysis, changes: list[Change] = (), graph: StepGraph | None = None,
                          "across stages)")
 
     def steps_ms(variants: list[Variant], o: pl.DataFrame = ops, e: pl.DataFrame = edges) -> list[list[float]]:
-        """Every variant replayed (replay.replay_variants: the engine's replay, many variants at once)."""
-        return [[x / NS_PER_MS for x in v] for v in replay_variants(g, o, e, variants)]
+        """Every variant replayed (replay.replay_variants: the engine's replay, many variants at once; with
+        ``per_group``, group_replay's, one pipeline group a task)."""
+        got = group_replay.replay_variants(g, o, e, variants, map=per_group) if per_group is not None else None
+        if got is None:  # (in one process; or a group's graph the batched evaluator does not take)
+            got = replay_variants(g, o, e, variants)
+        return [[x / NS_PER_MS for x in v] for v in got]
 
     replays = [replay(g, s) for s in steps]
     paths = [critical_path(g, r) for r in replays]

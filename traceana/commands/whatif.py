@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="… with the transformer layers split so over the stages (one count a stage, all its chunks "
                         "together when interleaved, summing to the model's layers), each stage's measured work "
                         "scaled by its layer count (default: as the run)")
+    p.add_argument("--per-group", action="store_true",
+                   help="replay the what-if's variants one pipeline group (a data-parallel replica's ranks) a task "
+                        "(causal.group_replay: the same figures; docs/whatif.md \"Per pipeline group\"); a run whose "
+                        "replicas are not known is refused (default: in one process)")
+    p.add_argument("--dask", metavar="ADDRESS",
+                   help="with --per-group: run the groups' tasks on a dask.distributed cluster (e.g. "
+                        "tcp://host:8786) (default: one after another in this process)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
@@ -163,11 +170,24 @@ def run(args: argparse.Namespace) -> int:
     from traceana.validation.plan import parse_layers
 
     changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
+    if args.dask is not None and not args.per_group:
+        from traceana.core.errors import BadInputError
+
+        raise BadInputError("--dask here runs the what-if's per-group tasks: it needs --per-group",
+                            fix="add --per-group, or drop --dask")
     layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
     progress = not args.quiet and not args.json and sys.stderr.isatty()
     analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
                                 progress=progress, names=args.names, diagnose=False)  # (it runs the what-ifs itself)
-    w = whatif(analysis, changes)
+    if not args.per_group:
+        w = whatif(analysis, changes)
+    elif args.dask is None:
+        w = whatif(analysis, changes, per_group=map)
+    else:
+        from traceana.measure import partitioned
+
+        with partitioned.connect(args.dask) as client:
+            w = whatif(analysis, changes, per_group=partitioned.dask_map(client))
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
         from traceana.validation.plan import plan_whatif
