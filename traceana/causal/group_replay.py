@@ -222,12 +222,12 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, varian
     batched evaluator does not take (the caller replays in one process). GroupSplitError where the run does not
     split (``pipeline_groups``)."""
     got = rank_steps_variants(g, ops, edges, variants, map=map, check=check, chunk=chunk)
-    return None if got is None else [[int(r.max()) for r in v] for v in got]
+    return None if got is None else [[max(r) for r in v] for v in got]
 
 
 def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, variants: list, *, map=map,
                         check: bool = True, chunk: int = 64):
-    """Per variant, per step, every rank's replayed step (ns; numpy, ranks in the step's order: by rank)."""
+    """Per variant, per step, every rank's replayed step (ns; ranks in the step's order: by rank)."""
     import numpy as np
 
     from traceana.causal.replay import VARIANT_CELLS
@@ -324,7 +324,7 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
         if c0 == 0 and check:
             _check_measured(g, [s_[0] for s_ in got], [s_[1] for s_ in got])
             got = [s_[2:] for s_ in got]
-        out += [[s_[i] for s_ in got] for i in range(len(part))]
+        out += [[s_[i].tolist() for s_ in got] for i in range(len(part))]
     return out
 
 
@@ -333,7 +333,7 @@ def rank_steps_ns(g: StepGraph, *, map=map) -> list[list[int]] | None:
     engine's (``replay.replay``'s ``ranks.step_ns``) to the nanosecond. None as ``replay_variants``."""
     got = rank_steps_variants(g, g.ops, g.edges, [(pl.col("work_ns"), pl.col("gap_ns"), pl.col("transfer_ns"))],
                               map=map, check=False)
-    return None if got is None else [[int(x) for x in r] for r in got[0]]
+    return None if got is None else got[0]
 
 
 def replay_steps_ns(g: StepGraph, *, map=map) -> list[int]:
