@@ -6,6 +6,7 @@ replica at the others' speed, are worked out by hand. Where the run does not spl
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,3 +154,21 @@ def test_a_run_that_does_not_split_is_said_in_one_line():
     pp = hand_pp2_dp3().ranks.with_columns(pl.lit(0, pl.Int32).alias("replica"))
     assert group_replay.pipeline_groups(graph.StepGraph(ops=g.ops, edges=g.edges, ranks=pp, steps=g.steps)) == [
         tuple(range(6))]
+
+
+def test_whatif_per_group_through_the_command(capsys):
+    from traceana.cli import main
+
+    run = str(DATA / "megatron-dp2-steps6-defaults-sleep-1" / "run")
+    out = []
+    for extra in ([], ["--per-group"]):
+        assert main(["whatif", run, "--no-cache", "--json", *extra]) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    one, per = out
+    note = [n for n in per["notes"] if n not in one["notes"]]
+    assert note == ["the variants replayed one pipeline group a task: 2 groups of 2 ranks"]
+    per["notes"] = one["notes"]
+    assert per == one
+    assert main(["whatif", run, "--no-cache", "--dask", "tcp://127.0.0.1:1"]) == 2  # (--dask needs --per-group)
+    err = capsys.readouterr().err.strip()
+    assert "needs --per-group" in err and "\n" not in err

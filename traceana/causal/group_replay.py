@@ -44,12 +44,26 @@ class GroupSplitError(AnalysisError):
 @dataclass(frozen=True)
 class GroupReplayTask:
     """One pipeline group's part of the replay (plain values: picklable). ``graph``: the group's ranks' rows of the
-    job's graph (edge indices renumbered); per step (``steps``, in ``graph.steps``' order) its durations (columns ×
-    the group's operations, gaps, messages, in the plan's order), the job's ratios per column (rho; host: columns
-    × the group's ranks), the ranks' starts per column and the step's boundary collectives (name → index)."""
+    job's graph (edge indices renumbered); ``ops``/``edges``: its rows of the frames the variants read, in the
+    plan's order; ``variants``: (work, gap, transfer) expressions over them (row by row, as the what-if's are); per
+    step (in ``graph.steps``' order) the job's ratios per variant (rho; host: variants × the group's ranks), the
+    ranks' starts per variant, and the step's boundary collectives (name → index)."""
 
     graph: StepGraph
-    steps: tuple  # per step: (work, gap, transfer, rho, host, starts, {collective name: c})
+    ops: pl.DataFrame
+    edges: pl.DataFrame
+    variants: tuple
+    steps: tuple  # per step: (rho, host, starts, {collective name: c})
+
+
+def _matrix(frame: pl.DataFrame, exprs: list):
+    """Variants × rows of ``frame``: the expressions evaluated, as float64 (``replay.replay_variants``' matrix)."""
+    import numpy as np
+
+    if frame.height == 0:
+        return np.zeros((len(exprs), 0))
+    m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
+    return np.ascontiguousarray(m.T, dtype=np.float64)
 
 
 def pipeline_groups(g: StepGraph) -> list[tuple[int, ...]]:
@@ -135,11 +149,17 @@ def group_task(task: GroupReplayTask) -> list | None:
     import numpy as np
 
     g = task.graph
+    work_all = _matrix(task.ops, [w for w, _, _ in task.variants])
+    gap_all = _matrix(task.ops, [gp for _, gp, _ in task.variants])
+    transfer_all = _matrix(task.edges, [t for _, _, t in task.variants])
+    o_steps, e_steps = task.ops["step"].to_numpy(), task.edges["step"].to_numpy()
     out = []
-    for step, (work, gap, transfer, rho, host, starts, names) in zip(g.steps, task.steps):
+    for step, (rho, host, starts, names) in zip(g.steps, task.steps):
         levels = _levels(g, step)
         if levels is None:
             return None
+        oi, ei = np.flatnonzero(o_steps == step), np.flatnonzero(e_steps == step)
+        work, gap, transfer = work_all[:, oi], gap_all[:, oi], transfer_all[:, ei]
         plan = _plan(g, step)
         n_c = len(names)
         k = n_c + 1
@@ -227,7 +247,10 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, varian
 
 def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, variants: list, *, map=map,
                         check: bool = True, chunk: int = 64):
-    """Per variant, per step, every rank's replayed step (ns; ranks in the step's order: by rank)."""
+    """Per variant, per step, every rank's replayed step (ns; ranks in the step's order: by rank). The parent
+    evaluates the variants' durations only to sum them (rho), ``chunk`` variants at a time within
+    ``replay.VARIANT_CELLS`` as ``replay.replay_variants`` does; each group's task evaluates its own rows of them
+    and replays all the variants at once."""
     import numpy as np
 
     from traceana.causal.replay import VARIANT_CELLS
@@ -246,86 +269,88 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
         raise ValueError("group_replay.replay_variants was given frames that are not the graph's own rows")
     o = o.with_columns(g_o["work_ns"].alias("_own_work"), g_o["gap_ns"].alias("_own_gap"))
     e = e.with_columns(g_e["transfer_ns"].alias("_own_transfer"))
+    del g_o, g_e
     probes = ([(pl.col("_own_work") * k, pl.col("_own_gap") * k, pl.col("_own_transfer") * k) for k in (1, 2)]
               if check else [])
-    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
-    of = {r: i for i, ranks in enumerate(groups) for r in ranks}
+    rows = [*probes, *variants]
+    v = len(rows)
+    facts = _step_facts(g)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
-    o_grp = o["rank"].replace_strict(of, default=None).to_numpy()
-    e_grp = e["dst"].replace_strict(of, default=None).to_numpy()
-    plans = _step_facts(g)
-
-    def matrix(frame: pl.DataFrame, exprs: list) -> np.ndarray:
-        if frame.height == 0:
-            return np.zeros((len(exprs), 0))
-        m = frame.select([x.cast(pl.Float64).alias(f"_{i}") for i, x in enumerate(exprs)]).to_numpy()
-        return np.ascontiguousarray(m.T, dtype=np.float64)
-
-    out: list = []
-    for c0 in range(0, len(variants), chunk):
-        part = variants[c0:c0 + chunk]
-        rows = [*probes, *part] if c0 == 0 else part
-        v = len(rows)
-        work, gap = matrix(o, [w for w, _, _ in rows]), matrix(o, [gp for _, gp, _ in rows])
-        transfer = matrix(e, [t for _, _, t in rows])
-        run_host = _run_host(g, o, [gp for _, gp, _ in rows])
-        # the step-wide figures, on the whole job (replay._evaluate's, in its order of additions)
-        per_step = {}
+    o_idx = {step: np.flatnonzero(o_steps == step) for step in g.steps}
+    e_idx = {step: np.flatnonzero(e_steps == step) for step in g.steps}
+    # the step-wide figures, on the whole job, in replay._evaluate's order of additions: rho (a chunk of variants'
+    # durations at a time, then let go), each rank's host ratio (replay._run_host: sums per rank), the starts
+    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
+    rho = {step: np.empty(v) for step in g.steps}
+    for c0 in range(0, v, chunk):
+        part = rows[c0:c0 + chunk]
+        work, gap = _matrix(o, [w for w, _, _ in part]), _matrix(o, [gp for _, gp, _ in part])
+        transfer = _matrix(e, [t for _, _, t in part])
         for step in g.steps:
-            oi, ei = np.flatnonzero(o_steps == step), np.flatnonzero(e_steps == step)
-            plan = plans[step]
-            total0 = plan["total0"]
-            rho = ((work[:, oi].sum(axis=1) + gap[:, oi].sum(axis=1) + transfer[:, ei].sum(axis=1)) / total0
-                   if total0 > 0 else np.ones(v))
-            sums, h0 = _host_columns(run_host, plan["ranks"], v)
-            host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[:, None])
-            starts = np.round(np.array(plan["offset"])[None, :] * rho[:, None])
-            per_step[step] = (oi, ei, rho, host, starts)
-        r_grp = {step: np.array([of[r] for r in plans[step]["ranks"]]) for step in g.steps}
+            oi, ei, total0 = o_idx[step], e_idx[step], facts[step]["total0"]
+            rho[step][c0:c0 + len(part)] = ((work[:, oi].sum(axis=1) + gap[:, oi].sum(axis=1)
+                                             + transfer[:, ei].sum(axis=1)) / total0 if total0 > 0
+                                            else np.ones(len(part)))
+        del work, gap, transfer
+    run_host = _run_host(g, o, [gp for _, gp, _ in rows])
+    of = {r: i for i, ranks in enumerate(groups) for r in ranks}
+    per_step, r_grp = {}, {}
+    for step in g.steps:
+        f = facts[step]
+        sums, h0 = _host_columns(run_host, f["ranks"], v)
+        host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[step][:, None])
+        starts = np.round(np.array(f["offset"])[None, :] * rho[step][:, None])
+        per_step[step] = (host, starts)
+        r_grp[step] = np.array([of[r] for r in f["ranks"]], dtype=np.int64)
+    gi = pl.col("rank").replace_strict(of, default=None).alias("_g")
+    o_parts = o.with_columns(gi).partition_by("_g", as_dict=True, include_key=False)
+    e_parts = e.with_columns(pl.col("dst").replace_strict(of, default=None).alias("_g")).partition_by(
+        "_g", as_dict=True, include_key=False)
+    del o, e
 
-        def tasks():
-            for k, (ranks_k, sub) in enumerate(_group_graphs(g, groups)):
-                parts = []
-                for step in g.steps:
-                    oi, ei, rho, host, starts = per_step[step]
-                    oi_k, ei_k = oi[o_grp[oi] == k], ei[e_grp[ei] == k]
-                    dk = np.flatnonzero(r_grp[step] == k)
-                    parts.append((work[:, oi_k], gap[:, oi_k], transfer[:, ei_k], rho, host[:, dk], starts[:, dk],
-                                  names[step]))
-                yield GroupReplayTask(graph=sub, steps=tuple(parts))
+    def tasks():
+        for k, (_ranks, sub) in enumerate(_group_graphs(g, groups)):
+            parts = []
+            for step in g.steps:
+                host, starts = per_step[step]
+                dk = np.flatnonzero(r_grp[step] == k)
+                parts.append((rho[step], host[:, dk], starts[:, dk], names[step]))
+            yield GroupReplayTask(graph=sub, ops=o_parts.pop((k,)), edges=e_parts.pop((k,), e_empty),
+                                  variants=tuple(rows), steps=tuple(parts))
 
-        results = list(map(group_task, tasks()))
-        if any(r is None for r in results):
+    e_empty = next(iter(e_parts.values())).head(0) if e_parts else None
+    if e_empty is None:
+        e_empty = pl.DataFrame(schema={c: t for c, t in zip(edges.columns, edges.dtypes) if c in need_e})
+    results = list(map(group_task, tasks()))
+    if any(r is None for r in results):
+        return None
+    got = []  # per step: variants × ranks
+    for si, step in enumerate(g.steps):
+        n_c = len(names[step])
+        k = n_c + 1
+        arrival = np.full((n_c, v * k), -np.inf)
+        for res in results:
+            np.maximum(arrival, res[si][0], out=arrival)
+        arrival = arrival.reshape(n_c, v, k)
+        order = _order(arrival, n_c)
+        if order is None:
             return None
-        got = []  # per step: variants × ranks
-        for si, step in enumerate(g.steps):
-            n_c = len(names[step])
-            k = n_c + 1
-            arrival = np.full((n_c, v * k), -np.inf)
-            for res in results:
-                np.maximum(arrival, res[si][0], out=arrival)
-            arrival = arrival.reshape(n_c, v, k)
-            order = _order(arrival, n_c)
-            if order is None:
-                return None
-            s = np.full((v, k), -np.inf)
-            s[:, 0] = 0.0
-            for c in order:
-                s[:, c + 1] = (arrival[c] + s).max(axis=1)
-            n_r = len(plans[step]["ranks"])
-            end = np.empty((v, n_r))
-            for kk, res in enumerate(results):
-                dk = np.flatnonzero(r_grp[step] == kk)
-                end[:, dk] = (res[si][1].reshape(v, k, dk.size) + s[:, :, None]).max(axis=1)
-            _, _, _, host, starts = per_step[step]
-            tail = np.array(plans[step]["tail"], dtype=np.float64)
-            got.append(np.round(end).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
-                       - starts.astype(np.int64))
-        if c0 == 0 and check:
-            _check_measured(g, [s_[0] for s_ in got], [s_[1] for s_ in got])
-            got = [s_[2:] for s_ in got]
-        out += [[s_[i].tolist() for s_ in got] for i in range(len(part))]
-    return out
+        s = np.full((v, k), -np.inf)
+        s[:, 0] = 0.0
+        for c in order:  # a collective's start: its latest member's, over every group (s_c after what it awaits)
+            s[:, c + 1] = (arrival[c] + s).max(axis=1)
+        end = np.empty((v, len(facts[step]["ranks"])))
+        for kk, res in enumerate(results):
+            dk = np.flatnonzero(r_grp[step] == kk)
+            end[:, dk] = (res[si][1].reshape(v, k, dk.size) + s[:, :, None]).max(axis=1)
+        host, starts = per_step[step]
+        tail = np.array(facts[step]["tail"], dtype=np.float64)
+        got.append(np.round(end).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
+                   - starts.astype(np.int64))
+    if check:
+        _check_measured(g, [s_[0] for s_ in got], [s_[1] for s_ in got])
+        got = [s_[2:] for s_ in got]
+    return [[s_[i].tolist() for s_ in got] for i in range(len(variants))]
 
 
 def rank_steps_ns(g: StepGraph, *, map=map) -> list[list[int]] | None:
