@@ -77,6 +77,23 @@ def test_per_group_is_the_engine_on_a_generated_job_of_many_replicas(generated):
     assert group_replay.replay_variants(g, ops, edges, vs, chunk=4) == replay.replay_variants(g, ops, edges, vs)
 
 
+def test_many_variants_go_in_rounds_with_the_same_figures(generated, monkeypatch):
+    g = generated
+    ops, edges = _ideals(g)
+    vs = variants(ops)
+    want = group_replay.replay_variants(g, ops, edges, vs)
+    # (48 ranks × 2 columns — the all-reduce of every rank is each step's one boundary collective — × 3 variants a
+X
+    assert {s: len(x) for s, x in group_replay.boundary_collectives(g, group_replay.pipeline_groups(g)).items()} == {
+        s: 1 for s in g.steps}
+    monkeypatch.setattr(group_replay, "GROUP_CELLS", 48 * 2 * 3)
+    calls = []
+    real = group_replay.group_task
+    monkeypatch.setattr(group_replay, "group_task", lambda t: calls.append(1) or real(t))
+    assert group_replay.replay_variants(g, ops, edges, vs) == want
+    assert len(vs) == 9 and len(calls) == 4 * 12
+
+
 def hand_pp2_dp3(slow: float = 2.0) -> graph.StepGraph:
     """pp 2 × dp 3, one micro-batch: replica k is rank k (stage 0) and rank 3 + k (stage 1). Each rank: F (10 ms;
     stage 1's after stage 0's activation), B (20 ms; stage 0's after stage 1's gradient), its stage's data-parallel

@@ -31,10 +31,17 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from traceana.causal import replay
 from traceana.causal.graph import EDGE_ORDER, StepGraph
-from traceana.causal.replay import _check_measured, _in_plan_order, _levels, _plan, _evaluate, _run_host, \
-    _host_columns, replay_steps_ns as _engine_steps_ns
+from traceana.causal.replay import VARIANT_CELLS, _check_measured, _evaluate, _host_columns, _in_plan_order, \
+    _levels, _plan, _run_host, replay_steps_ns as _engine_steps_ns
 from traceana.core.errors import AnalysisError
+
+
+# The most figures (ranks × boundary starts + 1 × variants) of the groups' end matrices the parent holds at once:
+# more variants go in rounds (each round builds every group's graph again). The diagnosis' ~30 variants of a
+# 16,384-rank job (8 starts) are one round.
+GROUP_CELLS = 8_000_000
 
 
 class GroupSplitError(AnalysisError):
@@ -142,10 +149,18 @@ def _group_graphs(g: StepGraph, groups: list[tuple[int, ...]]):
 
 
 def group_task(task: GroupReplayTask) -> list | None:
-    """In a worker: one group's max-plus matrices per step — (arrivals: boundary collectives × columns, −∞ where the
-    group holds no member; ends: columns × the group's ranks, each one's last operation's end, unrounded), a
-    column being (variant, k) with k = 0 the group's own starts and k = c + 1 collective c's start. None where the
-    group's graph is one the batched evaluator does not take (a cycle, chains too long: ``replay._levels``)."""
+    """In a worker: one group's max-plus matrices per step — (arrivals: (the boundary collectives it holds members
+    of, their rows: those × columns, its latest member's ready time), ends: columns × the group's ranks, each one's
+    last operation's end, unrounded), a column being (variant, k) with k = 0 the group's own starts and k = c + 1
+    collective c's start (−∞: not reached from it). None where the group's graph is one the batched evaluator does
+    not take (a cycle, chains too long: ``replay._levels``)."""
+    try:
+        return _group_matrices(task)
+    finally:  # (the group's plan is not kept: in one process it would push the job's own plans out of the cache)
+        replay._PLANS.pop(id(task.graph), None)
+
+
+def _group_matrices(task: GroupReplayTask) -> list | None:
     import numpy as np
 
     g = task.graph
@@ -194,7 +209,8 @@ def group_task(task: GroupReplayTask) -> list | None:
         ends = _evaluate(levels, np.repeat(work, k, axis=0), np.repeat(gap, k, axis=0),
                          np.repeat(transfer, k, axis=0), run_host=None,
                          split=(np.repeat(rho, k), np.repeat(host, k, axis=0), free0, at_collective))
-        out.append((arrivals, ends))
+        member = np.flatnonzero(np.isfinite(arrivals).any(axis=1)) if n_c else np.zeros(0, dtype=np.int64)
+        out.append(((member, arrivals[member]), ends))
     return out
 
 
@@ -253,8 +269,6 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
     and replays all the variants at once."""
     import numpy as np
 
-    from traceana.causal.replay import VARIANT_CELLS
-
     if not variants:
         return []
     groups = pipeline_groups(g)
@@ -273,14 +287,46 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
     probes = ([(pl.col("_own_work") * k, pl.col("_own_gap") * k, pl.col("_own_transfer") * k) for k in (1, 2)]
               if check else [])
     rows = [*probes, *variants]
-    v = len(rows)
     facts = _step_facts(g)
     o_steps, e_steps = o["step"].to_numpy(), e["step"].to_numpy()
     o_idx = {step: np.flatnonzero(o_steps == step) for step in g.steps}
     e_idx = {step: np.flatnonzero(e_steps == step) for step in g.steps}
+    of = {r: i for i, ranks in enumerate(groups) for r in ranks}
+    r_grp = {step: np.array([of[r] for r in facts[step]["ranks"]], dtype=np.int64) for step in g.steps}
+    gi = pl.col("rank").replace_strict(of, default=None).alias("_g")
+    o_parts = o.with_columns(gi).partition_by("_g", as_dict=True, include_key=False)
+    e_parts = e.with_columns(pl.col("dst").replace_strict(of, default=None).alias("_g")).partition_by(
+        "_g", as_dict=True, include_key=False)
+    e_empty = e.head(0)
+    # variants a round: the parent's rho matrices within VARIANT_CELLS (as replay_variants'), the groups' end and
+    # arrival matrices it holds (ranks × columns) within GROUP_CELLS
+    width = max(len(facts[s_]["ranks"]) * (len(names[s_]) + 1) for s_ in g.steps)
+    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
+    per_round = max(1, GROUP_CELLS // max(width, 1))
+    got_all: list[list] = [[] for _ in g.steps]  # per step: variants × ranks
+    for r0 in range(0, len(rows), per_round):
+        part_rows = rows[r0:r0 + per_round]
+        got = _round(g, groups, names, facts, o, e, o_idx, e_idx, r_grp, o_parts, e_parts, e_empty, part_rows,
+                     chunk, map)
+        if got is None:
+            return None
+        for si, x in enumerate(got):
+            got_all[si].append(x)
+    got = [np.concatenate(x, axis=0) for x in got_all]
+    if check:
+        _check_measured(g, [s_[0] for s_ in got], [s_[1] for s_ in got])
+        got = [s_[2:] for s_ in got]
+    return [[s_[i].tolist() for s_ in got] for i in range(len(variants))]
+
+
+def _round(g, groups, names, facts, o, e, o_idx, e_idx, r_grp, o_parts, e_parts, e_empty, rows, chunk, map):
+    """One round of ``rank_steps_variants``: ``rows`` (variants) through every group's task; per step variants ×
+    ranks, or None (a group's graph the batched evaluator does not take; a cycle among the collectives)."""
+    import numpy as np
+
+    v = len(rows)
     # the step-wide figures, on the whole job, in replay._evaluate's order of additions: rho (a chunk of variants'
     # durations at a time, then let go), each rank's host ratio (replay._run_host: sums per rank), the starts
-    chunk = max(1, min(chunk, VARIANT_CELLS // max(ops.height, edges.height, 1)))
     rho = {step: np.empty(v) for step in g.steps}
     for c0 in range(0, v, chunk):
         part = rows[c0:c0 + chunk]
@@ -293,20 +339,14 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
                                             else np.ones(len(part)))
         del work, gap, transfer
     run_host = _run_host(g, o, [gp for _, gp, _ in rows])
-    of = {r: i for i, ranks in enumerate(groups) for r in ranks}
-    per_step, r_grp = {}, {}
+    per_step = {}
     for step in g.steps:
         f = facts[step]
         sums, h0 = _host_columns(run_host, f["ranks"], v)
         host = np.where(h0[None, :] > 0, sums / np.where(h0 > 0, h0, 1.0)[None, :], rho[step][:, None])
         starts = np.round(np.array(f["offset"])[None, :] * rho[step][:, None])
         per_step[step] = (host, starts)
-        r_grp[step] = np.array([of[r] for r in f["ranks"]], dtype=np.int64)
-    gi = pl.col("rank").replace_strict(of, default=None).alias("_g")
-    o_parts = o.with_columns(gi).partition_by("_g", as_dict=True, include_key=False)
-    e_parts = e.with_columns(pl.col("dst").replace_strict(of, default=None).alias("_g")).partition_by(
-        "_g", as_dict=True, include_key=False)
-    del o, e
+    del run_host
 
     def tasks():
         for k, (_ranks, sub) in enumerate(_group_graphs(g, groups)):
@@ -315,42 +355,41 @@ def rank_steps_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame, va
                 host, starts = per_step[step]
                 dk = np.flatnonzero(r_grp[step] == k)
                 parts.append((rho[step], host[:, dk], starts[:, dk], names[step]))
-            yield GroupReplayTask(graph=sub, ops=o_parts.pop((k,)), edges=e_parts.pop((k,), e_empty),
+            yield GroupReplayTask(graph=sub, ops=o_parts[(k,)], edges=e_parts.get((k,), e_empty),
                                   variants=tuple(rows), steps=tuple(parts))
 
-    e_empty = next(iter(e_parts.values())).head(0) if e_parts else None
-    if e_empty is None:
-        e_empty = pl.DataFrame(schema={c: t for c, t in zip(edges.columns, edges.dtypes) if c in need_e})
-    results = list(map(group_task, tasks()))
-    if any(r is None for r in results):
-        return None
-    got = []  # per step: variants × ranks
+    # the groups' results folded as they come: the arrivals' element-wise max, each group's ends kept
+    arrival = {step: np.full((len(names[step]), v * (len(names[step]) + 1)), -np.inf) for step in g.steps}
+    ends: list[list] = []
+    for res in map(group_task, tasks()):
+        if res is None:
+            return None
+        for si, step in enumerate(g.steps):
+            cs, arr = res[si][0]
+            if cs.size:
+                arrival[step][cs] = np.maximum(arrival[step][cs], arr)
+        ends.append([x[1] for x in res])
+    got = []
     for si, step in enumerate(g.steps):
         n_c = len(names[step])
         k = n_c + 1
-        arrival = np.full((n_c, v * k), -np.inf)
-        for res in results:
-            np.maximum(arrival, res[si][0], out=arrival)
-        arrival = arrival.reshape(n_c, v, k)
-        order = _order(arrival, n_c)
+        arr = arrival[step].reshape(n_c, v, k)
+        order = _order(arr, n_c)
         if order is None:
             return None
         s = np.full((v, k), -np.inf)
         s[:, 0] = 0.0
         for c in order:  # a collective's start: its latest member's, over every group (s_c after what it awaits)
-            s[:, c + 1] = (arrival[c] + s).max(axis=1)
+            s[:, c + 1] = (arr[c] + s).max(axis=1)
         end = np.empty((v, len(facts[step]["ranks"])))
-        for kk, res in enumerate(results):
+        for kk, e_k in enumerate(ends):
             dk = np.flatnonzero(r_grp[step] == kk)
-            end[:, dk] = (res[si][1].reshape(v, k, dk.size) + s[:, :, None]).max(axis=1)
+            end[:, dk] = (e_k[si].reshape(v, k, dk.size) + s[:, :, None]).max(axis=1)
         host, starts = per_step[step]
         tail = np.array(facts[step]["tail"], dtype=np.float64)
         got.append(np.round(end).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
                    - starts.astype(np.int64))
-    if check:
-        _check_measured(g, [s_[0] for s_ in got], [s_[1] for s_ in got])
-        got = [s_[2:] for s_ in got]
-    return [[s_[i].tolist() for s_ in got] for i in range(len(variants))]
+    return got
 
 
 def rank_steps_ns(g: StepGraph, *, map=map) -> list[list[int]] | None:
