@@ -83,7 +83,7 @@ def test_many_variants_go_in_rounds_with_the_same_figures(generated, monkeypatch
     vs = variants(ops)
     want = group_replay.replay_variants(g, ops, edges, vs)
     # (48 ranks × 2 columns — the all-reduce of every rank is each step's one boundary collective — × 3 variants a
-X
+    # round: 9 variants and the 2 probes in 4 rounds of the 12 groups' tasks)
     assert {s: len(x) for s, x in group_replay.boundary_collectives(g, group_replay.pipeline_groups(g)).items()} == {
         s: 1 for s in g.steps}
     monkeypatch.setattr(group_replay, "GROUP_CELLS", 48 * 2 * 3)
