@@ -4,7 +4,8 @@
 Each child reads the run's analysis from the cache (``--prepare`` writes it first), builds the graph, replays the
 measured steps on the engine and runs the diagnosis' what-if (``whatif(full=False, candidates=...)``, as
 ``diagnosis.named_by_whatif`` does, its ``WHATIF_MAX_OPERATIONS`` cap not applied) with ``per_group`` None or the
-builtin ``map``. Prints per child and stage the wall and CPU seconds and the peak RSS, the load average beside, and
+builtin ``map``. Prints per child and stage the wall and CPU seconds, the peak RSS so far and the stage's own (Linux:
+VmHWM, reset through /proc/self/clear_refs after each stage), the load average beside, and
 whether both modes give the same what-if tables. Asserts nothing (benchmarks are not tests).
 
     .venv/bin/python tests/benchmarks/bench_group_replay.py /tmp/r16k --prepare --rounds 2
@@ -28,11 +29,21 @@ if __name__ == "__main__":
     t0, c0 = time.perf_counter(), time.process_time()
     last = [t0, c0]
     out = {}
+    def status(key):
+        for ln in open("/proc/self/status"):
+            if ln.startswith(key + ":"):
+                return int(ln.split()[1]) / 1024
     def mark(what):
         t, c = time.perf_counter(), time.process_time()
         out[what] = {"wall_s": t - last[0], "cpu_s": c - last[1],
-                     "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                     "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     "stage_peak_mib": status("VmHWM"), "rss_mib": status("VmRSS")}
         last[:] = [t, c]
+        try:  # (the peak RSS of the next stage alone: writing 5 to clear_refs resets VmHWM to the current RSS)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
     from traceana.causal import diagnosis, graph
     from traceana.causal.whatif import whatif
     from traceana.measure.analysis_cache import load_and_analyze
@@ -96,8 +107,9 @@ def main() -> None:
                   flush=True)
             for stage in ("load (cache)", "graph.build", "what-if", "total"):
                 s = r[stage]
-                print(f"  {stage:13s} {s['wall_s']:8.1f} s wall {s['cpu_s']:8.1f} CPU-s  peak {s['peak_mib']:7.0f} MiB",
-                      flush=True)
+                print(f"  {stage:13s} {s['wall_s']:8.1f} s wall {s['cpu_s']:8.1f} CPU-s  peak {s['peak_mib']:7.0f} MiB"
+                      + (f"; this stage's own peak {s['stage_peak_mib']:7.0f} MiB, {s['rss_mib']:7.0f} MiB after it"
+                         if s.get("stage_peak_mib") else ""), flush=True)
             print(f"  /usr/bin/time -v: {r.get('time_v')}; diagnosis: {r['diagnosis']}", flush=True)
     same = len(seen.get("one", set()) | seen.get("per", set())) == 1
     print("the same what-if tables and summary in both modes" if same else f"DIFFERENT tables: {seen}")
