@@ -5,7 +5,8 @@ Each child reads the run's analysis from the cache (``--prepare`` writes it firs
 measured steps on the engine and runs the diagnosis' what-if (``whatif(full=False, candidates=...)``, as
 ``diagnosis.named_by_whatif`` does, its ``WHATIF_MAX_OPERATIONS`` cap not applied) with ``per_group`` None or the
 builtin ``map``. Prints per child and stage the wall and CPU seconds, the peak RSS so far and the stage's own (Linux:
-VmHWM, reset through /proc/self/clear_refs after each stage), the load average beside, and
+VmHWM, reset through /proc/self/clear_refs after each stage, which resets the child's maximum RSS that
+``/usr/bin/time -v`` reports too: that is then the last stage's), the load average beside, and
 whether both modes give the same what-if tables. Asserts nothing (benchmarks are not tests).
 
     .venv/bin/python tests/benchmarks/bench_group_replay.py /tmp/r16k --prepare --rounds 2

@@ -14,8 +14,10 @@ matrices: a collective's arrival is the element-wise max of the groups' rows; it
 end is max_k(its row[k] + s_k). The step-wide ratios a variant scales the time no operation holds with (rho, each
 rank's host ratio over the run: ``replay._scales``) and the ranks' start offsets are computed on the whole job first
 and passed to every group. On whole-nanosecond figures (the measured durations; every ratio 1) each sum is exact
-and the result is the engine's to the nanosecond; the tests check it on every run in tests/data with replicas and on
-generated jobs of thousands of ranks.
+and the result is the engine's to the nanosecond; on a variant's scaled lags the parent adds a start to a group's
+partial sum where the engine adds the partial sums to the start, which gave the same floats in every case the tests
+check (every run in tests/data with replicas, a generated job of 12 replicas, the what-if's variants), and each
+call compares the graph's own durations and their double with the engine (``replay._check_measured``).
 
 Each group's matrix is one task handed to a ``map`` (builtin ``map``; ``measure.partitioned.dask_map`` for a
 ``dask.distributed`` cluster, as ``analyze --dask`` uses): ``group_task`` takes a ``GroupReplayTask`` (plain
@@ -39,8 +41,8 @@ from traceana.core.errors import AnalysisError
 
 
 # The most figures (ranks × boundary starts + 1 × variants) of the groups' end matrices the parent holds at once:
-# more variants go in rounds (each round builds every group's graph again). The diagnosis' ~30 variants of a
-# 16,384-rank job (8 starts) are one round.
+# more variants go in rounds (each round builds every group's graph again). The diagnosis' ~30 variants of the
+# generated 16,384-rank job (one boundary collective a step: 2 columns) are one round.
 GROUP_CELLS = 8_000_000
 
 
