@@ -12,6 +12,10 @@ Recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large 
 ``full`` checkpoints each block, ``selective`` checkpoints only the attention core (scores → softmax → ·V), which holds
 the s² activations but few FLOPs. Recomputation during backward is annotated ``PP:{stage}RECOMPUTE{mb}``.
 
+Inside the stage runner's passes each block's forward, backward and recompute is a span of its own naming the
+block's index in the whole model (``PP:{stage}F{mb}/L{layer}``, ``…B…/L…``, ``…RECOMPUTE…/L…``:
+``collectors.annotations.layer``); outside them (the single-process reference) nothing is added.
+
 The whole model is built on every rank from one seed and each stage keeps its slice, so a pipeline run and a
 single-process run start from identical weights (the tests compare their gradients).
 """
@@ -26,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from collectors import annotations as ann
+from traceana.core import names
 from traceana.core.manifest import ModelShape
 from traceana.core.pipeline_rules import stage_layer_ranges
 
@@ -75,13 +81,17 @@ class Recompute:
 
     label_during_backward: Callable[[], object] | None = None
 
-    def __call__(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         def annotated(*a: torch.Tensor) -> torch.Tensor:
             ctx = Recompute.label_during_backward() if Recompute.label_during_backward else None
             if ctx is None:
                 return fn(*a)
+            inner = ann.layer(layer, names.RECOMPUTE) if layer is not None else None
             with ctx:
-                return fn(*a)
+                if inner is None:
+                    return fn(*a)
+                with inner:  # the block's share: PP:{stage}RECOMPUTE{mb}/L{layer}
+                    return fn(*a)
 
         return checkpoint(annotated, *args, use_reentrant=False)
 
@@ -90,8 +100,9 @@ recompute = Recompute()
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, *, attention: str, selective: bool) -> None:
+    def __init__(self, shape: ModelShape, *, attention: str, selective: bool, layer: int | None = None) -> None:
         super().__init__()
+        self.layer = layer
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.n_kv_heads, shape.head_dim
         self.rope = shape.family == "llama"
         bias = shape.family == "gpt"
@@ -114,7 +125,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         core = lambda q, k, v: attention_core(q, k, v, kind=self.attention)  # noqa: E731
-        y = recompute(core, q, k, v) if self.selective else core(q, k, v)
+        y = recompute(core, q, k, v, layer=self.layer) if self.selective else core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -134,11 +145,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape, *, attention: str, recompute_mode: str) -> None:
+    def __init__(self, shape: ModelShape, *, attention: str, recompute_mode: str, layer: int | None = None) -> None:
         super().__init__()
         norm = nn.LayerNorm if shape.family == "gpt" else RMSNorm
+        self.layer = layer  # the block's index in the whole model (its spans' /L{layer})
         self.norm1, self.norm2 = norm(shape.hidden), norm(shape.hidden)
-        self.attn = Attention(shape, attention=attention, selective=recompute_mode == "selective")
+        self.attn = Attention(shape, attention=attention, selective=recompute_mode == "selective", layer=layer)
         self.mlp = MLP(shape)
         self.full_recompute = recompute_mode == "full"
 
@@ -146,8 +158,16 @@ class Block(nn.Module):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return recompute(self._forward, x, layer=self.layer) if self.full_recompute else self._forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recompute(self._forward, x) if self.full_recompute else self._forward(x)
+        span = ann.layer(self.layer) if self.layer is not None else None
+        if span is None:  # outside a runner's pass
+            return self._run(x)
+        backward = ann.LayerBackward(self.layer)
+        with span:  # PP:{stage}F{mb}/L{layer}; its backward's span opens at the output, closes at the input
+            return ann.block_output(self._run(ann.block_input(x, backward)), backward)
 
 
 class GPT(nn.Module):
@@ -160,7 +180,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(shape.vocab, shape.hidden)
         self.pos = nn.Embedding(shape.seq, shape.hidden) if shape.family == "gpt" else None
         self.blocks = nn.ModuleList(
-            Block(shape, attention=attention, recompute_mode=recompute_mode) for _ in range(shape.layers)
+            Block(shape, attention=attention, recompute_mode=recompute_mode, layer=i) for i in range(shape.layers)
         )
         self.norm = nn.LayerNorm(shape.hidden) if shape.family == "gpt" else RMSNorm(shape.hidden)
         self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)

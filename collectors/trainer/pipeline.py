@@ -1,7 +1,8 @@
 """Runs one stage's share of a training step: its forwards and backwards in schedule order, over P2P.
 
 Each phase is annotated (``PP:{stage}{ACTION}{mb}``): ``RECV_F``/``RECV_B`` post a receive, ``WAIT_F``/``WAIT_B`` block
-on it, ``F``/``B`` compute (``RECOMPUTE`` nests inside ``B``), ``SEND_F``/``SEND_B`` post a send. Sends are never waited
+on it, ``F``/``B`` compute (``RECOMPUTE`` nests inside ``B``; each block's share of F, B and RECOMPUTE is a span
+``PP:{stage}F{mb}/L{layer}`` inside it), ``SEND_F``/``SEND_B`` post a send. Sends are never waited
 for in line (isend); their completion is collected at the end of the step.
 """
 
@@ -103,7 +104,7 @@ class StageRunner:
         hooks = self.evictor.capture(mb) if capture else None
         if self.clock is not None:
             self.clock.microbatch = mb
-        with ann.forward(s, mb):
+        with ann.forward(s, mb), ann.running(s, names.FORWARD, mb):  # (the blocks' spans: PP:{s}F{mb}/L{layer})
             if hooks is not None:
                 with hooks:
                     y = self.stage_module(x, target)
@@ -128,7 +129,7 @@ class StageRunner:
             self.evictor.load(mb)
         Recompute.label_during_backward = lambda: ann.recompute(s, mb)
         try:
-            with ann.backward(s, mb):
+            with ann.backward(s, mb), ann.running(s, names.BACKWARD, mb):
                 if self.last:
                     (y / self.num_microbatches).backward()  # mean over micro-batches = the full batch's mean loss
                 else:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -83,7 +84,9 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         profiler={"wait": 0, "warmup": min(config.warmup_steps, 1), "active": config.steps, "repeat": 1},
         torch_version=torch.__version__,
         **host_facts(setup.world_size),
-        collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight, workload=config.workload,
+        collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight,
+        # the runner's passes split each hold evenly over the stage's blocks (collectors.trainer.workload)
+        workload=None if config.workload is None else dataclasses.replace(config.workload, layer_holds="even"),
         extra={"backend": setup.backend, "host_staged": setup.host_staged, "preset": config.preset},
     )
 

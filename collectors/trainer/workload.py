@@ -17,6 +17,10 @@ A stage module's ``forward`` is replaced, on the instance, by two autograd funct
   that its backward still runs (measured: one F, one I and one W hold a micro-batch on every stage of every
   schedule). There torch's split schedules compute no input gradient: their I pass of stage 0 holds nothing and
   their W pass holds both (B + W), as a real first stage's backward is all weight gradients.
+- Inside the reference trainer's passes a hold is split evenly over the stage's blocks, held one after another
+  (backwards from the last block), each block's share a span ``PP:{stage}F{mb}/L{layer}`` (``…B…`` for both parts
+  of a full backward) ending at its cumulative deadline: the trace's measured per-layer work (run.json's
+  ``workload.layer_holds`` is "even"; torch.distributed.pipelining's stages hold one piece, no layer spans).
 - Each hold sleeps to a ``perf_counter`` deadline taken at the pass's start (never a sum of ``sleep(dt)``) and is
   recorded, outside the profiler, as a ``perf_counter_ns`` span with the time the thread was runnable but waiting
   for a CPU inside it (schedstat): ``RUN/workload/rank{R}.json`` (``write_spans``), the test's independent truth.
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from collectors import annotations as ann
 from traceana.core.manifest import Workload
 
 MIN_SAVED_BYTES = 256  # (collectors.bpipe.MIN_EVICT_BYTES: smaller storages are not activations worth sending)
@@ -90,14 +95,22 @@ class Clock:
     steps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def hold(self, action: str, stage: int, at: tuple[int | None, int | None], ms: float, *,
-             start: float | None = None, delay: int | None = None) -> None:
+             start: float | None = None, delay: int | None = None, layers: tuple[int, ...] = ()) -> None:
         """Hold until ``start`` (perf_counter seconds; default now) + ``ms`` and record the span; ``at``: the pass's
-        (micro-batch, step), nothing held when its step is None. ``delay``: the run-queue delay read at ``start``."""
+        (micro-batch, step), nothing held when its step is None. ``delay``: the run-queue delay read at ``start``.
+        ``layers`` (the stage's blocks in the order the pass runs them): inside a runner's pass the hold is split
+        evenly over them, one after another, each block's share a span of its own (``PP:1F0/L5``) ending at its
+        deadline (``start`` + its cumulative share: run.json's ``workload.layer_holds`` "even")."""
         if at[1] is None or ms <= 0:
             return
         if start is None:
             delay, start = run_delay_ns(), time.perf_counter()
-        hold_until(start + ms / 1e3)
+        if layers and ann.Pass.current is not None:
+            for k, layer in enumerate(layers, 1):
+                with ann.layer(layer):
+                    hold_until(start + ms * k / len(layers) / 1e3)
+        else:
+            hold_until(start + ms / 1e3)
         self.spans.append((action, stage, *at, int(start * 1e9), time.perf_counter_ns(), ms,
                            run_delay_ns() - (delay or 0)))
 
@@ -141,6 +154,7 @@ class _Held:
     out_dtype: torch.dtype
     params: tuple[torch.nn.Parameter, ...]
     anchor: torch.Tensor  # a scalar leaf requiring grad: _Pass's edge when the stage input needs no gradient
+    layers: tuple[int, ...] = ()  # the stage's blocks (global indices), in forward order: each holds an even share
 
 
 class _Weights(torch.autograd.Function):
@@ -154,7 +168,7 @@ class _Weights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         held = ctx.held
-        held.clock.hold("W", held.stage, ctx.at, held.weight_ms)
+        held.clock.hold("W", held.stage, ctx.at, held.weight_ms, layers=held.layers[::-1])
         return (None, *(torch.zeros_like(p) for p in held.params))
 
 
@@ -170,7 +184,7 @@ class _Pass(torch.autograd.Function):
         # the activations a real forward saves for its backward, as many bytes (BPipe moves them; memory shows them)
         ctx.save_for_backward(*(torch.empty(n, dtype=torch.uint8, device=x.device) for n in held.saved_bytes))
         out = torch.zeros(held.out_shape, dtype=held.out_dtype, device=x.device)
-        held.clock.hold("F", held.stage, ctx.at, held.forward_ms, start=t0, delay=d0)
+        held.clock.hold("F", held.stage, ctx.at, held.forward_ms, start=t0, delay=d0, layers=held.layers)
         return out
 
     @staticmethod
@@ -181,7 +195,7 @@ class _Pass(torch.autograd.Function):
         grad_x = torch.zeros(ctx.x_like[0], dtype=ctx.x_like[1], device=grad.device) if ctx.needs_input_grad[1] \
             else None
         grad_anchor = torch.zeros((), device=grad.device) if ctx.needs_input_grad[2] else None
-        held.clock.hold("I", held.stage, ctx.at, held.backward_ms, start=t0, delay=d0)
+        held.clock.hold("I", held.stage, ctx.at, held.backward_ms, start=t0, delay=d0, layers=held.layers[::-1])
         return None, grad_x, grad_anchor
 
 
@@ -216,7 +230,8 @@ def make_sleeping(module: torch.nn.Module, workload: Workload, *, stage: int, ra
     held = _Held(clock=clock, stage=stage, forward_ms=workload.forward_ms * factor,
                  backward_ms=workload.backward_ms * factor, weight_ms=workload.weight_ms * factor,
                  saved_bytes=sizes, out_shape=tuple(out.shape), out_dtype=out.dtype, params=params,
-                 anchor=torch.zeros((), device=out.device, requires_grad=True))
+                 anchor=torch.zeros((), device=out.device, requires_grad=True),
+                 layers=tuple(getattr(module, "layer_ids", ())))
     in_shape = tuple(example[0].shape)
 
     def forward(x: torch.Tensor, *_ignored) -> torch.Tensor:

@@ -121,6 +121,7 @@ class ModelShape:
 
 
 WORK_KINDS = ("sleep",)  # run.json's workload.kind: every pass held for a stated time instead of computing
+LAYER_HOLDS = (None, "even")  # run.json's workload.layer_holds (Workload.layer_holds)
 WORKLOAD_SPANS = "workload"  # the run folder's subfolder of the held passes' perf_counter spans, one file a rank
 
 
@@ -153,6 +154,10 @@ class Workload:
         help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
              "(default: none)"))
     spans: str = WORKLOAD_SPANS
+    # How a pass's hold maps to the stage's transformer blocks: "even" (the reference trainer: split evenly over
+    # them, held one after another, each block's share a ``PP:1F0/L5`` span in the trace); None: one hold a pass,
+    # no layer spans (torch.distributed.pipelining's stages, runs collected before layer spans)
+    layer_holds: str | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> BadInputError:
@@ -180,6 +185,9 @@ class Workload:
             object.__setattr__(self, name, tuple((index, float(factor)) for index, factor in pairs))
         if not isinstance(self.spans, str) or not self.spans:
             raise bad(f"spans must be a folder name, got {self.spans!r}")
+        if self.layer_holds not in LAYER_HOLDS:
+            raise bad(f"layer_holds must be one of {', '.join(map(str, LAYER_HOLDS))} or null, got "
+                      f"{self.layer_holds!r}")
 
     def factor(self, *, stage: int, rank: int) -> float:
         """How much longer than stated every pass of this stage on this rank holds."""

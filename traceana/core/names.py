@@ -73,6 +73,13 @@ PP_PATTERN = rf"^{PP_PREFIX}(\d+)([A-Z_]+)(\d*)$"
 _PP_RE = re.compile(PP_PATTERN)
 # torch writes an overlapped action as its sub-actions in run order: ``PP:({stage}{F|B|I}{mb};…)OVERLAP_F_B``.
 OVERLAP_PATTERN = rf"^{PP_PREFIX}\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
+# One transformer block's share of a pass: the pass's name and ``/L{layer}`` (the block's index in the whole model),
+# e.g. ``PP:1F0/L5``, ``PP:1B0/L5``, ``PP:1RECOMPUTE0/L5``: nested inside the pass's own span (the reference trainer,
+# docs/schedules.md "Layer spans"). Not an annotation of the contract (PP_PATTERN ends at the micro-batch): a span,
+# not work, read by ``layer_columns`` only. A block's backward may be more than one span (the known workload holds
+# a full backward's input and weight parts apart): its work is their sum.
+LAYER_PATTERN = rf"^{PP_PREFIX}(\d+)([A-Z_]+)(\d+)/L(\d+)$"
+LAYER_ACTIONS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, RECOMPUTE)
 GPIPE_PATTERN = r"^(Forward|Backward) (\d+)$"  # torch.distributed.pipelining ScheduleGPipe
 STEP_PATTERN = r"^ProfilerStep#(\d+)$"
 
@@ -121,6 +128,24 @@ def pp_label(stage: int, action: str, microbatch: int | None = None) -> str:
     if action not in ACTIONS:
         raise ValueError(f"unknown pipeline action {action!r}; known: {', '.join(ACTIONS)}")
     return f"PP:{stage}{action}{'' if microbatch is None else microbatch}"
+
+
+def layer_label(stage: int, action: str, microbatch: int, layer: int) -> str:
+    """The span of block ``layer``'s share of one pass, e.g. ``layer_label(1, "F", 0, 5) == "PP:1F0/L5"``."""
+    if action not in LAYER_ACTIONS:
+        raise ValueError(f"no layer span for action {action!r}; known: {', '.join(LAYER_ACTIONS)}")
+    return f"{pp_label(stage, action, microbatch)}/L{layer}"
+
+
+def layer_columns(name: pl.Expr) -> dict[str, pl.Expr]:
+    """Vectorised parse of layer spans (``LAYER_PATTERN``): ``stage``, ``action``, ``microbatch``, ``layer`` (null
+    for other names, and for numbers too large for int32)."""
+    import polars as pl
+
+    return {"stage": name.str.extract(LAYER_PATTERN, 1).cast(pl.Int32, strict=False),
+            "action": name.str.extract(LAYER_PATTERN, 2),
+            "microbatch": name.str.extract(LAYER_PATTERN, 3).cast(pl.Int32, strict=False),
+            "layer": name.str.extract(LAYER_PATTERN, 4).cast(pl.Int32, strict=False)}
 
 
 def parse_pp_label(name: str) -> tuple[int, str, int | None] | None:

@@ -20,7 +20,7 @@ from traceana.measure.analysis import Analysis
 from traceana.model.simulate import Costs, StageTimes
 
 
-__all__ = ["Measured", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
+__all__ = ["LAYER_WORK", "Measured", "layer_work", "measure", "measured_efficiency", "pass_durations", "shared_cpus"]
 
 
 @dataclass(frozen=True)
@@ -234,3 +234,56 @@ def measured_efficiency(analysis: Analysis, *, peak_flops: float | None = None) 
                             fix="profile complete steps with forward/backward annotations")
     # stage_flops counts a stage's whole tensor-parallel group; the peak is per device
     return m.microbatch_size, m.attention or "sdpa", flops * m.num_microbatches / (compute_s * peak * m.tp)
+
+
+LAYER_WORK = {"rank": pl.Int32, "step": pl.Int32, "stage": pl.Int32, "layer": pl.Int32, "action": pl.String,
+              "microbatch": pl.Int32, "work_ns": pl.Int64, "spans": pl.UInt32}
+_LAYER_PASS_PHASE = {names.FORWARD: "forward", names.BACKWARD: "backward", names.BACKWARD_INPUT: "backward_input",
+                     names.BACKWARD_WEIGHT: "backward_weight", names.RECOMPUTE: "backward"}
+
+
+def layer_work(analysis: Analysis) -> tuple[pl.DataFrame, list[str]]:
+    """Measured per-layer work (LAYER_WORK: per rank, measured step, stage, layer, action, micro-batch) from the
+    layer spans the reference trainer records inside each pass (``PP:1F0/L5``, names.LAYER_PATTERN): a block's
+    spans of one pass summed (a known-workload full backward holds its input and weight parts apart), RECOMPUTE
+    beside the backward that holds it. A span counts where it lies inside its own pass's span of a measured step
+    (the schedule's annotated row of that rank, stage, micro-batch and phase); one that does not is dropped and
+    said. Empty, with the reason in the notes, where the run has none, or where its ranks are GPU ranks (a CPU span
+    there times the launches, not the kernels)."""
+    empty = pl.DataFrame(schema=LAYER_WORK)
+    ev = analysis.events
+    spans = ev.filter(~pl.col("is_gpu") & names.name_test(
+        pl.col("name"), lambda t: t.str.starts_with(names.PP_PREFIX) & t.str.contains(names.LAYER_PATTERN)))
+    if spans.height == 0:
+        return empty, ["no layer spans (PP:{stage}F{mb}/L{layer}) in the traces: per-layer work is not measured"]
+    if ev.select(pl.col("is_gpu").any()).item():
+        return empty, ["layer spans on GPU ranks time the launches, not the kernels: per-layer work is not "
+                       "measured from them"]
+    parsed = (spans.with_columns(**names.layer_columns(names.text(pl.col("name"))))
+              .filter(pl.col("layer").is_not_null() & pl.col("stage").is_not_null()
+                      & pl.col("microbatch").is_not_null())
+              .with_columns(pl.col("action").replace_strict(_LAYER_PASS_PHASE, default=None).alias("phase"),
+                            (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"))
+              .filter(pl.col("phase").is_not_null())
+              .select("rank", "stage", "microbatch", "phase", "action", "layer", "ts_ns", "end", "dur_ns")
+              .sort("ts_ns"))
+    steps = pl.DataFrame({"step": list(analysis.summary.steps)}, schema={"step": pl.Int32})
+    passes = (analysis.schedule.join(steps, on="step").filter(pl.col("microbatch").is_not_null())
+              .select("rank", "stage", "microbatch", "phase", "step", "start_ns", "end_ns").sort("start_ns"))
+    inside = (parsed.join_asof(passes, left_on="ts_ns", right_on="start_ns", by=["rank", "stage", "microbatch", "phase"],
+                               strategy="backward", check_sortedness=False)
+              .with_columns((pl.col("step").is_not_null() & (pl.col("end") <= pl.col("end_ns"))).alias("_in")))
+    notes = []
+    # spans of unmeasured steps (the warm-up step) find the step before them or none: only those of a measured
+    # step's time are kept; a span that starts inside a measured step's pass but ends after it is said
+    lo, hi = passes["start_ns"].min(), passes["end_ns"].max()
+    stray = inside.filter(~pl.col("_in") & (pl.col("ts_ns") >= lo) & (pl.col("ts_ns") <= hi)).height
+    if stray:
+        notes.append(f"{stray} layer spans of the measured steps lie outside their own pass's span: not counted")
+    work = (inside.filter(pl.col("_in"))
+            .group_by("rank", "step", "stage", "layer", "action", "microbatch")
+            .agg(pl.col("dur_ns").sum().alias("work_ns"), pl.len().cast(pl.UInt32).alias("spans")))
+    if work.height == 0:
+        return empty, ["no layer span lies inside a pass of a measured step: per-layer work is not measured"]
+    return work.select(list(LAYER_WORK)).cast(LAYER_WORK).sort("rank", "step", "stage", "layer", "action",
+                                                               "microbatch"), notes
