@@ -65,6 +65,10 @@ RUNS = {
                                 workload=Workload("sleep", 20.0, 40.0, slow_stages=((1, 3.0),))),
     "sleep_1f1b_pp2_again": dict(preset="tiny-gpt", pp=2, num_microbatches=4, microbatch_size=1, schedule="1f1b",
                                  steps=3, workload=Workload("sleep", 20.0, 40.0)),
+    # GPipe pp=2, F 10, B 20 ms, stage 1 slowed ×3: each pass's hold split over its stage's 4 blocks (layer spans
+    # PP:{s}F{mb}/L{layer}), layers moved by hand (tests/validation/test_whatif_layers.py)
+    "sleep_gpipe_pp2_layers": dict(preset="tiny-gpt", pp=2, num_microbatches=4, microbatch_size=1, schedule="gpipe",
+                                   steps=3, workload=Workload("sleep", 10.0, 20.0, slow_stages=((1, 3.0),))),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers
 PIPELINING_RUNS = {

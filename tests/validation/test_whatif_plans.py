@@ -95,6 +95,9 @@ def test_layers_moved_between_stages_by_hand(tmp_path):
     assert moved["plan"]["layers_per_stage"] == [3, 1] and moved["as_run"]["layers_per_stage"] == [2, 2]
     assert moved["bubble_fraction"] == pytest.approx({0: 0.2, 1: 0.2})
     assert any("layers moved" in n and "2,2 → 3,1" in n and "assumption" in n for n in moved["notes"])
+    # a run without layer spans (PP:0F0/L1): the scaling, and the output says so and why
+    assert moved["layers_source"] == "scaled by layer count" and same["layers_source"] is None
+    assert any("assumption" in n and "per-layer work is not measured" in n for n in moved["notes"])
     was, now = same["memory_bytes"], moved["memory_bytes"]
     assert was[0] < now[0] < 1.5 * was[0] and 0.5 * was[1] < now[1] < was[1]
     assert plan_whatif(a, layers_per_stage=(1, 3))["predicted_step_ms"] == pytest.approx(5.55)

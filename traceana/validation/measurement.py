@@ -17,6 +17,7 @@ from traceana.core.run_config import RUN_JSON
 from traceana.core.training_config import TrainingConfig
 from traceana.core.units import MS_PER_S
 from traceana.measure.analysis import Analysis
+from traceana.measure.timeline import shift
 from traceana.model.simulate import Costs, StageTimes
 
 
@@ -251,7 +252,9 @@ def layer_work(analysis: Analysis) -> tuple[pl.DataFrame, list[str]]:
     said. Empty, with the reason in the notes, where the run has none, or where its ranks are GPU ranks (a CPU span
     there times the launches, not the kernels)."""
     empty = pl.DataFrame(schema=LAYER_WORK)
-    ev = analysis.events
+    ev = analysis.events if analysis.events is not None else analysis.run.events  # (a cached analysis keeps none)
+    if ev is None or ev.height == 0:
+        return empty, ["the analysis holds no events: per-layer work is not measured"]
     spans = ev.filter(~pl.col("is_gpu") & names.name_test(
         pl.col("name"), lambda t: t.str.starts_with(names.PP_PREFIX) & t.str.contains(names.LAYER_PATTERN)))
     if spans.height == 0:
@@ -259,6 +262,8 @@ def layer_work(analysis: Analysis) -> tuple[pl.DataFrame, list[str]]:
     if ev.select(pl.col("is_gpu").any()).item():
         return empty, ["layer spans on GPU ranks time the launches, not the kernels: per-layer work is not "
                        "measured from them"]
+    if analysis.events is None:  # the loaded events: on the schedule's aligned clock
+        spans = shift(spans, analysis.clock_offsets, ["ts_ns"])
     parsed = (spans.with_columns(**names.layer_columns(names.text(pl.col("name"))))
               .filter(pl.col("layer").is_not_null() & pl.col("stage").is_not_null()
                       & pl.col("microbatch").is_not_null())

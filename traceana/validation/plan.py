@@ -17,6 +17,7 @@ from traceana.core.units import NS_PER_MS
 from traceana.measure.noise import noise_ms
 from traceana.model.memory import estimate_stage_memory
 from traceana.model.simulate import bubble_fraction, engine_inputs, simulate
+from traceana.validation.measurement import layer_work
 
 
 # What a plan what-if can change of the run's configuration (everything else is the run's own).
@@ -134,13 +135,18 @@ def host_before(g: StepGraph) -> pl.DataFrame:
             .select("rank", "step", "seq", (pl.col("gap_ns") + pl.col("_lag").fill_null(0)).alias("host_ns")))
 
 
-def _times(m: dict, base, target, pp: int):
+def _times(m: dict, base, target, pp: int, *, measured_layers: bool = False):
     """StageTimes and Costs of one measured step for the target plan (the run's measured work; see plan_whatif),
-    through model.simulate.engine_inputs, the path ``estimate``'s modelled durations take too."""
+    through model.simulate.engine_inputs, the path ``estimate``'s modelled durations take too. ``measured_layers``:
+    layers moved from the measured per-layer work (``_moved_layers``), else each device's work scaled by its layer
+    count (``_layer_scale``)."""
     nv_base = pp * base.virtual_stages
     device_of_work = tuple(device_of_stage(base.schedule, s, pp=pp) % pp for s in range(nv_base))
     scale = _layer_scale(base, target)  # layers moved between stages: each device's work by its layer count
-    per_op = {k: x * scale[device_of_work[k[1]]] for k, x in m["per_op"].items()}
+    if measured_layers and target.stage_layers() != base.stage_layers():
+        per_op = _moved_layers(m["per_op"], m["layers"], base.stage_layers(), target.stage_layers())
+    else:
+        per_op = {k: x * scale[device_of_work[k[1]]] for k, x in m["per_op"].items()}
     work = dict(per_op)
     base_rc, target_rc = base.recompute != "none", target.recompute != "none"
     if target_rc and not base_rc:  # full recompute: each backward first runs its own measured forward again
@@ -157,16 +163,80 @@ def _times(m: dict, base, target, pp: int):
 
 
 def _layer_scale(base, target) -> tuple[float, ...]:
-    """Per device: the plan's transformer blocks over the run's (1 where none moved). Per-layer work is not in the
-    traces (no span a block), so a device's measured work — its blocks', and its embedding's or head's with them — is
-    scaled by its layer count: the assumption the plan's note states."""
+    """Per device: the plan's transformer blocks over the run's (1 where none moved): where per-layer work is not
+    measured (no layer spans, ``_layer_inputs``) a device's measured work — its blocks', and its embedding's or
+    head's with them — is scaled by its layer count, the assumption the plan's note states; the optimizer's and the
+    collectives' work always (they are not timed a block)."""
     was, now = base.stage_layers(), target.stage_layers()
     return tuple(1.0 if a == b else b / a for a, b in zip(was, now))
 
 
+def _layer_ranges(counts) -> list[range]:
+    """The blocks (global indices) of each stage of a split: contiguous, in stage order (stage_layer_ranges')."""
+    out, start = [], 0
+    for k in counts:
+        out.append(range(start, start + k))
+        start += k
+    return out
+
+
+def _moved_layers(per_op: dict, layers: dict, was, now) -> dict:
+    """Per (action, stage, micro-batch) the work under the split ``now``: the pass's measured work less its blocks'
+    as run (what is left: the embedding, the head and loss, the pass's own bookkeeping — it stays with its stage)
+    plus the measured work of the blocks the stage holds under ``now`` (``layers``: (action, layer, micro-batch)
+    → ns; a block moved keeps its measured time of that micro-batch). One stage a device (checked by
+    ``_layer_inputs``)."""
+    old, new = _layer_ranges(was), _layer_ranges(now)
+    out = {}
+    for (a, st, mb), x in per_op.items():
+        rest = max(0.0, x - sum(layers[(a, k, mb)] for k in old[st]))
+        out[(a, st, mb)] = rest + sum(layers[(a, k, mb)] for k in new[st])
+    return out
+
+
+def _layer_inputs(analysis, base, target, measured_in: dict) -> tuple[bool, str]:
+    """Whether the plan's moved layers can come from the measured per-layer work (measurement.layer_work), and the
+    note that says which source the plan used. Measured where every measured step has a layer span of every
+    block for every pass of the stages' passes (action, micro-batch), each stage's spans name the blocks the run's
+    split gives it, and plan and run hold one stage a device; otherwise each stage's work is scaled by its layer
+    count (LAYERS_ASSUMPTION), with the reason. Fills each step's ``layers`` of ``measured_in``."""
+    was, now = base.stage_layers(), target.stage_layers()
+    moved = f"{','.join(map(str, was))} → {','.join(map(str, now))}"
+    scaled = LAYERS_ASSUMPTION.format(was=",".join(map(str, was)), now=",".join(map(str, now)))
+    if base.virtual_stages != 1 or target.virtual_stages != 1:
+        return False, f"{scaled}; per-layer work is used with one stage a device only"
+    work, why = layer_work(analysis)
+    if work.height == 0:
+        return False, f"{scaled}; {why[0] if why else 'no layer spans'}"
+    named = dict(work.group_by("stage").agg(pl.col("layer").unique().sort()).iter_rows())
+    ranges = _layer_ranges(was)
+    wrong = [st for st, r in enumerate(ranges) if list(named.get(st, [])) != list(r)]
+    if wrong:
+        st = wrong[0]
+        return False, (f"{scaled}; the layer spans of stage {st} name blocks {list(named.get(st, []))}, not the "
+                       f"{list(ranges[st])} of the run's split")
+    per_step = (work.filter(pl.col("action") != "RECOMPUTE")  # (inside its backward's span, and its work)
+                .group_by("step", "action", "layer", "microbatch").agg(pl.col("work_ns").mean()))
+    for step, m in measured_in.items():
+        at = per_step.filter(pl.col("step") == step).select("action", "layer", "microbatch", "work_ns")
+        m["layers"] = {(a, int(k), int(mb)): float(x) for a, k, mb, x in at.iter_rows()}
+        missing = [(a, k, mb) for (a, st, mb) in m["per_op"] for k in ranges[st] if (a, k, mb) not in m["layers"]]
+        if missing:
+            a, k, mb = missing[0]
+            return False, (f"{scaled}; step {step} has no layer span of block {k} in pass {a} of micro-batch {mb} "
+                           f"({len(missing)} missing)")
+    n = int(work["spans"].sum())
+    return True, (f"layers moved ({moved}) from the measured per-layer work ({n} layer spans of "
+                  f"{work['layer'].n_unique()} blocks): each stage's passes are their non-layer work as measured "
+                  "(the pass less its blocks' spans: embedding, head and loss stay with their stage) plus the "
+                  "measured work of the blocks the stage holds under the plan (a block moved keeps its measured "
+                  "time); optimizer and collectives scaled by the stage's layer count; messages as measured")
+
+
 LAYERS_ASSUMPTION = ("layers moved: each stage's measured work (forwards, backwards, optimizer and collectives) "
-                     "scaled by its layer count, {was} → {now} (an assumption: the traces time no single layer, so "
-                     "the embedding's and the head's work scale with the blocks beside them); messages as measured")
+                     "scaled by its layer count, {was} → {now} (an assumption: per-layer work is not measured here, "
+                     "so the embedding's and the head's work scale with the blocks beside them); messages as "
+                     "measured")
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -192,8 +262,10 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     each device's mean host time before an operation (host_before), its optimizer and collectives; recompute from
     the measured forwards; BPipe's evictions and loads priced at the run's own BPipe transfers, else the stage's
     measured activations per micro-batch over run.json's link (else LOCAL_COPY_BYTES_PER_NS, said);
-    ``layers_per_stage`` (one block count a device) moves layers between stages, each device's measured work scaled
-    by its layer count (_layer_scale, the assumption said in a note). Every measured step is simulated on its own:
+    ``layers_per_stage`` (one block count a device) moves layers between stages: from the measured per-layer work
+    where the traces have layer spans of every block (``_layer_inputs``, ``_moved_layers``: a block moved keeps its
+    measured time, the embedding's, head's and loss's work stays with its stage), else each device's measured work
+    scaled by its layer count (``_layer_scale``); a note and ``layers_source`` say which. Every measured step is simulated on its own:
     the step, its interval (the steps' spread, at least noise.NOISE_FLOOR), the bubble share and memory per stage
     (the memory model's in-flight counts on the measured activations). A **prediction** (the run as it ran goes
     through the same engine: ``simulated_as_run_ms`` against the measured step says how far the engine is from
@@ -235,9 +307,6 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         raise AnalysisError(f"the plan is one traceana collect refuses: {refused[0]}", path=analysis.run.path,
                             fix=fix)
     target = base.replace(**changes)
-    if target.stage_layers() != base.stage_layers():
-        notes.append(LAYERS_ASSUMPTION.format(was=",".join(map(str, base.stage_layers())),
-                                              now=",".join(map(str, target.stage_layers()))))
     g = graph
     if g is None:
         try:
@@ -245,6 +314,11 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         except GraphError as e:  # the passes alone: no host gaps, no message times (said)
             notes.append(f"no graph of the measured step ({e.what}): host gaps and message times are not in the plan")
     measured_in = _measured_plan_inputs(analysis, g, base)
+    measured_layers, layers_source = False, None
+    if target.stage_layers() != base.stage_layers():  # which work the moved layers take: said in a note
+        measured_layers, layers_note = _layer_inputs(analysis, base, target, measured_in)
+        notes.append(layers_note)
+        layers_source = "measured per-layer work" if measured_layers else "scaled by layer count"
     p = base.pp
     # BPipe's transfers: the run's own, else priced from the stage's measured activations per micro-batch
     act = _activation_per_microbatch(analysis, base)
@@ -268,7 +342,7 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
     def run(cfg, m) -> object:
         import dataclasses
 
-        times, costs = _times(m, base, cfg, p)
+        times, costs = _times(m, base, cfg, p, measured_layers=measured_layers)
         if cfg.bpipe:
             costs = dataclasses.replace(costs, bpipe_ns=priced(m))
         return simulate(cfg.schedule, pp=p, num_microbatches=cfg.num_microbatches, times=times, costs=costs,
@@ -305,6 +379,8 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
         "as_run_bubble_fraction": bubbles(as_run),
         "memory_bytes": memory,
         "steps_simulated": len(plan_ms),
+        # layers moved: "measured per-layer work" (the layer spans) or "scaled by layer count"; None: none moved
+        "layers_source": layers_source,
         "kind": "prediction: this run's measured work per operation re-sequenced in the plan's order on the "
                 "schedule engine (not a replay of the measured step)",
         "notes": notes,
