@@ -3,7 +3,7 @@
 Names come from ``traceana.core.names`` only; collectors spell no annotation themselves. Each helper returns a
 ``torch.profiler.record_function`` context manager, which costs next to nothing when no profiler is running.
 Inside a pass, each transformer block's share is a span of its own (``PP:1F0/L5``: ``layer``, ``LayerBackward``;
-docs/schedules.md "Layer spans").
+docs/naming.md "Layer spans").
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ def optimizer(stage: int) -> record_function:
 
 
 # --- layer spans: each transformer block's share of a pass (names.layer_label: ``PP:1F0/L5``) -------------------
+# Recorded only while a profiler records (torch.autograd._profiler_enabled(): a flag read, ~30 ns), so unprofiled
+# steps run as before; while it records, a block adds two spans and two tensor hooks (about 20 µs a block's F + B).
 class Pass:
     """The pass the stage runner runs now, ``(stage, action, micro-batch)``: set around each forward and backward
     (``running``) so that the blocks inside it name their share; None elsewhere (the single-process reference, a
-    shape or layout measurement, torch.distributed.pipelining's stages): no layer spans there."""
+    shape or layout measurement, torch.distributed.pipelining's stages): no layer spans there. ``backward``: the
+    forward pass's ``LayerBackward`` (its blocks' backward spans, one open at a time)."""
 
     current: tuple[int, str, int] | None = None
+    backward: "LayerBackward | None" = None
 
 
 class running:
@@ -51,60 +55,67 @@ class running:
         self.now = (stage, action, microbatch)
 
     def __enter__(self) -> None:
-        self.was, Pass.current = Pass.current, self.now
+        self.was = Pass.current, Pass.backward
+        Pass.current = self.now
+        Pass.backward = LayerBackward() if self.now[1] == names.FORWARD else None
 
     def __exit__(self, *exc) -> None:
-        Pass.current = self.was
+        Pass.current, Pass.backward = self.was
+
+
+def recording() -> bool:
+    """Whether layer spans are recorded now: inside a runner's pass, with a profiler recording."""
+    return Pass.current is not None and torch.autograd._profiler_enabled()
 
 
 def layer(index: int, action: str | None = None) -> record_function | None:
     """The span of block ``index``'s share of the current pass (its action, or ``action``: RECOMPUTE), or None
-    outside a pass."""
-    now = Pass.current
-    if now is None:
+    where none is recorded (``recording``)."""
+    if not recording():
         return None
+    now = Pass.current
     return record_function(names.layer_label(now[0], action or now[1], now[2], index))
 
 
 class LayerBackward:
-    """One block's backward span, opened when the gradient reaches the block's output and closed when it has
-    reached the block's input (two identity autograd nodes, ``edges``): what autograd ran in between is that
-    block's backward (its nodes were recorded between the two, and the engine runs a later-recorded node first)."""
+    """The backward spans of one forward pass's blocks: autograd runs a later-recorded node first, so a block's
+    backward is what runs from the gradient's arrival at its output to its arrival at its input. A hook on each
+    block's output opens its span (closing the one open: the next block's, whose input this output is) and a hook
+    on its input closes it if it is still the open one (on a tensor that is one block's input and the previous
+    one's output the opening hook, registered first, runs first)."""
 
-    def __init__(self, index: int) -> None:
-        self.index, self.span = index, None
+    def __init__(self) -> None:
+        self.open_layer, self.span = None, None
 
-    def open(self) -> None:
-        span = layer(self.index)
-        if span is not None:
-            span.__enter__()
-            self.span = span
+    def opened(self, index: int):
+        def hook(grad):
+            self._close()
+            span = layer(index)
+            if span is not None:
+                span.__enter__()
+                self.open_layer, self.span = index, span
+        return hook
 
-    def close(self) -> None:
+    def closed(self, index: int):
+        def hook(grad):
+            if self.open_layer == index:
+                self._close()
+        return hook
+
+    def _close(self) -> None:
         if self.span is not None:
             self.span.__exit__(None, None, None)
-            self.span = None
+            self.open_layer, self.span = None, None
 
 
-class _Edge(torch.autograd.Function):
-    """Identity; its backward opens (at a block's output) or closes (at its input) the block's backward span."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, span: LayerBackward, opens: bool) -> torch.Tensor:
-        ctx.span, ctx.opens = span, opens
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.span.open() if ctx.opens else ctx.span.close()
-        return grad, None, None
+def block_input(x: torch.Tensor, index: int) -> None:
+    """Mark ``x``, block ``index``'s input: its gradient's arrival closes the block's backward span."""
+    if Pass.backward is not None and x.requires_grad and recording():
+        x.register_hook(Pass.backward.closed(index))
 
 
-def block_input(x: torch.Tensor, span: LayerBackward) -> torch.Tensor:
-    """``x`` (a block's input) whose gradient's arrival closes the block's backward span."""
-    return _Edge.apply(x, span, False) if x.requires_grad and torch.is_grad_enabled() else x
-
-
-def block_output(y: torch.Tensor, span: LayerBackward) -> torch.Tensor:
-    """``y`` (a block's output) whose gradient's arrival opens the block's backward span."""
-    return _Edge.apply(y, span, True) if y.requires_grad and torch.is_grad_enabled() else y
+def block_output(y: torch.Tensor, index: int) -> torch.Tensor:
+    """Mark ``y``, block ``index``'s output: its gradient's arrival opens the block's backward span."""
+    if Pass.backward is not None and y.requires_grad and recording():
+        y.register_hook(Pass.backward.opened(index))
+    return y

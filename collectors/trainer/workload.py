@@ -100,12 +100,13 @@ class Clock:
         (micro-batch, step), nothing held when its step is None. ``delay``: the run-queue delay read at ``start``.
         ``layers`` (the stage's blocks in the order the pass runs them): inside a runner's pass the hold is split
         evenly over them, one after another, each block's share a span of its own (``PP:1F0/L5``) ending at its
-        deadline (``start`` + its cumulative share: run.json's ``workload.layer_holds`` "even")."""
+        deadline (``start`` + its cumulative share: run.json's ``workload.layer_holds`` "even"), while a profiler
+        records (``annotations.recording``; the total held is the same either way)."""
         if at[1] is None or ms <= 0:
             return
         if start is None:
             delay, start = run_delay_ns(), time.perf_counter()
-        if layers and ann.Pass.current is not None:
+        if layers and ann.recording():
             for k, layer in enumerate(layers, 1):
                 with ann.layer(layer):
                     hold_until(start + ms * k / len(layers) / 1e3)

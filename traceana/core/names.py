@@ -75,7 +75,7 @@ _PP_RE = re.compile(PP_PATTERN)
 OVERLAP_PATTERN = rf"^{PP_PREFIX}\((\d+)([FBIW])(\d+);(\d+)([FBIW])(\d+)\)OVERLAP_F_B$"
 # One transformer block's share of a pass: the pass's name and ``/L{layer}`` (the block's index in the whole model),
 # e.g. ``PP:1F0/L5``, ``PP:1B0/L5``, ``PP:1RECOMPUTE0/L5``: nested inside the pass's own span (the reference trainer,
-# docs/schedules.md "Layer spans"). Not an annotation of the contract (PP_PATTERN ends at the micro-batch): a span,
+# docs/naming.md "Layer spans"). Not an annotation of the contract (PP_PATTERN ends at the micro-batch): a span,
 # not work, read by ``layer_columns`` only. A block's backward may be more than one span (the known workload holds
 # a full backward's input and weight parts apart): its work is their sum.
 LAYER_PATTERN = rf"^{PP_PREFIX}(\d+)([A-Z_]+)(\d+)/L(\d+)$"
