@@ -6,6 +6,7 @@ when the stages are equal).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -55,8 +56,12 @@ def test_run_json_records_the_workload_in_typed_fields_and_refuses_a_bad_one():
     m = Manifest(world_size=4, pp=4, schedule="1f1b", workload=w)
     data = json.loads(m.to_json())
     assert data["workload"] == {"kind": "sleep", "forward_ms": 20.0, "backward_ms": 40.0, "weight_ms": 5.0,
-                                "slow_stages": [[1, 2.0]], "slow_ranks": [[3, 0.5]], "spans": "workload"}
+                                "slow_stages": [[1, 2.0]], "slow_ranks": [[3, 0.5]], "spans": "workload",
+                                "layer_holds": None}
     assert Manifest.from_dict(data) == m
+    # the reference trainer's run says how a pass's hold maps to the stage's blocks (split evenly over them)
+    even = Manifest(world_size=4, pp=4, schedule="1f1b", workload=Workload("sleep", 20, 40, layer_holds="even"))
+    assert Manifest.from_dict(json.loads(even.to_json())).workload.layer_holds == "even"
     # by hand: stage 1 on rank 3 holds 2 × 0.5 = 1 × the stated times; a full backward is B + W
     assert w.held_ms("F", stage=1, rank=3) == 20 and w.held_ms("B", stage=1, rank=0) == 90
     assert w.held_ms("I", stage=0, rank=3) == 20 and w.held_ms("W", stage=2, rank=2) == 5
@@ -65,7 +70,8 @@ def test_run_json_records_the_workload_in_typed_fields_and_refuses_a_bad_one():
                 {"kind": "sleep", "forward_ms": 1, "backward_ms": 1, "slow_stages": [[1, 0]]},
                 {"kind": "sleep", "forward_ms": 1, "backward_ms": 1, "slow_stages": [[4, 2]]},
                 {"kind": "sleep", "forward_ms": 1, "backward_ms": 1, "slow_ranks": [["a", 2]]},
-                {"kind": "sleep", "forward_ms": 1}, "sleep"):
+                {"kind": "sleep", "forward_ms": 1}, "sleep",
+                {"kind": "sleep", "forward_ms": 1, "backward_ms": 1, "layer_holds": "per-block"}):
         with pytest.raises(BadInputError):
             Manifest.from_dict({**data, "workload": bad})
 
@@ -104,7 +110,8 @@ def test_each_pass_holds_its_stated_time_and_the_trace_shows_it(collected_run):
     run = collected_run("sleep_gpipe_pp2")
     manifest = Manifest.read(run / "run.json")
     w = RUNS["sleep_gpipe_pp2"]["workload"]
-    assert manifest.workload == w and manifest.schedule == "gpipe"
+    # (the reference trainer's passes split each hold evenly over the stage's blocks, and run.json says so)
+    assert manifest.workload == dataclasses.replace(w, layer_holds="even") and manifest.schedule == "gpipe"
     m, steps = RUNS["sleep_gpipe_pp2"]["num_microbatches"], RUNS["sleep_gpipe_pp2"]["steps"]
     slack, gil = 10 * _calibrated_slack_ms(), sys.getswitchinterval() * 1e3
     for rank in range(2):

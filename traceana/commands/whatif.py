@@ -57,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: as the run)")
     p.add_argument("--layers-per-stage", metavar="N,N,...",
                    help="… with the transformer layers split so over the stages (one count a stage, all its chunks "
-                        "together when interleaved, summing to the model's layers), each stage's measured work "
-                        "scaled by its layer count (default: as the run)")
+                        "together when interleaved, summing to the model's layers): a block moved keeps its "
+                        "measured work where the traces time each block (the reference trainer's layer spans), "
+                        "else each stage's measured work is scaled by its layer count; a note says which "
+                        "(default: as the run)")
     p.add_argument("--per-group", action="store_true",
                    help="replay the what-if's variants one pipeline group (a data-parallel replica's ranks) a task "
                         "(causal.group_replay: the same figures; docs/whatif.md \"Per pipeline group\"); a run whose "
