@@ -34,6 +34,21 @@ def _raw_layer_spans(run_dir, step: int) -> dict[tuple, tuple[float, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def test_moved_layers_keep_their_work_and_the_rest_stays_by_hand():
+    """Two stages of 2 blocks, one micro-batch. Stage 0's forward 10 ms, its blocks 0 and 1 2 and 3 ms (5 ms of
+    non-layer work: the embedding); stage 1's 30 ms, blocks 2 and 3 12 and 13 ms (5 ms: head and loss). Split 3,1:
+    stage 0 holds blocks 0–2, 5 + 2 + 3 + 12 = 22 ms; stage 1 block 3, 5 + 13 = 18 ms. Split 1,3: 5 + 2 = 7 and
+    5 + 3 + 12 + 13 = 33 ms. A pass whose blocks' spans exceed it keeps no negative rest (0)."""
+    from traceana.validation.plan import _moved_layers
+
+    per_op = {("F", 0, 0): 10.0, ("F", 1, 0): 30.0}
+    layers = {("F", 0, 0): 2.0, ("F", 1, 0): 3.0, ("F", 2, 0): 12.0, ("F", 3, 0): 13.0}
+    assert _moved_layers(per_op, layers, (2, 2), (3, 1)) == {("F", 0, 0): 22.0, ("F", 1, 0): 18.0}
+    assert _moved_layers(per_op, layers, (2, 2), (1, 3)) == {("F", 0, 0): 7.0, ("F", 1, 0): 33.0}
+    assert _moved_layers(per_op, layers, (2, 2), (2, 2)) == per_op
+    assert _moved_layers({("F", 0, 0): 4.0, ("F", 1, 0): 30.0}, layers, (2, 2), (3, 1))[("F", 0, 0)] == 17.0
+
+
 def test_layer_spans_of_a_real_compute_run(collected_run):
     """gpipe_llama_recompute: tiny-llama's 8 blocks on pp 2 (blocks 0–3, 4–7: stage_layer_ranges), 2 micro-batches,
     selective recompute. Every block of every stage has one forward, one backward and one recompute span per
