@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from collected_runs import RUNS  # noqa: E402
-from traceana.core.pipeline_rules import bpipe_plan  # noqa: E402
+from traceana.core.pipeline_rules import bpipe_plan, stage_layer_ranges  # noqa: E402
 from collectors.trainer.config import CollectConfig  # noqa: E402
 from traceana.cli import main as cli  # noqa: E402
 from traceana.core import names  # noqa: E402
@@ -58,6 +59,8 @@ def test_every_stage_microbatch_and_phase_is_annotated(collected_run, name):
     config = CollectConfig(**RUNS[name])
     for rank in range(config.pp):
         spans = _spans(_trace(run_dir, rank))
+        _check_layer_spans(config, rank, spans)
+        spans = [e for e in spans if not re.fullmatch(names.LAYER_PATTERN, e["name"])]
         got = Counter(e["name"] for e in spans if names.parse_pp_label(e["name"])[1] != names.RECOMPUTE)
         assert got == _expected(config, rank), f"rank {rank}"
         recomputes = [e for e in spans if names.parse_pp_label(e["name"])[1] == names.RECOMPUTE]
@@ -70,6 +73,24 @@ def test_every_stage_microbatch_and_phase_is_annotated(collected_run, name):
         for r in recomputes:  # RECOMPUTE nests inside the B of the same micro-batch
             b = backward[names.parse_pp_label(r["name"])[2]]
             assert b["ts"] <= r["ts"] and r["ts"] + r["dur"] <= b["ts"] + b["dur"] + 1
+
+
+def _check_layer_spans(config: CollectConfig, stage: int, spans: list[dict]) -> None:
+    """Each of the stage's blocks (stage_layer_ranges: tiny models' 8 blocks, 2 a stage at pp 4) has one forward and
+    one backward span per micro-batch, and one recompute span where the run recomputes, each inside its pass's span
+    (``PP:{stage}F{mb}/L{layer}`` inside ``PP:{stage}F{mb}``)."""
+    blocks = stage_layer_ranges(8, config.pp)[stage]
+    layer = [e for e in spans if re.fullmatch(names.LAYER_PATTERN, e["name"])]
+    kinds = [names.FORWARD, names.BACKWARD] + ([names.RECOMPUTE] if config.recompute != "none" else [])
+    assert Counter(e["name"] for e in layer) == Counter(
+        names.layer_label(stage, a, mb, k) for a in kinds for mb in range(config.num_microbatches) for k in blocks)
+    passes: dict[str, list] = {}
+    for e in spans:  # (a recompute of each block is a PP:{s}RECOMPUTE{mb} span of its own: several of one name)
+        if names.parse_pp_label(e["name"]) is not None:
+            passes.setdefault(e["name"], []).append(e)
+    for e in layer:
+        assert any(o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] + 1
+                   for o in passes[e["name"].split("/")[0]]), e["name"]
 
 
 @pytest.mark.parametrize("name", ["1f1b", "1f1b_bpipe"])
