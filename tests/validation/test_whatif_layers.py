@@ -80,6 +80,32 @@ def test_layer_spans_of_a_real_compute_run(collected_run):
         assert 0 < inside < r["end_ns"] - r["start_ns"]
 
 
+def test_layer_spans_are_spans_not_work(collected_run, tmp_path):
+    """The same run with its layer spans taken out of every trace (json, by name) analyses alike: the same
+    attribution, schedule and step (a layer span is a span inside its pass, not work of its own)."""
+    import shutil
+
+    from polars.testing import assert_frame_equal
+
+    import traceana
+
+    run = collected_run("gpipe_llama_recompute")
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns(".traceana"))
+    for f in bare.glob("rank*.pt.trace.json.gz"):
+        doc = json.load(gzip.open(f))
+        kept = [e for e in doc["traceEvents"] if not re.fullmatch(r"PP:\d+[A-Z_]+\d+/L\d+", e.get("name", ""))]
+        assert len(kept) < len(doc["traceEvents"])
+        doc["traceEvents"] = kept
+        with gzip.open(f, "wt") as out:
+            json.dump(doc, out)
+    a, b = (traceana.load_and_analyze(d, cache=False) for d in (run, bare))
+    assert a.summary.step_ms == b.summary.step_ms
+    for table in ("attribution", "schedule"):
+        assert_frame_equal(getattr(a, table).sort(getattr(a, table).columns),
+                           getattr(b, table).sort(getattr(b, table).columns))
+
+
 def test_moving_a_layer_changes_the_step_by_hand(collected_run):
     """The known workload, GPipe pp 2, m 4, F 10 ms, B 20 ms, stage 1 slowed ×3; each pass's hold split evenly over
     its stage's 4 blocks (run.json's workload.layer_holds "even"): blocks 0–3 hold F 2.5 / B 5 ms, blocks 4–7
