@@ -18,6 +18,7 @@ import pytest
 
 import traceana
 from stripped_runs import SHAPE_KEYS, as_defaults
+from traceana.core.schema import COMPUTE_CATEGORIES
 from traceana.measure.analysis import analyze
 
 DATA = Path(__file__).parents[1] / "data"
@@ -105,10 +106,32 @@ def test_interleaved_passes_are_counted_not_numbered(runs):
     assert any("stages_of_rank" in n for n in a.notes)
 
 
-# These runs are collected afresh each session, 4 ranks on the 2 shared cores: a rank descheduled inside an annotated
-# span counts the lost time as that action, while the defaults' reading, whose windows end at the last op, does not
-# (measured: at most 0.065 on a quiet collection, 0.10 once under a load of 7).
-PIPELINING_PHASE_TOL = 0.12
+# The two readings of one trace differ where the rank was descheduled (4 ranks on 2 cores, and whatever else the
+# machine runs): a thread waiting for a CPU records nothing, so a gap inside a pass reads as that pass in the
+# annotated reading (its span covers it) and, in the defaults' reading, as a wait when a P2P call returns after it
+# (seen at load 11: 7.3 ms inside a forward read as bubble_stall; reported on a quiet machine: bubble_warmup 0.238
+# against 0.088). That is noise, and the test measures
+# it beside each comparison: the collector's wall-clock truth carries the run-queue delay (schedstat) inside every
+# compute and P2P span (schedule_truth.descheduled_disagreement: where a reading disagrees with the truth while the
+# thread was descheduled, up to that delay). What is left once that is taken off is the readings' real difference,
+# with the thread running: the last stage's loss (inside the defaults' forward window, after the annotated span) and
+# the Python at a pass's edges — measured at most 0.028 of a step over 96 rank-steps (24 collections, 16 of 1F1B and
+# 8 of GPipe, at load 11-15; the readings there differed by up to 0.098, the descheduled part up to 0.34).
+PIPELINING_PHASE_FLOOR = 0.05
+
+
+def _intervals(a, rank: int, categories) -> list[tuple[int, int]]:
+    seg = a.segments.filter((pl.col("rank") == rank) & pl.col("category").cast(pl.String).is_in(list(categories)))
+    return seg.select("start_ns", "end_ns").rows()
+
+
+def _descheduled(a, truth_dir: Path, rank: int, step: int) -> float:
+    """The share of ``step`` where ``a``'s compute disagrees with the truth while the rank was descheduled."""
+    from schedule_truth import descheduled_disagreement
+
+    bounds = a.steps.filter((pl.col("rank") == rank) & (pl.col("step") == step)).select("start_ns", "end_ns").rows()
+    return descheduled_disagreement(truth_dir, rank, [step], bounds,
+                                    {"compute": _intervals(a, rank, COMPUTE_CATEGORIES)})["compute"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -116,9 +139,11 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
     """torch.distributed.pipelining's own Schedule1F1B / ScheduleGPipe on 4 ranks (tests/collected_runs.py), the
     truth its own record_function spans of each action (F, B): with those spans, the Python frames, the input
     shapes (so the P2P peers), the metadata and run.json removed, the stages (from P2P order and timing: one
-    pipeline, every rank traced), micro-batches and phases are the annotated ones, and each rank's forward and
-    backward shares within PIPELINING_PHASE_TOL of the annotated analysis'; blocked at least the annotated
-    reading's."""
+    pipeline, every rank traced), micro-batches and phases are the annotated ones (logic: exact), and each rank's
+    forward and backward shares those of the annotated analysis within PIPELINING_PHASE_FLOOR plus the time the two
+    readings disagree with the wall-clock truth while the rank was descheduled (measured here, in the same run);
+    blocked at least the annotated reading's."""
+    from collectors.pipelining_example import truth_path
     from stripped_runs import strip_trace
 
     src = collected_run(f"pipelining-{schedule}")
@@ -141,19 +166,24 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
     fb = lambda a: a.schedule.filter(pl.col("phase").is_in(["forward", "backward"])).select(key).sort(key)  # noqa: E731
     assert fb(inferred).equals(fb(annotated))
     assert set(inferred.schedule.filter(pl.col("phase") != "optimizer")["source"]) == {"autograd"}
+    truth_dir = truth_path(Path(src))
     for step in annotated.summary.steps:
         for rank in range(4):
             got, want = _shares(inferred, rank, step), _shares(annotated, rank, step)
+            # A gap one reading gives a pass and the other not is, at each instant, a disagreement of one of them
+            # with the truth's compute; while descheduled, it is counted (up to the run delay measured there). A pass
+            # read as another (forward for backward) is compute in both and truth alike: never excused by it.
+            noise = _descheduled(inferred, truth_dir, rank, step) + _descheduled(annotated, truth_dir, rank, step)
             for k in ("forward", "backward"):
-                assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=PIPELINING_PHASE_TOL), \
-                    (schedule, rank, step, k, got, want)
+                assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=PIPELINING_PHASE_FLOOR + noise), \
+                    (schedule, rank, step, k, noise, got, want)
             # blocked: at least the annotated reading's (the defaults' reading gives the P2P calls the idle time
             # touching them: torch's _batch_p2p / _wait_batch_p2p Python, which the annotated reading leaves to
-            # host or to the action whose span holds it)
+            # host or to the action whose span holds it; descheduling only adds to it, the defaults' reading having
+            # fewer marks of activity; measured: 0.001-0.22 more over the 96 rank-steps above)
             assert got["blocked"] >= want["blocked"] - 0.02, (schedule, rank, step, got, want)
-    # (Not checked here against the collector's wall-clock truth: with 4 ranks on 2 cores shared by other jobs the
-    # descheduled time dominates it; tests/validation/test_schedules_truth.py holds that check for the annotated
-    # reading.)
+    # (Not checked here against the collector's wall-clock truth: tests/validation/test_schedules_truth.py holds that
+    # check for the annotated reading.)
 
 
 def test_interleaved_passes_are_numbered_by_run_jsons_plan(tmp_path):
