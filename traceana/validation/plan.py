@@ -11,6 +11,7 @@ import re
 from traceana.causal.graph import EDGE_ORDER, GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
 from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
+from traceana.core.keyed import keyed
 from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES
 from traceana.core.pipeline_rules import bpipe_applies, check_virtual_stages, device_of_stage, plan_refusal
 from traceana.core.units import NS_PER_MS
@@ -87,15 +88,14 @@ def _measured_plan_inputs(analysis, g: StepGraph | None, base) -> dict:
     out = {}
     for step in steps:
         def at(frame):
-            return frame.filter(pl.col("step") == step)
+            return frame.filter(pl.col("step") == step).drop("step")
 
         b = at(bpipe) if bpipe is not None else None
         out[step] = {
-            "per_op": {(a, int(st), int(mb)): float(x) for _, a, st, mb, x in at(work).iter_rows()},
-            "other": {int(d): float(x) for _, d, x in at(other).iter_rows()},
-            "host": {int(d): float(x) for _, d, x in at(host).iter_rows()} if host is not None else {},
-            "messages": {(k, int(st), int(mb)): float(x) for _, k, st, mb, x in at(p2p).iter_rows()}
-            if p2p is not None else {},
+            "per_op": keyed(at(work), "work_ns"),
+            "other": keyed(at(other), "work_ns"),
+            "host": keyed(at(host), "host_ns") if host is not None else {},
+            "messages": keyed(at(p2p), "t") if p2p is not None else {},
             "bpipe_ns": float(b["t"].median()) if b is not None and b.height else None,
         }
     return out
@@ -358,7 +358,7 @@ def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | No
 
     def bubbles(sims) -> dict[int, float]:
         fr = pl.concat([bubble_fraction(s) for s in sims]).group_by("stage").agg(pl.col("bubble_fraction").mean())
-        return {int(st): float(x) for st, x in fr.sort("stage").iter_rows()}
+        return keyed(fr.sort("stage"), "bubble_fraction")
 
     memory = _plan_memory(analysis, base, target, act, estimate_stage_memory)
     m_as, m_plan = base.num_microbatches, target.num_microbatches
@@ -393,8 +393,8 @@ def _activation_per_microbatch(analysis, base) -> dict[int, float]:
     sm = analysis.stage_memory
     if sm is None or sm.height == 0 or "activation_peak_bytes" not in sm.columns:
         return {}
-    peak = dict(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
-                .agg(pl.col("activation_peak_bytes").median()).iter_rows())
+    peak = keyed(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
+                 .agg(pl.col("activation_peak_bytes").median()), "activation_peak_bytes", convert=None)
     out = {}
     for m in estimate_stage_memory(base):
         held = m.in_flight + m.foreign_in_flight
@@ -419,8 +419,8 @@ def _plan_memory(analysis, base, target, act: dict[int, float], estimate) -> dic
     sm = analysis.stage_memory
     if not act or sm is None or "baseline_bytes" not in sm.columns:
         return None
-    baseline = dict(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
-                    .agg(pl.col("baseline_bytes").median()).iter_rows())
+    baseline = keyed(sm.filter(pl.col("stage").is_not_null()).group_by("stage")
+                     .agg(pl.col("baseline_bytes").median()), "baseline_bytes", convert=None)
     was = {m.stage: m for m in estimate(base)}
     out = {}
     for m in estimate(target):

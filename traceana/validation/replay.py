@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceana.core.errors import AnalysisError
+from traceana.core.keyed import keyed
 from traceana.core.pipeline_rules import device_of_stage
 from traceana.core.run_config import RUN_JSON
 from traceana.core.schema import BLOCKED_CATEGORIES
@@ -43,6 +44,16 @@ def _rel(est: pl.Expr, meas: pl.Expr) -> pl.Expr:
 
 
 OP_OF_PHASE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}  # simulator op keys
+
+
+def _op_key() -> pl.Expr:
+    """A pass's simulator key letter (``OP_OF_PHASE``) from its phase."""
+    return pl.col("phase").replace_strict(OP_OF_PHASE, return_dtype=pl.String).alias("op")
+
+
+def _message_kind(forward: pl.Expr) -> pl.Expr:
+    """A message's simulator key letter: "F" (an activation) where ``forward``, else "B" (a gradient)."""
+    return pl.when(forward).then(pl.lit("F")).otherwise(pl.lit("B")).alias("kind")
 
 
 def _op_durations(rows: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
@@ -83,8 +94,8 @@ def _messages_by_producer(analysis: Analysis, cfg: TrainingConfig, rows: pl.Data
         .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("k"))
         .join(producers, on=["src", "dst", "k"])
     )
-    return {("F" if ph == "forward" else "B", st, mb): float(x)
-            for ph, st, mb, x in msgs.select("phase", "stage", "microbatch", "transfer_ns").iter_rows()}
+    return keyed(msgs.select(_message_kind(pl.col("phase") == "forward"), "stage", "microbatch", "transfer_ns"),
+                 "transfer_ns")
 
 
 def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tuple[StageTimes, Costs]:
@@ -96,10 +107,8 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
     stage_of = {r: s for s, r in meas.rank_of_stage.items()}
     rows = pass_durations(analysis, pl.DataFrame({"step": [step]}, schema={"step": pl.Int32})).filter(
         pl.col("rank").is_in(list(stage_of)))
-    per_op = {(OP_OF_PHASE[ph], st, mb): float(d) for ph, st, mb, d in
-              _op_durations(rows, ["stage", "microbatch"]).select("phase", "stage", "microbatch", "d").iter_rows()}
-    per_op |= {("R", st, mb): float(d) for st, mb, d in
-               rows.filter(pl.col("phase") == "recompute").select("stage", "microbatch", "d").iter_rows()}
+    per_op = keyed(_op_durations(rows, ["stage", "microbatch"]).select(_op_key(), "stage", "microbatch", "d"), "d")
+    per_op |= keyed(rows.filter(pl.col("phase") == "recompute").select(pl.lit("R"), "stage", "microbatch", "d"), "d")
     msgs = (
         analysis.p2p.filter((pl.col("step") == step) & (pl.col("channel") == "p2p"))
         .with_columns(pl.col("src").replace_strict(stage_of, default=None).alias("s_src"),
@@ -109,10 +118,8 @@ def replay_inputs(analysis: Analysis, cfg: TrainingConfig, meas: Measured) -> tu
         .with_columns(pl.int_range(pl.len()).over("src", "dst").alias("mb"))
     )
     if cfg.virtual_stages == 1:  # one stage per device: a message's stages are its ranks'
-        per_msg = {
-            ("F" if s_dst > s_src else "B", s_src, mb): float(x)
-            for s_src, s_dst, mb, x in msgs.select("s_src", "s_dst", "mb", "transfer_ns").iter_rows()
-        }
+        per_msg = keyed(msgs.select(_message_kind(pl.col("s_dst") > pl.col("s_src")), "s_src", "mb", "transfer_ns"),
+                        "transfer_ns")
     else:  # several: which pass sent a message, from the order the sender ran its passes in
         per_msg = _messages_by_producer(analysis, cfg, rows, step, meas.rank_of_stage)
     times = dataclasses.replace(meas.times, per_op_ns=per_op)
@@ -130,9 +137,9 @@ def sampled_step_ns(analysis: Analysis, cfg: TrainingConfig, meas: Measured, *, 
     stage_of = {r: s for s, r in meas.rank_of_stage.items()}
     rows = pass_durations(analysis, steps).filter(pl.col("rank").is_in(list(stage_of)))
     ops = _op_durations(rows, ["step", "stage", "microbatch"]).group_by("stage", "phase").agg(pl.col("d"))
-    pools = {(OP_OF_PHASE[ph], st): ds for st, ph, ds in ops.select("stage", "phase", "d").iter_rows()}
+    pools = keyed(ops.select(_op_key(), "stage", "d"), "d", convert=None)
     recomputes = rows.filter(pl.col("phase") == "recompute").group_by("stage").agg(pl.col("d"))
-    pools |= {("R", st): ds for st, ds in recomputes.select("stage", "d").iter_rows()}
+    pools |= keyed(recomputes.select(pl.lit("R"), "stage", "d"), "d", convert=None)
     msgs = analysis.p2p.join(steps, on="step").filter(pl.col("channel") == "p2p")["transfer_ns"].to_list()
     rng = random.Random(seed)
     total = 0.0
