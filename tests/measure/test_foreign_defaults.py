@@ -110,14 +110,15 @@ def test_interleaved_passes_are_counted_not_numbered(runs):
 # machine runs): a thread waiting for a CPU records nothing, so a gap inside a pass reads as that pass in the
 # annotated reading (its span covers it) and, in the defaults' reading, as a wait when a P2P call returns after it
 # (seen at load 11: 7.3 ms inside a forward read as bubble_stall; reported on a quiet machine: bubble_warmup 0.238
-# against 0.088). That is noise, and the test measures
-# it beside each comparison: the collector's wall-clock truth carries the run-queue delay (schedstat) inside every
-# compute and P2P span (schedule_truth.descheduled_disagreement: where a reading disagrees with the truth while the
-# thread was descheduled, up to that delay). What is left once that is taken off is the readings' real difference,
-# with the thread running: the last stage's loss (inside the defaults' forward window, after the annotated span) and
-# the Python at a pass's edges — measured at most 0.028 of a step over 96 rank-steps (24 collections, 16 of 1F1B and
-# 8 of GPipe, at load 11-15; the readings there differed by up to 0.098, the descheduled part up to 0.34).
-PIPELINING_PHASE_FLOOR = 0.05
+# against 0.088). That is noise, and the test measures it beside each comparison: the collector's wall-clock truth
+# carries the run-queue delay (schedstat) inside every compute and P2P span (schedule_truth.descheduled_disagreement:
+# where a reading disagrees with the truth while the thread was descheduled, up to that delay; _misplaced_delay: the
+# delay charged to a span that lies just outside it). And the defaults' windows run from a pass's first op to the next
+# communication call, so they take in compute the annotated spans leave outside every pass (the last stage's loss,
+# up to 0.05 of its step here, when a rank was descheduled inside the loss's op): the annotated reading's other_compute,
+# measured in the same run. What is left is the Python at a pass's edges: at most 0.009 of a step over 156 rank-steps
+# (39 collections of 1F1B and GPipe, at load 3-4 and 11-15, readings differing by up to 0.104).
+PIPELINING_PHASE_FLOOR = 0.03
 
 
 def _intervals(a, rank: int, categories) -> list[tuple[int, int]]:
@@ -134,15 +135,35 @@ def _descheduled(a, truth_dir: Path, rank: int, step: int) -> float:
                                     {"compute": _intervals(a, rank, COMPUTE_CATEGORIES)})["compute"]
 
 
+def _misplaced_delay(truth_dir: Path, rank: int, step: int) -> float:
+    """The share of ``step`` of run delay the truth charged to a span that cannot have happened inside it: the
+    collector reads schedstat just after a span's closing perf_counter (and just before its opening one), and that
+    read is where a thread is preempted, so a wait right after a span (or right before it) is charged to the span
+    (seen at load 3: a 3.2 ms forward holding 10.3 ms of delay, and 8.6 ms after it with no event in the trace nor
+    span in the truth, which the last stage's defaults' forward window, running on to the loss, covers). What a
+    top-level span holds beyond its length lies just outside it: counted as descheduled there."""
+    doc = json.loads((truth_dir / f"rank{rank}.json").read_text())
+    lo, hi, *_ = doc["steps"][step]
+    excess, reach = 0, lo
+    for _, s, e, d in sorted((sp for sp in doc["spans"] if sp[1] < hi and sp[2] > lo), key=lambda x: (x[1], -x[2])):
+        if s >= reach:  # a top-level span (not inside an earlier one)
+            excess += max(0, d - (e - s))
+            reach = e
+        else:
+            reach = max(reach, e)
+    return excess / (hi - lo)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(collected_run, tmp_path, schedule):
     """torch.distributed.pipelining's own Schedule1F1B / ScheduleGPipe on 4 ranks (tests/collected_runs.py), the
     truth its own record_function spans of each action (F, B): with those spans, the Python frames, the input
     shapes (so the P2P peers), the metadata and run.json removed, the stages (from P2P order and timing: one
     pipeline, every rank traced), micro-batches and phases are the annotated ones (logic: exact), and each rank's
-    forward and backward shares those of the annotated analysis within PIPELINING_PHASE_FLOOR plus the time the two
-    readings disagree with the wall-clock truth while the rank was descheduled (measured here, in the same run);
-    blocked at least the annotated reading's."""
+    forward and backward shares those of the annotated analysis within PIPELINING_PHASE_FLOOR plus what this run
+    measures beside them: the time the two readings disagree with the wall-clock truth while the rank was
+    descheduled, and the annotated reading's compute outside every pass (the loss); blocked at least the annotated
+    reading's."""
     from collectors.pipelining_example import truth_path
     from stripped_runs import strip_trace
 
@@ -173,14 +194,17 @@ def test_pipelining_profiled_with_the_defaults_gets_its_annotated_schedule(colle
             # A gap one reading gives a pass and the other not is, at each instant, a disagreement of one of them
             # with the truth's compute; while descheduled, it is counted (up to the run delay measured there). A pass
             # read as another (forward for backward) is compute in both and truth alike: never excused by it.
-            noise = _descheduled(inferred, truth_dir, rank, step) + _descheduled(annotated, truth_dir, rank, step)
+            noise = (_descheduled(inferred, truth_dir, rank, step) + _descheduled(annotated, truth_dir, rank, step)
+                     + _misplaced_delay(truth_dir, rank, step))
+            outside_passes = want.get("other_compute", 0)
             for k in ("forward", "backward"):
-                assert got.get(k, 0) == pytest.approx(want.get(k, 0), abs=PIPELINING_PHASE_FLOOR + noise), \
+                assert got.get(k, 0) == pytest.approx(want.get(k, 0),
+                                                      abs=PIPELINING_PHASE_FLOOR + noise + outside_passes), \
                     (schedule, rank, step, k, noise, got, want)
             # blocked: at least the annotated reading's (the defaults' reading gives the P2P calls the idle time
             # touching them: torch's _batch_p2p / _wait_batch_p2p Python, which the annotated reading leaves to
             # host or to the action whose span holds it; descheduling only adds to it, the defaults' reading having
-            # fewer marks of activity; measured: 0.001-0.22 more over the 96 rank-steps above)
+            # fewer marks of activity; measured: 0.001-0.22 more over the 156 rank-steps above)
             assert got["blocked"] >= want["blocked"] - 0.02, (schedule, rank, step, got, want)
     # (Not checked here against the collector's wall-clock truth: tests/validation/test_schedules_truth.py holds that
     # check for the annotated reading.)
