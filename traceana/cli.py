@@ -277,14 +277,33 @@ def _exit_quietly_on_signals() -> None:
 # frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
 # them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%.
 ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
+# ... except in a run of many small ranks (thousands of one-step ranks of a pp x dp job): there the peak is the
+# analysis' frames over the whole job, which reuse the pages the ranks' columns freed, and returning every freed page
+# at once cost a fifth of the CPU in page faults. A second's decay, measured both ways on this machine
+# (docs/performance.md "The allocator's decay, by the run's shape"): 4,096 ranks of 0.3 MB 36.6 -> 29.5 CPU-s, peak
+# 1,414 -> 1,408 MiB; 1,024 of 0.3 MB 8.5 -> 6.3 CPU-s, 495 -> 489 MiB; but 512 of 0.5 MB +13 MiB, 256 of 2 MB
+# +26 MiB and 4 of 200 MB +83 MiB (+16 %): a run's few big ranks keep ALLOCATOR.
+ALLOCATOR_MANY_SMALL = "dirty_decay_ms:1000,muzzy_decay_ms:0"
+MANY_FILES = 1024  # trace files, at least
+SMALL_FILE_BYTES = 2 * 1024 * 1024  # of JSON in the largest, at most (a gzipped file counted at reading.GZ_RATIO)
+
+
+def allocator_for(raw_sizes: list[int]) -> str:
+    """traceana's own allocator setting (``_RJEM_MALLOC_CONF``) for a run whose trace files hold ``raw_sizes``
+    bytes of JSON each: ALLOCATOR_MANY_SMALL for at least MANY_FILES files of at most SMALL_FILE_BYTES, else
+    ALLOCATOR."""
+    if len(raw_sizes) >= MANY_FILES and max(raw_sizes) <= SMALL_FILE_BYTES:
+        return ALLOCATOR_MANY_SMALL
+    return ALLOCATOR
 
 
 def program_settings(run: str | os.PathLike | None = None) -> None:
     """The traceana program's settings of its own process, made before polars is imported (they take effect only
     then) and never by ``import traceana``: the allocator's decay (``ALLOCATOR``), the standard-library modules a
-    plain analysis never runs deferred (``traceana._deferred``), and, given the ``run`` a command reads and that run
-    is small (``reading.is_small_run``), one polars thread and one jemalloc arena. A value the user set is kept.
-    (The benchmark's jobs call it as the program does.)"""
+    plain analysis never runs deferred (``traceana._deferred``), and, given the ``run`` a command reads, the decay
+    for its shape (``allocator_for``: many small ranks) and, when that run is small (``reading.is_small_run``), one
+    polars thread and one jemalloc arena. A value the user set is kept. (The benchmark's jobs call it as the
+    program does.)"""
     if "polars" in sys.modules:
         return
     if run is None:
@@ -295,10 +314,16 @@ def program_settings(run: str | os.PathLike | None = None) -> None:
         return
     from traceana.ingest import reading  # (cost: isal and the reader only for a command that reads a run)
 
-    if reading.is_small_run(run):
+    sizes = reading.raw_sizes(run)
+    if sizes is None:
+        return
+    ours = os.environ.get("_RJEM_MALLOC_CONF") == ALLOCATOR  # (traceana's own setting: not the user's)
+    if ours:
+        os.environ["_RJEM_MALLOC_CONF"] = allocator_for(sizes)
+    if reading.is_small_run(run, sizes):
         os.environ.setdefault("POLARS_MAX_THREADS", "1")
-        if os.environ.get("_RJEM_MALLOC_CONF") == ALLOCATOR:  # (traceana's own setting: not the user's)
-            os.environ["_RJEM_MALLOC_CONF"] = f"narenas:1,{ALLOCATOR}"
+        if ours:
+            os.environ["_RJEM_MALLOC_CONF"] = f"narenas:1,{os.environ['_RJEM_MALLOC_CONF']}"
 
 
 def _nothing_to_tear_down() -> bool:

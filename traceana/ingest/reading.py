@@ -652,20 +652,23 @@ def run_files(path: str | Path) -> tuple[Path, list[Path]] | None:
     return None
 
 
-def is_small_run(path: str | Path) -> bool:
-    """Whether the traces ``load_run(path)`` would read hold at most ``SMALL_RUN_BYTES`` of JSON."""
+def raw_sizes(path: str | Path) -> list[int] | None:
+    """The bytes of JSON in each trace ``load_run(path)`` would read (a gzipped file's size times GZ_RATIO), from
+    the files' sizes alone: None when there is none or one cannot be read (load_run says why)."""
     found = run_files(path)
     if not found or not found[1]:
-        return False
-    raw = 0
-    for f in found[1]:
-        try:
-            raw += f.stat().st_size * (GZ_RATIO if f.name.endswith(".gz") else 1)
-        except OSError:
-            return False
-        if raw > SMALL_RUN_BYTES:
-            return False
-    return True
+        return None
+    try:
+        return [f.stat().st_size * (GZ_RATIO if f.name.endswith(".gz") else 1) for f in found[1]]
+    except OSError:
+        return None
+
+
+def is_small_run(path: str | Path, sizes: list[int] | None = None) -> bool:
+    """Whether the traces ``load_run(path)`` would read hold at most ``SMALL_RUN_BYTES`` of JSON (``sizes``: their
+    ``raw_sizes``, when the caller has them)."""
+    sizes = raw_sizes(path) if sizes is None else sizes
+    return sizes is not None and sum(sizes) <= SMALL_RUN_BYTES
 
 
 def read_ahead(path: str | Path, *, cache: bool = True) -> Path | None:
