@@ -1,10 +1,12 @@
-"""The run's traces table (run_dir._traces_table) holds each rank's own pg_config text and process groups, as
-reading that rank's file alone gives them (kineto.read_trace), though ranks sharing one pg_config share its text
-and groups (converted once, gathered): GPU-style ranks made by tests/benchmarks/gen_big_trace.py, whose files each
-list the job's default group, beside a real run whose ranks list groups of their own."""
+"""The run's traces table (run_dir._traces_table) holds each rank's own pg_config text, as reading that rank's file
+alone gives it (kineto.read_trace), though ranks sharing one pg_config share its text (converted once, gathered),
+and each rank's process groups are read from it (traceana.ingest.process_groups): GPU-style ranks made by
+tests/benchmarks/gen_big_trace.py, whose files each list the job's default group, beside a real megatron-core run
+whose ranks list groups of their own, and a hand-made table."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import polars as pl
 
 from traceana.ingest import kineto
+from traceana.ingest.process_groups import process_groups
 from traceana.ingest.run_dir import _traces_table, find_traces, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +29,10 @@ def _gen(out: Path) -> Path:
     return out
 
 
+def _groups(frame: pl.DataFrame) -> list[tuple]:
+    return list(zip(frame["rank"].to_list(), frame["desc"].to_list(), frame["ranks"].to_list()))
+
+
 def test_each_rank_keeps_its_own_process_groups(tmp_path):
     run_dir = _gen(tmp_path / "gen")
     with warnings.catch_warnings():
@@ -33,22 +40,47 @@ def test_each_rank_keeps_its_own_process_groups(tmp_path):
         traces = load_run(run_dir, cache=False).traces
         alone = {f.name: kineto.read_trace(f)[2] for f in find_traces(run_dir)}
     assert traces.height == 6 == len(alone)
+    assert "process_groups" not in traces.columns  # (derived from pg_config: not 6 copies of a 6-rank list)
     for row in traces.iter_rows(named=True):
         own = alone[Path(row["path"]).name]
         assert row["pg_config"] == own["pg_config"]
-        assert row["process_groups"] == own["process_groups"]
-        # by hand: the generator's default group lists the job's 6 ranks
-        assert [(g["desc"], g["ranks"]) for g in row["process_groups"]] == [("default_pg", list(range(6)))]
         assert [g["ranks"] for g in json.loads(row["pg_config"])] == [list(range(6))]
+    # by hand: the generator's default group lists the job's 6 ranks, in every rank's file
+    assert _groups(process_groups(traces)) == [(r, "default_pg", list(range(6))) for r in traces["rank"].to_list()]
+
+
+def test_a_megatron_runs_groups_are_each_files_own():
+    # megatron-core's ranks each list their own groups (pipeline, data-parallel, ...): read here from the files'
+    # JSON by hand, in each file's order
+    run_dir = ROOT / "tests/data/whatif_foreign/megatron-dp2-defaults-none-0/run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traces = load_run(run_dir, cache=False).traces
+    expected = []
+    for path in traces["path"].to_list():
+        top = json.loads(gzip.open(run_dir / Path(path).name).read())
+        info = top["distributedInfo"]
+        expected += [(info["rank"], g.get("pg_desc"), [int(r) for r in g["ranks"]]) for g in info["pg_config"]]
+    got = _groups(process_groups(traces))
+    assert got == expected and len({d for _, d, _ in got}) > 2
+    pipeline = process_groups(traces, pl.col("desc") == "PIPELINE_MODEL_PARALLEL_GROUP")
+    assert _groups(pipeline) == [e for e in expected if e[1] == "PIPELINE_MODEL_PARALLEL_GROUP"]
 
 
 def test_shared_and_distinct_groups_in_one_table():
-    a = {"rank": 0, "pg_config": json.dumps([{"ranks": [0, 1]}]), "process_groups": [{"desc": "d", "ranks": [0, 1]}]}
-    b = {"rank": 1, "pg_config": a["pg_config"], "process_groups": a["process_groups"]}  # shared: the same objects
-    c = {"rank": 2, "pg_config": json.dumps([{"ranks": [2]}]), "process_groups": [{"desc": "e", "ranks": [2]}]}
+    a = {"rank": 0, "pg_config": json.dumps([{"ranks": [0, 1], "pg_desc": "d"}, {"ranks": ["1"], "pg_desc": 5}])}
+    b = {"rank": 1, "pg_config": a["pg_config"]}  # shared: the same object
+    c = {"rank": 2, "pg_config": json.dumps([{"ranks": [2], "pg_desc": "e"}, {"ranks": ["x"]}, "junk"])}
     d = {"rank": 3}  # none
-    t = _traces_table([a, b, c, d])
-    assert t["rank"].to_list() == [0, 1, 2, 3]
-    assert t["pg_config"].to_list() == [a["pg_config"], a["pg_config"], c["pg_config"], None]
-    assert t["process_groups"].to_list() == [a["process_groups"], a["process_groups"], c["process_groups"], None]
-    assert t.schema["process_groups"] == pl.List(pl.Struct({"desc": pl.String, "ranks": pl.List(pl.Int32)}))
+    e = {"rank": 4, "pg_config": "[]"}
+    t = _traces_table([a, b, c, d, e])
+    assert t["rank"].to_list() == [0, 1, 2, 3, 4]
+    assert t["pg_config"].to_list() == [a["pg_config"], a["pg_config"], c["pg_config"], None, "[]"]
+    # by hand: each rank's groups in its config's order; a desc that is not text is none; ranks that are not
+    # ints, and entries that are not groups, are left out
+    assert _groups(process_groups(t)) == [(0, "d", [0, 1]), (0, None, [1]), (1, "d", [0, 1]), (1, None, [1]),
+                                          (2, "e", [2])]
+    assert _groups(process_groups(t, pl.col("ranks").list.contains(1))) == [
+        (0, "d", [0, 1]), (0, None, [1]), (1, "d", [0, 1]), (1, None, [1])]
+    assert _groups(process_groups(t, pl.col("desc") == "nothing")) == []
+    assert process_groups(t).schema == pl.Schema({"rank": pl.Int32, "desc": pl.String, "ranks": pl.List(pl.Int32)})

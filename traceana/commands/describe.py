@@ -45,6 +45,7 @@ def describe(analysis) -> dict[str, Any]:
 
     from traceana.core import names
     from traceana.core.manifest import KEY_MEANINGS
+    from traceana.ingest.process_groups import process_groups
     from traceana.measure.schedule import PIPELINE_GROUP_DESCS
 
     run, manifest = analysis.run, analysis.run.manifest
@@ -86,12 +87,12 @@ def describe(analysis) -> dict[str, Any]:
     ])
 
     # The framework: its process groups' names, its built-in name rules, our own metadata.
+    # (the first rank of each distinct pg_config: its other ranks hold the same groups)
+    named = process_groups(traces.unique(subset="pg_config", keep="first", maintain_order=True),
+                           pl.col("desc").is_not_null() & (pl.col("desc") != ""))
     groups: dict[str, list[int]] = {}
-    if "process_groups" in traces.columns:
-        for gs in traces["process_groups"].drop_nulls().to_list():
-            for g in gs or ():
-                if g.get("desc"):
-                    groups.setdefault(g["desc"], g.get("ranks") or [])
+    for desc, members in zip(named["desc"].to_list(), named["ranks"].to_list()):
+        groups.setdefault(desc, members)
     rule_hits = " ".join(n for n in analysis.notes if n.startswith("name rules ("))
     if any(d in groups for d in PIPELINE_GROUP_DESCS) or "built-in megatron" in rule_hits:
         framework, told = "megatron-core", ("its process groups' names (parallel_state)" if groups.get(

@@ -100,9 +100,7 @@ TRACES = {
     "stage": pl.Int32,  # from the trace's own traceana metadata, if a collector wrote it
     "rank_source": pl.String,  # distributedInfo | traceana_meta | filename | single
     "devices": pl.String,  # JSON of deviceProperties
-    "pg_config": pl.String,  # JSON of distributedInfo.pg_config
-    # distributedInfo.pg_config's process groups: their description and global ranks
-    "process_groups": pl.List(pl.Struct({"desc": pl.String, "ranks": pl.List(pl.Int32)})),
+    "pg_config": pl.String,  # JSON of distributedInfo.pg_config (its groups: traceana.ingest.process_groups)
     "meta": pl.String,  # JSON of the trace's top-level "traceana" metadata
 }
 

@@ -59,6 +59,7 @@ from traceana.core.errors import BadInputError, TraceanaError, TraceFormatError,
 from traceana.core.intervals import ENGINE
 from traceana.core.units import MIB, NS_PER_US
 from traceana.ingest import reading
+from traceana.ingest.process_groups import as_int as _as_int
 from traceana.ingest.reading import (GPU_CAT_NAMES as _GPU_CAT_NAMES, GPU_CATS, GZ_RATIO, GZIP_MAGIC,  # noqa: F401
                                      META_KEYS as _META_KEYS, MMAP_WINDOW_BYTES, SHAPES_NAMES as _SHAPES_NAMES,
                                      TRACE_SUFFIXES, ZLIB_ERRORS as _ZLIB_ERRORS, Budget as _Budget,
@@ -800,14 +801,6 @@ def _shape_facts(concrete_inputs: list, input_dims: list, input_types: list, row
     )
 
 
-def _as_int(v: Any) -> int | None:
-    try:
-        i = int(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return i if -(2**31) <= i < 2**31 else None
-
-
 def _numel(dims: Any) -> int | None:
     """Elements of one argument's shape: [4, 8] → 32; a TensorList [[4, 8], [2]] → 34; a scalar [] → None."""
     if not isinstance(dims, list) or not dims:
@@ -984,7 +977,7 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
     base = _loads(top.get("baseTimeNanoseconds"))
     base_ns = base if isinstance(base, int) and not isinstance(base, bool) and 0 <= base < 2**62 else None
     pg_config = dist.get("pg_config")
-    pg_json, groups = _pg_facts(pg_config)
+    pg_json = _pg_text(pg_config)
 
     # Rank: an explicit override, distributedInfo, our collector's metadata, the file name, else unknown.
     if rank is not None:
@@ -1014,7 +1007,7 @@ def _scanned(path: Path, rank: int | None, on_progress: Callable[[int, int], Non
         "base_time_ns": base_ns, "n_events": None, "n_bytes": n_bytes, "truncated": truncated,
         "stage": _as_int(meta.get("stage")), "rank_source": rank_source,
         "devices": devices_json if devices_obj else None, "pg_config": pg_json, "meta": meta_json,
-        "process_groups": groups, "warnings": None,
+        "warnings": None,
     })
 
 
@@ -1122,37 +1115,25 @@ def drop_finished() -> None:
         _FINISHED.clear()
 
 
-_PG_FACTS: dict[bytes, tuple[str, list[dict]]] = {}  # pg_config (as msgspec writes it) → _pg_facts, for the next rank
+_PG_TEXT: dict[bytes, str] = {}  # pg_config (as msgspec writes it) → _pg_text, for the next rank
 
 
-def _pg_facts(pg_config: Any) -> tuple[str | None, list[dict]]:
-    """pg_config as JSON text (keys sorted) and its process groups (_process_groups). Every rank of a job writes
-    the same pg_config, whose default group lists every rank: made once, not once per rank (at 4,096 ranks the
-    per-rank loops over 4,096 ranks took ~2 ms a file). The groups' list is shared by the ranks: read only."""
+def _pg_text(pg_config: Any) -> str | None:
+    """pg_config as JSON text (keys sorted), from which its process groups are read (traceana.ingest.process_groups).
+    Every rank of a job writes the same pg_config, whose default group lists every rank: made once, not once per
+    rank (at 4,096 ranks json.dumps of its 4,096 ranks took ~2 ms a file)."""
     if pg_config is None:
-        return None, []
+        return None
     try:
         key = msgspec.json.encode(pg_config, order="sorted")
     except (TypeError, ValueError, OverflowError):  # not msgspec's to write: made each time
-        return json.dumps(pg_config, sort_keys=True), _process_groups(pg_config)
-    facts = _PG_FACTS.get(key)
-    if facts is None:
-        if len(_PG_FACTS) >= 16:
-            _PG_FACTS.clear()
-        facts = _PG_FACTS[key] = (json.dumps(pg_config, sort_keys=True), _process_groups(pg_config))
-    return facts
-
-
-def _process_groups(pg_config: Any) -> list[dict]:
-    """distributedInfo.pg_config's groups as (desc, global ranks), leaving out entries that are not such groups
-    (a handful per trace: plain Python)."""
-    out = []
-    for g in pg_config if isinstance(pg_config, list) else []:
-        ranks = g.get("ranks") if isinstance(g, dict) else None
-        if isinstance(ranks, list) and all(_as_int(r) is not None for r in ranks):
-            desc = g.get("pg_desc")
-            out.append({"desc": desc if isinstance(desc, str) else None, "ranks": [_as_int(r) for r in ranks]})
-    return out
+        return json.dumps(pg_config, sort_keys=True)
+    text = _PG_TEXT.get(key)
+    if text is None:
+        if len(_PG_TEXT) >= 16:
+            _PG_TEXT.clear()
+        text = _PG_TEXT[key] = json.dumps(pg_config, sort_keys=True)
+    return text
 
 
 _X_SCHEMA = {"name": pl.String, "cat": pl.String, "pid": pl.String, "tid": pl.String, "ts_rel": pl.Int64,

@@ -186,11 +186,11 @@ def load_run(path: str | Path, *, workers: int | None = None, cache: bool = True
 
 
 def _traces_table(rows: list[dict]) -> pl.DataFrame:
-    """The TRACES table of the ranks' rows. Their process groups and pg_config's JSON text (at 4,096 ranks each
-    rank's default group lists 4,096 ranks: 23 kB of text a rank, 92 MB for the run as 4,096 strings) are converted
-    once per distinct object (the ranks of a job share one: kineto._pg_facts) and gathered, not once per rank (a
-    gathered string column shares its bytes: the text is held once)."""
-    shared = ("process_groups", "pg_config")
+    """The TRACES table of the ranks' rows. pg_config's JSON text (at 4,096 ranks each rank's default group lists
+    4,096 ranks: 23 kB of text a rank, 92 MB for the run as 4,096 strings) is converted once per distinct object
+    (the ranks of a job share one: kineto._pg_text) and gathered, not once per rank (a gathered string column
+    shares its bytes: the text is held once); its process groups are read from it (traceana.ingest.process_groups)."""
+    shared = ("pg_config",)
     distinct: dict[str, list] = {c: [] for c in shared}
     index: dict[str, list[int]] = {c: [] for c in shared}
     for c in shared:

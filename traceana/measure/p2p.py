@@ -28,6 +28,7 @@ from traceana.core import intervals as iv
 from traceana.core import names
 from traceana.core.schema import P2P, conform
 from traceana.core.units import GB, MB, NS_PER_MS, NS_PER_S, NS_PER_US
+from traceana.ingest.process_groups import process_groups
 from traceana.measure.classify import inside
 
 # Extra columns kept beside schema.P2P for the sender's side of each pair, and the shortest transfer its bytes allow.
@@ -84,9 +85,8 @@ def bpipe_groups(traces: pl.DataFrame) -> pl.DataFrame:
     """``rank, group_ranks``: the members (global ranks, in group-rank order) of each rank's BPipe process group,
     from the trace's process groups (ingest reads them from ``distributedInfo.pg_config``)."""
     return (
-        traces.select("rank", "process_groups").explode("process_groups").unnest("process_groups")
-        .filter(pl.col("desc").str.contains(names.BPIPE_GROUP_DESC, literal=True)
-                & pl.col("ranks").list.contains(pl.col("rank")))
+        process_groups(traces, pl.col("desc").str.contains(names.BPIPE_GROUP_DESC, literal=True))
+        .filter(pl.col("ranks").list.contains(pl.col("rank")))
         .select(pl.col("rank").cast(pl.Int32), pl.col("ranks").cast(pl.List(pl.Int32)).alias("group_ranks"))
     )
 

@@ -11,6 +11,7 @@ from traceana.core import names
 from traceana.core.errors import printable
 from traceana.core.pipeline_rules import device_order
 from traceana.core.schema import SCHEDULE, conform
+from traceana.ingest.process_groups import process_groups
 from traceana.measure.classify import inside
 from traceana.measure.timeline import training_tracks
 
@@ -283,13 +284,9 @@ def pipeline_group_stages(traces: pl.DataFrame) -> dict[int, tuple[int, int]]:
     """``rank -> (stage, pp)`` from a process group the framework names as the pipeline (``PIPELINE_GROUP_DESCS``):
     megatron-core builds it with the pipeline's global ranks in stage order (a handful of groups per trace)."""
     out: dict[int, tuple[int, int]] = {}
-    if "process_groups" not in traces.columns:
-        return out
-    # Only the pipeline groups leave polars (in the ranks' order, as they are read): each rank's default group lists
-    # every rank, 16 M Python ints at 4,096 ranks (240 MB, ~1 s).
-    groups = (traces.select(pl.col("process_groups").drop_nulls().explode()).filter(pl.col("process_groups").is_not_null())
-              .select(pl.col("process_groups").struct.field("desc"), pl.col("process_groups").struct.field("ranks"))
-              .filter(pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0)))
+    # Only the pipeline groups meet the ranks and leave polars (in the ranks' order, as they are read): each rank's
+    # default group lists every rank, 16 M Python ints at 4,096 ranks (240 MB, ~1 s).
+    groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
     for ranks in groups["ranks"].to_list():
         for i, r in enumerate(ranks):
             out.setdefault(int(r), (i, len(ranks)))
