@@ -52,24 +52,28 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     last_seq = dict(ops.group_by("rank").agg(pl.col("seq").max()).iter_rows())
     step_ns = int((win["_end"] - win["start_ns"]).max())
     # --- slack: latest finishes, from the last operations back (max-plus constraints of the replay) ---
-    after: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # op -> (successor, lag before its gap)
-    for rk, sq in info:
-        if (rk, sq + 1) in info:
-            after.setdefault((rk, sq), []).append(((rk, sq + 1), 0))
+    # op -> (successor, lag before its gap) of the messages it feeds; its rank's next operation (lag 0), first, is
+    # not listed (a list an operation: 60 MB at 270,336 operations)
+    after: dict[tuple[int, int], list[tuple[tuple[int, int], float]]] = {}
     # each message's inputs as the replay has them (_message_terms on the measured durations: a post that waited on
     # a receive has the awaited message's producers among them), for its consumer and, sent blocking, its sender's
-    # next operation
+    # next operation; each message's terms dropped after their last use (they and ``after`` were the peak)
     plan = _plan(g, step)
     t_meas = (_in_plan_order(own.select("step", "rank", "seq"), edges.select("step", *EDGE_ORDER, "transfer_ns"))[1]  # (edges only)
               ["transfer_ns"].cast(pl.Float64).to_list())
     terms = _message_terms(plan, [1.0] * len(plan["ranks"]), t_meas)
-    held = [(plan["messages"][j][0], j) for j in range(len(terms))] + list(plan["blocking"])
-    for consumer, j in held:
-        for k, lag in terms[j]:
-            if k[2] >= 0:  # (not a rank's step start)
-                after.setdefault((k[1], k[2]), []).append((consumer, lag + t_meas[j]))
-    post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
-                   edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
+    blocking = list(plan["blocking"])
+    last_use = {j: i for i, (_, j) in enumerate(blocking)}
+    for held, drop in (([(plan["messages"][j][0], j) for j in range(len(terms))], lambda i, j: j not in last_use),
+                       (blocking, lambda i, j: last_use[j] == i)):
+        for i, (consumer, j) in enumerate(held):
+            for k, lag in terms[j]:
+                if k[2] >= 0:  # (not a rank's step start)
+                    after.setdefault((k[1], k[2]), []).append((consumer, lag + t_meas[j]))
+            if drop(i, j):
+                terms[j] = ()
+        del held
+    del terms, blocking, last_use
     members: dict[str, list[tuple[int, int]]] = {}
     for key, v in info.items():
         if v[4] is not None:
@@ -90,15 +94,22 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
         rk, sq = key
         bound = start_of[rk] + step_ns - tail[rk] if sq == last_seq[rk] else float("inf")
-        for succ, lag in after.get(key, ()):
+        succs = after.get(key, ())
+        if (rk, sq + 1) in info:
+            succs = (((rk, sq + 1), 0), *succs)
+        for succ, lag in succs:
             try:  # (every successor starts later, so it came first; a member of a collective, all of them)
                 bound = min(bound, latest_start(succ) - info[succ][3] - lag)
             except KeyError:
                 continue
         latest_finish[key] = bound
     # (replayed times are whole nanoseconds: a few ns below zero is rounding)
-    slack = pl.DataFrame([(rk, sq, max(0, int(latest_finish[(rk, sq)] - info[(rk, sq)][6]))) for rk, sq in info],
-                         schema={"rank": pl.Int32, "seq": pl.Int32, "slack_ns": pl.Int64}, orient="row")
+    slack = pl.DataFrame({"rank": [k[0] for k in info], "seq": [k[1] for k in info],
+                          "slack_ns": [max(0, int(latest_finish[k] - v[6])) for k, v in info.items()]},
+                         schema={"rank": pl.Int32, "seq": pl.Int32, "slack_ns": pl.Int64})
+    del after, latest_finish, group_start, members
+    post_lag_of = {(dst, d_seq, a_seq): post_lag for dst, d_seq, a_seq, post_lag in
+                   edges.select("dst", "dst_seq", "anchor_seq", "post_lag_ns").iter_rows() if a_seq is not None}
     # --- the path: back from the slowest rank's last operation ---
     stage_of = dict(win.select("rank", "stage").iter_rows())
     end_rank = int(win.sort(pl.col("_end") - pl.col("start_ns"), descending=True)["rank"][0])
