@@ -279,12 +279,12 @@ def _exit_quietly_on_signals() -> None:
 ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
 # ... except in a run of many small ranks (thousands of one-step ranks of a pp x dp job): there the peak is the
 # analysis' frames over the whole job, which reuse the pages the ranks' columns freed, and returning every freed page
-# at once cost a fifth of the CPU in page faults. A second's decay, measured both ways on this machine
-# (docs/performance.md "The allocator's decay, by the run's shape"): 4,096 ranks of 0.3 MB 36.6 -> 29.5 CPU-s, peak
-# 1,414 -> 1,408 MiB; 1,024 of 0.3 MB 8.5 -> 6.3 CPU-s, 495 -> 489 MiB; but 512 of 0.5 MB +13 MiB, 256 of 2 MB
-# +26 MiB and 4 of 200 MB +83 MiB (+16 %): a run's few big ranks keep ALLOCATOR.
+# at once cost a fifth of the CPU in page faults. A second's decay against ALLOCATOR, measured on this machine
+# (docs/performance.md "Thousands of small ranks"): 4,096 ranks of 0.3 MB of JSON 36.6 -> 29.5 CPU-s, peak 1,414 ->
+# 1,408 MiB; 2,048 of 0.3 MB 19.2-19.6 -> 14.5-15.6 CPU-s, 743-760 -> 753-763 MiB; but 1,024 of 0.3 MB +26 MiB
+# (+5 %, four rounds), 512 of 0.5 MB +17 MiB, 256 of 2 MB +27 MiB and 4 of 200 MB +83 MiB (+16 %): those keep it.
 ALLOCATOR_MANY_SMALL = "dirty_decay_ms:1000,muzzy_decay_ms:0"
-MANY_FILES = 1024  # trace files, at least
+MANY_FILES = 2048  # trace files, at least
 SMALL_FILE_BYTES = 2 * 1024 * 1024  # of JSON in the largest, at most (a gzipped file counted at reading.GZ_RATIO)
 
 

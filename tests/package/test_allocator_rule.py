@@ -22,8 +22,9 @@ MIB = 1024 * 1024
 
 @pytest.mark.parametrize("sizes, expected", [
     ([300_000] * 4096, "many small"),  # pp 8 x dp 512, one step a rank (docs/whatif.md "Scale")
-    ([300_000] * 1024, "many small"),  # the fewest files that count as many
-    ([300_000] * 1023, "ours"),  # one file fewer
+    ([300_000] * 2048, "many small"),  # the fewest files that count as many
+    ([300_000] * 2047, "ours"),  # one file fewer
+    ([300_000] * 1024, "ours"),  # 1,024 ranks of 0.3 MB: the decay raised the peak by 5 %
     ([2 * MIB] * 4096, "many small"),  # the largest file at the limit
     ([300_000] * 4095 + [2 * MIB + 1], "ours"),  # one file over it: a big rank's columns set the peak
     ([540_000] * 512, "ours"),  # 512 ranks of 0.5 MB: the decay raised the peak
@@ -48,7 +49,7 @@ def test_raw_sizes_count_a_gzipped_file_at_the_readers_ratio(tmp_path):
     run = _run_of(tmp_path, 3, 1000, ".json.gz")
     assert reading.raw_sizes(run) == [1000 * reading.GZ_RATIO] * 3
     assert reading.raw_sizes(tmp_path / "nowhere") is None
-    # 1,024 gzipped files of 70,000 bytes stand for 2.24 MB of JSON each: over SMALL_FILE_BYTES
+    # gzipped files of 70,000 bytes stand for 2.24 MB of JSON each: over SMALL_FILE_BYTES
     assert 70_000 * reading.GZ_RATIO > cli.SMALL_FILE_BYTES
 
 
@@ -58,7 +59,7 @@ def test_the_program_sets_the_decay_of_the_runs_shape(tmp_path, case):
     if case == "few big":
         run = _run_of(tmp_path, 4, 2 * MIB + 1)
     else:
-        run = _run_of(tmp_path, cli.MANY_FILES, 2_000)  # 2 MB in all: also more than a small run
+        run = _run_of(tmp_path, cli.MANY_FILES, 1_000)  # 2 MB in all: more than a small run
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     if case == "many small, user's":
         env["_RJEM_MALLOC_CONF"] = "dirty_decay_ms:5"
@@ -72,7 +73,7 @@ def test_the_program_sets_the_decay_of_the_runs_shape(tmp_path, case):
 
 
 def test_a_small_run_of_many_files_gets_one_arena_and_the_decay(tmp_path):
-    run = _run_of(tmp_path, cli.MANY_FILES, 10)  # 10 kB of JSON in all: a small run (reading.SMALL_RUN_BYTES)
+    run = _run_of(tmp_path, cli.MANY_FILES, 10)  # 20 kB of JSON in all: a small run (reading.SMALL_RUN_BYTES)
     assert reading.is_small_run(run)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     code = ("import os; from traceana.cli import program_settings; program_settings(); "
