@@ -277,22 +277,24 @@ def _exit_quietly_on_signals() -> None:
 # frees and reallocates whole columns, so the retained pages set the peak (docs/performance.md "Memory"). Returning
 # them at once costs ~10% more system time and lowered the peak of a 200 MB rank by ~25%.
 ALLOCATOR = "dirty_decay_ms:0,muzzy_decay_ms:0"
-# ... except in a run of many small ranks (thousands of one-step ranks of a pp x dp job): there the peak is the
-# analysis' frames over the whole job, which reuse the pages the ranks' columns freed, and returning every freed page
-# at once cost a fifth of the CPU in page faults. A second's decay against ALLOCATOR, measured on this machine
+# ... except in a run of a few thousand small ranks (one-step ranks of a pp x dp job): there the peak is the
+# what-if's, after ingest, whose frames reuse the pages the ranks' columns freed, and returning every freed page at
+# once cost a fifth of the CPU in page faults. A second's decay against ALLOCATOR, measured on this machine
 # (docs/performance.md "Thousands of small ranks"): 4,096 ranks of 0.3 MB of JSON 36.6 -> 29.5 CPU-s, peak 1,414 ->
-# 1,408 MiB; 2,048 of 0.3 MB 19.2-19.6 -> 14.5-15.6 CPU-s, 743-760 -> 753-763 MiB; but 1,024 of 0.3 MB +26 MiB
-# (+5 %, four rounds), 512 of 0.5 MB +17 MiB, 256 of 2 MB +27 MiB and 4 of 200 MB +83 MiB (+16 %): those keep it.
+# 1,408 MiB; 2,048 of 0.3 MB 19.2-19.6 -> 14.5-15.6 CPU-s, 743-760 -> 753-763 MiB. Outside that the retained pages
+# raised the peak: 1,024 of 0.3 MB +26 MiB (+5 %, four rounds), 512 of 0.5 MB +17, 256 of 2 MB +27, 4 of 200 MB +83
+# (+16 %), and 8,192 ranks +130 MiB (+7 %), 16,384 +188 MiB (+6 %), where ingest and the graph set the peak (their
+# what-if is over diagnosis.WHATIF_MAX_OPERATIONS): those keep ALLOCATOR.
 ALLOCATOR_MANY_SMALL = "dirty_decay_ms:1000,muzzy_decay_ms:0"
-MANY_FILES = 2048  # trace files, at least
+MANY_FILES = (2048, 4096)  # trace files, at least and at most
 SMALL_FILE_BYTES = 2 * 1024 * 1024  # of JSON in the largest, at most (a gzipped file counted at reading.GZ_RATIO)
 
 
 def allocator_for(raw_sizes: list[int]) -> str:
     """traceana's own allocator setting (``_RJEM_MALLOC_CONF``) for a run whose trace files hold ``raw_sizes``
-    bytes of JSON each: ALLOCATOR_MANY_SMALL for at least MANY_FILES files of at most SMALL_FILE_BYTES, else
-    ALLOCATOR."""
-    if len(raw_sizes) >= MANY_FILES and max(raw_sizes) <= SMALL_FILE_BYTES:
+    bytes of JSON each: ALLOCATOR_MANY_SMALL for MANY_FILES files (bounds included) of at most SMALL_FILE_BYTES,
+    else ALLOCATOR."""
+    if MANY_FILES[0] <= len(raw_sizes) <= MANY_FILES[1] and max(raw_sizes) <= SMALL_FILE_BYTES:
         return ALLOCATOR_MANY_SMALL
     return ALLOCATOR
 

@@ -21,7 +21,10 @@ MIB = 1024 * 1024
 
 
 @pytest.mark.parametrize("sizes, expected", [
-    ([300_000] * 4096, "many small"),  # pp 8 x dp 512, one step a rank (docs/whatif.md "Scale")
+    ([300_000] * 4096, "many small"),  # pp 8 x dp 512, one step a rank (docs/whatif.md "Scale"): the most files
+    ([300_000] * 4097, "ours"),  # one file more
+    ([300_000] * 8192, "ours"),  # 8,192 ranks: the decay raised the peak by 7 %
+    ([370_000] * 16384, "ours"),  # 16,384 ranks: by 6 %
     ([300_000] * 2048, "many small"),  # the fewest files that count as many
     ([300_000] * 2047, "ours"),  # one file fewer
     ([300_000] * 1024, "ours"),  # 1,024 ranks of 0.3 MB: the decay raised the peak by 5 %
@@ -59,7 +62,7 @@ def test_the_program_sets_the_decay_of_the_runs_shape(tmp_path, case):
     if case == "few big":
         run = _run_of(tmp_path, 4, 2 * MIB + 1)
     else:
-        run = _run_of(tmp_path, cli.MANY_FILES, 1_000)  # 2 MB in all: more than a small run
+        run = _run_of(tmp_path, cli.MANY_FILES[0], 1_000)  # 2 MB in all: more than a small run
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     if case == "many small, user's":
         env["_RJEM_MALLOC_CONF"] = "dirty_decay_ms:5"
@@ -73,7 +76,7 @@ def test_the_program_sets_the_decay_of_the_runs_shape(tmp_path, case):
 
 
 def test_a_small_run_of_many_files_gets_one_arena_and_the_decay(tmp_path):
-    run = _run_of(tmp_path, cli.MANY_FILES, 10)  # 20 kB of JSON in all: a small run (reading.SMALL_RUN_BYTES)
+    run = _run_of(tmp_path, cli.MANY_FILES[0], 10)  # 20 kB of JSON in all: a small run (reading.SMALL_RUN_BYTES)
     assert reading.is_small_run(run)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     code = ("import os; from traceana.cli import program_settings; program_settings(); "
