@@ -84,3 +84,23 @@ def test_shared_and_distinct_groups_in_one_table():
         (0, "d", [0, 1]), (0, None, [1]), (1, "d", [0, 1]), (1, None, [1])]
     assert _groups(process_groups(t, pl.col("desc") == "nothing")) == []
     assert process_groups(t).schema == pl.Schema({"rank": pl.Int32, "desc": pl.String, "ranks": pl.List(pl.Int32)})
+
+
+def test_the_readers_of_the_groups_see_each_ranks_own():
+    # p2p.bpipe_groups: each rank's BPipe group (collectors.bpipe names it), in group-rank order, only where the rank
+    # is a member; schedule.pipeline_group_stages: megatron-core's pipeline group gives rank -> (its index, size)
+    from traceana.measure.p2p import bpipe_groups
+    from traceana.measure.schedule import pipeline_group_stages
+
+    def config(bpipe):
+        return json.dumps([{"ranks": [0, 1, 2, 3], "pg_desc": "default_pg"},
+                           {"ranks": bpipe, "pg_desc": "traceana_bpipe_0"},
+                           {"ranks": [3, 1], "pg_desc": "PIPELINE_MODEL_PARALLEL_GROUP"}])
+    t = _traces_table([{"rank": 0, "pg_config": config([0, 2])}, {"rank": 1, "pg_config": config([1, 3])},
+                       {"rank": 2, "pg_config": config([0, 2])}, {"rank": 3, "pg_config": config([1, 3])},
+                       {"rank": 4}])
+    got = bpipe_groups(t)
+    assert list(zip(got["rank"].to_list(), got["group_ranks"].to_list())) == [
+        (0, [0, 2]), (1, [1, 3]), (2, [0, 2]), (3, [1, 3])]
+    assert got.schema == pl.Schema({"rank": pl.Int32, "group_ranks": pl.List(pl.Int32)})
+    assert pipeline_group_stages(t) == {3: (0, 2), 1: (1, 2)}
