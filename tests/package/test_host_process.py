@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,9 @@ def test_a_python_m_program_importing_traceana_keeps_its_signal_handlers(tmp_pat
     pkg.mkdir()
     (pkg / "__init__.py").write_text("import traceana\n")
     (pkg / "__main__.py").write_text("import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    # (the child starts with SIGINT at its default, as a program started from a terminal does: a suite launched as a
+    # background job of a non-interactive shell inherits SIGINT ignored, and Python then installs no handler at all)
     out = subprocess.run([sys.executable, "-m", "mypkg"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"})
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert out.stdout.strip() == "True", out.stderr
