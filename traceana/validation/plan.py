@@ -208,7 +208,7 @@ def _layer_inputs(analysis, base, target, measured_in: dict) -> tuple[bool, str]
     work, why = layer_work(analysis)
     if work.height == 0:
         return False, f"{scaled}; {why[0] if why else 'no layer spans'}"
-    named = dict(work.group_by("stage").agg(pl.col("layer").unique().sort()).iter_rows())
+    named = keyed(work.group_by("stage").agg(pl.col("layer").unique().sort()), "layer", convert=None)
     ranges = _layer_ranges(was)
     wrong = [st for st, r in enumerate(ranges) if list(named.get(st, [])) != list(r)]
     if wrong:
@@ -219,7 +219,7 @@ def _layer_inputs(analysis, base, target, measured_in: dict) -> tuple[bool, str]
                 .group_by("step", "action", "layer", "microbatch").agg(pl.col("work_ns").mean()))
     for step, m in measured_in.items():
         at = per_step.filter(pl.col("step") == step).select("action", "layer", "microbatch", "work_ns")
-        m["layers"] = {(a, int(k), int(mb)): float(x) for a, k, mb, x in at.iter_rows()}
+        m["layers"] = keyed(at.with_columns(pl.col("layer", "microbatch").cast(pl.Int64)), "work_ns")
         missing = [(a, k, mb) for (a, st, mb) in m["per_op"] for k in ranges[st] if (a, k, mb) not in m["layers"]]
         if missing:
             a, k, mb = missing[0]
