@@ -74,6 +74,19 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
                 terms[j] = ()
         del held
     del terms, blocking, last_use
+    # a rank running several lanes at once (replay._lanes): its operations' successors on the rank are the next one
+    # of their lane and those of other lanes that came after them; each lane's last operation ends the rank's step
+    lane_prev = plan["lane_prev"]
+    rank_next: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    lane_last: dict[tuple[int, int], tuple[int, int]] = {}
+    for (rk, sq), (ln, lp) in lane_prev.items():
+        if lp is not None:
+            rank_next.setdefault((rk, lp), []).append((rk, sq))
+        lane_last[(rk, ln)] = (rk, sq)
+    for (rk, sq), seqs in plan["cross"].items():
+        for a in seqs:
+            rank_next.setdefault((rk, a), []).append((rk, sq))
+    ends_lane = set(lane_last.values())
     members: dict[str, list[tuple[int, int]]] = {}
     for key, v in info.items():
         if v[4] is not None:
@@ -93,9 +106,12 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
 
     for key in sorted(info, key=lambda k: (info[k][5], info[k][6]), reverse=True):
         rk, sq = key
-        bound = start_of[rk] + step_ns - tail[rk] if sq == last_seq[rk] else float("inf")
+        ends_step = key in ends_lane if key in lane_prev else sq == last_seq[rk]
+        bound = start_of[rk] + step_ns - tail[rk] if ends_step else float("inf")
         succs = after.get(key, ())
-        if (rk, sq + 1) in info:
+        if key in lane_prev:
+            succs = (*((k, 0) for k in rank_next.get(key, ())), *succs)
+        elif (rk, sq + 1) in info:
             succs = (((rk, sq + 1), 0), *succs)
         for succ, lag in succs:
             try:  # (every successor starts later, so it came first; a member of a collective, all of them)
@@ -115,6 +131,8 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
     end_rank = int(win.sort(pl.col("_end") - pl.col("start_ns"), descending=True)["rank"][0])
     pieces: list[tuple] = []
     key = (end_rank, last_seq[end_rank])
+    if key in lane_prev:  # (several lanes: the one that ended last)
+        key = max((k for k in ends_lane if k[0] == end_rank), key=lambda k: info[k][6])
     end_t = int(win.filter(pl.col("rank") == end_rank)["_end"][0])
     a, st, w, gp, grp, s0, e0, b, fr, fs = info[key]
     if end_t > e0:
@@ -129,7 +147,8 @@ def critical_path(g: StepGraph, r: Replay) -> tuple[pl.DataFrame, pl.DataFrame]:
             pieces.append((rk, st, sq, KIND_OF_ACTION[a], s0, e0))
         joined = b == "group"
         if b == "device":
-            prev = (rk, sq - 1) if (rk, sq - 1) in info else None
+            prev = ((fr, fs) if fs is not None else (rk, sq - 1) if (rk, sq - 1) in info and key not in lane_prev
+                    else None)
             before_op(rk, st, sq, info[prev][6] if prev else start_of[rk], s0)
             key = prev
         elif b == "group":

@@ -54,9 +54,11 @@ WORK_KINDS = ("compute", "memcpy", "memset")
 # Per GPU kernel of an operation (``on_gpu``): its operation (rank, step, and the operation's start ``_os`` on the
 # GPU's clock, which names it until the graph numbers the operations), its span and its launch.
 # ``_kw``: the idle time before the kernel that is its operation's own (a kernel wait: below).
-# ``_ks``: the step the kernel was launched in (the events' step; null outside every step).
+# ``_ks``: the step the kernel was launched in (the events' step; null outside every step); ``stream``: its stream;
+# ``_ol``: its operation's lane (with ``_os`` it names the operation: two operations may begin at one instant on two
+# streams).
 KERNELS = {"rank": pl.Int32, "step": pl.Int32, "_os": pl.Int64, "start": pl.Int64, "end": pl.Int64,
-           "launch_ns": pl.Int64, "_kw": pl.Int64, "_ks": pl.Int32}
+           "launch_ns": pl.Int64, "_kw": pl.Int64, "_ks": pl.Int32, "stream": pl.Int32, "_ol": pl.Int32}
 # Idle time shorter than gpu.KERNEL_WAIT_BELOW_NS before a kernel that was enqueued when its predecessor in the same
 # operation ended is the GPU's own time between kernels (HolisticTraceAnalysis' "kernel wait", gpu.idle_breakdown's
 # rule): part of the operation's work, not a wait; longer, or before a kernel launched late, it is split as the gap
@@ -89,6 +91,57 @@ def _launch() -> pl.Expr:
     return pl.when(pl.col("launch_ns") != pl.col("ts_ns")).then(pl.col("launch_ns")).alias("launch_ns")
 
 
+# An operation's lane (``on_gpu``, the graph's ``lane`` column): on a GPU rank the stream of the kernel it begins with
+# (a collective: its kernel's stream); an operation that launched no kernel runs on its CPU's clock, lane CPU_LANE; a
+# CPU rank's operations all on lane 0 (its one thread: one chain, as before the lanes).
+CPU_LANE = -1
+
+
+def _cpu_lane(ranks: list[int]) -> pl.Expr:
+    """The lane of an operation on no stream: CPU_LANE on a GPU rank, 0 on a CPU rank."""
+    return (pl.when(pl.col("rank").is_in(ranks)).then(pl.lit(CPU_LANE)).otherwise(pl.lit(0))
+            .cast(pl.Int32).alias("lane"))
+
+
+def _begins_on(rows: pl.DataFrame, kernels: pl.DataFrame) -> pl.DataFrame:
+    """``rows`` (rank, start_ns, end_ns, …) with ``_lane``: the stream of a kernel (``kernels``: rank, start, end,
+    stream) that begins at the row's start — one that also has a kernel ending at the row's end where two streams
+    begin a kernel at that instant (a forward and a backward enqueued on two streams, both let go by one event) —,
+    null where none does."""
+    k = kernels.select(pl.col("rank").cast(pl.Int32), "start", "end", pl.col("stream").cast(pl.Int32))
+    begins = k.select("rank", pl.col("start").alias("start_ns"), pl.col("stream").alias("_lane")).unique()
+    ends = k.select("rank", pl.col("end").alias("end_ns"), pl.col("stream").alias("_lane"), pl.lit(True).alias("_e")) \
+        .unique(["rank", "end_ns", "_lane"])
+    r = rows.with_row_index("_row")
+    got = (r.select("_row", pl.col("rank").cast(pl.Int32), "start_ns", "end_ns")
+           .join(begins, on=["rank", "start_ns"]).join(ends, on=["rank", "end_ns", "_lane"], how="left")
+           .sort("_row", pl.col("_e").fill_null(False), "_lane", descending=[False, True, False])
+           .unique("_row", keep="first").select("_row", "_lane"))
+    return r.join(got, on="_row", how="left", maintain_order="left").drop("_row")
+
+
+def nest_lane(rows: pl.DataFrame, analysis, ranks: list[int]) -> pl.DataFrame:
+    """``rows`` (schedule rows, on the GPU's clock on GPU ranks) with ``_nest``: what a span is nested within
+    (``graph._nested_out``' key beside rank and step) — on a GPU rank whose rows begin with kernels of several
+    streams, the stream of the kernel a row begins with (a forward on stream 8 inside a backward's span on stream 7
+    runs beside it, not in it; CPU_LANE where none), else 0 (every span of the rank, as before the lanes)."""
+    ev = analysis.events
+    rows = rows.with_columns(pl.lit(0, pl.Int32).alias("_nest"))
+    if not ranks or ev is None or rows.height == 0:
+        return rows
+    kernels = (ev.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0) & pl.col("kind").is_in(WORK_KINDS)
+                                & pl.col("rank").is_in(ranks))
+               .select("rank", pl.col("ts_ns").alias("start"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"),
+                       "stream").collect(**iv.COLLECT))
+    got = _begins_on(rows.drop("_nest"), kernels)
+    multi = got.group_by("rank").agg(pl.col("_lane").drop_nulls().n_unique().alias("_n")).filter(pl.col("_n") > 1)
+    if multi.height == 0:
+        return rows
+    return (got.with_columns(pl.when(pl.col("rank").is_in(multi["rank"].implode()))
+                             .then(pl.col("_lane").fill_null(CPU_LANE)).otherwise(0).cast(pl.Int32).alias("_nest"))
+            .drop("_lane"))
+
+
 def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``ops`` (rank, step, start_ns, end_ns, work_ns, …: the schedule's rows, a GPU rank's spanning its kernels)
     with each GPU rank's operation's work the union of the kernels that run in it — the rank's GPU work that is not
@@ -97,42 +150,161 @@ def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame,
     null)."""
     ev = analysis.events
     if not ranks or ev is None:
-        return ops, pl.DataFrame(schema=KERNELS)
+        return ops.with_columns(_cpu_lane(ranks)), pl.DataFrame(schema=KERNELS)
     work = (ev.lazy().filter(pl.col("is_gpu") & (pl.col("dur_ns") > 0)
                              & pl.col("kind").is_in(WORK_KINDS) & pl.col("rank").is_in(ranks))
             .select(pl.col("rank").cast(pl.Int32), pl.col("ts_ns").alias("start"),
-                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch(), pl.col("step").alias("_ks"))
+                    (pl.col("ts_ns") + pl.col("dur_ns")).alias("end"), _launch(), pl.col("step").alias("_ks"),
+                    pl.col("stream").cast(pl.Int32))
             .sort("start").collect(**iv.COLLECT))
     if work.height == 0:
-        return ops, pl.DataFrame(schema=KERNELS)
+        return ops.with_columns(_cpu_lane(ranks)), pl.DataFrame(schema=KERNELS)
     # the operations on the GPU's clock: those whose span begins with a kernel's start and ends with one's end (an
-    # operation that launched no kernel keeps its CPU span, and claims none)
-    kstart = work.select("rank", pl.col("start").alias("start_ns")).unique()
+    # operation that launched no kernel keeps its CPU span, and claims none); its lane: the stream of the kernel it
+    # begins with
     kend = work.select("rank", pl.col("end").alias("end_ns")).unique()
-    starts = (ops.filter(pl.col("rank").is_in(ranks)).join(kstart, on=["rank", "start_ns"], how="semi")
+    starts = (_begins_on(ops.filter(pl.col("rank").is_in(ranks)), work).filter(pl.col("_lane").is_not_null())
               .join(kend, on=["rank", "end_ns"], how="semi")
-              .select("rank", "step", pl.col("start_ns").alias("_os"), pl.col("end_ns").alias("_oe")).sort("_os"))
-    work = (work.join_asof(starts, left_on="start", right_on="_os", by="rank", strategy="backward",
-                           check_sortedness=False)
-            .with_columns(pl.when(pl.col("start") < pl.col("_oe")).then(pl.col(c)).alias(c) for c in ("step", "_os"))
+              .select("rank", "step", pl.col("start_ns").alias("_os"), pl.col("end_ns").alias("_oe"), "_lane")
+              .sort("_os"))
+    # each kernel the latest operation's of its stream starting at or before it, where its stream is an operation's
+    # lane on the rank (two operations running at once on two streams each keep their own kernels); else (a copy on
+    # a side stream) the latest operation's of the rank
+    lanes = starts.select("rank", pl.col("_lane").alias("stream")).unique()
+    on_lane = work.join(lanes, on=["rank", "stream"], how="semi")
+    off_lane = work.join(lanes, on=["rank", "stream"], how="anti")
+    work = pl.concat([
+        on_lane.join_asof(starts.with_columns(pl.col("_lane").alias("stream")).rename({"_lane": "_ol"}),
+                          left_on="start", right_on="_os", by=["rank", "stream"], strategy="backward",
+                          check_sortedness=False),
+        off_lane.join_asof(starts.rename({"_lane": "_ol"}), left_on="start", right_on="_os", by="rank",
+                           strategy="backward", check_sortedness=False)], how="diagonal_relaxed")
+    work = (work
+            .with_columns(pl.when(pl.col("start") < pl.col("_oe")).then(pl.col(c)).alias(c)
+                          for c in ("step", "_os", "_ol"))
             .with_columns(pl.when(pl.col("_os").is_not_null()).then(pl.min_horizontal("end", "_oe"))
                           .otherwise("end").alias("end"))  # (a kernel running past its operation's end: its part)
-            .sort("rank", "step", "_os", "start")
-            .with_columns(pl.col("end").cum_max().shift(1).over("rank", "step", "_os").alias("_prev"))
+            .sort("rank", "step", "_os", "_ol", "start")
+            .with_columns(pl.col("end").cum_max().shift(1).over("rank", "step", "_os", "_ol").alias("_prev"))
             .with_columns(pl.when(pl.col("_os").is_not_null() & (pl.col("start") > pl.col("_prev"))
                                   & (pl.col("start") - pl.col("_prev") < KERNEL_WAIT_NS)
                                   & (pl.col("launch_ns").is_null() | (pl.col("launch_ns") <= pl.col("_prev"))))
                           .then(pl.col("start") - pl.col("_prev")).otherwise(0).alias("_kw"))
             .select(list(KERNELS)).cast(KERNELS))
+    ops = _begins_on(ops, work)
     own = work.filter(pl.col("_os").is_not_null())
-    union = (iv.merge(own.select("rank", "step", "_os", "start", "end"), ["rank", "step", "_os"])
-             .group_by("rank", "step", "_os").agg((pl.col("end") - pl.col("start")).sum().alias("_u"))
-             .join(own.group_by("rank", "step", "_os").agg(pl.col("_kw").sum()), on=["rank", "step", "_os"])
+    op_key = ["rank", "step", "_os", "_ol"]
+    union = (iv.merge(own.select(*op_key, "start", "end"), op_key)
+             .group_by(op_key).agg((pl.col("end") - pl.col("start")).sum().alias("_u"))
+             .join(own.group_by(op_key).agg(pl.col("_kw").sum()), on=op_key)
              .with_columns(pl.col("_u") + pl.col("_kw")))
-    ops = (ops.join(union, left_on=["rank", "step", "start_ns"], right_on=["rank", "step", "_os"], how="left",
+    ops = (ops.join(union, left_on=["rank", "step", "start_ns", "_lane"], right_on=op_key, how="left",
                     maintain_order="left")
-           .with_columns(pl.coalesce("_u", "work_ns").alias("work_ns")).drop("_u", "_kw"))
+           .with_columns(pl.coalesce("_u", "work_ns").alias("work_ns")).drop("_u", "_kw")
+           .with_columns(pl.coalesce("_lane", _cpu_lane(ranks)).cast(pl.Int32).alias("lane")).drop("_lane"))
     return ops, work.sort("rank", "start")
+
+
+# A cross-lane edge (``lane_order``): operation ``seq`` of ``rank`` starts its work no earlier than the end of
+# operation ``after_seq`` of the same rank, on another lane.
+AFTER = {"step": pl.Int32, "rank": pl.Int32, "seq": pl.Int32, "after_seq": pl.Int32}
+
+
+def lane_order(ops: pl.DataFrame) -> pl.DataFrame | None:
+    """What orders a rank's operations across its lanes (AFTER; None where no rank runs more than one lane in a
+    step): each operation comes after the one before it on its own lane (the stream's order: ``graph._gaps``) and,
+    on each other lane of its rank, after the latest operation there that ended by the time it began its work — the
+    timeline shows it came after that one (an event it waited on, the CPU launching it after it returned); an
+    operation that began its work before another lane's operation ended ran beside it and has no edge from it: the
+    two overlap in the replay. ``ops``: the graph's operations numbered (``seq``) with their ``lane``.
+
+    With a rank's operations one at a time (whatever their streams) this orders them as the one chain did: each
+    operation's predecessors are then every earlier operation's ancestors' ends, the latest its previous one's. The
+    edges are one as-of join per lane id (a handful: the streams' numbers), linear in the operations."""
+    if "lane" not in ops.columns or ops.height == 0:
+        return None
+    multi = (ops.group_by("rank", "step").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)
+             .select("rank", "step"))
+    if multi.height == 0:
+        return None
+    o = (ops.join(multi, on=["rank", "step"], how="semi")
+         .select("rank", "step", "seq", "lane", "end_ns",
+                 pl.when(pl.col("group").is_not_null()).then("start_ns")
+                 .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")))
+    out = []
+    for lane in sorted(o["lane"].unique().to_list()):  # (the lanes' ids, not the events)
+        right = (o.filter(pl.col("lane") == lane)
+                 .select("rank", "step", pl.col("seq").alias("after_seq"), pl.col("end_ns").alias("_pe")).sort("_pe"))
+        hit = (o.filter(pl.col("lane") != lane).sort("_ws")
+               .join_asof(right, left_on="_ws", right_on="_pe", by=["rank", "step"], strategy="backward",
+                          check_sortedness=False)
+               .filter(pl.col("after_seq").is_not_null() & (pl.col("after_seq") < pl.col("seq"))))
+        out.append(hit.select(list(AFTER)).cast(AFTER))
+    after = pl.concat(out).sort("step", "rank", "seq", "after_seq")
+    return after if after.height else None
+
+
+def chain(ops: pl.DataFrame) -> list[str]:
+    """What a rank's one-after-another order runs over (``graph._gaps``' previous operation): its lane's operations
+    where the graph has lanes, else the rank's."""
+    return ["rank", "step", "lane"] if "lane" in ops.columns else ["rank", "step"]
+
+
+def after_ends(after: pl.DataFrame, ops: pl.DataFrame) -> pl.DataFrame:
+    """rank, step, seq, ``_after``: the latest end of the operations of other lanes each operation came after."""
+    ends = ops.select("rank", "step", pl.col("seq").alias("after_seq"), pl.col("end_ns").alias("_after"))
+    return (after.join(ends, on=["rank", "step", "after_seq"]).group_by("rank", "step", "seq")
+            .agg(pl.col("_after").max()))
+
+
+def collective_lane() -> pl.Expr:
+    """A collective event's lane (``graph._collectives``): a GPU rank's collective kernel its stream, a CPU call 0
+    (the CPU rank's one chain)."""
+    return pl.when(pl.col("is_gpu")).then(pl.col("stream")).otherwise(0).cast(pl.Int32).alias("lane")
+
+
+def lane_notes(ops: pl.DataFrame, after: pl.DataFrame | None) -> list[str]:
+    """What the build says of the lanes: the ranks whose operations ran at once on two streams (and how many such
+    pairs it found), and where the order could not be told from streams (an operation that launched no kernel:
+    its CPU's clock)."""
+    if "lane" not in ops.columns or after is None:
+        return []
+    o = ops.select("rank", "step", "seq", "lane", "start_ns", "end_ns")
+    # (overlapping: an operation that began before the latest end of the earlier operations of its rank)
+    o = (o.sort("rank", "step", "seq")
+         .with_columns(pl.col("end_ns").cum_max().shift(1).over("rank", "step").alias("_before")))
+    both = o.filter(pl.col("start_ns") < pl.col("_before"))
+    if both.height == 0:
+        return []
+    ranks = sorted(both["rank"].unique().to_list())
+    said = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    notes = [f"rank{'s' if len(ranks) > 1 else ''} {said}: {both.height} operations began before an earlier one of "
+             "their rank ended, on another stream: they run at once in the replay, ordered by their streams and by "
+             "what the timeline shows each came after on the other streams (the latest operation there that ended "
+             "before it began); the traces' cross-stream events (cudaStreamWaitEvent) are not read, so an "
+             "operation that ran beside another on its rank stays beside it in every what-if"]
+    cpu = o.filter((pl.col("lane") == CPU_LANE) & pl.col("rank").is_in(ranks))
+    if cpu.height:
+        notes.append(f"{cpu.height} operations of those ranks launched no kernel: their stream is unknown, and they "
+                     "are ordered by their CPU spans against the streams' operations")
+    return notes
+
+
+def _kernel_keys(work: pl.DataFrame, ops: pl.DataFrame) -> pl.DataFrame:
+    """``work`` (on_gpu's kernels) with ``_key``: its rank and lane in one integer (rank · 1024 + the lane's index
+    on the rank): an operation's kernels its lane's, a kernel of no operation its stream's lane where that is one of
+    the rank's lanes, else every lane's (a copy on a side stream holds each lane's idle time alike)."""
+    lanes = (ops.select("rank", "lane").unique().sort("rank", "lane")
+             .with_columns(pl.int_range(pl.len()).over("rank").alias("_li")))
+    key = (pl.col("rank") * 1024 + pl.col("_li")).cast(pl.Int32).alias("_key")
+    mine = work.filter(pl.col("_os").is_not_null()).with_columns(pl.col("_ol").alias("lane"))
+    free = work.filter(pl.col("_os").is_null())
+    on_lane = free.join(lanes.select("rank", pl.col("lane").alias("stream")), on=["rank", "stream"], how="semi") \
+        .with_columns(pl.col("stream").alias("lane"))
+    anywhere = free.join(lanes.select("rank", pl.col("lane").alias("stream")), on=["rank", "stream"], how="anti") \
+        .join(lanes.select("rank", "lane"), on="rank")
+    return (pl.concat([mine, on_lane, anywhere], how="diagonal_relaxed").join(lanes, on=["rank", "lane"], how="left")
+            .with_columns(key).filter(pl.col("_key").is_not_null()))
 
 
 def collective_filter(ranks: list[int]) -> pl.Expr:
@@ -160,7 +332,8 @@ def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]
     # each operation's kernels: a pass's (``work``), a collective's own kernel (its span, its launch)
     passes = (work.filter(pl.col("_os").is_not_null())
               .join(mine.filter(pl.col("group").is_null()).select("rank", "step", pl.col("start_ns").alias("_os"),
-                                                                   "seq"), on=["rank", "step", "_os"])
+                                                                   pl.col("lane").alias("_ol"), "seq"),
+                    on=["rank", "step", "_os", "_ol"])
               .select(*keys, "start", "end", "launch_ns", "_kw"))
     launches = (analysis.events.lazy().filter(pl.col("is_gpu") & (pl.col("kind") == "collective")
                                               & pl.col("rank").is_in(ranks))
@@ -184,25 +357,38 @@ def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]
     # step began, the CPU ahead across the step's start; an operation on another stream): a wait, as a late start
     # is —, and the time it ran nothing: host work where the kernel was launched after the GPU fell idle (it waited
     # for its CPU), else a wait no edge explains (enqueued: it waited for what the graph holds no edge for)
+    # (per lane: on a rank running two streams at once, what the other stream ran is not this one's; ``_key``
+    # stands for the rank and lane in the interval helpers, which group by ``rank``)
+    lanes = "lane" in ops.columns
+    if lanes:
+        work = _kernel_keys(work, ops)
+        lane_key = (ops.select("rank", "lane").unique().sort("rank", "lane")
+                    .with_columns(pl.int_range(pl.len()).over("rank").alias("_li")))
+        mine_key = (mine.select(*keys, "lane").join(lane_key, on=["rank", "lane"])
+                    .select(*keys, (pl.col("rank") * 1024 + pl.col("_li")).cast(pl.Int32).alias("_key")))
+    else:
+        work = work.with_columns(pl.col("rank").alias("_key"))
+        mine_key = mine.select(*keys, pl.col("rank").alias("_key"))
     stretches = (k.filter((pl.col("_kw") == 0) & (pl.col("start") > pl.col("_a")))
-                 .select(*keys, "launch_ns", pl.col("_a").alias("start"), pl.col("start").alias("end"))
+                 .join(mine_key, on=keys)
+                 .select(*keys, "_key", "launch_ns", pl.col("_a").alias("start"), pl.col("start").alias("end"))
                  .with_row_index("_k"))
     if stretches.height == 0:
         host = k.group_by(keys).agg(pl.lit(0, pl.Int64).alias("_host"))
     else:
-        spans = work.select("rank", "start", "end")
+        spans = work.select(pl.col("_key").alias("rank"), "start", "end")
         busy_all = iv.merge(spans, "rank")
         # (work of no operation launched in a step not in the graph — the warm-up step before it — is that step's)
         steps = ops["step"].unique().implode()
         busy_free = iv.merge(work.filter(pl.col("_os").is_null() & (pl.col("_ks").is_null()
                                                                     | pl.col("_ks").is_in(steps)))
-                             .select("rank", "start", "end"), "rank")
-        windows = stretches.select("rank", "_k", "start", "end")
+                             .select(pl.col("_key").alias("rank"), "start", "end"), "rank")
+        windows = stretches.select(pl.col("_key").alias("rank"), "_k", "start", "end")
         covered = time_inside(busy_all, windows, "_k").rename({"_inside": "_all"})
         free = (time_inside(busy_free, windows, "_k").rename({"_inside": "_free"}) if busy_free.height
                 else pl.DataFrame(schema={"_k": pl.UInt32, "_free": pl.Int64}))
         # when the GPU last fell idle in the stretch: the end of the last work that began before the kernel
-        last = (stretches.select("_k", "rank", pl.col("end").alias("_t")).sort("_t")
+        last = (stretches.select("_k", pl.col("_key").alias("rank"), pl.col("end").alias("_t")).sort("_t")
                 .join_asof(busy_all.select("rank", pl.col("start").alias("_bs"), pl.col("end").alias("_be"))
                            .sort("_bs"), left_on="_t", right_on="_bs", by="rank", strategy="backward",
                            allow_exact_matches=False, check_sortedness=False)

@@ -60,6 +60,10 @@ OPS = {"rank": pl.Int32, "step": pl.Int32, "seq": pl.Int32, "action": pl.String,
 # Beside OPS in a built graph: the part of each operation's time before it that the rank waited on nothing the graph
 # holds (``_busy_in_gaps``); a graph without it (one built by hand) has none.
 WAIT = {"wait_ns": pl.Int64}
+# Beside OPS in a built graph: each operation's lane (gpu_edges: on a GPU rank its stream, gpu_edges.CPU_LANE where it
+# launched no kernel; a CPU rank's all 0). The replay runs a rank's operations one after another on each lane, the
+# lanes side by side, ordered between them by ``StepGraph.after``; a graph without it (one built by hand) has one lane.
+LANE = {"lane": pl.Int32}
 # A blocking send (``_blocking``): the step's ``edge``-th message (in the replay's order, step then EDGE_ORDER) is
 # also an input of ``rank``'s operation ``seq`` (its sender's, after the send returned).
 BLOCKING = {"step": pl.Int32, "edge": pl.Int32, "rank": pl.Int32, "seq": pl.Int32}
@@ -163,6 +167,8 @@ class StepGraph:
     after_receive: pl.DataFrame | None = None
     # LAG_WAIT: waits inside message lags; None: none
     lag_wait: pl.DataFrame | None = None
+    # gpu_edges.AFTER: what orders a rank's operations across its lanes (streams run at once); None: one lane each
+    after: pl.DataFrame | None = None
 
     @property
     def consistent(self) -> tuple[int, int]:
@@ -190,27 +196,30 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
     (on the GPU ranks ``gpu``, their collective kernels: ``gpu_edges.collective_filter``)."""
     ev = analysis.events
     if ev is None or ev.height == 0:
-        return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
+        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), []
     coll = (
         ev.lazy().filter(gpu_edges.collective_filter(list(gpu)) & pl.col("step").is_not_null())
         .join(steps.lazy(), on="step")
         .select("rank", "step", pl.col("track").cast(pl.String), pl.col("name").cast(pl.String),
-                pl.col("pg").cast(pl.String),
+                pl.col("pg").cast(pl.String), gpu_edges.collective_lane(),
                 pl.col("ts_ns").alias("start_ns"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
         .collect(**iv.COLLECT)
     )
     if coll.height == 0:
-        return pl.DataFrame(schema=OPS).drop("seq", "gap_ns", "contradicted"), []
+        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), []
     # gloo's own spans (gloo:all_reduce, …) run on its thread from the post to the completion, which the training
     # thread waits for outside any op: where a rank has them, they are its collectives; else its top-level ops.
     gloo = pl.col("name").str.starts_with("gloo:")
     coll = coll.filter(gloo | ~gloo.any().over("rank"))
     coll = _nested_out(coll, by=("rank", "step", "track")).drop("track")
-    # outside every operation of its rank: a collective inside a pass is part of its work
+    # outside every operation of its rank: a collective inside a pass is part of its work (on a GPU rank, a pass on
+    # its stream: a collective kernel on its own stream runs beside the compute, gpu_edges.lane_order)
     inside = (
         coll.with_row_index("_c").join(ops.select("rank", "step", pl.col("start_ns").alias("_s"),
-                                                   pl.col("end_ns").alias("_e")), on=["rank", "step"])
-        .filter((pl.col("start_ns") >= pl.col("_s")) & (pl.col("start_ns") < pl.col("_e")))["_c"].unique()
+                                                   pl.col("end_ns").alias("_e"), pl.col("lane").alias("_lane")),
+                                       on=["rank", "step"])
+        .filter((pl.col("start_ns") >= pl.col("_s")) & (pl.col("start_ns") < pl.col("_e"))
+                & ((pl.col("lane") == pl.col("_lane")) | (pl.col("_lane") == gpu_edges.CPU_LANE)))["_c"].unique()
     )
     coll = coll.with_row_index("_c").filter(~pl.col("_c").is_in(inside.implode())).drop("_c")
     several = {s for s in stage_of.values() if list(stage_of.values()).count(s) > 1}
@@ -234,7 +243,7 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
                        pl.col("rank").replace_strict(stage_of, default=None).cast(pl.Int32).alias("stage"),
                        pl.lit(None, pl.Int32).alias("microbatch"), "start_ns", "end_ns",
                        (pl.col("end_ns") - pl.col("start_ns")).alias("work_ns"), "group", "members",
-                       pl.lit("trace").alias("source")), notes
+                       pl.lit("trace").alias("source"), "lane"), notes
 
 
 def build(analysis, steps: list[int] | None = None) -> StepGraph:
@@ -263,15 +272,16 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     passes = pass_durations(analysis, step_f, unnumbered=True).filter(pl.col("phase").is_in(names.PASS_PHASES))
     others = sched.filter(pl.col("phase") == "optimizer").with_columns((pl.col("end_ns") - pl.col("start_ns"))
                                                                        .alias("d"))
+    gpu = gpu_edges.gpu_ranks(analysis)
     ops = (
         pl.concat([passes.select(*sched.columns, "d"), others.select(*sched.columns, "d")])
-        .pipe(_nested_out)
+        .pipe(gpu_edges.nest_lane, analysis, gpu)  # (nested within a stream: another stream's run beside it)
+        .pipe(_nested_out, by=("rank", "step", "_nest")).drop("_nest")
         .select("rank", "step", pl.col("phase").replace_strict(ACTION_OF_PHASE).alias("action"), "phase", "stage",
                 "microbatch", "start_ns", "end_ns", pl.col("d").clip(lower_bound=0).alias("work_ns"),
                 pl.lit(None, pl.String).alias("group"), pl.lit(None, pl.Int32).alias("members"), "source")
     )
     # GPU ranks: an operation's work is its kernels' time (gpu_edges)
-    gpu = gpu_edges.gpu_ranks(analysis)
     ops, kernels = gpu_edges.on_gpu(analysis, ops, gpu)
     stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
     coll, n = _collectives(analysis, step_f, ops, stage_of, gpu)
@@ -317,7 +327,9 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking))
+    after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
+    notes += gpu_edges.lane_notes(ops, after)
+    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking, after))
     ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
     if waits.height:
@@ -335,8 +347,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         notes.append(f"edges consistent with the timeline: {ops.height - bad} of {ops.height} operations; {bad} "
                      "started before an input the graph gives them could have arrived, or before the pass they "
                      "depend on (an edge the timeline contradicts): their replay starts late")
-    return StepGraph(ops=ops.select(*OPS, *WAIT).cast({**OPS, **WAIT}), edges=edges, blocking=blocking,
-                     after_receive=after_receive, lag_wait=lag_wait,
+    return StepGraph(ops=ops.select(*OPS, *WAIT, *LANE).cast({**OPS, **WAIT, **LANE}), edges=edges,
+                     blocking=blocking, after_receive=after_receive, lag_wait=lag_wait, after=after,
                      ranks=rank_steps, steps=tuple(steps),
                      notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
 
@@ -651,11 +663,12 @@ def _lag_waits(analysis, edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFr
     return got.select(list(LAG_WAIT)).cast(LAG_WAIT).sort("step", "edge", "side")
 
 
-def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None
-          ) -> pl.DataFrame:
+def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: pl.DataFrame | None = None,
+          after: pl.DataFrame | None = None) -> pl.DataFrame:
     """Each operation's gap: its working start less the later of its rank's previous end (the step's start for the
-    first) and its inputs' modelled arrival (module docstring; a blocking send's message is its sender's next
-    operation's input too); negative: contradicted, taken as 0."""
+    first; on its lane, and the ends of the operations of the rank's other lanes it came after: ``after``,
+    gpu_edges.lane_order) and its inputs' modelled arrival (module docstring; a blocking send's message is its
+    sender's next operation's input too); negative: contradicted, taken as 0."""
     arr = _arrivals(edges, ops, win)
     inputs = [arr.select(pl.col("dst").alias("rank"), "step", pl.col("dst_seq").alias("seq"), "_arrive")]
     if blocking is not None and blocking.height:
@@ -666,9 +679,12 @@ def _gaps(ops: pl.DataFrame, edges: pl.DataFrame, win: pl.DataFrame, blocking: p
         ops.join(e, on=["rank", "step", "seq"], how="left")
         .join(win.select("rank", "step", pl.col("start_ns").alias("_w")), on=["rank", "step"])
         .sort("rank", "step", "seq")
-        .with_columns(pl.coalesce(pl.col("end_ns").shift(1).over("rank", "step"), "_w").alias("_prev"),
+        .with_columns(pl.coalesce(pl.col("end_ns").shift(1).over(*gpu_edges.chain(ops)), "_w").alias("_prev"),
                       (pl.col("end_ns") - pl.col("work_ns")).alias("_s"))
     )
+    if after is not None:
+        out = (out.join(gpu_edges.after_ends(after, ops), on=["rank", "step", "seq"], how="left", maintain_order="left")
+               .with_columns(pl.max_horizontal("_prev", "_after").alias("_prev")).drop("_after"))
     # a collective's members start at its last join: the gap is to the member's own span start, its work what it
     # took after the last member joined
     join = pl.col("start_ns").max().over("group")

@@ -37,7 +37,8 @@ class EngineMismatch(RuntimeError):
 class Replay:
     """One step replayed: per rank its start, replayed end and step (``ranks``: rank, start_ns, end_ns, step_ns),
     every operation's replayed start and end (``ops``: rank, seq, start_ns, end_ns, bound: what set its start —
-    "device" (the rank's previous operation), "input" (``from_rank``/``from_seq``: the message's producer, or the
+    "device" (the rank's previous operation; on a rank running several lanes at once, ``from_rank``/``from_seq``:
+    its lane's previous one or the other lane's it came after), "input" (``from_rank``/``from_seq``: the message's producer, or the
     receiver's own operation after which it posted the receive), "group" (a collective: ``from_*`` the member that
     joined last)), on the run's clock."""
 
@@ -123,18 +124,42 @@ def _plan(g: StepGraph, step: int) -> dict:
     blocking = ([((r, seq), j) for j, r, seq in g.blocking.filter(pl.col("step") == step)
                  .select("edge", "rank", "seq").iter_rows()] if g.blocking is not None else [])
     origin = int(win["start_ns"].min())
+    lanes, lane_prev, cross = _lanes(g, step, ops, key_of)
     # waits no edge explains, in keys' order
     wait = [float(x) for x in ops["wait_ns"].to_list()] if "wait_ns" in ops.columns else [0.0] * ops.height
     total0 = float(ops["work_ns"].sum() + ops["gap_ns"].sum() + edges["transfer_ns"].sum())
     plan = {"win": win, "ranks": ranks, "dev": dev, "orders": orders, "groups": groups, "keys": keys,
             "messages": messages, "msg_dev": msg_dev, "blocking": blocking,
             "chains": {j: c for j, c in chains.items() if c}, "lag_wait": lag_wait,
-            "origin": origin,
+            "origin": origin, "lanes": lanes, "lane_prev": lane_prev, "cross": cross,
             "total0": total0, "wait": wait,
             "offset": [float(x - origin) for x in win["start_ns"].to_list()], "tail": win["tail_ns"].to_list(),
             "member_seq": {(grp, r): seq for (_, r, seq), (grp, _n) in groups.items()}}
     entry[1][step] = plan
     return plan
+
+
+def _lanes(g: StepGraph, step: int, ops: pl.DataFrame, key_of: dict) -> tuple[dict, dict, dict]:
+    """The ranks of ``step`` that run operations at once on several lanes (a GPU rank's streams: ``g.after``,
+    causal.gpu_edges.lane_order): for the engine ``{op: (lane, products it comes after)}``; for the batched evaluator
+    and the critical path each operation's lane and previous one there (``{(rank, seq): (lane, seq or None)}``) and the
+    operations of other lanes it comes after (``{(rank, seq): [seq, ...]}``). Empty where every rank has one lane."""
+    if g.after is None or "lane" not in ops.columns:
+        return {}, {}, {}
+    after = g.after.filter(pl.col("step") == step)
+    if after.height == 0:
+        return {}, {}, {}
+    multi = after["rank"].unique().implode()
+    mine = (ops.filter(pl.col("rank").is_in(multi)).select("rank", "seq", "action", "lane")
+            .with_columns(pl.col("seq").shift(1).over("rank", "lane").alias("_lp")))
+    cross: dict[tuple[int, int], list[int]] = {}
+    for r, seq, a in after.select("rank", "seq", "after_seq").iter_rows():
+        cross.setdefault((r, seq), []).append(a)
+    lanes, lane_prev = {}, {}
+    for r, seq, action, lane, lp in mine.iter_rows():
+        lanes[(action, r, seq)] = (lane, tuple(key_of[(r, a)] for a in cross.get((r, seq), ())))
+        lane_prev[(r, seq)] = (lane, lp)
+    return lanes, lane_prev, cross
 
 
 def _values(g: StepGraph, ops: pl.DataFrame | None, edges: pl.DataFrame | None
@@ -321,7 +346,7 @@ def _run(g: StepGraph, step: int, ops: pl.DataFrame | None, edges: pl.DataFrame 
         dur=lambda a, r, seq: 0.0 if a == "R" or seq < 0 else work[(r, seq)],
         inputs=lambda d, op: inputs.get((op[1], op[2]), ()),
         gap=lambda d, i, op: gaps.get((op[1], op[2]), (0.0, 0.0)), groups=plan["groups"], trace=trace,
-        free0=starts)
+        free0=starts, lanes=plan["lanes"] or None)
     return plan, trace, free, starts, tails
 
 
@@ -467,6 +492,13 @@ def _levels(g: StepGraph, step: int):
     first = np.ones(n, dtype=bool)
     first[1:] = r_of[1:] != r_of[:-1]
     prev[first] = n + r_of[first]
+    # a rank on several lanes (_lanes): each operation after its lane's previous one and the other lanes' it came
+    # after (rows: the operation, the one it comes after, by the operation)
+    for (r, seq), (_lane, lp) in plan["lane_prev"].items():
+        prev[pos[(r, seq)]] = pos[(r, lp)] if lp is not None else n + dev[r]
+    c_pairs = sorted((pos[(r, seq)], pos[(r, a)]) for (r, seq), seqs in plan["cross"].items() for a in seqs)
+    c_dst = np.array([x for x, _ in c_pairs], dtype=np.int64)
+    c_src = np.array([y for _, y in c_pairs], dtype=np.int64)
     m_dst = np.array([pos[c] for c, *_ in plan["messages"]], dtype=np.int64)
     m_src = np.array([node_of[made] for _, made, *_ in plan["messages"]], dtype=np.int64)
     m_anc = np.array([node_of[anchor] for _, _, _, anchor, _ in plan["messages"]], dtype=np.int64)
@@ -525,8 +557,8 @@ def _levels(g: StepGraph, step: int):
     # levels (Kahn's order over units: an operation, or a collective's members together)
     unit = np.where(grp >= 0, n + grp, np.arange(n))
     preds: list[list[int]] = [[] for _ in range(n + len(gid))]
-    for a, b in zip(np.concatenate([prev, m_src, m_anc]).tolist(),
-                    np.concatenate([np.arange(n), m_dst, m_dst]).tolist()):
+    for a, b in zip(np.concatenate([prev, m_src, m_anc, c_src]).tolist(),
+                    np.concatenate([np.arange(n), m_dst, m_dst, c_dst]).tolist()):
         if a < n:
             preds[unit[b]].append(int(unit[a]))
     succ: list[list[int]] = [[] for _ in preds]
@@ -568,12 +600,23 @@ def _levels(g: StepGraph, step: int):
         g_starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if gs.size else gs
         g_counts = np.diff(np.r_[g_starts, gs.size]) if gs.size else gs
         fp = np.flatnonzero(has_fold[es]) if es.size else es  # (rows whose lag is a fold: their global index)
-        by_level.append((nodes, prev[nodes], t_col[es], m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
+        cs = np.flatnonzero(lv[c_dst] == L) if c_dst.size else c_dst  # (c_pairs are sorted by operation)
+        cd = c_dst[cs]
+        c_starts = np.flatnonzero(np.r_[True, cd[1:] != cd[:-1]]) if cd.size else cd
+        cross = (np.searchsorted(nodes, cd[c_starts]) if cd.size else cd, c_src[cs], c_starts)
+        by_level.append((nodes, prev[nodes], cross, t_col[es], m_src[es], m_anc[es], m_sl[es], m_pl[es], m_sd[es], m_dd[es],
                          starts, at, np.searchsorted(nodes, gm), g_starts, g_counts, (fp, es[fp])))
     win = plan["win"]
     last = np.array([n + d for d in range(len(plan["ranks"]))], dtype=np.int64)
     is_last = np.r_[r_of[1:] != r_of[:-1], True] if n else np.zeros(0, dtype=bool)
     last[r_of[is_last]] = np.flatnonzero(is_last)  # each device's last operation (its start where it has none)
+    # (a rank on several lanes ends with its last lane: every lane's last operation beside it)
+    lane_last = {}
+    for (r, seq), (lane, _lp) in plan["lane_prev"].items():  # (in each rank's order: the last one stays)
+        lane_last[(r, lane)] = pos[(r, seq)]
+    ex_d = np.array([dev[r] for r, _ in lane_last], dtype=np.int64)
+    ex_n = np.array(list(lane_last.values()), dtype=np.int64)
+    last = (last, ex_d, ex_n)
     plan["levels"] = (n, by_level, np.array(plan["offset"]), last, plan["origin"],
                       np.array(plan["tail"], dtype=np.float64), plan["total0"],
                       np.array(plan["wait"], dtype=np.float64), (m_dst.size, fold_cols))
@@ -649,9 +692,12 @@ def _evaluate(levels, work, gap, transfer, *, run_host, split=None):
         piece = np.where(kind[None, :] == 1, transfer[:, col],
                          np.where(kind[None, :] == 2, lag[None, :] * rho[:, None], lag[None, :] * host[:, dev]))
         fold[:, rows_p] = piece if p == 0 else fold[:, rows_p] + piece
-    for i, (nodes, prev, es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts, g_counts, (fp, fi)
-            ) in enumerate(by_level):
+    last, ex_d, ex_n = last
+    for i, (nodes, prev, (c_at, c_src, c_starts), es, src, anc, sl, pl_, sd, dd, m_starts, at, gpos, g_starts,
+            g_counts, (fp, fi)) in enumerate(by_level):
         t = end[:, prev]
+        if c_at.size:  # (what it came after on its rank's other lanes)
+            t[:, c_at] = np.maximum(t[:, c_at], np.maximum.reduceat(end[:, c_src], c_starts, axis=1))
         if es.size:
             lag_s, lag_p = sl[None, :] * host[:, sd], pl_[None, :] * host[:, dd]
             if fp.size:
@@ -668,9 +714,12 @@ def _evaluate(levels, work, gap, transfer, *, run_host, split=None):
             t[:, gpos] = np.repeat(joined, g_counts, axis=1)
         t += work[:, nodes]
         end[:, nodes] = t
+    last_end = end[:, last]
+    if ex_n.size:  # a rank on several lanes ends with its last lane
+        np.maximum.at(last_end.T, ex_d, end[:, ex_n].T)
     if split is not None:
-        return end[:, last]
-    steps = (np.round(end[:, last]).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
+        return last_end
+    steps = (np.round(last_end).astype(np.int64) + np.round(tail[None, :] * host).astype(np.int64)
              - starts.astype(np.int64))
     return steps
 
@@ -684,15 +733,20 @@ def replay(g: StepGraph, step: int, *, ops: pl.DataFrame | None = None, edges: p
     if ops is None and edges is None:
         plan["engine_ns"] = _rank_steps_ns(free, tails, starts)
 
-    def source(bound) -> tuple[str, int | None, int | None]:
-        if bound == "device":
-            return "device", None, None
+    lane_prev = plan["lane_prev"]
+
+    def source(bound, op) -> tuple[str, int | None, int | None]:
+        if bound == "device":  # (on a rank of several lanes: its lane's previous operation)
+            lp = lane_prev.get((op[1], op[2]))
+            return ("device", None, None) if lp is None or lp[1] is None else ("device", op[1], lp[1])
+        if bound[0] == "after":  # an operation of another lane of its rank
+            return "device", bound[1], bound[2]
         if bound[0] == "group":  # the member that joined last: the path goes on through its own collective
             last = ranks[bound[2]]
             return "group", last, member_seq[(bound[1], last)]
         return "input", bound[1], bound[2]
 
-    rows = [(op[1], op[2], origin + round(start), origin + round(end), *source(bound))
+    rows = [(op[1], op[2], origin + round(start), origin + round(end), *source(bound, op))
             for (d, i), (op, _f, _ready, start, end, bound) in trace.ops.items() if op[2] >= 0]
     op_rows = pl.DataFrame(rows, schema={"rank": pl.Int32, "seq": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64,
                                          "bound": pl.String, "from_rank": pl.Int32, "from_seq": pl.Int32},

@@ -196,7 +196,8 @@ class Trace:
 def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times: StageTimes, costs: Costs, pp: int,
          virtual_stages: int, dur, schedule: str, num_microbatches: int, device_of: tuple[int, ...] | None = None,
          inputs=None, gap=None, groups: dict | None = None, trace: Trace | None = None,
-         free0: list[float] | None = None) -> tuple[list[tuple[int, int, int, str, float, float]], list[float]]:
+         free0: list[float] | None = None, lanes: dict | None = None
+         ) -> tuple[list[tuple[int, int, int, str, float, float]], list[float]]:
     """The scheduler: run every device's operations in order, each when the device is free and its inputs have
     arrived (see the module docstring), asking ``policy`` at each. ``dur(action, virtual stage, micro-batch)``
     gives an operation's duration (action F, B, I, W or R for recompute; O, C, X: OTHER_PHASES). ``device_of``:
@@ -209,6 +210,10 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
     receiver's own post), ``gap(device, index, op)`` its (pre, post): the operation starts at max(free + pre,
     inputs ready + post); ``groups[op] = (id, members)``: a collective, which starts when its last member joins;
     ``free0``: when each device starts; ``trace`` records what bound every start (the critical path's input).
+    ``lanes[op] = (lane, after)``: a device running operations at once on several lanes (a GPU rank's streams,
+    causal.gpu_edges): the operation follows the previous one of its lane, not of its device, and the products
+    ``after`` (operations of its device's other lanes, earlier in its order) — bound ("after", device's rank, seq)
+    where one of them set its start; the device is free at the end when its last lane is.
 
     A backward is B (whole), or I then W (Qi et al. 2023): I needs the gradient from the next stage and sends its
     own upstream at once; W needs only its own I, and frees the micro-batch's activations."""
@@ -218,6 +223,8 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
     dev = device_of or tuple(s % pp for s in range(nv))
     idx = [0] * p
     free = list(free0) if free0 is not None else [0.0] * p
+    lane_free: dict[tuple, float] = {}  # (device, lane) -> when the lane is free (``lanes``)
+    first_free = list(free)
     ends: dict[tuple, tuple[float, int]] = {}  # product -> (when it is made, device)
     joined: dict[object, dict[int, float]] = {}  # collective id -> member device -> when it joined
     rows: list[tuple[int, int, int, str, float, float]] = []
@@ -259,7 +266,14 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                 if blocked:
                     break
                 pre, post = gap(d, idx[d], op) if gap else (times.host_ns[d] if times.host_ns else 0.0, 0.0)
-                f = free[d] + pre
+                lane = lanes.get(op) if lanes else None
+                cur, after_bound = free[d], "device"
+                if lane is not None:  # (its lane's previous end, and what it came after on the other lanes)
+                    cur = lane_free.get((d, lane[0]), first_free[d])
+                    for k in lane[1]:
+                        if ends[k][0] > cur:
+                            cur, after_bound = ends[k][0], ("after", k[1], k[2])
+                f = cur + pre
                 if post:
                     windows = [*windows, (ready, ready + post, "host")]
                     ready += post
@@ -273,7 +287,8 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                     join = max(here.values())
                 if pre:
                     # Host work (Python, launching) happens before the device can post and wait for its input.
-                    rec.busy(d, free[d], f, "host")
+                    rec.busy(d, cur, f, "host")
+                device_free = free[d]
                 free[d] = f
                 free[d], start, windows = policy.before_start(rec, d, idx[d], op, free=free[d],
                                                               start=max(free[d], ready), ready=ready, windows=windows)
@@ -281,7 +296,7 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                     last = max(here, key=lambda m: here[m])  # the member that joined last
                     start, bound = join, ("group", groups[op][0], last)
                 elif ready <= free[d]:
-                    bound = "device"
+                    bound = after_bound
                 rec.wait(d, free[d], start, windows)
                 t = policy.before_work(rec, d, idx[d], op, start)
                 if action == "F":
@@ -326,6 +341,9 @@ def run_schedule(orders: list[list[Op]], *, rec: Recorder, policy: Policy, times
                         rec.busy(d, end, end + costs.send_ns, "p2p")
                         end += costs.send_ns
                     free[d] = end
+                if lane is not None:
+                    lane_free[(d, lane[0])] = free[d]
+                    free[d] = max(device_free, free[d])
                 if trace is not None:
                     trace.ops[(d, idx[d])] = (op, f, ready, start, rows[-1][5], bound)
                 idx[d] += 1

@@ -1,0 +1,94 @@
+"""A GPU rank running two operations at once on two streams (issue 32, Build 1: launch → kernel and stream order;
+traceana/causal/gpu_edges.py ``lane_order``, the replay's lanes).
+
+Hand-built as Kineto writes it (tests/causal/test_gpu_edges.py's ``Gpu``: annotations, cudaLaunchKernel ↔ kernel by
+correlation id, NCCL record_param_comms with its kernel), read, analysed and made a graph by the same code as a real
+run's. The expected figures are worked out by hand in the docstrings (µs), from the streams' rules: a kernel waits
+for the kernel before it on its stream and, across streams, for what the timeline shows it came after; two
+operations that ran at the same time on two streams have no edge between them.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from test_gpu_edges import ZERO, Gpu, _write, replayed_us
+from traceana.causal import critical_path, graph, replay
+from traceana.measure.analysis_cache import load_and_analyze
+
+US = 1_000
+
+
+def _dualpipe(tmp_path) -> graph.StepGraph:
+    """One GPU rank, the CPU ahead of its GPU (every kernel launched by 71, long before it runs). Forwards on stream
+    8, backwards on stream 7 (DualPipe's overlapped chunks: micro-batch k+1's forward beside micro-batch k's
+    backward), the gradients' all-reduce on stream 20 beside the last backward:
+
+        stream 8:  F0 10-110  F1 110-210  F2 210-310
+        stream 7:             B0 110-310 (after F0: an event)   B1 310-510   B2 510-710   O 710-760
+        stream 20:                                              C 510-610 (after B1)
+
+    The CPU launches F0's kernel at 1 (the GPU idle before it: host), everything else enqueued; its synchronize
+    returns at 761 (1 µs of host after the optimizer). Step: 761. One after another (the graph before the lanes) the
+    same work is 10 + 300 + 600 + 50 + 1 = 961 (the all-reduce, inside B2's span, then left out), F1, B0, F2, B1 and
+    B2 starting before their predecessor's end: contradicted."""
+    r = Gpu(0, 1)
+    r.tb.step(0, 0, 800)
+    for at, name, start, dur, stream in [(0, "PP:0F0", 10, 100, 8), (10, "PP:0F1", 110, 100, 8),
+                                         (20, "PP:0B0", 110, 200, 7), (30, "PP:0F2", 210, 100, 8),
+                                         (40, "PP:0B1", 310, 200, 7), (50, "PP:0B2", 510, 200, 7)]:
+        r.tb.annotation(name, at, 8)
+        r.kernel(at + 1, start, dur, stream=stream)
+    r.allreduce(60, 510, 100)
+    r.tb.annotation("Optimizer.step#SGD.step", 70, 8)
+    r.kernel(71, 710, 50, stream=7)
+    r.sync(80, 761)
+    return graph.build(load_and_analyze(_write(tmp_path, [r]), cache=False))
+
+
+def test_a_forward_beside_a_backward_on_two_streams_runs_at_once_in_the_replay(tmp_path):
+    """The step above. Each operation after its stream's previous one and after the latest operation of each other
+    stream that ended by its start: B0 after F0 (110), B1 after F2 (310) and B0, the all-reduce after B1 (510),
+    the optimizer after B2 and the all-reduce. Replayed: 761, every edge consistent with the timeline (8 of 8).
+
+    Backward doubled: B0 110-510, B1 510-910, the all-reduce 910-1010, B2 910-1310, O 1310-1360: 1361.
+    Forward doubled: F0 10-210, F1 210-410, F2 410-610, B0 210-410, B1 after F2 610-810, the all-reduce 810-910,
+    B2 810-1010, O 1010-1060: 1061. The all-reduce tripled (300): it ends at 810, after B2 (710): the optimizer
+    waits for it, 810-860: 861 (doubled it ends with B2: 761). Every kind at 0: 0."""
+    g = _dualpipe(tmp_path)
+    ops = g.ops.sort("seq")
+    got = {a + (str(m) if m is not None else ""): ((s - g.ranks["start_ns"][0]) / US, w / US, ln)
+           for a, m, s, w, ln in ops.select("action", "microbatch", "start_ns", "work_ns", "lane").iter_rows()}
+    assert got == {"F0": (10, 100, 8), "F1": (110, 100, 8), "B0": (110, 200, 7), "F2": (210, 100, 8),
+                   "B1": (310, 200, 7), "C": (510, 100, 20), "B2": (510, 200, 7), "O": (710, 50, 7)}
+    assert g.consistent == (8, 8)
+    assert int(g.ops["wait_ns"].sum()) == 0
+    assert ops.filter(pl.col("action") == "F", pl.col("microbatch") == 0)["gap_ns"].item() == 10 * US
+    assert [n for n in g.notes if "at once in the replay" in n]
+    assert replayed_us(g, []) == 761
+    assert replayed_us(g, ["backward*2"]) == 1361
+    assert replayed_us(g, ["forward*2"]) == 1061
+    assert replayed_us(g, ["collective*3"]) == 861
+    assert replayed_us(g, ["collective*2"]) == 761
+    assert replayed_us(g, list(ZERO)) == 0
+
+
+def test_the_critical_path_of_two_streams_runs_through_the_stream_that_ended_last(tmp_path):
+    """The step above, as measured: back from the step's end, the synchronize's 1 µs of host after the optimizer,
+    O 710-760, B2, B1, B0 on stream 7, then F0 (B0 came after it on stream 8), and F0's launch (host 0-10): host 11,
+    forward 100, backward 600, optimizer 50 — 761, the step. F1 and F2 ran beside B0: off the path, F1 with 100 µs
+    of slack (it may end as late as B0, 310 — no: F2 must end by 310, its successor on stream 8 being none and B1
+    coming after it at 310, so F2's slack is 0 and F1's is 0 too), the all-reduce with 100 (it may end at 710)."""
+    g = _dualpipe(tmp_path)
+    r = replay.replay(g, 0 if 0 in g.steps else g.steps[0])
+    assert r.step_ns == 761 * US
+    path, slack = critical_path.critical_path(g, r)
+    by_kind = {k: round(v / US) for k, v in path.group_by("kind").agg((pl.col("end_ns") - pl.col("start_ns")).sum())
+               .iter_rows()}
+    assert by_kind == {"host": 11, "forward": 100, "backward": 600, "optimizer": 50}
+    assert int((path["end_ns"] - path["start_ns"]).sum()) == 761 * US
+    seqs = dict(g.ops.select(pl.concat_str(pl.col("action"), pl.col("microbatch").cast(pl.String).fill_null(""))
+                             .alias("name"), "seq").iter_rows())
+    s = dict(slack.select("seq", "slack_ns").iter_rows())
+    assert s[seqs["C"]] == 100 * US
+    assert s[seqs["F1"]] == 0 and s[seqs["F2"]] == 0 and s[seqs["B0"]] == 0
