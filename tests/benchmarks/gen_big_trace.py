@@ -129,8 +129,10 @@ class _Writer:
 
 
 def _step(w: _Writer, step: int, t0: float, *, microbatches: int, kernels: int, kernel_us: float,
-          transfer_us: float, nelems: int) -> float:
-    """One GPipe iteration of stage ``w.stage`` starting at ``t0`` (µs); returns its end."""
+          transfer_us: float, nelems: int, overlap_optimizer: bool = False) -> float:
+    """One GPipe iteration of stage ``w.stage`` starting at ``t0`` (µs); returns its end. ``overlap_optimizer``:
+    the optimizer's kernels (compute stream) start 188 µs into the all-reduce's (communication stream), which runs
+    on beside them for 192 µs: a rank running two operations at once on two streams."""
     r, pp, m = w.stage, w.pp, microbatches
     t_f = kernels * (kernel_us * 1.4 + 1.0) + transfer_us + 30.0  # one forward slot, including its hand-over
     t_b = 2 * kernels * (kernel_us * 1.4 + 1.0) + transfer_us + 30.0
@@ -162,8 +164,9 @@ def _step(w: _Writer, step: int, t0: float, *, microbatches: int, kernels: int, 
             w.comm("send", w.peer(r - 1), t, t + 1.0, transfer_us, nelems)
     t = fwd_end + (m + pp - 1) * t_b
     w.comm("allreduce", None, t, t + 2.0, 380.0, nelems)  # data-parallel gradient sync
-    w.annotation("Optimizer.step#AdamW.step", t + 390.0, 500.0)
-    w.block(t + 395.0, 4, 100.0)
+    at = 190.0 if overlap_optimizer else 395.0
+    w.annotation("Optimizer.step#AdamW.step", t + at - 5.0, 500.0)
+    w.block(t + at, 4, 100.0)
     # The ProfilerStep annotation encloses the iteration; Kineto writes it before its children.
     w.ext += 1
     w.out.insert(start, (
@@ -204,11 +207,11 @@ def _open(path: Path):
 
 def write_rank(path: str | Path, *, rank: int, pp: int, mb: float, microbatches: int = 8, kernels: int = 48,
                kernel_us: float = 40.0, transfer_us: float = 150.0, seed: int = 0,
-               progress: bool = False, dp: int = 1) -> dict:
+               progress: bool = False, dp: int = 1, overlap_optimizer: bool = False) -> dict:
     """Write one rank's trace of about ``mb`` MB raw JSON (gz if the name ends in .gz); return its size facts.
 
     ``dp`` data-parallel replicas of the ``pp``-stage pipeline: global rank = stage * dp + replica (Megatron's
-    order), P2P only within a replica, the all-reduce across replicas."""
+    order), P2P only within a replica, the all-reduce across replicas. ``overlap_optimizer``: ``_step``'s."""
     path = Path(path)
     rng = random.Random(seed * 1009 + rank)
     w = _Writer(rank, pp, rng, dp=dp)
@@ -222,7 +225,7 @@ def write_rank(path: str | Path, *, rank: int, pp: int, mb: float, microbatches:
         while written < target:
             w.out.clear()
             t = _step(w, steps, t, microbatches=microbatches, kernels=kernels, kernel_us=kernel_us,
-                      transfer_us=transfer_us, nelems=4 << 20)
+                      transfer_us=transfer_us, nelems=4 << 20, overlap_optimizer=overlap_optimizer)
             chunk = ((",\n" if steps else "") + ",\n".join(w.out)).encode()
             fh.write(chunk)
             written += len(chunk)
@@ -256,9 +259,12 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="write .json instead of .json.gz")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--kernels", type=int, default=48, help="compute kernels per forward (backward: 2x)")
+    p.add_argument("--overlap-optimizer", action="store_true",
+                   help="the optimizer's kernels start while the all-reduce still runs on its stream (two streams "
+                        "at once)")
     a = p.parse_args()
     facts = write_run(a.out_dir, ranks=a.ranks, dp=a.dp, mb=a.mb, gz=not a.plain, progress=a.dp == 1,
-                      microbatches=a.microbatches, kernels=a.kernels)
+                      microbatches=a.microbatches, kernels=a.kernels, overlap_optimizer=a.overlap_optimizer)
     for f in facts:
         print(f"{f['path']}: {f['raw_bytes'] / 1e6:.0f} MB raw, {f['file_bytes'] / 1e6:.0f} MB on disk, {f['steps']} steps")
 

@@ -10,11 +10,19 @@ operations that ran at the same time on two streams have no edge between them.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import polars as pl
 
-from test_gpu_edges import ZERO, Gpu, _write, replayed_us
 from traceana.causal import critical_path, graph, replay
+from traceana.causal.whatif import _ideals, changed, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gen_big_trace import write_run  # noqa: E402
+from test_gpu_edges import ZERO, Gpu, _write, replayed_us  # noqa: E402
 
 US = 1_000
 
@@ -29,9 +37,9 @@ def _dualpipe(tmp_path) -> graph.StepGraph:
         stream 20:                                              C 510-610 (after B1)
 
     The CPU launches F0's kernel at 1 (the GPU idle before it: host), everything else enqueued; its synchronize
-    returns at 761 (1 µs of host after the optimizer). Step: 761. One after another (the graph before the lanes) the
-    same work is 10 + 300 + 600 + 50 + 1 = 961 (the all-reduce, inside B2's span, then left out), F1, B0, F2, B1 and
-    B2 starting before their predecessor's end: contradicted."""
+    returns at 761 (1 µs of host after the optimizer). Step: 761. The graph before the lanes (one chain a rank, a
+    span inside another's part of it) took F1 and F2, inside B0's span, as part of B0 and left the all-reduce,
+    inside B2's, out: forward doubled it read 861, the all-reduce tripled 761 (docs/whatif.md "GPU ranks")."""
     r = Gpu(0, 1)
     r.tb.step(0, 0, 800)
     for at, name, start, dur, stream in [(0, "PP:0F0", 10, 100, 8), (10, "PP:0F1", 110, 100, 8),
@@ -76,9 +84,9 @@ def test_a_forward_beside_a_backward_on_two_streams_runs_at_once_in_the_replay(t
 def test_the_critical_path_of_two_streams_runs_through_the_stream_that_ended_last(tmp_path):
     """The step above, as measured: back from the step's end, the synchronize's 1 µs of host after the optimizer,
     O 710-760, B2, B1, B0 on stream 7, then F0 (B0 came after it on stream 8), and F0's launch (host 0-10): host 11,
-    forward 100, backward 600, optimizer 50 — 761, the step. F1 and F2 ran beside B0: off the path, F1 with 100 µs
-    of slack (it may end as late as B0, 310 — no: F2 must end by 310, its successor on stream 8 being none and B1
-    coming after it at 310, so F2's slack is 0 and F1's is 0 too), the all-reduce with 100 (it may end at 710)."""
+    forward 100, backward 600, optimizer 50 — 761, the step. F1 and F2 ran beside B0, off the path, yet without
+    slack: B1 came after F2 (at 310), so F2 must end by 310 and F1 (before it on stream 8) by 210. The all-reduce
+    has 100 µs: the optimizer came after it, and it may end as late as B2 does (710)."""
     g = _dualpipe(tmp_path)
     r = replay.replay(g, 0 if 0 in g.steps else g.steps[0])
     assert r.step_ns == 761 * US
@@ -92,3 +100,28 @@ def test_the_critical_path_of_two_streams_runs_through_the_stream_that_ended_las
     s = dict(slack.select("seq", "slack_ns").iter_rows())
     assert s[seqs["C"]] == 100 * US
     assert s[seqs["F1"]] == 0 and s[seqs["F2"]] == 0 and s[seqs["B0"]] == 0
+
+
+def test_the_synthetic_pipeline_whose_optimizer_runs_beside_its_all_reduce_replays_its_timeline(tmp_path):
+    """tests/benchmarks/gen_big_trace.py with ``overlap_optimizer``: pp 2 × dp 2, the optimizer's kernels (compute
+    stream) start 188 µs into the 380 µs all-reduce (communication stream). The timeline's step — each rank's last
+    event's end less its ProfilerStep's start, the slowest rank's, read from the events here, not from the graph —
+    is what the replay gives on the measured durations, step by step, every edge consistent with it (200 of 200)
+    and no wait no edge explains. One after another (the graph before the lanes) 20 operations were contradicted
+    (the optimizers, started before their all-reduce ended) and each step replayed 192 µs long (4.397 ms for 4.205)."""
+    out = tmp_path / "run"
+    write_run(out, ranks=2, dp=2, mb=0.3, gz=False, microbatches=4, kernels=2, overlap_optimizer=True)
+    a = load_and_analyze(str(out), cache=False)
+    g = graph.build(a)
+    assert g.consistent == (200, 200) and int(g.ops["wait_ns"].sum()) == 0
+    assert g.after is not None
+    ev = a.events
+    begin = ev.filter(pl.col("kind") == "step").select("rank", "step", pl.col("ts_ns").alias("_s"))
+    last = (ev.filter((pl.col("kind") != "step") & pl.col("step").is_not_null()).group_by("rank", "step")
+            .agg((pl.col("ts_ns") + pl.col("dur_ns")).max().alias("_e")))
+    timeline = dict(begin.join(last, on=["rank", "step"]).group_by("step")
+                    .agg((pl.col("_e") - pl.col("_s")).max()).iter_rows())
+    assert replay.replay_steps_ns(g) == [timeline[s] for s in g.steps]
+    ops, edges = _ideals(g)
+    zeroed = replay.replay_variants(g, ops, edges, [changed(ops, [parse_set(s) for s in ZERO])])[0]
+    assert zeroed == [0] * len(g.steps)

@@ -210,27 +210,37 @@ def on_gpu(analysis, ops: pl.DataFrame, ranks: list[int]) -> tuple[pl.DataFrame,
 AFTER = {"step": pl.Int32, "rank": pl.Int32, "seq": pl.Int32, "after_seq": pl.Int32}
 
 
-def lane_order(ops: pl.DataFrame) -> pl.DataFrame | None:
-    """What orders a rank's operations across its lanes (AFTER; None where no rank runs more than one lane in a
-    step): each operation comes after the one before it on its own lane (the stream's order: ``graph._gaps``) and,
+def lane_order(ops: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """``ops`` with one lane (0) where a rank's step ran its operations one at a time, and what orders a rank's
+    operations across its lanes where it ran some at once (AFTER; None where none did): there each operation comes
+    after the one before it on its own lane (the stream's order: ``graph._gaps``) and,
     on each other lane of its rank, after the latest operation there that ended by the time it began its work — the
     timeline shows it came after that one (an event it waited on, the CPU launching it after it returned); an
     operation that began its work before another lane's operation ended ran beside it and has no edge from it: the
     two overlap in the replay. ``ops``: the graph's operations numbered (``seq``) with their ``lane``.
 
-    With a rank's operations one at a time (whatever their streams) this orders them as the one chain did: each
-    operation's predecessors are then every earlier operation's ancestors' ends, the latest its previous one's. The
-    edges are one as-of join per lane id (a handful: the streams' numbers), linear in the operations."""
+    With a rank's operations one at a time (whatever their streams) these edges would order them as the one chain
+    does — each operation's predecessors are then ancestors of its previous one, whose end is the latest in every
+    variant —, so such a rank's step keeps its one chain (lane 0: the graph and its figures as before the lanes).
+    The edges are one as-of join per lane id (a handful: the streams' numbers), linear in the operations."""
     if "lane" not in ops.columns or ops.height == 0:
-        return None
-    multi = (ops.group_by("rank", "step").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)
-             .select("rank", "step"))
+        return ops, None
+    ws = (pl.when(pl.col("group").is_not_null()).then("start_ns")
+          .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws"))
+    # a step in which the rank began an operation's work before an earlier one of it ended, on two lanes or more
+    multi = (ops.select("rank", "step", "seq", "lane", "end_ns", ws).sort("rank", "step", "seq")
+             .with_columns(pl.col("end_ns").cum_max().shift(1).over("rank", "step").alias("_before"))
+             .group_by("rank", "step")
+             .agg((pl.col("lane").n_unique() > 1) & (pl.col("_ws") < pl.col("_before")).any())
+             .filter(pl.col("lane")).select("rank", "step"))
+    ops = (ops.join(multi.with_columns(pl.lit(True).alias("_multi")), on=["rank", "step"], how="left",
+                    maintain_order="left")
+           .with_columns(pl.when(pl.col("_multi")).then("lane").otherwise(0).cast(pl.Int32).alias("lane"))
+           .drop("_multi"))
     if multi.height == 0:
-        return None
+        return ops, None
     o = (ops.join(multi, on=["rank", "step"], how="semi")
-         .select("rank", "step", "seq", "lane", "end_ns",
-                 pl.when(pl.col("group").is_not_null()).then("start_ns")
-                 .otherwise(pl.col("end_ns") - pl.col("work_ns")).alias("_ws")))
+         .select("rank", "step", "seq", "lane", "end_ns", ws))
     out = []
     for lane in sorted(o["lane"].unique().to_list()):  # (the lanes' ids, not the events)
         right = (o.filter(pl.col("lane") == lane)
@@ -241,7 +251,7 @@ def lane_order(ops: pl.DataFrame) -> pl.DataFrame | None:
                .filter(pl.col("after_seq").is_not_null() & (pl.col("after_seq") < pl.col("seq"))))
         out.append(hit.select(list(AFTER)).cast(AFTER))
     after = pl.concat(out).sort("step", "rank", "seq", "after_seq")
-    return after if after.height else None
+    return ops, (after if after.height else None)
 
 
 def chain(ops: pl.DataFrame) -> list[str]:
@@ -263,17 +273,20 @@ def collective_lane() -> pl.Expr:
     return pl.when(pl.col("is_gpu")).then(pl.col("stream")).otherwise(0).cast(pl.Int32).alias("lane")
 
 
-def lane_notes(ops: pl.DataFrame, after: pl.DataFrame | None) -> list[str]:
+def lane_notes(ops: pl.DataFrame) -> list[str]:
     """What the build says of the lanes: the ranks whose operations ran at once on two streams (and how many such
     pairs it found), and where the order could not be told from streams (an operation that launched no kernel:
     its CPU's clock)."""
-    if "lane" not in ops.columns or after is None:
+    if "lane" not in ops.columns:
         return []
-    o = ops.select("rank", "step", "seq", "lane", "start_ns", "end_ns")
-    # (overlapping: an operation that began before the latest end of the earlier operations of its rank)
+    multi = ops.group_by("rank", "step").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)
+    o = ops.join(multi, on=["rank", "step"], how="semi").select("rank", "step", "seq", "lane", "start_ns", "end_ns")
+    # (beside another stream's: an operation that began before an earlier one of its rank ended, not on its lane)
     o = (o.sort("rank", "step", "seq")
-         .with_columns(pl.col("end_ns").cum_max().shift(1).over("rank", "step").alias("_before")))
-    both = o.filter(pl.col("start_ns") < pl.col("_before"))
+         .with_columns(pl.col("end_ns").cum_max().shift(1).over("rank", "step").alias("_before"),
+                       pl.col("end_ns").cum_max().shift(1).over("rank", "step", "lane").alias("_mine")))
+    both = o.filter((pl.col("start_ns") < pl.col("_before"))
+                    & (pl.col("_mine").is_null() | (pl.col("start_ns") >= pl.col("_mine"))))
     if both.height == 0:
         return []
     ranks = sorted(both["rank"].unique().to_list())
@@ -281,8 +294,9 @@ def lane_notes(ops: pl.DataFrame, after: pl.DataFrame | None) -> list[str]:
     notes = [f"rank{'s' if len(ranks) > 1 else ''} {said}: {both.height} operations began before an earlier one of "
              "their rank ended, on another stream: they run at once in the replay, ordered by their streams and by "
              "what the timeline shows each came after on the other streams (the latest operation there that ended "
-             "before it began); the traces' cross-stream events (cudaStreamWaitEvent) are not read, so an "
-             "operation that ran beside another on its rank stays beside it in every what-if"]
+             "before it began). The traces' cross-stream events (cudaStreamWaitEvent) are not read: two operations that "
+             "ran at once have no edge between them in any what-if, even where one waited on an event recorded part "
+             "way through the other"]
     cpu = o.filter((pl.col("lane") == CPU_LANE) & pl.col("rank").is_in(ranks))
     if cpu.height:
         notes.append(f"{cpu.height} operations of those ranks launched no kernel: their stream is unknown, and they "
@@ -297,13 +311,21 @@ def _kernel_keys(work: pl.DataFrame, ops: pl.DataFrame) -> pl.DataFrame:
     lanes = (ops.select("rank", "lane").unique().sort("rank", "lane")
              .with_columns(pl.int_range(pl.len()).over("rank").alias("_li")))
     key = (pl.col("rank") * 1024 + pl.col("_li")).cast(pl.Int32).alias("_key")
+    # (a step the rank ran one operation at a time has one lane: lane_order)
+    multi = (ops.group_by("rank", "step").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)
+             .select("rank", "step", pl.lit(True).alias("_multi")))
+    work = (work.with_columns(pl.coalesce("step", "_ks").alias("_st"))
+            .join(multi.rename({"step": "_st"}), on=["rank", "_st"], how="left").drop("_st"))
+    one = work.filter(pl.col("_multi").is_null()).with_columns(pl.lit(0, pl.Int32).alias("lane"))
+    work = work.filter(pl.col("_multi").is_not_null())
     mine = work.filter(pl.col("_os").is_not_null()).with_columns(pl.col("_ol").alias("lane"))
     free = work.filter(pl.col("_os").is_null())
     on_lane = free.join(lanes.select("rank", pl.col("lane").alias("stream")), on=["rank", "stream"], how="semi") \
         .with_columns(pl.col("stream").alias("lane"))
     anywhere = free.join(lanes.select("rank", pl.col("lane").alias("stream")), on=["rank", "stream"], how="anti") \
         .join(lanes.select("rank", "lane"), on="rank")
-    return (pl.concat([mine, on_lane, anywhere], how="diagonal_relaxed").join(lanes, on=["rank", "lane"], how="left")
+    return (pl.concat([one, mine, on_lane, anywhere], how="diagonal_relaxed")
+            .join(lanes, on=["rank", "lane"], how="left")
             .with_columns(key).filter(pl.col("_key").is_not_null()))
 
 
@@ -332,8 +354,9 @@ def split_gaps(analysis, ops: pl.DataFrame, work: pl.DataFrame, ranks: list[int]
     # each operation's kernels: a pass's (``work``), a collective's own kernel (its span, its launch)
     passes = (work.filter(pl.col("_os").is_not_null())
               .join(mine.filter(pl.col("group").is_null()).select("rank", "step", pl.col("start_ns").alias("_os"),
-                                                                   pl.col("lane").alias("_ol"), "seq"),
-                    on=["rank", "step", "_os", "_ol"])
+                                                                   "lane", "seq"), on=["rank", "step", "_os"])
+              # (an operation of a step run one at a time has lane 0: lane_order)
+              .filter((pl.col("lane") == 0) | (pl.col("lane") == pl.col("_ol")))
               .select(*keys, "start", "end", "launch_ns", "_kw"))
     launches = (analysis.events.lazy().filter(pl.col("is_gpu") & (pl.col("kind") == "collective")
                                               & pl.col("rank").is_in(ranks))

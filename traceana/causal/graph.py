@@ -327,8 +327,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
-    notes += gpu_edges.lane_notes(ops, after)
+    ops, after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
+    notes += gpu_edges.lane_notes(ops)
     ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking, after))
     ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))

@@ -144,12 +144,14 @@ def _lanes(g: StepGraph, step: int, ops: pl.DataFrame, key_of: dict) -> tuple[di
     causal.gpu_edges.lane_order): for the engine ``{op: (lane, products it comes after)}``; for the batched evaluator
     and the critical path each operation's lane and previous one there (``{(rank, seq): (lane, seq or None)}``) and the
     operations of other lanes it comes after (``{(rank, seq): [seq, ...]}``). Empty where every rank has one lane."""
-    if g.after is None or "lane" not in ops.columns:
+    if "lane" not in ops.columns:
         return {}, {}, {}
-    after = g.after.filter(pl.col("step") == step)
-    if after.height == 0:
+    multi = ops.group_by("rank").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)["rank"]
+    if multi.len() == 0:
         return {}, {}, {}
-    multi = after["rank"].unique().implode()
+    multi = multi.implode()
+    after = (g.after.filter(pl.col("step") == step) if g.after is not None
+             else pl.DataFrame(schema={"rank": pl.Int32, "seq": pl.Int32, "after_seq": pl.Int32}))
     mine = (ops.filter(pl.col("rank").is_in(multi)).select("rank", "seq", "action", "lane")
             .with_columns(pl.col("seq").shift(1).over("rank", "lane").alias("_lp")))
     cross: dict[tuple[int, int], list[int]] = {}
