@@ -15,12 +15,14 @@ from pathlib import Path
 
 import polars as pl
 
-from traceana.causal import critical_path, graph, replay
+from traceana.causal import critical_path, graph, group_replay, replay
 from traceana.causal.whatif import _ideals, changed, parse_set
 from traceana.measure.analysis_cache import load_and_analyze
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from engine_check import replayed_ns  # noqa: E402
 from gen_big_trace import write_run  # noqa: E402
 from test_gpu_edges import ZERO, Gpu, _write, replayed_us  # noqa: E402
 
@@ -123,5 +125,16 @@ def test_the_synthetic_pipeline_whose_optimizer_runs_beside_its_all_reduce_repla
                     .agg((pl.col("_e") - pl.col("_s")).max()).iter_rows())
     assert replay.replay_steps_ns(g) == [timeline[s] for s in g.steps]
     ops, edges = _ideals(g)
-    zeroed = replay.replay_variants(g, ops, edges, [changed(ops, [parse_set(s) for s in ZERO])])[0]
-    assert zeroed == [0] * len(g.steps)
+    assert replayed_ns(g, ops, edges, changed(ops, [parse_set(s) for s in ZERO])) == [0] * len(g.steps)
+    # the lanes on the batched evaluator (engine_check) and per pipeline group are the engine's, to the nanosecond
+    sets = [["collective*3"], ["backward*2"], ["optimizer=0"], ["rank=1:host*3", "forward*0.5"]]
+    vs = [changed(ops, [parse_set(x) for x in c]) for c in sets]
+    for v in vs:
+        replayed_ns(g, ops, edges, v)
+    assert group_replay.rank_steps_ns(g) == [replay.replay(g, s).ranks.sort("rank")["step_ns"].to_list()
+                                             for s in g.steps]
+    old, replay.BATCH_FROM_OPS = replay.BATCH_FROM_OPS, 0
+    try:
+        assert group_replay.replay_variants(g, ops, edges, vs) == replay.replay_variants(g, ops, edges, vs)
+    finally:
+        replay.BATCH_FROM_OPS = old

@@ -147,7 +147,9 @@ def _group_graphs(g: StepGraph, groups: list[tuple[int, ...]]):
             data_parallel=g.data_parallel,
             blocking=_renumbered(g.blocking, new_of, ("edge",)),
             after_receive=_renumbered(g.after_receive, new_of, ("edge", "via")),
-            lag_wait=_renumbered(g.lag_wait, new_of, ("edge",)))
+            lag_wait=_renumbered(g.lag_wait, new_of, ("edge",)),
+            # (a GPU rank's lanes: its own operations, numbered as in the whole graph)
+            after=None if g.after is None else g.after.filter(pl.col("rank").is_in(ranks_k)))
 
 
 def group_task(task: GroupReplayTask) -> list | None:
