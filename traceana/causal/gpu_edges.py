@@ -7,7 +7,8 @@ What this module adds to the graph, all on the GPU's clock:
 
 - **kernel time** (``on_gpu``): an operation's work is the union of its kernels (compute, copies, memsets: the
   rank's GPU work that is not communication), the kernels being those running inside its extent (the latest
-  operation starting at or before a kernel's start, if the kernel starts before its end), plus the GPU's own idle
+  operation starting at or before a kernel's start, if the kernel starts before its end — of the kernel's stream,
+  where that is an operation's lane: two operations at once on two streams keep their own), plus the GPU's own idle
   time between kernels it had enqueued already (under ``KERNEL_WAIT_NS``). The rest of the idle time inside the
   extent is not work: it is part of the gap before the operation's work, split below.
 - **collectives** (``collective_filter``): a GPU rank's collectives are its NCCL collective kernels (all-reduce,
@@ -16,7 +17,8 @@ What this module adds to the graph, all on the GPU's clock:
   it took after that. (NCCL's batched send/receive kernels, ``SendRecv`` with no direction, join no group: which
   peer they talk to is not in the trace, gpu.batched_p2p_notes.)
 - **launch → kernel and stream order** (``split_gaps``): the time before an operation's work on a GPU rank, from the
-  later of its previous operation's end (the stream's order: one operation at a time, in the order they ran) and its
+  later of its previous operation's end (the stream's order: one operation at a time, in the order they ran; on its
+  lane where the rank ran streams at once, below, the idle time being its lane's) and its
   inputs' arrival (a message's receive kernel, a collective's last member), is the GPU's idle time before each of
   its kernels. Where a kernel's launch (the runtime call's start) came after the idle time began, the GPU waited
   for its CPU to enqueue it: host work (the CPU's Python, its launches, the launch latency), which a what-if of host
@@ -36,9 +38,21 @@ A CPU rank's wait in ``cudaDeviceSynchronize`` (or any call that waits for the G
 this clock: it overlaps the kernels it waits for, which are the operations' work; what the CPU did after it returned
 is the host time before the next kernel it launched. Making a kernel shorter ends such a wait sooner by as much.
 
-Not modelled: operations of one rank running at once on two streams (DualPipe's overlapped chunks): the graph runs a
-rank's operations one after another, so such an operation's start is contradicted (counted, said); a communication
-kernel queued behind a collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
+- **streams at once** (``nest_lane``, ``lane_order``): an operation's lane is the stream of the kernel it begins with
+  (``on_gpu``; a collective's, its kernel's stream: ``collective_lane``; one that launched no kernel, CPU_LANE). In a
+  step where the rank began an operation's work before an earlier one ended, on two lanes or more (DualPipe's
+  forward of micro-batch k+1 beside the backward of k, an all-reduce on its stream beside compute), each operation
+  follows the previous one of its lane (the stream's order) and, on each other lane, the latest operation there
+  that ended by its start (what the timeline shows it came after: an event, or its launch after that end): two
+  that ran at once have no edge between them, and the replay (``replay._lanes``, the engine's ``lanes``) runs them
+  at once. A span nested in another is part of it only on the same stream (``nest_lane``). A step the rank ran one
+  operation at a time keeps its one chain (lane 0), which these edges would reproduce exactly.
+
+Not modelled: the traces' cross-stream events (Kineto's ``cuda_sync`` "Stream Wait Event", with
+``wait_on_cuda_event_record_corr_id``: the loader does not read them), so two operations that overlapped stay
+independent even where one waited on an event recorded part way through the other; a message's producer and
+consumer on a rank of several lanes are taken by time, not by stream; a communication kernel queued behind a
+collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ variants of its durations at once on the same semantics.
 
 The replay re-runs the graph's operations and messages with the measured durations through
 ``causal.scheduler.run_schedule`` (the same engine that runs the rules' planned orders): each operation starts at
-max(previous end, inputs' arrival) + its gap. Every rank starts its step when it did. Nothing is frozen in a variant
+max(previous end, inputs' arrival) + its gap — on a GPU rank that ran streams at once, its lane's previous end and
+the ends of the other lanes' operations it came after (``_lanes``; causal.gpu_edges.lane_order). Every rank starts its step when it did. Nothing is frozen in a variant
 (``_scales``): a rank's send/post lags and its tail (to its last CPU event, not the ProfilerStep end) scale with its
 host time, its late start and its waits with the step's work. On the measured durations the replay reproduces each
 rank's step exactly unless an edge contradicts the timeline: an operation that started before the input the graph gives
@@ -400,7 +401,8 @@ def replay_variants(g: StepGraph, ops: pl.DataFrame, edges: pl.DataFrame,
     The engine (``replay_steps_ns``: causal.scheduler.run_schedule) defines what a replay is; this evaluates the same
     thing for many variants together. With each rank's order, the messages and the collectives fixed (``_plan``: the
     orders, inputs and groups the engine is given), a replay is a longest path through a fixed acyclic graph: every
-    operation starts at max(its previous operation's end, each input's max(producer's end + send lag, anchor's end +
+    operation starts at max(its previous operation's end (its lane's, and what it came after on the rank's other
+lanes), each input's max(producer's end + send lag, anchor's end +
     post lag) + transfer) + gap (a collective: the latest of its members'), ends at start + work. numpy evaluates it
     level by level (an operation's level: one more than its inputs'), one column per variant, with the engine's own
     float additions in the engine's order, so the result is the engine's to the nanosecond (tests/causal/test_whatif.py
