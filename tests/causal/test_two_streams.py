@@ -138,3 +138,70 @@ def test_the_synthetic_pipeline_whose_optimizer_runs_beside_its_all_reduce_repla
         assert group_replay.replay_variants(g, ops, edges, vs) == replay.replay_variants(g, ops, edges, vs)
     finally:
         replay.BATCH_FROM_OPS = old
+
+
+def _p2p(r: Gpu, op: str, peer: int, at: float, start: float, dur: float, stream: int) -> None:
+    """record_param_comms at ``at`` launching its SendRecv kernel on ``stream`` (sends 20, receives 21)."""
+    r.corr += 1
+    ext = r.tb._ext + 1
+    r.tb.nccl_p2p(op, peer=peer, ts=at, dur=1, kernel_ts=start, kernel_dur=dur, correlation=r.corr, stream=stream)
+    r.tb.launch(at + 0.5, 0.4, correlation=r.corr, ext_id=ext)
+
+
+def test_a_message_from_a_rank_on_two_streams_leaves_with_the_pass_that_made_it(tmp_path):
+    """pp 2 on two GPUs, NCCL sends on stream 20, receives on 21, each 10 µs through. Rank 0: F0 (stream 8) 10-110,
+    activation 0 sent 110-120; its CPU loads data until 425 and launches F1 (stream 8) at 428: 430-530 (320 µs of
+    host work after F0), beside B0 (stream 7, enqueued at 21), which waits for gradient 0 (received 120-430):
+    430-630; activation 1 sent after F1, 530-540; B1 after gradient 1, 850-1050; the synchronize until 1051. Rank 1
+    (one stream): F0 120-220, B0 220-420, gradient 0 sent 420-430, F1 after activation 1 540-640, B1 640-840,
+    gradient 1 840-850. Step: 1051, no wait.
+
+    Activation 1 is F1's (it ended at 530, when the send began), not B0's, which started at the same instant and
+    was still running; gradient 0 feeds B0, not F1 (a gradient feeds a backward). Stage 0's backward doubled: B0
+    430-830, F1 beside it as before, activation 1 at 540, rank 1's F1 540-640, B1 640-840, gradient 1 at 850, rank
+    0's B1 850-1250: 1251. Stage 1's backward doubled: rank 1's B0 220-620, gradient 0 at 630, rank 0's B0 630-830;
+    rank 1's F1 620-720 (after its B0), B1 720-1120, gradient 1 at 1130, rank 0's B1 1130-1330: 1331. The graph
+    before the lanes took F1 as part of B0 (its span inside B0's): 1451 and 1451; with the lanes but the message's
+    ends taken by start, activation 1 left after B0 and gradient 0 fed F1 (B0 a 320 µs wait no edge explains):
+    1553.4 and 1353.4."""
+    r0, r1 = Gpu(0, 2), Gpu(1, 2)
+    for r in (r0, r1):
+        r.tb.step(0, 0, 1200)
+    r0.tb.annotation("PP:0F0", 0, 8)
+    r0.kernel(1, 10, 100, stream=8)
+    _p2p(r0, "send", 1, 12, 110, 10, 20)
+    _p2p(r0, "recv", 1, 14, 120, 310, 21)
+    r0.tb.annotation("PP:0B0", 20, 8)
+    r0.kernel(21, 430, 200, stream=7)
+    r0.tb.cpu_op("aten::copy_", 35, 390)  # (loading data: host work)
+    r0.tb.annotation("PP:0F1", 426, 8)
+    r0.kernel(428, 430, 100, stream=8)
+    _p2p(r0, "send", 1, 429, 530, 10, 20)
+    _p2p(r0, "recv", 1, 431, 540, 310, 21)
+    r0.tb.annotation("PP:0B1", 434, 8)
+    r0.kernel(435, 850, 200, stream=7)
+    r0.sync(440, 1051)
+    _p2p(r1, "recv", 0, 0, 5, 115, 21)
+    r1.tb.annotation("PP:1F0", 2, 1.5)
+    r1.kernel(2.5, 120, 100, stream=7)
+    r1.tb.annotation("PP:1B0", 4, 1.5)
+    r1.kernel(4.5, 220, 200, stream=7)
+    _p2p(r1, "send", 0, 6, 420, 10, 20)
+    _p2p(r1, "recv", 0, 8, 120, 420, 21)
+    r1.tb.annotation("PP:1F1", 10, 1.5)
+    r1.kernel(10.5, 540, 100, stream=7)
+    r1.tb.annotation("PP:1B1", 12, 1.5)
+    r1.kernel(12.5, 640, 200, stream=7)
+    _p2p(r1, "send", 0, 14, 840, 10, 20)
+    r1.sync(16, 851)
+    g = graph.build(load_and_analyze(_write(tmp_path, [r0, r1]), cache=False))
+    assert g.consistent == (8, 8) and int(g.ops["wait_ns"].sum()) == 0 and g.edges.height == 4
+    name = pl.concat_str(pl.col("action"), pl.col("microbatch").cast(pl.String))
+    seq = {(r, n): s for r, n, s in g.ops.select("rank", name.alias("n"), "seq").iter_rows()}
+    got = {(src, dst, s, d) for src, dst, s, d in g.edges.select("src", "dst", "src_seq", "dst_seq").iter_rows()}
+    assert got == {(0, 1, seq[(0, "F0")], seq[(1, "F0")]), (1, 0, seq[(1, "B0")], seq[(0, "B0")]),
+                   (0, 1, seq[(0, "F1")], seq[(1, "F1")]), (1, 0, seq[(1, "B1")], seq[(0, "B1")])}
+    assert replayed_us(g, []) == 1051
+    assert replayed_us(g, ["stage=0:backward*2"]) == 1251
+    assert replayed_us(g, ["stage=1:backward*2"]) == 1331
+    assert replayed_us(g, list(ZERO)) == 0

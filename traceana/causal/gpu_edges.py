@@ -46,13 +46,15 @@ is the host time before the next kernel it launched. Making a kernel shorter end
   that ended by its start (what the timeline shows it came after: an event, or its launch after that end): two
   that ran at once have no edge between them, and the replay (``replay._lanes``, the engine's ``lanes``) runs them
   at once. A span nested in another is part of it only on the same stream (``nest_lane``). A step the rank ran one
-  operation at a time keeps its one chain (lane 0), which these edges would reproduce exactly.
+  operation at a time keeps its one chain (lane 0), which these edges would reproduce exactly. There a message's
+  ends are taken by stream (``message_ends``): a send's producer the operation that ended last by its start, a
+  receive's anchor likewise, its consumer the first operation of the payload's kind after its arrival.
 
 Not modelled: the traces' cross-stream events (Kineto's ``cuda_sync`` "Stream Wait Event", with
 ``wait_on_cuda_event_record_corr_id``: the loader does not read them), so two operations that overlapped stay
-independent even where one waited on an event recorded part way through the other; a message's producer and
-consumer on a rank of several lanes are taken by time, not by stream; a communication kernel queued behind a
-collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
+independent even where one waited on an event recorded part way through the other; a message's consumer on a rank
+running two forwards (or two backwards) at once is the first of them after its arrival; a communication kernel
+queued behind a collective kernel on its stream. docs/whatif.md "GPU ranks" has the hand-built steps.
 """
 
 from __future__ import annotations
@@ -266,6 +268,60 @@ def lane_order(ops: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame | None]:
         out.append(hit.select(list(AFTER)).cast(AFTER))
     after = pl.concat(out).sort("step", "rank", "seq", "after_seq")
     return ops, (after if after.height else None)
+
+
+def message_ends(edges: pl.DataFrame, sent: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame, *, order: list[str],
+                 schema: dict, slack_ns: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``graph._edges``' messages (``edges``, with ``sent``: their kernels' spans, row for row) with their ends on
+    a rank of several lanes (``lane_order``) taken by stream, not by start: there the operation started last
+    before a send can be one running beside its producer on another stream (DualPipe's backward of micro-batch k
+    beside the forward of k+1 whose activation is sent). A send kernel starts after the kernels it sends from
+    have ended (the stream waits on their event): its **producer** is the operation of its rank that ended last
+    by the send's start; a receive kernel is posted on its stream after what it follows ended: its **anchor**
+    likewise; its **consumer** is the first operation that began its work after it arrived (less ``slack_ns``, as
+    graph._edges) of the payload's kind — an activation (its producer a forward) feeds a forward, a gradient (a
+    backward or its input half) a backward or its input half (docs/whatif.md "GPU ranks"). Where none is, the
+    message keeps the graph's. Lags follow their new ends; the rows are sorted again (``order``), ``sent`` with
+    them. ``win``: the ranks' step windows (an anchor-less post lags from its rank's start)."""
+    multi = (ops.group_by("rank", "step").agg(pl.col("lane").n_unique().alias("_n")).filter(pl.col("_n") > 1)
+             .select("rank", "step", pl.lit(True).alias("_m")))
+    if edges.height == 0 or multi.height == 0:
+        return edges, sent
+    e = (pl.concat([edges, sent], how="horizontal").with_row_index("_i")
+         .join(multi.rename({"rank": "src", "_m": "_ms"}), on=["src", "step"], how="left")
+         .join(multi.rename({"rank": "dst", "_m": "_md"}), on=["dst", "step"], how="left"))
+    by_end = ops.select("rank", "step", "seq", "end_ns").sort("end_ns")
+    prod = (e.filter(pl.col("_ms").is_not_null()).select("_i", "src", "step", "send_start_ns").sort("send_start_ns")
+            .join_asof(by_end.rename({"rank": "src", "seq": "_src", "end_ns": "_pe"}), left_on="send_start_ns",
+                       right_on="_pe", by=["src", "step"], strategy="backward", check_sortedness=False)
+            .filter(pl.col("_src").is_not_null()).select("_i", "_src", "_pe"))
+    anchor = (e.filter(pl.col("_md").is_not_null()).select("_i", "dst", "step", "recv_post_ns").sort("recv_post_ns")
+              .join_asof(by_end.rename({"rank": "dst", "seq": "_anc", "end_ns": "_ae"}), left_on="recv_post_ns",
+                         right_on="_ae", by=["dst", "step"], strategy="backward", check_sortedness=False)
+              .filter(pl.col("_anc").is_not_null()).select("_i", "_anc", "_ae"))
+    e = (e.join(prod, on="_i", how="left").join(anchor, on="_i", how="left")
+         .with_columns(pl.coalesce("_src", "src_seq").alias("src_seq"),
+                       pl.when(pl.col("_src").is_not_null()).then(pl.col("send_start_ns") - pl.col("_pe"))
+                       .otherwise("send_lag_ns").alias("send_lag_ns"),
+                       pl.coalesce("_anc", "anchor_seq").alias("anchor_seq"),
+                       pl.when(pl.col("_anc").is_not_null()).then(pl.col("recv_post_ns") - pl.col("_ae"))
+                       .otherwise("post_lag_ns").alias("post_lag_ns")))
+    # the consumer: the first operation of the payload's kind that began its work after the arrival
+    payload = pl.col("action").replace({"I": "B"})
+    kind = ops.select(pl.col("rank").alias("src"), "step", pl.col("seq").alias("src_seq"),
+                      payload.alias("_kind"))
+    by_work = (ops.filter(pl.col("action").is_in(["F", "B", "I"]))
+               .select(pl.col("rank").alias("dst"), "step", pl.col("seq").alias("_dst"), payload.alias("_kind"),
+                       (pl.col("end_ns") - pl.col("work_ns")).alias("_ws")).sort("_ws"))
+    cons = (e.filter(pl.col("_md").is_not_null()).join(kind, on=["src", "step", "src_seq"], how="left")
+            .filter(pl.col("_kind").is_in(["F", "B"]))
+            .select("_i", "dst", "step", "_kind", (pl.col("recv_end_ns") - slack_ns).alias("_t")).sort("_t")
+            .join_asof(by_work, left_on="_t", right_on="_ws", by=["dst", "step", "_kind"], strategy="forward",
+                       check_sortedness=False)
+            .filter(pl.col("_dst").is_not_null()).select("_i", "_dst"))
+    e = (e.join(cons, on="_i", how="left").with_columns(pl.coalesce("_dst", "dst_seq").alias("dst_seq"))
+         .sort(["step", *order], nulls_last=True, maintain_order=True))
+    return e.select(list(schema)).cast(schema), e.select(sent.columns)
 
 
 def chain(ops: pl.DataFrame) -> list[str]:

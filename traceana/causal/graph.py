@@ -294,6 +294,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     # the receiver's collective members that were dropped leave groups short: a group holds its members present
     ops = ops.with_columns(pl.when(pl.col("group").is_not_null()).then(pl.len().over("group")).cast(pl.Int32)
                            .alias("members"))
+    ops, after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
+    notes += gpu_edges.lane_notes(ops)
     win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
     pairs, n, complete = _pairs(analysis)
     notes += n
@@ -315,6 +317,9 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
+    if after is not None:  # (on a rank of several lanes, a message's ends by stream: gpu_edges.message_ends)
+        edges, sent = gpu_edges.message_ends(edges, sent, ops, win, order=EDGE_ORDER, schema=EDGES,
+                                             slack_ns=ARRIVAL_SLACK_NS)
     # (an NCCL send kernel blocks its communication stream, not the compute after it: gpu_edges.stream_order)
     nccl = gpu_edges.kernel_message_ranks(analysis, gpu)
     blocking = _blocking(edges, sent, ops, win).filter(~pl.col("rank").is_in(nccl))
@@ -327,8 +332,6 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops, after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
-    notes += gpu_edges.lane_notes(ops)
     ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking, after))
     ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
