@@ -8,7 +8,10 @@ Impossible configurations are refused before any process starts.
 
 The multi-stage schedules (interleaved-1f1b, looped-bfs, zero-bubble, zbv, dualpipev) run torch.distributed.pipelining's
 own schedule classes instead (collectors.pipelining_example): --pp stages on --pp/2 ranks, two per rank; --bpipe,
---recompute and --dp are the reference trainer's only.
+--recompute, --dp, --layers-per-stage and --layer-holds are the reference trainer's only.
+
+  traceana collect --pp 4 --layers-per-stage 3,2,2,1 --work sleep --layer-holds per-layer --forward-ms 10 \
+      --backward-ms 20 -o runs/moved    # stage 0 holds blocks 0-2: 3 × 10 ms a forward
 
   traceana collect --schedule zero-bubble --pp 4 --microbatches 4 -o runs/zb
 """
@@ -61,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif flag.shared:
             getattr(options, flag.shared)(parser)
         else:  # (the field's type, from its annotation: "int | None" is an int)
-            parser.add_argument(*flag.names(f.name), dest=f.name, type=_TYPES[str(f.type).split("|")[0].strip()],
+            # (a tuple field, --layers-per-stage, is its text here: config_from_args parses it, one line if bad)
+            kind = str(f.type).split("|")[0].strip()
+            parser.add_argument(*flag.names(f.name), dest=f.name, type=str if kind.startswith("tuple") else _TYPES[kind],
                                 default=f.default, metavar=flag.metavar, help=flag.help)
     work = parser.add_argument_group(
         "known workload", "--work sleep: every pass holds for a stated time instead of computing, everything else "
@@ -86,7 +91,8 @@ def workload_from_args(args: argparse.Namespace):
 
     given = [flag for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms),
                                   ("--weight-ms", args.weight_ms), ("--slow-stage", args.slow_stage),
-                                  ("--slow-rank", args.slow_rank)) if v is not None]
+                                  ("--slow-rank", args.slow_rank), ("--layer-holds", args.layer_holds))
+             if v is not None]
     if args.work != "sleep":
         if given:
             raise ConfigError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} the known workload",
@@ -124,7 +130,7 @@ def workload_from_args(args: argparse.Namespace):
 
     return Workload(kind="sleep", forward_ms=args.forward_ms, backward_ms=args.backward_ms,
                     weight_ms=args.weight_ms or 0.0, slow_stages=pairs("--slow-stage", args.slow_stage),
-                    slow_ranks=pairs("--slow-rank", args.slow_rank))
+                    slow_ranks=pairs("--slow-rank", args.slow_rank), layer_holds=args.layer_holds)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -133,7 +139,11 @@ def config_from_args(args: argparse.Namespace):
     from collectors.trainer.config import CollectConfig
     from traceana.commands.options import microbatch_count
 
+    from traceana.core.pipeline_rules import parse_layers
+
     given = {f.name: getattr(args, flag.dest or f.name) for f, flag in config_flags()}
+    if given["layers_per_stage"] is not None:
+        given["layers_per_stage"] = parse_layers(given["layers_per_stage"])
     return CollectConfig(**{**given, "num_microbatches": microbatch_count(args)}, workload=workload_from_args(args))
 
 
@@ -143,8 +153,11 @@ def run_pipelining(args: argparse.Namespace) -> int:
 
     # torch.distributed.pipelining has no BPipe, and collectors.pipelining_example no recompute or data parallelism:
     # a flag it would ignore is refused, not dropped silently
+    # nor a split of the layers of its own (its stages take the rules' even split of the chunks) or layer holds
     unsupported = [flag for flag, on in (("--bpipe", args.bpipe), ("--bpipe-inflight", args.bpipe_inflight is not None),
-                                         ("--recompute", args.recompute != "none"), ("--dp", args.dp != 1)) if on]
+                                         ("--recompute", args.recompute != "none"), ("--dp", args.dp != 1),
+                                         ("--layers-per-stage", args.layers_per_stage is not None),
+                                         ("--layer-holds", args.layer_holds is not None)) if on]
     if unsupported:
         raise ConfigError(f"{', '.join(unsupported)} is not available with schedule {args.schedule!r}",
                           fix="use it with the reference trainer's gpipe or 1f1b schedules")

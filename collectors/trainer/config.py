@@ -15,7 +15,7 @@ from traceana.core.errors import ConfigError
 from traceana.core.flags import flag as _flag
 from traceana.core.manifest import ModelShape, Workload
 from traceana.core.pipeline_rules import bpipe_pairs as all_bpipe_pairs
-from traceana.core.pipeline_rules import bpipe_plan, plan_refusal
+from traceana.core.pipeline_rules import bpipe_plan, layers_refusal, plan_refusal, stage_layer_ranges
 from traceana.core.schedule_names import TRAINER_SCHEDULES
 from traceana.core.training_config import TrainingConfig
 from traceana.model.presets import TINY_MODELS
@@ -32,6 +32,12 @@ class CollectConfig:
 
     preset: str = field(default="tiny-gpt", metadata=_flag(shared="model", dest="model", spellings=("--model",)))
     pp: int = field(default=4, metadata=_flag(shared="pp"))  # pipeline stages = processes (one stage per rank)
+    # Transformer blocks per stage (one count a stage, summing to the model's layers; None: the rules' even split,
+    # pipeline_rules.stage_layer_ranges); in run.json as layers_per_stage. Parsed by pipeline_rules.parse_layers.
+    layers_per_stage: tuple[int, ...] | None = field(default=None, metadata=_flag(
+        metavar="N,N,...", help="transformer blocks of each stage, one count a stage summing to the model's layers, "
+                                "e.g. 3,2,2,1 (the gpipe/1f1b schedules; in run.json) (default: as even as possible, "
+                                "the rest to the front)"))
     # data-parallel replicas of the pipeline (global rank = stage · dp + replica, as Megatron-LM orders)
     dp: int = field(default=1, metadata=_flag(shared="dp"))
     # micro-batches per step (run.json's name; the flag --microbatches, --num-microbatches accepted)
@@ -75,12 +81,18 @@ class CollectConfig:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         if self.workload is not None:
             check_workload_layout(self.workload, stages=self.pp, ranks=self.world_size)
+        if self.layers_per_stage is not None:  # the rules' one refusal of a split (layers_refusal), as whatif's
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+            refused = layers_refusal(self.layers_per_stage, layers=self.shape.layers, pp=self.pp)
+            if refused is not None:
+                raise ConfigError(refused[0], fix=refused[1])
         self.training_config()  # the model's own checks of the shape and layout (attention, recompute, layers)
         if self.bpipe_inflight is not None and self.bpipe_inflight < 1:
             raise ConfigError(f"--bpipe-inflight must be at least 1, got {self.bpipe_inflight}", fix="pass 1 or more")
         # the rules' one refusal of a plan (pipeline_rules.plan_refusal), which a plan what-if asks too
         refused = plan_refusal(self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, bpipe=self.bpipe,
-                               bpipe_inflight=self.bpipe_inflight)
+                               bpipe_inflight=self.bpipe_inflight, layers_per_stage=self.layers_per_stage,
+                               layers=self.shape.layers)
         if refused is not None:
             raise ConfigError(refused[0], fix=refused[1])
 
@@ -88,7 +100,8 @@ class CollectConfig:
         """The model's description of this run (traceana.core.training_config), which also validates it."""
         return TrainingConfig(model=self.shape, pp=self.pp, microbatch_size=self.microbatch_size,
                               num_microbatches=self.num_microbatches, schedule=self.schedule, attention=self.attention,
-                              recompute=self.recompute, eager=True, dropout=False)
+                              recompute=self.recompute, eager=True, dropout=False,
+                              layers_per_stage=self.layers_per_stage)
 
     @property
     def shape(self) -> ModelShape:
@@ -97,6 +110,10 @@ class CollectConfig:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp
+
+    def stage_layer_ranges(self) -> list[range]:
+        """The blocks (global indices) of each stage: ``layers_per_stage``, else the rules' even split."""
+        return stage_layer_ranges(self.shape.layers, self.pp, self.layers_per_stage)
 
     def stage_of(self, rank: int) -> int:
         """The stage a global rank runs (rank = stage · dp + replica)."""

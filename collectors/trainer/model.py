@@ -194,12 +194,14 @@ class GPT(nn.Module):
 
 
 class Stage(nn.Module):
-    """One pipeline stage: the embedding on the first stage, its blocks, the final norm + head + loss on the last."""
+    """One pipeline stage: the embedding on the first stage, its blocks, the final norm + head + loss on the last.
+    Its blocks are the stage's share of ``layers_per_stage`` (one count a stage), else of the rules' even split."""
 
-    def __init__(self, model: GPT, *, stage: int, stages: int) -> None:
+    def __init__(self, model: GPT, *, stage: int, stages: int, layers_per_stage: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.stage, self.first, self.last = stage, stage == 0, stage == stages - 1
-        self.layer_ids = stage_layer_ranges(model.shape.layers, stages)[stage]
+        # the blocks of this stage: layers_per_stage's split (collect --layers-per-stage), else the even one
+        self.layer_ids = stage_layer_ranges(model.shape.layers, stages, layers_per_stage)[stage]
         if self.first:
             self.embed, self.pos = model.embed, model.pos
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in self.layer_ids})

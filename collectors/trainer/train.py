@@ -85,8 +85,11 @@ def manifest_for(config: CollectConfig, setup: DistSetup) -> Manifest:
         torch_version=torch.__version__,
         **host_facts(setup.world_size),
         collector="collectors.trainer", bpipe_inflight=config.bpipe_inflight,
-        # the runner's passes split each hold evenly over the stage's blocks (collectors.trainer.workload)
-        workload=None if config.workload is None else dataclasses.replace(config.workload, layer_holds="even"),
+        layers_per_stage=config.layers_per_stage,  # None: the rules' even split
+        # how the runner's passes map each hold to the stage's blocks (collectors.trainer.workload): "even" unless
+        # collect --layer-holds per-layer said each block holds the stated times
+        workload=None if config.workload is None else dataclasses.replace(
+            config.workload, layer_holds=config.workload.layer_holds or "even"),
         extra={"backend": setup.backend, "host_staged": setup.host_staged, "preset": config.preset},
     )
 
@@ -95,7 +98,7 @@ def build_runner(config: CollectConfig, setup: DistSetup, groups: dict) -> Stage
     stage, stages, shape = config.stage_of(setup.rank), config.pp, config.shape
     torch.manual_seed(config.seed)  # the whole model on every rank from one seed: identical weights everywhere
     model = GPT(shape, attention=config.attention, recompute_mode=config.recompute)
-    module = Stage(model, stage=stage, stages=stages).to(setup.device)
+    module = Stage(model, stage=stage, stages=stages, layers_per_stage=config.layers_per_stage).to(setup.device)
     clock = None
     if config.workload is not None:  # the known workload: the stage's passes hold instead of computing
         clock = Clock(rank=setup.rank)

@@ -21,6 +21,9 @@ A stage module's ``forward`` is replaced, on the instance, by two autograd funct
   (backwards from the last block), each block's share a span ``PP:{stage}F{mb}/L{layer}`` (``…B…`` for both parts
   of a full backward) ending at its cumulative deadline: the trace's measured per-layer work (run.json's
   ``workload.layer_holds`` is "even"; torch.distributed.pipelining's stages hold one piece, no layer spans).
+  With ``layer_holds`` "per-layer" (collect --layer-holds per-layer) the stated times are each block's: a pass of
+  a stage of n blocks holds n × them (``Workload.held_ms(..., blocks=n)``), each block its stated time, so moving
+  blocks between stages (collect --layers-per-stage) moves their work.
 - Each hold sleeps to a ``perf_counter`` deadline taken at the pass's start (never a sum of ``sleep(dt)``) and is
   recorded, outside the profiler, as a ``perf_counter_ns`` span with the time the thread was runnable but waiting
   for a CPU inside it (schedstat): ``RUN/workload/rank{R}.json`` (``write_spans``), the test's independent truth.
@@ -226,13 +229,15 @@ def make_sleeping(module: torch.nn.Module, workload: Workload, *, stage: int, ra
     ``example``: one micro-batch's real inputs (the real forward run once on them gives the saved sizes and the
     output's shape). The module keeps its parameters, names and buffers. Returns the module."""
     sizes, out = saved_storage_bytes(module, *example)
-    factor = workload.factor(stage=stage, rank=rank)
+    layers = tuple(getattr(module, "layer_ids", ()))
+    if workload.layer_holds == "per-layer" and not layers:
+        raise RuntimeError(f"per-layer holds need the stage's blocks: stage {stage}'s module names none")
+    # what each pass holds (Workload.held_ms: its factors; per-layer: × the stage's blocks)
+    ms = {a: workload.held_ms(a, stage=stage, rank=rank, blocks=len(layers)) for a in "FIW"}
     params = tuple(p for p in module.parameters() if p.requires_grad)
-    held = _Held(clock=clock, stage=stage, forward_ms=workload.forward_ms * factor,
-                 backward_ms=workload.backward_ms * factor, weight_ms=workload.weight_ms * factor,
+    held = _Held(clock=clock, stage=stage, forward_ms=ms["F"], backward_ms=ms["I"], weight_ms=ms["W"],
                  saved_bytes=sizes, out_shape=tuple(out.shape), out_dtype=out.dtype, params=params,
-                 anchor=torch.zeros((), device=out.device, requires_grad=True),
-                 layers=tuple(getattr(module, "layer_ids", ())))
+                 anchor=torch.zeros((), device=out.device, requires_grad=True), layers=layers)
     in_shape = tuple(example[0].shape)
 
     def forward(x: torch.Tensor, *_ignored) -> torch.Tensor:

@@ -29,10 +29,11 @@ def test_the_flags_in_the_help_are_the_fields_in_order():
     shown = [a.option_strings[0] if a.option_strings[0].startswith("--") else a.option_strings[1]
              for a in _collect_parser()._actions if a.option_strings and a.help != argparse.SUPPRESS]
     # the training configuration (the fields), then the known workload's group and the output
-    assert shown[1:14] == ["--model", "--pp", "--dp", "--microbatches", "--microbatch-size", "--schedule", "--bpipe",
+    assert shown[1:15] == ["--model", "--pp", "--layers-per-stage", "--dp", "--microbatches", "--microbatch-size", "--schedule", "--bpipe",
                            "--bpipe-inflight", "--attention", "--recompute", "--profile-steps", "--warmup-steps",
                            "--seed"]
-    assert [f.name for f, _ in config_flags()] == ["preset", "pp", "dp", "num_microbatches", "microbatch_size",
+    assert [f.name for f, _ in config_flags()] == ["preset", "pp", "layers_per_stage", "dp", "num_microbatches",
+                                                   "microbatch_size",
                                                    "schedule", "bpipe", "bpipe_inflight", "attention", "recompute",
                                                    "steps", "warmup_steps", "seed"]
 
@@ -52,6 +53,7 @@ def test_the_flags_in_the_help_are_the_fields_in_order():
     (("--recompute", "full"), "recompute", "full"),
     (("--dp", "2", "--pp", "2"), "dp", 2),
     (("--bpipe", "--bpipe-inflight", "2"), "bpipe_inflight", 2),
+    (("--layers-per-stage", "3,2,2,1"), "layers_per_stage", (3, 2, 2, 1)),
 ])
 def test_each_flag_sets_its_field(argv, field, value):
     assert getattr(_config(*argv), field) == value
@@ -70,8 +72,8 @@ def test_at_the_command_lines_defaults():
     # the shared defaults (options.py: micro-batch size 1, sdpa, 2 × --pp micro-batches) and the fields' own
     c = _config()
     assert (c.preset, c.pp, c.dp, c.num_microbatches, c.microbatch_size, c.schedule, c.bpipe, c.bpipe_inflight,
-            c.attention, c.recompute, c.steps, c.warmup_steps, c.seed) == (
-        "tiny-gpt", 4, 1, 8, 1, "1f1b", False, None, "sdpa", "none", 2, 1, 1234)
+            c.attention, c.recompute, c.steps, c.warmup_steps, c.seed, c.layers_per_stage) == (
+        "tiny-gpt", 4, 1, 8, 1, "1f1b", False, None, "sdpa", "none", 2, 1, 1234, None)
     assert {f.name for f in dataclasses.fields(CollectConfig)} - {f.name for f, _ in config_flags()} == {
         "lr", "profile", "batch_p2p", "slow_rank", "workload"}  # (workload: the --work group builds it)
 
@@ -86,14 +88,17 @@ def test_the_known_workload_group_is_workloads_fields():
     # the group's flags, in the help's order, written by hand; each made from a field of run.json's Workload
     group = next(g for g in _collect_parser()._action_groups if g.title == "known workload")
     assert [a.option_strings for a in group._group_actions] == [
-        ["--work"], ["--forward-ms"], ["--backward-ms"], ["--weight-ms"], ["--slow-stage"], ["--slow-rank"]]
+        ["--work"], ["--forward-ms"], ["--backward-ms"], ["--weight-ms"], ["--slow-stage"], ["--slow-rank"],
+        ["--layer-holds"]]
     assert [f.name for f, _ in workload_flags()] == ["kind", "forward_ms", "backward_ms", "weight_ms", "slow_stages",
-                                                     "slow_ranks"]
+                                                     "slow_ranks", "layer_holds"]
     c = _config("--pp", "2", "--work", "sleep", "--forward-ms", "2", "--backward-ms", "3", "--weight-ms", "1",
                 "--slow-stage", "1:2", "--slow-stage", "0:1.5", "--slow-rank", "0:3")
     assert c.workload == Workload(kind="sleep", forward_ms=2.0, backward_ms=3.0, weight_ms=1.0,
                                   slow_stages=((1, 2.0), (0, 1.5)), slow_ranks=((0, 3.0),))
     assert _config().workload is None  # --work compute (the default): no workload
+    per_layer = _config("--work", "sleep", "--forward-ms", "2", "--backward-ms", "3", "--layer-holds", "per-layer")
+    assert per_layer.workload.layer_holds == "per-layer"
     with pytest.raises(ConfigError, match="--forward-ms describes the known workload"):
         _config("--forward-ms", "2")
     for own in ("--kind", "--slow-stages", "--slow-ranks"):  # (the fields' own names are no flags here)

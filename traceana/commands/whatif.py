@@ -169,7 +169,7 @@ def render_plan(plan: dict, *, console) -> None:
 def run(args: argparse.Namespace) -> int:
     from traceana.commands.analyze_run import load_and_analyze
     from traceana.causal.whatif import parse_set, whatif
-    from traceana.validation.plan import parse_layers
+    from traceana.core.pipeline_rules import parse_layers
 
     changes = [parse_set(c) for c in args.changes]  # a bad --set is refused before any trace is read
     if args.dask is not None and not args.per_group:

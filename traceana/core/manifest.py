@@ -121,7 +121,8 @@ class ModelShape:
 
 
 WORK_KINDS = ("sleep",)  # run.json's workload.kind: every pass held for a stated time instead of computing
-LAYER_HOLDS = (None, "even")  # run.json's workload.layer_holds (Workload.layer_holds)
+# run.json's workload.layer_holds (Workload.layer_holds; collect --layer-holds): how a pass's hold maps to blocks
+LAYER_HOLDS = (None, "even", "per-layer")
 WORKLOAD_SPANS = "workload"  # the run folder's subfolder of the held passes' perf_counter spans, one file a rank
 
 
@@ -153,11 +154,17 @@ class Workload:
         spellings=("--slow-rank",), own=False, dest="slow_rank", action="append", default=None, metavar="R:FACTOR",
         help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
              "(default: none)"))
+    # How a pass's hold maps to the stage's transformer blocks: "even" (the reference trainer's default: the pass
+    # holds the stated time, split evenly over its blocks, held one after another, each block's share a
+    # ``PP:1F0/L5`` span in the trace); "per-layer": the stated times are each BLOCK's, so a pass of a stage of n
+    # blocks holds n × them (each block its own span): moving blocks between stages moves their work; None: one
+    # hold a pass, no layer spans (torch.distributed.pipelining's stages, runs collected before layer spans)
+    layer_holds: str | None = field(default=None, metadata=flag(
+        default=None, choices=("even", "per-layer"), metavar=None,
+        help="with --work sleep and the gpipe/1f1b schedules: even: each pass holds the stated times, split evenly "
+             "over its stage's blocks; per-layer: the stated times are each block's, so a stage of n blocks holds "
+             "n times them (moving layers with --layers-per-stage moves work) (default: even)"))
     spans: str = WORKLOAD_SPANS
-    # How a pass's hold maps to the stage's transformer blocks: "even" (the reference trainer: split evenly over
-    # them, held one after another, each block's share a ``PP:1F0/L5`` span in the trace); None: one hold a pass,
-    # no layer spans (torch.distributed.pipelining's stages, runs collected before layer spans)
-    layer_holds: str | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> BadInputError:
@@ -193,10 +200,15 @@ class Workload:
         """How much longer than stated every pass of this stage on this rank holds."""
         return dict(self.slow_stages).get(stage, 1.0) * dict(self.slow_ranks).get(rank, 1.0)
 
-    def held_ms(self, action: str, *, stage: int, rank: int) -> float:
-        """The time one pass (``F``, ``B``, ``I`` or ``W``) of ``stage`` on ``rank`` holds."""
+    def held_ms(self, action: str, *, stage: int, rank: int, blocks: int | None = None) -> float:
+        """The time one pass (``F``, ``B``, ``I`` or ``W``) of ``stage`` on ``rank`` holds; with ``layer_holds``
+        "per-layer" the stated times are a block's and ``blocks`` (the stage's transformer blocks) is needed."""
         base = {"F": self.forward_ms, "B": self.backward_ms + self.weight_ms, "I": self.backward_ms,
                 "W": self.weight_ms}[action]
+        if self.layer_holds == "per-layer":
+            if blocks is None:
+                raise ValueError("a per-layer workload's pass holds its stage's blocks × the stated time: give blocks")
+            base *= blocks
         return base * self.factor(stage=stage, rank=rank)
 
 

@@ -370,15 +370,42 @@ def microbatches_in_flight(schedule: str, *, pp: int, stage: int, num_microbatch
 
 
 # --- stage layer split -------------------------------------------------------------------------------------------------
-def stage_layer_ranges(layers: int, stages: int) -> list[range]:
-    """Contiguous, balanced split of the transformer blocks; earlier stages take the remainder (the last stage also
-    holds the logits, the first only the embedding)."""
+def stage_layer_ranges(layers: int, stages: int, layers_per_stage: tuple[int, ...] | None = None) -> list[range]:
+    """The transformer blocks (global indices) of each stage: contiguous, in stage order. ``layers_per_stage`` (one
+    count a stage, checked by ``layers_refusal``): that split (``collect --layers-per-stage``, run.json's
+    ``layers_per_stage``); None: the balanced split, earlier stages taking the remainder (the last stage also holds
+    the logits, the first only the embedding)."""
+    if layers_per_stage is not None:
+        return layer_ranges(layers_per_stage)
     if stages <= 0 or layers < stages:
         raise ConfigError(f"{layers} layers cannot be split over {stages} stages",
                           fix="use at most as many stages as layers")
     base, extra = divmod(layers, stages)
     starts = [s * base + min(s, extra) for s in range(stages + 1)]
     return [range(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def layer_ranges(counts: tuple[int, ...]) -> list[range]:
+    """The blocks (global indices) of each stage of a split given as one count a stage: contiguous, in stage
+    order (``stage_layer_ranges``' rule)."""
+    out, start = [], 0
+    for k in counts:
+        out.append(range(start, start + k))
+        start += k
+    return out
+
+
+def parse_layers(text: str, *, flag: str = "--layers-per-stage") -> tuple[int, ...]:
+    """``--layers-per-stage 3,3,2`` (collect's and whatif's): one block count a device (stage), comma-separated; a
+    ConfigError (one line) otherwise. Whether the counts fit the run is ``layers_refusal``'s."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(x < 0 for x in out):
+        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of layer counts",
+                          fix=f"give one layer count a stage, e.g. {flag} 3,3,2")
+    return out
 
 
 def layers_refusal(layers_per_stage: tuple[int, ...], *, layers: int, pp: int,

@@ -10,10 +10,11 @@ import re
 
 from traceana.causal.graph import EDGE_ORDER, GraphError, StepGraph, build, pass_durations
 from traceana.causal.whatif import PASS_ACTIONS, _mean
-from traceana.core.errors import AnalysisError, ConfigError, TraceanaError
+from traceana.core.errors import AnalysisError, TraceanaError
 from traceana.core.keyed import keyed
 from traceana.core.schedule_names import MULTI_STAGE_SCHEDULES
 from traceana.core.pipeline_rules import bpipe_applies, check_virtual_stages, device_of_stage, plan_refusal
+from traceana.core.pipeline_rules import layer_ranges as _layer_ranges
 from traceana.core.units import NS_PER_MS
 from traceana.measure.noise import noise_ms
 from traceana.model.memory import estimate_stage_memory
@@ -171,15 +172,6 @@ def _layer_scale(base, target) -> tuple[float, ...]:
     return tuple(1.0 if a == b else b / a for a, b in zip(was, now))
 
 
-def _layer_ranges(counts) -> list[range]:
-    """The blocks (global indices) of each stage of a split: contiguous, in stage order (stage_layer_ranges')."""
-    out, start = [], 0
-    for k in counts:
-        out.append(range(start, start + k))
-        start += k
-    return out
-
-
 def _moved_layers(per_op: dict, layers: dict, was, now) -> dict:
     """Per (action, stage, micro-batch) the work under the split ``now``: the pass's measured work less its blocks'
     as run (what is left: the embedding, the head and loss, the pass's own bookkeeping — it stays with its stage)
@@ -237,19 +229,6 @@ LAYERS_ASSUMPTION = ("layers moved: each stage's measured work (forwards, backwa
                      "scaled by its layer count, {was} → {now} (an assumption: per-layer work is not measured here, "
                      "so the embedding's and the head's work scale with the blocks beside them); messages as "
                      "measured")
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    """``--layers-per-stage 3,3,2``: one block count a device (stage), comma-separated; a ConfigError (one line)
-    otherwise. Whether the counts fit the run is plan_whatif's (pipeline_rules.layers_refusal)."""
-    try:
-        out = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or any(x < 0 for x in out):
-        raise ConfigError(f"--layers-per-stage {text!r} is not a comma-separated list of layer counts",
-                          fix="give one layer count a stage, e.g. --layers-per-stage 3,3,2")
-    return out
 
 
 def plan_whatif(analysis, *, schedule: str | None = None, microbatches: int | None = None,
