@@ -53,6 +53,16 @@ CONFIGS = {
     # one rank a core: the noise floor without ranks competing for the 2 CPUs (--noise-floor --configs ...)
     "gpipe_pp2": ["--schedule", "gpipe", "--pp", "2", "--microbatches", "8"],
     "1f1b_pp2": ["--schedule", "1f1b", "--pp", "2", "--microbatches", "8"],
+    # per-layer holds (--layer-holds per-layer): F 10, B 20 ms a BLOCK, so the even split 2,2,2,2 holds what the
+    # configurations above do (20 / 40 ms a stage) and 3,2,2,1 moves one block's work to stage 0 (30 / 60 ms)
+    "1f1b_layers_even": ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                         "--forward-ms", "10", "--backward-ms", "20"],
+    "1f1b_layers_3221": ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                         "--forward-ms", "10", "--backward-ms", "20", "--layers-per-stage", "3,2,2,1"],
+    "gpipe_layers_even": ["--schedule", "gpipe", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                          "--forward-ms", "10", "--backward-ms", "20"],
+    "gpipe_layers_3221": ["--schedule", "gpipe", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                          "--forward-ms", "10", "--backward-ms", "20", "--layers-per-stage", "3,2,2,1"],
 }
 # (case, source, target, whatif flags, JSON path of the prediction)
 CASES = [
@@ -71,8 +81,20 @@ CASES = [
     ("BPipe on (1F1B pp 4, m 8)", "1f1b", "1f1b_bpipe", ["--bpipe", "on"], "plan"),
     ("interleaved-1F1B → looped-BFS (2 ranks × 2 stages, m 8)", "interleaved", "looped",
      ["--schedule", "looped-bfs"], "plan"),
+    # layers moved (issue 32 item 4), on per-layer holds: from the measured per-layer work (the layer spans)
+    ("layers 2,2,2,2 → 3,2,2,1 (1F1B pp 4, m 8, per-layer holds)", "1f1b_layers_even", "1f1b_layers_3221",
+     ["--layers-per-stage", "3,2,2,1"], "plan"),
+    ("layers 3,2,2,1 → 2,2,2,2, the balancing fix (1F1B pp 4, m 8, per-layer holds)", "1f1b_layers_3221",
+     "1f1b_layers_even", ["--layers-per-stage", "2,2,2,2"], "plan"),
+    ("layers 2,2,2,2 → 3,2,2,1 (GPipe pp 4, m 8, per-layer holds)", "gpipe_layers_even", "gpipe_layers_3221",
+     ["--layers-per-stage", "3,2,2,1"], "plan"),
+    ("layers 3,2,2,1 → 2,2,2,2, the balancing fix (GPipe pp 4, m 8, per-layer holds)", "gpipe_layers_3221",
+     "gpipe_layers_even", ["--layers-per-stage", "2,2,2,2"], "plan"),
 ]
-ANALYTIC = {"gpipe", "1f1b", "1f1b_m16", "1f1b_m4", "gpipe_pp2", "1f1b_pp2"}  # one stage a rank, no slow-down: (m + p − 1)(F + B)
+# one stage a rank, no slow-down: (m + p − 1)(F + B); the per-layer configurations by the hand formulas of
+# ``analytic`` (stages of unequal work)
+ANALYTIC = {"gpipe", "1f1b", "1f1b_m16", "1f1b_m4", "gpipe_pp2", "1f1b_pp2", "1f1b_layers_even", "1f1b_layers_3221",
+            "gpipe_layers_even", "gpipe_layers_3221"}
 
 
 def traceana(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -90,6 +112,7 @@ def collect_all(root: Path, names: list[str], repeats: int, forward_ms: float, b
         for name in names:
             out = root / f"{name}.{rep}"
             t0 = time.monotonic()
+            # (a configuration's own --forward-ms/--backward-ms, given after, is the one argparse keeps)
             traceana("collect", *WORK, "--forward-ms", f"{forward_ms:g}", "--backward-ms", f"{backward_ms:g}",
                      "--profile-steps", str(steps), *CONFIGS[name], "-o", str(out))
             print(f"  collected {out.name} in {time.monotonic() - t0:.1f} s (load {load()})", file=sys.stderr)
@@ -122,13 +145,14 @@ def simulated(name: str, forward_ms: float, backward_ms: float) -> tuple[float, 
     dp = int(flags.get("--dp", 1))
     v = 2 if schedule in ("interleaved-1f1b", "looped-bfs") else 1
     devices = pp // v
-    factor = [1.0] * pp
+    factor = [float(k) for k in blocks_held(name, pp)]
     for i, f in (x.split(":") for x in _all(CONFIGS[name], "--slow-stage")):
         factor[int(i)] *= float(f)
     for r, f in (x.split(":") for x in _all(CONFIGS[name], "--slow-rank")):
         stage = int(r) // dp  # rank = stage · dp + replica
         factor[stage] = max(factor[stage], factor[stage] * float(f))
     ns = 1e6
+    forward_ms, backward_ms = stated(name, forward_ms, backward_ms)
     times = StageTimes(forward_ns=tuple(forward_ms * ns * k for k in factor),
                        backward_ns=tuple(backward_ms * ns * k for k in factor))
     sim = simulate(schedule, pp=devices, num_microbatches=m, times=times, virtual_stages=v,
@@ -140,9 +164,43 @@ def _all(flags: list[str], flag: str) -> list[str]:
     return [flags[i + 1] for i, f in enumerate(flags) if f == flag]
 
 
-def analytic(name: str, forward_ms: float, backward_ms: float) -> float:
+def stated(name: str, forward_ms: float, backward_ms: float) -> tuple[float, float]:
+    """The stated F and B of a configuration: its own --forward-ms/--backward-ms (the per-layer ones), else the
+    table's."""
     flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
-    return (int(flags["--microbatches"]) + int(flags["--pp"]) - 1) * (forward_ms + backward_ms)
+    return float(flags.get("--forward-ms", forward_ms)), float(flags.get("--backward-ms", backward_ms))
+
+
+def blocks_held(name: str, pp: int) -> list[int]:
+    """How many times the stated F and B each stage holds: its blocks with per-layer holds (--layers-per-stage,
+    else tiny-gpt's 8 blocks evenly), 1 otherwise."""
+    flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
+    if flags.get("--layer-holds") != "per-layer":
+        return [1] * pp
+    if "--layers-per-stage" in flags:
+        return [int(x) for x in flags["--layers-per-stage"].split(",")]
+    return [8 // pp] * pp
+
+
+def analytic(name: str, forward_ms: float, backward_ms: float) -> float | None:
+    """The step by hand, messages and per-pass overhead aside. Stage s holds F_s, B_s (n_s × the stated times with
+    per-layer holds). GPipe (a flow shop of identical jobs, Huang et al. 2019): ΣF_s + (m − 1)·max F +
+    ΣB_s + (m − 1)·max B. 1F1B with stage 0 (one of) the slowest: stage 0 is never idle but twice — its m forwards
+    and backwards, m(F_0 + B_0), plus the wait for its first backward (it runs p forwards, then needs micro-batch
+    0's round trip R = Σ_{s>0}(F_s + B_s) after its first: max(0, R − (p − 1)F_0)) and for its last (after the last
+    forward it runs p − 1 backwards: max(0, R − (p − 1)B_0)); the later stages, no slower, keep up in between.
+    Equal stages: (m + p − 1)(F + B) (Narayanan et al. 2021). None where neither applies."""
+    flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
+    m, p = int(flags["--microbatches"]), int(flags["--pp"])
+    forward_ms, backward_ms = stated(name, forward_ms, backward_ms)
+    n = blocks_held(name, p)
+    f, b = [forward_ms * k for k in n], [backward_ms * k for k in n]
+    if flags["--schedule"] == "gpipe":
+        return sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)
+    if flags["--schedule"] == "1f1b" and f[0] + b[0] >= max(x + y for x, y in zip(f, b)):
+        r = sum(f[1:]) + sum(b[1:])
+        return m * (f[0] + b[0]) + max(0.0, r - (p - 1) * f[0]) + max(0.0, r - (p - 1) * b[0])
+    return None
 
 
 def main() -> None:
