@@ -66,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:  # (the field's type, from its annotation: "int | None" is an int)
             # (a tuple field, --layers-per-stage, is its text here: config_from_args parses it, one line if bad)
             kind = str(f.type).split("|")[0].strip()
-            parser.add_argument(*flag.names(f.name), dest=f.name, type=str if kind.startswith("tuple") else _TYPES[kind],
-                                default=f.default, metavar=flag.metavar, help=flag.help)
+            parser.add_argument(*flag.names(f.name), dest=f.name,
+                                type=str if kind.startswith("tuple") else _TYPES[kind], default=f.default,
+                                metavar=flag.metavar, help=flag.help)
     work = parser.add_argument_group(
         "known workload", "--work sleep: every pass holds for a stated time instead of computing, everything else "
         "stays real (docs/known-workload.md)")
@@ -91,8 +92,8 @@ def workload_from_args(args: argparse.Namespace):
 
     given = [flag for flag, v in (("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms),
                                   ("--weight-ms", args.weight_ms), ("--slow-stage", args.slow_stage),
-                                  ("--slow-rank", args.slow_rank), ("--layer-holds", args.layer_holds))
-             if v is not None]
+                                  ("--slow-rank", args.slow_rank), ("--slow-layer", args.slow_layer),
+                                  ("--layer-holds", args.layer_holds)) if v is not None]
     if args.work != "sleep":
         if given:
             raise ConfigError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} the known workload",
@@ -128,9 +129,13 @@ def workload_from_args(args: argparse.Namespace):
             out.append((i, f))
         return tuple(out)
 
+    if args.slow_layer and args.layer_holds != "per-layer":  # (even holds: a pass's time is the stage's, not a block's)
+        raise ConfigError("--slow-layer slows one block's own hold: it needs --layer-holds per-layer",
+                          fix="add --layer-holds per-layer, or drop --slow-layer")
     return Workload(kind="sleep", forward_ms=args.forward_ms, backward_ms=args.backward_ms,
                     weight_ms=args.weight_ms or 0.0, slow_stages=pairs("--slow-stage", args.slow_stage),
-                    slow_ranks=pairs("--slow-rank", args.slow_rank), layer_holds=args.layer_holds)
+                    slow_ranks=pairs("--slow-rank", args.slow_rank), slow_layers=pairs("--slow-layer", args.slow_layer),
+                    layer_holds=args.layer_holds)
 
 
 def config_from_args(args: argparse.Namespace):

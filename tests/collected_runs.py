@@ -70,11 +70,12 @@ RUNS = {
     "sleep_gpipe_pp2_layers": dict(preset="tiny-gpt", pp=2, num_microbatches=4, microbatch_size=1, schedule="gpipe",
                                    steps=3, workload=Workload("sleep", 10.0, 20.0, slow_stages=((1, 3.0),))),
     # tiny-gpt's 8 blocks split 5,3 (collect --layers-per-stage 5,3): real compute, and the known workload with
-    # per-layer holds (--layer-holds per-layer: F 4, I 6, W 2 ms a block) (tests/collectors/test_collect_layers.py)
+    # per-layer holds (--layer-holds per-layer: F 4, I 6, W 2 ms a block, block 1 ×2: --slow-layer 1:2)
+    # (tests/collectors/test_collect_layers.py)
     "layers_5_3": dict(preset="tiny-gpt", pp=2, num_microbatches=2, microbatch_size=1, schedule="1f1b",
                        layers_per_stage=(5, 3)),
     "sleep_layers_5_3": dict(preset="tiny-gpt", pp=2, num_microbatches=2, microbatch_size=1, schedule="1f1b",
-                             layers_per_stage=(5, 3), workload=Workload("sleep", 4.0, 6.0, 2.0,
+                             layers_per_stage=(5, 3), workload=Workload("sleep", 4.0, 6.0, 2.0, slow_layers=((1, 2.0),),
                                                                          layer_holds="per-layer")),
 }
 PIPELINING_SCHEDULES = (*SCHEDULES, *MULTI_STAGE_SCHEDULES)  # what ``traceana collect --schedule`` offers

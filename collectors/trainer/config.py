@@ -80,7 +80,7 @@ class CollectConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}", fix="pass 0 or more")
         if self.workload is not None:
-            check_workload_layout(self.workload, stages=self.pp, ranks=self.world_size)
+            check_workload_layout(self.workload, stages=self.pp, ranks=self.world_size, layers=self.shape.layers)
         if self.layers_per_stage is not None:  # the rules' one refusal of a split (layers_refusal), as whatif's
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
             refused = layers_refusal(self.layers_per_stage, layers=self.shape.layers, pp=self.pp)
@@ -145,10 +145,12 @@ def flag_of(name: str) -> str:
     return meta["flag"].names(name)[0]
 
 
-def check_workload_layout(workload: Workload, *, stages: int, ranks: int) -> None:
-    """A slowed stage or rank of the known workload must exist in the run (ConfigError, before anything starts)."""
+def check_workload_layout(workload: Workload, *, stages: int, ranks: int, layers: int | None = None) -> None:
+    """A slowed stage, rank or block of the known workload must exist in the run (ConfigError, before anything
+    starts)."""
     for flag, pairs, count, what in (("--slow-stage", workload.slow_stages, stages, "stages"),
-                                     ("--slow-rank", workload.slow_ranks, ranks, "ranks")):
+                                     ("--slow-rank", workload.slow_ranks, ranks, "ranks"),
+                                     ("--slow-layer", workload.slow_layers if layers else (), layers, "layers")):
         for index, _ in pairs:
             if index >= count:
                 raise ConfigError(f"{flag} {index} names no {what[:-1]}: this run has {count} {what} "

@@ -98,21 +98,27 @@ class Clock:
     steps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def hold(self, action: str, stage: int, at: tuple[int | None, int | None], ms: float, *,
-             start: float | None = None, delay: int | None = None, layers: tuple[int, ...] = ()) -> None:
+             start: float | None = None, delay: int | None = None, layers: tuple[int, ...] = (),
+             weights: tuple[float, ...] | None = None) -> None:
         """Hold until ``start`` (perf_counter seconds; default now) + ``ms`` and record the span; ``at``: the pass's
         (micro-batch, step), nothing held when its step is None. ``delay``: the run-queue delay read at ``start``.
         ``layers`` (the stage's blocks in the order the pass runs them): inside a runner's pass the hold is split
         evenly over them, one after another, each block's share a span of its own (``PP:1F0/L5``) ending at its
         deadline (``start`` + its cumulative share: run.json's ``workload.layer_holds`` "even"), while a profiler
-        records (``annotations.recording``; the total held is the same either way)."""
+        records (``annotations.recording``; the total held is the same either way). ``weights`` (one a block, in
+        ``layers``' order): the blocks' relative shares instead of equal ones (``Workload.layer_weights``: a slowed
+        block of a per-layer workload)."""
         if at[1] is None or ms <= 0:
             return
         if start is None:
             delay, start = run_delay_ns(), time.perf_counter()
         if layers and ann.recording():
-            for k, layer in enumerate(layers, 1):
+            w = weights if weights is not None else (1.0,) * len(layers)
+            total, done = sum(w), 0.0
+            for layer, share in zip(layers, w):
+                done += share
                 with ann.layer(layer):
-                    hold_until(start + ms * k / len(layers) / 1e3)
+                    hold_until(start + ms * done / total / 1e3)
         else:
             hold_until(start + ms / 1e3)
         self.spans.append((action, stage, *at, int(start * 1e9), time.perf_counter_ns(), ms,
@@ -158,7 +164,13 @@ class _Held:
     out_dtype: torch.dtype
     params: tuple[torch.nn.Parameter, ...]
     anchor: torch.Tensor  # a scalar leaf requiring grad: _Pass's edge when the stage input needs no gradient
-    layers: tuple[int, ...] = ()  # the stage's blocks (global indices), in forward order: each holds an even share
+    layers: tuple[int, ...] = ()  # the stage's blocks (global indices), in forward order: each holds its share
+    weights: tuple[float, ...] | None = None  # their relative shares (Workload.layer_weights), None: even
+
+    @property
+    def reversed_weights(self) -> tuple[float, ...] | None:
+        """``weights`` in the backward's order (from the last block)."""
+        return None if self.weights is None else self.weights[::-1]
 
 
 class _Weights(torch.autograd.Function):
@@ -172,7 +184,8 @@ class _Weights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         held = ctx.held
-        held.clock.hold("W", held.stage, ctx.at, held.weight_ms, layers=held.layers[::-1])
+        held.clock.hold("W", held.stage, ctx.at, held.weight_ms, layers=held.layers[::-1],
+                        weights=held.reversed_weights)
         return (None, *(torch.zeros_like(p) for p in held.params))
 
 
@@ -188,7 +201,8 @@ class _Pass(torch.autograd.Function):
         # the activations a real forward saves for its backward, as many bytes (BPipe moves them; memory shows them)
         ctx.save_for_backward(*(torch.empty(n, dtype=torch.uint8, device=x.device) for n in held.saved_bytes))
         out = torch.zeros(held.out_shape, dtype=held.out_dtype, device=x.device)
-        held.clock.hold("F", held.stage, ctx.at, held.forward_ms, start=t0, delay=d0, layers=held.layers)
+        held.clock.hold("F", held.stage, ctx.at, held.forward_ms, start=t0, delay=d0, layers=held.layers,
+                        weights=held.weights)
         return out
 
     @staticmethod
@@ -199,7 +213,8 @@ class _Pass(torch.autograd.Function):
         grad_x = torch.zeros(ctx.x_like[0], dtype=ctx.x_like[1], device=grad.device) if ctx.needs_input_grad[1] \
             else None
         grad_anchor = torch.zeros((), device=grad.device) if ctx.needs_input_grad[2] else None
-        held.clock.hold("I", held.stage, ctx.at, held.backward_ms, start=t0, delay=d0, layers=held.layers[::-1])
+        held.clock.hold("I", held.stage, ctx.at, held.backward_ms, start=t0, delay=d0, layers=held.layers[::-1],
+                        weights=held.reversed_weights)
         return None, grad_x, grad_anchor
 
 
@@ -232,12 +247,14 @@ def make_sleeping(module: torch.nn.Module, workload: Workload, *, stage: int, ra
     layers = tuple(getattr(module, "layer_ids", ()))
     if workload.layer_holds == "per-layer" and not layers:
         raise RuntimeError(f"per-layer holds need the stage's blocks: stage {stage}'s module names none")
-    # what each pass holds (Workload.held_ms: its factors; per-layer: × the stage's blocks)
-    ms = {a: workload.held_ms(a, stage=stage, rank=rank, blocks=len(layers)) for a in "FIW"}
+    # what each pass holds (Workload.held_ms: its factors; per-layer: × the stage's blocks' weights) and how it
+    # splits over the blocks (per-layer: each block its weight × the stated times; even: equal shares)
+    ms = {a: workload.held_ms(a, stage=stage, rank=rank, layers=layers) for a in "FIW"}
+    weights = workload.layer_weights(layers) if workload.layer_holds == "per-layer" else None
     params = tuple(p for p in module.parameters() if p.requires_grad)
     held = _Held(clock=clock, stage=stage, forward_ms=ms["F"], backward_ms=ms["I"], weight_ms=ms["W"],
                  saved_bytes=sizes, out_shape=tuple(out.shape), out_dtype=out.dtype, params=params,
-                 anchor=torch.zeros((), device=out.device, requires_grad=True), layers=layers)
+                 anchor=torch.zeros((), device=out.device, requires_grad=True), layers=layers, weights=weights)
     in_shape = tuple(example[0].shape)
 
     def forward(x: torch.Tensor, *_ignored) -> torch.Tensor:

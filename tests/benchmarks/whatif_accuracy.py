@@ -63,6 +63,13 @@ CONFIGS = {
                           "--forward-ms", "10", "--backward-ms", "20"],
     "gpipe_layers_3221": ["--schedule", "gpipe", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
                           "--forward-ms", "10", "--backward-ms", "20", "--layers-per-stage", "3,2,2,1"],
+    # one slow block (block 1 holds 3 × F, B): on stage 0 with the even split (stage 0 holds 4 blocks' worth),
+    # isolated on stage 1 by 1,1,3,3 (every stage but stage 0 holds 3 blocks' worth)
+    "1f1b_slowlayer_even": ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                            "--forward-ms", "10", "--backward-ms", "20", "--slow-layer", "1:3"],
+    "1f1b_slowlayer_1133": ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--layer-holds", "per-layer",
+                            "--forward-ms", "10", "--backward-ms", "20", "--slow-layer", "1:3",
+                            "--layers-per-stage", "1,1,3,3"],
 }
 # (case, source, target, whatif flags, JSON path of the prediction)
 CASES = [
@@ -90,11 +97,13 @@ CASES = [
      ["--layers-per-stage", "3,2,2,1"], "plan"),
     ("layers 3,2,2,1 → 2,2,2,2, the balancing fix (GPipe pp 4, m 8, per-layer holds)", "gpipe_layers_3221",
      "gpipe_layers_even", ["--layers-per-stage", "2,2,2,2"], "plan"),
+    ("slow block 1 (×3) isolated: layers 2,2,2,2 → 1,1,3,3 (1F1B pp 4, m 8, per-layer holds)", "1f1b_slowlayer_even",
+     "1f1b_slowlayer_1133", ["--layers-per-stage", "1,1,3,3"], "plan"),
 ]
 # one stage a rank, no slow-down: (m + p − 1)(F + B); the per-layer configurations by the hand formulas of
 # ``analytic`` (stages of unequal work)
 ANALYTIC = {"gpipe", "1f1b", "1f1b_m16", "1f1b_m4", "gpipe_pp2", "1f1b_pp2", "1f1b_layers_even", "1f1b_layers_3221",
-            "gpipe_layers_even", "gpipe_layers_3221"}
+            "gpipe_layers_even", "gpipe_layers_3221", "1f1b_slowlayer_even", "1f1b_slowlayer_1133"}
 
 
 def traceana(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -171,15 +180,20 @@ def stated(name: str, forward_ms: float, backward_ms: float) -> tuple[float, flo
     return float(flags.get("--forward-ms", forward_ms)), float(flags.get("--backward-ms", backward_ms))
 
 
-def blocks_held(name: str, pp: int) -> list[int]:
-    """How many times the stated F and B each stage holds: its blocks with per-layer holds (--layers-per-stage,
-    else tiny-gpt's 8 blocks evenly), 1 otherwise."""
+def blocks_held(name: str, pp: int) -> list[float]:
+    """How many times the stated F and B each stage holds: with per-layer holds its blocks (--layers-per-stage,
+    else tiny-gpt's 8 blocks evenly), a --slow-layer block counting its factor; 1 otherwise."""
     flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
     if flags.get("--layer-holds") != "per-layer":
-        return [1] * pp
-    if "--layers-per-stage" in flags:
-        return [int(x) for x in flags["--layers-per-stage"].split(",")]
-    return [8 // pp] * pp
+        return [1.0] * pp
+    counts = [int(x) for x in flags["--layers-per-stage"].split(",")] if "--layers-per-stage" in flags \
+        else [8 // pp] * pp
+    slow = {int(k): float(f) for k, f in (x.split(":") for x in _all(CONFIGS[name], "--slow-layer"))}
+    out, start = [], 0
+    for n in counts:
+        out.append(sum(slow.get(k, 1.0) for k in range(start, start + n)))
+        start += n
+    return out
 
 
 def analytic(name: str, forward_ms: float, backward_ms: float) -> float | None:
@@ -189,7 +203,9 @@ def analytic(name: str, forward_ms: float, backward_ms: float) -> float | None:
     and backwards, m(F_0 + B_0), plus the wait for its first backward (it runs p forwards, then needs micro-batch
     0's round trip R = Σ_{s>0}(F_s + B_s) after its first: max(0, R − (p − 1)F_0)) and for its last (after the last
     forward it runs p − 1 backwards: max(0, R − (p − 1)B_0)); the later stages, no slower, keep up in between.
-    Equal stages: (m + p − 1)(F + B) (Narayanan et al. 2021). None where neither applies."""
+    Equal stages: (m + p − 1)(F + B) (Narayanan et al. 2021). 1F1B whose slowest stages are the last ones, k..p−1,
+    all alike, the earlier ones faster: those form an equal pipeline of p − k stages, fed and drained by the earlier
+    ones: Σ_{s<k}(F_s + B_s) + (m + p − k − 1)(F_k + B_k). None where none applies."""
     flags = dict(zip(CONFIGS[name][::2], CONFIGS[name][1::2]))
     m, p = int(flags["--microbatches"]), int(flags["--pp"])
     forward_ms, backward_ms = stated(name, forward_ms, backward_ms)
@@ -197,9 +213,14 @@ def analytic(name: str, forward_ms: float, backward_ms: float) -> float | None:
     f, b = [forward_ms * k for k in n], [backward_ms * k for k in n]
     if flags["--schedule"] == "gpipe":
         return sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)
-    if flags["--schedule"] == "1f1b" and f[0] + b[0] >= max(x + y for x, y in zip(f, b)):
+    if flags["--schedule"] != "1f1b":
+        return None
+    if f[0] + b[0] >= max(x + y for x, y in zip(f, b)):
         r = sum(f[1:]) + sum(b[1:])
         return m * (f[0] + b[0]) + max(0.0, r - (p - 1) * f[0]) + max(0.0, r - (p - 1) * b[0])
+    k = next(i for i in range(p) if all((f[j], b[j]) == (f[i], b[i]) for j in range(i, p)))
+    if all(f[s] + b[s] < f[k] + b[k] for s in range(k)):
+        return sum(f[:k]) + sum(b[:k]) + (m + p - k - 1) * (f[k] + b[k])
     return None
 
 

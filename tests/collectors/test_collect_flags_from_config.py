@@ -89,9 +89,9 @@ def test_the_known_workload_group_is_workloads_fields():
     group = next(g for g in _collect_parser()._action_groups if g.title == "known workload")
     assert [a.option_strings for a in group._group_actions] == [
         ["--work"], ["--forward-ms"], ["--backward-ms"], ["--weight-ms"], ["--slow-stage"], ["--slow-rank"],
-        ["--layer-holds"]]
+        ["--slow-layer"], ["--layer-holds"]]
     assert [f.name for f, _ in workload_flags()] == ["kind", "forward_ms", "backward_ms", "weight_ms", "slow_stages",
-                                                     "slow_ranks", "layer_holds"]
+                                                     "slow_ranks", "slow_layers", "layer_holds"]
     c = _config("--pp", "2", "--work", "sleep", "--forward-ms", "2", "--backward-ms", "3", "--weight-ms", "1",
                 "--slow-stage", "1:2", "--slow-stage", "0:1.5", "--slow-rank", "0:3")
     assert c.workload == Workload(kind="sleep", forward_ms=2.0, backward_ms=3.0, weight_ms=1.0,
@@ -101,6 +101,7 @@ def test_the_known_workload_group_is_workloads_fields():
     assert per_layer.workload.layer_holds == "per-layer"
     with pytest.raises(ConfigError, match="--forward-ms describes the known workload"):
         _config("--forward-ms", "2")
-    for own in ("--kind", "--slow-stages", "--slow-ranks"):  # (the fields' own names are no flags here)
+    # (the fields' own names are no flags here)
+    for own in ("--kind", "--slow-stages", "--slow-ranks", "--slow-layers"):
         with pytest.raises(SystemExit):
             build_parser(["collect"]).parse_args(["collect", own, "1:2", "-o", "x"])

@@ -37,6 +37,10 @@ SLEEP = ["--work", "sleep", "--forward-ms", "2", "--backward-ms", "4"]
     (["--layers-per-stage", "3,2,2,1", "--schedule", "zbv"], "--layers-per-stage is not available"),
     (["--layer-holds", "per-layer"], "--layer-holds describes the known workload"),
     ([*SLEEP, "--layer-holds", "per-layer", "--schedule", "looped-bfs"], "--layer-holds is not available"),
+    ([*SLEEP, "--slow-layer", "1:2"], "--slow-layer slows one block's own hold: it needs --layer-holds per-layer"),
+    ([*SLEEP, "--layer-holds", "per-layer", "--slow-layer", "8:2"], "--slow-layer 8 names no layer: this run has 8"),
+    ([*SLEEP, "--layer-holds", "per-layer", "--slow-layer", "1"], "is not INDEX:FACTOR"),
+    (["--slow-layer", "1:2"], "--slow-layer describes the known workload"),
 ])
 def test_a_bad_split_or_layer_hold_is_one_line_and_exit_2_before_anything_is_written(argv, says, tmp_path, capsys):
     out = tmp_path / "run"
@@ -72,15 +76,29 @@ def test_the_split_gives_each_stage_its_blocks_by_hand():
 
 
 def test_per_layer_holds_are_recorded_and_a_stage_holds_its_blocks_times_the_stated_times():
+    from traceana.core.errors import BadInputError
+
     w = Workload("sleep", 4, 6, 2, slow_stages=((1, 2.0),), layer_holds="per-layer")
     back = Manifest.from_dict(json.loads(Manifest(world_size=2, pp=2, schedule="1f1b", workload=w).to_json()))
     assert back.workload.layer_holds == "per-layer"
     # by hand: stage 0 of 5 blocks, stage 1 of 3 blocks slowed ×2
-    assert w.held_ms("F", stage=0, rank=0, blocks=5) == 20 and w.held_ms("B", stage=0, rank=0, blocks=5) == 40
-    assert w.held_ms("I", stage=1, rank=1, blocks=3) == 36 and w.held_ms("W", stage=1, rank=1, blocks=3) == 12
+    assert w.held_ms("F", stage=0, rank=0, layers=range(5)) == 20 and w.held_ms("B", stage=0, rank=0,
+                                                                                 layers=range(5)) == 40
+    assert w.held_ms("I", stage=1, rank=1, layers=range(5, 8)) == 36
+    assert w.held_ms("W", stage=1, rank=1, layers=range(5, 8)) == 12
     with pytest.raises(ValueError):  # a per-layer hold without the stage's blocks would be a silently wrong number
         w.held_ms("F", stage=0, rank=0)
-    assert Workload("sleep", 4, 6).held_ms("F", stage=0, rank=0, blocks=5) == 4  # even (default): the pass's time
+    assert Workload("sleep", 4, 6).held_ms("F", stage=0, rank=0, layers=range(5)) == 4  # even: the pass's time
+    # a slowed block (--slow-layer 1:3): 4 + 12 + 4 = 20 ms for blocks 0–2, wherever they are
+    slow = Workload("sleep", 4, 6, slow_layers=((1, 3.0),), layer_holds="per-layer")
+    assert slow.held_ms("F", stage=0, rank=0, layers=(0, 1, 2)) == 20 and slow.layer_weights((2, 1)) == (1.0, 3.0)
+    assert Manifest.from_dict(json.loads(Manifest(world_size=2, pp=2, schedule="1f1b", workload=slow).to_json())
+                              ).workload.slow_layers == ((1, 3.0),)
+    for bad in ({"slow_layers": [[1, 2]]},  # (even holds: no block holds a time of its own)
+                {"slow_layers": [[1, 0]], "layer_holds": "per-layer"}):
+        with pytest.raises(BadInputError):
+            Manifest.from_dict({**json.loads(Manifest(world_size=2, pp=2, schedule="1f1b", workload=w).to_json()),
+                                "workload": {"kind": "sleep", "forward_ms": 1, "backward_ms": 1, **bad}})
 
 
 # ---- collected runs -------------------------------------------------------------------------------------------------
@@ -136,19 +154,21 @@ def _calibrated_slack_ms(n: int = 30, ms: float = 1.0) -> float:
 
 
 def test_per_layer_holds_make_each_stage_hold_its_blocks_times_the_stated_times(collected_run):
-    """The known workload with per-layer holds, F 4, I 6, W 2 ms a block, blocks 5,3: by hand stage 0 holds
-    F 20, I 30, W 10 ms a micro-batch, stage 1 F 12, I 18, W 6. The workload's own perf_counter spans (the truth,
-    outside the trace) say so: each held pass lasts its stated time, never less, and more only by its own
-    run-queue delay, this machine's wake-up slack (measured here) and Python's switch interval. In the trace each
-    held pass's block spans are its stage's blocks and together take the hold less the pass's work before its first
-    block (at most 1 ms plus the pass's run-queue delay)."""
+    """The known workload with per-layer holds, F 4, I 6, W 2 ms a block, block 1 ×2, blocks 5,3: by hand stage 0
+    (blocks 0–4, weights 1 + 2 + 1 + 1 + 1 = 6) holds F 24, I 36, W 12 ms a micro-batch, stage 1 (3 blocks) F 12,
+    I 18, W 6. The workload's own perf_counter spans (the truth, outside the trace) say so: each held pass lasts its
+    stated time, never less, and more only by its own run-queue delay, this machine's wake-up slack (measured here)
+    and Python's switch interval. In the trace each held pass's block spans are its stage's blocks and together
+    take the hold less the pass's work before its first block (at most 1 ms plus the pass's run-queue delay); a
+    forward's block 1 span holds its 8 ms (its start is block 0's end, late by at most that pass's delay, the
+    slack and the switch interval), the others' 4 ms at most plus as much."""
     from collectors.trainer.workload import read_spans
 
     run = collected_run("sleep_layers_5_3")
     manifest = Manifest.read(run / "run.json")
     assert manifest.layers_per_stage == (5, 3) and manifest.workload.layer_holds == "per-layer"
     m = RUNS["sleep_layers_5_3"]["num_microbatches"]
-    stated = {0: {"F": 20.0, "I": 30.0, "W": 10.0}, 1: {"F": 12.0, "I": 18.0, "W": 6.0}}
+    stated = {0: {"F": 24.0, "I": 36.0, "W": 12.0}, 1: {"F": 12.0, "I": 18.0, "W": 6.0}}
     blocks = {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}
     slack, gil = 10 * _calibrated_slack_ms(), sys.getswitchinterval() * 1e3
     for rank in (0, 1):
@@ -171,7 +191,15 @@ def test_per_layer_holds_make_each_stage_hold_its_blocks_times_the_stated_times(
             # one span a block in a forward; two in a full backward (its I's share, then its W's)
             assert len(spans) == len(blocks[rank]) * (1 if s["action"] == "F" else 2), (rank, key)
             inside = sum(dur for _, dur, _ in spans) / 1e3
-            same = [x for x in mine if x["microbatch"] == s["microbatch"] and (x["action"] == "F") == (s["action"] == "F")]
+            same = [x for x in mine
+                    if x["microbatch"] == s["microbatch"] and (x["action"] == "F") == (s["action"] == "F")]
             hold = sum((x["end_ns"] - x["start_ns"]) / 1e6 for x in same)
             delay = sum(x["run_delay_ns"] / 1e6 for x in same)
             assert -0.1 <= hold - inside <= 1.0 + delay, (rank, key, hold, inside, delay)
+            if s["action"] == "F":
+                late = delay + slack + gil
+                for _, dur, layer in spans:
+                    if layer == 1:
+                        assert 8.0 - late <= dur / 1e3 <= 8.0 + late + 0.5, (key, dur, late)
+                    else:
+                        assert dur / 1e3 <= 4.0 + late + 0.5, (key, layer, dur, late)

@@ -56,8 +56,8 @@ def test_run_json_records_the_workload_in_typed_fields_and_refuses_a_bad_one():
     m = Manifest(world_size=4, pp=4, schedule="1f1b", workload=w)
     data = json.loads(m.to_json())
     assert data["workload"] == {"kind": "sleep", "forward_ms": 20.0, "backward_ms": 40.0, "weight_ms": 5.0,
-                                "slow_stages": [[1, 2.0]], "slow_ranks": [[3, 0.5]], "spans": "workload",
-                                "layer_holds": None}
+                                "slow_stages": [[1, 2.0]], "slow_ranks": [[3, 0.5]], "slow_layers": [],
+                                "spans": "workload", "layer_holds": None}
     assert Manifest.from_dict(data) == m
     # the reference trainer's run says how a pass's hold maps to the stage's blocks (split evenly over them)
     even = Manifest(world_size=4, pp=4, schedule="1f1b", workload=Workload("sleep", 20, 40, layer_holds="even"))

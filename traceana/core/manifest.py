@@ -154,6 +154,10 @@ class Workload:
         spellings=("--slow-rank",), own=False, dest="slow_rank", action="append", default=None, metavar="R:FACTOR",
         help="with --work sleep: every pass of global rank R holds FACTOR times as long (repeatable) "
              "(default: none)"))
+    slow_layers: tuple[tuple[int, float], ...] = field(default=(), metadata=flag(  # (block, factor): per-layer only
+        spellings=("--slow-layer",), own=False, dest="slow_layer", action="append", default=None, metavar="L:FACTOR",
+        help="with --layer-holds per-layer: transformer block L (its index in the model) holds FACTOR times the "
+             "stated times, on whichever stage holds it (repeatable) (default: none)"))
     # How a pass's hold maps to the stage's transformer blocks: "even" (the reference trainer's default: the pass
     # holds the stated time, split evenly over its blocks, held one after another, each block's share a
     # ``PP:1F0/L5`` span in the trace); "per-layer": the stated times are each BLOCK's, so a pass of a stage of n
@@ -177,7 +181,7 @@ class Workload:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise bad(f"{name} must be a number of milliseconds, 0 or more, got {v!r}")
             object.__setattr__(self, name, float(v))
-        for name in ("slow_stages", "slow_ranks"):
+        for name in ("slow_stages", "slow_ranks", "slow_layers"):
             pairs = getattr(self, name)
             try:
                 pairs = tuple((_strict_int(a, name), b) for a, b in pairs)
@@ -195,20 +199,30 @@ class Workload:
         if self.layer_holds not in LAYER_HOLDS:
             raise bad(f"layer_holds must be one of {', '.join(map(str, LAYER_HOLDS))} or null, got "
                       f"{self.layer_holds!r}")
+        if self.slow_layers and self.layer_holds != "per-layer":
+            raise bad(f"slow_layers needs layer_holds \"per-layer\", got {self.layer_holds!r}")
 
     def factor(self, *, stage: int, rank: int) -> float:
         """How much longer than stated every pass of this stage on this rank holds."""
         return dict(self.slow_stages).get(stage, 1.0) * dict(self.slow_ranks).get(rank, 1.0)
 
-    def held_ms(self, action: str, *, stage: int, rank: int, blocks: int | None = None) -> float:
+    def layer_weights(self, layers) -> tuple[float, ...]:
+        """Each block's share of its pass's hold, relative (the blocks' global indices, in any order): its factor
+        in ``slow_layers`` (1 where not named); with ``layer_holds`` "per-layer" a block holds its weight × the
+        stated times, with "even" the shares are equal (weights of 1: no slow layers there)."""
+        slow = dict(self.slow_layers)
+        return tuple(slow.get(k, 1.0) for k in layers)
+
+    def held_ms(self, action: str, *, stage: int, rank: int, layers=None) -> float:
         """The time one pass (``F``, ``B``, ``I`` or ``W``) of ``stage`` on ``rank`` holds; with ``layer_holds``
-        "per-layer" the stated times are a block's and ``blocks`` (the stage's transformer blocks) is needed."""
+        "per-layer" the stated times are a block's, and ``layers`` (the stage's blocks, global indices) is needed:
+        the pass holds Σ of their ``layer_weights`` × the stated times."""
         base = {"F": self.forward_ms, "B": self.backward_ms + self.weight_ms, "I": self.backward_ms,
                 "W": self.weight_ms}[action]
         if self.layer_holds == "per-layer":
-            if blocks is None:
-                raise ValueError("a per-layer workload's pass holds its stage's blocks × the stated time: give blocks")
-            base *= blocks
+            if layers is None:
+                raise ValueError("a per-layer workload's pass holds its stage's blocks × the stated time: give layers")
+            base *= sum(self.layer_weights(layers))
         return base * self.factor(stage=stage, rank=rank)
 
 
@@ -334,7 +348,9 @@ class Manifest:
                                     fix="fix run.json (pairs are evictor and acceptor stages)")
         if isinstance(self.workload, Workload):
             for name, pairs, count in (("slow_stages", self.workload.slow_stages, self.pp),
-                                       ("slow_ranks", self.workload.slow_ranks, self.world_size)):
+                                       ("slow_ranks", self.workload.slow_ranks, self.world_size),
+                                       ("slow_layers", self.workload.slow_layers,
+                                        self.model.layers if self.model is not None else None)):
                 if count is not None and any(index >= count for index, _ in pairs):
                     raise BadInputError(f"workload {name} names {max(i for i, _ in pairs)}, outside 0..{count - 1}",
                                         fix="fix run.json's workload")
