@@ -12,7 +12,14 @@ when its error is no larger than that.
 
 Beside it, the simulator (traceana.model.simulate) fed the workload's stated durations (no measurement at all)
 against each schedule's measured step and bubble share, and the analytic step of GPipe and 1F1B,
-(m + p − 1)(F + B) (Huang et al. 2019; Narayanan et al. 2021), plus the run's own exposed P2P and optimizer.
+(m + p − 1)(F + B) (Huang et al. 2019; Narayanan et al. 2021), plus the run's own exposed P2P and optimizer; for
+stages of unequal work (layers moved on per-layer holds, ``--layer-holds per-layer``: F and B a block) the hand
+formulas of ``analytic``.
+
+Layers moved (issue 32 item 4): ``whatif --layers-per-stage`` from a run with per-layer holds against a collection
+with those layers (``collect --layers-per-stage``), both ways, and one slow block isolated:
+
+    PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --repeats 3 --cases 11 12 13 14 15
 
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --repeats 3
     PYTHONPATH=$PWD .venv/bin/python tests/benchmarks/whatif_accuracy.py --noise-floor --repeats 5
@@ -256,8 +263,8 @@ def main() -> None:
                  "load_after": load_after, "steps_ms": steps, "cases": [], "simulator": []}
     print(f"\nF = {F:g} ms, B = {B:g} ms, tiny-gpt, 1 warm-up + {args.profile_steps} profiled steps, "
           f"{args.repeats} interleaved collections each; load (1, 5, 15 min) {load_before} before, {load_after} "
-          f"after collecting; {os.cpu_count()} CPUs\n")
-    print("| configuration | measured step ms: median (min–max) | spread | analytic (m+p−1)(F+B) ms "
+          f"after collecting; {os.cpu_count()} CPUs (per-layer configurations: their own F, B a block)\n")
+    print("| configuration | measured step ms: median (min–max) | spread | analytic by hand ms "
           "| + P2P + optimizer ms | simulator (stated F, B) ms | simulator error | measured bubble "
           "| simulated bubble |")
     print("|---|---|---|---|---|---|---|---|---|")
