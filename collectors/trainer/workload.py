@@ -22,8 +22,9 @@ A stage module's ``forward`` is replaced, on the instance, by two autograd funct
   of a full backward) ending at its cumulative deadline: the trace's measured per-layer work (run.json's
   ``workload.layer_holds`` is "even"; torch.distributed.pipelining's stages hold one piece, no layer spans).
   With ``layer_holds`` "per-layer" (collect --layer-holds per-layer) the stated times are each block's: a pass of
-  a stage of n blocks holds n × them (``Workload.held_ms(..., blocks=n)``), each block its stated time, so moving
-  blocks between stages (collect --layers-per-stage) moves their work.
+  a stage of n blocks holds n × them (``Workload.held_ms(..., layers=its blocks)``), each block its stated time
+  (a block of ``slow_layers``, collect --slow-layer, its factor × it: ``Workload.layer_weights``), so moving blocks
+  between stages (collect --layers-per-stage) moves their work.
 - Each hold sleeps to a ``perf_counter`` deadline taken at the pass's start (never a sum of ``sleep(dt)``) and is
   recorded, outside the profiler, as a ``perf_counter_ns`` span with the time the thread was runnable but waiting
   for a CPU inside it (schedstat): ``RUN/workload/rank{R}.json`` (``write_spans``), the test's independent truth.
