@@ -203,3 +203,24 @@ def test_per_layer_holds_make_each_stage_hold_its_blocks_times_the_stated_times(
                         assert 8.0 - late <= dur / 1e3 <= 8.0 + late + 0.5, (key, dur, late)
                     else:
                         assert dur / 1e3 <= 4.0 + late + 0.5, (key, layer, dur, late)
+
+
+def test_whatif_moves_the_measured_blocks_of_a_per_layer_run_and_refuses_what_collect_refuses(collected_run):
+    """From the per-layer run (5,3), ``whatif --layers-per-stage`` moves blocks with their measured layer spans
+    (not the layer-count scaling) and reads the run's own split from run.json; a split collect refuses is refused
+    by the plan with collect's own words (one rule: pipeline_rules.layers_refusal)."""
+    import traceana
+    from collectors.trainer.config import CollectConfig
+    from traceana.core.errors import AnalysisError
+    from traceana.validation.plan import plan_whatif
+
+    a = traceana.load_and_analyze(collected_run("sleep_layers_5_3"), cache=False)
+    plan = plan_whatif(a, layers_per_stage=(4, 4))
+    assert plan["as_run"]["layers_per_stage"] == [5, 3] and plan["plan"]["layers_per_stage"] == [4, 4]
+    assert plan["layers_source"] == "measured per-layer work"
+    for split in ((8, 0), (4, 3), (2, 2, 4)):
+        with pytest.raises(ConfigError) as collect_says:
+            CollectConfig(pp=2, layers_per_stage=split)
+        with pytest.raises(AnalysisError) as whatif_says:
+            plan_whatif(a, layers_per_stage=split)
+        assert collect_says.value.what in whatif_says.value.what, (split, whatif_says.value.what)
