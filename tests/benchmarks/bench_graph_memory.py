@@ -2,7 +2,7 @@
 
 Each side (this tree, then the baseline: a git revision exported with ``git archive``, the native scanner copied
 beside it) runs in a child process of its own on its analysis cache, as ``traceana whatif`` and
-bench_group_replay.py read it: RUN_DIR's for this tree (``--prepare`` writes it first), the baseline's in a folder
+bench_group_replay.py read it: RUN_DIR's for this tree (a first child writes it, or finds it), the baseline's in a folder
 of its own beside RUN_DIR (the run's files hard-linked, its caches written by the baseline first). A cache hit holds no events: ``Analysis.events``
 is recomputed on first use (``analysis_cache._Lazy``: the run's events through the ingest cache, then ``analyze``
 again), and graph.build is the first to use it, so the child touches ``run.events`` and ``Analysis.events`` first,
@@ -14,8 +14,8 @@ ratios this tree / baseline and whether both give the same graph (ops, edges and
 replayed step. ``--max-mib`` kills a child whose RSS passes it (the machine is shared). Asserts nothing
 (benchmarks are not tests).
 
-    .venv/bin/python tests/benchmarks/bench_graph_memory.py /tmp/r4096 --prepare --baseline 08f7918
-    .venv/bin/python tests/benchmarks/bench_graph_memory.py /tmp/r16k --prepare --new-only --max-mib 16000
+    .venv/bin/python tests/benchmarks/bench_graph_memory.py /tmp/r4096 --baseline 08f7918
+    .venv/bin/python tests/benchmarks/bench_graph_memory.py /tmp/r16k --new-only --max-mib 16000
 """
 
 from __future__ import annotations
@@ -190,12 +190,15 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--baseline", default="08f7918", help="git revision to compare with (default: 08f7918, the "
                     "tree of bench_group_replay's first 16,384-rank figures)")
-    ap.add_argument("--prepare", action="store_true", help="write the analysis cache first (this tree)")
+    ap.add_argument("--prepare", action="store_true", help="(always done: a child that writes this tree's analysis "
+                    "cache first, a hit when it is there; an entry of another revision is a miss)")
     ap.add_argument("--new-only", action="store_true", help="run only this tree")
     ap.add_argument("--max-mib", type=float, default=None, help="kill a child whose RSS passes this")
     a = ap.parse_args()
-    if a.prepare:
-        print(f"prepare: {child(ROOT, a.run_dir, 'prepare', a.max_mib)['stages']} (load {load()})", flush=True)
+    ready = child(ROOT, a.run_dir, "prepare", a.max_mib)
+    if ready is None:
+        return
+    print(f"prepare: {ready['stages']['cache hit']} (load {load()})", flush=True)
     before = load()
     new = child(ROOT, a.run_dir, "run", a.max_mib)
     print(f"this tree: load {before} → {load()}", flush=True)
