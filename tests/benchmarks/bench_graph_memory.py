@@ -2,8 +2,9 @@
 
 Each side (this tree, then the baseline: a git revision exported with ``git archive``, the native scanner copied
 beside it) runs in a child process of its own on its analysis cache, as ``traceana whatif`` and
-bench_group_replay.py read it: RUN_DIR's for this tree (a first child writes it, or finds it), the baseline's in a folder
-of its own beside RUN_DIR (the run's files hard-linked, its caches written by the baseline first). A cache hit holds no events: ``Analysis.events``
+bench_group_replay.py read it: RUN_DIR's for this tree (a first child writes it, or finds it), the baseline's in
+a folder of its own beside RUN_DIR (the run's files hard-linked, its caches written by the baseline first). A
+cache hit holds no events: ``Analysis.events``
 is recomputed on first use (``analysis_cache._Lazy``: the run's events through the ingest cache, then ``analyze``
 again), and graph.build is the first to use it, so the child touches ``run.events`` and ``Analysis.events`` first,
 each a stage of its own, then builds the graph with each of its steps (``graph._pairs``, ``graph._busy_in_gaps``,
@@ -165,7 +166,8 @@ def show(new: dict, base: dict | None) -> None:
     print(f"{new['ranks']:,} ranks, {new['operations']:,} operations, {new['events']:,} events; the graph's frames "
           f"{new['graph_frames_mib']:.0f} MiB")
     head = f"{'stage':16s} {'CPU s':>7s} {'peak MiB':>9s} {'before':>7s} {'after':>7s}"
-    print(head + ("" if base is None else f" | {'base CPU':>8s} {'base MiB':>8s} | {'CPU ratio':>9s} {'MiB ratio':>9s}"))
+    print(head + ("" if base is None
+                  else f" | {'base CPU':>8s} {'base MiB':>8s} | {'CPU ratio':>9s} {'MiB ratio':>9s}"))
     for stage, n in new["stages"].items():
         row = f"{stage:16s} {n['cpu_s']:7.1f} {n['peak_mib']:9.0f} {n['before_mib']:7.0f} {n['rss_mib']:7.0f}"
         b = None if base is None else base["stages"].get(stage)
@@ -179,9 +181,9 @@ def show(new: dict, base: dict | None) -> None:
         b = base_steps.get(s["step"])
         print(f"  {s['step']:24s} {s['cpu_s']:6.2f} CPU-s {s['above_mib']:+7.0f} MiB"
               + ("" if b is None else f"   base {b['cpu_s']:6.2f} CPU-s {b['above_mib']:+7.0f} MiB"))
-    per_op = ", ".join(
-        f"{stage} {(new['stages'][stage]['peak_mib'] - new['stages'][stage]['before_mib']) * 2**20 / new['operations']:,.0f}"
-        for stage in ("graph.build", "replay", "critical path"))
+    st = new["stages"]
+    per_op = ", ".join(f"{k} {(st[k]['peak_mib'] - st[k]['before_mib']) * 2**20 / new['operations']:,.0f}"
+                       for k in ("graph.build", "replay", "critical path"))
     print(f"bytes per operation above the RSS each stage started at: {per_op}")
 
 
