@@ -80,6 +80,7 @@ LAG_WAIT = {"step": pl.Int32, "edge": pl.Int32, "side": pl.String, "wait_ns": pl
 EDGES = {"step": pl.Int32, "channel": pl.String, "src": pl.Int32, "src_seq": pl.Int32, "dst": pl.Int32,
          "dst_seq": pl.Int32, "anchor_seq": pl.Int32, "send_lag_ns": pl.Int64, "post_lag_ns": pl.Int64,
          "transfer_ns": pl.Int64}
+UNPAIRED = {"step": pl.Int32, "n": pl.Int64}  # per step, the messages matched to no operation on a side (left out)
 RANK_STEPS = {"rank": pl.Int32, "step": pl.Int32, "start_ns": pl.Int64, "end_ns": pl.Int64, "tail_ns": pl.Int64,
               "stage": pl.Int32, "replica": pl.Int32}
 
@@ -191,12 +192,13 @@ def _nested_out(rows: pl.DataFrame, by: tuple[str, ...] = ("rank", "step")) -> p
 
 
 def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dict[int, int],
-                 gpu: list[int] = ()) -> tuple[pl.DataFrame, list[str]]:
+                 gpu: list[int] = ()) -> tuple[pl.DataFrame, tuple[int, int]]:
     """Top-level collectives of the training threads outside the ranks' operations, with their group id and size
-    (on the GPU ranks ``gpu``, their collective kernels: ``gpu_edges.collective_filter``)."""
+    among these ranks (on the GPU ranks ``gpu``, their collective kernels: ``gpu_edges.collective_filter``), and
+    (how many, how many of them name their process group)."""
     ev = analysis.events
     if ev is None or ev.height == 0:
-        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), []
+        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), (0, 0)
     coll = (
         ev.lazy().filter(gpu_edges.collective_filter(list(gpu)) & pl.col("step").is_not_null())
         .join(steps.lazy(), on="step")
@@ -206,7 +208,7 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
         .collect(**iv.COLLECT)
     )
     if coll.height == 0:
-        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), []
+        return pl.DataFrame(schema={**OPS, **LANE}).drop("seq", "gap_ns", "contradicted"), (0, 0)
     # gloo's own spans (gloo:all_reduce, …) run on its thread from the post to the completion, which the training
     # thread waits for outside any op: where a rank has them, they are its collectives; else its top-level ops.
     gloo = pl.col("name").str.starts_with("gloo:")
@@ -222,11 +224,8 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
                 & ((pl.col("lane") == pl.col("_lane")) | (pl.col("_lane") == gpu_edges.CPU_LANE)))["_c"].unique()
     )
     coll = coll.with_row_index("_c").filter(~pl.col("_c").is_in(inside.implode())).drop("_c")
-    several = {s for s in stage_of.values() if list(stage_of.values()).count(s) > 1}
-    by_stage = pl.col("rank").replace_strict(stage_of, default=None).cast(pl.String)
-    scope = (pl.when(pl.col("pg").is_not_null()).then(pl.lit("pg ") + pl.col("pg"))
-             .when(by_stage.cast(pl.Int32, strict=False).is_in(list(several))).then(pl.lit("stage ") + by_stage)
-             .otherwise(pl.lit("all")))
+    # (without a process group: "all" here; ``assemble`` names the stage where several ranks of the job hold it)
+    scope = pl.when(pl.col("pg").is_not_null()).then(pl.lit("pg ") + pl.col("pg")).otherwise(pl.lit("all"))
     coll = (
         coll.sort("rank", "step", "start_ns").with_columns(scope.alias("_scope"))
         .with_columns(pl.int_range(pl.len()).over("rank", "step", "_scope", "name").alias("_k"))
@@ -234,21 +233,54 @@ def _collectives(analysis, steps: pl.DataFrame, ops: pl.DataFrame, stage_of: dic
                                     separator="|").alias("group"))
         .with_columns(pl.len().over("group").cast(pl.Int32).alias("members"))
     )
-    notes = []
-    if coll["pg"].null_count() == coll.height:
-        notes.append("the traces name no process group for their collectives: a collective's members are taken as "
-                     "the ranks of its stage where several ranks hold one (data-parallel), else every rank that runs "
-                     "it (the k-th of the step with the same name)")
+    named = coll.height - coll["pg"].null_count()
     return coll.select("rank", "step", pl.lit("C").alias("action"), pl.lit("collective").alias("phase"),
                        pl.col("rank").replace_strict(stage_of, default=None).cast(pl.Int32).alias("stage"),
                        pl.lit(None, pl.Int32).alias("microbatch"), "start_ns", "end_ns",
                        (pl.col("end_ns") - pl.col("start_ns")).alias("work_ns"), "group", "members",
-                       pl.lit("trace").alias("source"), "lane"), notes
+                       pl.lit("trace").alias("source"), "lane"), (coll.height, named)
+
+
+@dataclass(frozen=True)
+class GraphPart:
+    """Some ranks' graph before the facts of the whole job (``build_part``; ``assemble`` joins the parts of a job):
+    the frames of StepGraph for those ranks over ``steps`` (edge indices numbered within the part; ``ranks``
+    without the replica; a collective's ``group``, ``members`` and ``work_ns`` among the part's ranks, its scope
+    "all" where the traces name no process group), and what the notes and the job-wide rules read: the messages
+    left out per step (UNPAIRED), the ranks linked by a pair (src, dst), ``PairFacts``, the (rank, step) rows of an
+    inferred schedule, the collectives (how many, how many name their group), whether the ranks hold no P2P at
+    all (``summary.data_parallel_only``) and which are GPU ranks. Plain frames and values: picklable (a worker builds one pipeline group's,
+    causal.group_graph)."""
+
+    ops: pl.DataFrame
+    edges: pl.DataFrame
+    ranks: pl.DataFrame
+    steps: tuple[int, ...]
+    blocking: pl.DataFrame
+    after_receive: pl.DataFrame
+    lag_wait: pl.DataFrame
+    after: pl.DataFrame | None
+    unpaired: pl.DataFrame
+    links: pl.DataFrame
+    pairs: PairFacts
+    inferred: pl.DataFrame
+    collectives: tuple[int, int]
+    no_p2p: bool
+    gpu: tuple[int, ...] = ()  # the ranks whose operations are their GPU's (gpu_edges.gpu_ranks)
 
 
 def build(analysis, steps: list[int] | None = None) -> StepGraph:
-    """The dependency graph of ``steps`` (default: the measured steps) of an analysed run."""
+    """The dependency graph of ``steps`` (default: the measured steps) of an analysed run: ``assemble`` of the one
+    part ``build_part`` makes of every rank (causal.group_graph builds it one pipeline group a task, the same
+    graph)."""
     steps = list(analysis.summary.steps if steps is None else steps)
+    return assemble([build_part(analysis, steps)], steps, path=analysis.run.path)
+
+
+def build_part(analysis, steps: list[int]) -> GraphPart:
+    """The ranks of ``analysis``' graph over ``steps``, as far as they alone tell it (``GraphPart``): everything but
+    a collective's members in other parts, the stage scope of collectives without a process group, the replicas
+    and the notes. GraphError where a rank has no schedule, or there is no step."""
     if not steps:
         raise GraphError("the run has no measured step", path=analysis.run.path,
                          fix="profile at least one complete step on every rank")
@@ -264,11 +296,8 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                          path=analysis.run.path,
                          fix="profile with the PP: annotations (traceana collect / collectors.annotations) or name "
                              "rules that give the passes (docs/naming.md)")
-    notes: list[str] = []
-    inferred = sorted(sched.filter(pl.col("source") == "inferred")["rank"].unique().to_list())
-    if inferred:
-        notes.append(f"ranks {', '.join(map(str, inferred))}: operations from the schedule inferred from P2P order; "
-                     "their edges are the paired messages as for annotated ranks")
+    inferred = (sched.filter(pl.col("source") == "inferred").select(pl.col("rank").cast(pl.Int32),
+                                                                    pl.col("step").cast(pl.Int32)).unique())
     passes = pass_durations(analysis, step_f, unnumbered=True).filter(pl.col("phase").is_in(names.PASS_PHASES))
     others = sched.filter(pl.col("phase") == "optimizer").with_columns((pl.col("end_ns") - pl.col("start_ns"))
                                                                        .alias("d"))
@@ -284,27 +313,15 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
     # GPU ranks: an operation's work is its kernels' time (gpu_edges)
     ops, kernels = gpu_edges.on_gpu(analysis, ops, gpu)
     stage_of = dict(analysis.stages.select("rank", "stage").drop_nulls().iter_rows())
-    coll, n = _collectives(analysis, step_f, ops, stage_of, gpu)
-    notes += n
+    coll, coll_facts = _collectives(analysis, step_f, ops, stage_of, gpu)
     ops = (
         pl.concat([ops, coll.select(ops.columns)], how="vertical_relaxed")
         .sort("rank", "step", "start_ns", "end_ns")
         .with_columns(pl.int_range(pl.len()).over("rank", "step").cast(pl.Int32).alias("seq"))
     )
-    # the receiver's collective members that were dropped leave groups short: a group holds its members present
-    ops = ops.with_columns(pl.when(pl.col("group").is_not_null()).then(pl.len().over("group")).cast(pl.Int32)
-                           .alias("members"))
     ops, after = gpu_edges.lane_order(ops)  # operations of one rank on two streams at once
-    notes += gpu_edges.lane_notes(ops)
     win = analysis.steps.join(step_f, on="step").select("rank", "step", "start_ns", "end_ns")
-    pairs, n, complete = _pairs(analysis)
-    notes += n
-    ranks_all = sorted(analysis.attribution["rank"].unique().to_list())
-    # replicas only where the job has them: with messages left unpaired, the P2P graph's components are not the
-    # pipelines (each rank would be a "replica" of its own)
-    replica = (p2p.replica_of(ranks_all, pairs) if complete
-               else pl.DataFrame({"rank": ranks_all, "replica": [None] * len(ranks_all)},
-                                 schema={"rank": pl.Int32, "replica": pl.Int32}))
+    pairs, pair_facts = _pairs(analysis)
     # a rank's step ends with its last CPU work of the step (the host time after its last operation: zero_grad,
     # Python), not with its ProfilerStep span's end, which the replay does not read (docs/whatif.md)
     rank_steps = (
@@ -313,7 +330,7 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         .with_columns((pl.coalesce("_cpu_end", "_last") - pl.col("_last")).clip(lower_bound=0).alias("tail_ns"))
         .join(analysis.stages.select(pl.col("rank").cast(pl.Int32), pl.col("stage").cast(pl.Int32)), on="rank",
               how="left")
-        .join(replica, on="rank", how="left")
+        .with_columns(pl.lit(None, pl.Int32).alias("replica"))
         .select(list(RANK_STEPS)).cast(RANK_STEPS).sort("step", "rank")
     )
     edges, unpaired, sent = _edges(pairs.join(step_f, on="step"), ops, win)
@@ -329,16 +346,113 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
         after_receive, lag_wait = gpu_edges.stream_order(
             analysis, pl.concat([_arrivals(edges, ops, win), sent], how="horizontal"), gpu, after_receive, lag_wait,
             after_schema=AFTER_RECEIVE, wait_schema=LAG_WAIT, slack_ns=ARRIVAL_SLACK_NS)
+    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking, after))
+    ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
+    return GraphPart(ops=ops.select(*OPS, *WAIT, *LANE).cast({**OPS, **WAIT, **LANE}), edges=edges,
+                     ranks=rank_steps, steps=tuple(steps), blocking=blocking, after_receive=after_receive,
+                     lag_wait=lag_wait, after=after, unpaired=unpaired,
+                     links=pairs.select(pl.col("src").cast(pl.Int32), pl.col("dst").cast(pl.Int32)).unique(),
+                     pairs=pair_facts, inferred=inferred, collectives=coll_facts,
+                     no_p2p=data_parallel_only(analysis), gpu=tuple(gpu))
+
+
+def _renumber(frame: pl.DataFrame | None, new_of: pl.DataFrame, cols: tuple[str, ...]) -> pl.DataFrame | None:
+    """``frame``'s edge indices (``cols``: the step's message numbers) as ``new_of`` (step, _old, _new) maps them."""
+    if frame is None or frame.height == 0:
+        return frame
+    out = frame
+    for c in cols:
+        out = out.join(new_of.rename({"_old": c}), on=["step", c], how="left").drop(c).rename({"_new": c})
+    return out.select(frame.columns).cast(frame.schema)
+
+
+def assemble(parts: list[GraphPart], steps: list[int], *, path=None) -> StepGraph:
+    """The job's graph over ``steps`` (each part holds them) from the parts its ranks were built in: their frames
+    together (each part's edge numbers renumbered to the step's messages in the replay's order, step then
+    EDGE_ORDER), then what only the whole job tells — a collective without a process group taken as its stage's
+    where several ranks hold one (data-parallel), a collective's members and its work (what a member took after the
+    last one joined) over every part, the replicas (the P2P graph's components, where no message was left
+    unpaired), cycles, the notes. One part (``build``) and a job's pipeline groups (causal.group_graph) give the
+    same graph."""
+    steps = list(steps)
+    if not steps:
+        raise GraphError("the run has no measured step", path=path, fix="profile at least one complete step on every rank")
+    lacking = [p for p in parts if not set(steps) <= set(p.steps)]
+    if lacking:
+        r = lacking[0].ranks["rank"].unique().sort().to_list()
+        raise GraphError(f"ranks {', '.join(map(str, r[:8]))} were built over steps that are not all the job's "
+                         f"measured steps ({', '.join(map(str, steps))})", path=path,
+                         fix="build the graph over the measured steps")
+    step_f = pl.DataFrame({"step": steps}, schema={"step": pl.Int32})
+
+    def pick(frame):
+        return None if frame is None else frame.join(step_f, on="step", how="semi")
+
+    ops = pl.concat([pick(p.ops) for p in parts])
+    ranks = pl.concat([pick(p.ranks) for p in parts]).sort("step", "rank")
+    # the step's messages in the replay's order, across the parts (an edge's receiver is in one part)
+    numbered = [pick(p.edges).with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("_old"),
+                                           pl.lit(k, pl.Int32).alias("_part")) for k, p in enumerate(parts)]
+    edges = (pl.concat(numbered).sort(["step", *EDGE_ORDER], nulls_last=True, maintain_order=True)
+             .with_columns(pl.int_range(pl.len()).over("step").cast(pl.Int32).alias("_new")))
+    moved = [edges.filter(pl.col("_part") == k).select("step", "_old", "_new") for k in range(len(parts))]
+
+    def joined(attr: str, cols: tuple[str, ...]) -> pl.DataFrame | None:
+        frames = [_renumber(pick(getattr(p, attr)), moved[k], cols) for k, p in enumerate(parts)
+                  if getattr(p, attr) is not None]
+        return pl.concat(frames) if frames else None
+
+    blocking = joined("blocking", ("edge",))
+    after_receive = joined("after_receive", ("edge", "via"))
+    lag_wait = joined("lag_wait", ("edge",))
+    afters = [pick(p.after) for p in parts if p.after is not None]
+    after = pl.concat(afters) if afters else None
+    edges = edges.drop("_old", "_part", "_new")
+    # a collective no process group names: its stage's where several ranks of the job hold that stage
+    stage_of = ranks.select("rank", "stage").drop_nulls().unique()
+    several = stage_of.group_by("stage").agg(pl.len()).filter(pl.col("len") > 1)["stage"].to_list()
+    stage = pl.col("rank").replace_strict(dict(stage_of.iter_rows()), default=None)
+    scoped = pl.concat_str(pl.col("group").str.extract(r"^(\d+)\|all\|"), pl.lit("|stage "), stage.cast(pl.String),
+                           pl.col("group").str.replace(r"^\d+\|all", ""))
+    ops = ops.with_columns(pl.when(pl.col("group").str.contains(r"^\d+\|all\|") & stage.is_in(several))
+                           .then(scoped).otherwise("group").alias("group"))
+    # the receiver's collective members that were dropped leave groups short: a group holds its members present;
+    # each starts it when the last joins and works for what it took after that
+    grouped = pl.col("group").is_not_null()
+    ops = ops.with_columns(
+        pl.when(grouped).then(pl.len().over("group")).cast(pl.Int32).alias("members"),
+        pl.when(grouped).then((pl.col("end_ns") - pl.col("start_ns").max().over("group")).clip(lower_bound=0))
+        .otherwise("work_ns").alias("work_ns"),
+    ).sort("rank", "step", "seq")
+    facts = PairFacts.combined([p.pairs for p in parts])
+    ranks_all = ranks["rank"].unique().sort().to_list()
+    links = pl.concat([p.links for p in parts]).unique()
+    replica = (p2p.replica_of(ranks_all, links) if facts.complete
+               else pl.DataFrame({"rank": ranks_all, "replica": [None] * len(ranks_all)},
+                                 schema={"rank": pl.Int32, "replica": pl.Int32}))
+    ranks = ranks.drop("replica").join(replica, on="rank", how="left").select(list(RANK_STEPS)).cast(RANK_STEPS)
+    notes: list[str] = []
+    inferred = pl.concat([p.inferred for p in parts]).join(step_f, on="step", how="semi")["rank"].unique().sort()
+    if inferred.len():
+        notes.append(f"ranks {', '.join(map(str, inferred.to_list()))}: operations from the schedule inferred from P2P "
+                     "order; their edges are the paired messages as for annotated ranks")
+    n_coll, n_named = (sum(p.collectives[i] for p in parts) for i in (0, 1))
+    if n_coll and not n_named:
+        notes.append("the traces name no process group for their collectives: a collective's members are taken as "
+                     "the ranks of its stage where several ranks hold one (data-parallel), else every rank that runs "
+                     "it (the k-th of the step with the same name)")
+    notes += gpu_edges.lane_notes(ops)
+    notes += facts.notes()
+    unpaired = int(pl.concat([p.unpaired for p in parts]).join(step_f, on="step", how="semi")["n"].sum())
     if unpaired:
         notes.append(f"{unpaired} messages have no operation on one side in their step (sent before the sender's first "
                      "operation or arriving after the receiver's last): not in the graph")
-    ops = _busy_in_gaps(analysis, _gaps(ops, edges, win, blocking, after))
-    ops = gpu_edges.split_gaps(analysis, ops, kernels, gpu, time_inside=_time_inside)  # launch → kernel
     waits = (ops.filter(pl.col("wait_ns") > 0).group_by("rank").agg(pl.col("wait_ns").sum()).sort("rank"))
     if waits.height:
+        gpu = {r for p in parts for r in p.gpu}
         per_rank = ", ".join(f"rank {r} {w / NS_PER_MS:,.3f} ms" for r, w in waits.iter_rows())
         on_gpu = (" (on a GPU rank: its GPU sat idle with the next kernel launched already)"
-                  if set(waits["rank"].to_list()) & set(gpu) else "")
+                  if set(waits["rank"].to_list()) & gpu else "")
         notes.append(f"waits no edge explains (the rank ran nothing on its CPU{on_gpu} and no message, collective or "
                      f"earlier operation of the graph held it): {per_rank} over the steps replayed; they are not work "
                      "— the replay shrinks them as the step's work shrinks (docs/whatif.md \"No frozen time\")")
@@ -352,54 +466,93 @@ def build(analysis, steps: list[int] | None = None) -> StepGraph:
                      "depend on (an edge the timeline contradicts): their replay starts late")
     return StepGraph(ops=ops.select(*OPS, *WAIT, *LANE).cast({**OPS, **WAIT, **LANE}), edges=edges,
                      blocking=blocking, after_receive=after_receive, lag_wait=lag_wait, after=after,
-                     ranks=rank_steps, steps=tuple(steps),
-                     notes=tuple(notes), unpaired=unpaired, data_parallel=data_parallel_only(analysis))
+                     ranks=ranks.sort("step", "rank"), steps=tuple(steps), notes=tuple(notes), unpaired=unpaired,
+                     data_parallel=all(p.no_p2p for p in parts))
 
 
-def _pairs(analysis) -> tuple[pl.DataFrame, list[str], bool]:
+# What ``_pairs`` found, summed over the parts of a job (``assemble`` says it): messages naming no peer, given one from
+# the schedule, of them between stages of several ranks and not given one (ambiguous), the pairs made from them, those
+# pairs the timeline contradicts, and whether any message still names no peer
+PAIR_COUNTS = ("missing", "given", "by_place", "ambiguous", "pairs", "late")
+
+
+@dataclass(frozen=True)
+class PairFacts:
+    """``_pairs``' counts (PAIR_COUNTS), its messages with no counterpart (rank, dir, len) and whether a message still
+    names no peer: what the graph's notes and the replicas' rule (``complete``) read, summable over parts."""
+
+    counts: dict
+    unmatched: pl.DataFrame
+    no_peer: bool = False
+
+    @staticmethod
+    def combined(facts: list[PairFacts]) -> PairFacts:
+        un = pl.concat([f.unmatched for f in facts]) if facts else _NO_UNMATCHED
+        return PairFacts(counts={k: sum(f.counts.get(k, 0) for f in facts) for k in PAIR_COUNTS},
+                         unmatched=un.group_by("rank", "dir").agg(pl.col("len").sum()).sort("rank", "dir"),
+                         no_peer=any(f.no_peer for f in facts))
+
+    @property
+    def complete(self) -> bool:
+        """No message left unpaired for want of a peer: the P2P graph's components are the pipelines."""
+        return self.counts.get("missing", 0) == self.counts.get("given", 0) and not (
+            self.unmatched.height and self.no_peer)
+
+    def notes(self) -> list[str]:
+        c, notes = self.counts, []
+        if c.get("missing"):
+            notes.append(f"{c['missing']} P2P messages name no peer (profiled without record_shapes): "
+                         f"{c['given']} were given the rank of the adjacent stage their pass sends to or receives "
+                         f"from, and paired in order between the two ranks ({c['pairs']} pairs)"
+                         + (f"; {c['by_place']} of them between stages held by several ranks, the i-th rank of "
+                            "one stage taken to talk to the i-th of the next (rank = stage · dp + replica)"
+                            if c.get("by_place") else "")
+                         + (f"; {c['ambiguous']} not, their adjacent stage being held by several ranks (which "
+                            "replica is not in the trace)" if c.get("ambiguous") else ""))
+            if c.get("late"):  # a receive cannot return before its send was posted: the pairing by order is contradicted
+                notes.append(f"{c['late']} of those pairs end their receive before the send was posted: the peers "
+                             "taken from the schedule contradict the timeline there (their edges are kept, and counted "
+                             "as contradicted where they start an operation late)")
+        un = self.unmatched
+        if un.height:
+            total = int(un["len"].sum())
+            said = ", ".join(f"rank {r}: {n} {d}{'s' if n > 1 else ''}" for r, d, n in un.rows())
+            notes.append(f"{total} P2P messages have no counterpart ({said}): the graph holds no edge for "
+                         "them, so what they made their receivers wait for is a wait no edge explains, and a what-if "
+                         "does not move it with its sender")
+        return notes
+
+
+_NO_UNMATCHED = pl.DataFrame(schema={"rank": pl.Int32, "dir": pl.String, "len": pl.UInt32})
+
+
+def _pairs(analysis) -> tuple[pl.DataFrame, PairFacts]:
     """The messages the graph's edges are made of: the analysis' pairs, and where the traces name no peer
     (torch.profiler's defaults: record_shapes off) the same messages with the peer of each taken from the schedule
-    (``p2p.peers_from_schedule``) and paired again. Returns (pairs, notes, complete: no message left unpaired for
-    want of a peer). Every message left unpaired is said: the graph holds no edge for it."""
+    (``p2p.peers_from_schedule``) and paired again. Returns (pairs, what was found: ``PairFacts``, whose notes say
+    every message left unpaired: the graph holds no edge for it)."""
     ev = analysis.events
+    none = PairFacts(counts={}, unmatched=_NO_UNMATCHED)
     if ev is None:
-        return analysis.p2p, [], True
+        return analysis.p2p, none
     comm = ev.lazy().filter(pl.col("comm_dir").is_not_null() & pl.col("step").is_not_null())
     if comm.select(pl.len()).collect(**iv.COLLECT).item() == 0:
-        return analysis.p2p, [], True
+        return analysis.p2p, none
     msgs = p2p.messages(ev, p2p.bpipe_groups(analysis.run.traces))
     config = analysis.config
-    notes: list[str] = []
     counts = {"missing": 0}
     if msgs["peer"].null_count():
         msgs, counts = p2p.peers_from_schedule(msgs, analysis.schedule)
     pairs, unmatched, _, _ = p2p.pair(msgs, link_bytes_per_s=p2p.link_bandwidth(config),
                                       ceiling=p2p.transfer_ceiling(config))
-    if counts["missing"]:
-        notes.append(f"{counts['missing']} P2P messages name no peer (profiled without record_shapes): "
-                     f"{counts['given']} were given the rank of the adjacent stage their pass sends to or receives "
-                     f"from, and paired in order between the two ranks ({pairs.height} pairs)"
-                     + (f"; {counts['by_place']} of them between stages held by several ranks, the i-th rank of "
-                        "one stage taken to talk to the i-th of the next (rank = stage · dp + replica)"
-                        if counts["by_place"] else "")
-                     + (f"; {counts['ambiguous']} not, their adjacent stage being held by several ranks (which "
-                        "replica is not in the trace)" if counts["ambiguous"] else ""))
-        late = pairs.filter(pl.col("recv_end_ns") < pl.col("send_start_ns")).height if pairs.height else 0
-        if late:  # a receive cannot return before its send was posted: the pairing by order is contradicted
-            notes.append(f"{late} of those pairs end their receive before the send was posted: the peers taken "
-                         "from the schedule contradict the timeline there (their edges are kept, and counted as "
-                         "contradicted where they start an operation late)")
-    else:
+    counts = {**counts, "pairs": pairs.height if counts["missing"] else 0,
+              "late": (pairs.filter(pl.col("recv_end_ns") < pl.col("send_start_ns")).height
+                       if counts["missing"] and pairs.height else 0)}
+    if not counts["missing"]:
         pairs = analysis.p2p  # (the same pairs: the analysis made them from the same messages)
-    if unmatched.height:
-        per = unmatched.group_by("rank", "dir").agg(pl.len()).sort("rank", "dir")
-        said = ", ".join(f"rank {r}: {n} {d}{'s' if n > 1 else ''}" for r, d, n in per.rows())
-        notes.append(f"{unmatched.height} P2P messages have no counterpart ({said}): the graph holds no edge for "
-                     "them, so what they made their receivers wait for is a wait no edge explains, and a what-if "
-                     "does not move it with its sender")
-    complete = counts["missing"] == counts.get("given", 0) and not (
-        unmatched.height and msgs["peer"].null_count())
-    return pairs, notes, complete
+    per = (unmatched.group_by("rank", "dir").agg(pl.len()).cast(_NO_UNMATCHED.schema) if unmatched.height
+           else _NO_UNMATCHED)
+    return pairs, PairFacts(counts=counts, unmatched=per, no_peer=bool(msgs["peer"].null_count()))
 
 
 def _order_cycles(ops: pl.DataFrame) -> tuple[pl.DataFrame, str | None]:
@@ -444,11 +597,13 @@ def _last_cpu(analysis, steps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[pl.DataFrame, int, pl.DataFrame]:
+def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame
+           ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Every message's producer, consumer and anchor (module docstring) with its lags and transfer, in the replay's
-    order (step, EDGE_ORDER); the number left out; each kept one's send span (send_start_ns, send_end_ns)."""
+    order (step, EDGE_ORDER); the number left out per step (UNPAIRED); each kept one's send span (send_start_ns,
+    send_end_ns)."""
     if pairs.height == 0:
-        return pl.DataFrame(schema=EDGES), 0, pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64,
+        return pl.DataFrame(schema=EDGES), pl.DataFrame(schema=UNPAIRED), pl.DataFrame(schema={"send_start_ns": pl.Int64, "send_end_ns": pl.Int64,
                                                                    "recv_post_ns": pl.Int64, "recv_end_ns": pl.Int64})
     by_start = ops.select("rank", "step", "seq", "start_ns", "end_ns").sort("start_ns")
     # an operation's work starts at end − work (a collective's at its span's start)
@@ -473,7 +628,7 @@ def _edges(pairs: pl.DataFrame, ops: pl.DataFrame, win: pl.DataFrame) -> tuple[p
         .join(start, on=["dst", "step"], how="left")
     )
     keep = pl.col("src_seq").is_not_null() & pl.col("dst_seq").is_not_null()
-    unpaired = e.filter(~keep).height
+    unpaired = e.filter(~keep).group_by("step").agg(pl.len().alias("n")).cast(UNPAIRED)
     # The message's time from both sides posted to its consumer starting work is the edge's (its transfer): where
     # the receive returned later than its bytes take (gloo waiting on its peer's progress: p2p.pair's split), the
     # wait is this message's, not the consumer's host time, and it goes with the message (docs/whatif.md) — but

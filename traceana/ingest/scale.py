@@ -74,8 +74,9 @@ def ingest_rank(task: RankTask) -> dict[str, Any]:
     return ingest_rank_events(task)[0]
 
 
-def ingest_rank_events(task: RankTask) -> tuple[dict[str, Any], pl.DataFrame]:
-    """``ingest_rank``'s summary, and the rank's events (for a caller that derives more from them in the worker)."""
+def ingest_rank_events(task: RankTask) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
+    """``ingest_rank``'s summary, and the rank's events and its traces row (for a caller that derives more from them
+    in the worker)."""
     from traceana.ingest.kineto import read_trace
 
     events, memory, row = read_trace(task.trace)
@@ -87,7 +88,7 @@ def ingest_rank_events(task: RankTask) -> tuple[dict[str, Any], pl.DataFrame]:
         _write_partition(frame.drop(PARTITION_KEY), Path(task.out_dir) / table / f"{PARTITION_KEY}={rank}", name)
     return {"rank": rank, "trace": task.trace, "rank_source": row.get("rank_source"),
             "world_size": row.get("world_size"), "events": events.height, "memory": memory.height,
-            "warnings": list(row.get("warnings", ()))}, events
+            "warnings": list(row.get("warnings", ()))}, events, traces
 
 
 def _write_partition(frame: pl.DataFrame, folder: Path, name: str) -> None:

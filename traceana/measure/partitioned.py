@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings as pywarnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import polars as pl
 
@@ -37,7 +37,9 @@ from traceana.core.names import NameRules
 from traceana.ingest import scale
 from traceana.ingest import Run
 from traceana.measure.classify import rank_summary
+from traceana.ingest.process_groups import process_groups
 from traceana.measure.p2p import pipeline_groups
+from traceana.measure.schedule import PIPELINE_GROUP_DESCS
 from traceana.measure.reconcile import run_config, run_facts
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
@@ -65,6 +67,9 @@ class GroupTask:
     ranks: tuple[int, ...]
     peak_flops: float | None = None
     name_rules: names.NameRules = names.DEFAULT_RULES
+    # what else the worker makes of the group's Analysis, with its events (a module-level function, picklable;
+    # causal.group_graph's part of the step's graph): its result comes back as the group's ``extra``
+    extra: Callable[[Any], Any] | None = None
 
 
 def p2p_peers(events: pl.DataFrame) -> list[int]:
@@ -77,11 +82,18 @@ def p2p_peers(events: pl.DataFrame) -> list[int]:
     return sorted(int(p) for p in events["peer"].drop_nulls().unique().to_list())
 
 
+def pipeline_peers(traces: pl.DataFrame, rank: int) -> list[int]:
+    """The other ranks of ``rank``'s pipeline where its trace's process groups name one (``schedule.PIPELINE_GROUP_DESCS``:
+    megatron-core's): its P2P partners even where its messages name no peer (torch.profiler's defaults)."""
+    groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
+    return sorted({int(r) for ranks in groups["ranks"].to_list() if rank in ranks for r in ranks} - {rank})
+
+
 def ingest_rank(task: scale.RankTask) -> dict[str, Any]:
     """Round 1 in a worker: ``scale.ingest_rank`` (one rank's partitions), plus ``peers``: the ranks its events
-    name as P2P peers."""
-    summary, events = scale.ingest_rank_events(task)
-    return {**summary, "peers": p2p_peers(events)}
+    name as P2P peers, and those of its pipeline process group (``pipeline_peers``)."""
+    summary, events, traces = scale.ingest_rank_events(task)
+    return {**summary, "peers": sorted(set(p2p_peers(events)) | set(pipeline_peers(traces, summary["rank"])))}
 
 
 def analyze_group(task: GroupTask) -> dict[str, Any]:
@@ -95,7 +107,8 @@ def analyze_group(task: GroupTask) -> dict[str, Any]:
     tables["stages"] = result.stages
     tables["rank_summary"] = rank_summary(run)
     tables["segments"] = result.segments
-    return {"ranks": task.ranks, "tables": tables, "notes": list(result.notes)}
+    extra = task.extra(result) if task.extra is not None else None
+    return {"ranks": task.ranks, "tables": tables, "notes": list(result.notes), "extra": extra}
 
 
 def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.Map = map,
@@ -107,6 +120,15 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
     Its tables equal ``analyze(load_run(run_dir))``'s up to row order and the caveats in docs/performance.md;
     ``events`` is None (the classified events stay in the workers) and ``run`` holds the traces table only.
     """
+    return analyze_partitioned_with(run_dir, out_dir, map=map, peak_flops=peak_flops, names=names,
+                                    **old_keywords)[0]
+
+
+def analyze_partitioned_with(run_dir: str | Path, out_dir: str | Path, *, extra: Callable[[Any], Any] | None = None,
+                             map: scale.Map = map, peak_flops: float | None = None,
+                             names: str | Path | NameRules | None = None, **old_keywords) -> tuple[Any, list]:
+    """``analyze_partitioned``, and per pipeline group (in the groups' order) what ``extra`` made of the group's
+    Analysis in its worker, while the events were there (``GroupTask.extra``; None without ``extra``)."""
     from traceana.measure.analysis import Analysis, _mfu, stage_table
     from traceana.ingest.run_dir import IngestWarning
     from traceana.measure.analysis_cache import run_name_rules
@@ -125,7 +147,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
                        key=lambda r: (r["rank"], r["trace"]))
     scale.finish_dataset(run_dir, out, summaries)
     groups = pipeline_groups({r["rank"]: r["peers"] for r in summaries})
-    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops, rules) for g in groups]))
+    results = list(map(analyze_group, [GroupTask(str(out), g, peak_flops, rules, extra) for g in groups]))
 
     tables = {}
     for name in (*TABLE_ORDER, "stages"):
@@ -163,7 +185,7 @@ def analyze_partitioned(run_dir: str | Path, out_dir: str | Path, *, map: scale.
         stream_time=tables["stream_time"], peak_flops=peak_flops,
     )
     out.__dict__.update(config=config, per_rank_step=per_rank_step)  # (the ones MFU and the stage table used)
-    return out
+    return out, [r["extra"] for r in results]
 
 
 def dask_map(client) -> scale.Map:
