@@ -95,3 +95,55 @@ def test_a_refused_part_is_the_graphs_one_line_error(tmp_path):
     refused = group_graph.PartRefused("ranks 1 has no schedule", "profile with the PP: annotations")
     with pytest.raises(graph.GraphError, match="no schedule"):
         group_graph.assemble_parts([refused], [1], path=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c:
+        yield c.scheduler_address
+
+
+def _copy(name: str, tmp_path: Path) -> str:  # (the cluster's partitions go under the run: a copy, not tests/data)
+    import shutil
+
+    return str(shutil.copytree(DATA / name / "run", tmp_path / "run"))
+
+
+def test_whatif_per_group_on_a_cluster_is_the_one_process_whatif(cluster, tmp_path, capsys):
+    import json
+
+    from traceana.cli import main
+
+    run = _copy("megatron-dp2-steps6-defaults-sleep-1", tmp_path)
+    out = []
+    for extra in ([], ["--per-group", "--dask", cluster]):
+        assert main(["whatif", run, "--no-cache", "--json", *extra]) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    one, per = out
+    assert "the variants replayed one pipeline group a task: 2 groups of 2 ranks" in per["notes"]
+    # everything but the notes (the variants' one; the peers by place, as above) and the run's path
+    for d in (one, per):
+        d.pop("notes")
+        d.pop("run")
+    assert per == one
+
+
+def test_analyze_on_a_cluster_diagnoses_as_in_one_process(cluster, tmp_path):
+    from traceana.commands.analyze_run import load_and_analyze as command_analysis
+
+    run = _copy("megatron-dp2-steps6-defaults-sleep-1", tmp_path)
+    one = command_analysis(run, peak_flops=None, workers=None, cache=False, progress=False).summary
+    per = command_analysis(run, peak_flops=None, workers=None, cache=False, progress=False, dask=cluster).summary
+    assert per.diagnosed and per.diagnosis is not None and not per.diagnosis.startswith("no what-if")
+    assert (per.diagnosis, per.bottleneck) == (one.diagnosis, one.bottleneck)
+    assert per.per_stage.select("stage", "straggler", "straggler_rank").equals(
+        one.per_stage.select("stage", "straggler", "straggler_rank"))
+
+
+def test_analyze_on_a_cluster_says_why_it_has_no_diagnosis(cluster, tmp_path):
+    from traceana.commands.analyze_run import load_and_analyze as command_analysis
+
+    run = _copy("deepspeed-dp2-defaults-none-0", tmp_path)
+    per = command_analysis(run, peak_flops=None, workers=None, cache=False, progress=False, dask=cluster).summary
+    assert per.diagnosis.startswith("no what-if: ") and "are not its pipelines" in per.diagnosis

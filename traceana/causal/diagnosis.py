@@ -28,21 +28,24 @@ WHATIF_MAX_OPERATIONS = 300_000
 NO_WHATIF = "no what-if: "  # how a diagnosis begins where none could be made (then nobody is named: not known)
 
 
-def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | None, dict | None,
-                                                        pl.DataFrame | None, pl.DataFrame | None]:
+def named_by_whatif(analysis, steps: list[int], graph=None) -> tuple[pl.DataFrame, str | None, dict | None,
+                                                                     pl.DataFrame | None, pl.DataFrame | None]:
     """Per stage the straggler the what-if names (stage, straggler: its replica, straggler_rank, if_ideal_step_ms),
     the diagnosis, the bottleneck and the time on the critical path; an empty table and the reason where no what-if
-    can run."""
+    can run. ``graph``: the measured steps' graph where it was built already (causal.group_graph: one pipeline group
+    a task, for an analysis assembled without its events), or the GraphError that building it gave."""
     # (cost: the graph, the engine and the what-if only where a diagnosis runs: --no-whatif, validate, watch load none)
     from traceana.causal.graph import build
     from traceana.causal.whatif import whatif
 
     empty = pl.DataFrame(schema={"stage": pl.Int32, "straggler": pl.Int32, "straggler_rank": pl.Int32,
                                  "if_ideal_step_ms": pl.Float64})
-    if analysis.events is None:
-        return empty, None, None, None, None  # (assembled without its events: the collectives are not known)
+    if isinstance(graph, TraceanaError):
+        return empty, f"{NO_WHATIF}{graph.what}", None, None, None
+    if graph is None and analysis.events is None:
+        return empty, None, None, None, None  # (assembled without its events and no graph: the collectives unknown)
     try:
-        g = build(analysis, steps)
+        g = graph if graph is not None else build(analysis, steps)
         if g.ops.height > WHATIF_MAX_OPERATIONS:
             return empty, (f"{NO_WHATIF}not run here for {g.ops.height:,} operations (more than "
                            f"{WHATIF_MAX_OPERATIONS:,}): traceana whatif RUN_DIR runs it"), None, None, None
@@ -59,15 +62,15 @@ def named_by_whatif(analysis, steps: list[int]) -> tuple[pl.DataFrame, str | Non
     return table, w.summary["diagnosis"], w.summary["bottleneck"], w.path_time, w.paths
 
 
-def diagnose(analysis) -> RunSummary:
+def diagnose(analysis, graph=None) -> RunSummary:
     """The analysis' summary with the diagnosis in: the straggler columns of ``per_stage``, ``diagnosis``,
     ``bottleneck``, ``critical_path`` and ``path`` (``diagnosed`` True). Kept as the analysis' summary
     (``Analysis.keep_summary``), so the report, export and the analysis cache read the same; asked again, it is
-    returned as kept."""
+    returned as kept. ``graph``: as ``named_by_whatif``'s."""
     s = analysis.summary
     if s.diagnosed:
         return s
-    named, line, bottleneck, path_time, path = named_by_whatif(analysis, list(s.steps))
+    named, line, bottleneck, path_time, path = named_by_whatif(analysis, list(s.steps), graph)
     per_stage = s.per_stage.drop(list(WHATIF_COLUMNS)).join(named, on="stage", how="left", nulls_equal=True)
     return analysis.keep_summary(replace(s, per_stage=per_stage, diagnosis=line, bottleneck=bottleneck,
                                          critical_path=path_time, path=path, diagnosed=True))

@@ -34,21 +34,27 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
     rules = run_name_rules(path, names)  # a bad rules file is refused before any trace is read
     if dask is not None:
         # (cost: the partitioned analysis and its Dask client only for --dask)
-        from traceana.measure import partitioned
-        from traceana.ingest.cache import CACHE_DIR
-
-        if not Path(path).is_dir():
-            raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
-                                fix="pass the folder of the run's traces, or drop --dask")
-        with partitioned.connect(dask) as client:
-            result = partitioned.analyze_partitioned(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
-                                                     map=partitioned.dask_map(client), peak_flops=peak_flops,
-                                                     names=rules)
+        result, graph = analyze_on_cluster(path, dask, peak_flops=peak_flops, names=rules)
         if diagnose:
-            diagnosis.diagnose(result)
+            diagnosis.diagnose(result, graph)
         return result
     return cached(path, peak_flops=peak_flops, workers=workers, cache=cache, progress=progress, names=rules,
                   diagnose=diagnosis.diagnose if diagnose else None)
+
+
+def analyze_on_cluster(path: str, dask: str, *, peak_flops: float | None, names):
+    """``causal.group_graph.analyze_with_graph`` on the dask.distributed cluster at ``dask`` (a scheduler address):
+    (the analysis, one pipeline group a task, and the measured steps' graph or the GraphError building it gave)."""
+    from traceana.causal import group_graph
+    from traceana.ingest.cache import CACHE_DIR
+    from traceana.measure import partitioned
+
+    if not Path(path).is_dir():
+        raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
+                            fix="pass the folder of the run's traces, or drop --dask")
+    with partitioned.connect(dask) as client:
+        return group_graph.analyze_with_graph(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
+                                              map=partitioned.dask_map(client), peak_flops=peak_flops, names=names)
 
 
 def _finish_ahead() -> None:

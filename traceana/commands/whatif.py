@@ -67,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replicas are not known is refused (default: in one process)")
     p.add_argument("--dask", metavar="ADDRESS",
                    help="with --per-group: run the groups' tasks on a dask.distributed cluster (e.g. "
-                        "tcp://host:8786) (default: one after another in this process)")
+                        "tcp://host:8786): the analysis and the measured step's graph one pipeline group a task "
+                        "too, so this process never holds a trace's events (causal.group_graph; docs/whatif.md "
+                        "\"Per pipeline group\") (default: one after another in this process)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     options.names(p)
     options.reading(p)
@@ -179,17 +181,22 @@ def run(args: argparse.Namespace) -> int:
                             fix="add --per-group, or drop --dask")
     layers = None if args.layers_per_stage is None else parse_layers(args.layers_per_stage)  # (before reading, too)
     progress = not args.quiet and not args.json and sys.stderr.isatty()
-    analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers, cache=not args.no_cache,
-                                progress=progress, names=args.names, diagnose=False)  # (it runs the what-ifs itself)
-    if not args.per_group:
-        w = whatif(analysis, changes)
-    elif args.dask is None:
-        w = whatif(analysis, changes, per_group=map)
-    else:
+    graph = None
+    if args.dask is None:
+        analysis = load_and_analyze(str(args.run_dir), peak_flops=None, workers=args.workers,
+                                    cache=not args.no_cache, progress=progress, names=args.names,
+                                    diagnose=False)  # (it runs the what-ifs itself)
+        w = whatif(analysis, changes, per_group=map if args.per_group else None)
+    else:  # on the cluster: the analysis and the graph one pipeline group a task, then the variants too
+        from traceana.commands.analyze_run import analyze_on_cluster
+        from traceana.core.errors import TraceanaError
         from traceana.measure import partitioned
 
+        analysis, graph = analyze_on_cluster(str(args.run_dir), args.dask, peak_flops=None, names=args.names)
+        if isinstance(graph, TraceanaError):
+            raise graph
         with partitioned.connect(args.dask) as client:
-            w = whatif(analysis, changes, per_group=partitioned.dask_map(client))
+            w = whatif(analysis, changes, graph=graph, per_group=partitioned.dask_map(client))
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
         from traceana.validation.plan import plan_whatif
@@ -197,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_whatif(analysis, schedule=args.schedule, microbatches=args.microbatches,
                            bpipe=None if args.bpipe is None else args.bpipe == "on",
                            recompute=None if args.recompute is None else args.recompute == "on",
-                           layers_per_stage=layers)
+                           layers_per_stage=layers, graph=graph)
     if args.json:
         print(json.dumps({**w.as_dict(), "plan": plan}, indent=2, default=str))
     else:
