@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import pytest
 
+from collect_refusal import assert_collect_refused
 from collected_runs import RUNS
-from traceana.cli import main
 from traceana.core.errors import ConfigError
 from traceana.core.manifest import Manifest, Workload
 from traceana.core.pipeline_rules import plan_refusal
@@ -43,11 +43,7 @@ SLEEP = ["--work", "sleep", "--forward-ms", "2", "--backward-ms", "4"]
     (["--slow-layer", "1:2"], "--slow-layer describes the known workload"),
 ])
 def test_a_bad_split_or_layer_hold_is_one_line_and_exit_2_before_anything_is_written(argv, says, tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["collect", "--pp", "4", *argv, "-o", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert says in err and "\n" not in err and "Traceback" not in err, err
-    assert not out.exists()
+    assert_collect_refused(argv, says, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("split", [(3, 2, 2, 1), (2, 2, 2, 2), (1, 1, 1, 5), (8, 0, 0, 0), (3, 2, 2), (2, 2, 2, 3),

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
+from collect_refusal import assert_collect_refused
 from collected_runs import RUNS
 from schedule_truth import waited_between_holds_ms
-from traceana.cli import main
 from traceana.core.errors import BadInputError
 from traceana.core.manifest import Manifest, Workload
 
@@ -44,11 +44,7 @@ SLEEP = ["--work", "sleep", "--forward-ms", "20", "--backward-ms", "40"]
     ([*SLEEP, "--schedule", "interleaved-1f1b", "--pp", "4", "--slow-stage", "4:2"], "names no stage"),
 ])
 def test_a_bad_workload_flag_is_one_line_and_exit_2_before_anything_is_written(argv, says, tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["collect", "--pp", "4", *argv, "-o", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert says in err and "\n" not in err and "Traceback" not in err, err
-    assert not out.exists()
+    assert_collect_refused(argv, says, tmp_path, capsys)
 
 
 def test_run_json_records_the_workload_in_typed_fields_and_refuses_a_bad_one():
