@@ -14,6 +14,7 @@ graph (ops, edges, ranks hashed after sorting). Asserts nothing (benchmarks are 
 printed beside the figures (CPU seconds are the figure to compare on a shared machine).
 
     .venv/bin/python tests/benchmarks/bench_group_graph.py /work/bigmem_runs/r1024
+    .venv/bin/python tests/benchmarks/bench_group_graph.py RUN_16K --modes groups --max-mib 16000
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,30 +57,57 @@ print(json.dumps({"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter
 '''
 
 
-def child(mode: str, run: Path, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "POLARS_MAX_THREADS": os.environ.get("POLARS_MAX_THREADS", "2")}
-    got = subprocess.run([sys.executable, "-c", CHILD, mode, str(run), str(out)], capture_output=True, text=True,
-                         env=env, check=False)
-    if got.returncode:
-        raise SystemExit(f"{mode}: {got.stderr.strip().splitlines()[-1] if got.stderr.strip() else got.returncode}")
-    return json.loads(got.stdout.strip().splitlines()[-1])
+def child(mode: str, run: Path, out: Path, max_mib: float | None) -> dict | None:
+    """One mode in a process of its own; None where it passed ``max_mib`` of RSS (killed: the machine is shared)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(run), str(out)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    killed: list[float] = []
+
+    def watch() -> None:
+        while p.poll() is None:
+            try:
+                rss = next(int(ln.split()[1]) / 1024 for ln in open(f"/proc/{p.pid}/status")
+                           if ln.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                return
+            if max_mib is not None and rss > max_mib:
+                killed.append(rss)
+                p.kill()
+                return
+            time.sleep(0.5)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    stdout, stderr = p.communicate()
+    t.join()
+    if killed:
+        print(f"  {mode}: killed at {killed[0]:,.0f} MiB RSS (over --max-mib {max_mib:,.0f})")
+        return None
+    if p.returncode:
+        raise SystemExit(f"{mode}: {stderr.strip().splitlines()[-1] if stderr.strip() else p.returncode}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--modes", default="one,groups", help="which children to run, in order (default: one,groups)")
+    ap.add_argument("--max-mib", type=float, default=None, help="kill a child whose RSS passes this")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_group_graph") as tmp:
-        res = {m: child(m, args.run_dir, Path(tmp) / "parts") for m in ("one", "groups")}
+        res = {m: child(m, args.run_dir, Path(tmp) / "parts", args.max_mib) for m in args.modes.split(",")}
     load1 = os.getloadavg()[0]
-    print(f"{args.run_dir}: {res['one']['ops']:,} operations; load average {load0:.1f} → {load1:.1f} on "
-          f"{os.cpu_count()} cores")
+    ops = next((r["ops"] for r in res.values() if r), None)
+    print(f"{args.run_dir}: {ops or 0:,} operations; load average {load0:.1f} → {load1:.1f} on {os.cpu_count()} cores")
     for m, r in res.items():
-        print(f"  {m:6s}  {r['cpu_s']:7.1f} CPU-s  {r['wall_s']:7.1f} s wall  peak {r['peak_mib']:8,.0f} MiB")
-    one, grp = res["one"], res["groups"]
-    print(f"  groups / one: CPU {grp['cpu_s'] / one['cpu_s']:.2f}x, peak {grp['peak_mib'] / one['peak_mib']:.2f}x; "
-          f"same graph: {one['hash'] == grp['hash']}")
+        if r:
+            print(f"  {m:6s}  {r['cpu_s']:7.1f} CPU-s  {r['wall_s']:7.1f} s wall  peak {r['peak_mib']:8,.0f} MiB")
+    one, grp = res.get("one"), res.get("groups")
+    if one and grp:
+        print(f"  groups / one: CPU {grp['cpu_s'] / one['cpu_s']:.2f}x, peak {grp['peak_mib'] / one['peak_mib']:.2f}x; "
+              f"same graph: {one['hash'] == grp['hash']}")
     return 0
 
 
