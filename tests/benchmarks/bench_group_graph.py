@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         res = {m: child(m, args.run_dir, Path(tmp) / "parts", args.max_mib) for m in args.modes.split(",")}
     load1 = os.getloadavg()[0]
     ops = next((r["ops"] for r in res.values() if r), None)
-    print(f"{args.run_dir}: {ops or 0:,} operations; load average {load0:.1f} → {load1:.1f} on {os.cpu_count()} cores")
+    print(f"{args.run_dir}: {ops or 0:,} operations; load average {load0:.1f} → {load1:.1f} on "
+          f"{os.cpu_count()} cores")
     for m, r in res.items():
         if r:
             print(f"  {m:6s}  {r['cpu_s']:7.1f} CPU-s  {r['wall_s']:7.1f} s wall  peak {r['peak_mib']:8,.0f} MiB")

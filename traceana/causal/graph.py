@@ -376,7 +376,8 @@ def assemble(parts: list[GraphPart], steps: list[int], *, path=None) -> StepGrap
     same graph."""
     steps = list(steps)
     if not steps:
-        raise GraphError("the run has no measured step", path=path, fix="profile at least one complete step on every rank")
+        raise GraphError("the run has no measured step", path=path,
+                         fix="profile at least one complete step on every rank")
     lacking = [p for p in parts if not set(steps) <= set(p.steps)]
     if lacking:
         r = lacking[0].ranks["rank"].unique().sort().to_list()

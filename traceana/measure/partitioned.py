@@ -83,8 +83,9 @@ def p2p_peers(events: pl.DataFrame) -> list[int]:
 
 
 def pipeline_peers(traces: pl.DataFrame, rank: int) -> list[int]:
-    """The other ranks of ``rank``'s pipeline where its trace's process groups name one (``schedule.PIPELINE_GROUP_DESCS``:
-    megatron-core's): its P2P partners even where its messages name no peer (torch.profiler's defaults)."""
+    """The other ranks of ``rank``'s pipeline where its trace's process groups name one
+    (``schedule.PIPELINE_GROUP_DESCS``: megatron-core's): its P2P partners even where its messages name no peer
+    (torch.profiler's defaults)."""
     groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
     return sorted({int(r) for ranks in groups["ranks"].to_list() if rank in ranks for r in ranks} - {rank})
 
