@@ -27,9 +27,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+from guarded_child import run_guarded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,29 +123,10 @@ def load() -> str:
 
 def child(tree: Path, run_dir: Path, mode: str, max_mib: float | None) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir), mode], env=env, cwd=tree,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = []
-
-    def guard() -> None:
-        while p.poll() is None:
-            try:
-                rss = next(int(ln.split()[1]) / 1024 for ln in open(f"/proc/{p.pid}/status")
-                           if ln.startswith("VmRSS:"))
-            except (OSError, StopIteration):
-                return
-            if max_mib is not None and rss > max_mib:
-                killed.append(rss)
-                p.kill()
-                return
-            time.sleep(0.2)
-
-    t = threading.Thread(target=guard, daemon=True)
-    t.start()
-    stdout, stderr = p.communicate()
-    t.join()
-    if killed:
-        print(f"  {tree}: killed at {killed[0]:,.0f} MiB RSS (over --max-mib {max_mib:,.0f})")
+    _, stdout, stderr, killed = run_guarded([sys.executable, "-c", CHILD, str(run_dir), mode], env=env, cwd=tree,
+                                            max_mib=max_mib)
+    if killed is not None:
+        print(f"  {tree}: killed at {killed:,.0f} MiB RSS (over --max-mib {max_mib:,.0f})")
         return None
     line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+from guarded_child import run_guarded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,32 +59,13 @@ print(json.dumps({"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter
 def child(mode: str, run: Path, out: Path, max_mib: float | None) -> dict | None:
     """One mode in a process of its own; None where it passed ``max_mib`` of RSS (killed: the machine is shared)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(run), str(out)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    killed: list[float] = []
-
-    def watch() -> None:
-        while p.poll() is None:
-            try:
-                rss = next(int(ln.split()[1]) / 1024 for ln in open(f"/proc/{p.pid}/status")
-                           if ln.startswith("VmRSS:"))
-            except (OSError, StopIteration):
-                return
-            if max_mib is not None and rss > max_mib:
-                killed.append(rss)
-                p.kill()
-                return
-            time.sleep(0.5)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    stdout, stderr = p.communicate()
-    t.join()
-    if killed:
-        print(f"  {mode}: killed at {killed[0]:,.0f} MiB RSS (over --max-mib {max_mib:,.0f})")
+    code, stdout, stderr, killed = run_guarded([sys.executable, "-c", CHILD, mode, str(run), str(out)], env=env,
+                                               max_mib=max_mib, poll_s=0.5)
+    if killed is not None:
+        print(f"  {mode}: killed at {killed:,.0f} MiB RSS (over --max-mib {max_mib:,.0f})")
         return None
-    if p.returncode:
-        raise SystemExit(f"{mode}: {stderr.strip().splitlines()[-1] if stderr.strip() else p.returncode}")
+    if code:
+        raise SystemExit(f"{mode}: {stderr.strip().splitlines()[-1] if stderr.strip() else code}")
     return json.loads(stdout.strip().splitlines()[-1])
 
 
