@@ -34,7 +34,11 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
     rules = run_name_rules(path, names)  # a bad rules file is refused before any trace is read
     if dask is not None:
         # (cost: the partitioned analysis and its Dask client only for --dask)
-        result, graph = analyze_on_cluster(path, dask, peak_flops=peak_flops, names=rules)
+        check_run_directory(path)
+        from traceana.measure import partitioned
+
+        with partitioned.connect(dask) as client:
+            result, graph = analyze_on_cluster(path, client, peak_flops=peak_flops, names=rules)
         if diagnose:
             diagnosis.diagnose(result, graph)
         return result
@@ -42,19 +46,22 @@ def load_and_analyze(path: str, *, peak_flops: float | None, workers: int | None
                   diagnose=diagnosis.diagnose if diagnose else None)
 
 
-def analyze_on_cluster(path: str, dask: str, *, peak_flops: float | None, names):
-    """``causal.group_graph.analyze_with_graph`` on the dask.distributed cluster at ``dask`` (a scheduler address):
+def check_run_directory(path: str) -> None:
+    """``--dask`` analyses a run directory: a single trace file is refused in one line, before any connection."""
+    if not Path(path).is_dir():
+        raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
+                            fix="pass the folder of the run's traces, or drop --dask")
+
+
+def analyze_on_cluster(path: str, client, *, peak_flops: float | None, names):
+    """``causal.group_graph.analyze_with_graph`` through a dask.distributed ``client`` (``partitioned.connect``):
     (the analysis, one pipeline group a task, and the measured steps' graph or the GraphError building it gave)."""
     from traceana.causal import group_graph
     from traceana.ingest.cache import CACHE_DIR
     from traceana.measure import partitioned
 
-    if not Path(path).is_dir():
-        raise BadInputError("--dask analyses a run directory, not a single trace file", path=path,
-                            fix="pass the folder of the run's traces, or drop --dask")
-    with partitioned.connect(dask) as client:
-        return group_graph.analyze_with_graph(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
-                                              map=partitioned.dask_map(client), peak_flops=peak_flops, names=names)
+    return group_graph.analyze_with_graph(path, Path(path) / CACHE_DIR / partitioned.PARTITIONS_DIR,
+                                          map=partitioned.dask_map(client), peak_flops=peak_flops, names=names)
 
 
 def _finish_ahead() -> None:

@@ -188,14 +188,15 @@ def run(args: argparse.Namespace) -> int:
                                     diagnose=False)  # (it runs the what-ifs itself)
         w = whatif(analysis, changes, per_group=map if args.per_group else None)
     else:  # on the cluster: the analysis and the graph one pipeline group a task, then the variants too
-        from traceana.commands.analyze_run import analyze_on_cluster
+        from traceana.commands.analyze_run import analyze_on_cluster, check_run_directory
         from traceana.core.errors import TraceanaError
         from traceana.measure import partitioned
 
-        analysis, graph = analyze_on_cluster(str(args.run_dir), args.dask, peak_flops=None, names=args.names)
-        if isinstance(graph, TraceanaError):
-            raise graph
-        with partitioned.connect(args.dask) as client:
+        check_run_directory(str(args.run_dir))
+        with partitioned.connect(args.dask) as client:  # (one connection: the analysis, the graph, the variants)
+            analysis, graph = analyze_on_cluster(str(args.run_dir), client, peak_flops=None, names=args.names)
+            if isinstance(graph, TraceanaError):
+                raise graph
             w = whatif(analysis, changes, graph=graph, per_group=partitioned.dask_map(client))
     plan = None
     if any(x is not None for x in (args.schedule, args.microbatches, args.bpipe, args.recompute, layers)):
