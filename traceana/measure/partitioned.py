@@ -37,9 +37,8 @@ from traceana.core.names import NameRules
 from traceana.ingest import scale
 from traceana.ingest import Run
 from traceana.measure.classify import rank_summary
-from traceana.ingest.process_groups import process_groups
 from traceana.measure.p2p import pipeline_groups
-from traceana.measure.schedule import PIPELINE_GROUP_DESCS
+from traceana.measure.schedule import pipeline_process_groups
 from traceana.measure.reconcile import run_config, run_facts
 
 # The Analysis tables a group task returns, and how the whole-run tables are ordered (as ``analyze`` orders them
@@ -84,10 +83,9 @@ def p2p_peers(events: pl.DataFrame) -> list[int]:
 
 def pipeline_peers(traces: pl.DataFrame, rank: int) -> list[int]:
     """The other ranks of ``rank``'s pipeline where its trace's process groups name one
-    (``schedule.PIPELINE_GROUP_DESCS``: megatron-core's): its P2P partners even where its messages name no peer
+    (``schedule.pipeline_process_groups``: megatron-core's): its P2P partners even where its messages name no peer
     (torch.profiler's defaults)."""
-    groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
-    return sorted({int(r) for ranks in groups["ranks"].to_list() if rank in ranks for r in ranks} - {rank})
+    return sorted({int(r) for ranks in pipeline_process_groups(traces) if rank in ranks for r in ranks} - {rank})
 
 
 def ingest_rank(task: scale.RankTask) -> dict[str, Any]:

@@ -280,14 +280,19 @@ def dropped_annotation_notes(events: pl.DataFrame) -> list[str]:
 PIPELINE_GROUP_DESCS = ("PIPELINE_MODEL_PARALLEL_GROUP",)  # megatron-core's parallel_state
 
 
+def pipeline_process_groups(traces: pl.DataFrame) -> list[list[int]]:
+    """The global ranks of each process group the framework names as the pipeline (``PIPELINE_GROUP_DESCS``), in
+    the traces' order. Only the pipeline groups meet the ranks and leave polars: each rank's default group lists
+    every rank, 16 M Python ints at 4,096 ranks (240 MB, ~1 s)."""
+    groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
+    return groups["ranks"].to_list()
+
+
 def pipeline_group_stages(traces: pl.DataFrame) -> dict[int, tuple[int, int]]:
     """``rank -> (stage, pp)`` from a process group the framework names as the pipeline (``PIPELINE_GROUP_DESCS``):
     megatron-core builds it with the pipeline's global ranks in stage order (a handful of groups per trace)."""
     out: dict[int, tuple[int, int]] = {}
-    # Only the pipeline groups meet the ranks and leave polars (in the ranks' order, as they are read): each rank's
-    # default group lists every rank, 16 M Python ints at 4,096 ranks (240 MB, ~1 s).
-    groups = process_groups(traces, pl.col("desc").is_in(PIPELINE_GROUP_DESCS) & (pl.col("ranks").list.len() > 0))
-    for ranks in groups["ranks"].to_list():
+    for ranks in pipeline_process_groups(traces):
         for i, r in enumerate(ranks):
             out.setdefault(int(r), (i, len(ranks)))
     return out
