@@ -356,13 +356,15 @@ def build_part(analysis, steps: list[int]) -> GraphPart:
                      no_p2p=data_parallel_only(analysis), gpu=tuple(gpu))
 
 
-def _renumber(frame: pl.DataFrame | None, new_of: pl.DataFrame, cols: tuple[str, ...]) -> pl.DataFrame | None:
-    """``frame``'s edge indices (``cols``: the step's message numbers) as ``new_of`` (step, _old, _new) maps them."""
-    if frame is None or frame.height == 0:
-        return frame
+def renumbered(frame: pl.DataFrame | None, new_of: pl.DataFrame, cols: tuple[str, ...]) -> pl.DataFrame | None:
+    """``frame``'s rows whose edge indices (``cols``: the step's message numbers) are all in ``new_of`` (step, _old,
+    _new), renumbered (``assemble``: every part's edges into the job's; causal.group_replay: the job's into a
+    group's)."""
+    if frame is None:
+        return None
     out = frame
     for c in cols:
-        out = out.join(new_of.rename({"_old": c}), on=["step", c], how="left").drop(c).rename({"_new": c})
+        out = out.join(new_of.rename({"_old": c}), on=["step", c], how="inner").drop(c).rename({"_new": c})
     return out.select(frame.columns).cast(frame.schema)
 
 
@@ -399,7 +401,7 @@ def assemble(parts: list[GraphPart], steps: list[int], *, path=None) -> StepGrap
     moved = [edges.filter(pl.col("_part") == k).select("step", "_old", "_new") for k in range(len(parts))]
 
     def joined(attr: str, cols: tuple[str, ...]) -> pl.DataFrame | None:
-        frames = [_renumber(pick(getattr(p, attr)), moved[k], cols) for k, p in enumerate(parts)
+        frames = [renumbered(pick(getattr(p, attr)), moved[k], cols) for k, p in enumerate(parts)
                   if getattr(p, attr) is not None]
         return pl.concat(frames) if frames else None
 

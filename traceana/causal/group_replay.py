@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceana.causal import replay
-from traceana.causal.graph import EDGE_ORDER, StepGraph
+from traceana.causal.graph import EDGE_ORDER, StepGraph, renumbered
 from traceana.causal.replay import VARIANT_CELLS, _check_measured, _evaluate, _host_columns, _in_plan_order, \
     _levels, _plan, _run_host, replay_steps_ns as _engine_steps_ns
 from traceana.core.errors import AnalysisError
@@ -114,17 +114,6 @@ def boundary_collectives(g: StepGraph, groups: list[tuple[int, ...]]) -> dict[in
     return out
 
 
-def _renumbered(frame: pl.DataFrame | None, new_of: pl.DataFrame, cols: tuple[str, ...]) -> pl.DataFrame | None:
-    """``frame``'s rows whose edge indices (``cols``) are all in ``new_of`` (step, _old, _new), renumbered."""
-    if frame is None:
-        return None
-    out = frame
-    for c in cols:
-        out = (out.join(new_of.rename({"_old": c}), on=["step", c], how="inner").drop(c)
-               .rename({"_new": c}))
-    return out.select(frame.columns).cast(frame.schema)
-
-
 def _group_graphs(g: StepGraph, groups: list[tuple[int, ...]]):
     """Each group's rows of the graph as a StepGraph of its own, edge indices (the step's message numbers in the
     replay's order: BLOCKING, AFTER_RECEIVE, LAG_WAIT) renumbered to the group's messages; one at a time."""
@@ -145,9 +134,9 @@ def _group_graphs(g: StepGraph, groups: list[tuple[int, ...]]):
         yield ranks_k, StepGraph(
             ops=ops[(k,)], edges=e, ranks=ranks[(k,)], steps=g.steps, notes=(), unpaired=0,
             data_parallel=g.data_parallel,
-            blocking=_renumbered(g.blocking, new_of, ("edge",)),
-            after_receive=_renumbered(g.after_receive, new_of, ("edge", "via")),
-            lag_wait=_renumbered(g.lag_wait, new_of, ("edge",)),
+            blocking=renumbered(g.blocking, new_of, ("edge",)),
+            after_receive=renumbered(g.after_receive, new_of, ("edge", "via")),
+            lag_wait=renumbered(g.lag_wait, new_of, ("edge",)),
             # (a GPU rank's lanes: its own operations, numbered as in the whole graph)
             after=None if g.after is None else g.after.filter(pl.col("rank").is_in(ranks_k)))
 
